@@ -1,0 +1,29 @@
+"""flashlse: exact attention whose log-sum-exp means the same thing on every path.
+
+An empty row (no visible key) gives ``out = 0`` and ``lse = -inf`` (or the sink logit);
+attention states ``(out, lse)`` merge as a monoid with identity ``(0, -inf)``.
+"""
+
+from . import lse, masks, reference
+from .ops import (
+    attention,
+    attention_varlen,
+    attention_with_kvcache,
+    merge,
+    merge_states,
+    sparse_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
+    "lse",
+    "masks",
+    "merge",
+    "merge_states",
+    "reference",
+    "sparse_attention",
+]

@@ -1,0 +1,21 @@
+"""Which path runs: the Triton kernels on CUDA tensors (and on CPU tensors under
+``TRITON_INTERPRET=1``, which is how CI tests them), the PyTorch path otherwise."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or (interpreting() and t.device.type == "cpu")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the PyTorch path: float64 stays float64, the rest use float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,164 @@
+"""Input validation for the public functions: every error says what was expected,
+what came, and how to fix it, and is raised before any kernel runs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+GPU_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 576
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def check_tensor(name: str, t, ndim: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(
+            f"{name} must have {ndim} dims {layout}, got shape {_shape(t)}; "
+            f"flashlse uses the flash-attn layout (sequence before heads), not SDPA's "
+            f"(B, H, S, D): pass x.transpose(1, 2) if your tensor is in SDPA's layout"
+        )
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.is_cuda and t.dtype not in GPU_DTYPES:
+        raise TypeError(
+            f"{name} on CUDA must be float16 or bfloat16, got {t.dtype}; cast with "
+            f"{name}.to(torch.bfloat16), or run on the CPU path for other dtypes"
+        )
+
+
+def check_same(tensors: dict[str, torch.Tensor], what: str = "dtype") -> None:
+    items = list(tensors.items())
+    ref_name, ref = items[0]
+    for name, t in items[1:]:
+        if getattr(t, what) != getattr(ref, what):
+            raise ValueError(
+                f"{name} and {ref_name} must share a {what}: {ref_name} has "
+                f"{getattr(ref, what)}, {name} has {getattr(t, what)}; move or cast one of them"
+            )
+
+
+def check_last_stride(tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        if t.numel() > 0 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be contiguous in its last dim (stride 1), got strides "
+                f"{tuple(t.stride())}; pass {name}.contiguous()"
+            )
+
+
+def check_heads(hq: int, hkv: int, hkv_v: int) -> None:
+    if hkv != hkv_v:
+        raise ValueError(f"k and v must have the same number of heads, got {hkv} and {hkv_v}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for MHA/GQA/MQA; "
+            f"choose Hkv among the divisors of {hq}"
+        )
+
+
+def check_head_dim(d: int, dv: int, on_cuda: bool) -> None:
+    if d < 1 or dv < 1:
+        raise ValueError(f"head dims must be >= 1, got D={d}, Dv={dv}")
+    if on_cuda and (d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM):
+        raise ValueError(
+            f"the CUDA kernels support head dims up to {MAX_HEAD_DIM}, got D={d}, Dv={dv}"
+        )
+
+
+def check_scale(scale, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}")
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be finite and >= 0 (0.0 = off), got {softcap}")
+    return float(softcap)
+
+
+def check_window(window) -> tuple[int | None, int | None]:
+    if window is None:
+        return (None, None)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(
+            f"window must be a pair (left, right) of ints or None, got {window!r}; "
+            f"use (None, None) for no window, (w, 0) for causal sliding window"
+        )
+    for side in window:
+        if side is not None and (isinstance(side, bool) or not isinstance(side, int)):
+            raise TypeError(f"window entries must be int or None, got {window!r}")
+    return (window[0], window[1])
+
+
+def check_sink(sink, hq: int, device: torch.device):
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"sink must be a float32 tensor ({hq},), got {type(sink).__name__}")
+    if sink.shape != (hq,):
+        raise ValueError(
+            f"sink must have shape ({hq},) (one logit per query head), got {_shape(sink)}"
+        )
+    if not sink.is_floating_point():
+        raise TypeError(f"sink must be a floating-point tensor, got {sink.dtype}")
+    if sink.device != device:
+        raise ValueError(f"sink is on {sink.device} but q is on {device}; move it with .to()")
+    return sink
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_int_tensor(name: str, t, shape_desc: str, device: torch.device, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor {shape_desc}, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 {shape_desc}, got {t.dtype}; pass "
+                        f"{name}.to(torch.int32)")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {shape_desc}, got shape {_shape(t)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with .to()")
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> None:
+    check_int_tensor(name, cu, "(B + 1,)", device, 1)
+    if cu.numel() < 1:
+        raise ValueError(f"{name} must have B + 1 >= 1 entries, got 0")
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{name} must be non-decreasing (zero-length sequences are allowed), "
+                         f"got {vals}")
+    if vals[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of tokens ({total}), got {vals[-1]}")
+
+
+def check_max_seqlen(name: str, max_seqlen, cu: torch.Tensor) -> None:
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"{name} must be an int, got {type(max_seqlen).__name__}")
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    if max_seqlen < longest:
+        raise ValueError(f"{name} ({max_seqlen}) is smaller than the longest sequence "
+                         f"({longest}); pass the true maximum")

@@ -1,0 +1,313 @@
+"""``attention`` and ``attention_varlen``: validation, autograd, and the PyTorch path.
+
+The PyTorch path is the executable description of the kernel algorithm, on any
+device and any float dtype (accumulating in float32; float64 stays float64):
+
+* forward: queries in blocks, keys in chunks; fully masked (block, chunk) pairs
+  are skipped; each chunk gives a partial state ``(O_c, L_c)`` that is merged into
+  the running state with :func:`merge_math` -- the same monoid that merges splits
+  and ranks. The sink is merged once, at the end. Memory grows with
+  ``Sq_block x chunk``, never ``Sq x Sk``.
+* backward: recomputes ``P = exp(S - L)`` chunk by chunk from ``(q, k, v, out, lse)``
+  with ``D = rowsum(dO * O) - dlse`` and ``L = -inf`` replaced by 0 once per row
+  (``lse.safe_pivot``), so empty rows give ``P = 0`` and zero gradients, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import masks
+from ..lse import safe_pivot
+from . import _validate as V
+from ._dispatch import compute_dtype, use_triton
+from .merge import merge_math
+
+# Elements of one (query block x key chunk) score tile, all heads and batches.
+TILE_ELEMS = 1 << 22
+
+
+def _blocks(b: int, h: int, sq: int, sk: int) -> tuple[int, int]:
+    q_block = max(1, min(sq, 1024))
+    k_chunk = max(16, min(max(sk, 1), TILE_ELEMS // max(1, b * h * q_block)))
+    return q_block, k_chunk
+
+
+def _heads(x: torch.Tensor, hkv: int, dt: torch.dtype) -> torch.Tensor:
+    # (B, S, H, D) -> (B, Hkv, G, S, D): query head h is group member h % G of kv head h // G.
+    b, s, h, d = x.shape
+    return x.reshape(b, s, hkv, h // hkv, d).permute(0, 2, 3, 1, 4).to(dt)
+
+
+def _unheads(x: torch.Tensor) -> torch.Tensor:
+    # (B, Hkv, G, S, D) -> (B, S, Hkv * G, D)
+    b, hkv, g, s, d = x.shape
+    return x.permute(0, 3, 1, 2, 4).reshape(b, s, hkv * g, d)
+
+
+def _scores(qb, kc, scale, softcap):
+    """Scaled (and soft-capped) logits ``[.., QB, C]``, and the tanh for the chain rule."""
+    s = qb.matmul(kc.transpose(-1, -2)) * scale
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        return softcap * t, t
+    return s, None
+
+
+def _tile_mask(q0, q1, k0, k1, sq, sk, left, right, device):
+    return masks.visible(torch.arange(q0, q1, device=device), torch.arange(k0, k1, device=device),
+                         sq, sk, left, right)
+
+
+def _tiles(sq, sk, q_block, k_chunk, left, right):
+    """(q0, q1, k0, k1) of every tile with at least one visible key, by query block."""
+    for q0 in range(0, sq, q_block):
+        q1 = min(sq, q0 + q_block)
+        for k0 in range(0, sk, k_chunk):
+            k1 = min(sk, k0 + k_chunk)
+            if not masks.block_is_empty(q0, q1, k0, k1, sq, sk, left, right):
+                yield q0, q1, k0, k1
+
+
+def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
+    """PyTorch forward of one dense batch.
+
+    Args:
+        q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)``; sink ``(Hq,)``.
+
+    Returns:
+        ``out (B, Sq, Hq, Dv)`` in q.dtype and ``lse (B, Hq, Sq)`` (float32; float64 inputs
+        give float64).
+    """
+    b, sq, hq, _ = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dt = compute_dtype(q.dtype)
+    qh, kh, vh = _heads(q, hkv, dt), _heads(k, hkv, dt), _heads(v, hkv, dt)
+    g = hq // hkv
+    out = torch.zeros(b, hkv, g, sq, dv, dtype=dt, device=q.device)
+    lse = torch.full((b, hkv, g, sq), float("-inf"), dtype=dt, device=q.device)
+    q_block, k_chunk = _blocks(b, hq, sq, sk)
+    for q0, q1, k0, k1 in _tiles(sq, sk, q_block, k_chunk, left, right):
+        s, _ = _scores(qh[..., q0:q1, :], kh[..., k0:k1, :], scale, softcap)
+        ok = _tile_mask(q0, q1, k0, k1, sq, sk, left, right, q.device)
+        if ok is not None:
+            s = s.masked_fill(~ok, float("-inf"))
+        # The chunk's own state; its max is a finite pivot (0 for a chunk-empty row).
+        m = s.amax(dim=-1, keepdim=True)
+        pivot = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        e = torch.exp(s - pivot)
+        z = e.sum(dim=-1, keepdim=True)
+        inv_sum = torch.where(z > 0, 1.0 / z, torch.zeros_like(z))
+        o_c = e.matmul(vh[..., k0:k1, :]) * inv_sum
+        l_c = (torch.log(z) + m).squeeze(-1)
+        o, l = merge_math(torch.stack([out[..., q0:q1, :], o_c]),
+                          torch.stack([lse[..., q0:q1], l_c]))
+        out[..., q0:q1, :] = o
+        lse[..., q0:q1] = l
+    if sink is not None:
+        out, lse = merge_math(out[None], lse[None], sink.view(hkv, g, 1))
+    lse_dt = torch.float64 if dt == torch.float64 else torch.float32
+    return _unheads(out).to(q.dtype), lse.reshape(b, hq, sq).to(lse_dt)
+
+
+def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink):
+    """PyTorch backward of one dense batch, recomputing ``P`` chunk by chunk.
+
+    Returns:
+        ``dq, dk, dv`` in the input dtypes and ``dsink (Hq,)`` (None without a sink).
+    """
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dt = compute_dtype(q.dtype)
+    qh, kh, vh = _heads(q, hkv, dt), _heads(k, hkv, dt), _heads(v, hkv, dt)
+    doh, oh = _heads(dout, hkv, dt), _heads(out, hkv, dt)
+    lse_h = lse.reshape(b, hkv, g, sq).to(dt)
+    delta = (doh * oh).sum(-1) - dlse.reshape(b, hkv, g, sq).to(dt)
+    # The once-per-row fix: an empty row's -inf becomes 0, so exp(-inf - 0) = 0 below.
+    pivot = safe_pivot(lse_h).unsqueeze(-1)
+    dq = torch.zeros_like(qh)
+    dk = torch.zeros(b, hkv, sk, d, dtype=dt, device=q.device)
+    dv = torch.zeros(b, hkv, sk, v.shape[-1], dtype=dt, device=q.device)
+    q_block, k_chunk = _blocks(b, hq, sq, sk)
+    for q0, q1, k0, k1 in _tiles(sq, sk, q_block, k_chunk, left, right):
+        qb, kc, vc = qh[..., q0:q1, :], kh[..., k0:k1, :], vh[..., k0:k1, :]
+        dob = doh[..., q0:q1, :]
+        s, t = _scores(qb, kc, scale, softcap)
+        ok = _tile_mask(q0, q1, k0, k1, sq, sk, left, right, q.device)
+        if ok is not None:
+            s = s.masked_fill(~ok, float("-inf"))
+        p = torch.exp(s - pivot[..., q0:q1, :])
+        dv[:, :, k0:k1] += p.transpose(-1, -2).matmul(dob).sum(2)
+        ds = p * (dob.matmul(vc.transpose(-1, -2)) - delta[..., q0:q1, None])
+        if t is not None:
+            ds = ds * (1 - t * t)
+        dq[..., q0:q1, :] += ds.matmul(kc) * scale
+        dk[:, :, k0:k1] += ds.transpose(-1, -2).matmul(qb).sum(2) * scale
+    dsink = None
+    if sink is not None:
+        # dL/dsink_h = -sum_{b,i} exp(sink_h - L_i) D_i  (the sink is a key of value 0).
+        p_sink = torch.exp(sink.to(dt).view(1, hkv, g, 1) - pivot.squeeze(-1))
+        dsink = -(p_sink * delta).sum(dim=(0, 3)).reshape(hq).to(sink.dtype)
+    return (_unheads(dq).to(q.dtype), dk.transpose(1, 2).to(k.dtype),
+            dv.transpose(1, 2).to(v.dtype), dsink)
+
+
+def _seq_bounds(cu_q, cu_k, seqused_k):
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    for i in range(len(cq) - 1):
+        k1 = ck[i + 1] if used is None else ck[i] + used[i]
+        yield cq[i], cq[i + 1], ck[i], k1
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Dense attention: Triton forward on CUDA (or under the interpreter), else PyTorch;
+    the backward recomputes through the PyTorch path until the backward kernel lands."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, left, right, softcap, scale):
+        kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+        if use_triton(q):
+            from ..kernels.fwd import attn_fwd
+
+            out, lse = attn_fwd(q, k, v, **kw)
+        else:
+            out, lse = attn_fwd_torch(q, k, v, **kw)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = attn_bwd_torch(dout, dlse, q, k, v, out, lse, sink=sink, **ctx.kw)
+        return dq, dk, dv, dsink, None, None, None, None
+
+
+class AttentionVarlenFunction(torch.autograd.Function):
+    """Packed variable-length attention; each sequence is one dense problem."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, seqused_k, left, right, softcap,
+                scale):
+        kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+        if use_triton(q):
+            from ..kernels.fwd import attn_fwd
+
+            out, lse = attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                max_seqlen_k=max_k, seqused_k=seqused_k, **kw)
+        else:
+            out = q.new_zeros(q.shape[:2] + (v.shape[-1],))
+            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device,
+                             dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+            for q0, q1, k0, k1 in _seq_bounds(cu_q, cu_k, seqused_k):
+                if q1 > q0:
+                    o, l = attn_fwd_torch(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kw)
+                    out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+        ctx.save_for_backward(q, k, v, out, lse, sink, cu_q, cu_k, seqused_k)
+        ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sink, cu_q, cu_k, seqused_k = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dsink = None if sink is None else torch.zeros_like(sink)
+        for q0, q1, k0, k1 in _seq_bounds(cu_q, cu_k, seqused_k):
+            if q1 == q0:
+                continue
+            g = attn_bwd_torch(dout[None, q0:q1], dlse[None, :, q0:q1], q[None, q0:q1],
+                               k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+                               lse[None, :, q0:q1], sink=sink, **ctx.kw)
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+            if sink is not None:
+                dsink += g[3]
+        return (dq, dk, dv, dsink) + (None,) * 9
+
+
+def _validate_common(q, k, v, sink, softcap, scale, window, causal, ndim, layouts):
+    for name, t, layout in zip(("q", "k", "v"), (q, k, v), layouts):
+        V.check_tensor(name, t, ndim, layout)
+        V.check_float(name, t)
+    V.check_same({"q": q, "k": k, "v": v}, "dtype")
+    V.check_same({"q": q, "k": k, "v": v}, "device")
+    V.check_last_stride({"q": q, "k": k, "v": v})
+    V.check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dim D, got {q.shape[-1]} and "
+                         f"{k.shape[-1]}")
+    V.check_head_dim(q.shape[-1], v.shape[-1], q.is_cuda)
+    V.check_bool("causal", causal)
+    left, right = masks.normalize_window(causal, V.check_window(window))
+    sink = V.check_sink(sink, q.shape[-2], q.device)
+    return left, right, V.check_softcap(softcap), V.check_scale(scale, q.shape[-1]), sink
+
+
+def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=None, sink=None,
+              return_lse=False, deterministic=False):
+    """``O_i = sum_j exp(S_ij - L_i) V_j`` with ``L_i = log(sum_j exp(S_ij) [+ exp(sink)])``.
+
+    Empty rows give ``out = 0`` and ``lse = -inf`` (or the sink). Masks are bottom-right
+    aligned (flash-attn); ``window=(left, right)``, None = unbounded.
+
+    Args:
+        q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)``, ``Hq % Hkv == 0``.
+        causal: ``right = 0``. window: ``(left, right)``. softcap: ``c tanh(s / c)``, 0 = off.
+        scale: default ``1/sqrt(D)``. sink: ``(Hq,)`` float32 logits. return_lse: also return lse.
+        deterministic: bitwise-repeatable backward (the PyTorch backward always is).
+
+    Returns:
+        ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 natural log if ``return_lse``.
+    """
+    left, right, softcap, scale, sink = _validate_common(
+        q, k, v, sink, softcap, scale, window, causal, 4,
+        ("(B, Sq, Hq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)"))
+    V.check_bool("deterministic", deterministic)
+    if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"q, k, v must share the batch and k, v the sequence length: got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    out, lse = AttentionFunction.apply(q, k, v, sink, left, right, softcap, scale)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     seqused_k=None, causal=False, window=(None, None), softcap=0.0, scale=None,
+                     sink=None, return_lse=False, deterministic=False):
+    """:func:`attention` over packed sequences: sequence ``b`` is ``q[cu_q[b]:cu_q[b+1]]``.
+
+    Args:
+        q: ``(total_q, Hq, D)``; k: ``(total_k, Hkv, D)``; v: ``(total_k, Hkv, Dv)``.
+        cu_seqlens_q / cu_seqlens_k: ``(B + 1,)`` int32, non-decreasing from 0 (zero-length
+            sequences allowed). max_seqlen_q / max_seqlen_k: ints >= the longest sequence.
+        seqused_k: ``(B,)`` int32, only the first ``seqused_k[b]`` keys of sequence b are used.
+        Other keywords as :func:`attention`.
+
+    Returns:
+        ``out (total_q, Hq, Dv)``, and ``lse (Hq, total_q)`` if ``return_lse``.
+    """
+    left, right, softcap, scale, sink = _validate_common(
+        q, k, v, sink, softcap, scale, window, causal, 3,
+        ("(total_q, Hq, D)", "(total_k, Hkv, D)", "(total_k, Hkv, Dv)"))
+    V.check_bool("deterministic", deterministic)
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and "
+                         f"{v.shape[0]}")
+    V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    V.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have B + 1 entries, got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    V.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+    V.check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
+    if seqused_k is not None:
+        V.check_int_tensor("seqused_k", seqused_k, "(B,)", q.device, 1)
+        lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        if seqused_k.shape != lens.shape or bool(((seqused_k < 0) | (seqused_k > lens)).any()):
+            raise ValueError(
+                f"seqused_k must be (B,) with 0 <= seqused_k[b] <= the length of key sequence b "
+                f"({lens.tolist()}), got {seqused_k.tolist()}")
+    out, lse = AttentionVarlenFunction.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k, seqused_k, left, right,
+                                             softcap, scale)
+    return (out, lse) if return_lse else out

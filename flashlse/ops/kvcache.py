@@ -1,0 +1,198 @@
+"""``attention_with_kvcache``: decode / chunked prefill against a contiguous or paged cache.
+
+Split-KV on the PyTorch path works as the kernel does: the keys of each sequence are
+cut into ``num_splits`` ranges, each range gives a partial state (an empty range gives
+``(0, -inf)``), the states are merged with ``merge_states`` and the sink is added once,
+after merging -- never per split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import masks
+from . import _validate as V
+from ._dispatch import use_triton
+from .attention import attn_fwd_torch
+from .merge import merge_math
+
+# The decode kernel takes up to this many query rows per sequence (speculative decoding).
+DECODE_MAX_SQ = 16
+
+
+def _gather(cache, b, n, block_table):
+    if block_table is None:
+        return cache[b, :n]
+    page = cache.shape[1]
+    pos = torch.arange(n, device=cache.device)
+    return cache[block_table[b].long()[pos // page], pos % page]
+
+
+def _append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table):
+    # Writes k_new[b, t] at position cache_seqlens[b] + t of sequence b, in place.
+    bsz, s_new = k_new.shape[:2]
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k_new.device)[None]
+    if block_table is None:
+        rows = torch.arange(bsz, device=k_new.device)[:, None].expand(bsz, s_new)
+        k_cache[rows, pos] = k_new
+        v_cache[rows, pos] = v_new
+    else:
+        page = k_cache.shape[1]
+        pages = torch.gather(block_table.long(), 1, pos // page)
+        k_cache[pages, pos % page] = k_new
+        v_cache[pages, pos % page] = v_new
+
+
+def _split_fwd(qb, kb, vb, num_splits, left, right, softcap, scale, sink):
+    """One sequence, keys cut into ``num_splits`` ranges, merged, then the sink once."""
+    sk = kb.shape[1]
+    bounds = torch.linspace(0, sk, num_splits + 1).round().long().tolist()
+    outs, lses = [], []
+    for k0, k1 in zip(bounds, bounds[1:]):
+        # A key range [k0, k1) of a sequence of sk keys: bottom-right alignment moves by
+        # sk - k1, so the window shifts by that much (left may go negative: still exact).
+        shift = sk - k1
+        o, l = attn_fwd_torch(
+            qb, kb[:, k0:k1], vb[:, k0:k1],
+            left=None if left is None else left - shift,
+            right=None if right is None else right + shift,
+            softcap=softcap, scale=scale, sink=None)
+        outs.append(o.transpose(1, 2))  # (1, Hq, Sq, Dv): lse (1, Hq, Sq) is out's shape[:-1]
+        lses.append(l)
+    out, lse = merge_math(torch.stack(outs), torch.stack(lses),
+                          None if sink is None else sink.view(-1, 1))
+    return out.transpose(1, 2).to(qb.dtype), lse
+
+
+def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits):
+    V.check_tensor("q", q, 4, "(B, Sq, Hq, D)")
+    paged = block_table is not None
+    layout = "(num_pages, page_size, Hkv, D)" if paged else "(B, Smax, Hkv, D)"
+    V.check_tensor("k_cache", k_cache, 4, layout)
+    V.check_tensor("v_cache", v_cache, 4, layout[:-2] + "Dv)")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        V.check_float(name, t)
+    V.check_same({"q": q, "k_cache": k_cache, "v_cache": v_cache}, "dtype")
+    V.check_same({"q": q, "k_cache": k_cache, "v_cache": v_cache}, "device")
+    V.check_last_stride({"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    V.check_heads(q.shape[2], k_cache.shape[2], v_cache.shape[2])
+    if k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(f"k_cache and v_cache must agree in their first two dims, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"q and k_cache must share D, got {q.shape[-1]} and {k_cache.shape[-1]}")
+    V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda)
+    bsz = q.shape[0]
+    if paged:
+        V.check_int_tensor("block_table", block_table, "(B, max_pages)", q.device, 2)
+        if block_table.shape[0] != bsz:
+            raise ValueError(f"block_table must have B = {bsz} rows, got {block_table.shape[0]}")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if k_cache.shape[0] != bsz:
+            raise ValueError(f"a contiguous k_cache must have B = {bsz} rows, got "
+                             f"{k_cache.shape[0]}; for a paged cache pass block_table")
+        capacity = k_cache.shape[1]
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass both k_new and v_new, or neither")
+    s_new = 0
+    if k_new is not None:
+        V.check_tensor("k_new", k_new, 4, "(B, Snew, Hkv, D)")
+        V.check_tensor("v_new", v_new, 4, "(B, Snew, Hkv, Dv)")
+        V.check_same({"q": q, "k_new": k_new, "v_new": v_new}, "dtype")
+        V.check_same({"q": q, "k_new": k_new, "v_new": v_new}, "device")
+        want_k = (bsz, k_new.shape[1]) + tuple(k_cache.shape[2:])
+        want_v = (bsz, k_new.shape[1]) + tuple(v_cache.shape[2:])
+        if tuple(k_new.shape) != want_k or tuple(v_new.shape) != want_v:
+            raise ValueError(f"k_new / v_new must be {want_k} / {want_v}, got "
+                             f"{tuple(k_new.shape)} / {tuple(v_new.shape)}")
+        s_new = k_new.shape[1]
+    if cache_seqlens is None:
+        if paged:
+            raise ValueError("a paged cache needs cache_seqlens (B,) int32: the valid length "
+                             "of each sequence")
+        lens = torch.full((bsz,), capacity - s_new, dtype=torch.int32, device=q.device)
+        if s_new:
+            raise ValueError("k_new needs cache_seqlens (B,) int32: where to append")
+    else:
+        V.check_int_tensor("cache_seqlens", cache_seqlens, "(B,)", q.device, 1)
+        if cache_seqlens.shape[0] != bsz:
+            raise ValueError(f"cache_seqlens must be (B,) = ({bsz},), got "
+                             f"{tuple(cache_seqlens.shape)}")
+        lens = cache_seqlens
+    lo, hi = int(lens.min()) if bsz else 0, int(lens.max()) if bsz else 0
+    if lo < 0 or hi + s_new > capacity:
+        raise ValueError(
+            f"cache_seqlens + Snew must lie in [0, {capacity}] (the cache capacity), got "
+            f"cache_seqlens in [{lo}, {hi}] with Snew = {s_new}; grow the cache or the block table")
+    if paged and bsz:
+        page = k_cache.shape[1]
+        need = (lens.long() + s_new + page - 1) // page  # pages each sequence uses
+        cols = torch.arange(block_table.shape[1], device=q.device)[None]
+        used = cols < need[:, None]
+        bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(
+                f"block_table entries for the pages in use must lie in [0, {k_cache.shape[0]}) "
+                f"(the number of pages), found {block_table[bad][:4].tolist()}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose), got {num_splits!r}")
+    return lens, s_new
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None,
+                           k_new=None, v_new=None, num_splits=0, causal=False,
+                           window=(None, None), softcap=0.0, scale=None, sink=None,
+                           return_lse=False):
+    """Attention of ``q`` over each sequence's cached keys (after appending ``k_new``).
+
+    ``L_i = log(sum_j exp(S_ij) [+ exp(sink)])`` over the ``cache_seqlens[b] + Snew`` keys of
+    sequence b; masks bottom-right aligned against that length. Not differentiable.
+
+    Args:
+        q: ``(B, Sq, Hq, D)``.
+        k_cache / v_cache: ``(B, Smax, Hkv, D / Dv)``, or paged ``(num_pages, page_size, Hkv,
+            D / Dv)`` with ``block_table (B, max_pages)`` int32 (any page size). ``v_cache``
+            may be a view of ``k_cache`` (MLA: ``v = k[..., :Dv]``).
+        cache_seqlens: ``(B,)`` int32 valid lengths (0 allowed); None = the whole cache.
+        k_new / v_new: ``(B, Snew, Hkv, D / Dv)``, written in place at ``cache_seqlens``.
+        num_splits: split-KV count; 0 chooses (1 on the PyTorch path).
+        Other keywords as :func:`flashlse.attention`.
+
+    Returns:
+        ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 if ``return_lse``.
+    """
+    lens, s_new = _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                            num_splits)
+    V.check_bool("causal", causal)
+    left, right = masks.normalize_window(causal, V.check_window(window))
+    softcap = V.check_softcap(softcap)
+    scale = V.check_scale(scale, q.shape[-1])
+    sink = V.check_sink(sink, q.shape[2], q.device)
+    with torch.no_grad():
+        if s_new:
+            _append(k_cache, v_cache, k_new, v_new, lens, block_table)
+        total = (lens + s_new).to(torch.int32)
+        kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+        if use_triton(q) and q.shape[1] <= DECODE_MAX_SQ:
+            from ..kernels.decode import decode_fwd
+
+            out, lse = decode_fwd(q, k_cache, v_cache, cache_seqlens=total,
+                                  block_table=block_table, num_splits=num_splits, **kw)
+        else:
+            outs, lses = [], []
+            for b in range(q.shape[0]):
+                n = int(total[b])
+                o, l = _split_fwd(q[b:b + 1], _gather(k_cache, b, n, block_table)[None],
+                                  _gather(v_cache, b, n, block_table)[None],
+                                  max(1, num_splits), **kw)
+                outs.append(o)
+                lses.append(l)
+            if outs:
+                out, lse = torch.cat(outs), torch.cat(lses)
+            else:
+                out = q.new_zeros(q.shape[:3] + v_cache.shape[-1:])
+                lse = q.new_zeros((0, q.shape[2], q.shape[1]), dtype=torch.float32)
+            if q.dtype != torch.float64:
+                lse = lse.float()
+    return (out, lse) if return_lse else out

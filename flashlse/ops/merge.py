@@ -1,0 +1,127 @@
+"""``merge`` and ``merge_states``: the attention-state monoid (DESIGN §1, docs/math.md).
+
+    m = max_s L_s (0 when m = -inf)     w_s = exp(L_s - m)     sum = Σ_s w_s
+    inv_sum = 0 if sum == 0 else 1/sum  O = Σ_s w_s inv_sum O_s   L = log(sum) + m (raw m)
+
+The identity is ``(0, -inf)``; two empty states merge to ``(0, -inf)``, never NaN.
+The LSE is never a denominator. A sink is one more state ``(0, sink)``, merged once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate as V
+from ._dispatch import compute_dtype, use_triton
+
+
+def merge_math(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None = None):
+    """The merge in plain torch, differentiable, computed in float32 (float64 stays float64).
+
+    Args:
+        outs: ``(N, ..., D)``; lses: ``(N, ...)``; sink: broadcastable to ``lses.shape[1:]``.
+
+    Returns:
+        ``(out (..., D) in the compute dtype, lse (...))``.
+    """
+    dt = compute_dtype(outs.dtype)
+    lse = lses.to(dt)
+    m = lse.detach().amax(dim=0)
+    if sink is not None:
+        sink = sink.to(dt)
+        m = torch.maximum(m, sink.detach())
+    pivot = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - pivot)
+    total = w.sum(dim=0)
+    if sink is not None:
+        total = total + torch.exp(sink - pivot)
+    nonempty = total > 0
+    # Neither branch of a where may divide by or log a zero: autograd differentiates both.
+    total_safe = torch.where(nonempty, total, torch.ones_like(total))
+    inv_sum = torch.where(nonempty, 1.0 / total_safe, torch.zeros_like(total))
+    scale = (w * inv_sum).unsqueeze(-1)
+    # A zero-weight state is never read: its out may be unwritten (NaN), as in split-KV.
+    out = torch.where(scale > 0, scale * outs.to(dt), torch.zeros((), dtype=dt,
+                                                                    device=outs.device)).sum(0)
+    lse_out = torch.where(nonempty, torch.log(total_safe) + pivot,
+                          torch.full_like(total, float("-inf")))
+    return out, lse_out
+
+
+def _validate_states(outs, lses, sink):
+    V.check_tensor("outs", outs, outs.dim() if isinstance(outs, torch.Tensor) else 2,
+                   "(N, ..., D)")
+    V.check_tensor("lses", lses, lses.dim() if isinstance(lses, torch.Tensor) else 1, "(N, ...)")
+    if outs.dim() < 2:
+        raise ValueError(f"outs must be (N, ..., D) with at least 2 dims, got {tuple(outs.shape)}")
+    if not outs.is_floating_point() or not lses.is_floating_point():
+        raise TypeError(f"outs and lses must be floating point, got {outs.dtype} and {lses.dtype}")
+    if tuple(lses.shape) != tuple(outs.shape[:-1]):
+        raise ValueError(
+            f"lses must have the shape of outs without its last dim: outs {tuple(outs.shape)} "
+            f"needs lses {tuple(outs.shape[:-1])}, got {tuple(lses.shape)}; for flash-layout "
+            f"states (out (..., S, H, D), lse (..., H, S)) pass lse.transpose(-1, -2)"
+        )
+    if outs.device != lses.device:
+        raise ValueError(f"outs is on {outs.device}, lses on {lses.device}; put both on one device")
+    if outs.shape[0] < 1:
+        raise ValueError("merge_states needs at least one state (N >= 1), got N = 0")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor) or not sink.is_floating_point():
+            raise TypeError(f"sink must be a floating-point tensor, got {type(sink).__name__}")
+        try:
+            torch.broadcast_shapes(sink.shape, lses.shape[1:])
+        except RuntimeError:
+            raise ValueError(
+                f"sink {tuple(sink.shape)} must broadcast against one state's lse "
+                f"{tuple(lses.shape[1:])} by torch rules: (H,) for lse (..., H), "
+                f"(H, 1) for lse (B, H, Sq)"
+            ) from None
+        if sink.device != lses.device:
+            raise ValueError(f"sink is on {sink.device}, lses on {lses.device}")
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor | None = None):
+    """Merges N attention states: ``L = log Σ_s e^(L_s) [+ e^sink]``, ``O = Σ_s e^(L_s - L) O_s``.
+
+    Args:
+        outs: ``(N, ..., D)`` partial outputs, any float dtype.
+        lses: ``(N, ...)`` their canonical LSEs (natural log, -inf = empty),
+            ``lses.shape == outs.shape[:-1]``.
+        sink: optional logits broadcastable to ``lses.shape[1:]``, added once.
+
+    Returns:
+        ``(out (..., D) in outs.dtype, lse (...) float32)`` (float64 for float64 inputs).
+        All-empty rows give ``(0, -inf)``, or ``(0, sink)`` with a sink.
+    """
+    _validate_states(outs, lses, sink)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (outs, lses, sink))
+    if use_triton(outs) and not needs_grad:
+        from ..kernels.combine import merge_states_fwd
+
+        return merge_states_fwd(outs, lses.float(), sink=None if sink is None else sink.float())
+    out, lse = merge_math(outs, lses, sink)
+    return out.to(outs.dtype), lse if outs.dtype == torch.float64 else lse.float()
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Merges two attention states; ``(0, -inf)`` is the identity.
+
+    Args:
+        out_a, out_b: ``(..., D)``; lse_a, lse_b: ``(...)`` canonical LSEs.
+
+    Returns:
+        ``(out (..., D), lse (...))`` as :func:`merge_states`.
+    """
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(
+            f"the two states must have equal shapes, got out {tuple(out_a.shape)} vs "
+            f"{tuple(out_b.shape)} and lse {tuple(lse_a.shape)} vs {tuple(lse_b.shape)}"
+        )
+    if out_a.dtype != out_b.dtype:
+        raise ValueError(f"out_a and out_b must share a dtype, got {out_a.dtype} and {out_b.dtype}")
+    return merge_states(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]))

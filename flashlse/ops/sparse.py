@@ -1,0 +1,156 @@
+"""``sparse_attention``: each query row attends to the keys its ``indices`` list.
+
+The PyTorch path walks the top-k list in chunks (gathering ``chunk`` keys per row),
+merging chunk states as the dense path does; the backward recomputes each chunk and
+scatters ``dk``/``dv`` back with ``index_add_``. An index of -1 is no key; a row of all
+-1 is empty: ``out = 0``, ``lse = -inf`` (or the sink). A repeated index counts once
+per occurrence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..lse import safe_pivot
+from . import _validate as V
+from ._dispatch import compute_dtype
+from .attention import TILE_ELEMS
+from .merge import merge_math
+
+
+def _chunks(indices, d):
+    b, sq, hkv, topk = indices.shape
+    t = max(1, min(topk, TILE_ELEMS // max(1, b * sq * hkv * d)))
+    for t0 in range(0, topk, t):
+        yield indices[..., t0:t0 + t].long()
+
+
+def _gather(x, idx, dt):
+    """x ``(B, Sk, Hkv, D)``, idx ``(B, Sq, Hkv, T)`` -> ``(B, Sq, Hkv, T, D)`` (-1 reads key 0)."""
+    b, hkv = x.shape[0], x.shape[2]
+    bi = torch.arange(b, device=x.device).view(b, 1, 1, 1)
+    hi = torch.arange(hkv, device=x.device).view(1, 1, hkv, 1)
+    return x[bi, idx.clamp(min=0), hi].to(dt)
+
+
+def _logits(qg, kg, idx, scale):
+    s = torch.einsum("bqhgd,bqhtd->bqhgt", qg, kg) * scale
+    return s.masked_fill((idx < 0).unsqueeze(3), float("-inf"))
+
+
+def sparse_fwd_torch(q, k, v, indices, *, scale, sink):
+    b, sq, hq, d = q.shape
+    hkv, dv = k.shape[2], v.shape[-1]
+    g = hq // hkv
+    dt = compute_dtype(q.dtype)
+    qg = q.reshape(b, sq, hkv, g, d).to(dt)
+    out = torch.zeros(b, sq, hkv, g, dv, dtype=dt, device=q.device)
+    lse = torch.full((b, sq, hkv, g), float("-inf"), dtype=dt, device=q.device)
+    for idx in _chunks(indices, max(d, dv)):
+        s = _logits(qg, _gather(k, idx, dt), idx, scale)
+        m = s.amax(dim=-1, keepdim=True)
+        e = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m))
+        z = e.sum(dim=-1, keepdim=True)
+        o_c = torch.einsum("bqhgt,bqhtd->bqhgd", e, _gather(v, idx, dt))
+        o_c = o_c * torch.where(z > 0, 1.0 / z, torch.zeros_like(z))
+        out, lse = merge_math(torch.stack([out, o_c]),
+                              torch.stack([lse, (torch.log(z) + m).squeeze(-1)]))
+    if sink is not None:
+        out, lse = merge_math(out[None], lse[None], sink.view(hkv, g))
+    lse_dt = torch.float64 if dt == torch.float64 else torch.float32
+    return out.reshape(b, sq, hq, dv).to(q.dtype), lse.reshape(b, sq, hq).transpose(1, 2).to(
+        lse_dt).contiguous()
+
+
+def _scatter_add(dst, idx, src):
+    # dst (B * Sk * Hkv, D) += src (B, Sq, Hkv, T, D) at rows (b, idx, h); -1 entries add 0.
+    b, sq, hkv, t = idx.shape
+    sk = dst.shape[0] // (b * hkv)
+    bi = torch.arange(b, device=idx.device).view(b, 1, 1, 1)
+    hi = torch.arange(hkv, device=idx.device).view(1, 1, hkv, 1)
+    rows = (bi * sk + idx.clamp(min=0)) * hkv + hi
+    dst.index_add_(0, rows.reshape(-1), src.reshape(-1, src.shape[-1]))
+
+
+def sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
+    b, sq, hq, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hkv
+    dt = compute_dtype(q.dtype)
+    qg = q.reshape(b, sq, hkv, g, d).to(dt)
+    dog = dout.reshape(b, sq, hkv, g, dv).to(dt)
+    lse_g = lse.transpose(1, 2).reshape(b, sq, hkv, g).to(dt)
+    delta = (dog * out.reshape(b, sq, hkv, g, dv).to(dt)).sum(-1) - dlse.transpose(1, 2).reshape(
+        b, sq, hkv, g).to(dt)
+    pivot = safe_pivot(lse_g).unsqueeze(-1)
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros(b * sk * hkv, d, dtype=dt, device=q.device)
+    dv_ = torch.zeros(b * sk * hkv, dv, dtype=dt, device=q.device)
+    for idx in _chunks(indices, max(d, dv)):
+        kg, vg = _gather(k, idx, dt), _gather(v, idx, dt)
+        p = torch.exp(_logits(qg, kg, idx, scale) - pivot)
+        _scatter_add(dv_, idx, torch.einsum("bqhgt,bqhgd->bqhtd", p, dog))
+        ds = p * (torch.einsum("bqhgd,bqhtd->bqhgt", dog, vg) - delta.unsqueeze(-1))
+        dq += torch.einsum("bqhgt,bqhtd->bqhgd", ds, kg) * scale
+        _scatter_add(dk, idx, torch.einsum("bqhgt,bqhgd->bqhtd", ds, qg) * scale)
+    dsink = None
+    if sink is not None:
+        p_sink = torch.exp(sink.to(dt).view(hkv, g) - pivot.squeeze(-1))
+        dsink = -(p_sink * delta).sum(dim=(0, 1)).reshape(hq).to(sink.dtype)
+    return (dq.reshape(b, sq, hq, d).to(q.dtype), dk.view(b, sk, hkv, d).to(k.dtype),
+            dv_.view(b, sk, hkv, dv).to(v.dtype), dsink)
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, indices, sink, scale):
+        out, lse = sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
+        ctx.save_for_backward(q, k, v, indices, out, lse, sink)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(indices)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, indices, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse,
+                                             scale=ctx.scale, sink=sink)
+        return dq, dk, dv, None, dsink, None
+
+
+def sparse_attention(q, k, v, indices, *, scale=None, sink=None, return_lse=False):
+    """``O_i = sum_{j in I_i} exp(S_ij - L_i) V_j``, ``L_i = log sum_{j in I_i} e^S_ij [+ e^sink]``.
+
+    Args:
+        q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)``.
+        indices: ``(B, Sq, Hkv, topk)`` int32 key positions in ``[0, Sk)``, -1 = no key;
+            the query heads of a kv head share its list.
+        scale: default ``1/sqrt(D)``. sink: ``(Hq,)`` logits. return_lse: also return lse.
+
+    Returns:
+        ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 if ``return_lse``.
+    """
+    for name, t, layout in (("q", q, "(B, Sq, Hq, D)"), ("k", k, "(B, Sk, Hkv, D)"),
+                            ("v", v, "(B, Sk, Hkv, Dv)")):
+        V.check_tensor(name, t, 4, layout)
+        V.check_float(name, t)
+    V.check_same({"q": q, "k": k, "v": v}, "dtype")
+    V.check_same({"q": q, "k": k, "v": v}, "device")
+    V.check_heads(q.shape[2], k.shape[2], v.shape[2])
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share D, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"q, k, v must share B and k, v the length: got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    V.check_int_tensor("indices", indices, "(B, Sq, Hkv, topk)", q.device, 4)
+    want = tuple(q.shape[:2]) + (k.shape[2],)
+    if tuple(indices.shape[:3]) != want:
+        raise ValueError(f"indices must be (B, Sq, Hkv, topk) with (B, Sq, Hkv) = {want}, got "
+                         f"{tuple(indices.shape)}")
+    if indices.numel() and bool(((indices < -1) | (indices >= k.shape[1])).any()):
+        raise ValueError(f"indices must lie in [0, Sk) = [0, {k.shape[1]}) or be -1 (no key), "
+                         f"got values in [{int(indices.min())}, {int(indices.max())}]")
+    scale = V.check_scale(scale, q.shape[-1])
+    sink = V.check_sink(sink, q.shape[2], q.device)
+    out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale)
+    return (out, lse) if return_lse else out
