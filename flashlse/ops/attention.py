@@ -106,8 +106,8 @@ def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
         lse[..., q0:q1] = l
     if sink is not None:
         out, lse = merge_math(out[None], lse[None], sink.view(hkv, g, 1))
-    lse_dt = torch.float64 if dt == torch.float64 else torch.float32
-    return _unheads(out).to(q.dtype), lse.reshape(b, hq, sq).to(lse_dt)
+    out = _unheads(out).to(q.dtype).contiguous()
+    return out, lse.reshape(b, hq, sq).to(_lse_dtype(q.dtype))
 
 
 def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink):
@@ -149,8 +149,8 @@ def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale
         # dL/dsink_h = -sum_{b,i} exp(sink_h - L_i) D_i  (the sink is a key of value 0).
         p_sink = torch.exp(sink.to(dt).view(1, hkv, g, 1) - pivot.squeeze(-1))
         dsink = -(p_sink * delta).sum(dim=(0, 3)).reshape(hq).to(sink.dtype)
-    return (_unheads(dq).to(q.dtype), dk.transpose(1, 2).to(k.dtype),
-            dv.transpose(1, 2).to(v.dtype), dsink)
+    return (_unheads(dq).to(q.dtype).contiguous(), dk.transpose(1, 2).to(k.dtype).contiguous(),
+            dv.transpose(1, 2).to(v.dtype).contiguous(), dsink)
 
 
 def _seq_bounds(cu_q, cu_k, seqused_k):
@@ -161,32 +161,65 @@ def _seq_bounds(cu_q, cu_k, seqused_k):
         yield cq[i], cq[i + 1], ck[i], k1
 
 
-class AttentionFunction(torch.autograd.Function):
-    """Dense attention: Triton forward on CUDA (or under the interpreter), else PyTorch;
-    the backward recomputes through the PyTorch path until the backward kernel lands."""
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
-    @staticmethod
-    def forward(ctx, q, k, v, sink, left, right, softcap, scale):
-        kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
-        if use_triton(q):
-            from ..kernels.fwd import attn_fwd
 
-            out, lse = attn_fwd(q, k, v, **kw)
-        else:
-            out, lse = attn_fwd_torch(q, k, v, **kw)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale)
-        return out, lse
+# The forward and backward are torch custom ops, so torch.compile sees one opaque node
+# (no graph break, fake tensors give shapes) and CUDA graphs can capture the kernels.
+@torch.library.custom_op("flashlse::attn_fwd", mutates_args=())
+def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
+                 left: int | None, right: int | None, softcap: float,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+    if use_triton(q):
+        from ..kernels.fwd import attn_fwd
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = attn_bwd_torch(dout, dlse, q, k, v, out, lse, sink=sink, **ctx.kw)
-        return dq, dk, dv, dsink, None, None, None, None
+        return attn_fwd(q, k, v, **kw)
+    return attn_fwd_torch(q, k, v, **kw)
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, sink, left, right, softcap, scale):
+    b, sq, hq, _ = q.shape
+    return (q.new_empty(b, sq, hq, v.shape[-1]),
+            q.new_empty(b, hq, sq, dtype=_lse_dtype(q.dtype)))
+
+
+@torch.library.custom_op("flashlse::attn_bwd", mutates_args=())
+def _attn_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 sink: torch.Tensor | None, left: int | None, right: int | None, softcap: float,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dsink = attn_bwd_torch(dout, dlse, q, k, v, out, lse, left=left, right=right,
+                                       softcap=softcap, scale=scale, sink=sink)
+    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsink is None else dsink
+
+
+@_attn_bwd_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, sink, left, right, softcap, scale):
+    dsink = q.new_empty(0, dtype=torch.float32) if sink is None else torch.empty_like(sink)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, sink, left, right, softcap, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], sink)
+    ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale)
+
+
+def _attn_backward(ctx, dout, dlse):
+    q, k, v, out, lse, sink = ctx.saved_tensors
+    dq, dk, dv, dsink = _attn_bwd_op(dout, dlse, q, k, v, out, lse, sink, **ctx.kw)
+    return dq, dk, dv, None if sink is None else dsink, None, None, None, None
+
+
+_attn_fwd_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
-    """Packed variable-length attention; each sequence is one dense problem."""
+    """Packed variable-length attention; each sequence is one dense problem. The
+    backward recomputes through the PyTorch path until the backward kernel lands."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, seqused_k, left, right, softcap,
@@ -200,7 +233,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
         else:
             out = q.new_zeros(q.shape[:2] + (v.shape[-1],))
             lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device,
-                             dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+                             dtype=_lse_dtype(q.dtype))
             for q0, q1, k0, k1 in _seq_bounds(cu_q, cu_k, seqused_k):
                 if q1 > q0:
                     o, l = attn_fwd_torch(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kw)
@@ -267,7 +300,7 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"q, k, v must share the batch and k, v the sequence length: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    out, lse = AttentionFunction.apply(q, k, v, sink, left, right, softcap, scale)
+    out, lse = _attn_fwd_op(q, k, v, sink, left, right, softcap, scale)
     return (out, lse) if return_lse else out
 
 
