@@ -1,0 +1,80 @@
+"""flash-attn drop-in signatures over flashlse, with an honest LSE.
+
+``flash_attn_func`` & co. take flash-attn 2's arguments and return what it returns, except
+that ``softmax_lse`` follows flashlse's contract: an empty row has ``-inf`` where flash-attn 2
+writes ``+inf``. Code that needs the old value can call
+``flashlse.lse.from_canonical(lse, "fa2")``. Dropout and ALiBi are not supported and raise.
+"""
+
+from __future__ import annotations
+
+from . import ops
+
+
+def _window(window_size):
+    left, right = window_size
+    return (None if left < 0 else left, None if right < 0 else right)
+
+
+def _unsupported(dropout_p, alibi_slopes):
+    if dropout_p:
+        raise ValueError(f"flashlse does not implement attention dropout, got dropout_p = "
+                         f"{dropout_p}; pass 0.0 (dropout is usually off at inference)")
+    if alibi_slopes is not None:
+        raise ValueError("flashlse does not implement ALiBi; pass alibi_slopes=None")
+
+
+def _ret(out, lse, return_attn_probs):
+    # flash-attn returns (out, softmax_lse, S_dmask); S_dmask only exists with dropout.
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """flash-attn 2 ``flash_attn_func``: q ``(B, Sq, Hq, D)`` -> out, or (out, lse, None)."""
+    _unsupported(dropout_p, alibi_slopes)
+    out, lse = ops.attention(q, k, v, causal=causal, window=_window(window_size),
+                             softcap=softcap, scale=softmax_scale,
+                             deterministic=deterministic, return_lse=True)
+    return _ret(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, seqused_k=None):
+    """flash-attn 2 ``flash_attn_varlen_func``: q ``(total_q, Hq, D)``, lse ``(Hq, total_q)``."""
+    _unsupported(dropout_p, alibi_slopes)
+    out, lse = ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, seqused_k=seqused_k, causal=causal,
+                                    window=_window(window_size), softcap=softcap,
+                                    scale=softmax_scale, deterministic=deterministic,
+                                    return_lse=True)
+    return _ret(out, lse, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """flash-attn 2 ``flash_attn_with_kvcache``; ``k``/``v`` are appended in place."""
+    _unsupported(0.0, alibi_slopes)
+    for name, arg in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                      ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if arg is not None:
+            raise ValueError(f"flashlse.compat.flash_attn_with_kvcache does not support {name}; "
+                             f"apply it before the call and pass {name}=None")
+    if isinstance(cache_seqlens, int):
+        import torch
+
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
+                                   device=q.device)
+    out, lse = ops.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                          block_table=block_table, k_new=k, v_new=v,
+                                          num_splits=num_splits, causal=causal,
+                                          window=_window(window_size), softcap=softcap,
+                                          scale=softmax_scale, return_lse=True)
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,56 @@
+"""flash-attn drop-in signatures: same results as flashlse, honest LSE, clear refusals."""
+
+import pytest
+import torch
+
+import flashlse
+from flashlse import compat, reference
+
+
+def test_flash_attn_func_empty_rows_have_neg_inf_lse():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 7, 4, 16), torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16)
+    out, lse, probs = compat.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert probs is None
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    assert torch.isneginf(lse[:, :, :3]).all() and (out[:, :3] == 0).all()
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    fa2 = flashlse.lse.from_canonical(lse, "fa2")
+    assert torch.isposinf(fa2[:, :, :3]).all()
+
+
+def test_flash_attn_varlen_func_window_size_minus_one_is_unbounded():
+    torch.manual_seed(1)
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    q, k, v = torch.randn(8, 2, 8), torch.randn(8, 2, 8), torch.randn(8, 2, 8)
+    out = compat.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, window_size=(2, -1))
+    ref = reference.attention_varlen(q, k, v, cu, cu, 5, 5, window=(2, None))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attn_with_kvcache_appends_and_returns_lse():
+    torch.manual_seed(2)
+    q = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+    k_new, v_new = torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
+    lens = torch.tensor([0, 4], dtype=torch.int32)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, lse = compat.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens,
+                                              causal=True, return_softmax_lse=True)
+    ref_out, ref_lse = reference.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens, k_new=k_new, v_new=v_new, causal=True,
+        return_lse=True)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    pytest.param(dict(dropout_p=0.1), "dropout", id="dropout"),
+    pytest.param(dict(alibi_slopes=torch.ones(2)), "ALiBi", id="alibi"),
+])
+def test_unsupported_arguments_raise(kwargs, match):
+    q = torch.randn(1, 2, 2, 8)
+    with pytest.raises(ValueError, match=match):
+        compat.flash_attn_func(q, q, q, **kwargs)
