@@ -125,7 +125,7 @@ def to_canonical(
     x = lse.float()
     folded = torch.isnan(x) | torch.isposinf(x)
     if sentinel is not None:
-        folded |= x <= sentinel
+        folded |= (x <= sentinel) & ~torch.isneginf(x)
     if convention == "sdpa_efficient" or empty is not None or key_counts is not None:
         folded |= _empty_from_counts(x, key_counts, empty) & ~torch.isneginf(x)
     if convention in ("flashinfer", "log2"):

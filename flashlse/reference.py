@@ -177,6 +177,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     return (out, lse) if return_lse else out
 
 
+def _pad_key(x):
+    return torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], dim=1)
+
+
 def sparse_attention(q, k, v, indices, *, scale=None, sink=None, return_lse=False):
     """Reference of :func:`flashlse.sparse_attention`: each row attends to its listed keys.
 
@@ -196,11 +200,12 @@ def sparse_attention(q, k, v, indices, *, scale=None, sink=None, return_lse=Fals
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     idx = indices.long()
     valid = idx >= 0
-    safe = idx.clamp(min=0)
     bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
     hi = torch.arange(hkv, device=q.device).view(1, 1, hkv, 1)
-    kg = k.to(_F64)[bi, safe, hi]  # (B, Sq, Hkv, topk, D)
-    vg = v.to(_F64)[bi, safe, hi]
+    # A -1 entry uses no key: gather from a copy with one zero key appended, at its index.
+    safe = torch.where(valid, idx, k.shape[1])
+    kg = _pad_key(k.to(_F64))[bi, safe, hi]  # (B, Sq, Hkv, topk, D)
+    vg = _pad_key(v.to(_F64))[bi, safe, hi]
     qg = q.to(_F64).view(b, sq, hkv, g, d)
     s = torch.einsum("bqhgd,bqhtd->bqhgt", qg, kg) * scale
     s = s.masked_fill(~valid.unsqueeze(3), float("-inf"))

@@ -41,8 +41,9 @@ def merge_math(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None
     inv_sum = torch.where(nonempty, 1.0 / total_safe, torch.zeros_like(total))
     scale = (w * inv_sum).unsqueeze(-1)
     # A zero-weight state is never read: its out may be unwritten (NaN), as in split-KV.
-    out = torch.where(scale > 0, scale * outs.to(dt), torch.zeros((), dtype=dt,
-                                                                    device=outs.device)).sum(0)
+    # Masking outs (not the product) keeps NaN out of d(scale) = grad * outs as well.
+    outs = torch.where(scale > 0, outs.to(dt), torch.zeros((), dtype=dt, device=outs.device))
+    out = (scale * outs).sum(0)
     lse_out = torch.where(nonempty, torch.log(total_safe) + pivot,
                           torch.full_like(total, float("-inf")))
     return out, lse_out

@@ -26,11 +26,18 @@ def _chunks(indices, d):
 
 
 def _gather(x, idx, dt):
-    """x ``(B, Sk, Hkv, D)``, idx ``(B, Sq, Hkv, T)`` -> ``(B, Sq, Hkv, T, D)`` (-1 reads key 0)."""
+    """x ``(B, Sk, Hkv, D)``, idx ``(B, Sq, Hkv, T)`` -> ``(B, Sq, Hkv, T, D)``; -1 gives zeros.
+
+    An unlisted key is never used: a -1 entry reads row 0 of a zero-padded copy of
+    nothing -- it is zero-filled after the gather, so NaN in unlisted keys cannot leak.
+    """
     b, hkv = x.shape[0], x.shape[2]
+    if x.shape[1] == 0:
+        return x.new_zeros(idx.shape + x.shape[-1:], dtype=dt)
     bi = torch.arange(b, device=x.device).view(b, 1, 1, 1)
     hi = torch.arange(hkv, device=x.device).view(1, 1, hkv, 1)
-    return x[bi, idx.clamp(min=0), hi].to(dt)
+    g = x[bi, idx.clamp(min=0), hi].to(dt)
+    return g.masked_fill((idx < 0).unsqueeze(-1), 0.0)
 
 
 def _logits(qg, kg, idx, scale):
