@@ -4,7 +4,7 @@ An empty row (no visible key) gives ``out = 0`` and ``lse = -inf`` (or the sink 
 attention states ``(out, lse)`` merge as a monoid with identity ``(0, -inf)``.
 """
 
-from . import compat, lse, masks, reference
+from . import compat, distributed, lse, masks, reference
 from .ops import (
     attention,
     attention_varlen,
@@ -21,6 +21,7 @@ __all__ = [
     "attention_varlen",
     "attention_with_kvcache",
     "compat",
+    "distributed",
     "lse",
     "masks",
     "merge",

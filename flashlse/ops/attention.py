@@ -167,16 +167,33 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # The forward and backward are torch custom ops, so torch.compile sees one opaque node
 # (no graph break, fake tensors give shapes) and CUDA graphs can capture the kernels.
+def attn_fwd(q, k, v, *, left, right, softcap, scale, sink, **varlen):
+    """Forward state ``(out, lse)`` on the path the device has: the Triton kernel on CUDA
+    (and under ``TRITON_INTERPRET=1``), else the PyTorch path. ``varlen`` holds the
+    ``cu_seqlens_q/k``, ``max_seqlen_q/k`` and ``seqused_k`` keywords of packed input."""
+    kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+    if use_triton(q):
+        from ..kernels.fwd import attn_fwd as attn_fwd_kernel
+
+        return attn_fwd_kernel(q, k, v, **kw, **varlen)
+    if not varlen:
+        return attn_fwd_torch(q, k, v, **kw)
+    cu_q, cu_k, seqused_k = varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], varlen["seqused_k"]
+    out = q.new_zeros(q.shape[:2] + (v.shape[-1],))
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device,
+                     dtype=_lse_dtype(q.dtype))
+    for q0, q1, k0, k1 in _seq_bounds(cu_q, cu_k, seqused_k):
+        if q1 > q0:
+            o, l = attn_fwd_torch(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kw)
+            out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+    return out, lse
+
+
 @torch.library.custom_op("flashlse::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
                  left: int | None, right: int | None, softcap: float,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
-    if use_triton(q):
-        from ..kernels.fwd import attn_fwd
-
-        return attn_fwd(q, k, v, **kw)
-    return attn_fwd_torch(q, k, v, **kw)
+    return attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink)
 
 
 @_attn_fwd_op.register_fake
@@ -224,20 +241,9 @@ class AttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, seqused_k, left, right, softcap,
                 scale):
-        kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
-        if use_triton(q):
-            from ..kernels.fwd import attn_fwd
-
-            out, lse = attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                max_seqlen_k=max_k, seqused_k=seqused_k, **kw)
-        else:
-            out = q.new_zeros(q.shape[:2] + (v.shape[-1],))
-            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device,
-                             dtype=_lse_dtype(q.dtype))
-            for q0, q1, k0, k1 in _seq_bounds(cu_q, cu_k, seqused_k):
-                if q1 > q0:
-                    o, l = attn_fwd_torch(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kw)
-                    out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+        out, lse = attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
+                            sink=sink, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                            max_seqlen_k=max_k, seqused_k=seqused_k)
         ctx.save_for_backward(q, k, v, out, lse, sink, cu_q, cu_k, seqused_k)
         ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale)
         return out, lse

@@ -1,0 +1,502 @@
+"""Context parallel on torch.distributed: ring attention, and merging states across ranks.
+
+Both functions rest on the merge monoid of DESIGN §1: attention over a sequence is the
+merge of the partial states ``(O_s, L_s)`` of its key blocks, in any order, with
+``(0, -inf)`` for a block a row cannot see; the sink is one more state ``(0, sink)``,
+merged once at the end. Nothing here uses the LSE as a denominator, so empty shards,
+fully masked blocks and rows that see no key give ``(0, -inf)``, never NaN.
+
+Layouts. One sequence of ``S`` tokens is sharded over the ``R`` ranks of a group; rank r
+holds ``n_r`` tokens (any ``n_r >= 0``), every rank learns all ``n_r`` by one all-gather.
+``contiguous``: rank r holds positions ``[sum_{s<r} n_s, ... + n_r)``. ``zigzag`` (the
+load-balanced causal layout): the sequence is cut into 2R chunks, rank r holds chunk r
+(its first ``ceil(n_r / 2)`` tokens) and chunk ``2R-1-r`` (the rest), so under a causal
+mask every rank does the same work. :func:`split_sequence` / :func:`gather_sequence`
+produce and invert both layouts.
+
+Masks use GLOBAL positions: the whole sequence has ``Sq == Sk``, so row i sees key j iff
+``i - left <= j <= i + right``. A (query piece, key piece) pair of a step is handed to the
+dense bottom-right aligned op after trimming both pieces to the rows and keys that can
+meet: for queries ``[q_lo, q_hi)`` and keys ``[k_lo, k_hi)`` the local windows
+``left' = left + k_hi - q_hi`` and ``right' = right + q_hi - k_hi`` describe the same mask,
+and trimming keys to ``k_hi <= q_hi + right`` and queries to ``q_hi <= k_hi + left`` keeps
+both ``>= 0`` (the ops' window convention: negative means unbounded). Pairs with nothing
+visible are skipped: no compute, the ring still moves.
+
+Forward ring (R steps): at step t rank r holds the K/V block of rank ``r - t``; it posts the
+send of that block to ``r + 1`` and the receive of block ``r - t - 1`` from ``r - 1``
+(``batch_isend_irecv``), computes its queries against the block it holds, merges the
+partial state into the running one, then waits. K and V travel packed in one buffer.
+
+Backward ring. With the final ``L`` and ``D_i = rowsum(dO_i * O_i) - dL_i`` every block's
+gradient is local to the block: ``P = exp(S - L)``, ``dS = P * (dO V^T - D)``,
+``dQ += dS K``, ``dK_block += dS^T Q``, ``dV_block += P^T dO``. K/V travel as in the
+forward; each block's dK/dV accumulator (float32) travels one hop behind it: received
+from ``r - 1`` (which added its part one step earlier), increased by rank r's part, sent on
+to ``r + 1``. After R hops it is home. ``dsink_h = -sum_i exp(sink_h - L_i) D_i`` over the
+local rows, summed over the group.
+
+Gradient of the merge across ranks. ``L = log(sum_s e^{L_s} [+ e^{sink}])``,
+``O = sum_s w_s O_s`` with ``w_s = exp(L_s - L)``. Then
+
+    dO_s = w_s dO        dL_s = w_s (dL + <dO, O_s - O>)      dsink = w_sink (dL - <dO, O>)
+
+which needs only the rank's own state, the merged state and the merged gradient: no
+communication when every rank holds the same merged gradient. ``w_s = 0`` (an empty state,
+or everything empty) gives zero gradients; ``exp(L_s - L)`` uses ``L = -inf -> 0`` once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .lse import safe_pivot
+from .ops._dispatch import compute_dtype
+from .ops.attention import _validate_common, attn_bwd_torch, attn_fwd
+from .ops.merge import _validate_states, merge_states
+
+LAYOUTS = ("contiguous", "zigzag")
+SINK_GRADS = ("sum", "local")
+
+# A piece of the sequence held by one rank: (local start, global start, length).
+Segment = tuple[int, int, int]
+# One dense call of a step: local query rows [q0, q1), visiting keys [k0, k1), windows.
+Call = tuple[int, int, int, int, "int | None", "int | None"]
+
+
+def shard_segments(lengths: Sequence[int], layout: str = "contiguous") -> list[list[Segment]]:
+    """Where every rank's tokens sit in the sequence.
+
+    Args:
+        lengths: ``n_r`` for each rank of the group, in rank order (0 allowed).
+        layout: ``"contiguous"`` or ``"zigzag"``.
+
+    Returns:
+        For each rank, its pieces as ``(local_start, global_start, length)``, empty pieces
+        left out; a rank's local tokens are its pieces in this order.
+    """
+    _check_layout(layout)
+    lengths = [int(n) for n in lengths]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"shard lengths must be >= 0, got {lengths}")
+    if layout == "contiguous":
+        starts = [sum(lengths[:r]) for r in range(len(lengths))]
+        return [[(0, g, n)] if n else [] for g, n in zip(starts, lengths)]
+    first = [(n + 1) // 2 for n in lengths]
+    second = [n - a for n, a in zip(lengths, first)]
+    segs = []
+    for r in range(len(lengths)):
+        g_first = sum(first[:r])
+        # Chunk 2R-1-r: after all first pieces and the second pieces of the ranks above r.
+        g_second = sum(first) + sum(second[r + 1:])
+        pieces = [(0, g_first, first[r]), (first[r], g_second, second[r])]
+        segs.append([p for p in pieces if p[2] > 0])
+    return segs
+
+
+def _even_lengths(total: int, world_size: int, layout: str) -> list[int]:
+    if layout == "contiguous":
+        return [len(c) for c in torch.arange(total).tensor_split(world_size)]
+    chunks = [len(c) for c in torch.arange(total).tensor_split(2 * world_size)]
+    return [chunks[r] + chunks[2 * world_size - 1 - r] for r in range(world_size)]
+
+
+def split_sequence(x: torch.Tensor, sizes: int | Sequence[int], *, layout: str = "contiguous",
+                   dim: int = 1) -> list[torch.Tensor]:
+    """Cuts one sequence into the shards of :func:`ring_attention`.
+
+    Args:
+        x: a tensor with the sequence along ``dim``, e.g. ``(B, S, H, D)``.
+        sizes: the world size (as even a split as possible), or every rank's ``n_r``.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+
+    Returns:
+        One shard per rank, ``x`` with ``n_r`` tokens along ``dim``.
+    """
+    total = x.shape[dim]
+    lengths = _even_lengths(total, sizes, layout) if isinstance(sizes, int) else list(sizes)
+    if sum(lengths) != total:
+        raise ValueError(f"shard lengths {lengths} sum to {sum(lengths)}, the sequence has "
+                         f"{total} tokens along dim {dim}")
+    return [torch.cat([x.narrow(dim, g, n) for _, g, n in segs], dim) if segs
+            else x.narrow(dim, 0, 0)
+            for segs in shard_segments(lengths, layout)]
+
+
+def gather_sequence(shards: Sequence[torch.Tensor], *, layout: str = "contiguous",
+                    dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`split_sequence`: the shards of all ranks -> the whole sequence."""
+    segs = shard_segments([s.shape[dim] for s in shards], layout)
+    pieces = sorted((g, shard.narrow(dim, lo, n)) for shard, seg in zip(shards, segs)
+                    for lo, g, n in seg)
+    if not pieces:
+        return shards[0]
+    return torch.cat([p for _, p in pieces], dim)
+
+
+def _check_layout(layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}; 'zigzag' balances "
+                         f"causal work (rank r holds chunks r and 2R-1-r of 2R)")
+
+
+def _pair(qs: Segment, ks: Segment, left, right) -> Call | None:
+    """The trimmed dense call of local query piece ``qs`` against visiting key piece ``ks``."""
+    lq, gq, nq = qs
+    lk, gk, nk = ks
+    k_lo, k_hi, q_lo, q_hi = gk, gk + nk, gq, gq + nq
+    if right is not None:
+        k_hi = min(k_hi, q_hi + right)
+    if left is not None:
+        k_lo = max(k_lo, q_lo - left)
+    if right is not None:
+        q_lo = max(q_lo, k_lo - right)
+    if left is not None:
+        q_hi = min(q_hi, k_hi + left)
+    if q_hi <= q_lo or k_hi <= k_lo:
+        return None
+    # A side whose bound no (row, key) of the rectangle reaches needs no mask.
+    lw = None if left is None or q_hi - 1 - left <= k_lo else left + k_hi - q_hi
+    rw = None if right is None or k_hi - 1 <= q_lo + right else right + q_hi - k_hi
+    return (lq + q_lo - gq, lq + q_hi - gq, lk + k_lo - gk, lk + k_hi - gk, lw, rw)
+
+
+def _coalesce(calls: list[Call]) -> list[Call]:
+    """Joins unmasked calls that share their rows (or keys) and touch in the local buffers."""
+    calls = list(calls)
+    while True:
+        for i, a in enumerate(calls):
+            for j, b in enumerate(calls):
+                if i == j or a[4:] != (None, None) or b[4:] != (None, None):
+                    continue
+                if a[:2] == b[:2] and a[3] == b[2]:
+                    c = (a[0], a[1], a[2], b[3], None, None)
+                elif a[2:4] == b[2:4] and a[1] == b[0]:
+                    c = (a[0], b[1], a[2], a[3], None, None)
+                else:
+                    continue
+                calls = [x for t, x in enumerate(calls) if t not in (i, j)] + [c]
+                break
+            else:
+                continue
+            break
+        else:
+            return sorted(calls)
+
+
+def plan_step(q_segs: list[Segment], k_segs: list[Segment], left, right) -> list[Call]:
+    """The dense calls of one ring step: ``(q0, q1, k0, k1, left, right)`` in local indices."""
+    n_q = sum(s[2] for s in q_segs)
+    if q_segs == k_segs and n_q and left is None and right == 0:
+        # Own block, causal: local order is global order, so it is one causal call.
+        return [(0, n_q, 0, n_q, None, 0)]
+    calls = [c for qs in q_segs for ks in k_segs if (c := _pair(qs, ks, left, right))]
+    return _coalesce(calls)
+
+
+@dataclass
+class _Ring:
+    group: object
+    rank: int
+    world: int
+    prev: int
+    next: int
+    lengths: list[int]
+    plans: list[list[Call]]
+    softcap: float
+    scale: float
+    sink_grad: str
+
+
+def _group_ranks(group):
+    g = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(g), dist.get_world_size(g)
+    return (rank, world, dist.get_global_rank(g, (rank - 1) % world),
+            dist.get_global_rank(g, (rank + 1) % world))
+
+
+def _exchange(send: torch.Tensor | None, recv: torch.Tensor | None, ring: _Ring):
+    """Posts one send to the next rank and one receive from the previous one."""
+    ops = []
+    if send is not None:
+        ops.append(dist.P2POp(dist.isend, send, ring.next, ring.group))
+    if recv is not None:
+        ops.append(dist.P2POp(dist.irecv, recv, ring.prev, ring.group))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(reqs) -> None:
+    for r in reqs:
+        r.wait()
+
+
+def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
+def _unpack(buf: torch.Tensor, b: int, n: int, hkv: int, d: int, dv: int):
+    nk = b * n * hkv * d
+    return buf[:nk].view(b, n, hkv, d), buf[nk:].view(b, n, hkv, dv)
+
+
+def _ring_fwd(q, k, v, sink, ring: _Ring):
+    b, n, hq, _ = q.shape
+    hkv, d, dv = k.shape[2], k.shape[3], v.shape[3]
+    dt = compute_dtype(q.dtype)
+    acc_out = torch.zeros(b, n, hq, dv, dtype=dt, device=q.device)
+    acc_lse = torch.full((b, n, hq), float("-inf"), dtype=dt, device=q.device)
+    held = torch.cat([k.reshape(-1), v.reshape(-1)])
+    for t in range(ring.world):
+        src = (ring.rank - t) % ring.world
+        nxt = (ring.rank - t - 1) % ring.world
+        reqs, incoming = [], None
+        if t < ring.world - 1:
+            if ring.lengths[nxt]:
+                incoming = held.new_empty(b * ring.lengths[nxt] * hkv * (d + dv))
+            reqs = _exchange(held if ring.lengths[src] else None, incoming, ring)
+        if ring.plans[src]:
+            kb, vb = _unpack(held, b, ring.lengths[src], hkv, d, dv)
+        for q0, q1, k0, k1, lw, rw in ring.plans[src]:
+            o, l = attn_fwd(q[:, q0:q1], kb[:, k0:k1], vb[:, k0:k1], left=lw, right=rw,
+                            softcap=ring.softcap, scale=ring.scale, sink=None)
+            merged = merge_states(torch.stack([acc_out[:, q0:q1], o.to(dt)]),
+                                  torch.stack([acc_lse[:, q0:q1], l.transpose(1, 2).to(dt)]))
+            acc_out[:, q0:q1], acc_lse[:, q0:q1] = merged
+        _wait(reqs)
+        if incoming is not None:
+            held = incoming
+    if sink is not None:
+        acc_out, acc_lse = merge_states(acc_out[None], acc_lse[None], sink=sink)
+    return acc_out.to(q.dtype), acc_lse.transpose(1, 2).contiguous().to(dt)
+
+
+def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
+    b, n, hq, _ = q.shape
+    hkv, d, dv = k.shape[2], k.shape[3], v.shape[3]
+    dt = compute_dtype(q.dtype)
+    # The PyTorch backward computes in dt anyway; casting once keeps every partial in dt.
+    qc, doc, oc = q.to(dt), dout.to(dt), out.to(dt)
+    dlse = dlse.to(dt)
+    dq = torch.zeros(b, n, hq, d, dtype=dt, device=q.device)
+    held = torch.cat([k.reshape(-1), v.reshape(-1)])
+    acc, acc_reqs = None, []
+    for t in range(ring.world):
+        src = (ring.rank - t) % ring.world
+        nxt = (ring.rank - t - 1) % ring.world
+        reqs, incoming = [], None
+        if t < ring.world - 1:
+            if ring.lengths[nxt]:
+                incoming = held.new_empty(b * ring.lengths[nxt] * hkv * (d + dv))
+            reqs = _exchange(held if ring.lengths[src] else None, incoming, ring)
+        part = None
+        if ring.plans[src]:
+            m = ring.lengths[src]
+            kb, vb = (x.to(dt) for x in _unpack(held, b, m, hkv, d, dv))
+            part = torch.zeros(b * m * hkv * (d + dv), dtype=dt, device=q.device)
+            dkb, dvb = _unpack(part, b, m, hkv, d, dv)
+        for q0, q1, k0, k1, lw, rw in ring.plans[src]:
+            dq_c, dk_c, dv_c, _ = attn_bwd_torch(
+                doc[:, q0:q1], dlse[:, :, q0:q1], qc[:, q0:q1], kb[:, k0:k1], vb[:, k0:k1],
+                oc[:, q0:q1], lse[:, :, q0:q1], left=lw, right=rw, softcap=ring.softcap,
+                scale=ring.scale, sink=None)
+            dq[:, q0:q1] += dq_c
+            dkb[:, k0:k1] += dk_c
+            dvb[:, k0:k1] += dv_c
+        # The own block's accumulator starts here; any other arrived one hop behind its
+        # block (received into `home` last step).
+        _wait(acc_reqs)
+        if ring.lengths[src]:
+            if t == 0:
+                acc = part if part is not None else torch.zeros(
+                    b * ring.lengths[src] * hkv * (d + dv), dtype=dt, device=q.device)
+            elif part is not None:
+                acc += part
+        home = None
+        if ring.world > 1 and ring.lengths[nxt]:
+            home = torch.empty(b * ring.lengths[nxt] * hkv * (d + dv), dtype=dt,
+                               device=q.device)
+        acc_reqs = _exchange(acc if ring.lengths[src] else None, home,
+                             ring) if ring.world > 1 else []
+        _wait(reqs)
+        if incoming is not None:
+            held = incoming
+        acc = home if ring.world > 1 else acc
+    _wait(acc_reqs)
+    if n:
+        dk, dvv = _unpack(acc, b, n, hkv, d, dv)
+    else:
+        dk, dvv = k.new_zeros(k.shape, dtype=dt), v.new_zeros(v.shape, dtype=dt)
+    dsink = None
+    if sink is not None:
+        delta = (doc * oc).sum(-1).transpose(1, 2) - dlse
+        p_sink = torch.exp(sink.to(dt).view(1, hq, 1) - safe_pivot(lse.to(dt)))
+        dsink = -(p_sink * delta).sum(dim=(0, 2))
+        if ring.sink_grad == "sum" and ring.world > 1:
+            dist.all_reduce(dsink, group=ring.group)
+        dsink = dsink.to(sink.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dsink
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """Ring attention over the ranks of a group; forward and backward each one ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, ring):
+        out, lse = _ring_fwd(q, k, v, sink, ring)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.ring = ring
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ctx.ring)
+        return dq, dk, dv, dsink, None
+
+
+def _check_group():
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flashlse.distributed needs torch.distributed initialised: call "
+                           "torch.distributed.init_process_group (torchrun sets the env) first")
+
+
+def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), sink=None,
+                   scale=None, softcap=0.0, return_lse=False, layout="contiguous",
+                   sink_grad="sum"):
+    """:func:`flashlse.attention` over one sequence sharded on the ranks of ``group``.
+
+    ``O_i = sum_j exp(S_ij - L_i) V_j`` over all keys of the whole sequence (``Sq == Sk``,
+    row i sees key j iff ``i - left <= j <= i + right`` in global positions); K/V travel
+    around the ring, the per-block states merge with :func:`flashlse.merge` rules, the sink
+    is added once. Equal to the single-process result up to rounding.
+
+    Args:
+        q: ``(B, n_r, Hq, D)``; k: ``(B, n_r, Hkv, D)``; v: ``(B, n_r, Hkv, Dv)``: this
+            rank's tokens (``n_r`` may differ per rank and may be 0); B, H, D equal on all ranks.
+        group: the process group (default: the world).
+        causal, window, scale, softcap, sink, return_lse: as :func:`flashlse.attention`;
+            ``sink`` ``(Hq,)`` must be equal on every rank.
+        layout: ``"contiguous"`` or ``"zigzag"`` (see :func:`split_sequence`).
+        sink_grad: ``"sum"`` (default): ``sink.grad`` is the gradient of the whole
+            sequence, equal on every rank, as a single process would give. ``"local"``:
+            only this rank's rows; use it when the framework sums or averages replicated
+            parameter gradients over the context-parallel ranks itself.
+
+    Returns:
+        ``out (B, n_r, Hq, Dv)``, and ``lse (B, Hq, n_r)`` float32 if ``return_lse``.
+    """
+    _check_group()
+    left, right, softcap, scale, sink = _validate_common(
+        q, k, v, sink, softcap, scale, window, causal, 4,
+        ("(B, n_r, Hq, D)", "(B, n_r, Hkv, D)", "(B, n_r, Hkv, Dv)"))
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"q, k, v must be the same tokens of the sequence (equal batch and "
+                         f"n_r): got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    _check_layout(layout)
+    if sink_grad not in SINK_GRADS:
+        raise ValueError(f"sink_grad must be one of {SINK_GRADS}, got {sink_grad!r}")
+    rank, world, prev, nxt = _group_ranks(group)
+    # Every rank needs every shard length (unequal or empty shards); one small all-gather.
+    n_local = torch.tensor([q.shape[1]], dtype=torch.int64, device=q.device)
+    lengths = torch.empty(world, dtype=torch.int64, device=q.device)
+    _all_gather_flat(lengths, n_local, group)
+    lengths = lengths.tolist()
+    segs = shard_segments(lengths, layout)
+    plans = [plan_step(segs[rank], segs[s], left, right) for s in range(world)]
+    ring = _Ring(group, rank, world, prev, nxt, lengths, plans, softcap, scale, sink_grad)
+    out, lse = RingAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                           sink, ring)
+    return (out, lse) if return_lse else out
+
+
+class MergeAcrossRanksFunction(torch.autograd.Function):
+    """All-gather of the ranks' states, then the merge; backward local (see module header)."""
+
+    @staticmethod
+    def forward(ctx, out, lse, sink, group, replicated_grad):
+        world = dist.get_world_size(group)
+        out, lse = out.contiguous(), lse.contiguous()
+        # Flat buffers: gloo wants the gathered tensor as a concatenation along dim 0.
+        outs = out.new_empty(world * out.numel())
+        lses = lse.new_empty(world * lse.numel())
+        _all_gather_flat(outs, out.reshape(-1), group)
+        _all_gather_flat(lses, lse.reshape(-1), group)
+        outs, lses = outs.view((world,) + out.shape), lses.view((world,) + lse.shape)
+        merged_out, merged_lse = merge_states(outs, lses, sink=sink)
+        ctx.save_for_backward(out, lse, merged_out, merged_lse, sink)
+        ctx.group, ctx.replicated_grad = group, replicated_grad
+        return merged_out, merged_lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        out, lse, m_out, m_lse, sink = ctx.saved_tensors
+        dt = compute_dtype(out.dtype)
+        dout, dlse = dout.to(dt), dlse.to(dt)
+        if not ctx.replicated_grad:
+            # Summed in place below: never into the tensors autograd handed in.
+            dout, dlse = dout.clone(), dlse.clone()
+            dist.all_reduce(dout, group=ctx.group)
+            dist.all_reduce(dlse, group=ctx.group)
+        pivot = safe_pivot(m_lse.to(dt))
+        w = torch.exp(lse.to(dt) - pivot)
+        used = w > 0
+        zero = torch.zeros((), dtype=dt, device=out.device)
+        o_s, o_m = out.to(dt), m_out.to(dt)
+        # A zero-weight state is never read (its out may be unwritten), as in the forward.
+        dot = torch.where(used, (dout * (torch.where(used[..., None], o_s, zero) - o_m)).sum(-1),
+                          zero)
+        d_out = torch.where(used[..., None], w[..., None] * dout, zero)
+        d_lse = torch.where(used, w * (dlse + dot), zero)
+        dsink = None
+        if sink is not None:
+            w_sink = torch.exp(sink.to(dt) - pivot)
+            dsink = (w_sink * (dlse - (dout * o_m).sum(-1))).sum_to_size(sink.shape)
+            dsink = dsink.to(sink.dtype)
+        return d_out.to(out.dtype), d_lse.to(lse.dtype), dsink, None, None
+
+
+def merge_across_ranks(out, lse, *, group=None, sink=None, replicated_grad=True):
+    """``L = log(sum_r e^{L_r} [+ e^{sink}])``, ``O = sum_r e^{L_r - L} O_r`` over the ranks.
+
+    Every rank passes its partial state for the same queries (e.g. attention over its
+    part of the keys) and gets the merged state; empty states are ``(0, -inf)`` and two
+    of them merge to ``(0, -inf)``, never NaN. Differentiable.
+
+    Args:
+        out: ``(..., Dv)``, the same shape and dtype on every rank.
+        lse: ``out.shape[:-1]`` canonical LSE (as :func:`flashlse.merge_states`; for the
+            ``(B, H, Sq)`` lse of :func:`flashlse.attention` pass ``lse.transpose(1, 2)``
+            and ``out``'s ``(B, Sq, H, Dv)``).
+        group: the process group (default: the world).
+        sink: optional logits broadcastable to ``lse`` (``(H,)`` for lse ``(..., H)``),
+            equal on every rank, added once.
+        replicated_grad: True (default): every rank uses the merged state the same way
+            (the same loss on the same tensor), so the merged gradient is the same on every
+            rank and the backward needs no communication. False: the ranks' gradients
+            differ; the backward sums them over the group first (two all-reduces).
+
+    Returns:
+        ``(out (..., Dv) in out.dtype, lse (...) float32)``, equal on every rank.
+    """
+    _check_group()
+    _validate_states(out[None] if isinstance(out, torch.Tensor) else out,
+                     lse[None] if isinstance(lse, torch.Tensor) else lse, sink)
+    if not isinstance(replicated_grad, bool):
+        raise TypeError(f"replicated_grad must be a bool, got {type(replicated_grad).__name__}")
+    return MergeAcrossRanksFunction.apply(out, lse, sink, group, replicated_grad)
+
+
+__all__ = [
+    "gather_sequence",
+    "merge_across_ranks",
+    "plan_step",
+    "ring_attention",
+    "shard_segments",
+    "split_sequence",
+]
