@@ -57,7 +57,7 @@ import torch.distributed as dist
 from .lse import safe_pivot
 from .ops._dispatch import compute_dtype
 from .ops.attention import _validate_common, attn_bwd_torch, attn_fwd
-from .ops.merge import _validate_states, merge_states
+from .ops.merge import _validate_states, merge_states_unchecked
 
 LAYOUTS = ("contiguous", "zigzag")
 SINK_GRADS = ("sum", "local")
@@ -265,14 +265,14 @@ def _ring_fwd(q, k, v, sink, ring: _Ring):
         for q0, q1, k0, k1, lw, rw in ring.plans[src]:
             o, l = attn_fwd(q[:, q0:q1], kb[:, k0:k1], vb[:, k0:k1], left=lw, right=rw,
                             softcap=ring.softcap, scale=ring.scale, sink=None)
-            merged = merge_states(torch.stack([acc_out[:, q0:q1], o.to(dt)]),
+            merged = merge_states_unchecked(torch.stack([acc_out[:, q0:q1], o.to(dt)]),
                                   torch.stack([acc_lse[:, q0:q1], l.transpose(1, 2).to(dt)]))
             acc_out[:, q0:q1], acc_lse[:, q0:q1] = merged
         _wait(reqs)
         if incoming is not None:
             held = incoming
     if sink is not None:
-        acc_out, acc_lse = merge_states(acc_out[None], acc_lse[None], sink=sink)
+        acc_out, acc_lse = merge_states_unchecked(acc_out[None], acc_lse[None], sink=sink)
     return acc_out.to(q.dtype), acc_lse.transpose(1, 2).contiguous().to(dt)
 
 
@@ -428,7 +428,7 @@ class MergeAcrossRanksFunction(torch.autograd.Function):
         _all_gather_flat(outs, out.reshape(-1), group)
         _all_gather_flat(lses, lse.reshape(-1), group)
         outs, lses = outs.view((world,) + out.shape), lses.view((world,) + lse.shape)
-        merged_out, merged_lse = merge_states(outs, lses, sink=sink)
+        merged_out, merged_lse = merge_states_unchecked(outs, lses, sink=sink)
         ctx.save_for_backward(out, lse, merged_out, merged_lse, sink)
         ctx.group, ctx.replicated_grad = group, replicated_grad
         return merged_out, merged_lse

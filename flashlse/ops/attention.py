@@ -28,7 +28,8 @@ TILE_ELEMS = 1 << 22
 
 
 def _blocks(b: int, h: int, sq: int, sk: int) -> tuple[int, int]:
-    q_block = max(1, min(sq, 1024))
+    # Query blocks shrink with B * H so that a tile of >= 16 keys stays within TILE_ELEMS.
+    q_block = max(1, min(sq, 1024, TILE_ELEMS // max(1, b * h * 16)))
     k_chunk = max(16, min(max(sk, 1), TILE_ELEMS // max(1, b * h * q_block)))
     return q_block, k_chunk
 

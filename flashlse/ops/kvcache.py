@@ -12,7 +12,7 @@ import torch
 
 from .. import masks
 from . import _validate as V
-from ._dispatch import use_triton
+from ._dispatch import compute_dtype, use_triton
 from .attention import attn_fwd_torch
 from .merge import merge_math
 
@@ -52,8 +52,9 @@ def _split_fwd(qb, kb, vb, num_splits, left, right, softcap, scale, sink):
         # A key range [k0, k1) of a sequence of sk keys: bottom-right alignment moves by
         # sk - k1, so the window shifts by that much (left may go negative: still exact).
         shift = sk - k1
+        # Partials stay in the accumulation dtype until the merge (as the kernel's do).
         o, l = attn_fwd_torch(
-            qb, kb[:, k0:k1], vb[:, k0:k1],
+            qb.to(compute_dtype(qb.dtype)), kb[:, k0:k1], vb[:, k0:k1],
             left=None if left is None else left - shift,
             right=None if right is None else right + shift,
             softcap=softcap, scale=scale, sink=None)

@@ -96,6 +96,25 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor |
         All-empty rows give ``(0, -inf)``, or ``(0, sink)`` with a sink.
     """
     _validate_states(outs, lses, sink)
+    _check_canonical(lses)
+    return merge_states_unchecked(outs, lses, sink=sink)
+
+
+def _check_canonical(lses: torch.Tensor) -> None:
+    # +inf or NaN would silently empty the merged row; foreign states must be converted.
+    if lses.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    bad = torch.isposinf(lses) | torch.isnan(lses)
+    if bool(bad.any()):
+        raise ValueError(
+            f"lses holds {int(bad.sum())} +inf/NaN entries, which are not canonical LSEs "
+            f"(an empty state has lse = -inf); convert foreign states first, e.g. "
+            f"flashlse.lse.to_canonical(lse, 'fa2') for flash-attn 2's +inf"
+        )
+
+
+def merge_states_unchecked(outs, lses, *, sink=None):
+    """:func:`merge_states` without validation: for internal callers (split-KV, the ring)."""
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (outs, lses, sink))
     if use_triton(outs) and not needs_grad:

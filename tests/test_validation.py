@@ -1,0 +1,332 @@
+"""Bad inputs raise ValueError/TypeError that say what was expected and what came,
+before any computation (the compute entry points are patched to fail if reached)."""
+
+import importlib
+
+import pytest
+import torch
+
+import flashlse as fl
+
+attn_mod = importlib.import_module("flashlse.ops.attention")
+kv_mod = importlib.import_module("flashlse.ops.kvcache")
+sparse_mod = importlib.import_module("flashlse.ops.sparse")
+merge_mod = importlib.import_module("flashlse.ops.merge")
+
+I32 = torch.int32
+
+
+@pytest.fixture(autouse=True)
+def no_compute(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("computation started before validation finished")
+
+    for mod, names in ((attn_mod, ("attn_fwd_torch", "attn_bwd_torch")),
+                       (kv_mod, ("attn_fwd_torch", "_append", "_split_fwd")),
+                       (sparse_mod, ("sparse_fwd_torch",)),
+                       (merge_mod, ("merge_math",))):
+        for name in names:
+            monkeypatch.setattr(mod, name, boom)
+
+
+def qkv(b=2, sq=3, sk=5, hq=4, hkv=2, d=16, dv=16, dtype=torch.float32):
+    return (torch.randn(b, sq, hq, d, dtype=dtype), torch.randn(b, sk, hkv, d, dtype=dtype),
+            torch.randn(b, sk, hkv, dv, dtype=dtype))
+
+
+def attn(**over):
+    q, k, v = qkv()
+    kw = dict(q=q, k=k, v=v)
+    kw.update(over)
+    return lambda: fl.attention(**kw)
+
+
+ATTENTION = [
+    pytest.param(attn(q=torch.randn(3, 4, 16)), ValueError, "must have 4 dims", id="q_rank"),
+    pytest.param(attn(k=torch.randn(2, 5, 2, 16, 1)), ValueError, "must have 4 dims",
+                 id="k_rank"),
+    pytest.param(attn(v=[1.0]), TypeError, "torch.Tensor", id="v_not_tensor"),
+    pytest.param(attn(q=torch.ones(2, 3, 4, 16, dtype=torch.int64)), TypeError,
+                 "floating-point", id="q_int"),
+    pytest.param(attn(k=torch.randn(2, 5, 2, 16, dtype=torch.float64)), ValueError,
+                 "share a dtype", id="dtype_mismatch"),
+    pytest.param(attn(k=torch.randn(2, 5, 3, 16), v=torch.randn(2, 5, 3, 16)), ValueError,
+                 "multiple of key/value heads", id="gqa_indivisible"),
+    pytest.param(attn(v=torch.randn(2, 5, 1, 16)), ValueError, "same number of heads",
+                 id="kv_heads_differ"),
+    pytest.param(attn(k=torch.randn(2, 5, 2, 8)), ValueError, "head dim", id="d_mismatch"),
+    pytest.param(attn(v=torch.randn(2, 6, 2, 16)), ValueError, "sequence length",
+                 id="kv_len_mismatch"),
+    pytest.param(attn(k=torch.randn(1, 5, 2, 16), v=torch.randn(1, 5, 2, 16)), ValueError,
+                 "batch", id="batch_mismatch"),
+    pytest.param(attn(q=torch.randn(2, 3, 4, 32)[..., ::2]), ValueError, "contiguous",
+                 id="last_dim_strided"),
+    pytest.param(attn(sink=torch.zeros(2)), ValueError, r"shape \(4,\)", id="sink_shape"),
+    pytest.param(attn(sink=torch.zeros(4, 1)), ValueError, "one logit per query head",
+                 id="sink_rank"),
+    pytest.param(attn(sink=[0.0] * 4), TypeError, "sink", id="sink_not_tensor"),
+    pytest.param(attn(sink=torch.zeros(4, dtype=torch.int32)), TypeError, "floating",
+                 id="sink_int"),
+    pytest.param(attn(window=5), ValueError, "pair", id="window_not_pair"),
+    pytest.param(attn(window=(1, 2, 3)), ValueError, "pair", id="window_triple"),
+    pytest.param(attn(window=(1.5, 0)), TypeError, "int or None", id="window_float"),
+    pytest.param(attn(softcap=-1.0), ValueError, ">= 0", id="softcap_negative"),
+    pytest.param(attn(softcap=float("inf")), ValueError, "finite", id="softcap_inf"),
+    pytest.param(attn(softcap="1"), TypeError, "softcap", id="softcap_str"),
+    pytest.param(attn(scale=float("nan")), ValueError, "finite", id="scale_nan"),
+    pytest.param(attn(scale="0.1"), TypeError, "scale", id="scale_str"),
+    pytest.param(attn(causal=1), TypeError, "bool", id="causal_int"),
+    pytest.param(attn(deterministic="yes"), TypeError, "bool", id="deterministic_str"),
+]
+
+
+def varlen(qlens=(3, 2), klens=(4, 5), **over):
+    tq, tk = sum(qlens), sum(klens)
+    cq = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=I32)
+    ck = torch.tensor([0, *torch.tensor(klens).cumsum(0).tolist()], dtype=I32)
+    kw = dict(q=torch.randn(tq, 4, 16), k=torch.randn(tk, 2, 16), v=torch.randn(tk, 2, 16),
+              cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(qlens),
+              max_seqlen_k=max(klens))
+    kw.update(over)
+    return lambda: fl.attention_varlen(**kw)
+
+
+VARLEN = [
+    pytest.param(varlen(q=torch.randn(1, 5, 4, 16)), ValueError, "must have 3 dims",
+                 id="q_rank"),
+    pytest.param(varlen(cu_seqlens_q=torch.tensor([0, 3, 5])), TypeError, "int32",
+                 id="cu_not_int32"),
+    pytest.param(varlen(cu_seqlens_k=torch.tensor([0, 5, 4, 9], dtype=I32)), ValueError,
+                 "non-decreasing", id="cu_not_monotone"),
+    pytest.param(varlen(cu_seqlens_k=torch.tensor([0, 4, 10], dtype=I32)), ValueError,
+                 "number of tokens", id="cu_past_end"),
+    pytest.param(varlen(cu_seqlens_q=torch.tensor([1, 3, 5], dtype=I32)), ValueError,
+                 "start at 0", id="cu_not_from_0"),
+    pytest.param(varlen(cu_seqlens_q=torch.tensor([[0, 3, 5]], dtype=I32)), ValueError,
+                 r"\(B \+ 1,\)", id="cu_rank"),
+    pytest.param(varlen(cu_seqlens_q=torch.tensor([0, 2, 3, 5], dtype=I32)), ValueError,
+                 "B \\+ 1 entries", id="cu_batch_mismatch"),
+    pytest.param(varlen(max_seqlen_q=2), ValueError, "smaller than the longest",
+                 id="max_seqlen_q_small"),
+    pytest.param(varlen(max_seqlen_k=4), ValueError, "smaller than the longest",
+                 id="max_seqlen_k_small"),
+    pytest.param(varlen(max_seqlen_k=5.0), TypeError, "int", id="max_seqlen_float"),
+    pytest.param(varlen(seqused_k=torch.tensor([5, 5], dtype=I32)), ValueError,
+                 "seqused_k", id="seqused_k_too_big"),
+    pytest.param(varlen(seqused_k=torch.tensor([-1, 2], dtype=I32)), ValueError,
+                 "seqused_k", id="seqused_k_negative"),
+    pytest.param(varlen(seqused_k=torch.tensor([1, 2, 3], dtype=I32)), ValueError,
+                 "seqused_k", id="seqused_k_shape"),
+    pytest.param(varlen(seqused_k=torch.tensor([1, 2])), TypeError, "int32",
+                 id="seqused_k_int64"),
+    pytest.param(varlen(v=torch.randn(8, 2, 16)), ValueError, "same number of tokens",
+                 id="kv_tokens_differ"),
+    pytest.param(varlen(k=torch.randn(9, 3, 16), v=torch.randn(9, 3, 16)), ValueError,
+                 "multiple", id="gqa_indivisible"),
+    pytest.param(varlen(sink=torch.zeros(3)), ValueError, "sink", id="sink_shape"),
+    pytest.param(varlen(window=(None,)), ValueError, "pair", id="window_malformed"),
+    pytest.param(varlen(softcap=-0.5), ValueError, ">= 0", id="softcap_negative"),
+]
+
+
+def kvcache(paged=False, **over):
+    q = torch.randn(2, 1, 4, 16)
+    if paged:
+        kc, vc = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)
+        extra = dict(block_table=torch.tensor([[0, 1], [2, 3]], dtype=I32))
+    else:
+        kc, vc = torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+        extra = {}
+    kw = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=torch.tensor([3, 5], dtype=I32),
+              **extra)
+    kw.update(over)
+    return lambda: fl.attention_with_kvcache(**kw)
+
+
+KNEW = dict(k_new=torch.randn(2, 4, 2, 16), v_new=torch.randn(2, 4, 2, 16))
+
+KVCACHE = [
+    pytest.param(kvcache(q=torch.randn(2, 4, 16)), ValueError, "4 dims", id="q_rank"),
+    pytest.param(kvcache(k_cache=torch.randn(2, 8, 3, 16), v_cache=torch.randn(2, 8, 3, 16)),
+                 ValueError, "multiple", id="gqa_indivisible"),
+    pytest.param(kvcache(k_cache=torch.randn(2, 8, 2, 8)), ValueError, "share D",
+                 id="d_mismatch"),
+    pytest.param(kvcache(v_cache=torch.randn(2, 7, 2, 16)), ValueError, "first two dims",
+                 id="v_cache_len"),
+    pytest.param(kvcache(k_cache=torch.randn(3, 8, 2, 16), v_cache=torch.randn(3, 8, 2, 16)),
+                 ValueError, "block_table", id="contiguous_batch"),
+    pytest.param(kvcache(q=torch.randn(2, 1, 4, 16, dtype=torch.float64)), ValueError,
+                 "dtype", id="dtype_mismatch"),
+    pytest.param(kvcache(cache_seqlens=torch.tensor([3, 5])), TypeError, "int32",
+                 id="seqlens_int64"),
+    pytest.param(kvcache(cache_seqlens=torch.tensor([3], dtype=I32)), ValueError,
+                 r"\(B,\)", id="seqlens_shape"),
+    pytest.param(kvcache(cache_seqlens=torch.tensor([3, 9], dtype=I32)), ValueError,
+                 "capacity", id="seqlens_past_cache"),
+    pytest.param(kvcache(cache_seqlens=torch.tensor([-1, 2], dtype=I32)), ValueError,
+                 "capacity", id="seqlens_negative"),
+    pytest.param(kvcache(**KNEW), ValueError, "capacity", id="cache_too_small_for_k_new"),
+    pytest.param(kvcache(k_new=KNEW["k_new"]), ValueError, "both k_new and v_new",
+                 id="k_new_without_v_new"),
+    pytest.param(kvcache(k_new=torch.randn(2, 1, 2, 8), v_new=torch.randn(2, 1, 2, 16)),
+                 ValueError, "k_new / v_new", id="k_new_shape"),
+    pytest.param(kvcache(k_new=torch.randn(2, 1, 2, 16, dtype=torch.float64),
+                         v_new=torch.randn(2, 1, 2, 16, dtype=torch.float64)), ValueError,
+                 "dtype", id="k_new_dtype"),
+    pytest.param(kvcache(cache_seqlens=None, **KNEW), ValueError, "cache_seqlens",
+                 id="k_new_without_seqlens"),
+    pytest.param(kvcache(paged=True, block_table=torch.tensor([[0, 1], [2, 6]], dtype=I32)),
+                 ValueError, r"\[0, 6\)", id="block_table_past_pages"),
+    pytest.param(kvcache(paged=True, block_table=torch.tensor([[-1, 1], [2, 3]], dtype=I32)),
+                 ValueError, "block_table", id="block_table_negative"),
+    pytest.param(kvcache(paged=True, block_table=torch.tensor([[0, 1], [2, 3]])), TypeError,
+                 "int32", id="block_table_int64"),
+    pytest.param(kvcache(paged=True, block_table=torch.tensor([[0, 1]], dtype=I32)),
+                 ValueError, "B = 2 rows", id="block_table_rows"),
+    pytest.param(kvcache(paged=True, cache_seqlens=torch.tensor([3, 9], dtype=I32)),
+                 ValueError, "capacity", id="paged_seqlens_past_table"),
+    pytest.param(kvcache(paged=True, cache_seqlens=None), ValueError, "cache_seqlens",
+                 id="paged_without_seqlens"),
+    pytest.param(kvcache(num_splits=-1), ValueError, "num_splits", id="num_splits_negative"),
+    pytest.param(kvcache(num_splits=2.0), ValueError, "num_splits", id="num_splits_float"),
+    pytest.param(kvcache(sink=torch.zeros(2)), ValueError, "sink", id="sink_shape"),
+    pytest.param(kvcache(window=[1]), ValueError, "pair", id="window_malformed"),
+    pytest.param(kvcache(softcap=-2.0), ValueError, ">= 0", id="softcap_negative"),
+    pytest.param(kvcache(causal="no"), TypeError, "bool", id="causal_str"),
+]
+
+
+def sparse(**over):
+    q, k, v = qkv()
+    kw = dict(q=q, k=k, v=v, indices=torch.zeros(2, 3, 2, 4, dtype=I32))
+    kw.update(over)
+    return lambda: fl.sparse_attention(**kw)
+
+
+SPARSE = [
+    pytest.param(sparse(q=torch.randn(2, 3, 16)), ValueError, "4 dims", id="q_rank"),
+    pytest.param(sparse(indices=torch.full((2, 3, 2, 4), 5, dtype=I32)), ValueError,
+                 r"\[0, 5\)", id="indices_past_sk"),
+    pytest.param(sparse(indices=torch.full((2, 3, 2, 4), -2, dtype=I32)), ValueError,
+                 "-1", id="indices_below_minus_one"),
+    pytest.param(sparse(indices=torch.zeros(2, 3, 2, 4, dtype=torch.int64)), TypeError,
+                 "int32", id="indices_int64"),
+    pytest.param(sparse(indices=torch.zeros(2, 3, 4, 4, dtype=I32)), ValueError,
+                 "Hkv", id="indices_heads"),
+    pytest.param(sparse(indices=torch.zeros(2, 3, 2, dtype=I32)), ValueError,
+                 "topk", id="indices_rank"),
+    pytest.param(sparse(k=torch.randn(2, 5, 3, 16), v=torch.randn(2, 5, 3, 16)), ValueError,
+                 "multiple", id="gqa_indivisible"),
+    pytest.param(sparse(k=torch.randn(2, 5, 2, 8)), ValueError, "share D", id="d_mismatch"),
+    pytest.param(sparse(v=torch.randn(2, 5, 2, 16, dtype=torch.float64)), ValueError,
+                 "dtype", id="dtype_mismatch"),
+    pytest.param(sparse(sink=torch.zeros(4, 2)), ValueError, "sink", id="sink_shape"),
+    pytest.param(sparse(scale=float("inf")), ValueError, "finite", id="scale_inf"),
+]
+
+
+def ms(**over):
+    kw = dict(outs=torch.randn(3, 2, 4, 5, 8), lses=torch.randn(3, 2, 4, 5))
+    kw.update(over)
+    return lambda: fl.merge_states(**kw)
+
+
+def mg(**over):
+    kw = dict(out_a=torch.randn(4, 8), lse_a=torch.randn(4), out_b=torch.randn(4, 8),
+              lse_b=torch.randn(4))
+    kw.update(over)
+    return lambda: fl.merge(**kw)
+
+
+MERGE = [
+    pytest.param(ms(lses=torch.randn(3, 2, 5, 4)), ValueError, "shape of outs without",
+                 id="lse_shape_mismatch"),
+    pytest.param(ms(lses=torch.randn(3, 2, 4)), ValueError, "shape of outs without",
+                 id="lse_rank_mismatch"),
+    pytest.param(ms(outs=torch.randn(3)), ValueError, "at least 2 dims", id="outs_rank"),
+    pytest.param(ms(outs=torch.randn(0, 2, 8), lses=torch.randn(0, 2)), ValueError, "N >= 1",
+                 id="no_states"),
+    pytest.param(ms(lses=torch.zeros(3, 2, 4, 5, dtype=torch.int32)), TypeError,
+                 "floating point", id="lses_int"),
+    pytest.param(ms(outs=[1.0]), TypeError, "torch.Tensor", id="outs_not_tensor"),
+    pytest.param(ms(sink=torch.zeros(3)), ValueError, "broadcast", id="sink_not_broadcast"),
+    pytest.param(ms(sink=[0.0]), TypeError, "sink", id="sink_not_tensor"),
+    pytest.param(mg(lse_b=torch.randn(5)), ValueError, "equal shapes", id="merge_shapes"),
+    pytest.param(mg(out_b=torch.randn(4, 8, dtype=torch.float64)), ValueError, "dtype",
+                 id="merge_dtypes"),
+    pytest.param(mg(lse_a=0.0), TypeError, "torch.Tensor", id="merge_not_tensor"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", ATTENTION)
+def test_attention_validation(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.parametrize("call,exc,match", VARLEN)
+def test_attention_varlen_validation(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.parametrize("call,exc,match", KVCACHE)
+def test_attention_with_kvcache_validation(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.parametrize("call,exc,match", SPARSE)
+def test_sparse_attention_validation(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.parametrize("call,exc,match", MERGE)
+def test_merge_validation(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_messages_say_expected_and_got():
+    with pytest.raises(ValueError, match=r"got shape \(3, 4, 16\).*transpose\(1, 2\)"):
+        attn(q=torch.randn(3, 4, 16))()
+    with pytest.raises(ValueError) as e:
+        attn(k=torch.randn(2, 5, 3, 16), v=torch.randn(2, 5, 3, 16))()
+    assert "(4)" in str(e.value) and "(3)" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        varlen(cu_seqlens_k=torch.tensor([0, 5, 4, 9], dtype=I32))()
+    assert "[0, 5, 4, 9]" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        kvcache(**KNEW)()
+    msg = str(e.value)
+    assert "[0, 8]" in msg and "Snew = 4" in msg and "grow" in msg
+
+
+def test_failed_validation_leaves_the_cache_untouched():
+    kc, vc = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)
+    k0, v0 = kc.clone(), vc.clone()
+    bad = torch.tensor([[0, 1], [2, 7]], dtype=I32)
+    with pytest.raises(ValueError):
+        fl.attention_with_kvcache(torch.randn(2, 1, 4, 16), kc, vc,
+                                  cache_seqlens=torch.tensor([3, 5], dtype=I32),
+                                  block_table=bad, k_new=torch.randn(2, 1, 2, 16),
+                                  v_new=torch.randn(2, 1, 2, 16))
+    assert torch.equal(kc, k0) and torch.equal(vc, v0)
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(attn(window=(-1, -1)), id="attention_window_minus_one"),
+    pytest.param(attn(window=None, softcap=0, scale=1), id="attention_int_scale_softcap"),
+    pytest.param(varlen(qlens=(0, 5), klens=(0, 9)), id="varlen_zero_len"),
+    pytest.param(kvcache(cache_seqlens=torch.tensor([0, 8], dtype=I32)), id="kvcache_bounds"),
+    pytest.param(kvcache(paged=True, cache_seqlens=torch.tensor([0, 8], dtype=I32),
+                         block_table=torch.tensor([[-1, -1], [2, 3]], dtype=I32)),
+                 id="paged_unused_pages_unchecked"),
+    pytest.param(sparse(indices=torch.full((2, 3, 2, 4), -1, dtype=I32)), id="sparse_all_none"),
+    pytest.param(ms(sink=torch.zeros(4, 1)), id="merge_states_sink_h1"),
+])
+def test_valid_edge_inputs_pass_validation(call):
+    # Valid inputs reach the (patched) computation.
+    with pytest.raises(AssertionError, match="before validation finished"):
+        call()
