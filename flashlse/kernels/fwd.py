@@ -1,0 +1,559 @@
+"""Forward attention kernel: dense and varlen, every mask, sink, softcap, GQA, honest LSE.
+
+Math (DESIGN.md §1). For one query row with scores ``s_j = scale * q . k_j`` (or the
+soft-capped ``c * tanh(s_j / c)``), masked keys removed, the kernel returns
+
+    lse = log(sum_j e^{s_j} [+ e^{sink}])          out = sum_j e^{s_j - lse} v_j
+
+It works in base 2 so that each exponential is one ``ex2`` instruction: with
+``t_j = s_j * log2(e)`` we have ``e^{s_j} = 2^{t_j}`` and ``lse = ln(2) * lse_log2``.
+Without softcap ``t_j = (scale * log2 e) * (q . k_j)``: the scale is folded into the
+constant ``scale_log2`` and, inside full tiles, into one fused multiply-add
+``2^(x * scale_log2 - m)``.
+
+Online softmax over key tiles keeps, per row, the running maximum ``m`` (base 2), the
+running sum ``l = sum_j 2^(t_j - m)`` and the unnormalised output ``acc``. A new tile
+with row maximum ``m'`` = max(m, max_j t_j) rescales by ``alpha = 2^(m - m')``. A row that
+has seen only masked keys has ``m = -inf``; the pivot used in the exponentials is then
+replaced by 0 (``tl.where(m == -inf, 0, m)``) so that ``2^(-inf - 0) = 0`` and never
+``2^(-inf + inf) = NaN``. In full tiles every score is finite, so ``m'`` is finite and
+no ``where`` is needed there.
+
+Epilogue: ``l == 0`` exactly when the row saw no key (a visible key contributes
+``2^0 = 1`` at the maximum), so ``inv_sum = 0 if l == 0 else 1 / l`` gives ``out = 0``
+and ``lse_log2 = -inf`` with no division by zero. A sink ``t_s = sink * log2 e`` is one
+more key of value 0, added once here: ``m_f = max(m, t_s)``,
+``l_f = l * 2^(m - m_f) + 2^(t_s - m_f)`` (>= 1, so never zero) and
+``out = acc * 2^(m - m_f) / l_f``, ``lse_log2 = m_f + log2(l_f)``.
+
+Masks, bottom-right aligned (masks.py): with ``shift = Sk - Sq`` row i sees key j iff
+``i + shift - left <= j <= i + shift + right``. For a row block ``[m0, m_last]`` the
+visible keys lie in ``[m0 + shift - left, m_last + shift + right]``, so key tiles
+outside it are never loaded. A tile is *full* (no element masked) when it lies inside
+``[m_last + shift - left, m0 + shift + right]`` and before ``Sk``; only the tiles between
+the two ranges pay for the mask. The loop runs in three ranges: masked left edge (only
+with a left window), full middle, masked right edge (causal diagonal and the ragged end
+of the keys).
+
+Schedule: one program per (batch, query head, row block), on a 1-D grid handed out head
+group by head group (so that a group's K/V stays in L2) and, inside a group, last row block
+first: under a causal mask the last block has the most keys, so the longest work starts
+first and short blocks fill the tail. A block that sees no key at all (causal with Sq > Sk,
+a window past the keys, Sk = 0) stores the empty state and loads nothing. GQA maps query
+head h to key/value head ``h // (Hq / Hkv)``.
+
+Memory: tiles move either through TMA tensor descriptors built inside the kernel over exactly
+one (sequence, head) slice (the copy engine zero-fills rows past the sequence end and columns
+past the head dim, 59 -> 64, and clips the store of out, so varlen neighbours stay
+untouched), or through masked pointer loads. TMA needs sm90 and 16-byte aligned bases and
+row strides; where it is allowed the per-head-dim table picks the faster of the two, as
+measured on an H200 (benchmarks/NOTES.md), and warp specialisation goes with TMA only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@triton.jit
+def _load_rows(ref, o_r, i_r0, stride_r, n_rows, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               N_COLS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Tile ``[BLOCK_R, BLOCK_C]`` of rows ``i_r0 + o_r`` of a (rows, N_COLS) slice, zeros outside."""
+    if USE_TMA:
+        b_x = ref.load([i_r0, 0])
+    else:
+        o_c = tl.arange(0, BLOCK_C)
+        p_x = ref + o_r[:, None].to(tl.int64) * stride_r + o_c[None, :]
+        m_x = (o_r[:, None] < n_rows) & (o_c[None, :] < N_COLS)
+        b_x = tl.load(p_x, mask=m_x, other=0.0)
+    return b_x
+
+
+@triton.jit
+def _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Raw scores ``q . k`` of key tile ``[n0, n0 + BLOCK_N)``: ``[BLOCK_M, BLOCK_N]``."""
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    # [BLOCK_N, BLOCK_D]
+    b_k = _load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+    return tl.dot(b_q, tl.trans(b_k))
+
+
+@triton.jit
+def _attn_fwd_softmax_pv(
+    b_acc, b_m, b_l, b_s,
+    v_ref, stride_vs,
+    n0, o_m, T_k, shift, left, right,
+    scale_log2, softcap_a2, softcap_c2,
+    DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Online-softmax update with the raw scores ``b_s`` of key tile ``[n0, n0 + BLOCK_N)``."""
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    if HAS_SOFTCAP:
+        # c * tanh(scale * s / c) in base 2: tanh(x) = 1 - 2 / (1 + 2^(2 x log2 e)),
+        # exact at both infinities (2^inf -> 1, 2^-inf -> -1), no NaN.
+        b_s = softcap_c2 * (1.0 - 2.0 / (1.0 + tl.math.exp2(b_s * softcap_a2)))
+    if MASK or HAS_SOFTCAP:
+        if not HAS_SOFTCAP:
+            b_s = b_s * scale_log2
+        if MASK:
+            m_s = o_n[None, :] < T_k
+            if HAS_RIGHT:
+                m_s = m_s & (o_n[None, :] <= o_m[:, None] + shift + right)
+            if HAS_LEFT:
+                m_s = m_s & (o_n[None, :] >= o_m[:, None] + shift - left)
+            b_s = tl.where(m_s, b_s, float("-inf"))
+        # [BLOCK_M]
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        # A row with no visible key yet keeps m = -inf; pivot on 0 so 2^(-inf - 0) = 0.
+        b_piv = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.math.exp2(b_s - b_piv[:, None])
+    else:
+        # Full tile, no softcap: every score is finite, so the new max is finite and the
+        # scale folds into one multiply-add per element.
+        if NEG_SCALE:
+            b_m_new = tl.maximum(b_m, tl.min(b_s, 1) * scale_log2)
+        else:
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * scale_log2)
+        b_piv = b_m_new
+        b_p = tl.math.exp2(b_s * scale_log2 - b_piv[:, None])
+    # [BLOCK_M]; m = -inf before the first visible key gives alpha = 0 on a zero acc.
+    b_alpha = tl.math.exp2(b_m - b_piv)
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    # [BLOCK_N, BLOCK_DV]
+    b_v = _load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
+    # [BLOCK_M, BLOCK_DV]
+    b_acc = b_acc * b_alpha[:, None]
+    b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
+    return b_acc, b_m_new, b_l
+
+
+@triton.jit
+def _attn_fwd_inner(
+    b_acc, b_m, b_l, b_q,
+    k_ref, v_ref,
+    stride_ks, stride_vs,
+    n_lo, n_hi,
+    o_m, T_k, shift, left, right,
+    scale_log2, softcap_a2, softcap_c2,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Key tiles ``[n_lo, n_hi)`` (``n_lo`` a multiple of BLOCK_N), masked or all full."""
+    if INTERPRET:
+        # Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4
+        # refuses as range() bounds; a while loop compares them instead.
+        n0 = n_lo
+        while n0 < n_hi:
+            b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+            b_acc, b_m, b_l = _attn_fwd_softmax_pv(
+                b_acc, b_m, b_l, b_s, v_ref, stride_vs,
+                n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+                DV, BLOCK_N, BLOCK_DV,
+                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+            )
+            n0 += BLOCK_N
+    else:
+        for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            n0 = tl.multiple_of(n0, BLOCK_N)
+            b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+            b_acc, b_m, b_l = _attn_fwd_softmax_pv(
+                b_acc, b_m, b_l, b_s, v_ref, stride_vs,
+                n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+                DV, BLOCK_N, BLOCK_DV,
+                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+            )
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _attn_fwd_store(
+    b_acc, b_m, b_l, o_m, m0, T_q,
+    p_o, stride_os, p_lse, sink, i_h,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINK: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Epilogue: normalise, add the sink once, store out and the natural-log lse."""
+    # l == 0 exactly for a row with no visible key.
+    if HAS_SINK:
+        b_sink = tl.load(sink + i_h).to(tl.float32) * 1.4426950408889634
+        b_m_f = tl.maximum(b_m, b_sink)
+        b_w = tl.math.exp2(b_m - b_m_f)
+        b_l = b_l * b_w + tl.math.exp2(b_sink - b_m_f)
+        b_scale = b_w / b_l
+        b_lse_log2 = b_m_f + tl.math.log2(b_l)
+    else:
+        b_nonempty = b_l > 0.0
+        # Neither branch of a where may divide by or take the log of the zero sum.
+        b_l_safe = tl.where(b_nonempty, b_l, 1.0)
+        b_scale = tl.where(b_nonempty, 1.0 / b_l_safe, 0.0)
+        b_lse_log2 = tl.where(b_nonempty, b_m + tl.math.log2(b_l_safe), float("-inf"))
+    # [BLOCK_M, BLOCK_DV]
+    b_o = b_acc * b_scale[:, None]
+    tl.store(p_lse + o_m, b_lse_log2 * 0.6931471805599453, mask=o_m < T_q)
+    if USE_TMA:
+        o_ref = tl.make_tensor_descriptor(p_o, shape=[T_q, DV], strides=[stride_os, 1],
+                                          block_shape=[BLOCK_M, BLOCK_DV])
+        o_ref.store([m0, 0], b_o.to(p_o.dtype.element_ty))
+    else:
+        o_dv = tl.arange(0, BLOCK_DV)
+        p_out = p_o + o_m[:, None].to(tl.int64) * stride_os + o_dv[None, :]
+        m_out = (o_m[:, None] < T_q) & (o_dv[None, :] < DV)
+        tl.store(p_out, b_o.to(p_out.dtype.element_ty), mask=m_out)
+
+
+# Lengths, window bounds and grid sizes change per call; specialising on them only recompiles.
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "n_bh", "group_heads", "left", "right"])
+def _attn_fwd_kernel(
+    q, k, v, o, lse, sink,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, n_bh, group_heads,
+    left, right,
+    scale_log2, softcap_a2, softcap_c2,
+    HQ: tl.constexpr, GROUP: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, NEG_SCALE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Row blocks are handed out head group by head group (GROUP_HEADS (batch, head) pairs at a
+    # time, so their K/V stay in L2), and inside a group last block first: under a causal
+    # mask the last block has the most keys, so the longest work starts first.
+    i_pid = tl.program_id(0)
+    n_m = tl.cdiv(seqlen_q, BLOCK_M)
+    n_per_group = n_m * group_heads
+    i_group = i_pid // n_per_group
+    heads = tl.minimum(group_heads, n_bh - i_group * group_heads)
+    i_r = i_pid - i_group * n_per_group
+    i_m = n_m - 1 - i_r // heads
+    i_bh = i_group * group_heads + i_r % heads
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    i_hk = i_h // GROUP
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
+        T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
+        bos_k = tl.load(cu_seqlens_k + i_b).to(tl.int64)
+        if HAS_SEQUSED_K:
+            T_k = tl.load(seqused_k + i_b)
+        else:
+            T_k = (tl.load(cu_seqlens_k + i_b + 1) - bos_k).to(tl.int32)
+    else:
+        bos = 0
+        bos_k = 0
+        T_q = seqlen_q
+        T_k = seqlen_k
+    m0 = i_m * BLOCK_M
+    if m0 >= T_q:
+        return
+    m_last = tl.minimum(m0 + BLOCK_M, T_q) - 1
+    shift = T_k - T_q
+
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    p_o = o + i_b.to(tl.int64) * stride_ob + bos * stride_os + i_h.to(tl.int64) * stride_oh
+    p_lse = lse + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + bos
+    # [BLOCK_M]
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # [BLOCK_M, BLOCK_DV]
+    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    # Key range seen by some row of the block; tiles outside it are skipped entirely.
+    n_hi = T_k
+    if HAS_RIGHT:
+        n_hi = tl.minimum(n_hi, m_last + shift + right + 1)
+    n_lo = 0
+    if HAS_LEFT:
+        n_lo = tl.maximum(m0 + shift - left, 0)
+        n_lo = (n_lo // BLOCK_N) * BLOCK_N
+    n_hi = tl.maximum(n_hi, n_lo)
+    if n_hi == n_lo:
+        # No row of the block sees a key: write the empty state, load nothing.
+        _attn_fwd_store(b_acc, b_m, b_l, o_m, m0, T_q, p_o, stride_os, p_lse, sink, i_h,
+                        DV, BLOCK_M, BLOCK_DV, HAS_SINK, USE_TMA)
+        return
+    # Full tiles: [n_full_lo, n_full_hi), seen whole by every row of the block.
+    n_end = T_k
+    if HAS_RIGHT:
+        n_end = tl.minimum(n_end, m0 + shift + right + 1)
+    n_full_hi = (tl.maximum(n_end, 0) // BLOCK_N) * BLOCK_N
+    n_full_lo = n_lo
+    if HAS_LEFT:
+        n_start = tl.maximum(m_last + shift - left, 0)
+        n_full_lo = tl.maximum(tl.cdiv(n_start, BLOCK_N) * BLOCK_N, n_lo)
+    n_full_lo = tl.minimum(n_full_lo, n_hi)
+    n_full_hi = tl.minimum(tl.maximum(n_full_hi, n_full_lo), n_hi)
+
+    p_q = q + i_b.to(tl.int64) * stride_qb + bos * stride_qs + i_h.to(tl.int64) * stride_qh
+    p_k = k + i_b.to(tl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(tl.int64) * stride_kh
+    p_v = v + i_b.to(tl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(tl.int64) * stride_vh
+    if USE_TMA:
+        # One descriptor per (sequence, head) slice: rows past its end read as zeros and
+        # the store of out is clipped there, so neighbours in a varlen batch stay untouched.
+        q_ref = tl.make_tensor_descriptor(p_q, shape=[T_q, D], strides=[stride_qs, 1],
+                                          block_shape=[BLOCK_M, BLOCK_D])
+        k_ref = tl.make_tensor_descriptor(p_k, shape=[T_k, D], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_ref = tl.make_tensor_descriptor(p_v, shape=[T_k, DV], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        q_ref = p_q
+        k_ref = p_k
+        v_ref = p_v
+
+    # [BLOCK_M, BLOCK_D]
+    b_q = _load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
+    if HAS_LEFT:
+        b_acc, b_m, b_l = _attn_fwd_inner(
+            b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs,
+            n_lo, n_full_lo, o_m, T_k, shift, left, right,
+            scale_log2, softcap_a2, softcap_c2,
+            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+            WARP_SPECIALIZE, INTERPRET,
+        )
+    b_acc, b_m, b_l = _attn_fwd_inner(
+        b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs,
+        n_full_lo, n_full_hi, o_m, T_k, shift, left, right,
+        scale_log2, softcap_a2, softcap_c2,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+        False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+        WARP_SPECIALIZE, INTERPRET,
+    )
+    b_acc, b_m, b_l = _attn_fwd_inner(
+        b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs,
+        n_full_hi, n_hi, o_m, T_k, shift, left, right,
+        scale_log2, softcap_a2, softcap_c2,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+        True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+        WARP_SPECIALIZE, INTERPRET,
+    )
+    _attn_fwd_store(b_acc, b_m, b_l, o_m, m0, T_q, p_o, stride_os, p_lse, sink, i_h,
+                    DV, BLOCK_M, BLOCK_DV, HAS_SINK, USE_TMA)
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs sm90+, 16-byte aligned bases and row strides, and 16-byte rows at least."""
+    if not _interpreting() and (
+        not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9
+    ):
+        return False
+    for t in tensors:
+        es = t.element_size()
+        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _alloc_scratch(size: int, alignment: int, stream):
+    # Global scratch where the kernel writes its in-kernel TMA descriptors (128 B each).
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+# Launch configuration per padded head dim (the wider of D and Dv), the winners of the sweeps
+# on an H200 at S = 4k-8k (benchmarks/NOTES.md). USE_TMA=False takes pointer loads even where
+# TMA would work; GROUP_HEADS is the schedule's head group (absent: from the L2 size).
+_CONFIGS = {
+    32: dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, USE_TMA=False, GROUP_HEADS=1),
+    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, USE_TMA=False, GROUP_HEADS=1),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, USE_TMA=False, GROUP_HEADS=1),
+    256: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, WARP_SPECIALIZE=True),
+}
+# Masked (causal or window) calls, where they differ.
+_MASKED_CONFIGS = {
+    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, USE_TMA=False, GROUP_HEADS=1),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, WARP_SPECIALIZE=True),
+}
+
+# Set by benchmarks and tests to sweep configurations (keys of _pick_config's dict, and
+# USE_TMA=False to force pointer loads); None uses the tables above.
+CONFIG_OVERRIDE: dict | None = None
+
+# Block shapes for which warp specialisation failed to compile (fallback taken).
+_WS_FAILED: set = set()
+
+# Output allocator; tests swap in one that fills with NaN to prove every element is written.
+_empty = torch.empty
+
+
+def _pick_config(block_d: int, block_dv: int, masked: bool) -> dict:
+    if _interpreting():
+        # Small tiles keep the interpreter fast and give tests several tiles per row.
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    else:
+        key = min(max(block_d, block_dv, 32), 256)
+        cfg = dict((_MASKED_CONFIGS if masked else _CONFIGS).get(key) or _CONFIGS[key])
+    cfg.setdefault("WARP_SPECIALIZE", False)
+    if CONFIG_OVERRIDE:
+        cfg.update(CONFIG_OVERRIDE)
+    return cfg
+
+
+def _group_heads(seqlen_k: int, width: int, elsize: int) -> int:
+    # Heads whose K and V together fill about a third of the H200's 50 MB L2.
+    return max(1, (16 << 20) // max(1, seqlen_k * width * elsize))
+
+
+def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+             seqused_k=None):
+    """``out = softmax(scale * q k^T [masked]) v`` and ``lse = log sum exp`` (+ sink), rowwise.
+
+    Inputs are assumed valid (ops/ validates). Any strides with the last one 1.
+
+    Args:
+        q: ``(B, Sq, Hq, D)``, or ``(total_q, Hq, D)`` with ``cu_seqlens_q``.
+        k: ``(B, Sk, Hkv, D)``, or ``(total_k, Hkv, D)``.
+        v: ``(B, Sk, Hkv, Dv)``, or ``(total_k, Hkv, Dv)``.
+        left, right: window bounds (int >= 0) or None for unbounded; causal is ``right=0``.
+        softcap: ``c > 0`` applies ``c * tanh(s / c)`` before masking; 0 is off.
+        scale: multiplies ``q . k``.
+        sink: ``(Hq,)`` float32 per-head logits or None.
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 offsets (varlen).
+        max_seqlen_q, max_seqlen_k: ints (varlen).
+        seqused_k: ``(B,)`` int32 keys used per sequence, or None.
+
+    Returns:
+        ``out (B, Sq, Hq, Dv)`` in ``q.dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
+        varlen: ``out (total_q, Hq, Dv)``, ``lse (Hq, total_q)``.
+    """
+    is_varlen = cu_seqlens_q is not None
+    d, dv = q.shape[-1], v.shape[-1]
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if is_varlen:
+        batch = cu_seqlens_q.numel() - 1
+        total_q = q.shape[0]
+        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        out = _empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
+        lse = _empty((hq, total_q), dtype=torch.float32, device=q.device)
+        # Varlen tensors have no batch stride: the sequence offset moves along the rows.
+        sq_b = sk_b = sv_b = so_b = 0
+        sq_s, sq_h = q.stride(0), q.stride(1)
+        sk_s, sk_h = k.stride(0), k.stride(1)
+        sv_s, sv_h = v.stride(0), v.stride(1)
+        so_s, so_h = out.stride(0), out.stride(1)
+        sl_b, sl_h = 0, lse.stride(0)
+        n_rows = total_q
+    else:
+        batch, seqlen_q = q.shape[0], q.shape[1]
+        seqlen_k = k.shape[1]
+        out = _empty((batch, seqlen_q, hq, dv), dtype=q.dtype, device=q.device)
+        lse = _empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device)
+        sq_b, sq_s, sq_h = q.stride(0), q.stride(1), q.stride(2)
+        sk_b, sk_s, sk_h = k.stride(0), k.stride(1), k.stride(2)
+        sv_b, sv_s, sv_h = v.stride(0), v.stride(1), v.stride(2)
+        so_b, so_s, so_h = out.stride(0), out.stride(1), out.stride(2)
+        sl_b, sl_h = lse.stride(0), lse.stride(1)
+        n_rows = batch * seqlen_q
+    if n_rows == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
+        return out, lse
+
+    block_d = max(triton.next_power_of_2(d), 16)
+    block_dv = max(triton.next_power_of_2(dv), 16)
+    cfg = _pick_config(block_d, block_dv, right is not None or left is not None)
+    use_tma = cfg.pop("USE_TMA", True) and _tma_ok(q, k, v, out)
+    # Triton 3.6's Hopper warp specialisation compiled here only with TMA loads and 8 warps
+    # (4 warps hit an assertion in its TaskIdPropagation pass).
+    ws = cfg["WARP_SPECIALIZE"] and use_tma and cfg["num_warps"] >= 8 and not _interpreting()
+    if use_tma and not _interpreting():
+        triton.set_allocator(_alloc_scratch)
+    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    scale = float(scale)
+    softcap = float(softcap or 0.0)
+    n_bh = batch * hq
+    group_heads = cfg.get("GROUP_HEADS") or _group_heads(seqlen_k, d + dv, q.element_size())
+    grid = (n_bh * triton.cdiv(seqlen_q, cfg["BLOCK_M"]),)
+
+    def launch(ws):
+        _attn_fwd_kernel[grid](
+            q=q,
+            k=k,
+            v=v,
+            o=out,
+            lse=lse,
+            sink=sink,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            seqused_k=seqused_k,
+            stride_qb=sq_b,
+            stride_qs=sq_s,
+            stride_qh=sq_h,
+            stride_kb=sk_b,
+            stride_ks=sk_s,
+            stride_kh=sk_h,
+            stride_vb=sv_b,
+            stride_vs=sv_s,
+            stride_vh=sv_h,
+            stride_ob=so_b,
+            stride_os=so_s,
+            stride_oh=so_h,
+            stride_lb=sl_b,
+            stride_lh=sl_h,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            n_bh=n_bh,
+            group_heads=min(group_heads, n_bh),
+            left=0 if left is None else int(left),
+            right=0 if right is None else int(right),
+            scale_log2=scale * LOG2E,
+            softcap_a2=(2.0 * LOG2E * scale / softcap) if softcap > 0 else 0.0,
+            softcap_c2=softcap * LOG2E,
+            HQ=hq,
+            GROUP=hq // hkv,
+            D=d,
+            DV=dv,
+            BLOCK_D=block_d,
+            BLOCK_DV=block_dv,
+            HAS_LEFT=left is not None,
+            HAS_RIGHT=right is not None,
+            HAS_SOFTCAP=softcap > 0,
+            HAS_SINK=sink is not None,
+            NEG_SCALE=scale < 0,
+            IS_VARLEN=is_varlen,
+            HAS_SEQUSED_K=seqused_k is not None,
+            USE_TMA=use_tma,
+            WARP_SPECIALIZE=ws,
+            INTERPRET=_interpreting(),
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+
+    key = (block_d, block_dv, cfg["BLOCK_M"], cfg["BLOCK_N"], num_warps, q.dtype)
+    if ws and key not in _WS_FAILED:
+        try:
+            launch(True)
+            return out, lse
+        except Exception:  # noqa: BLE001 - compiler failure: the plain kernel is the fallback
+            # Warp specialisation is young in Triton 3.6: if its passes reject a kernel,
+            # run the same kernel without it rather than fail the call.
+            _WS_FAILED.add(key)
+    launch(False)
+    return out, lse

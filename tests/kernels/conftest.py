@@ -1,0 +1,30 @@
+"""Kernel tests run on a CUDA GPU, or on CPU tensors under ``TRITON_INTERPRET=1`` (CI)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+_HERE = Path(__file__).parent
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    no_kernels = pytest.mark.skip(reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+    no_gpu = pytest.mark.skip(reason="real-size kernel test: needs a CUDA GPU")
+    for item in items:
+        if _HERE not in Path(item.path).parents:
+            continue
+        if not (HAS_CUDA or INTERPRET):
+            item.add_marker(no_kernels)
+        elif "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(no_gpu)
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if HAS_CUDA else "cpu"

@@ -1,0 +1,252 @@
+"""``kernels.fwd.attn_fwd`` against the float64 reference (out and lse, every row).
+
+Tolerance (STYLE.md §3): ``err(kernel) <= 2 * err(torch in the same dtype) + atol``, both
+measured against ``flashlse.reference`` in float64. Empty rows must match exactly:
+``-inf`` where the reference has ``-inf`` and nowhere else, ``out = 0`` there, and no NaN
+anywhere; outputs are allocated pre-filled with NaN so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashlse import reference
+from flashlse.kernels import fwd
+from flashlse.masks import visible
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    def empty_nan(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(fwd, "_empty", empty_nan)
+    monkeypatch.setattr(fwd, "CONFIG_OVERRIDE", None)
+
+
+def _torch_attention(q, k, v, left, right, softcap, scale, sink):
+    """The same attention in q's dtype with plain torch ops: the error yardstick."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    g = hq // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(g, 1)
+    vh = v.transpose(1, 2).repeat_interleave(g, 1)
+    s = qh.matmul(kh.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    ok = visible(torch.arange(sq, device=q.device), torch.arange(sk, device=q.device),
+                 sq, sk, left, right)
+    if ok is not None:
+        s = s.masked_fill(~ok, float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.to(s.dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)], -1)
+    lse = torch.logsumexp(s.float(), -1).to(s.dtype) if s.shape[-1] else s.new_full(
+        (b, hq, sq), float("-inf"))
+    piv = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - piv[..., None])[..., :sk]
+    out = p.matmul(vh).transpose(1, 2)
+    return out, lse
+
+
+def _window(causal, window):
+    from flashlse.masks import normalize_window
+
+    return normalize_window(causal, window)
+
+
+def _check(out, lse, ref_out, ref_lse, pt_out, pt_lse, atol):
+    assert not torch.isnan(out).any(), "NaN (or unwritten element) in out"
+    assert not torch.isnan(lse).any(), "NaN (or unwritten element) in lse"
+    assert not torch.isposinf(lse).any(), "+inf in lse"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "-inf pattern of lse"
+    ref_out, ref_lse = ref_out.to(out.device), ref_lse.to(out.device)
+    err = (out.double() - ref_out).abs().max().item() if out.numel() else 0.0
+    pt_err = (pt_out.double() - ref_out).abs().max().item() if out.numel() else 0.0
+    assert err <= 2 * pt_err + atol, f"out: err {err:.3g} vs torch {pt_err:.3g}"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        err = (lse.double() - ref_lse)[fin].abs().max().item()
+        pt_err = (pt_lse.double() - ref_lse)[fin].abs().max().item()
+        assert err <= 2 * pt_err + atol, f"lse: err {err:.3g} vs torch {pt_err:.3g}"
+    # Empty rows: out exactly 0.
+    empty = torch.isneginf(ref_lse)
+    if empty.any():
+        rows = out.transpose(-3, -2) if out.dim() == 4 else out.transpose(0, 1)
+        assert (rows[empty] == 0).all(), "empty rows must give out = 0"
+
+
+def _atol(dtype):
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+
+def _run_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, causal=False, window=(None, None),
+               softcap=0.0, sink=False, scale=None, strided=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if strided:
+        # A (B, Hq, Sq, D + 8) buffer viewed as (B, Sq, Hq, D): no stride is contiguous-like.
+        q = torch.randn(b, hq, sq, d + 8, generator=gen).to(dtype).to(device)
+        q = q.transpose(1, 2)[..., :d]
+    else:
+        q = torch.randn(b, sq, hq, d, generator=gen).to(dtype).to(device)
+    k = torch.randn(b, sk, hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(b, sk, hkv, dv, generator=gen).to(dtype).to(device)
+    sink_t = (torch.randn(hq, generator=gen) * 2).to(device) if sink else None
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    left, right = _window(causal, window)
+    out, lse = fwd.attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
+                            sink=sink_t)
+    assert out.shape == (b, sq, hq, dv) and out.dtype == dtype
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, window=window,
+                                           softcap=softcap, scale=scale, sink=sink_t,
+                                           return_lse=True)
+    pt_out, pt_lse = _torch_attention(q, k, v, left, right, softcap, scale, sink_t)
+    _check(out, lse, ref_out, ref_lse, pt_out, pt_lse, _atol(dtype))
+
+
+# (b, sq, sk, hq, hkv, d, dv, keywords): tiny shapes, tiles of 16 under the interpreter.
+DENSE_CASES = [
+    pytest.param(2, 33, 47, 2, 2, 32, 32, {}, id="base"),
+    pytest.param(1, 40, 17, 2, 1, 32, 32, {"causal": True}, id="causal_sq_gt_sk_empty_rows"),
+    pytest.param(1, 17, 40, 2, 1, 32, 32, {"causal": True}, id="causal_sq_lt_sk"),
+    pytest.param(1, 30, 10, 2, 2, 32, 32, {"window": (2, 1)}, id="window_empties_rows"),
+    pytest.param(1, 20, 45, 2, 1, 32, 32, {"window": (5, 3)}, id="window_both"),
+    pytest.param(1, 45, 45, 2, 1, 32, 32, {"window": (7, None)}, id="window_left_only"),
+    pytest.param(1, 35, 35, 2, 1, 32, 32, {"window": (17, 0), "causal": True},
+                 id="causal_sliding"),
+    pytest.param(1, 20, 0, 2, 1, 32, 32, {}, id="sk0"),
+    pytest.param(1, 20, 0, 2, 1, 32, 32, {"sink": True}, id="sk0_sink"),
+    pytest.param(1, 25, 30, 2, 2, 32, 32, {"sink": True}, id="sink"),
+    pytest.param(1, 40, 17, 2, 1, 32, 32, {"sink": True, "causal": True},
+                 id="sink_empty_rows"),
+    pytest.param(1, 30, 30, 2, 1, 32, 32, {"softcap": 1.5}, id="softcap"),
+    pytest.param(1, 30, 20, 2, 1, 32, 32, {"softcap": 3.0, "causal": True},
+                 id="softcap_causal"),
+    pytest.param(1, 20, 33, 4, 2, 32, 32, {}, id="gqa"),
+    pytest.param(1, 20, 33, 4, 1, 32, 32, {"causal": True}, id="mqa_causal"),
+    pytest.param(1, 1, 1, 1, 1, 32, 32, {}, id="sq1_sk1"),
+    pytest.param(1, 1, 63, 2, 1, 32, 32, {"causal": True}, id="decode_row"),
+    pytest.param(1, 63, 113, 1, 1, 32, 32, {}, id="odd_63_113"),
+    pytest.param(1, 113, 63, 1, 1, 32, 32, {"causal": True}, id="odd_113_63_causal"),
+    pytest.param(1, 20, 30, 1, 1, 59, 59, {}, id="d59_pointer_loads"),
+    pytest.param(1, 20, 30, 2, 1, 59, 40, {"causal": True}, id="d59_dv40"),
+    pytest.param(1, 17, 20, 2, 2, 64, 64, {"window": (3, 4)}, id="d64"),
+    pytest.param(1, 17, 20, 2, 1, 111, 111, {}, id="d111"),
+    pytest.param(1, 9, 17, 2, 1, 192, 128, {"causal": True}, id="d192_dv128"),
+    pytest.param(2, 25, 30, 4, 2, 32, 32, {"strided": True}, id="strided_q"),
+    pytest.param(1, 20, 30, 2, 1, 32, 32, {"scale": -0.3}, id="negative_scale"),
+]
+
+
+# The interpreter's tl.dot is wrong on bf16, so bf16 runs on the GPU only.
+DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,dv,kw", DENSE_CASES)
+def test_attn_fwd_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, kw):
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, **kw)
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_attn_fwd_load_paths(device, monkeypatch, use_tma, dtype):
+    if HAS_CUDA and dtype == torch.float32:
+        pytest.skip("the GPU kernels take fp16/bf16")
+    # Three (batch, head) pairs per schedule group: 8 pairs leave a partial last group.
+    monkeypatch.setattr(fwd, "CONFIG_OVERRIDE", {"USE_TMA": use_tma, "GROUP_HEADS": 3})
+    _run_dense(device, dtype, 2, 37, 41, 4, 2, 32, 32, causal=True, sink=True, seed=3)
+    _run_dense(device, dtype, 1, 20, 64, 2, 1, 32, 32, seed=4)
+
+
+def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=False,
+                window=(None, None), used=None, sink=False, softcap=0.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, *torch.tensor(seqlens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(seqlens_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), hq, d, generator=gen).to(dtype).to(device)
+    k = torch.randn(int(cu_k[-1]), hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(int(cu_k[-1]), hkv, dv, generator=gen).to(dtype).to(device)
+    sink_t = torch.randn(hq, generator=gen).to(device) if sink else None
+    seqused = None if used is None else torch.tensor(used, dtype=torch.int32, device=device)
+    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
+    scale = 1.0 / math.sqrt(d)
+    left, right = _window(causal, window)
+    out, lse = fwd.attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
+                            sink=sink_t, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+                            seqused_k=seqused)
+    assert out.shape == (q.shape[0], hq, dv) and lse.shape == (hq, q.shape[0])
+    ref_out, ref_lse = reference.attention_varlen(
+        q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k), seqused_k=seqused, causal=causal,
+        window=window, softcap=softcap, scale=scale, sink=sink_t, return_lse=True)
+    pt_out, pt_lse = [], []
+    for i in range(len(seqlens_q)):
+        q0, q1 = int(cu_q[i]), int(cu_q[i + 1])
+        k0 = int(cu_k[i])
+        k1 = k0 + (used[i] if used is not None else seqlens_k[i])
+        o_i, l_i = _torch_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], left,
+                                    right, softcap, scale, sink_t)
+        pt_out.append(o_i[0])
+        pt_lse.append(l_i[0])
+    _check(out, lse, ref_out, ref_lse, torch.cat(pt_out, 0), torch.cat(pt_lse, 1),
+           _atol(dtype))
+
+
+VARLEN_CASES = [
+    pytest.param([5, 0, 33, 17], [9, 12, 0, 40], {}, id="zero_len_q_and_k"),
+    pytest.param([20, 0, 7, 30], [9, 5, 20, 30], {"causal": True}, id="causal"),
+    pytest.param([18, 25, 3], [30, 25, 40], {"used": [0, 20, 11], "sink": True},
+                 id="seqused_k_sink"),
+    pytest.param([18, 25], [30, 25], {"window": (4, 2), "softcap": 2.0}, id="window_softcap"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("seqlens_q,seqlens_k,kw", VARLEN_CASES)
+def test_attn_fwd_varlen(device, dtype, seqlens_q, seqlens_k, kw):
+    _run_varlen(device, dtype, seqlens_q, seqlens_k, 4, 2, 32, 32, **kw)
+
+
+GPU_CASES = [
+    pytest.param(d, dv, kw, id=f"d{d}_dv{dv}_" + "_".join(f"{a}{b}" for a, b in kw.items()))
+    for d, dv in [(32, 32), (59, 59), (64, 64), (111, 111), (128, 128), (192, 128), (256, 256)]
+    for kw in [{}, {"causal": True}, {"window": (100, 50), "sink": True, "softcap": 20.0}]
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,dv,kw", GPU_CASES)
+def test_attn_fwd_gpu_head_dims(device, dtype, d, dv, kw):
+    _run_dense(device, dtype, 2, 700, 1000, 4, 2, d, dv, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(sq=2000, sk=900, causal=True), id="causal_sq_gt_sk"),
+    pytest.param(dict(sq=1000, sk=0), id="sk0"),
+    pytest.param(dict(sq=1000, sk=0, sink=True), id="sk0_sink"),
+    pytest.param(dict(sq=1500, sk=700, causal=True, sink=True), id="sink_empty_rows"),
+    pytest.param(dict(sq=1, sk=4097, causal=True), id="decode_row"),
+    pytest.param(dict(sq=255, sk=203, window=(31, 0)), id="odd_window"),
+    pytest.param(dict(sq=1024, sk=1024, strided=True), id="strided_q"),
+])
+def test_attn_fwd_gpu_edges(device, dtype, case):
+    case = dict(case)
+    sq, sk = case.pop("sq"), case.pop("sk")
+    _run_dense(device, dtype, 2, sq, sk, 8, 2, 128, 128, **case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attn_fwd_gpu_varlen(device, causal):
+    _run_varlen(device, torch.bfloat16, [700, 0, 1300, 1, 129], [900, 300, 1300, 0, 129],
+                8, 1, 128, 128, causal=causal, used=[900, 300, 1000, 0, 64], sink=True)
