@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 
 from .lse import safe_pivot
-from .ops._dispatch import compute_dtype
-from .ops.attention import _validate_common, attn_bwd_torch, attn_fwd
+from .ops._dispatch import compute_dtype, use_triton
+from .ops.attention import _validate_common, attn_bwd, attn_fwd
 from .ops.merge import _validate_states, merge_states_unchecked
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -280,8 +280,10 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
     b, n, hq, _ = q.shape
     hkv, d, dv = k.shape[2], k.shape[3], v.shape[3]
     dt = compute_dtype(q.dtype)
-    # The PyTorch backward computes in dt anyway; casting once keeps every partial in dt.
-    qc, doc, oc = q.to(dt), dout.to(dt), out.to(dt)
+    # The PyTorch backward computes in dt anyway, so casting once keeps every partial in dt;
+    # the Triton backward takes the input dtype and accumulates in float32 itself.
+    cast = (lambda x: x) if use_triton(q) else (lambda x: x.to(dt))
+    qc, doc, oc = cast(q), cast(dout), cast(out)
     dlse = dlse.to(dt)
     dq = torch.zeros(b, n, hq, d, dtype=dt, device=q.device)
     held = torch.cat([k.reshape(-1), v.reshape(-1)])
@@ -297,11 +299,11 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
         part = None
         if ring.plans[src]:
             m = ring.lengths[src]
-            kb, vb = (x.to(dt) for x in _unpack(held, b, m, hkv, d, dv))
+            kb, vb = (cast(x) for x in _unpack(held, b, m, hkv, d, dv))
             part = torch.zeros(b * m * hkv * (d + dv), dtype=dt, device=q.device)
             dkb, dvb = _unpack(part, b, m, hkv, d, dv)
         for q0, q1, k0, k1, lw, rw in ring.plans[src]:
-            dq_c, dk_c, dv_c, _ = attn_bwd_torch(
+            dq_c, dk_c, dv_c, _ = attn_bwd(
                 doc[:, q0:q1], dlse[:, :, q0:q1], qc[:, q0:q1], kb[:, k0:k1], vb[:, k0:k1],
                 oc[:, q0:q1], lse[:, :, q0:q1], left=lw, right=rw, softcap=ring.softcap,
                 scale=ring.scale, sink=None)

@@ -13,7 +13,9 @@ def interpreting() -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or (interpreting() and t.device.type == "cpu")
+    # tl.dot has no float64 accumulator: float64 always takes the PyTorch path.
+    on_device = t.is_cuda or (interpreting() and t.device.type == "cpu")
+    return on_device and t.dtype != torch.float64
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

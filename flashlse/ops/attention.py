@@ -190,15 +190,42 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink, **varlen):
     return out, lse
 
 
+def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
+             deterministic=False, **varlen):
+    """``(dq, dk, dv, dsink)`` on the path the device has (Triton kernel or PyTorch);
+    ``varlen`` as in :func:`attn_fwd`."""
+    kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+    if use_triton(q):
+        from ..kernels.bwd import attn_bwd as attn_bwd_kernel
+
+        return attn_bwd_kernel(dout, dlse, q, k, v, out, lse, deterministic=deterministic,
+                               **kw, **varlen)
+    if not varlen:
+        return attn_bwd_torch(dout, dlse, q, k, v, out, lse, **kw)
+    cu_q, cu_k, seqused_k = varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], varlen["seqused_k"]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsink = None if sink is None else torch.zeros_like(sink)
+    for q0, q1, k0, k1 in _seq_bounds(cu_q, cu_k, seqused_k):
+        if q1 == q0:
+            continue
+        g = attn_bwd_torch(dout[None, q0:q1], dlse[None, :, q0:q1], q[None, q0:q1],
+                           k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+                           lse[None, :, q0:q1], **kw)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+        if sink is not None:
+            dsink += g[3]
+    return dq, dk, dv, dsink
+
+
 @torch.library.custom_op("flashlse::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
-                 left: int | None, right: int | None, softcap: float,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 left: int | None, right: int | None, softcap: float, scale: float,
+                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink)
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, sink, left, right, softcap, scale):
+def _(q, k, v, sink, left, right, softcap, scale, deterministic):
     b, sq, hq, _ = q.shape
     return (q.new_empty(b, sq, hq, v.shape[-1]),
             q.new_empty(b, hq, sq, dtype=_lse_dtype(q.dtype)))
@@ -208,62 +235,58 @@ def _(q, k, v, sink, left, right, softcap, scale):
 def _attn_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  sink: torch.Tensor | None, left: int | None, right: int | None, softcap: float,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dsink = attn_bwd_torch(dout, dlse, q, k, v, out, lse, left=left, right=right,
-                                       softcap=softcap, scale=scale, sink=sink)
+                 scale: float, deterministic: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dsink = attn_bwd(dout, dlse, q, k, v, out, lse, left=left, right=right,
+                                 softcap=softcap, scale=scale, sink=sink,
+                                 deterministic=deterministic)
     return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsink is None else dsink
 
 
 @_attn_bwd_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, sink, left, right, softcap, scale):
+def _(dout, dlse, q, k, v, out, lse, sink, left, right, softcap, scale, deterministic):
     dsink = q.new_empty(0, dtype=torch.float32) if sink is None else torch.empty_like(sink)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 def _attn_setup(ctx, inputs, output):
-    q, k, v, sink, left, right, softcap, scale = inputs
+    q, k, v, sink, left, right, softcap, scale, deterministic = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], sink)
-    ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale)
+    ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale,
+                  deterministic=deterministic)
 
 
 def _attn_backward(ctx, dout, dlse):
     q, k, v, out, lse, sink = ctx.saved_tensors
     dq, dk, dv, dsink = _attn_bwd_op(dout, dlse, q, k, v, out, lse, sink, **ctx.kw)
-    return dq, dk, dv, None if sink is None else dsink, None, None, None, None
+    return dq, dk, dv, None if sink is None else dsink, None, None, None, None, None
 
 
 _attn_fwd_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
-    """Packed variable-length attention; each sequence is one dense problem. The
-    backward recomputes through the PyTorch path until the backward kernel lands."""
+    """Packed variable-length attention: one kernel launch for all sequences (or, on the
+    PyTorch path, one dense problem per sequence)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, seqused_k, left, right, softcap,
-                scale):
+                scale, deterministic):
+        varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                      max_seqlen_k=max_k, seqused_k=seqused_k)
         out, lse = attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
-                            sink=sink, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                            max_seqlen_k=max_k, seqused_k=seqused_k)
+                            sink=sink, **varlen)
         ctx.save_for_backward(q, k, v, out, lse, sink, cu_q, cu_k, seqused_k)
-        ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale)
+        ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale,
+                      deterministic=deterministic, max_seqlen_q=max_q, max_seqlen_k=max_k)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink, cu_q, cu_k, seqused_k = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dsink = None if sink is None else torch.zeros_like(sink)
-        for q0, q1, k0, k1 in _seq_bounds(cu_q, cu_k, seqused_k):
-            if q1 == q0:
-                continue
-            g = attn_bwd_torch(dout[None, q0:q1], dlse[None, :, q0:q1], q[None, q0:q1],
-                               k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
-                               lse[None, :, q0:q1], sink=sink, **ctx.kw)
-            dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
-            if sink is not None:
-                dsink += g[3]
-        return (dq, dk, dv, dsink) + (None,) * 9
+        dq, dk, dv, dsink = attn_bwd(dout, dlse, q, k, v, out, lse, sink=sink, cu_seqlens_q=cu_q,
+                                     cu_seqlens_k=cu_k, seqused_k=seqused_k, **ctx.kw)
+        return (dq, dk, dv, dsink) + (None,) * 10
 
 
 def _validate_common(q, k, v, sink, softcap, scale, window, causal, ndim, layouts):
@@ -295,7 +318,8 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
         q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)``, ``Hq % Hkv == 0``.
         causal: ``right = 0``. window: ``(left, right)``. softcap: ``c tanh(s / c)``, 0 = off.
         scale: default ``1/sqrt(D)``. sink: ``(Hq,)`` float32 logits. return_lse: also return lse.
-        deterministic: bitwise-repeatable backward (the PyTorch backward always is).
+        deterministic: bitwise-repeatable backward (the Triton backward then computes dq in a
+            separate pass instead of atomics; the PyTorch backward always is).
 
     Returns:
         ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 natural log if ``return_lse``.
@@ -307,7 +331,7 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"q, k, v must share the batch and k, v the sequence length: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    out, lse = _attn_fwd_op(q, k, v, sink, left, right, softcap, scale)
+    out, lse = _attn_fwd_op(q, k, v, sink, left, right, softcap, scale, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -349,5 +373,5 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                 f"({lens.tolist()}), got {seqused_k.tolist()}")
     out, lse = AttentionVarlenFunction.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, seqused_k, left, right,
-                                             softcap, scale)
+                                             softcap, scale, deterministic)
     return (out, lse) if return_lse else out

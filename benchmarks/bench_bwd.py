@@ -1,0 +1,379 @@
+"""Backward attention TFLOP/s: flashlse vs SDPA flash (FA-2), SDPA cuDNN and FlexAttention.
+
+All systems run in this one process on the same GPU. bf16, B*S = 16k, H*D = 2048,
+FLOPs = 2.5 * 4*B*H*Sq*Sk*D (halved for causal), time = median of triton.testing.do_bench
+of the backward only: flashlse's launcher is called directly on a saved (out, lse); the
+peers run their forward once and time ``torch.autograd.grad(..., retain_graph=True)``.
+flashlse takes its native (B, S, H, D) layout, the peers their native (B, H, S, D).
+Correctness is checked first (against float64 autograd of flashlse.reference, with a
+random dlse, a sink, a window and softcap), then the timings; the table is printed last.
+
+    python benchmarks/bench_bwd.py                  # D = 64, 128, 256 (< 5 min on an H200)
+    python benchmarks/bench_bwd.py --quick          # D = 128 only
+    python benchmarks/bench_bwd.py --autotune       # autotune the tiles, print the picks
+    python benchmarks/bench_bwd.py --sweep          # tile configs at D = 128, S = 8k
+    python benchmarks/bench_bwd.py --results        # also append dated rows to RESULTS.md
+
+Columns: ``flashlse`` is the deterministic schedule (separate dQ pass, the default);
+``atomic`` adds dQ with float32 atomics inside the dK/dV kernel (``CONFIG_OVERRIDE
+{"ATOMIC_DQ": True}``). Logs go to $OUT (or --out) as bench_bwd.log and bench_bwd.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from flashlse import reference
+from flashlse.kernels import bwd
+
+SEQS = [1024, 2048, 4096, 8192, 16384]
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+LOG: list[str] = []
+
+
+def _log(msg=""):
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def _flops(b, h, sq, sk, d, causal):
+    f = 2.5 * 4 * b * h * sq * sk * d
+    return f / 2 if causal else f
+
+
+def _bench_ms(fn):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _forward(q, k, v, **kw):
+    # The forward kernel when present; the PyTorch path (chunked, exact) otherwise.
+    try:
+        from flashlse.kernels.fwd import attn_fwd
+    except ImportError:
+        from flashlse.ops.attention import attn_fwd_torch as attn_fwd
+    return attn_fwd(q, k, v, **kw)
+
+
+def _inputs(b, sq, sk, h, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda s: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return mk(sq), mk(sk), mk(sk)
+
+
+def _ours(q, k, v, causal, atomic=False):
+    kw = dict(left=None, right=0 if causal else None, softcap=0.0,
+              scale=1.0 / math.sqrt(q.shape[-1]), sink=None)
+    out, lse = _forward(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    dlse = torch.zeros_like(lse)
+
+    def run():
+        prev = bwd.CONFIG_OVERRIDE
+        bwd.CONFIG_OVERRIDE = dict(prev or {}, ATOMIC_DQ=atomic)
+        try:
+            return bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
+        finally:
+            bwd.CONFIG_OVERRIDE = prev
+
+    return run
+
+
+def _grad_fn(out, inputs):
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+
+def _sdpa(backend, qh, kh, vh, causal):
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    inputs = [t.detach().requires_grad_(True) for t in (qh, kh, vh)]
+    with sdpa_kernel(backend):
+        out = sdpa(*inputs, is_causal=causal)
+    return _grad_fn(out, inputs)
+
+
+_FLEX = {}
+
+
+def _flex(qh, kh, vh, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        torch._dynamo.config.recompile_limit = 10_000
+        torch._dynamo.config.cache_size_limit = 10_000
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    sq, sk = qh.shape[2], kh.shape[2]
+    bm = None
+    if causal:
+        shift = sk - sq
+        bm = create_block_mask(lambda b, h, qi, ki: qi + shift >= ki, None, None, sq, sk,
+                               device="cuda")
+    inputs = [t.detach().requires_grad_(True) for t in (qh, kh, vh)]
+    out = _FLEX["fn"](*inputs, block_mask=bm)
+    return _grad_fn(out, inputs)
+
+
+def _torch_bf16(q, k, v, causal, window, softcap, scale, sink):
+    """The same attention in bf16 with materialised scores: the error yardstick."""
+    from flashlse.masks import normalize_window, visible
+
+    b, sq, hq, d = q.shape
+    sk, g = k.shape[1], hq // k.shape[2]
+    left, right = normalize_window(causal, window)
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(g, 1)
+    vh = v.transpose(1, 2).repeat_interleave(g, 1)
+    s = qh.matmul(kh.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    ok = visible(torch.arange(sq, device=q.device), torch.arange(sk, device=q.device),
+                 sq, sk, left, right)
+    if ok is not None:
+        s = s.masked_fill(~ok, float("-inf"))
+    p, lse = reference.softmax_weights(s, None if sink is None else sink.to(s.dtype).view(1, hq, 1))
+    return p.matmul(vh).transpose(1, 2), lse
+
+
+def _grads(fn, inputs, dout, dlse):
+    out, lse = fn(*inputs)
+    fin = torch.isfinite(lse.detach())
+    loss = (out * dout.to(out.dtype)).sum() + (lse[fin] * dlse.to(lse.dtype)[fin]).sum()
+    need = [t for t in inputs if t is not None]
+    return torch.autograd.grad(loss, need)
+
+
+def check(d, causal=False, window=(None, None), softcap=0.0, sink=False, sq=1000, sk=1100,
+          atomic=False):
+    """flashlse's grads vs float64 autograd: err <= 2 * err(bf16 torch) + 1.6e-2 * scale."""
+    from flashlse.masks import normalize_window
+
+    b, hq, hkv = 2, 4, 2
+    g = torch.Generator(device="cuda").manual_seed(d + sq)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    q = mk(b, sq, hq, d).bfloat16()
+    k, v = mk(b, sk, hkv, d).bfloat16(), mk(b, sk, hkv, d).bfloat16()
+    sink_t = mk(hq) if sink else None
+    scale = 1.0 / math.sqrt(d)
+    left, right = normalize_window(causal, window)
+    kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink_t)
+    out, lse = _forward(q, k, v, **kw)
+    dout = mk(*out.shape).bfloat16()
+    dlse = mk(*lse.shape).masked_fill(~torch.isfinite(lse), 0.0)
+    bwd.CONFIG_OVERRIDE = {"ATOMIC_DQ": atomic}
+    try:
+        ours = bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
+    finally:
+        bwd.CONFIG_OVERRIDE = None
+    leaf = lambda t, dt: None if t is None else t.detach().to(dt).requires_grad_(True)
+    ref = _grads(lambda q_, k_, v_, s_: reference.attention(
+        q_, k_, v_, causal=causal, window=window, softcap=softcap, scale=scale, sink=s_,
+        return_lse=True), [leaf(t, torch.float64) for t in (q, k, v, sink_t)], dout, dlse)
+    pt = _grads(lambda q_, k_, v_, s_: _torch_bf16(q_, k_, v_, causal, window, softcap, scale,
+                                                   s_),
+                [leaf(q, q.dtype), leaf(k, k.dtype), leaf(v, v.dtype), leaf(sink_t, q.dtype)],
+                dout, dlse)
+    worst = 0.0
+    for name, a, r, p in zip(("dq", "dk", "dv", "dsink"), ours, ref, pt):
+        assert not torch.isnan(a).any(), f"NaN in {name}"
+        sc = max(1.0, r.abs().max().item())
+        err = (a.double() - r).abs().max().item()
+        pt_err = (p.double() - r).abs().max().item()
+        assert err <= 2 * pt_err + 1.6e-2 * sc, (
+            f"{name} D={d} causal={causal}: err {err:.3g} vs bf16 torch {pt_err:.3g}")
+        worst = max(worst, err / sc)
+    return worst
+
+
+def checks(dims):
+    t0 = time.time()
+    for d in dims:
+        for causal in (False, True):
+            for atomic in (False, True):
+                err = check(d, causal=causal, atomic=atomic)
+                _log(f"check D={d} causal={causal:d} atomic={atomic:d}: max rel err {err:.2e}")
+    err = check(128, window=(300, 0), softcap=30.0, sink=True, sq=1300, sk=900)
+    _log(f"check D=128 window+softcap+sink+empty rows: max rel err {err:.2e}")
+    err = check(192 if 192 in dims or 128 in dims else dims[0], causal=True, sink=True)
+    _log(f"check causal+sink: max rel err {err:.2e} ({time.time() - t0:.0f} s of checks)")
+
+
+def _peers_inputs(q, k, v):
+    return (q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
+            v.transpose(1, 2).contiguous())
+
+
+def _safe(name, fn):
+    try:
+        return _bench_ms(fn())
+    except Exception as e:  # noqa: BLE001 - a backend may refuse a shape; record why
+        _log(f"  {name}: {type(e).__name__}: {str(e)[:120]}")
+        return float("nan")
+
+
+def _row(d, seq, causal, flex_on):
+    from torch.nn.attention import SDPBackend
+
+    h, b = 2048 // d, 16384 // seq
+    q, k, v = _inputs(b, seq, seq, h, d, seed=seq + d)
+    qh, kh, vh = _peers_inputs(q, k, v)
+    fl = _flops(b, h, seq, seq, d, causal)
+    r = dict(d=d, seq=seq, b=b, h=h, causal=causal)
+    makers = dict(
+        flashlse=lambda: _ours(q, k, v, causal),
+        atomic=lambda: _ours(q, k, v, causal, atomic=True),
+        fa2=lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qh, kh, vh, causal),
+        cudnn=lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, causal),
+        flex=lambda: _flex(qh, kh, vh, causal),
+    )
+    flex_s = 0.0
+    for name, make in makers.items():
+        r[name] = float("nan")
+        if name == "flex" and not flex_on:
+            continue
+        t0 = time.time()
+        r[name] = fl / _safe(name, make) * 1e-9
+        if name == "flex":
+            flex_s = time.time() - t0
+    return r, flex_s
+
+
+def run_table(dims, flex_budget_s):
+    rows = []
+    flex_spent = 0.0
+    for d in dims:
+        for seq in SEQS:
+            for causal in (False, True):
+                # Flex compiles per shape: past its budget its column is left empty.
+                r, flex_s = _row(d, seq, causal, flex_spent < flex_budget_s)
+                rows.append(r)
+                flex_spent += flex_s
+                _log(_fmt(rows[-1]))
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _best(r):
+    return max(r["flashlse"], r["atomic"] if r["atomic"] == r["atomic"] else 0.0)
+
+
+def _fmt(r):
+    best = _best(r)
+    return (f"D={r['d']:3d} S={r['seq']:5d} causal={r['causal']:d} flashlse {r['flashlse']:6.1f} "
+            f"atomic {r['atomic']:6.1f} FA2 {r['fa2']:6.1f} cuDNN {r['cudnn']:6.1f} "
+            f"Flex {r['flex']:6.1f} best x{best / r['fa2']:.2f} FA-2 x{best / r['cudnn']:.2f} "
+            f"cuDNN x{best / r['flex']:.2f} Flex")
+
+
+def _table(rows):
+    lines = ["| D | S | causal | flashlse | atomic | FA-2 | cuDNN | Flex | /FA-2 | /cuDNN "
+             "| /Flex |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        best = _best(r)
+        lines.append(
+            f"| {r['d']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | {r['flashlse']:.0f} "
+            f"| {r['atomic']:.0f} | {r['fa2']:.0f} | {r['cudnn']:.0f} | {r['flex']:.0f} "
+            f"| {best / r['fa2']:.2f} | {best / r['cudnn']:.2f} | {best / r['flex']:.2f} |")
+    lines.append("(TFLOP/s, backward = 2.5x forward FLOPs; ratios use the better flashlse column)")
+    return "\n".join(lines)
+
+
+def _append_results(meta, rows):
+    # One section per run, as the other bench scripts write theirs.
+    text = (f"\n### bench_bwd.py {meta['date']}\n\n"
+            "| date | device | torch | triton | op | shape | flashlse TFLOP/s (atomic dQ) | "
+            "peers TFLOP/s | ratio (better flashlse) |\n|---|---|---|---|---|---|---|---|---|\n")
+    for r in rows:
+        best = _best(r)
+        text += (
+            f"| {meta['date']} | {meta['device']} | {meta['torch']} | {meta['triton']} "
+            f"| bwd bf16 | D={r['d']} S={r['seq']} B={r['b']} H={r['h']} "
+            f"{'causal' if r['causal'] else 'full'} | {r['flashlse']:.0f} ({r['atomic']:.0f}) "
+            f"| FA-2 {r['fa2']:.0f}, cuDNN {r['cudnn']:.0f}, Flex {r['flex']:.0f} "
+            f"| x{best / r['fa2']:.2f} FA-2, x{best / r['cudnn']:.2f} cuDNN, "
+            f"x{best / r['flex']:.2f} Flex |\n")
+    with RESULTS.open("a") as f:
+        f.write(text)
+
+
+SWEEP_DKDV = [(64, 64, 8, 3), (64, 64, 8, 4), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3),
+              (128, 64, 8, 2), (64, 64, 4, 3)]
+SWEEP_DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
+
+
+def sweep(seq=8192, d=128):
+    """Each kernel's configs alone at one shape (the other kernel at its table default)."""
+    h, b = 2048 // d, 16384 // seq
+    q, k, v = _inputs(b, seq, seq, h, d)
+    for causal in (False, True):
+        fl = _flops(b, h, seq, seq, d, causal)
+        for key, cands in (("dkdv", SWEEP_DKDV), ("dq", SWEEP_DQ)):
+            for cfg in cands:
+                for atomic in ((False, True) if key == "dkdv" else (False,)):
+                    bwd.CONFIG_OVERRIDE = {key: cfg}
+                    ms = _safe(f"{key} {cfg}",
+                               lambda a=atomic, c=causal: _ours(q, k, v, c, atomic=a))
+                    _log(f"sweep D={d} S={seq} causal={causal:d} {key}={cfg} atomic={atomic:d}: "
+                         f"{fl / ms * 1e-9:6.1f} TFLOP/s")
+        bwd.CONFIG_OVERRIDE = None
+
+
+def _run(a, dims):
+    t0 = time.time()
+    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__)
+    _log(f"bench_bwd {meta}")
+    checks(dims)
+    rows = []
+    if a.sweep:
+        sweep()
+    else:
+        rows = run_table(dims, a.flex_budget)
+    if a.autotune:
+        for name, kern in (("dkdv", bwd._attn_bwd_dkdv_tuned), ("dq", bwd._attn_bwd_dq_tuned)):
+            for key, cfg in kern.cache.items():
+                _log(f"autotune {name} {key}: {cfg}")
+    with open(os.path.join(a.out, "bench_bwd.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if a.results and rows:
+        _append_results(meta, rows)
+    _log(f"total {time.time() - t0:.0f} s")
+    if rows:
+        _log("\n" + _table(rows))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="D = 128 only")
+    p.add_argument("--dims", default="64,128,256")
+    p.add_argument("--autotune", action="store_true", help="triton.autotune the tiles")
+    p.add_argument("--sweep", action="store_true", help="tile configs at D = 128, S = 8k")
+    p.add_argument("--results", action="store_true", help="append rows to benchmarks/RESULTS.md")
+    p.add_argument("--flex-budget", type=float, default=120.0,
+                   help="seconds of FlexAttention compile+timing before its column is skipped")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    dims = [128] if a.quick else [int(x) for x in a.dims.split(",")]
+    bwd.AUTOTUNE = a.autotune
+    try:
+        _run(a, dims)
+    finally:
+        # The log reaches $OUT even when a correctness check stops the run.
+        with open(os.path.join(a.out, "bench_bwd.log"), "w") as f:
+            f.write("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,928 @@
+"""Backward attention kernels: dq, dk, dv, dsink, with a differentiable LSE and honest empty rows.
+
+Math (docs/math.md §4). With ``P_ij = exp(S_ij - L_i)``, ``dP_ij = dO_i . V_j`` and the
+gradient ``dL_i`` of the returned LSE,
+
+    D_i   = rowsum(dO_i * O_i) - dL_i           dS_ij = P_ij (dP_ij - D_i)
+    dV_j  = sum_i P_ij dO_i                     dK_j  = scale sum_i dS_ij Q_i
+    dQ_i  = scale sum_j dS_ij K_j               dsink_h = -sum_{b,i} exp(sink_h - L_i) D_i
+
+``-dL_i`` enters ``D_i`` because ``dL_i / dS_ij = P_ij``; the sink is a key of value 0, so
+its ``dS`` is its whole gradient. With softcap ``c`` the logits are ``S = c tanh(scale x / c)``
+of the raw ``x = q . k``, so ``dx = scale dS (1 - tanh^2)``: the factor ``1 - t^2`` multiplies
+``dS`` and the ``scale`` is applied once to the finished ``dK`` and ``dQ``.
+
+Base 2, as the forward: the preprocess stores ``lse_log2 = L * log2(e)`` and the kernels
+compute ``P = 2^(x * scale_log2 - lse_log2)`` (one FMA and one ex2 per element; with
+softcap ``P = 2^(c log2(e) t - lse_log2)``).
+
+Empty rows (``L = -inf``): the preprocess replaces ``lse_log2 = -inf`` by 0 once per row,
+so ``P = 2^(-inf - 0) = 0`` on every (masked) element of that row with no per-element
+branch; the stored LSE stays -inf. Such a row has ``dQ = 0`` and adds nothing to dK, dV.
+A row only ever meets its masked keys in a *boundary* tile (a full tile is one every row of
+the block sees whole), so the -inf logits that make P = 0 are always there.
+
+Out-of-bounds rows (a tile past the end of a sequence) are not empty rows: they do not
+exist. Their ``lse_log2`` is loaded as ``+inf`` (``D`` as 0), so ``P = 2^(x - inf) = 0``
+for any finite or -inf logit, ``dS = 0`` and they add nothing, without a mask in full
+tiles. This +inf lives in registers only. Out-of-bounds keys are masked to -inf in the
+ragged last key block (all its tiles take the boundary path) and never stored.
+
+Schedule (FA-2 / Triton tutorial 06 split, deterministic by construction):
+
+1. ``_attn_bwd_preprocess_kernel``, one program per (row block, batch x query head):
+   ``D``, ``lse_log2`` and, with a sink, one partial sum of ``-2^(sink_log2 - lse_log2) D``
+   per program; torch sums the partials in a fixed order, so dsink is deterministic.
+2. ``_attn_bwd_dkdv_kernel``, one program per (key block, batch x kv head): keeps
+   ``K_j, V_j`` and the ``dK_j, dV_j`` accumulators in registers and loops over the G query
+   heads of its group and, for each, over only the query blocks that see the key block:
+   with ``shift = Sk - Sq`` row i sees ``[i + shift - left, i + shift + right]``, so key
+   block ``[n0, n_last]`` is seen by rows ``[n0 - shift - right, n_last - shift + left]``.
+   Row blocks inside ``[n_last - shift - right, n0 - shift + left]`` see the whole key
+   block (full tiles, no mask); the ones between the two ranges pay for the mask. GQA sums
+   in registers, so dk/dv are written once, with no atomics and no per-head buffer.
+3. ``_attn_bwd_dq_kernel``, one program per (row block, batch x query head), over the
+   key tiles the forward visits (same three ranges). Optionally (``ATOMIC_DQ``, not with
+   ``deterministic=True``) the dk/dv kernel instead adds ``dS^T K`` into a float32 dq
+   with atomics and this pass is skipped; the order of float additions then varies.
+
+Memory: on Hopper, with 16-byte aligned bases and row strides, Q/dO/K/V tiles move
+through in-kernel TMA descriptors over one (sequence, head) slice, which zero-fill rows
+past the sequence end and columns past the head dim (59 -> 64); otherwise masked pointer
+loads. Gradients are stored with masked pointer stores (once per program).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _load_rows(ref, o_r, i_r0, stride_r, n_rows, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               N_COLS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Tile ``[BLOCK_R, BLOCK_C]`` of rows ``i_r0 + o_r`` of a (rows, N_COLS) slice, zeros outside."""
+    if USE_TMA:
+        b_x = ref.load([i_r0, 0])
+    else:
+        o_c = tl.arange(0, BLOCK_C)
+        p_x = ref + o_r[:, None].to(tl.int64) * stride_r + o_c[None, :]
+        m_x = (o_r[:, None] < n_rows) & (o_c[None, :] < N_COLS)
+        b_x = tl.load(p_x, mask=m_x, other=0.0)
+    return b_x
+
+
+@triton.jit
+def _store_rows(p_base, b_x, o_r, stride_r, n_rows, BLOCK_C: tl.constexpr, N_COLS: tl.constexpr):
+    o_c = tl.arange(0, BLOCK_C)
+    p_x = p_base + o_r[:, None].to(tl.int64) * stride_r + o_c[None, :]
+    m_x = (o_r[:, None] < n_rows) & (o_c[None, :] < N_COLS)
+    tl.store(p_x, b_x.to(p_x.dtype.element_ty), mask=m_x)
+
+
+# Lengths are not specialised: a length of 1 would become a constexpr, and lengths
+# divisible by 16 would compile a kernel of their own.
+@triton.jit(do_not_specialize=["seqlen_q"])
+def _attn_bwd_preprocess_kernel(
+    out, dout, lse, dlse, delta, lse_log2, sink, dsink_part,
+    cu_seqlens_q,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh, stride_ls,
+    stride_dlb, stride_dlh, stride_dls,
+    stride_tb, stride_th,
+    seqlen_q, n_m, n_part,
+    HQ: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
+        T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
+    else:
+        bos = 0
+        T_q = seqlen_q
+    m0 = i_m * BLOCK_M
+    if m0 >= T_q:
+        return
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_m = o_m < T_q
+    # Token index in int64: token * row stride overflows int32 past 2^31 elements.
+    o_tok = bos + o_m.to(tl.int64)
+    p_o = (out + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
+           + o_tok[:, None] * stride_os + o_dv[None, :])
+    p_do = (dout + i_b.to(tl.int64) * stride_dob + i_h.to(tl.int64) * stride_doh
+            + o_tok[:, None] * stride_dos + o_dv[None, :])
+    m_x = m_m[:, None] & (o_dv[None, :] < DV)
+    # [BLOCK_M, BLOCK_DV]
+    b_o = tl.load(p_o, mask=m_x, other=0.0).to(tl.float32)
+    b_do = tl.load(p_do, mask=m_x, other=0.0).to(tl.float32)
+    # [BLOCK_M]
+    b_lse = tl.load(lse + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh
+                    + o_tok * stride_ls, mask=m_m, other=0.0)
+    b_dlse = tl.load(dlse + i_b.to(tl.int64) * stride_dlb + i_h.to(tl.int64) * stride_dlh
+                     + o_tok * stride_dls, mask=m_m, other=0.0)
+    b_delta = tl.sum(b_o * b_do, 1) - b_dlse
+    # The once-per-row fix: an empty row's -inf becomes 0, so 2^(-inf - 0) = 0 downstream.
+    b_lse_log2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * 1.4426950408889634)
+    o_t = i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + bos + o_m
+    tl.store(delta + o_t, b_delta, mask=m_m)
+    tl.store(lse_log2 + o_t, b_lse_log2, mask=m_m)
+    if HAS_SINK:
+        b_sink_log2 = tl.load(sink + i_h).to(tl.float32) * 1.4426950408889634
+        # With a sink every L_i >= sink_h is finite, so the weight is at most 1.
+        b_w = tl.where(m_m, tl.math.exp2(b_sink_log2 - b_lse_log2), 0.0)
+        # One slot per program, summed by the launcher in a fixed order (deterministic).
+        tl.store(dsink_part + i_h.to(tl.int64) * n_part + i_b * n_m + i_m,
+                 -tl.sum(b_w * b_delta, 0))
+
+
+@triton.jit
+def _dkdv_mask(o_n, o_m, T_k, shift, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """``[BLOCK_N, BLOCK_M]`` visibility of key ``o_n`` to row ``o_m`` (keys past T_k hidden)."""
+    m_s = o_n[:, None] < T_k
+    if HAS_RIGHT:
+        m_s = m_s & (o_n[:, None] <= o_m[None, :] + shift + right)
+    if HAS_LEFT:
+        m_s = m_s & (o_n[:, None] >= o_m[None, :] + shift - left)
+    return m_s
+
+
+@triton.jit
+def _attn_bwd_dkdv_tile(
+    b_dk, b_dv, b_k, b_v,
+    q_ref, do_ref, p_lse, p_delta, p_dq,
+    stride_qs, stride_dos, stride_dqs,
+    m0, o_n, T_q, T_k, shift, left, right,
+    scale, scale_log2, softcap_a2, softcap_c2,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Rows ``[m0, m0 + BLOCK_M)`` of one query head against the program's key block."""
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m_m = o_m < T_q
+    # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
+    b_q = _load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
+    b_do = _load_rows(do_ref, o_m, m0, stride_dos, T_q, BLOCK_M, BLOCK_DV, DV, USE_TMA)
+    # [BLOCK_M]; rows past the end get +inf, so their P is 0 with no mask.
+    b_lse = tl.load(p_lse + o_m, mask=m_m, other=float("inf"))
+    b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
+    # [BLOCK_N, BLOCK_M]: the transposed scores, so dK and dV come out row-major.
+    b_st = tl.dot(b_k, tl.trans(b_q))
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (1 + 2^(2 x log2 e)): exact at both infinities, no NaN.
+        b_t = 1.0 - 2.0 / (1.0 + tl.math.exp2(b_st * softcap_a2))
+        b_st = softcap_c2 * b_t
+        if MASK:
+            b_st = tl.where(_dkdv_mask(o_n, o_m, T_k, shift, left, right, HAS_LEFT, HAS_RIGHT),
+                            b_st, float("-inf"))
+        b_pt = tl.math.exp2(b_st - b_lse[None, :])
+    elif MASK:
+        b_st = tl.where(_dkdv_mask(o_n, o_m, T_k, shift, left, right, HAS_LEFT, HAS_RIGHT),
+                        b_st * scale_log2, float("-inf"))
+        b_pt = tl.math.exp2(b_st - b_lse[None, :])
+    else:
+        b_pt = tl.math.exp2(b_st * scale_log2 - b_lse[None, :])
+    # [BLOCK_N, BLOCK_DV]
+    b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
+    # [BLOCK_N, BLOCK_M]
+    b_dpt = tl.dot(b_v, tl.trans(b_do))
+    b_dst = b_pt * (b_dpt - b_delta[None, :])
+    if HAS_SOFTCAP:
+        b_dst = b_dst * (1.0 - b_t * b_t)
+    b_dst = b_dst.to(b_q.dtype)
+    # [BLOCK_N, BLOCK_D]
+    b_dk += tl.dot(b_dst, b_q)
+    if ATOMIC_DQ:
+        # [BLOCK_M, BLOCK_D]
+        b_dq = tl.dot(tl.trans(b_dst), b_k) * scale
+        o_d = tl.arange(0, BLOCK_D)
+        p_x = p_dq + o_m[:, None].to(tl.int64) * stride_dqs + o_d[None, :]
+        tl.atomic_add(p_x, b_dq, mask=m_m[:, None] & (o_d[None, :] < D), sem="relaxed")
+    return b_dk, b_dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(
+    b_dk, b_dv, b_k, b_v,
+    q_ref, do_ref, p_lse, p_delta, p_dq,
+    stride_qs, stride_dos, stride_dqs,
+    m_lo, m_hi, o_n, T_q, T_k, shift, left, right,
+    scale, scale_log2, softcap_a2, softcap_c2,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Row blocks ``[m_lo, m_hi)`` (``m_lo`` a multiple of BLOCK_M), masked or all full."""
+    if INTERPRET:
+        # Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4
+        # refuses as range() bounds; a while loop compares them instead.
+        m0 = m_lo
+        while m0 < m_hi:
+            b_dk, b_dv = _attn_bwd_dkdv_tile(
+                b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta, p_dq,
+                stride_qs, stride_dos, stride_dqs, m0, o_n, T_q, T_k, shift, left, right,
+                scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, ATOMIC_DQ, USE_TMA,
+            )
+            m0 += BLOCK_M
+    else:
+        for m0 in tl.range(m_lo, m_hi, BLOCK_M):
+            m0 = tl.multiple_of(m0, BLOCK_M)
+            b_dk, b_dv = _attn_bwd_dkdv_tile(
+                b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta, p_dq,
+                stride_qs, stride_dos, stride_dqs, m0, o_n, T_q, T_k, shift, left, right,
+                scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, ATOMIC_DQ, USE_TMA,
+            )
+    return b_dk, b_dv
+
+
+# Lengths are not specialised: a length of 1 would become a constexpr, and lengths
+# divisible by 16 would compile a kernel of their own.
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def _attn_bwd_dkdv_kernel(
+    q, k, v, dout, lse_log2, delta, dq, dk, dv,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_tb, stride_th,
+    seqlen_q, seqlen_k,
+    left, right,
+    scale, scale_log2, softcap_a2, softcap_c2,
+    HKV: tl.constexpr, GROUP: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Key block 0 is seen by the most rows under a causal mask: the longest work starts first.
+    i_n = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HKV
+    i_hk = i_bh % HKV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
+        T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
+        bos_k = tl.load(cu_seqlens_k + i_b).to(tl.int64)
+        if HAS_SEQUSED_K:
+            T_k = tl.load(seqused_k + i_b)
+        else:
+            T_k = (tl.load(cu_seqlens_k + i_b + 1) - bos_k).to(tl.int32)
+    else:
+        bos = 0
+        bos_k = 0
+        T_q = seqlen_q
+        T_k = seqlen_k
+    n0 = i_n * BLOCK_N
+    if n0 >= T_k:
+        return
+    n_last = tl.minimum(n0 + BLOCK_N, T_k) - 1
+    shift = T_k - T_q
+    o_n = n0 + tl.arange(0, BLOCK_N)
+
+    p_k = k + i_b.to(tl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(tl.int64) * stride_kh
+    p_v = v + i_b.to(tl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(tl.int64) * stride_vh
+    if USE_TMA:
+        k_ref = tl.make_tensor_descriptor(p_k, shape=[tl.maximum(T_k, 1), D], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_ref = tl.make_tensor_descriptor(p_v, shape=[tl.maximum(T_k, 1), DV], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_ref = p_k
+        v_ref = p_v
+    # [BLOCK_N, BLOCK_D], [BLOCK_N, BLOCK_DV]
+    b_k = _load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+    b_v = _load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
+
+    # Rows that see some key of the block: [m_lo, m_hi).
+    m_lo = 0
+    if HAS_RIGHT:
+        m_lo = tl.maximum(n0 - shift - right, 0)
+        m_lo = (m_lo // BLOCK_M) * BLOCK_M
+    m_hi = T_q
+    if HAS_LEFT:
+        m_hi = tl.minimum(m_hi, n_last - shift + left + 1)
+    m_hi = tl.maximum(m_hi, m_lo)
+    # Row blocks that see the whole key block: [m_full_lo, m_full_hi).
+    m_full_lo = m_lo
+    if HAS_RIGHT:
+        m_start = tl.maximum(n0 + BLOCK_N - 1 - shift - right, 0)
+        m_full_lo = tl.maximum(tl.cdiv(m_start, BLOCK_M) * BLOCK_M, m_lo)
+    m_full_hi = m_hi
+    if HAS_LEFT:
+        m_end = tl.maximum(n0 - shift + left + 1, 0)
+        m_full_hi = tl.minimum((m_end // BLOCK_M) * BLOCK_M, m_hi)
+    # The ragged last key block: every tile masks the keys past T_k.
+    m_full_lo = tl.where(n0 + BLOCK_N > T_k, m_hi, m_full_lo)
+    m_full_lo = tl.minimum(m_full_lo, m_hi)
+    m_full_hi = tl.minimum(tl.maximum(m_full_hi, m_full_lo), m_hi)
+
+    # [BLOCK_N, BLOCK_D], [BLOCK_N, BLOCK_DV]
+    b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # GQA: the G query heads of this kv head accumulate into the same registers.
+    for i_g in range(GROUP):
+        i_h = i_hk * GROUP + i_g
+        p_q = q + i_b.to(tl.int64) * stride_qb + bos * stride_qs + i_h.to(tl.int64) * stride_qh
+        p_do = (dout + i_b.to(tl.int64) * stride_dob + bos * stride_dos
+                + i_h.to(tl.int64) * stride_doh)
+        p_dq = dq + i_b.to(tl.int64) * stride_dqb + bos * stride_dqs + i_h.to(tl.int64) * stride_dqh
+        o_t = i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + bos
+        p_lse = lse_log2 + o_t
+        p_delta = delta + o_t
+        if USE_TMA:
+            q_ref = tl.make_tensor_descriptor(p_q, shape=[tl.maximum(T_q, 1), D], strides=[stride_qs, 1],
+                                              block_shape=[BLOCK_M, BLOCK_D])
+            do_ref = tl.make_tensor_descriptor(p_do, shape=[tl.maximum(T_q, 1), DV], strides=[stride_dos, 1],
+                                               block_shape=[BLOCK_M, BLOCK_DV])
+        else:
+            q_ref = p_q
+            do_ref = p_do
+        b_dk, b_dv = _attn_bwd_dkdv_inner(
+            b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta, p_dq,
+            stride_qs, stride_dos, stride_dqs, m_lo, m_full_lo, o_n, T_q, T_k, shift, left, right,
+            scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, ATOMIC_DQ, USE_TMA, INTERPRET,
+        )
+        b_dk, b_dv = _attn_bwd_dkdv_inner(
+            b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta, p_dq,
+            stride_qs, stride_dos, stride_dqs, m_full_lo, m_full_hi, o_n, T_q, T_k, shift, left,
+            right, scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, ATOMIC_DQ, USE_TMA, INTERPRET,
+        )
+        if HAS_LEFT:
+            b_dk, b_dv = _attn_bwd_dkdv_inner(
+                b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta, p_dq,
+                stride_qs, stride_dos, stride_dqs, m_full_hi, m_hi, o_n, T_q, T_k, shift, left,
+                right, scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D,
+                BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, ATOMIC_DQ, USE_TMA, INTERPRET,
+            )
+
+    p_dk = dk + i_b.to(tl.int64) * stride_dkb + bos_k * stride_dks + i_hk.to(tl.int64) * stride_dkh
+    p_dv = dv + i_b.to(tl.int64) * stride_dvb + bos_k * stride_dvs + i_hk.to(tl.int64) * stride_dvh
+    _store_rows(p_dk, b_dk * scale, o_n, stride_dks, T_k, BLOCK_D, D)
+    _store_rows(p_dv, b_dv, o_n, stride_dvs, T_k, BLOCK_DV, DV)
+
+
+@triton.jit
+def _attn_bwd_dq_tile(
+    b_dq, b_q, b_do, b_lse, b_delta,
+    k_ref, v_ref, stride_ks, stride_vs,
+    n0, o_m, T_k, shift, left, right,
+    scale_log2, softcap_a2, softcap_c2,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """One key tile ``[n0, n0 + BLOCK_N)`` of the program's row block."""
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    # [BLOCK_N, BLOCK_D], [BLOCK_N, BLOCK_DV]
+    b_k = _load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+    b_v = _load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
+    # [BLOCK_M, BLOCK_N]
+    b_s = tl.dot(b_q, tl.trans(b_k))
+    if MASK:
+        m_s = o_n[None, :] < T_k
+        if HAS_RIGHT:
+            m_s = m_s & (o_n[None, :] <= o_m[:, None] + shift + right)
+        if HAS_LEFT:
+            m_s = m_s & (o_n[None, :] >= o_m[:, None] + shift - left)
+    if HAS_SOFTCAP:
+        b_t = 1.0 - 2.0 / (1.0 + tl.math.exp2(b_s * softcap_a2))
+        b_s = softcap_c2 * b_t
+        if MASK:
+            b_s = tl.where(m_s, b_s, float("-inf"))
+        b_p = tl.math.exp2(b_s - b_lse[:, None])
+    elif MASK:
+        b_s = tl.where(m_s, b_s * scale_log2, float("-inf"))
+        b_p = tl.math.exp2(b_s - b_lse[:, None])
+    else:
+        b_p = tl.math.exp2(b_s * scale_log2 - b_lse[:, None])
+    # [BLOCK_M, BLOCK_N]
+    b_dp = tl.dot(b_do, tl.trans(b_v))
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    if HAS_SOFTCAP:
+        b_ds = b_ds * (1.0 - b_t * b_t)
+    # [BLOCK_M, BLOCK_D]
+    b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
+    return b_dq
+
+
+@triton.jit
+def _attn_bwd_dq_inner(
+    b_dq, b_q, b_do, b_lse, b_delta,
+    k_ref, v_ref, stride_ks, stride_vs,
+    n_lo, n_hi, o_m, T_k, shift, left, right,
+    scale_log2, softcap_a2, softcap_c2,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Key tiles ``[n_lo, n_hi)`` (``n_lo`` a multiple of BLOCK_N), masked or all full."""
+    if INTERPRET:
+        n0 = n_lo
+        while n0 < n_hi:
+            b_dq = _attn_bwd_dq_tile(
+                b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
+                n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                USE_TMA,
+            )
+            n0 += BLOCK_N
+    else:
+        for n0 in tl.range(n_lo, n_hi, BLOCK_N):
+            n0 = tl.multiple_of(n0, BLOCK_N)
+            b_dq = _attn_bwd_dq_tile(
+                b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
+                n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                USE_TMA,
+            )
+    return b_dq
+
+
+# Lengths are not specialised: a length of 1 would become a constexpr, and lengths
+# divisible by 16 would compile a kernel of their own.
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def _attn_bwd_dq_kernel(
+    q, k, v, dout, lse_log2, delta, dq,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_tb, stride_th,
+    seqlen_q, seqlen_k,
+    left, right,
+    scale, scale_log2, softcap_a2, softcap_c2,
+    HQ: tl.constexpr, GROUP: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Last row block first: under a causal mask it sees the most keys.
+    n_m = tl.cdiv(seqlen_q, BLOCK_M)
+    i_m = n_m - 1 - tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    i_hk = i_h // GROUP
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
+        T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
+        bos_k = tl.load(cu_seqlens_k + i_b).to(tl.int64)
+        if HAS_SEQUSED_K:
+            T_k = tl.load(seqused_k + i_b)
+        else:
+            T_k = (tl.load(cu_seqlens_k + i_b + 1) - bos_k).to(tl.int32)
+    else:
+        bos = 0
+        bos_k = 0
+        T_q = seqlen_q
+        T_k = seqlen_k
+    m0 = i_m * BLOCK_M
+    if m0 >= T_q:
+        return
+    m_last = tl.minimum(m0 + BLOCK_M, T_q) - 1
+    shift = T_k - T_q
+    o_m = m0 + tl.arange(0, BLOCK_M)
+    m_m = o_m < T_q
+
+    p_q = q + i_b.to(tl.int64) * stride_qb + bos * stride_qs + i_h.to(tl.int64) * stride_qh
+    p_do = dout + i_b.to(tl.int64) * stride_dob + bos * stride_dos + i_h.to(tl.int64) * stride_doh
+    p_k = k + i_b.to(tl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(tl.int64) * stride_kh
+    p_v = v + i_b.to(tl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(tl.int64) * stride_vh
+    if USE_TMA:
+        q_ref = tl.make_tensor_descriptor(p_q, shape=[tl.maximum(T_q, 1), D], strides=[stride_qs, 1],
+                                          block_shape=[BLOCK_M, BLOCK_D])
+        do_ref = tl.make_tensor_descriptor(p_do, shape=[tl.maximum(T_q, 1), DV], strides=[stride_dos, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DV])
+        k_ref = tl.make_tensor_descriptor(p_k, shape=[tl.maximum(T_k, 1), D], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_ref = tl.make_tensor_descriptor(p_v, shape=[tl.maximum(T_k, 1), DV], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        q_ref = p_q
+        do_ref = p_do
+        k_ref = p_k
+        v_ref = p_v
+
+    # Key range seen by some row of the block, and its full middle, as in the forward.
+    n_hi = T_k
+    if HAS_RIGHT:
+        n_hi = tl.minimum(n_hi, m_last + shift + right + 1)
+    n_lo = 0
+    if HAS_LEFT:
+        n_lo = tl.maximum(m0 + shift - left, 0)
+        n_lo = (n_lo // BLOCK_N) * BLOCK_N
+    n_hi = tl.maximum(n_hi, n_lo)
+    n_end = T_k
+    if HAS_RIGHT:
+        n_end = tl.minimum(n_end, m0 + shift + right + 1)
+    n_full_hi = (tl.maximum(n_end, 0) // BLOCK_N) * BLOCK_N
+    n_full_lo = n_lo
+    if HAS_LEFT:
+        n_start = tl.maximum(m_last + shift - left, 0)
+        n_full_lo = tl.maximum(tl.cdiv(n_start, BLOCK_N) * BLOCK_N, n_lo)
+    n_full_lo = tl.minimum(n_full_lo, n_hi)
+    n_full_hi = tl.minimum(tl.maximum(n_full_hi, n_full_lo), n_hi)
+
+    # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
+    b_q = _load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
+    b_do = _load_rows(do_ref, o_m, m0, stride_dos, T_q, BLOCK_M, BLOCK_DV, DV, USE_TMA)
+    o_t = i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + bos + o_m
+    # [BLOCK_M]; rows past the end get +inf, so their P is 0.
+    b_lse = tl.load(lse_log2 + o_t, mask=m_m, other=float("inf"))
+    b_delta = tl.load(delta + o_t, mask=m_m, other=0.0)
+    # [BLOCK_M, BLOCK_D]
+    b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_LEFT:
+        b_dq = _attn_bwd_dq_inner(
+            b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
+            n_lo, n_full_lo, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
+            INTERPRET,
+        )
+    b_dq = _attn_bwd_dq_inner(
+        b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
+        n_full_lo, n_full_hi, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
+        INTERPRET,
+    )
+    b_dq = _attn_bwd_dq_inner(
+        b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
+        n_full_hi, n_hi, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
+        INTERPRET,
+    )
+    p_dq = dq + i_b.to(tl.int64) * stride_dqb + bos * stride_dqs + i_h.to(tl.int64) * stride_dqh
+    _store_rows(p_dq, b_dq * scale, o_m, stride_dqs, T_q, BLOCK_D, D)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs sm90+, 16-byte aligned bases and row strides, and 16-byte rows at least."""
+    if not _interpreting() and (
+        not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9
+    ):
+        return False
+    for t in tensors:
+        es = t.element_size()
+        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _alloc_scratch(size: int, alignment: int, stream):
+    # Global scratch where the kernels write their in-kernel TMA descriptors (128 B each).
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim. dK/dV keeps two
+# [BLOCK_N, D] float32 accumulators in registers, dQ one [BLOCK_M, D]. Chosen as the
+# largest tiles that ptxas compiles for sm_90 without spilling (MHA, bf16); the H200
+# timing sweep (bench_bwd.py --sweep / --autotune) has the last word.
+_DKDV_CONFIGS = {
+    32: (64, 128, 8, 3),
+    64: (64, 128, 8, 3),
+    128: (64, 64, 8, 3),
+    256: (64, 64, 8, 2),
+}
+_DQ_CONFIGS = {
+    32: (128, 128, 8, 3),
+    64: (128, 128, 8, 3),
+    128: (128, 64, 8, 2),
+    256: (64, 32, 8, 2),
+}
+
+# Candidates for triton.autotune when AUTOTUNE is on (bench_bwd.py --autotune prints the pick).
+_DKDV_TUNE = [(64, 64, 8, 3), (64, 64, 8, 4), (64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)]
+_DQ_TUNE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 8, 2)]
+
+# Set by benchmarks and tests: keys "dkdv" / "dq" (4-tuples as above), "ATOMIC_DQ" (bool:
+# dq by atomics in the dK/dV kernel, ignored when deterministic=True) and "USE_TMA" (False
+# forces pointer loads). None uses the tables above.
+CONFIG_OVERRIDE: dict | None = None
+# dQ by atomics inside the dK/dV kernel when deterministic=False (one pass fewer: 5 matmuls
+# per tile pair instead of 7, at the price of float32 atomics). Off until the H200 numbers
+# of bench_bwd.py (column "atomic") say it pays.
+ATOMIC_DQ_DEFAULT = False
+# Autotune the dK/dV and dQ tiles per (head dims, mask, mode); off by default: the first
+# call of each key then compiles and times every candidate.
+AUTOTUNE = False
+
+# Gradient allocator; tests swap in one that fills with NaN to prove every element is written.
+_empty = torch.empty
+
+# Rows per preprocess program: 32 keeps the int64 pointer tiles of a D = 128 row block
+# in registers (memory-bound either way).
+_PRE_BLOCK_M = 32
+
+
+def _tune_prune(configs, named_args, **kwargs):
+    # Drop tiles whose K/V (or Q/dO) stages alone exceed the H200's 227 KB of shared memory.
+    bd, bdv = named_args.get("BLOCK_D", kwargs.get("BLOCK_D")), named_args.get(
+        "BLOCK_DV", kwargs.get("BLOCK_DV"))
+    keep = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        smem = 2 * (bd + bdv) * (c.num_stages * min(bm, bn) + max(bm, bn))
+        if smem <= 200 * 1024:
+            keep.append(c)
+    return keep or configs[:1]
+
+
+def _tuned(kernel, candidates, reset):
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+               for bm, bn, w, s in candidates]
+    return triton.autotune(
+        configs=configs,
+        key=["BLOCK_D", "BLOCK_DV", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "GROUP", "ATOMIC_DQ"],
+        prune_configs_by={"early_config_prune": _tune_prune},
+        reset_to_zero=reset,
+    )(kernel)
+
+
+_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, _DKDV_TUNE, ["dq"])
+_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, _DQ_TUNE, None)
+
+
+def _pick(table, key):
+    if _interpreting():
+        # Small tiles keep the interpreter fast and give tests several tiles per row.
+        bm, bn, w, s = 16, 16, 4, 1
+    else:
+        bm, bn, w, s = table[min(max(key, 32), 256)]
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+
+
+def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
+             deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+             max_seqlen_k=None, seqused_k=None):
+    """``dq, dk, dv, dsink`` of ``(out, lse) = attention(q, k, v)`` given ``dout`` and ``dlse``.
+
+    ``dS = P (dO V^T - D)`` with ``P = exp(S - lse)`` and ``D = rowsum(dO * O) - dlse``.
+    Inputs are assumed valid (ops/ validates); any strides with the last one 1.
+
+    Args:
+        dout: ``(B, Sq, Hq, Dv)`` (varlen ``(total_q, Hq, Dv)``), the gradient of out.
+        dlse: ``(B, Hq, Sq)`` (varlen ``(Hq, total_q)``) float32, the gradient of lse, or None.
+        q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)`` (varlen: no B).
+        out: ``(B, Sq, Hq, Dv)`` and lse: ``(B, Hq, Sq)`` float32 natural log (with the sink,
+            -inf on empty rows), as the forward returned them.
+        left, right: window bounds (int >= 0) or None for unbounded; causal is ``right=0``.
+        softcap: ``c > 0`` for ``c * tanh(s / c)``; 0 is off. scale: multiplies ``q . k``.
+        sink: ``(Hq,)`` float32 logits or None.
+        deterministic: bitwise-repeatable gradients (never atomics).
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 (varlen); max_seqlen_q, max_seqlen_k:
+            ints; seqused_k: ``(B,)`` int32 or None.
+
+    Returns:
+        ``dq, dk, dv`` shaped and typed as ``q, k, v``, and ``dsink (Hq,)`` float32 or None.
+    """
+    is_varlen = cu_seqlens_q is not None
+    d, dv_dim = q.shape[-1], v.shape[-1]
+    hq, hkv = q.shape[-2], k.shape[-2]
+    device = q.device
+    # Autograd may hand over an expanded gradient (stride 0), which TMA cannot describe.
+    if dout.stride(-1) != 1 or 0 in dout.stride():
+        dout = dout.contiguous()
+    if dlse is None:
+        dlse = torch.zeros_like(lse, dtype=torch.float32)
+    override = CONFIG_OVERRIDE or {}
+    atomic_dq = bool(override.get("ATOMIC_DQ", ATOMIC_DQ_DEFAULT)) and not deterministic
+    # Varlen: rows outside every sequence (and keys past seqused_k) get zero gradients.
+    alloc = torch.zeros if is_varlen else _empty
+    dq = alloc(q.shape, dtype=q.dtype, device=device)
+    dk = alloc(k.shape, dtype=k.dtype, device=device)
+    dv = alloc(v.shape, dtype=v.dtype, device=device)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=device) if atomic_dq else dq
+    if is_varlen:
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        n_rows = q.shape[0]
+
+        def bsh(t):
+            return 0, t.stride(0), t.stride(1)
+
+        def lsh(t):
+            return 0, t.stride(0), t.stride(1)
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        n_rows = batch * seqlen_q
+
+        def bsh(t):
+            return t.stride(0), t.stride(1), t.stride(2)
+
+        def lsh(t):
+            return t.stride(0), t.stride(1), t.stride(2)
+    # D and lse_log2 in the layout of a contiguous lse.
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
+    lse_log2 = torch.empty(lse.shape, dtype=torch.float32, device=device)
+    st_b, st_h = (0, delta.stride(0)) if is_varlen else (delta.stride(0), delta.stride(1))
+
+    n_m_pre = triton.cdiv(max(seqlen_q, 1), _PRE_BLOCK_M)
+    n_part = batch * n_m_pre
+    dsink_part = (torch.zeros((hq, n_part), dtype=torch.float32, device=device)
+                  if sink is not None else None)
+    if n_rows == 0 or batch == 0 or seqlen_q == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv, None if sink is None else torch.zeros_like(sink, dtype=torch.float32)
+
+    scale = float(scale)
+    softcap = float(softcap or 0.0)
+    block_d = max(triton.next_power_of_2(d), 16)
+    block_dv = max(triton.next_power_of_2(dv_dim), 16)
+    # No descriptor over an empty tensor (its base address may be null).
+    use_tma = (override.get("USE_TMA", True) and min(q.numel(), k.numel(), v.numel()) > 0
+               and _tma_ok(q, k, v, dout))
+    if use_tma and not _interpreting():
+        triton.set_allocator(_alloc_scratch)
+    interpret = _interpreting()
+
+    ob, os_, oh = bsh(out)
+    dob, dos, doh = bsh(dout)
+    lb, lh, ls = lsh(lse)
+    dlb, dlh, dls = lsh(dlse)
+    _attn_bwd_preprocess_kernel[(n_m_pre, batch * hq)](
+        out=out,
+        dout=dout,
+        lse=lse,
+        dlse=dlse,
+        delta=delta,
+        lse_log2=lse_log2,
+        sink=sink,
+        dsink_part=dsink_part,
+        cu_seqlens_q=cu_seqlens_q,
+        stride_ob=ob,
+        stride_os=os_,
+        stride_oh=oh,
+        stride_dob=dob,
+        stride_dos=dos,
+        stride_doh=doh,
+        stride_lb=lb,
+        stride_lh=lh,
+        stride_ls=ls,
+        stride_dlb=dlb,
+        stride_dlh=dlh,
+        stride_dls=dls,
+        stride_tb=st_b,
+        stride_th=st_h,
+        seqlen_q=seqlen_q,
+        n_m=n_m_pre,
+        n_part=n_part,
+        HQ=hq,
+        DV=dv_dim,
+        BLOCK_M=_PRE_BLOCK_M,
+        BLOCK_DV=block_dv,
+        HAS_SINK=sink is not None,
+        IS_VARLEN=is_varlen,
+        num_warps=4,
+    )
+
+    qb, qs, qh = bsh(q)
+    kb, ks, kh = bsh(k)
+    vb, vs, vh = bsh(v)
+    dqb, dqs, dqh = bsh(dq_acc)
+    common = dict(
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        seqused_k=seqused_k,
+        stride_qb=qb,
+        stride_qs=qs,
+        stride_qh=qh,
+        stride_kb=kb,
+        stride_ks=ks,
+        stride_kh=kh,
+        stride_vb=vb,
+        stride_vs=vs,
+        stride_vh=vh,
+        stride_dob=dob,
+        stride_dos=dos,
+        stride_doh=doh,
+        stride_dqb=dqb,
+        stride_dqs=dqs,
+        stride_dqh=dqh,
+        stride_tb=st_b,
+        stride_th=st_h,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        left=0 if left is None else int(left),
+        right=0 if right is None else int(right),
+        scale=scale,
+        scale_log2=scale * LOG2E,
+        softcap_a2=(2.0 * LOG2E * scale / softcap) if softcap > 0 else 0.0,
+        softcap_c2=softcap * LOG2E,
+        GROUP=hq // hkv,
+        D=d,
+        DV=dv_dim,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        HAS_LEFT=left is not None,
+        HAS_RIGHT=right is not None,
+        HAS_SOFTCAP=softcap > 0,
+        IS_VARLEN=is_varlen,
+        HAS_SEQUSED_K=seqused_k is not None,
+        USE_TMA=use_tma,
+        INTERPRET=interpret,
+    )
+    tune = AUTOTUNE and not interpret and "dkdv" not in override and "dq" not in override
+    key_d = max(block_d, block_dv)
+
+    if seqlen_k > 0:
+        dkb, dks, dkh = bsh(dk)
+        dvb, dvs, dvh = bsh(dv)
+        dkdv_args = dict(
+            q=q,
+            k=k,
+            v=v,
+            dout=dout,
+            lse_log2=lse_log2,
+            delta=delta,
+            dq=dq_acc,
+            dk=dk,
+            dv=dv,
+            stride_dkb=dkb,
+            stride_dks=dks,
+            stride_dkh=dkh,
+            stride_dvb=dvb,
+            stride_dvs=dvs,
+            stride_dvh=dvh,
+            HKV=hkv,
+            ATOMIC_DQ=atomic_dq,
+            **common,
+        )
+        if tune:
+            _attn_bwd_dkdv_tuned[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]),
+                                               batch * hkv)](**dkdv_args)
+        else:
+            bm, bn, w, s = override.get("dkdv") or tuple(_pick(_DKDV_CONFIGS, key_d).values())
+            _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, bn), batch * hkv)](
+                **dkdv_args,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                num_warps=w,
+                num_stages=s,
+            )
+    if atomic_dq and seqlen_k > 0:
+        dq.copy_(dq_acc)
+    else:
+        dq_args = dict(
+            q=q,
+            k=k,
+            v=v,
+            dout=dout,
+            lse_log2=lse_log2,
+            delta=delta,
+            dq=dq,
+            HQ=hq,
+            **common,
+        )
+        if tune:
+            _attn_bwd_dq_tuned[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]),
+                                             batch * hq)](**dq_args)
+        else:
+            bm, bn, w, s = override.get("dq") or tuple(_pick(_DQ_CONFIGS, key_d).values())
+            _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, bm), batch * hq)](
+                **dq_args,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                num_warps=w,
+                num_stages=s,
+            )
+    dsink = None if sink is None else dsink_part.sum(1)
+    return dq, dk, dv, dsink

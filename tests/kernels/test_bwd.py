@@ -1,0 +1,328 @@
+"""``kernels.bwd.attn_bwd`` against float64 autograd of ``flashlse.reference`` (dq, dk, dv, dsink).
+
+The loss is ``sum(out * dout) + sum(lse * dlse)`` with random ``dout`` and a random ``dlse`` on
+the finite LSE entries, so the gradient through the LSE (``D = rowsum(dO * O) - dlse``) is
+tested with every other term. The forward ``(out, lse)`` comes from the PyTorch path
+(``attn_fwd_torch``), so these tests do not depend on the forward kernel.
+
+Tolerance (STYLE.md §3): ``err(kernel) <= 2 * err(torch autograd in the same dtype) + atol``,
+errors measured against the float64 gradients, atol relative to the gradient's scale. Empty
+rows must give ``dq = 0`` exactly, and no gradient may hold a NaN; dense gradients are
+allocated pre-filled with NaN so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashlse import reference
+from flashlse.kernels import bwd
+from flashlse.masks import normalize_window, visible
+from flashlse.ops.attention import attn_fwd_torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    def empty_nan(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(bwd, "_empty", empty_nan)
+    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", None)
+    monkeypatch.setattr(bwd, "AUTOTUNE", False)
+
+
+def _atol(dtype):
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+
+def _torch_attention(q, k, v, left, right, softcap, scale, sink):
+    """One dense batch in q's dtype with plain differentiable torch ops: the error yardstick."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    g = hq // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(g, 1)
+    vh = v.transpose(1, 2).repeat_interleave(g, 1)
+    s = qh.matmul(kh.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    ok = visible(torch.arange(sq, device=q.device), torch.arange(sk, device=q.device),
+                 sq, sk, left, right)
+    if ok is not None:
+        s = s.masked_fill(~ok, float("-inf"))
+    p, lse = reference.softmax_weights(s, None if sink is None else sink.to(s.dtype).view(1, hq, 1))
+    return p.matmul(vh).transpose(1, 2), lse
+
+
+def _grads(fn, inputs, dout, dlse):
+    """Gradients of ``sum(out * dout) + sum(lse * dlse)`` (finite lse only) w.r.t. inputs."""
+    out, lse = fn(*inputs)
+    fin = torch.isfinite(lse.detach())
+    loss = (out * dout.to(out.dtype)).sum() + (lse[fin] * dlse.to(lse.dtype)[fin]).sum()
+    need = [t for t in inputs if t is not None]
+    gs = torch.autograd.grad(loss, need, allow_unused=True)
+    gs = [torch.zeros_like(t) if g is None else g for t, g in zip(need, gs)]
+    return gs + [None] * (4 - len(gs))
+
+
+def _leaf(t, dtype=None):
+    return None if t is None else t.detach().to(dtype or t.dtype).requires_grad_(True)
+
+
+def _check(name, ours, ref, pt, dtype):
+    assert ours.shape == ref.shape, f"{name}: shape {tuple(ours.shape)} vs {tuple(ref.shape)}"
+    assert not torch.isnan(ours).any(), f"{name}: NaN (or unwritten element)"
+    if ours.numel() == 0:
+        return
+    ref = ref.to(ours.device)
+    scale = max(1.0, ref.abs().max().item())
+    err = (ours.double() - ref).abs().max().item()
+    pt_err = (pt.double().to(ours.device) - ref).abs().max().item()
+    assert err <= 2 * pt_err + _atol(dtype) * scale, (
+        f"{name}: err {err:.3g} vs torch {dtype} {pt_err:.3g} (scale {scale:.3g})")
+
+
+def _check_empty_rows(dq, lse, varlen):
+    # dq (B, Sq, Hq, D) / (total_q, Hq, D); lse (B, Hq, Sq) / (Hq, total_q).
+    empty = torch.isneginf(lse)
+    if empty.any():
+        rows = dq.transpose(0, 1) if varlen else dq.transpose(1, 2)
+        assert (rows[empty.to(dq.device)] == 0).all(), "empty rows must give dq = 0"
+
+
+def _run_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, causal=False, window=(None, None),
+               softcap=0.0, sink=False, seed=0, deterministic=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, generator=gen).to(dtype)
+    k = torch.randn(b, sk, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(b, sk, hkv, dv, generator=gen).to(dtype)
+    sink_t = (torch.randn(hq, generator=gen) * 2) if sink else None
+    scale = 1.0 / math.sqrt(d)
+    left, right = normalize_window(causal, window)
+    kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink_t)
+    out, lse = attn_fwd_torch(q, k, v, **kw)
+    dout = torch.randn(out.shape, generator=gen).to(dtype)
+    dlse = torch.randn(lse.shape, generator=gen).masked_fill(~torch.isfinite(lse), 0.0)
+
+    on = [None if t is None else t.to(device) for t in (dout, dlse, q, k, v, out, lse, sink_t)]
+    dq, dk, dv_, dsink = bwd.attn_bwd(*on[:7], left=left, right=right, softcap=softcap,
+                                      scale=scale, sink=on[7], deterministic=deterministic)
+    assert dq.dtype == dtype and dk.dtype == dtype and dv_.dtype == dtype
+
+    def ref_fn(q_, k_, v_, s_):
+        return reference.attention(q_, k_, v_, causal=causal, window=window, softcap=softcap,
+                                   scale=scale, sink=s_, return_lse=True)
+
+    f64 = torch.float64
+    ref = _grads(ref_fn, [_leaf(q, f64), _leaf(k, f64), _leaf(v, f64), _leaf(sink_t, f64)],
+                 dout, dlse)
+    pt = _grads(lambda q_, k_, v_, s_: _torch_attention(q_, k_, v_, left, right, softcap, scale,
+                                                        s_),
+                [_leaf(q), _leaf(k), _leaf(v), _leaf(sink_t, dtype)], dout, dlse)
+    for name, ours, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv_), ref, pt):
+        _check(name, ours, r, p, dtype)
+    if sink:
+        assert dsink.dtype == torch.float32 and dsink.shape == (hq,)
+        _check("dsink", dsink, ref[3], pt[3], dtype)
+    else:
+        assert dsink is None
+    _check_empty_rows(dq, lse, varlen=False)
+    return dq, dk, dv_, dsink
+
+
+# (b, sq, sk, hq, hkv, d, dv, keywords): tiny shapes, tiles of 16 under the interpreter.
+DENSE_CASES = [
+    pytest.param(2, 33, 47, 2, 2, 32, 32, {}, id="base"),
+    pytest.param(1, 40, 17, 2, 1, 32, 32, {"causal": True}, id="causal_sq_gt_sk_empty_rows"),
+    pytest.param(1, 17, 40, 2, 1, 32, 32, {"causal": True}, id="causal_sq_lt_sk"),
+    pytest.param(1, 30, 10, 2, 2, 32, 32, {"window": (2, 1)}, id="window_empties_rows"),
+    pytest.param(1, 20, 45, 2, 1, 32, 32, {"window": (5, 3)}, id="window_both"),
+    pytest.param(1, 45, 45, 2, 1, 32, 32, {"window": (7, None)}, id="window_left_only"),
+    pytest.param(1, 20, 0, 2, 1, 32, 32, {}, id="sk0"),
+    pytest.param(1, 20, 0, 2, 1, 32, 32, {"sink": True}, id="sk0_sink"),
+    pytest.param(1, 25, 30, 2, 2, 32, 32, {"sink": True}, id="sink"),
+    pytest.param(1, 40, 17, 2, 1, 32, 32, {"sink": True, "causal": True},
+                 id="sink_empty_rows"),
+    pytest.param(1, 30, 30, 2, 1, 32, 32, {"softcap": 1.5}, id="softcap"),
+    pytest.param(1, 30, 20, 2, 1, 32, 32, {"softcap": 3.0, "causal": True},
+                 id="softcap_causal"),
+    pytest.param(1, 20, 33, 4, 2, 32, 32, {}, id="gqa"),
+    pytest.param(1, 20, 33, 4, 1, 32, 32, {"causal": True, "sink": True}, id="mqa_causal_sink"),
+    pytest.param(1, 1, 1, 1, 1, 32, 32, {}, id="sq1_sk1"),
+    pytest.param(1, 1, 63, 2, 1, 32, 32, {"causal": True}, id="decode_row"),
+    pytest.param(1, 63, 113, 1, 1, 32, 32, {"causal": True}, id="odd_63_113"),
+    pytest.param(1, 20, 30, 2, 1, 59, 40, {"causal": True}, id="d59_dv40"),
+    pytest.param(1, 17, 20, 2, 2, 64, 64, {"window": (3, 4)}, id="d64"),
+]
+
+# The interpreter's tl.dot is wrong on bf16, so bf16 runs on the GPU only.
+DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,dv,kw", DENSE_CASES)
+def test_attn_bwd_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, kw):
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, **kw)
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param({"USE_TMA": False}, id="pointers"),
+    pytest.param({"ATOMIC_DQ": True}, id="atomic_dq"),
+])
+def test_attn_bwd_paths(device, monkeypatch, mode):
+    dtype = torch.float16 if HAS_CUDA else torch.float32
+    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", mode)
+    _run_dense(device, dtype, 1, 37, 41, 4, 2, 32, 32, causal=True, sink=True, seed=3)
+
+
+def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=False,
+                window=(None, None), used=None, sink=False, softcap=0.0, seed=0,
+                deterministic=False):
+    gen = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, *torch.tensor(seqlens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(seqlens_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), hq, d, generator=gen).to(dtype)
+    k = torch.randn(int(cu_k[-1]), hkv, d, generator=gen).to(dtype)
+    v = torch.randn(int(cu_k[-1]), hkv, dv, generator=gen).to(dtype)
+    sink_t = torch.randn(hq, generator=gen) if sink else None
+    seqused = None if used is None else torch.tensor(used, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(d)
+    left, right = normalize_window(causal, window)
+    kw = dict(left=left, right=right, softcap=softcap, scale=scale)
+    bounds = []
+    for i in range(len(seqlens_q)):
+        k0 = int(cu_k[i])
+        bounds.append((int(cu_q[i]), int(cu_q[i + 1]), k0,
+                       k0 + (used[i] if used is not None else seqlens_k[i])))
+
+    def per_seq(fn, q_, k_, v_, s_):
+        outs, lses = [], []
+        for q0, q1, k0, k1 in bounds:
+            o, l = fn(q_[None, q0:q1], k_[None, k0:k1], v_[None, k0:k1], s_)
+            outs.append(o[0])
+            lses.append(l[0])
+        return torch.cat(outs, 0), torch.cat(lses, 1)
+
+    out, lse = per_seq(lambda *a: attn_fwd_torch(*a[:3], sink=a[3], **kw), q, k, v, sink_t)
+    dout = torch.randn(out.shape, generator=gen).to(dtype)
+    dlse = torch.randn(lse.shape, generator=gen).masked_fill(~torch.isfinite(lse), 0.0)
+
+    on = [None if t is None else t.to(device)
+          for t in (dout, dlse, q, k, v, out, lse, sink_t, cu_q, cu_k, seqused)]
+    dq, dk, dv_, dsink = bwd.attn_bwd(
+        *on[:7], sink=on[7], deterministic=deterministic, cu_seqlens_q=on[8],
+        cu_seqlens_k=on[9], max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+        seqused_k=on[10], **kw)
+
+    def ref_fn(q_, k_, v_, s_):
+        return reference.attention_varlen(q_, k_, v_, cu_q, cu_k, max(seqlens_q), max(seqlens_k),
+                                          seqused_k=seqused, causal=causal, window=window,
+                                          softcap=softcap, scale=scale, sink=s_, return_lse=True)
+
+    f64 = torch.float64
+    ref = _grads(ref_fn, [_leaf(q, f64), _leaf(k, f64), _leaf(v, f64), _leaf(sink_t, f64)],
+                 dout, dlse)
+    pt = _grads(lambda *a: per_seq(lambda q_, k_, v_, s_: _torch_attention(
+        q_, k_, v_, left, right, softcap, scale, s_), *a),
+        [_leaf(q), _leaf(k), _leaf(v), _leaf(sink_t, dtype)], dout, dlse)
+    for name, ours, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv_), ref, pt):
+        _check(name, ours, r, p, dtype)
+    if sink:
+        _check("dsink", dsink, ref[3], pt[3], dtype)
+    _check_empty_rows(dq, lse, varlen=True)
+    return dq, dk, dv_, dsink
+
+
+VARLEN_CASES = [
+    pytest.param([5, 0, 33, 17], [9, 12, 0, 40], {}, id="zero_len_q_and_k"),
+    pytest.param([20, 0, 7, 30], [9, 5, 20, 30], {"causal": True}, id="causal"),
+    pytest.param([18, 25, 3], [30, 25, 40], {"used": [0, 20, 11], "sink": True},
+                 id="seqused_k_sink"),
+    pytest.param([18, 25], [30, 25], {"window": (4, 2), "softcap": 2.0}, id="window_softcap"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("seqlens_q,seqlens_k,kw", VARLEN_CASES)
+def test_attn_bwd_varlen(device, dtype, seqlens_q, seqlens_k, kw):
+    _run_varlen(device, dtype, seqlens_q, seqlens_k, 4, 2, 32, 32, **kw)
+
+
+GPU_CASES = [
+    pytest.param(d, dv, kw, id=f"d{d}_dv{dv}_" + "_".join(f"{a}{b}" for a, b in kw.items()))
+    for d, dv in [(32, 32), (59, 59), (64, 64), (111, 111), (128, 128), (192, 128), (256, 256)]
+    for kw in [{}, {"causal": True}, {"window": (100, 50), "sink": True, "softcap": 20.0}]
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,dv,kw", GPU_CASES)
+def test_attn_bwd_gpu_head_dims(device, dtype, d, dv, kw):
+    _run_dense(device, dtype, 2, 300, 457, 4, 2, d, dv, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("atomic", [False, True], ids=["dq_pass", "atomic_dq"])
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(sq=1000, sk=400, causal=True), id="causal_sq_gt_sk"),
+    pytest.param(dict(sq=500, sk=0, sink=True), id="sk0_sink"),
+    pytest.param(dict(sq=700, sk=300, causal=True, sink=True), id="sink_empty_rows"),
+    pytest.param(dict(sq=1, sk=1025, causal=True), id="decode_row"),
+    pytest.param(dict(sq=255, sk=203, window=(31, 0)), id="odd_window"),
+    pytest.param(dict(sq=513, sk=513, softcap=30.0), id="softcap"),
+])
+def test_attn_bwd_gpu_edges(device, monkeypatch, atomic, case):
+    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", {"ATOMIC_DQ": atomic})
+    case = dict(case)
+    sq, sk = case.pop("sq"), case.pop("sk")
+    _run_dense(device, torch.bfloat16, 2, sq, sk, 8, 2, 128, 128, **case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attn_bwd_gpu_varlen(device, causal):
+    _run_varlen(device, torch.bfloat16, [300, 0, 600, 1, 129], [400, 300, 600, 0, 129],
+                8, 1, 128, 128, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
+
+
+@pytest.mark.gpu
+def test_attn_bwd_gpu_deterministic(device, monkeypatch):
+    # ATOMIC_DQ is requested and must be ignored: deterministic=True never uses atomics.
+    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", {"ATOMIC_DQ": True})
+    gen = torch.Generator().manual_seed(7)
+    b, sq, sk, hq, hkv, d = 2, 1000, 1000, 8, 2, 128
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to(torch.bfloat16).to(device)
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    sink = torch.randn(hq, generator=gen).to(device)
+    kw = dict(left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=sink)
+    out, lse = attn_fwd_torch(q, k, v, **kw)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    runs = [bwd.attn_bwd(dout, dlse, q, k, v, out, lse, deterministic=True, **kw)
+            for _ in range(3)]
+    for other in runs[1:]:
+        for name, a, c in zip(("dq", "dk", "dv", "dsink"), runs[0], other):
+            assert torch.equal(a, c), f"{name} differs between runs with deterministic=True"
+
+
+def test_attn_bwd_dlse_none_expanded_dout(device):
+    # What autograd may hand over: no lse gradient, and a broadcast (stride-0) dout.
+    from flashlse.ops.attention import attn_bwd_torch
+
+    dtype = torch.float16 if HAS_CUDA else torch.float32
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 21, 2, 32, generator=gen).to(dtype).to(device)
+    k, v = (torch.randn(1, 26, 1, 32, generator=gen).to(dtype).to(device) for _ in range(2))
+    kw = dict(left=None, right=0, softcap=0.0, scale=0.2, sink=None)
+    out, lse = attn_fwd_torch(q, k, v, **kw)
+    dout = torch.ones(1, 1, 1, 1, dtype=dtype, device=device).expand_as(out)
+    ours = bwd.attn_bwd(dout, None, q, k, v, out, lse, **kw)
+    ref = attn_bwd_torch(dout, torch.zeros_like(lse), q, k, v, out, lse, **kw)
+    for name, a, r in zip(("dq", "dk", "dv"), ours, ref):
+        assert not torch.isnan(a).any(), name
+        torch.testing.assert_close(a, r, atol=_atol(dtype) * 4, rtol=1e-2, msg=name)
