@@ -55,27 +55,14 @@ loads. Gradients are stored with masked pointer stores (once per program).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._common import alloc_scratch, interpreting, load_rows, tma_ok
+
 LOG2E = math.log2(math.e)
-
-
-@triton.jit
-def _load_rows(ref, o_r, i_r0, stride_r, n_rows, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-               N_COLS: tl.constexpr, USE_TMA: tl.constexpr):
-    """Tile ``[BLOCK_R, BLOCK_C]`` of rows ``i_r0 + o_r`` of a (rows, N_COLS) slice, zeros outside."""
-    if USE_TMA:
-        b_x = ref.load([i_r0, 0])
-    else:
-        o_c = tl.arange(0, BLOCK_C)
-        p_x = ref + o_r[:, None].to(tl.int64) * stride_r + o_c[None, :]
-        m_x = (o_r[:, None] < n_rows) & (o_c[None, :] < N_COLS)
-        b_x = tl.load(p_x, mask=m_x, other=0.0)
-    return b_x
 
 
 @triton.jit
@@ -175,8 +162,8 @@ def _attn_bwd_dkdv_tile(
     o_m = m0 + tl.arange(0, BLOCK_M)
     m_m = o_m < T_q
     # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
-    b_q = _load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
-    b_do = _load_rows(do_ref, o_m, m0, stride_dos, T_q, BLOCK_M, BLOCK_DV, DV, USE_TMA)
+    b_q = load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
+    b_do = load_rows(do_ref, o_m, m0, stride_dos, T_q, BLOCK_M, BLOCK_DV, DV, USE_TMA)
     # [BLOCK_M]; rows past the end get +inf, so their P is 0 with no mask.
     b_lse = tl.load(p_lse + o_m, mask=m_m, other=float("inf"))
     b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
@@ -314,8 +301,8 @@ def _attn_bwd_dkdv_kernel(
         k_ref = p_k
         v_ref = p_v
     # [BLOCK_N, BLOCK_D], [BLOCK_N, BLOCK_DV]
-    b_k = _load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
-    b_v = _load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
+    b_k = load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+    b_v = load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
 
     # Rows that see some key of the block: [m_lo, m_hi).
     m_lo = 0
@@ -401,8 +388,8 @@ def _attn_bwd_dq_tile(
     """One key tile ``[n0, n0 + BLOCK_N)`` of the program's row block."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     # [BLOCK_N, BLOCK_D], [BLOCK_N, BLOCK_DV]
-    b_k = _load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
-    b_v = _load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
+    b_k = load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+    b_v = load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
     # [BLOCK_M, BLOCK_N]
     b_s = tl.dot(b_q, tl.trans(b_k))
     if MASK:
@@ -557,8 +544,8 @@ def _attn_bwd_dq_kernel(
     n_full_hi = tl.minimum(tl.maximum(n_full_hi, n_full_lo), n_hi)
 
     # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
-    b_q = _load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
-    b_do = _load_rows(do_ref, o_m, m0, stride_dos, T_q, BLOCK_M, BLOCK_DV, DV, USE_TMA)
+    b_q = load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
+    b_do = load_rows(do_ref, o_m, m0, stride_dos, T_q, BLOCK_M, BLOCK_DV, DV, USE_TMA)
     o_t = i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + bos + o_m
     # [BLOCK_M]; rows past the end get +inf, so their P is 0.
     b_lse = tl.load(lse_log2 + o_t, mask=m_m, other=float("inf"))
@@ -586,28 +573,6 @@ def _attn_bwd_dq_kernel(
     )
     p_dq = dq + i_b.to(tl.int64) * stride_dqb + bos * stride_dqs + i_h.to(tl.int64) * stride_dqh
     _store_rows(p_dq, b_dq * scale, o_m, stride_dqs, T_q, BLOCK_D, D)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA needs sm90+, 16-byte aligned bases and row strides, and 16-byte rows at least."""
-    if not _interpreting() and (
-        not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9
-    ):
-        return False
-    for t in tensors:
-        es = t.element_size()
-        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
-
-
-def _alloc_scratch(size: int, alignment: int, stream):
-    # Global scratch where the kernels write their in-kernel TMA descriptors (128 B each).
-    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim. dK/dV keeps two
@@ -680,7 +645,7 @@ _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, _DQ_TUNE, None)
 
 
 def _pick(table, key):
-    if _interpreting():
+    if interpreting():
         # Small tiles keep the interpreter fast and give tests several tiles per row.
         bm, bn, w, s = 16, 16, 4, 1
     else:
@@ -769,10 +734,10 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     block_dv = max(triton.next_power_of_2(dv_dim), 16)
     # No descriptor over an empty tensor (its base address may be null).
     use_tma = (override.get("USE_TMA", True) and min(q.numel(), k.numel(), v.numel()) > 0
-               and _tma_ok(q, k, v, dout))
-    if use_tma and not _interpreting():
-        triton.set_allocator(_alloc_scratch)
-    interpret = _interpreting()
+               and tma_ok(q, k, v, dout))
+    if use_tma and not interpreting():
+        triton.set_allocator(alloc_scratch)
+    interpret = interpreting()
 
     ob, os_, oh = bsh(out)
     dob, dos, doh = bsh(dout)

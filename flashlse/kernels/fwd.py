@@ -58,22 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import alloc_scratch, interpreting, load_rows, tma_ok
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-
-
-@triton.jit
-def _load_rows(ref, o_r, i_r0, stride_r, n_rows, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-               N_COLS: tl.constexpr, USE_TMA: tl.constexpr):
-    """Tile ``[BLOCK_R, BLOCK_C]`` of rows ``i_r0 + o_r`` of a (rows, N_COLS) slice, zeros outside."""
-    if USE_TMA:
-        b_x = ref.load([i_r0, 0])
-    else:
-        o_c = tl.arange(0, BLOCK_C)
-        p_x = ref + o_r[:, None].to(tl.int64) * stride_r + o_c[None, :]
-        m_x = (o_r[:, None] < n_rows) & (o_c[None, :] < N_COLS)
-        b_x = tl.load(p_x, mask=m_x, other=0.0)
-    return b_x
 
 
 @triton.jit
@@ -82,7 +70,7 @@ def _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, BLOCK_N: tl.constexpr, BLOCK_D:
     """Raw scores ``q . k`` of key tile ``[n0, n0 + BLOCK_N)``: ``[BLOCK_M, BLOCK_N]``."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     # [BLOCK_N, BLOCK_D]
-    b_k = _load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+    b_k = load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
     return tl.dot(b_q, tl.trans(b_k))
 
 
@@ -130,7 +118,7 @@ def _attn_fwd_softmax_pv(
     b_alpha = tl.math.exp2(b_m - b_piv)
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
     # [BLOCK_N, BLOCK_DV]
-    b_v = _load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
+    b_v = load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
     # [BLOCK_M, BLOCK_DV]
     b_acc = b_acc * b_alpha[:, None]
     b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
@@ -322,7 +310,7 @@ def _attn_fwd_kernel(
         v_ref = p_v
 
     # [BLOCK_M, BLOCK_D]
-    b_q = _load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
+    b_q = load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
     if HAS_LEFT:
         b_acc, b_m, b_l = _attn_fwd_inner(
             b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs,
@@ -352,30 +340,6 @@ def _attn_fwd_kernel(
                     DV, BLOCK_M, BLOCK_DV, HAS_SINK, USE_TMA)
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA needs sm90+, 16-byte aligned bases and row strides, and 16-byte rows at least."""
-    if not _interpreting() and (
-        not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9
-    ):
-        return False
-    for t in tensors:
-        es = t.element_size()
-        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
-
-
-def _alloc_scratch(size: int, alignment: int, stream):
-    # Global scratch where the kernel writes its in-kernel TMA descriptors (128 B each).
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
 # Launch configuration per padded head dim (the wider of D and Dv), the winners of the sweeps
 # on an H200 at S = 4k-8k (benchmarks/NOTES.md). USE_TMA=False takes pointer loads even where
 # TMA would work; GROUP_HEADS is the schedule's head group (absent: from the L2 size).
@@ -403,7 +367,7 @@ _empty = torch.empty
 
 
 def _pick_config(block_d: int, block_dv: int, masked: bool) -> dict:
-    if _interpreting():
+    if interpreting():
         # Small tiles keep the interpreter fast and give tests several tiles per row.
         cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     else:
@@ -477,12 +441,12 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
     block_d = max(triton.next_power_of_2(d), 16)
     block_dv = max(triton.next_power_of_2(dv), 16)
     cfg = _pick_config(block_d, block_dv, right is not None or left is not None)
-    use_tma = cfg.pop("USE_TMA", True) and _tma_ok(q, k, v, out)
+    use_tma = cfg.pop("USE_TMA", True) and tma_ok(q, k, v, out)
     # Triton 3.6's Hopper warp specialisation compiled here only with TMA loads and 8 warps
     # (4 warps hit an assertion in its TaskIdPropagation pass).
-    ws = cfg["WARP_SPECIALIZE"] and use_tma and cfg["num_warps"] >= 8 and not _interpreting()
-    if use_tma and not _interpreting():
-        triton.set_allocator(_alloc_scratch)
+    ws = cfg["WARP_SPECIALIZE"] and use_tma and cfg["num_warps"] >= 8 and not interpreting()
+    if use_tma and not interpreting():
+        triton.set_allocator(alloc_scratch)
     num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     scale = float(scale)
     softcap = float(softcap or 0.0)
@@ -539,7 +503,7 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
             HAS_SEQUSED_K=seqused_k is not None,
             USE_TMA=use_tma,
             WARP_SPECIALIZE=ws,
-            INTERPRET=_interpreting(),
+            INTERPRET=interpreting(),
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"],
             num_warps=num_warps,

@@ -1,0 +1,46 @@
+"""Pieces every kernel module shares: the interpreter switch, the TMA gate, the
+descriptor scratch allocator and the masked row-tile load."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs sm90+, 16-byte aligned bases and row strides, and 16-byte rows at least."""
+    if not interpreting() and (
+        not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9
+    ):
+        return False
+    for t in tensors:
+        es = t.element_size()
+        if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def alloc_scratch(size: int, alignment: int, stream):
+    # Global scratch where the kernels write their in-kernel TMA descriptors (128 B each).
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+@triton.jit
+def load_rows(ref, o_r, i_r0, stride_r, n_rows, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+              N_COLS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Tile ``[BLOCK_R, BLOCK_C]`` of rows ``i_r0 + o_r`` of a (rows, N_COLS) slice, zeros outside."""
+    if USE_TMA:
+        b_x = ref.load([i_r0, 0])
+    else:
+        o_c = tl.arange(0, BLOCK_C)
+        p_x = ref + o_r[:, None].to(tl.int64) * stride_r + o_c[None, :]
+        m_x = (o_r[:, None] < n_rows) & (o_c[None, :] < N_COLS)
+        b_x = tl.load(p_x, mask=m_x, other=0.0)
+    return b_x
