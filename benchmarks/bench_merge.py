@@ -1,0 +1,98 @@
+"""Merge bandwidth: ``kernels.combine.merge_states_fwd`` merging N states of 256 MB in total.
+
+Bandwidth = (bytes of the N outs and lses read + bytes of out and lse written) / time,
+against a device-to-device copy (bytes read plus written) measured in the same process,
+and against the same merge written in eager torch (the unfused formula of DESIGN.md §1).
+About 30% of the lse entries are -inf (empty states), as after a split-KV decode.
+
+    python benchmarks/bench_merge.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from flashlse.kernels.combine import merge_states_fwd  # noqa: E402
+
+# --smoke: 1 MB on the CPU under TRITON_INTERPRET=1, to check the script itself.
+SMOKE = "--smoke" in sys.argv
+DEV = "cpu" if SMOKE else "cuda"
+TOTAL = 2**20 if SMOKE else 256 * 1024**2
+
+
+def bench(fn) -> float:
+    """Median milliseconds."""
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=150, return_mode="median")
+
+
+def torch_merge(outs, lses):
+    m = lses.amax(0)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lses - m)
+    tot = w.sum(0)
+    inv = torch.where(tot > 0, 1 / tot, torch.zeros_like(tot))
+    out = ((w * inv).unsqueeze(-1) * outs.float()).sum(0).to(outs.dtype)
+    return out, torch.log(tot) + m
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    dev = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
+    date = time.strftime("%Y-%m-%d")
+    x = torch.randn(TOTAL * 4 // 2, device=DEV, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    copy_gbs = 2 * x.numel() * 2 / bench(lambda: y.copy_(x)) / 1e6
+    rows = []
+    for d in (128, 512):
+        for n in (2, 4, 8):
+            r = TOTAL // (n * d * 2)
+            outs = torch.randn(n, r, d, device=DEV, dtype=torch.bfloat16)
+            lses = torch.randn(n, r, device=DEV) * 3
+            lses[torch.rand(n, r, device=DEV) < 0.3] = float("-inf")
+            out, lse = merge_states_fwd(outs, lses)
+            ref_out, ref_lse = torch_merge(outs, lses)
+            maxdiff = float((out.float() - ref_out.float()).abs().max())
+            nbytes = outs.numel() * 2 + lses.numel() * 4 + out.numel() * 2 + lse.numel() * 4
+            ms = bench(lambda outs=outs, lses=lses: merge_states_fwd(outs, lses))
+            ms_t = bench(lambda outs=outs, lses=lses: torch_merge(outs, lses))
+            rows.append(dict(n=n, d=d, rows=r, ms=ms, gbs=nbytes / ms / 1e6, torch_ms=ms_t,
+                             torch_gbs=nbytes / ms_t / 1e6, maxdiff=maxdiff))
+            del outs, lses
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "merge.json"), "w") as f:
+        json.dump(dict(date=date, device=dev, torch=torch.__version__, triton=triton.__version__,
+                       copy_gbs=copy_gbs, rows=rows), f, indent=1)
+    md = [f"| {date} | merge_states | N={r['n']} D={r['d']} bf16, 256 MB of states | {dev} | "
+          f"torch {torch.__version__}, triton {triton.__version__} | {r['gbs']:.0f} GB/s "
+          f"({r['gbs'] / copy_gbs:.2f}x copy {copy_gbs:.0f}); eager torch {r['torch_gbs']:.0f} |"
+          for r in rows]
+    with open(os.path.join(args.out, "merge_rows.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print(f"\nmerge: {dev} torch {torch.__version__} triton {triton.__version__} "
+          f"copy {copy_gbs:.0f} GB/s")
+    for r in rows:
+        print(f"N={r['n']} D={r['d']:>3}  {r['gbs']:6.0f} GB/s  {r['gbs'] / copy_gbs:.2f}x copy  "
+              f"torch eager {r['torch_gbs']:6.0f} GB/s  maxdiff {r['maxdiff']:.2e}")
+
+
+if __name__ == "__main__":
+    main()

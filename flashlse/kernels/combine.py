@@ -1,0 +1,304 @@
+"""Merge of attention states on the GPU: the split-KV combine and ``merge_states`` / ``merge``.
+
+Derivation. A state ``(O_s, L_s)`` stands for the partial sum ``Z_s = e^(L_s)`` and the
+unnormalised output ``Z_s O_s`` (DESIGN.md §1). Merging N states (and an optional sink,
+one more "key" with logit ``sink`` and value 0) adds the partial sums:
+
+    Z = sum_s e^(L_s) [+ e^sink]        O = sum_s (e^(L_s) / Z) O_s        L = log Z
+
+Evaluated with a pivot so that nothing overflows, as the FA-3/CuTe combine does:
+
+    m       = max(max_s L_s, sink)              raw; -inf when every state is empty
+    pivot   = 0 if m == -inf else m             keeps L_s - pivot free of -inf - -inf
+    w_s     = e^(L_s - pivot)                   in [0, 1]; the largest is 1
+    sum     = sum_s w_s [+ e^(sink - pivot)]    >= 1 unless every state is empty
+    inv_sum = 0 if sum == 0 else 1 / sum
+    O       = inv_sum * sum_s w_s O_s
+    L       = log(sum) + m                      log(0) + -inf = -inf for all-empty
+
+``L`` is never a denominator, so two empty states merge to ``(0, -inf)`` and never NaN.
+A state of weight ``w_s == 0`` is never read: its ``O_s`` load is masked off, so it may
+hold garbage, NaN, or nothing at all (an empty split need not write its output).
+
+Layout. The leading dims ``...`` of ``outs (N, ..., D)`` are flattened by index math, not
+by copies: the launcher coalesces them, jointly for every tensor involved (outs, lses,
+sink, out, lse_out), into at most three dims ``(R0, R1, R2)`` with one stride per dim
+and tensor, so strided views (a transposed lse, a sink broadcast with stride 0, the
+``(B, Hq, Sq)`` lse of decode written through its ``(B, Sq, Hq)`` transpose) cost
+nothing. Only layouts that do not coalesce to three dims are copied.
+
+Schedule. One program per ``[BLOCK_R rows, BLOCK_D columns]`` tile of the output. It
+reads the rows' lses once for the maximum, then walks the states BLOCK_S at a time,
+unrolled, so that the loads of several states are in flight together and the sum over
+states stays in each thread's registers. When ``lse_out`` aliases ``lses`` (the in-place
+two-state merge) a program covers all of D, so no other program still reads the lses
+it overwrites.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreting
+
+# constexpr globals: jit functions may read only those.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S: tl.constexpr):
+    """``max(b_m, max_s L_s)`` over states ``[i_s, i_s + BLOCK_S)``."""
+    for j in tl.static_range(BLOCK_S):
+        # [BLOCK_R]
+        b_l = tl.load(lses + (i_s + j).to(tl.int64) * stride_ls + o_l, mask=m_r & (i_s + j < N), other=float("-inf"))
+        b_m = tl.maximum(b_m, b_l)
+    return b_m
+
+
+@triton.jit
+def _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot_log2,
+                    stride_ls, stride_os, stride_od, BLOCK_S: tl.constexpr):
+    """Adds ``w_s`` and ``w_s O_s`` of states ``[i_s, i_s + BLOCK_S)``; ``w_s == 0`` is not loaded.
+
+    The states are unrolled, not a third tensor dim: their loads are independent (all in
+    flight at once) and the sum over states stays inside each thread's registers.
+    """
+    for j in tl.static_range(BLOCK_S):
+        o_s = (i_s + j).to(tl.int64)
+        b_l = tl.load(lses + o_s * stride_ls + o_l, mask=m_r & (i_s + j < N), other=float("-inf"))
+        # [BLOCK_R]
+        b_w = tl.exp2(b_l * LOG2E - b_pivot_log2)
+        # [BLOCK_R, BLOCK_D]
+        p_o = outs + o_s * stride_os + o_o[:, None] + o_d[None, :] * stride_od
+        b_o = tl.load(p_o, mask=(b_w > 0)[:, None] & m_d[None, :], other=0.0)
+        b_acc += b_w[:, None] * b_o.to(tl.float32)
+        b_sum += b_w
+    return b_acc, b_sum
+
+
+@triton.jit
+def _merge_states_fwd_kernel(
+    outs,
+    lses,
+    sink,
+    out,
+    lse,
+    N,
+    R,
+    R1,
+    R2,
+    stride_os, stride_o0, stride_o1, stride_o2, stride_od,
+    stride_ls, stride_l0, stride_l1, stride_l2,
+    stride_k0, stride_k1, stride_k2,
+    stride_y0, stride_y1, stride_y2, stride_yd,
+    stride_z0, stride_z1, stride_z2,
+    D: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    i_r, i_d = tl.program_id(0), tl.program_id(1)
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_r = o_r < R
+    m_d = o_d < D
+    # Row r of the flattened leading dims is (r0, r1, r2); int64 so that offsets of
+    # multi-gigabyte tensors do not wrap.
+    o_r64 = o_r.to(tl.int64)
+    o_r2 = o_r64 % R2
+    o_r1 = (o_r64 // R2) % R1
+    o_r0 = o_r64 // (R2 * R1)
+    # [BLOCK_R]
+    o_l = o_r0 * stride_l0 + o_r1 * stride_l1 + o_r2 * stride_l2
+    o_o = o_r0 * stride_o0 + o_r1 * stride_o1 + o_r2 * stride_o2
+
+    # Pass 1: the raw maximum over the states (and the sink). Reading lse twice costs
+    # 1/D of the outs traffic and keeps no per-state array in registers.
+    b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    if INTERPRET:
+        # Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4
+        # refuses as range() bounds; a while loop compares them instead.
+        i_s = 0
+        while i_s < N:
+            b_m = _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S)
+            i_s += BLOCK_S
+    else:
+        for i_s in range(0, N, BLOCK_S):
+            b_m = _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S)
+    if HAS_SINK:
+        b_sink = tl.load(sink + o_r0 * stride_k0 + o_r1 * stride_k1 + o_r2 * stride_k2, mask=m_r, other=float("-inf"))
+        b_m = tl.maximum(b_m, b_sink)
+    # The pivot stays finite, so L_s - pivot is never -inf - -inf.
+    b_pivot_log2 = tl.where(b_m == float("-inf"), 0.0, b_m) * LOG2E
+
+    # Pass 2: weights and the weighted sum; a zero-weight state's O_s is never loaded.
+    b_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # [BLOCK_R, BLOCK_D]
+    b_acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    if INTERPRET:
+        i_s = 0
+        while i_s < N:
+            b_acc, b_sum = _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot_log2, stride_ls, stride_os, stride_od, BLOCK_S)
+            i_s += BLOCK_S
+    else:
+        for i_s in range(0, N, BLOCK_S):
+            b_acc, b_sum = _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot_log2, stride_ls, stride_os, stride_od, BLOCK_S)
+    if HAS_SINK:
+        b_sum += tl.exp2(b_sink * LOG2E - b_pivot_log2)
+    b_inv_sum = tl.where(b_sum == 0, 0.0, 1.0 / b_sum)
+    b_acc = b_acc * b_inv_sum[:, None]
+
+    o_y = o_r0 * stride_y0 + o_r1 * stride_y1 + o_r2 * stride_y2
+    p_y = out + o_y[:, None] + o_d[None, :] * stride_yd
+    tl.store(p_y, b_acc.to(p_y.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    if i_d == 0:
+        # Raw m: log(0) + -inf = -inf for an all-empty row with no sink.
+        b_lse = tl.log(b_sum) + b_m
+        tl.store(lse + o_r0 * stride_z0 + o_r1 * stride_z1 + o_r2 * stride_z2, b_lse, mask=m_r)
+
+
+def _cdiv(a: int, b: int) -> int:
+    # Plain ints: triton.cdiv on the host goes through the JIT's call path (~6 us a call).
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _coalesce(shape, strides_list):
+    """Merges adjacent leading dims that every tensor walks with one stride.
+
+    Args:
+        shape: the leading shape ``(...)``.
+        strides_list: per tensor, its strides over ``shape``.
+
+    Returns:
+        ``(sizes, strides_per_tensor)`` with size-1 dims dropped and mergeable dims fused.
+    """
+    sizes, strides = [], [[] for _ in strides_list]
+    for i, n in enumerate(shape):
+        if n == 1:
+            continue
+        if sizes and all(st[-1] == t[i] * n for st, t in zip(strides, strides_list)):
+            sizes[-1] *= n
+            for st, t in zip(strides, strides_list):
+                st[-1] = t[i]
+            continue
+        sizes.append(n)
+        for st, t in zip(strides, strides_list):
+            st.append(t[i])
+    return sizes, strides
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    # The interpreter runs programs one after another: fewer, larger programs are faster.
+    return 1
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def merge_states_fwd(outs, lses, *, sink=None, out=None, lse_out=None):
+    """``L = log(sum_s e^(L_s) [+ e^sink])``, ``O = sum_s e^(L_s - L) O_s``, one kernel.
+
+    Any strides are accepted (see the module header); the inputs are not modified unless
+    ``out``/``lse_out`` alias them: ``out = outs[0]``, ``lse_out = lses[0]`` is the
+    in-place two-state ``merge`` (each element is read before its program writes it).
+
+    Args:
+        outs: ``(N, ..., D)`` fp16, bf16 or fp32, ``D <= 512``; zero-weight states unread.
+        lses: ``(N, ...)`` float32, natural log, ``lses.shape == outs.shape[:-1]``.
+        sink: float32 logits broadcastable to ``lses.shape[1:]``, or None.
+        out: optional ``(..., D)`` output (any float dtype, any strides).
+        lse_out: optional ``(...)`` float32 output (any strides).
+
+    Returns:
+        ``(out (..., D), lse (...))``: ``out`` in ``outs.dtype`` (or ``out``'s), ``lse`` float32.
+    """
+    n, d = outs.shape[0], outs.shape[-1]
+    lead = tuple(outs.shape[1:-1])
+    if out is None:
+        out = torch.empty(lead + (d,), dtype=outs.dtype, device=outs.device)
+    if lse_out is None:
+        lse_out = torch.empty(lead, dtype=torch.float32, device=outs.device)
+    r = 1
+    for size in lead:
+        r *= size
+    if r == 0:
+        return out, lse_out
+    sink_b = None if sink is None else torch.broadcast_to(sink, lead)
+    tensors = [outs.stride()[1:-1], lses.stride()[1:], out.stride()[:-1], lse_out.stride()]
+    if sink_b is not None:
+        tensors.append(sink_b.stride())
+    sizes, strides = _coalesce(lead, tensors)
+    if len(sizes) > 3:
+        # No index math for this layout: merge contiguous copies and copy the result back.
+        out_c, lse_c = merge_states_fwd(
+            outs.contiguous(),
+            lses.contiguous(),
+            sink=None if sink_b is None else sink_b.contiguous(),
+        )
+        out.copy_(out_c)
+        lse_out.copy_(lse_c)
+        return out, lse_out
+    pad = 3 - len(sizes)
+    sizes = [1] * pad + sizes
+    strides = [[0] * pad + st for st in strides]
+    st_o, st_l, st_y, st_z = strides[:4]
+    st_k = strides[4] if sink_b is not None else [0, 0, 0]
+
+    block_d = _next_pow2(max(d, 1))
+    # Programs split D only when no output aliases lses: the program that writes lse
+    # must be the last reader of its rows' lses.
+    if not _shares_memory(lse_out, lses):
+        block_d = min(block_d, 128)
+    # Up to 8 states unrolled per step, 16-32 KB of bf16 states in flight per program;
+    # with 8 states, rows of 16 keep each state's piece at 4 KB contiguous.
+    block_s = min(_next_pow2(max(n, 1)), 8)
+    block_r = max(1, 8192 // (min(block_s, 4) * block_d))
+    n_d = _cdiv(max(d, 1), block_d)
+    # Small merges (the split-KV combine of a few rows) need many programs, not big ones.
+    target = 2 * _num_sms(outs.device)
+    while block_r > 1 and _cdiv(r, block_r) * n_d < target:
+        block_r //= 2
+    num_warps = max(1, min(4, block_r * block_d // 512))
+    grid = (_cdiv(r, block_r), n_d)
+    _merge_states_fwd_kernel[grid](
+        outs=outs,
+        lses=lses,
+        sink=sink_b if sink_b is not None else lses,
+        out=out,
+        lse=lse_out,
+        N=n,
+        R=r,
+        R1=sizes[1],
+        R2=sizes[2],
+        stride_os=outs.stride(0), stride_o0=st_o[0], stride_o1=st_o[1], stride_o2=st_o[2], stride_od=outs.stride(-1),
+        stride_ls=lses.stride(0), stride_l0=st_l[0], stride_l1=st_l[1], stride_l2=st_l[2],
+        stride_k0=st_k[0], stride_k1=st_k[1], stride_k2=st_k[2],
+        stride_y0=st_y[0], stride_y1=st_y[1], stride_y2=st_y[2], stride_yd=out.stride(-1),
+        stride_z0=st_z[0], stride_z1=st_z[1], stride_z2=st_z[2],
+        D=d,
+        HAS_SINK=sink_b is not None,
+        BLOCK_S=block_s,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        INTERPRET=interpreting(),
+        num_warps=num_warps,
+    )
+    return out, lse_out

@@ -1,0 +1,437 @@
+"""Split-KV decode kernel: ``attention_with_kvcache`` against contiguous or paged caches.
+
+Math (DESIGN.md §1). For query row i of sequence b, with ``sk = cache_seqlens[b]`` keys
+and scores ``s_j = scale * q_i . k_j`` (or the soft-capped ``c * tanh(s_j / c)``),
+
+    lse_i = log(sum_j e^{s_j} [+ e^{sink}])          out_i = sum_j e^{s_j - lse_i} v_j
+
+over the visible keys: bottom-right aligned against the sequence's own cache length,
+row i (of Sq) sees key j iff ``i + sk - Sq - left <= j <= i + sk - Sq + right``, j < sk.
+
+Split-KV. Decode has few query rows and long key ranges, so a grid of one program per
+(sequence, KV head) leaves most of the GPU idle. The visible key range ``[n_lo, sk)``
+(``n_lo`` from the left window, rounded down to a tile) is cut into ``num_splits``
+ranges of whole tiles; each program computes the partial state of its range,
+
+    L_s = log sum_{j in range s} e^{s_j}        O_s = sum_{j in range s} e^{s_j - L_s} v_j
+
+in base 2 internally (``2^t`` with ``t = s * log2 e`` is one ``ex2``; ``L = ln 2 * L_log2``),
+and ``combine.merge_states_fwd`` merges the partial states,
+``L = log sum_s e^{L_s}``, ``O = sum_s e^{L_s - L} O_s``, which is exact because the
+ranges partition the keys. A split with no visible key writes ``L_s = -inf`` (and
+``O_s = 0``), the merge's identity; it may be a split past the last tile (more splits
+than tiles) or a range the window masks. The sink is a key of value 0 that belongs to
+no range: it is added once, in the merge (or, with one split, in this kernel's
+epilogue, which is the same formula with one state), never per split.
+
+Online softmax inside a range keeps per row the running maximum ``m`` (base 2), the sum
+``l = sum_j 2^{t_j - m}`` and ``acc = sum_j 2^{t_j - m} v_j``. A row that has seen only
+masked keys has ``m = -inf``; the exponentials then use the pivot 0
+(``tl.where(m == -inf, 0, m)``), so ``2^{-inf - 0} = 0`` and never NaN. At the end
+``l == 0`` exactly when the row saw no key, ``inv_sum = 0 if l == 0 else 1 / l`` gives
+``out = 0``, and ``lse_log2 = log2(l) + m = -inf`` with the raw ``m``.
+
+Schedule. One program per (sequence, KV head, row tile, split). The rows of a program
+are all ``Sq * (Hq / Hkv)`` query rows that share the KV head, row ``r = i * GROUP + g``
+for query position i and head ``g`` of the group, so every K/V tile is loaded once and
+multiplies the whole group (an ``[BLOCK_M, BLOCK_N]`` product, not ``GROUP`` vector
+products). Groups larger than ``BLOCK_M`` rows (MLA: 16-128 heads on one latent head)
+take several row tiles; they are the fastest-varying program id, so the row tiles of one
+(sequence, split) run side by side and the second read of each K tile hits L2.
+
+Paged caches. ``block_table[b, j // page_size]`` is the page of key j, and key j sits at
+row ``j % page_size`` of that page. The kernel computes one address per key row (a K
+row is ``D`` contiguous elements, loaded as 16-byte vectors either way), so any page
+size works, pages smaller than a tile included, and the tile arithmetic is the same as
+for a contiguous cache: paged and contiguous results are equal bit for bit.
+
+MLA (one latent head, ``v = k[..., :Dv]``). When ``v_cache`` is a view of ``k_cache``
+(same storage and strides, ``Dv <= D``), K is loaded as two column blocks ``[0, Dv)``
+and ``[Dv, D)``; the scores add both products and the first block is V itself, so the
+latent cache is read once per split, not twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreting
+from .combine import _cdiv, _next_pow2, _num_sms, merge_states_fwd
+
+LOG2E = math.log2(math.e)
+
+# Output allocator; tests swap in one that fills with NaN to prove every element is written.
+_empty = torch.empty
+
+
+@triton.jit
+def _decode_fwd_tile(
+    b_acc, b_m, b_l, b_q1, b_q2,
+    k, v, block_table,
+    n0, n_end, i_b, i_hkv, o_diag,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_tb,
+    left, right, scale_log2, softcap_a2, softcap_c2,
+    D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, SHARED_KV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax; keys ``>= n_end`` are masked."""
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    m_n = o_n < n_end
+    if PAGED:
+        # One page lookup per key row: any page size, pages smaller than a tile included.
+        b_page = tl.load(block_table + i_b.to(tl.int64) * stride_tb + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+        o_row = (o_n % PAGE_SIZE).to(tl.int64)
+        o_k = b_page * stride_kb + o_row * stride_kn + i_hkv.to(tl.int64) * stride_kh
+        o_v = b_page * stride_vb + o_row * stride_vn + i_hkv.to(tl.int64) * stride_vh
+    else:
+        o_k = i_b.to(tl.int64) * stride_kb + o_n.to(tl.int64) * stride_kn + i_hkv.to(tl.int64) * stride_kh
+        o_v = i_b.to(tl.int64) * stride_vb + o_n.to(tl.int64) * stride_vn + i_hkv.to(tl.int64) * stride_vh
+
+    o_d1 = tl.arange(0, BLOCK_D1)
+    # [BLOCK_N, BLOCK_D1]
+    b_k1 = tl.load(k + o_k[:, None] + o_d1[None, :], mask=m_n[:, None] & (o_d1 < D1)[None, :], other=0.0)
+    # [BLOCK_M, BLOCK_N]
+    b_s = tl.dot(b_q1, tl.trans(b_k1))
+    if D2 > 0:
+        o_d2 = tl.arange(0, BLOCK_D2)
+        # [BLOCK_N, BLOCK_D2]
+        b_k2 = tl.load(k + o_k[:, None] + D1 + o_d2[None, :], mask=m_n[:, None] & (o_d2 < D2)[None, :], other=0.0)
+        b_s += tl.dot(b_q2, tl.trans(b_k2))
+    if SHARED_KV:
+        # v is k[..., :DV]: the block already in registers is V (DV == D1, BLOCK_DV == BLOCK_D1).
+        b_v = b_k1
+    else:
+        o_dv = tl.arange(0, BLOCK_DV)
+        # [BLOCK_N, BLOCK_DV]
+        b_v = tl.load(v + o_v[:, None] + o_dv[None, :], mask=m_n[:, None] & (o_dv < DV)[None, :], other=0.0)
+
+    if HAS_SOFTCAP:
+        # c * tanh(x) = c * (1 - 2 / (e^{2x} + 1)), in base 2: e^{2x} = 2^{s * softcap_a2},
+        # and the result times log2 e is softcap_c2 * (...). e^{2x} = inf gives exactly c.
+        b_t = softcap_c2 * (1.0 - 2.0 / (tl.exp2(b_s * softcap_a2) + 1.0))
+    else:
+        b_t = b_s * scale_log2
+    m_vis = m_n[None, :]
+    if HAS_LEFT:
+        m_vis = m_vis & (o_n[None, :] >= (o_diag - left)[:, None])
+    if HAS_RIGHT:
+        m_vis = m_vis & (o_n[None, :] <= (o_diag + right)[:, None])
+    b_t = tl.where(m_vis, b_t, float("-inf"))
+
+    b_m_new = tl.maximum(b_m, tl.max(b_t, axis=1))
+    # A row with no visible key so far keeps m = -inf; pivot 0 keeps 2^(t - pivot) = 0.
+    b_pivot = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_p = tl.exp2(b_t - b_pivot[:, None])
+    b_alpha = tl.exp2(b_m - b_pivot)
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    return b_acc, b_m_new, b_l
+
+
+@triton.jit
+def _decode_fwd_kernel(
+    q,
+    k,
+    v,
+    cache_seqlens,
+    block_table,
+    sink,
+    o,
+    lse,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_tb,
+    stride_os, stride_ob, stride_oq, stride_oh,
+    stride_ls, stride_lb, stride_lq, stride_lh,
+    HKV,
+    num_splits,
+    left,
+    right,
+    scale_log2,
+    softcap_a2,
+    softcap_c2,
+    SQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    M_TILES: tl.constexpr,
+    D1: tl.constexpr,
+    D2: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D1: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    SHARED_KV: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    i_bhm, i_s = tl.program_id(0), tl.program_id(1)
+    # Row tiles vary fastest: the tiles of one (sequence, KV head, split) run together.
+    i_m = i_bhm % M_TILES
+    i_bh = i_bhm // M_TILES
+    i_b, i_hkv = i_bh // HKV, i_bh % HKV
+
+    sk = tl.load(cache_seqlens + i_b)
+    # Keys before row 0's window start are seen by no row; the range starts on a tile
+    # boundary so that paged and contiguous caches walk the same tiles.
+    n_lo = 0
+    if HAS_LEFT:
+        n_lo = tl.maximum(sk - SQ - left, 0)
+    n_lo = (n_lo // BLOCK_N) * BLOCK_N
+    n_tiles = tl.cdiv(tl.maximum(sk - n_lo, 0), BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    n_start = n_lo + i_s * tiles_per_split * BLOCK_N
+    n_end = tl.minimum(sk, n_start + tiles_per_split * BLOCK_N)
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < SQ * GROUP
+    # Row r is query position r // GROUP of head i_hkv * GROUP + r % GROUP.
+    o_i = o_m // GROUP
+    o_h = i_hkv * GROUP + o_m % GROUP
+    # Key position of each row's diagonal (bottom-right aligned).
+    o_diag = o_i + sk - SQ
+
+    o_q = i_b.to(tl.int64) * stride_qb + o_i.to(tl.int64) * stride_qs + o_h.to(tl.int64) * stride_qh
+    o_d1 = tl.arange(0, BLOCK_D1)
+    # [BLOCK_M, BLOCK_D1]
+    b_q1 = tl.load(q + o_q[:, None] + o_d1[None, :], mask=m_m[:, None] & (o_d1 < D1)[None, :], other=0.0)
+    if D2 > 0:
+        o_d2 = tl.arange(0, BLOCK_D2)
+        # [BLOCK_M, BLOCK_D2]
+        b_q2 = tl.load(q + o_q[:, None] + D1 + o_d2[None, :], mask=m_m[:, None] & (o_d2 < D2)[None, :], other=0.0)
+    else:
+        b_q2 = b_q1
+
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # [BLOCK_M, BLOCK_DV]
+    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if INTERPRET:
+        # Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4
+        # refuses as range() bounds; a while loop compares them instead.
+        n0 = n_start
+        while n0 < n_end:
+            b_acc, b_m, b_l = _decode_fwd_tile(
+                b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag,
+                stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
+                left, right, scale_log2, softcap_a2, softcap_c2,
+                D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
+                PAGE_SIZE, PAGED, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            )
+            n0 += BLOCK_N
+    else:
+        for n0 in range(n_start, n_end, BLOCK_N):
+            b_acc, b_m, b_l = _decode_fwd_tile(
+                b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag,
+                stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
+                left, right, scale_log2, softcap_a2, softcap_c2,
+                D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
+                PAGE_SIZE, PAGED, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            )
+
+    if HAS_SINK:
+        # Only with one split (else the merge adds it): one more key of value 0.
+        b_t_sink = tl.load(sink + o_h, mask=m_m, other=0.0) * 1.4426950408889634
+        b_m_f = tl.maximum(b_m, b_t_sink)
+        b_pivot = tl.where(b_m_f == float("-inf"), 0.0, b_m_f)
+        b_alpha = tl.exp2(b_m - b_pivot)
+        b_l = b_l * b_alpha + tl.exp2(b_t_sink - b_pivot)
+        b_acc = b_acc * b_alpha[:, None]
+        b_m = b_m_f
+    # l == 0 exactly for a row with no visible key (the maximum contributes 2^0 = 1).
+    b_inv_sum = tl.where(b_l == 0, 0.0, 1.0 / tl.where(b_l == 0, 1.0, b_l))
+    # Raw m: log2(0) + -inf = -inf for an empty row.
+    b_lse = (tl.log2(b_l) + b_m) * 0.6931471805599453
+
+    o_dv = tl.arange(0, BLOCK_DV)
+    o_o = i_s.to(tl.int64) * stride_os + i_b.to(tl.int64) * stride_ob + o_i.to(tl.int64) * stride_oq + o_h.to(tl.int64) * stride_oh
+    p_o = o + o_o[:, None] + o_dv[None, :]
+    tl.store(p_o, (b_acc * b_inv_sum[:, None]).to(p_o.dtype.element_ty), mask=m_m[:, None] & (o_dv < DV)[None, :])
+    o_l = i_s.to(tl.int64) * stride_ls + i_b.to(tl.int64) * stride_lb + o_i.to(tl.int64) * stride_lq + o_h.to(tl.int64) * stride_lh
+    tl.store(lse + o_l, b_lse, mask=m_m)
+
+
+def _pick_config(d1: int, d2: int, dv: int, rows: int) -> dict:
+    """Tile sizes; they depend on head dims and rows only (never on paging), so that paged
+    and contiguous caches run the same arithmetic. Pipeline depths (which change no
+    arithmetic) differ: the page-table load takes stages of its own, and
+    ``num_stages_paged`` keeps as many K/V tiles in flight as the contiguous depth does.
+    ``PROGRAMS_PER_SM`` is what ``num_splits=0`` aims for. Measured on an H200
+    (benchmarks/RESULTS.md, 2026-11-29)."""
+    block_m = max(16, min(64, _next_pow2(rows)))
+    if interpreting():
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1, num_stages_paged=1,
+                    PROGRAMS_PER_SM=1)
+    if d1 + d2 > 256:
+        # MLA-sized rows: a [64, 576] bf16 K tile is 72 KB; two stages and Q fill shared
+        # memory (one program per SM), and the group's [64, 512] fp32 accumulator takes
+        # 128 registers a thread over 8 warps.
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_paged=3,
+                    PROGRAMS_PER_SM=1)
+    if d1 + d2 + dv > 256:
+        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=4, num_stages_paged=7,
+                    PROGRAMS_PER_SM=4)
+    # Three [64, D] K and V tiles in flight (104 KB for D = 128), two programs resident
+    # per SM. The split count aims at four programs of work per SM: B=8, Skv=32k reached
+    # 0.95x copy bandwidth with 8 splits (512 programs) on the H200.
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=4, num_stages_paged=7,
+                PROGRAMS_PER_SM=4)
+
+
+@functools.lru_cache(maxsize=1024)
+def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
+    """Split count that fills ``slots`` concurrent programs with little wave quantization.
+
+    Efficiency of S splits is ``P S / (ceil(P S / slots) slots)``; take the smallest S
+    within 85% of the best (as flash-attn's heuristic), at most one split per tile.
+    Cached: this host loop must cost less than the decode step it sizes.
+    """
+    if programs >= 0.8 * slots or n_tiles <= 1:
+        return 1
+    max_splits = min(n_tiles, 128)
+    effs = []
+    for s in range(1, max_splits + 1):
+        waves = _cdiv(programs * s, slots)
+        effs.append(programs * s / (waves * slots))
+    best = max(effs)
+    for s, eff in enumerate(effs, start=1):
+        if eff >= 0.85 * best:
+            return s
+    return 1
+
+
+def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
+               sink, num_splits, config=None):
+    """``out = softmax(scale * q k^T [masked]) v`` over each sequence's cache, split over keys.
+
+    Inputs are assumed valid (ops/ validates, and appends k_new/v_new before this runs).
+    The last dim of q and of the caches must have stride 1.
+
+    Args:
+        q: ``(B, Sq, Hq, D)``, ``Sq`` in 1..16.
+        k_cache: ``(B, Smax, Hkv, D)``, or paged ``(num_pages, page_size, Hkv, D)``.
+        v_cache: ``(B, Smax, Hkv, Dv)`` or ``(num_pages, page_size, Hkv, Dv)``; may be the
+            view ``k_cache[..., :Dv]`` (MLA), which is then read once.
+        cache_seqlens: ``(B,)`` int32 valid keys per sequence (0 allowed).
+        block_table: ``(B, max_pages)`` int32 page indices, or None for contiguous caches.
+        left, right: window bounds (int >= 0) or None; causal is ``right=0``.
+        softcap: ``c > 0`` applies ``c * tanh(s / c)``; 0 is off.
+        scale: multiplies ``q . k``.
+        sink: ``(Hq,)`` float32 logits or None; counted once, after the splits merge.
+        num_splits: 0 picks from batch, heads, cache size and SM count; ``> 0`` forces it.
+        config: optional dict overriding ``_pick_config`` (benchmarks sweep tiles with it).
+
+    Returns:
+        ``out (B, Sq, Hq, Dv)`` in ``q.dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
+        empty rows give ``out = 0``, ``lse = -inf`` (or the sink).
+    """
+    batch, sq, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    group = hq // hkv
+    out = _empty((batch, sq, hq, dv), dtype=q.dtype, device=q.device)
+    lse = _empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    paged = block_table is not None
+    shared_kv = (
+        dv <= d
+        and v_cache.data_ptr() == k_cache.data_ptr()
+        and v_cache.stride() == k_cache.stride()
+    )
+    d1 = dv if shared_kv else d
+    d2 = d - d1
+    rows = sq * group
+    cfg = _pick_config(d1, d2, dv, rows)
+    if config:
+        cfg.update(config)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    m_tiles = _cdiv(rows, block_m)
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    n_tiles = _cdiv(capacity, block_n)
+    programs = batch * hkv * m_tiles
+    if num_splits > 0:
+        splits = int(num_splits)
+    elif q.is_cuda:
+        splits = _num_splits(programs, n_tiles, _num_sms(q.device) * cfg["PROGRAMS_PER_SM"])
+    else:
+        splits = min(4, max(1, n_tiles))
+
+    if splits == 1:
+        o_buf, lse_buf = out, lse
+        st_o = (0, out.stride(0), out.stride(1), out.stride(2))
+        st_l = (0, lse.stride(0), lse.stride(2), lse.stride(1))
+    else:
+        # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set.
+        o_buf = _empty((splits, batch, sq, hq, dv), dtype=torch.float32, device=q.device)
+        lse_buf = _empty((splits, batch, sq, hq), dtype=torch.float32, device=q.device)
+        st_o = o_buf.stride()[:4]
+        st_l = lse_buf.stride()
+    num_stages = cfg["num_stages_paged"] if paged else cfg["num_stages"]
+    softcap = float(softcap or 0.0)
+    scale = float(scale)
+    grid = (programs, splits)
+    _decode_fwd_kernel[grid](
+        q=q,
+        k=k_cache,
+        v=v_cache,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table if paged else cache_seqlens,
+        sink=sink if sink is not None else lse_buf,
+        o=o_buf,
+        lse=lse_buf,
+        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k_cache.stride(0), stride_kn=k_cache.stride(1), stride_kh=k_cache.stride(2),
+        stride_vb=v_cache.stride(0), stride_vn=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        stride_tb=block_table.stride(0) if paged else 0,
+        stride_os=st_o[0], stride_ob=st_o[1], stride_oq=st_o[2], stride_oh=st_o[3],
+        stride_ls=st_l[0], stride_lb=st_l[1], stride_lq=st_l[2], stride_lh=st_l[3],
+        HKV=hkv,
+        num_splits=splits,
+        left=0 if left is None else int(left),
+        right=0 if right is None else int(right),
+        scale_log2=scale * LOG2E,
+        softcap_a2=(2.0 * LOG2E * scale / softcap) if softcap > 0 else 0.0,
+        softcap_c2=softcap * LOG2E,
+        SQ=sq,
+        GROUP=group,
+        M_TILES=m_tiles,
+        D1=d1,
+        D2=d2,
+        DV=dv,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D1=max(16, _next_pow2(d1)),
+        BLOCK_D2=max(16, _next_pow2(max(d2, 1))),
+        BLOCK_DV=max(16, _next_pow2(dv)),
+        PAGE_SIZE=page_size if paged else 1,
+        PAGED=paged,
+        SHARED_KV=shared_kv,
+        HAS_LEFT=left is not None,
+        HAS_RIGHT=right is not None,
+        HAS_SOFTCAP=softcap > 0,
+        HAS_SINK=sink is not None and splits == 1,
+        INTERPRET=interpreting(),
+        num_warps=cfg["num_warps"],
+        num_stages=num_stages,
+    )
+    if splits > 1:
+        merge_states_fwd(o_buf, lse_buf, sink=sink, out=out, lse_out=lse.permute(0, 2, 1))
+    return out, lse

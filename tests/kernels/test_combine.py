@@ -1,0 +1,172 @@
+"""``kernels.combine.merge_states_fwd`` against ``flashlse.reference.merge_states``.
+
+Every case mixes finite and empty (``-inf``) states, writes NaN into the outputs of
+zero-weight states (the kernel must never read them) and into the preallocated outputs
+(so an unwritten element fails), and checks: the ``-inf`` pattern of lse equals the
+reference's, no NaN and no +inf anywhere, all-empty rows give ``out == 0``, and
+``err <= 2 * err(torch in the same dtype) + atol`` against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlse import reference
+from flashlse.kernels.combine import merge_states_fwd
+
+HAS_CUDA = torch.cuda.is_available()
+ATOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _dtypes():
+    return [torch.bfloat16, torch.float16, torch.float32] if HAS_CUDA else [torch.float32,
+                                                                           torch.float16]
+
+
+def _states(n, lead, d, dtype, device, empty_frac=0.3):
+    """Random states; some states empty (lse = -inf, out NaN), some rows empty in every state."""
+    outs = torch.randn(n, *lead, d, device=device).to(dtype)
+    lses = torch.randn(n, *lead, device=device) * 3
+    lses[torch.rand(n, *lead, device=device) < empty_frac] = float("-inf")
+    if len(lead) and lead[0] > 1:
+        # Rows empty in every state: the merge must give (0, -inf) there.
+        lses[:, 1] = float("-inf")
+    return outs, lses
+
+
+def _poison_zero_weight(outs, lses):
+    """NaN into every out whose state has zero weight; returns the clean copy for the reference."""
+    clean = outs.clone()
+    outs[torch.isneginf(lses)] = float("nan")
+    return clean
+
+
+def _torch_merge(outs, lses, sink):
+    """The merge in outs' dtype with plain torch ops: the error yardstick."""
+    l = lses.movedim(0, -1)
+    if sink is not None:
+        l = torch.cat([l, torch.broadcast_to(sink, l.shape[:-1]).unsqueeze(-1)], -1)
+    m = l.amax(-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(l - m)
+    tot = w.sum(-1, keepdim=True)
+    p = torch.where(tot > 0, w / tot.clamp_min(1e-38), torch.zeros_like(w))[..., : lses.shape[0]]
+    out = (p.movedim(-1, 0).unsqueeze(-1).to(outs.dtype) * outs).sum(0)
+    return out, (torch.log(tot) + m).squeeze(-1)
+
+
+def _check(outs, lses, *, sink=None, out=None, lse_out=None, dtype=None):
+    clean = _poison_zero_weight(outs, lses)
+    ref_out, ref_lse = reference.merge_states(clean, lses, sink=sink)
+    pt_out, pt_lse = _torch_merge(clean, lses, sink)
+    if out is not None:
+        pt_out = pt_out.to(out.dtype)
+    got_out, got_lse = merge_states_fwd(outs, lses, sink=sink, out=out, lse_out=lse_out)
+    if out is not None:
+        assert got_out is out
+    if lse_out is not None:
+        assert got_lse is lse_out
+    assert got_out.shape == ref_out.shape and got_lse.shape == ref_lse.shape
+    assert got_lse.dtype == torch.float32
+    assert not torch.isnan(got_out).any(), "NaN (or unwritten element) in out"
+    assert not torch.isinf(got_out).any(), "inf in out"
+    assert not torch.isnan(got_lse).any(), "NaN (or unwritten element) in lse"
+    assert not torch.isposinf(got_lse).any(), "+inf in lse"
+    assert torch.equal(torch.isneginf(got_lse), torch.isneginf(ref_lse)), "-inf pattern of lse"
+    atol = ATOL[dtype or outs.dtype]
+    err = (got_out.double() - ref_out).abs().max().item()
+    pt_err = (pt_out.double() - ref_out).abs().max().item()
+    assert err <= 2 * pt_err + atol, f"out: err {err:.3g} vs torch {pt_err:.3g}"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        err = (got_lse.double() - ref_lse)[fin].abs().max().item()
+        pt_err = (pt_lse.double() - ref_lse)[fin].abs().max().item()
+        assert err <= 2 * pt_err + 1e-6, f"lse: err {err:.3g} vs torch {pt_err:.3g}"
+    assert (got_out[torch.isneginf(ref_lse)] == 0).all(), "empty rows must have out == 0"
+    return got_out, got_lse
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("dtype_i", [0, 1])
+def test_merge_matches_reference(device, n, dtype_i):
+    outs, lses = _states(n, (3, 5, 4), 64, _dtypes()[dtype_i], device)
+    _check(outs, lses)
+
+
+def test_merge_all_empty(device):
+    outs, lses = _states(3, (4, 6), 32, _dtypes()[0], device, empty_frac=1.0)
+    out, lse = _check(outs, lses)
+    assert torch.isneginf(lse).all() and (out == 0).all()
+
+
+def test_merge_two_empty_states_with_sink(device):
+    outs, lses = _states(2, (3, 4), 16, _dtypes()[0], device, empty_frac=1.0)
+    sink = torch.randn(4, device=device)
+    _, lse = _check(outs, lses, sink=sink)
+    # No key at all: lse is exactly the sink.
+    assert torch.equal(lse, sink.expand(3, 4))
+
+
+@pytest.mark.parametrize("sink_shape", [pytest.param((4,), id="per_head_last"),
+                                        pytest.param((3, 1), id="per_head_middle"),
+                                        pytest.param((), id="scalar")])
+def test_merge_sink(device, sink_shape):
+    # lse (N, B, H, Sq) = (5, 2, 3, 4): a (3, 1) sink is per head, a (4,) sink per last dim.
+    outs, lses = _states(5, (2, 3, 4), 32, _dtypes()[0], device)
+    sink = torch.randn(sink_shape, device=device)
+    _check(outs, lses, sink=sink)
+
+
+def test_merge_d512(device):
+    outs, lses = _states(3, (5, 2), 512, _dtypes()[0], device)
+    _check(outs, lses)
+
+
+def test_merge_transposed_lse_view(device):
+    # lse stored (N, B, H, Sq) and passed as the (N, B, Sq, H) view, outs (N, B, Sq, H, D).
+    n, b, h, sq, d = 4, 2, 3, 5, 32
+    outs, _ = _states(n, (b, sq, h), d, _dtypes()[0], device)
+    lse_bhs = torch.randn(n, b, h, sq, device=device) * 2
+    lse_bhs[torch.rand(n, b, h, sq, device=device) < 0.3] = float("-inf")
+    lses = lse_bhs.transpose(2, 3)
+    assert not lses.is_contiguous()
+    lse_out = torch.full((b, h, sq), float("nan"), device=device).transpose(1, 2)
+    _check(outs, lses, lse_out=lse_out)
+
+
+def test_merge_strided_fallback(device):
+    # Four leading dims that no stride pattern fuses: the launcher copies, the result stands.
+    outs, lses = _states(2, (2, 3, 2, 3), 16, _dtypes()[0], device)
+    outs_p = outs.permute(0, 3, 1, 4, 2, 5).contiguous().permute(0, 2, 4, 1, 3, 5)
+    lses_p = lses.permute(0, 2, 4, 1, 3).contiguous().permute(0, 3, 1, 4, 2)
+    _check(outs_p, lses_p)
+
+
+def test_merge_in_place_two_states(device):
+    dtype = _dtypes()[0]
+    outs, lses = _states(2, (6, 7), 128, dtype, device)
+    clean = _poison_zero_weight(outs, lses)
+    ref_out, ref_lse = reference.merge_states(clean, lses)
+    out, lse = merge_states_fwd(outs, lses, out=outs[0], lse_out=lses[0])
+    assert out.data_ptr() == outs.data_ptr() and lse.data_ptr() == lses.data_ptr()
+    assert not torch.isnan(out).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    torch.testing.assert_close(out.double(), ref_out, atol=ATOL[dtype] * 10, rtol=0)
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[fin], ref_lse[fin], atol=1e-5, rtol=0)
+
+
+def test_merge_preallocated_lowp_out(device):
+    # float32 partial states written into a half-precision output (the split-KV combine).
+    outs, lses = _states(4, (3, 8), 64, torch.float32, device)
+    out = torch.full((3, 8, 64), float("nan"), device=device, dtype=torch.float16)
+    _check(outs, lses, out=out, dtype=torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_merge_real_size(n):
+    outs, lses = _states(n, (16, 8, 32), 128, torch.bfloat16, "cuda")
+    sink = torch.randn(32, device="cuda")
+    _check(outs, lses, sink=sink)
