@@ -166,8 +166,6 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# The forward and backward are torch custom ops, so torch.compile sees one opaque node
-# (no graph break, fake tensors give shapes) and CUDA graphs can capture the kernels.
 def attn_fwd(q, k, v, *, left, right, softcap, scale, sink, **varlen):
     """Forward state ``(out, lse)`` on the path the device has: the Triton kernel on CUDA
     (and under ``TRITON_INTERPRET=1``), else the PyTorch path. ``varlen`` holds the
@@ -217,15 +215,35 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     return dq, dk, dv, dsink
 
 
+def _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k):
+    if cu_seqlens_q is None:
+        return {}
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+
+
+# The forward and backward are torch custom ops (dense when cu_seqlens_q is None, else
+# packed varlen), so torch.compile sees one opaque node -- no graph break, fake tensors
+# give the shapes -- and CUDA graphs can capture the kernels.
 @torch.library.custom_op("flashlse::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
-                 left: int | None, right: int | None, softcap: float, scale: float,
+                 cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                 max_seqlen_q: int | None, max_seqlen_k: int | None,
+                 seqused_k: torch.Tensor | None, left: int | None, right: int | None,
+                 softcap: float, scale: float,
                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+    return attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink,
+                    **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 seqused_k))
 
 
 @_attn_fwd_op.register_fake
-def _(q, k, v, sink, left, right, softcap, scale, deterministic):
+def _(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, left,
+      right, softcap, scale, deterministic):
+    if q.dim() == 3:
+        total, hq, _ = q.shape
+        return (q.new_empty(total, hq, v.shape[-1]),
+                q.new_empty(hq, total, dtype=_lse_dtype(q.dtype)))
     b, sq, hq, _ = q.shape
     return (q.new_empty(b, sq, hq, v.shape[-1]),
             q.new_empty(b, hq, sq, dtype=_lse_dtype(q.dtype)))
@@ -234,59 +252,40 @@ def _(q, k, v, sink, left, right, softcap, scale, deterministic):
 @torch.library.custom_op("flashlse::attn_bwd", mutates_args=())
 def _attn_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 sink: torch.Tensor | None, left: int | None, right: int | None, softcap: float,
-                 scale: float, deterministic: bool
+                 sink: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                 cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int | None,
+                 max_seqlen_k: int | None, seqused_k: torch.Tensor | None, left: int | None,
+                 right: int | None, softcap: float, scale: float, deterministic: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dsink = attn_bwd(dout, dlse, q, k, v, out, lse, left=left, right=right,
-                                 softcap=softcap, scale=scale, sink=sink,
-                                 deterministic=deterministic)
+    dq, dk, dv, dsink = attn_bwd(
+        dout, dlse, q, k, v, out, lse, left=left, right=right, softcap=softcap, scale=scale,
+        sink=sink, deterministic=deterministic,
+        **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k))
     return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsink is None else dsink
 
 
 @_attn_bwd_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, sink, left, right, softcap, scale, deterministic):
+def _(dout, dlse, q, k, v, out, lse, sink, *args):
     dsink = q.new_empty(0, dtype=torch.float32) if sink is None else torch.empty_like(sink)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 def _attn_setup(ctx, inputs, output):
-    q, k, v, sink, left, right, softcap, scale, deterministic = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], sink)
-    ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale,
-                  deterministic=deterministic)
+    q, k, v, sink, cu_q, cu_k, max_q, max_k, seqused_k = inputs[:9]
+    ctx.save_for_backward(q, k, v, output[0], output[1], sink, cu_q, cu_k, seqused_k)
+    ctx.ints = (max_q, max_k) + tuple(inputs[9:])
 
 
 def _attn_backward(ctx, dout, dlse):
-    q, k, v, out, lse, sink = ctx.saved_tensors
-    dq, dk, dv, dsink = _attn_bwd_op(dout, dlse, q, k, v, out, lse, sink, **ctx.kw)
-    return dq, dk, dv, None if sink is None else dsink, None, None, None, None, None
+    q, k, v, out, lse, sink, cu_q, cu_k, seqused_k = ctx.saved_tensors
+    max_q, max_k, left, right, softcap, scale, deterministic = ctx.ints
+    dq, dk, dv, dsink = _attn_bwd_op(dout, dlse, q, k, v, out, lse, sink, cu_q, cu_k, max_q,
+                                     max_k, seqused_k, left, right, softcap, scale,
+                                     deterministic)
+    return (dq, dk, dv, None if sink is None else dsink) + (None,) * 10
 
 
 _attn_fwd_op.register_autograd(_attn_backward, setup_context=_attn_setup)
-
-
-class AttentionVarlenFunction(torch.autograd.Function):
-    """Packed variable-length attention: one kernel launch for all sequences (or, on the
-    PyTorch path, one dense problem per sequence)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, seqused_k, left, right, softcap,
-                scale, deterministic):
-        varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                      max_seqlen_k=max_k, seqused_k=seqused_k)
-        out, lse = attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
-                            sink=sink, **varlen)
-        ctx.save_for_backward(q, k, v, out, lse, sink, cu_q, cu_k, seqused_k)
-        ctx.kw = dict(left=left, right=right, softcap=softcap, scale=scale,
-                      deterministic=deterministic, max_seqlen_q=max_q, max_seqlen_k=max_k)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sink, cu_q, cu_k, seqused_k = ctx.saved_tensors
-        dq, dk, dv, dsink = attn_bwd(dout, dlse, q, k, v, out, lse, sink=sink, cu_seqlens_q=cu_q,
-                                     cu_seqlens_k=cu_k, seqused_k=seqused_k, **ctx.kw)
-        return (dq, dk, dv, dsink) + (None,) * 10
 
 
 def _validate_common(q, k, v, sink, softcap, scale, window, causal, ndim, layouts):
@@ -331,7 +330,8 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"q, k, v must share the batch and k, v the sequence length: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    out, lse = _attn_fwd_op(q, k, v, sink, left, right, softcap, scale, deterministic)
+    out, lse = _attn_fwd_op(q, k, v, sink, None, None, None, None, None, left, right,
+                            softcap, scale, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -367,11 +367,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if seqused_k is not None:
         V.check_int_tensor("seqused_k", seqused_k, "(B,)", q.device, 1)
         lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-        if seqused_k.shape != lens.shape or bool(((seqused_k < 0) | (seqused_k > lens)).any()):
+        if seqused_k.shape != lens.shape or (V.values_checkable(seqused_k) and bool(
+                ((seqused_k < 0) | (seqused_k > lens)).any())):
             raise ValueError(
                 f"seqused_k must be (B,) with 0 <= seqused_k[b] <= the length of key sequence b "
                 f"({lens.tolist()}), got {seqused_k.tolist()}")
-    out, lse = AttentionVarlenFunction.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k,
-                                             max_seqlen_q, max_seqlen_k, seqused_k, left, right,
-                                             softcap, scale, deterministic)
+    out, lse = _attn_fwd_op(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_k, left, right, softcap, scale, deterministic)
     return (out, lse) if return_lse else out

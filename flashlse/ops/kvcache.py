@@ -83,6 +83,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
     if q.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"q and k_cache must share D, got {q.shape[-1]} and {k_cache.shape[-1]}")
     V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose), got {num_splits!r}")
     bsz = q.shape[0]
     if paged:
         V.check_int_tensor("block_table", block_table, "(B, max_pages)", q.device, 2)
@@ -121,12 +123,15 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
             raise ValueError(f"cache_seqlens must be (B,) = ({bsz},), got "
                              f"{tuple(cache_seqlens.shape)}")
         lens = cache_seqlens
-    lo, hi = int(lens.min()) if bsz else 0, int(lens.max()) if bsz else 0
+    if not bsz or not V.values_checkable(lens):
+        # Values unknown (compile) or unreadable (CUDA graph capture): shapes were checked.
+        return lens, s_new
+    lo, hi = int(lens.min()), int(lens.max())
     if lo < 0 or hi + s_new > capacity:
         raise ValueError(
             f"cache_seqlens + Snew must lie in [0, {capacity}] (the cache capacity), got "
             f"cache_seqlens in [{lo}, {hi}] with Snew = {s_new}; grow the cache or the block table")
-    if paged and bsz:
+    if paged:
         page = k_cache.shape[1]
         need = (lens.long() + s_new + page - 1) // page  # pages each sequence uses
         cols = torch.arange(block_table.shape[1], device=q.device)[None]
@@ -136,8 +141,6 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
             raise ValueError(
                 f"block_table entries for the pages in use must lie in [0, {k_cache.shape[0]}) "
                 f"(the number of pages), found {block_table[bad][:4].tolist()}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = choose), got {num_splits!r}")
     return lens, s_new
 
 

@@ -102,7 +102,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor |
 
 def _check_canonical(lses: torch.Tensor) -> None:
     # +inf or NaN would silently empty the merged row; foreign states must be converted.
-    if lses.is_cuda and torch.cuda.is_current_stream_capturing():
+    if not V.values_checkable(lses):
         return
     bad = torch.isposinf(lses) | torch.isnan(lses)
     if bool(bad.any()):

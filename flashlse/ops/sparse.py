@@ -154,7 +154,8 @@ def sparse_attention(q, k, v, indices, *, scale=None, sink=None, return_lse=Fals
     if tuple(indices.shape[:3]) != want:
         raise ValueError(f"indices must be (B, Sq, Hkv, topk) with (B, Sq, Hkv) = {want}, got "
                          f"{tuple(indices.shape)}")
-    if indices.numel() and bool(((indices < -1) | (indices >= k.shape[1])).any()):
+    if indices.numel() and V.values_checkable(indices) and bool(
+            ((indices < -1) | (indices >= k.shape[1])).any()):
         raise ValueError(f"indices must lie in [0, Sk) = [0, {k.shape[1]}) or be -1 (no key), "
                          f"got values in [{int(indices.min())}, {int(indices.max())}]")
     scale = V.check_scale(scale, q.shape[-1])
