@@ -244,9 +244,11 @@ def _decode_fwd_kernel(
                 PAGE_SIZE, PAGED, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
             )
 
+    b_l_keys = b_l
     if HAS_SINK:
         # Only with one split (else the merge adds it): one more key of value 0.
-        b_t_sink = tl.load(sink + o_h, mask=m_m, other=0.0) * 1.4426950408889634
+        b_sink_nat = tl.load(sink + o_h, mask=m_m, other=0.0)
+        b_t_sink = b_sink_nat * 1.4426950408889634
         b_m_f = tl.maximum(b_m, b_t_sink)
         b_pivot = tl.where(b_m_f == float("-inf"), 0.0, b_m_f)
         b_alpha = tl.exp2(b_m - b_pivot)
@@ -257,6 +259,9 @@ def _decode_fwd_kernel(
     b_inv_sum = tl.where(b_l == 0, 0.0, 1.0 / tl.where(b_l == 0, 1.0, b_l))
     # Raw m: log2(0) + -inf = -inf for an empty row.
     b_lse = (tl.log2(b_l) + b_m) * 0.6931471805599453
+    if HAS_SINK:
+        # An empty row's lse is the sink itself, not its round trip through base 2.
+        b_lse = tl.where(b_l_keys == 0, b_sink_nat, b_lse)
 
     o_dv = tl.arange(0, BLOCK_DV)
     o_o = i_s.to(tl.int64) * stride_os + i_b.to(tl.int64) * stride_ob + o_i.to(tl.int64) * stride_oq + o_h.to(tl.int64) * stride_oh

@@ -175,8 +175,10 @@ def _attn_fwd_store(
 ):
     """Epilogue: normalise, add the sink once, store out and the natural-log lse."""
     # l == 0 exactly for a row with no visible key.
+    b_l_keys = b_l
     if HAS_SINK:
-        b_sink = tl.load(sink + i_h).to(tl.float32) * 1.4426950408889634
+        b_sink_nat = tl.load(sink + i_h).to(tl.float32)
+        b_sink = b_sink_nat * 1.4426950408889634
         b_m_f = tl.maximum(b_m, b_sink)
         b_w = tl.math.exp2(b_m - b_m_f)
         b_l = b_l * b_w + tl.math.exp2(b_sink - b_m_f)
@@ -190,7 +192,11 @@ def _attn_fwd_store(
         b_lse_log2 = tl.where(b_nonempty, b_m + tl.math.log2(b_l_safe), float("-inf"))
     # [BLOCK_M, BLOCK_DV]
     b_o = b_acc * b_scale[:, None]
-    tl.store(p_lse + o_m, b_lse_log2 * 0.6931471805599453, mask=o_m < T_q)
+    b_lse = b_lse_log2 * 0.6931471805599453
+    if HAS_SINK:
+        # An empty row's lse is the sink itself, not its round trip through base 2.
+        b_lse = tl.where(b_l_keys == 0.0, b_sink_nat, b_lse)
+    tl.store(p_lse + o_m, b_lse, mask=o_m < T_q)
     if USE_TMA:
         o_ref = tl.make_tensor_descriptor(p_o, shape=[T_q, DV], strides=[stride_os, 1],
                                           block_shape=[BLOCK_M, BLOCK_DV])
