@@ -44,3 +44,24 @@ def load_rows(ref, o_r, i_r0, stride_r, n_rows, BLOCK_R: tl.constexpr, BLOCK_C: 
         m_x = (o_r[:, None] < n_rows) & (o_c[None, :] < N_COLS)
         b_x = tl.load(p_x, mask=m_x, other=0.0)
     return b_x
+
+
+@triton.jit
+def seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+               IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
+    """``(bos, bos_k, T_q, T_k)`` of sequence ``i_b``: its first query / key row in the
+    packed tensors (0 when dense) and its lengths (``seqused_k`` caps the keys)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
+        T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
+        bos_k = tl.load(cu_seqlens_k + i_b).to(tl.int64)
+        if HAS_SEQUSED_K:
+            T_k = tl.load(seqused_k + i_b)
+        else:
+            T_k = (tl.load(cu_seqlens_k + i_b + 1) - bos_k).to(tl.int32)
+    else:
+        bos = 0
+        bos_k = 0
+        T_q = seqlen_q
+        T_k = seqlen_k
+    return bos, bos_k, T_q, T_k

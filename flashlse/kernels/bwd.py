@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import alloc_scratch, interpreting, load_rows, tma_ok
+from ._common import alloc_scratch, interpreting, load_rows, seq_bounds, tma_ok
 
 LOG2E = math.log2(math.e)
 
@@ -270,19 +270,8 @@ def _attn_bwd_dkdv_kernel(
     i_bh = tl.program_id(1)
     i_b = i_bh // HKV
     i_hk = i_bh % HKV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
-        T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
-        bos_k = tl.load(cu_seqlens_k + i_b).to(tl.int64)
-        if HAS_SEQUSED_K:
-            T_k = tl.load(seqused_k + i_b)
-        else:
-            T_k = (tl.load(cu_seqlens_k + i_b + 1) - bos_k).to(tl.int32)
-    else:
-        bos = 0
-        bos_k = 0
-        T_q = seqlen_q
-        T_k = seqlen_k
+    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     n0 = i_n * BLOCK_N
     if n0 >= T_k:
         return
@@ -483,19 +472,8 @@ def _attn_bwd_dq_kernel(
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     i_hk = i_h // GROUP
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
-        T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
-        bos_k = tl.load(cu_seqlens_k + i_b).to(tl.int64)
-        if HAS_SEQUSED_K:
-            T_k = tl.load(seqused_k + i_b)
-        else:
-            T_k = (tl.load(cu_seqlens_k + i_b + 1) - bos_k).to(tl.int32)
-    else:
-        bos = 0
-        bos_k = 0
-        T_q = seqlen_q
-        T_k = seqlen_k
+    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     m0 = i_m * BLOCK_M
     if m0 >= T_q:
         return

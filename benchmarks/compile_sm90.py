@@ -1,0 +1,112 @@
+"""Compile every flashlse kernel for sm_90 on a machine with no GPU, and report resources.
+
+Triton's wheel carries ptxas and cuobjdump, so a kernel edit can be checked for compile
+errors, register spills (``LOCAL`` > 0), shared memory and whether the matrix products
+became wgmma, at no device time:
+
+    python benchmarks/compile_sm90.py            # every kernel, a few flag sets each
+    python benchmarks/compile_sm90.py fwd dq     # only those
+
+Not a test of correctness or speed: the interpreter tests and the H200 runs are.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from flashlse.kernels import bwd, combine, decode, fwd  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BF16, F32, I32 = "*bf16", "*fp32", "*i32"
+
+
+def compile_kernel(fn, types: dict, consts: dict, num_warps: int, num_stages: int):
+    """Arguments not in ``types`` or ``consts`` are i32 scalars; pointers and strides get
+    16-byte divisibility, as the launcher's real arguments do."""
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    div = [n for n in names
+           if n not in consts and (sig[n].startswith("*") or n.startswith("stride"))]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps,
+                                                           num_stages=num_stages))
+
+
+def report(name: str, k) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out, re.S)
+    regs, local = (m.group(1), m.group(2)) if m else ("?", "?")
+    wgmma = k.asm["ttgir"].count("warp_group_dot")
+    return (f"{name:44s} regs={regs:>4s} local={local:>4s} shared={k.metadata.shared:>7d} "
+            f"wgmma={wgmma}")
+
+
+def cases():
+    flags = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, IS_VARLEN=False,
+                 HAS_SEQUSED_K=False, INTERPRET=False)
+    every = dict(flags, HAS_LEFT=True, HAS_SOFTCAP=True, IS_VARLEN=True, HAS_SEQUSED_K=True)
+    fwd_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
+                     cu_seqlens_k=I32, seqused_k=I32, scale_log2="fp32", softcap_a2="fp32",
+                     softcap_c2="fp32")
+    for label, f, tma in (("causal", flags, False), ("every flag", every, False),
+                          ("causal tma", flags, True)):
+        consts = dict(f, HQ=16, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128,
+                      BLOCK_DV=128, HAS_SINK=True, NEG_SCALE=False, USE_TMA=tma,
+                      WARP_SPECIALIZE=False)
+        yield "fwd", f"fwd D=128 {label}", fwd._attn_fwd_kernel, fwd_types, consts, 8, 3
+    bwd_types = dict(q=BF16, k=BF16, v=BF16, dout=BF16, dq=BF16, dk=BF16, dv=BF16,
+                     lse_log2=F32, delta=F32, cu_seqlens_q=I32, cu_seqlens_k=I32,
+                     seqused_k=I32)
+    for label, f in (("causal", flags), ("every flag", every)):
+        consts = dict(f, HKV=8, GROUP=2, D=128, DV=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
+                      BLOCK_DV=128, ATOMIC_DQ=False, USE_TMA=True)
+        yield "dkdv", f"bwd dK/dV D=128 {label}", bwd._attn_bwd_dkdv_kernel, bwd_types, \
+            consts, 8, 3
+        consts = dict(f, HQ=16, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
+                      BLOCK_DV=128, USE_TMA=True)
+        yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 2
+    dec_types = dict(q=BF16, k=BF16, v=BF16, cache_seqlens=I32, block_table=I32, sink=F32,
+                     o=F32, lse=F32, scale_log2="fp32", softcap_a2="fp32", softcap_c2="fp32")
+    for paged in (False, True):
+        consts = dict(SQ=1, GROUP=4, M_TILES=1, D1=128, D2=0, DV=128, BLOCK_M=16, BLOCK_N=64,
+                      BLOCK_D1=128, BLOCK_D2=16, BLOCK_DV=128, PAGE_SIZE=16 if paged else 1,
+                      PAGED=paged, SHARED_KV=False, HAS_LEFT=False, HAS_RIGHT=True,
+                      HAS_SOFTCAP=False, HAS_SINK=True, INTERPRET=False)
+        yield "decode", f"decode GQA paged={paged}", decode._decode_fwd_kernel, dec_types, \
+            consts, 4, 3
+    consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, INTERPRET=False)
+    yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
+        dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32), consts, 1, 3
+
+
+def main(argv=None):
+    want = set(argv if argv is not None else sys.argv[1:])
+    for key, name, fn, types, consts, warps, stages in cases():
+        if want and key not in want:
+            continue
+        try:
+            print(report(name, compile_kernel(fn, types, consts, warps, stages)), flush=True)
+        except Exception as e:  # noqa: BLE001 - report every kernel, then fail
+            print(f"{name:44s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            want.add("__failed__")
+    return 1 if "__failed__" in want else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
