@@ -5,8 +5,8 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
-timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_bwd.py tests/kernels/test_fwd.py \
-  tests/kernels/test_decode.py tests/kernels/test_combine.py 2>&1 | tee "$OUT/test_gpu.log" | tail -6
+# The GPU tests compile many kernel variants: about 5 minutes in all on an H200.
+timeout 330 python3 -m pytest -q -m gpu tests/kernels 2>&1 | tee "$OUT/test_gpu.log" | tail -6
 timeout 50 python3 -m flashlse audit --device cuda > "$OUT/audit_cuda.txt" 2>&1; head -14 "$OUT/audit_cuda.txt"
 timeout 120 python3 benchmarks/bench_bwd.py --quick --results --flex-budget 30 2>&1 | tee "$OUT/bench_bwd.txt" | tail -14
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
