@@ -1,7 +1,7 @@
 """Compile every flashlse kernel for sm_90 on a machine with no GPU, and report resources.
 
 Triton's wheel carries ptxas and cuobjdump, so a kernel edit can be checked for compile
-errors, register spills (``LOCAL`` > 0), shared memory and whether the matrix products
+errors, register spills (``stack`` > 0), shared memory and whether the matrix products
 became wgmma, at no device time:
 
     python benchmarks/compile_sm90.py            # every kernel, a few flag sets each
@@ -50,10 +50,11 @@ def report(name: str, k) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out, re.S)
-    regs, local = (m.group(1), m.group(2)) if m else ("?", "?")
+    # STACK is the per-thread stack frame: register spills land there.
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    regs, stack = (m.group(1), m.group(2)) if m else ("?", "?")
     wgmma = k.asm["ttgir"].count("warp_group_dot")
-    return (f"{name:44s} regs={regs:>4s} local={local:>4s} shared={k.metadata.shared:>7d} "
+    return (f"{name:44s} regs={regs:>4s} stack={stack:>4s} shared={k.metadata.shared:>7d} "
             f"wgmma={wgmma}")
 
 

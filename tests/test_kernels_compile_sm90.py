@@ -1,6 +1,7 @@
 """Every Triton kernel compiles for sm_90 (H100/H200) with no GPU here, through the ptxas
-that Triton's wheel carries, and spills no registers to local memory. This catches what
-the interpreter accepts and the GPU compiler rejects, before any device time is spent."""
+that Triton's wheel carries. This catches what the interpreter accepts and the GPU
+compiler rejects, before any device time is spent. (Register spills are a speed matter,
+reported by benchmarks/compile_sm90.py, not asserted here.)"""
 
 import importlib.util
 import os
@@ -21,8 +22,8 @@ CASES = list(compile_sm90.cases())
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[1] for c in CASES])
-def test_kernel_compiles_for_sm90_without_spills(case):
+def test_kernel_compiles_for_sm90(case):
     _, name, fn, types, consts, warps, stages = case
     kernel = compile_sm90.compile_kernel(fn, types, consts, warps, stages)
-    line = compile_sm90.report(name, kernel)
-    assert "local=   0" in line, line
+    assert kernel.asm["cubin"], name
+    assert "regs=   ?" not in compile_sm90.report(name, kernel)
