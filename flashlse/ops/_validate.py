@@ -16,7 +16,9 @@ def values_checkable(t: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
-MAX_HEAD_DIM = 576
+# Head dims the CUDA kernels compile for: prefill (forward/backward) and decode (MLA's 576).
+MAX_HEAD_DIM_PREFILL = 256
+MAX_HEAD_DIM_DECODE = 576
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -74,12 +76,13 @@ def check_heads(hq: int, hkv: int, hkv_v: int) -> None:
         )
 
 
-def check_head_dim(d: int, dv: int, on_cuda: bool) -> None:
+def check_head_dim(d: int, dv: int, on_cuda: bool, limit: int) -> None:
     if d < 1 or dv < 1:
         raise ValueError(f"head dims must be >= 1, got D={d}, Dv={dv}")
-    if on_cuda and (d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM):
+    if on_cuda and (d > limit or dv > limit):
         raise ValueError(
-            f"the CUDA kernels support head dims up to {MAX_HEAD_DIM}, got D={d}, Dv={dv}"
+            f"the CUDA kernels for this function support head dims up to {limit}, got "
+            f"D={d}, Dv={dv}; split the heads, or run on CPU tensors (any head dim)"
         )
 
 

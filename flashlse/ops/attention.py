@@ -299,7 +299,7 @@ def _validate_common(q, k, v, sink, softcap, scale, window, causal, ndim, layout
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share the head dim D, got {q.shape[-1]} and "
                          f"{k.shape[-1]}")
-    V.check_head_dim(q.shape[-1], v.shape[-1], q.is_cuda)
+    V.check_head_dim(q.shape[-1], v.shape[-1], q.is_cuda, V.MAX_HEAD_DIM_PREFILL)
     V.check_bool("causal", causal)
     left, right = masks.normalize_window(causal, V.check_window(window))
     sink = V.check_sink(sink, q.shape[-2], q.device)

@@ -82,7 +82,9 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if q.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"q and k_cache must share D, got {q.shape[-1]} and {k_cache.shape[-1]}")
-    V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda)
+    # Longer queries than the decode kernel takes run the PyTorch path: any head dim.
+    if q.shape[1] <= DECODE_MAX_SQ:
+        V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda, V.MAX_HEAD_DIM_DECODE)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose), got {num_splits!r}")
     bsz = q.shape[0]
