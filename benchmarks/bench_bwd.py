@@ -127,23 +127,9 @@ def _flex(qh, kh, vh, causal):
 
 def _torch_bf16(q, k, v, causal, window, softcap, scale, sink):
     """The same attention in bf16 with materialised scores: the error yardstick."""
-    from flashlse.masks import normalize_window, visible
-
-    b, sq, hq, d = q.shape
-    sk, g = k.shape[1], hq // k.shape[2]
-    left, right = normalize_window(causal, window)
-    qh = q.transpose(1, 2)
-    kh = k.transpose(1, 2).repeat_interleave(g, 1)
-    vh = v.transpose(1, 2).repeat_interleave(g, 1)
-    s = qh.matmul(kh.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    ok = visible(torch.arange(sq, device=q.device), torch.arange(sk, device=q.device),
-                 sq, sk, left, right)
-    if ok is not None:
-        s = s.masked_fill(~ok, float("-inf"))
-    p, lse = reference.softmax_weights(s, None if sink is None else sink.to(s.dtype).view(1, hq, 1))
-    return p.matmul(vh).transpose(1, 2), lse
+    with reference.computed_in(q.dtype):
+        return reference.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                                   scale=scale, sink=sink, return_lse=True)
 
 
 def _grads(fn, inputs, dout, dlse):

@@ -9,13 +9,28 @@ would differentiate). Tests compare every path against these. Outputs are float6
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from .masks import normalize_window, visible
 
+# The precision every reference computes in; float64 except inside `computed_in`.
 _F64 = torch.float64
+
+
+@contextlib.contextmanager
+def computed_in(dtype: torch.dtype):
+    """Runs the references in ``dtype`` instead of float64: the same plain math at the
+    precision of the code under test, which is the yardstick of the tests' relative
+    tolerance (``err(ours) <= 2 err(torch in that dtype) + atol``)."""
+    global _F64
+    saved, _F64 = _F64, dtype
+    try:
+        yield
+    finally:
+        _F64 = saved
 
 
 def softmax_weights(scores: torch.Tensor, sink: torch.Tensor | None = None):

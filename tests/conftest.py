@@ -9,7 +9,6 @@ small atol.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import zlib
 
@@ -79,15 +78,7 @@ def assert_close_to_ref(ours, ref, *, tol=None, baseline=None, atol=None, dtype=
     assert err <= tol, f"{name}: max error {err:.3e} > tol {tol:.3e} (ref scale {_scale(ref):.3g})"
 
 
-@contextlib.contextmanager
-def reference_in(dtype: torch.dtype):
-    """Runs ``flashlse.reference`` in ``dtype`` instead of float64: torch's same-dtype error."""
-    saved = R._F64
-    R._F64 = dtype
-    try:
-        yield
-    finally:
-        R._F64 = saved
+reference_in = R.computed_in
 
 
 def _leaves(tensors: dict, dtype=None) -> dict:

@@ -20,7 +20,7 @@ import torch
 
 from flashlse import reference
 from flashlse.kernels import bwd
-from flashlse.masks import normalize_window, visible
+from flashlse.masks import normalize_window
 from flashlse.ops.attention import attn_fwd_torch
 
 HAS_CUDA = torch.cuda.is_available()
@@ -41,22 +41,11 @@ def _atol(dtype):
 
 
 def _torch_attention(q, k, v, left, right, softcap, scale, sink):
-    """One dense batch in q's dtype with plain differentiable torch ops: the error yardstick."""
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    g = hq // k.shape[2]
-    qh = q.transpose(1, 2)
-    kh = k.transpose(1, 2).repeat_interleave(g, 1)
-    vh = v.transpose(1, 2).repeat_interleave(g, 1)
-    s = qh.matmul(kh.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    ok = visible(torch.arange(sq, device=q.device), torch.arange(sk, device=q.device),
-                 sq, sk, left, right)
-    if ok is not None:
-        s = s.masked_fill(~ok, float("-inf"))
-    p, lse = reference.softmax_weights(s, None if sink is None else sink.to(s.dtype).view(1, hq, 1))
-    return p.matmul(vh).transpose(1, 2), lse
+    """The same attention in q's dtype with plain torch ops: the error yardstick."""
+    with reference.computed_in(q.dtype):
+        out, lse = reference.attention(q, k, v, window=(left, right), softcap=softcap,
+                                       scale=scale, sink=sink, return_lse=True)
+    return out, lse
 
 
 def _grads(fn, inputs, dout, dlse):

@@ -15,7 +15,6 @@ import torch
 
 from flashlse import reference
 from flashlse.kernels import fwd
-from flashlse.masks import visible
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -31,26 +30,9 @@ def _poison_outputs(monkeypatch):
 
 def _torch_attention(q, k, v, left, right, softcap, scale, sink):
     """The same attention in q's dtype with plain torch ops: the error yardstick."""
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    g = hq // k.shape[2]
-    qh = q.transpose(1, 2)
-    kh = k.transpose(1, 2).repeat_interleave(g, 1)
-    vh = v.transpose(1, 2).repeat_interleave(g, 1)
-    s = qh.matmul(kh.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    ok = visible(torch.arange(sq, device=q.device), torch.arange(sk, device=q.device),
-                 sq, sk, left, right)
-    if ok is not None:
-        s = s.masked_fill(~ok, float("-inf"))
-    if sink is not None:
-        s = torch.cat([s, sink.to(s.dtype).view(1, hq, 1, 1).expand(b, hq, sq, 1)], -1)
-    lse = torch.logsumexp(s.float(), -1).to(s.dtype) if s.shape[-1] else s.new_full(
-        (b, hq, sq), float("-inf"))
-    piv = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - piv[..., None])[..., :sk]
-    out = p.matmul(vh).transpose(1, 2)
+    with reference.computed_in(q.dtype):
+        out, lse = reference.attention(q, k, v, window=(left, right), softcap=softcap,
+                                       scale=scale, sink=sink, return_lse=True)
     return out, lse
 
 
