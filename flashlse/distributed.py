@@ -240,6 +240,24 @@ def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group) -> None:
     gather(out, x, group=group)
 
 
+def _ring_steps(held: torch.Tensor, ring: _Ring, per_token: int):
+    """Yields ``(t, src, nxt, block)`` for each ring step: ``block`` holds rank ``src``'s
+    K/V, and the transfer of the next block (rank ``nxt``'s) is already posted, so it
+    overlaps whatever the caller does with this one before asking for the next step."""
+    for t in range(ring.world):
+        src = (ring.rank - t) % ring.world
+        nxt = (ring.rank - t - 1) % ring.world
+        reqs, incoming = [], None
+        if t < ring.world - 1:
+            if ring.lengths[nxt]:
+                incoming = held.new_empty(ring.lengths[nxt] * per_token)
+            reqs = _exchange(held if ring.lengths[src] else None, incoming, ring)
+        yield t, src, nxt, held
+        _wait(reqs)
+        if incoming is not None:
+            held = incoming
+
+
 def _unpack(buf: torch.Tensor, b: int, n: int, hkv: int, d: int, dv: int):
     nk = b * n * hkv * d
     return buf[:nk].view(b, n, hkv, d), buf[nk:].view(b, n, hkv, dv)
@@ -251,15 +269,8 @@ def _ring_fwd(q, k, v, sink, ring: _Ring):
     dt = compute_dtype(q.dtype)
     acc_out = torch.zeros(b, n, hq, dv, dtype=dt, device=q.device)
     acc_lse = torch.full((b, n, hq), float("-inf"), dtype=dt, device=q.device)
-    held = torch.cat([k.reshape(-1), v.reshape(-1)])
-    for t in range(ring.world):
-        src = (ring.rank - t) % ring.world
-        nxt = (ring.rank - t - 1) % ring.world
-        reqs, incoming = [], None
-        if t < ring.world - 1:
-            if ring.lengths[nxt]:
-                incoming = held.new_empty(b * ring.lengths[nxt] * hkv * (d + dv))
-            reqs = _exchange(held if ring.lengths[src] else None, incoming, ring)
+    own = torch.cat([k.reshape(-1), v.reshape(-1)])
+    for _, src, _, held in _ring_steps(own, ring, b * hkv * (d + dv)):
         if ring.plans[src]:
             kb, vb = _unpack(held, b, ring.lengths[src], hkv, d, dv)
         for q0, q1, k0, k1, lw, rw in ring.plans[src]:
@@ -268,9 +279,6 @@ def _ring_fwd(q, k, v, sink, ring: _Ring):
             merged = merge_states_unchecked(torch.stack([acc_out[:, q0:q1], o.to(dt)]),
                                   torch.stack([acc_lse[:, q0:q1], l.transpose(1, 2).to(dt)]))
             acc_out[:, q0:q1], acc_lse[:, q0:q1] = merged
-        _wait(reqs)
-        if incoming is not None:
-            held = incoming
     if sink is not None:
         acc_out, acc_lse = merge_states_unchecked(acc_out[None], acc_lse[None], sink=sink)
     return acc_out.to(q.dtype), acc_lse.transpose(1, 2).contiguous().to(dt)
@@ -286,16 +294,9 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
     qc, doc, oc = cast(q), cast(dout), cast(out)
     dlse = dlse.to(dt)
     dq = torch.zeros(b, n, hq, d, dtype=dt, device=q.device)
-    held = torch.cat([k.reshape(-1), v.reshape(-1)])
+    own = torch.cat([k.reshape(-1), v.reshape(-1)])
     acc, acc_reqs = None, []
-    for t in range(ring.world):
-        src = (ring.rank - t) % ring.world
-        nxt = (ring.rank - t - 1) % ring.world
-        reqs, incoming = [], None
-        if t < ring.world - 1:
-            if ring.lengths[nxt]:
-                incoming = held.new_empty(b * ring.lengths[nxt] * hkv * (d + dv))
-            reqs = _exchange(held if ring.lengths[src] else None, incoming, ring)
+    for t, src, nxt, held in _ring_steps(own, ring, b * hkv * (d + dv)):
         part = None
         if ring.plans[src]:
             m = ring.lengths[src]
@@ -325,9 +326,6 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
                                device=q.device)
         acc_reqs = _exchange(acc if ring.lengths[src] else None, home,
                              ring) if ring.world > 1 else []
-        _wait(reqs)
-        if incoming is not None:
-            held = incoming
         acc = home if ring.world > 1 else acc
     _wait(acc_reqs)
     if n:
