@@ -31,9 +31,11 @@ from pathlib import Path
 
 import torch
 import triton
+from _common import attn_flops, bf16_inputs, causal_block_mask, flex_attention_compiled, median_ms
 
 from flashlse import reference
 from flashlse.kernels import bwd
+from flashlse.kernels.fwd import attn_fwd
 
 SEQS = [1024, 2048, 4096, 8192, 16384]
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -46,35 +48,14 @@ def _log(msg=""):
 
 
 def _flops(b, h, sq, sk, d, causal):
-    f = 2.5 * 4 * b * h * sq * sk * d
-    return f / 2 if causal else f
-
-
-def _bench_ms(fn):
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _forward(q, k, v, **kw):
-    # The forward kernel when present; the PyTorch path (chunked, exact) otherwise.
-    try:
-        from flashlse.kernels.fwd import attn_fwd
-    except ImportError:
-        from flashlse.ops.attention import attn_fwd_torch as attn_fwd
-    return attn_fwd(q, k, v, **kw)
-
-
-def _inputs(b, sq, sk, h, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda s: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    return mk(sq), mk(sk), mk(sk)
+    # The backward does 2.5x the forward's matrix products.
+    return 2.5 * attn_flops(b, h, sq, sk, d, causal)
 
 
 def _ours(q, k, v, causal, atomic=False):
     kw = dict(left=None, right=0 if causal else None, softcap=0.0,
               scale=1.0 / math.sqrt(q.shape[-1]), sink=None)
-    out, lse = _forward(q, k, v, **kw)
+    out, lse = attn_fwd(q, k, v, **kw)
     dout = torch.randn_like(out)
     dlse = torch.zeros_like(lse)
 
@@ -104,24 +85,10 @@ def _sdpa(backend, qh, kh, vh, causal):
     return _grad_fn(out, inputs)
 
 
-_FLEX = {}
-
-
 def _flex(qh, kh, vh, causal):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    if "fn" not in _FLEX:
-        torch._dynamo.config.recompile_limit = 10_000
-        torch._dynamo.config.cache_size_limit = 10_000
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    sq, sk = qh.shape[2], kh.shape[2]
-    bm = None
-    if causal:
-        shift = sk - sq
-        bm = create_block_mask(lambda b, h, qi, ki: qi + shift >= ki, None, None, sq, sk,
-                               device="cuda")
+    bm = causal_block_mask(qh.shape[2], kh.shape[2]) if causal else None
     inputs = [t.detach().requires_grad_(True) for t in (qh, kh, vh)]
-    out = _FLEX["fn"](*inputs, block_mask=bm)
+    out = flex_attention_compiled()(*inputs, block_mask=bm)
     return _grad_fn(out, inputs)
 
 
@@ -154,7 +121,7 @@ def check(d, causal=False, window=(None, None), softcap=0.0, sink=False, sq=1000
     scale = 1.0 / math.sqrt(d)
     left, right = normalize_window(causal, window)
     kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink_t)
-    out, lse = _forward(q, k, v, **kw)
+    out, lse = attn_fwd(q, k, v, **kw)
     dout = mk(*out.shape).bfloat16()
     dlse = mk(*lse.shape).masked_fill(~torch.isfinite(lse), 0.0)
     bwd.CONFIG_OVERRIDE = {"ATOMIC_DQ": atomic}
@@ -202,7 +169,7 @@ def _peers_inputs(q, k, v):
 
 def _safe(name, fn):
     try:
-        return _bench_ms(fn())
+        return median_ms(fn())
     except Exception as e:  # noqa: BLE001 - a backend may refuse a shape; record why
         _log(f"  {name}: {type(e).__name__}: {str(e)[:120]}")
         return float("nan")
@@ -212,7 +179,7 @@ def _row(d, seq, causal, flex_on):
     from torch.nn.attention import SDPBackend
 
     h, b = 2048 // d, 16384 // seq
-    q, k, v = _inputs(b, seq, seq, h, d, seed=seq + d)
+    q, k, v = bf16_inputs(b, seq, seq, h, d, seed=seq + d)
     qh, kh, vh = _peers_inputs(q, k, v)
     fl = _flops(b, h, seq, seq, d, causal)
     r = dict(d=d, seq=seq, b=b, h=h, causal=causal)
@@ -301,7 +268,7 @@ SWEEP_DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3), (
 def sweep(seq=8192, d=128):
     """Each kernel's configs alone at one shape (the other kernel at its table default)."""
     h, b = 2048 // d, 16384 // seq
-    q, k, v = _inputs(b, seq, seq, h, d)
+    q, k, v = bf16_inputs(b, seq, seq, h, d)
     for causal in (False, True):
         fl = _flops(b, h, seq, seq, d, causal)
         for key, cands in (("dkdv", SWEEP_DKDV), ("dq", SWEEP_DQ)):

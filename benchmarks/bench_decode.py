@@ -16,6 +16,7 @@ Writes ``decode.json``, ``results_rows.md`` (rows for benchmarks/RESULTS.md) and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -24,9 +25,10 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from _common import median_ms  # noqa: E402
 
 from flashlse.kernels import decode  # noqa: E402
 
@@ -35,6 +37,8 @@ HQ, HKV, D = 32, 8, 128
 MLA = dict(b=64, skv=8192, hq=128, d=576, dv=512)
 # --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1, to check the script itself.
 SMOKE = "--smoke" in sys.argv
+# Median milliseconds (one host-timed call under --smoke).
+bench = functools.partial(median_ms, smoke=SMOKE, rep=150)
 DEV = "cpu" if SMOKE else "cuda"
 # --quick: the split-path shapes only, peers without compilation (no FlexAttention), no MLA.
 QUICK = "--quick" in sys.argv
@@ -43,17 +47,6 @@ if QUICK:
 if SMOKE:
     GQA_SHAPES = [(1, 512), (2, 256)]
     MLA = dict(b=2, skv=128, hq=16, d=64, dv=32)
-
-
-def bench(fn) -> float:
-    """Median milliseconds."""
-    if SMOKE:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
 def copy_bandwidth() -> float:

@@ -27,28 +27,12 @@ import time
 
 import torch
 import triton
+from _common import attn_flops, bf16_inputs, causal_block_mask, flex_attention_compiled, median_ms
 
 from flashlse.kernels import fwd
 
 DATE = "2026-11-29"
 SEQS = [1024, 2048, 4096, 8192, 16384]
-
-
-def _flops(b, h, sq, sk, d, causal):
-    f = 4 * b * h * sq * sk * d
-    return f / 2 if causal else f
-
-
-def _bench_ms(fn):
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _inputs(b, sq, sk, h, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda s: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    return mk(sq), mk(sk), mk(sk)
 
 
 def _ours(q, k, v, causal):
@@ -69,23 +53,9 @@ def _sdpa(backend, qh, kh, vh, causal):
     return run
 
 
-_FLEX = {}
-
-
 def _flex(qh, kh, vh, causal):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    if "fn" not in _FLEX:
-        torch._dynamo.config.recompile_limit = 10_000
-        torch._dynamo.config.cache_size_limit = 10_000
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    sq, sk = qh.shape[2], kh.shape[2]
-    bm = None
-    if causal:
-        shift = sk - sq
-        bm = create_block_mask(lambda b, h, qi, ki: qi + shift >= ki, None, None, sq, sk,
-                               device="cuda")
-    fn = _FLEX["fn"]
+    fn = flex_attention_compiled()
+    bm = causal_block_mask(qh.shape[2], kh.shape[2]) if causal else None
     return lambda: fn(qh, kh, vh, block_mask=bm)
 
 
@@ -174,7 +144,7 @@ def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3"):
     """Each variant at two lengths, twice; the winner by mean TFLOP/s per causal."""
     d, h = 128, 16
     rows, best = [], {}
-    inputs = {seq: _inputs(16384 // seq, seq, seq, h, d) for seq in seqs}
+    inputs = {seq: bf16_inputs(16384 // seq, seq, seq, h, d) for seq in seqs}
     for causal in (False, True):
         for cfg in variants or SWEEP3:
             fwd.CONFIG_OVERRIDE = cfg
@@ -185,8 +155,8 @@ def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3"):
                 for _ in range(repeats):
                     for seq in seqs:
                         q, k, v = inputs[seq]
-                        ms = _bench_ms(_ours(q, k, v, causal))
-                        tfs.append(_flops(16384 // seq, h, seq, seq, d, causal) / ms * 1e-9)
+                        ms = median_ms(_ours(q, k, v, causal))
+                        tfs.append(attn_flops(16384 // seq, h, seq, seq, d, causal) / ms * 1e-9)
             except Exception as e:  # noqa: BLE001 - a config may not compile; record why
                 name += f" FAILED {type(e).__name__}: {str(e)[:120]}"
                 tfs = [float("nan")]
@@ -211,15 +181,15 @@ def sweep(out_dir, seq=8192, ws=False, table=None, tag="sweep"):
     best = {}
     for d in dims:
         h, b = 2048 // d, 16384 // seq
-        q, k, v = _inputs(b, seq, seq, h, d)
+        q, k, v = bf16_inputs(b, seq, seq, h, d)
         variants = table[d] if not ws else [dict(SWEEP[128][0], WARP_SPECIALIZE=True)]
         for causal in (False, True):
             for cfg in variants:
                 fwd.CONFIG_OVERRIDE = cfg
                 name = ",".join(f"{key}={val}" for key, val in cfg.items())
                 try:
-                    ms = _bench_ms(_ours(q, k, v, causal))
-                    tf = _flops(b, h, seq, seq, d, causal) / ms * 1e-9
+                    ms = median_ms(_ours(q, k, v, causal))
+                    tf = attn_flops(b, h, seq, seq, d, causal) / ms * 1e-9
                 except Exception as e:  # noqa: BLE001 - a config may not fit; record why
                     ms, tf = float("nan"), float("nan")
                     name += f" FAILED {type(e).__name__}: {str(e)[:120]}"
@@ -248,17 +218,17 @@ def full(out_dir, dims=(64, 128, 256), flex_budget_s=240.0, merge=None):
         h = 2048 // d
         for seq in SEQS:
             b = 16384 // seq
-            q, k, v = _inputs(b, seq, seq, h, d, seed=seq + d)
+            q, k, v = bf16_inputs(b, seq, seq, h, d, seed=seq + d)
             qh, kh, vh = _peers_inputs(q, k, v)
             for causal in (False, True):
                 err = _check_close(q, k, v, causal, qh, kh, vh)
-                fl = _flops(b, h, seq, seq, d, causal)
+                fl = attn_flops(b, h, seq, seq, d, causal)
                 r = dict(d=d, seq=seq, b=b, h=h, causal=causal, max_err_vs_fa2=err)
-                r["flashlse"] = fl / _bench_ms(_ours(q, k, v, causal)) * 1e-9
+                r["flashlse"] = fl / median_ms(_ours(q, k, v, causal)) * 1e-9
                 for name, backend in (("fa2", SDPBackend.FLASH_ATTENTION),
                                       ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                     try:
-                        r[name] = fl / _bench_ms(_sdpa(backend, qh, kh, vh, causal)) * 1e-9
+                        r[name] = fl / median_ms(_sdpa(backend, qh, kh, vh, causal)) * 1e-9
                     except Exception as e:  # noqa: BLE001 - a backend may refuse a shape
                         print(f"{name} D={d} S={seq}: {type(e).__name__}: {str(e)[:100]}")
                         r[name] = float("nan")
@@ -266,7 +236,7 @@ def full(out_dir, dims=(64, 128, 256), flex_budget_s=240.0, merge=None):
                 if flex_spent < flex_budget_s:
                     t0 = time.time()
                     try:
-                        r["flex"] = fl / _bench_ms(_flex(qh, kh, vh, causal)) * 1e-9
+                        r["flex"] = fl / median_ms(_flex(qh, kh, vh, causal)) * 1e-9
                     except Exception as e:  # noqa: BLE001
                         print(f"flex D={d} S={seq}: {type(e).__name__}: {str(e)[:100]}")
                     flex_spent += time.time() - t0
@@ -276,11 +246,11 @@ def full(out_dir, dims=(64, 128, 256), flex_budget_s=240.0, merge=None):
     # Empty rows cost nothing: causal Sq = 16k, Sk = 8k against the same useful work
     # (causal 8k x 8k); the first 8k rows see no key.
     h, d = 16, 128
-    q, k, v = _inputs(1, 16384, 8192, h, d, seed=1)
-    t_empty = _bench_ms(_ours(q, k, v, True))
+    q, k, v = bf16_inputs(1, 16384, 8192, h, d, seed=1)
+    t_empty = median_ms(_ours(q, k, v, True))
     q2 = q[:, 8192:].contiguous()
-    t_same = _bench_ms(_ours(q2, k, v, True))
-    useful = _flops(1, h, 8192, 8192, d, True)
+    t_same = median_ms(_ours(q2, k, v, True))
+    useful = attn_flops(1, h, 8192, 8192, d, True)
     extra = dict(empty_rows_ms=t_empty, same_work_ms=t_same, ratio=t_empty / t_same,
                  empty_rows_tflops=useful / t_empty * 1e-9,
                  same_work_tflops=useful / t_same * 1e-9)
@@ -366,13 +336,13 @@ def peers_at(seq=8192, d=128):
     from torch.nn.attention import SDPBackend
 
     h, b = 2048 // d, 16384 // seq
-    q, k, v = _inputs(b, seq, seq, h, d)
+    q, k, v = bf16_inputs(b, seq, seq, h, d)
     qh, kh, vh = _peers_inputs(q, k, v)
     for causal in (False, True):
-        fl = _flops(b, h, seq, seq, d, causal)
+        fl = attn_flops(b, h, seq, seq, d, causal)
         err = _check_close(q, k, v, causal, qh, kh, vh)
-        fa2 = fl / _bench_ms(_sdpa(SDPBackend.FLASH_ATTENTION, qh, kh, vh, causal)) * 1e-9
-        cud = fl / _bench_ms(_sdpa(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, causal)) * 1e-9
+        fa2 = fl / median_ms(_sdpa(SDPBackend.FLASH_ATTENTION, qh, kh, vh, causal)) * 1e-9
+        cud = fl / median_ms(_sdpa(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, causal)) * 1e-9
         print(f"peers D={d} S={seq} causal={causal:d}: FA-2 {fa2:.1f} cuDNN {cud:.1f} "
               f"(flashlse max err vs FA-2 {err:.2e})", flush=True)
 

@@ -11,6 +11,7 @@ About 30% of the lse entries are -inf (empty states), as after a split-KV decode
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -18,27 +19,19 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from _common import median_ms  # noqa: E402
 
 from flashlse.kernels.combine import merge_states_fwd  # noqa: E402
 
 # --smoke: 1 MB on the CPU under TRITON_INTERPRET=1, to check the script itself.
 SMOKE = "--smoke" in sys.argv
+# Median milliseconds (one host-timed call under --smoke).
+bench = functools.partial(median_ms, smoke=SMOKE, rep=150)
 DEV = "cpu" if SMOKE else "cuda"
 TOTAL = 2**20 if SMOKE else 256 * 1024**2
-
-
-def bench(fn) -> float:
-    """Median milliseconds."""
-    if SMOKE:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
 def torch_merge(outs, lses):

@@ -1,0 +1,58 @@
+"""What the benchmark scripts share: timing, FLOP counts, inputs, compiled FlexAttention."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def median_ms(fn, smoke: bool = False, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` by CUDA events (``do_bench``), after one warm-up call;
+    ``smoke`` (CPU, interpreter) times one call by the host clock, to check a script runs."""
+    if smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def attn_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
+    """Forward FLOPs of attention, ``4 B H Sq Sk D``, halved for causal."""
+    f = 4 * b * h * sq * sk * d
+    return f / 2 if causal else f
+
+
+def bf16_inputs(b, sq, sk, h, d, seed=0):
+    """Fresh random q, k, v ``(B, S, H, D)`` bf16 on the GPU (never zeros)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda s: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return mk(sq), mk(sk), mk(sk)
+
+
+_FLEX = {}
+
+
+def flex_attention_compiled():
+    """FlexAttention compiled once, with the recompile limits raised so that a new shape
+    recompiles instead of silently falling back to eager."""
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.recompile_limit = 10_000
+        torch._dynamo.config.cache_size_limit = 10_000
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def causal_block_mask(sq: int, sk: int):
+    """FlexAttention block mask of bottom-right causal attention (flashlse's alignment)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    shift = sk - sq
+    return create_block_mask(lambda b, h, qi, ki: qi + shift >= ki, None, None, sq, sk,
+                             device="cuda")
