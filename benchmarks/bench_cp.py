@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 from flashlse import distributed as fld  # noqa: E402
-from flashlse.ops.attention import attn_bwd_torch, attn_fwd_torch  # noqa: E402
+from flashlse.ops.attention import attn_bwd, attn_bwd_torch, attn_fwd, attn_fwd_torch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -178,19 +178,21 @@ def compute_and_comm_alone(s, layout, args, device, rank, world, bwd):
     n = lengths[rank]
     q, k, v, dout = inputs(n, args, device, seed=rank)
     scale = 1 / math.sqrt(args.head_dim)
-    out, lse = fld._attn_fwd(q, k, v, left, right, 0.0, scale)
+    kw = dict(softcap=0.0, scale=scale, sink=None)
+    out, lse = attn_fwd(q, k, v, left=left, right=right, **kw)
+    zero_dlse = torch.zeros_like(lse)
 
     def compute():
         # Own k/v stand in for the visiting block: an even split has equal block sizes.
         for plan in plans:
             for q0, q1, k0, k1, lw, rw in plan:
+                # The same calls the ring makes (the Triton kernels on a GPU).
                 if bwd:
-                    attn_bwd_torch(dout[:, q0:q1].float(), torch.zeros_like(lse[:, :, q0:q1]),
-                                   q[:, q0:q1].float(), k[:, k0:k1].float(),
-                                   v[:, k0:k1].float(), out[:, q0:q1].float(), lse[:, :, q0:q1],
-                                   left=lw, right=rw, softcap=0.0, scale=scale, sink=None)
+                    attn_bwd(dout[:, q0:q1], zero_dlse[:, :, q0:q1], q[:, q0:q1],
+                               k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1],
+                               left=lw, right=rw, **kw)
                 else:
-                    fld._attn_fwd(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], lw, rw, 0.0, scale)
+                    attn_fwd(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], left=lw, right=rw, **kw)
 
     kv = torch.cat([k.reshape(-1), v.reshape(-1)])
     dkv = torch.zeros(kv.numel(), dtype=torch.float32, device=device)

@@ -327,3 +327,22 @@ def test_needs_initialised_group():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match="init_process_group"):
         fld.ring_attention(q, q, q)
+
+
+def test_bench_cp_runs_on_gloo(tmp_path):
+    # The NCCL benchmark's own CPU mode, so that the script cannot rot between GPU sessions:
+    # its correctness check and the empty-shard + sink run must pass.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", os.path.join(root, "benchmarks", "bench_cp.py"),
+           "--device", "cpu", "--seqlens", "256", "--heads", "2", "--head-dim", "16",
+           "--warmup", "0", "--iters", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert res.stdout.count("check pass") == 2, res.stdout
+    assert "no NaN" in res.stdout, res.stdout
