@@ -14,9 +14,7 @@ random dlse, a sink, a window and softcap), then the timings; the table is print
     python benchmarks/bench_bwd.py --sweep          # tile configs at D = 128, S = 8k
     python benchmarks/bench_bwd.py --results        # also append dated rows to RESULTS.md
 
-Columns: ``flashlse`` is the deterministic schedule (separate dQ pass, the default);
-``atomic`` adds dQ with float32 atomics inside the dK/dV kernel (``CONFIG_OVERRIDE
-{"ATOMIC_DQ": True}``). Logs go to $OUT (or --out) as bench_bwd.log and bench_bwd.json.
+Logs go to $OUT (or --out) as bench_bwd.log and bench_bwd.json.
 """
 
 from __future__ import annotations
@@ -52,22 +50,15 @@ def _flops(b, h, sq, sk, d, causal):
     return 2.5 * attn_flops(b, h, sq, sk, d, causal)
 
 
-def _ours(q, k, v, causal, atomic=False):
+def _ours(q, k, v, causal):
+    """The backward call to time (under the CONFIG_OVERRIDE in force when it runs)."""
     kw = dict(left=None, right=0 if causal else None, softcap=0.0,
               scale=1.0 / math.sqrt(q.shape[-1]), sink=None)
     out, lse = attn_fwd(q, k, v, **kw)
     dout = torch.randn_like(out)
     dlse = torch.zeros_like(lse)
 
-    def run():
-        prev = bwd.CONFIG_OVERRIDE
-        bwd.CONFIG_OVERRIDE = dict(prev or {}, ATOMIC_DQ=atomic)
-        try:
-            return bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
-        finally:
-            bwd.CONFIG_OVERRIDE = prev
-
-    return run
+    return lambda: bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
 
 
 def _grad_fn(out, inputs):
@@ -107,8 +98,7 @@ def _grads(fn, inputs, dout, dlse):
     return torch.autograd.grad(loss, need)
 
 
-def check(d, causal=False, window=(None, None), softcap=0.0, sink=False, sq=1000, sk=1100,
-          atomic=False):
+def check(d, causal=False, window=(None, None), softcap=0.0, sink=False, sq=1000, sk=1100):
     """flashlse's grads vs float64 autograd: err <= 2 * err(bf16 torch) + 1.6e-2 * scale."""
     from flashlse.masks import normalize_window
 
@@ -124,11 +114,7 @@ def check(d, causal=False, window=(None, None), softcap=0.0, sink=False, sq=1000
     out, lse = attn_fwd(q, k, v, **kw)
     dout = mk(*out.shape).bfloat16()
     dlse = mk(*lse.shape).masked_fill(~torch.isfinite(lse), 0.0)
-    bwd.CONFIG_OVERRIDE = {"ATOMIC_DQ": atomic}
-    try:
-        ours = bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
-    finally:
-        bwd.CONFIG_OVERRIDE = None
+    ours = bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
     leaf = lambda t, dt: None if t is None else t.detach().to(dt).requires_grad_(True)
     ref = _grads(lambda q_, k_, v_, s_: reference.attention(
         q_, k_, v_, causal=causal, window=window, softcap=softcap, scale=scale, sink=s_,
@@ -153,9 +139,8 @@ def checks(dims):
     t0 = time.time()
     for d in dims:
         for causal in (False, True):
-            for atomic in (False, True):
-                err = check(d, causal=causal, atomic=atomic)
-                _log(f"check D={d} causal={causal:d} atomic={atomic:d}: max rel err {err:.2e}")
+            err = check(d, causal=causal)
+            _log(f"check D={d} causal={causal:d}: max rel err {err:.2e}")
     err = check(128, window=(300, 0), softcap=30.0, sink=True, sq=1300, sk=900)
     _log(f"check D=128 window+softcap+sink+empty rows: max rel err {err:.2e}")
     err = check(192 if 192 in dims or 128 in dims else dims[0], causal=True, sink=True)
@@ -185,7 +170,6 @@ def _row(d, seq, causal, flex_on):
     r = dict(d=d, seq=seq, b=b, h=h, causal=causal)
     makers = dict(
         flashlse=lambda: _ours(q, k, v, causal),
-        atomic=lambda: _ours(q, k, v, causal, atomic=True),
         fa2=lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qh, kh, vh, causal),
         cudnn=lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, causal),
         flex=lambda: _flex(qh, kh, vh, causal),
@@ -217,68 +201,82 @@ def run_table(dims, flex_budget_s):
     return rows
 
 
-def _best(r):
-    return max(r["flashlse"], r["atomic"] if r["atomic"] == r["atomic"] else 0.0)
-
-
 def _fmt(r):
-    best = _best(r)
-    return (f"D={r['d']:3d} S={r['seq']:5d} causal={r['causal']:d} flashlse {r['flashlse']:6.1f} "
-            f"atomic {r['atomic']:6.1f} FA2 {r['fa2']:6.1f} cuDNN {r['cudnn']:6.1f} "
-            f"Flex {r['flex']:6.1f} best x{best / r['fa2']:.2f} FA-2 x{best / r['cudnn']:.2f} "
-            f"cuDNN x{best / r['flex']:.2f} Flex")
+    f = r["flashlse"]
+    return (f"D={r['d']:3d} S={r['seq']:5d} causal={r['causal']:d} flashlse {f:6.1f} "
+            f"FA2 {r['fa2']:6.1f} cuDNN {r['cudnn']:6.1f} Flex {r['flex']:6.1f} "
+            f"x{f / r['fa2']:.2f} FA-2 x{f / r['cudnn']:.2f} cuDNN x{f / r['flex']:.2f} Flex")
 
 
 def _table(rows):
-    lines = ["| D | S | causal | flashlse | atomic | FA-2 | cuDNN | Flex | /FA-2 | /cuDNN "
-             "| /Flex |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| D | S | causal | flashlse | FA-2 | cuDNN | Flex | /FA-2 | /cuDNN | /Flex |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        best = _best(r)
+        f = r["flashlse"]
         lines.append(
-            f"| {r['d']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | {r['flashlse']:.0f} "
-            f"| {r['atomic']:.0f} | {r['fa2']:.0f} | {r['cudnn']:.0f} | {r['flex']:.0f} "
-            f"| {best / r['fa2']:.2f} | {best / r['cudnn']:.2f} | {best / r['flex']:.2f} |")
-    lines.append("(TFLOP/s, backward = 2.5x forward FLOPs; ratios use the better flashlse column)")
+            f"| {r['d']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | {f:.0f} "
+            f"| {r['fa2']:.0f} | {r['cudnn']:.0f} | {r['flex']:.0f} "
+            f"| {f / r['fa2']:.2f} | {f / r['cudnn']:.2f} | {f / r['flex']:.2f} |")
+    lines.append("(TFLOP/s, backward = 2.5x forward FLOPs)")
     return "\n".join(lines)
 
 
 def _append_results(meta, rows):
     # One section per run, as the other bench scripts write theirs.
     text = (f"\n### bench_bwd.py {meta['date']}\n\n"
-            "| date | device | torch | triton | op | shape | flashlse TFLOP/s (atomic dQ) | "
-            "peers TFLOP/s | ratio (better flashlse) |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| date | device | torch | triton | op | shape | flashlse TFLOP/s | "
+            "peers TFLOP/s | ratio |\n|---|---|---|---|---|---|---|---|---|\n")
     for r in rows:
-        best = _best(r)
+        f = r["flashlse"]
         text += (
             f"| {meta['date']} | {meta['device']} | {meta['torch']} | {meta['triton']} "
             f"| bwd bf16 | D={r['d']} S={r['seq']} B={r['b']} H={r['h']} "
-            f"{'causal' if r['causal'] else 'full'} | {r['flashlse']:.0f} ({r['atomic']:.0f}) "
+            f"{'causal' if r['causal'] else 'full'} | {f:.0f} "
             f"| FA-2 {r['fa2']:.0f}, cuDNN {r['cudnn']:.0f}, Flex {r['flex']:.0f} "
-            f"| x{best / r['fa2']:.2f} FA-2, x{best / r['cudnn']:.2f} cuDNN, "
-            f"x{best / r['flex']:.2f} Flex |\n")
+            f"| x{f / r['fa2']:.2f} FA-2, x{f / r['cudnn']:.2f} cuDNN, "
+            f"x{f / r['flex']:.2f} Flex |\n")
     with RESULTS.open("a") as f:
         f.write(text)
 
 
-SWEEP_DKDV = [(64, 64, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3)]
-SWEEP_DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 8, 3)]
+# Each entry overrides bwd.CONFIG_OVERRIDE for one timed run (the rest at the table defaults).
+SWEEP = [
+    {},
+    {"EARLY_DP": False},
+    {"dkdv": (64, 128, 8, 3), "EARLY_DP": False},
+    {"dkdv": (64, 64, 8, 3)},
+    {"dq": (128, 64, 8, 2)},
+    {"dq": (128, 128, 8, 2)},
+]
 
 
 def sweep(seq=8192, d=128):
-    """Each kernel's configs alone at one shape (the other kernel at its table default)."""
+    """Tile and schedule variants at one shape, and the time of each kernel at the defaults."""
     h, b = 2048 // d, 16384 // seq
     q, k, v = bf16_inputs(b, seq, seq, h, d)
     for causal in (False, True):
         fl = _flops(b, h, seq, seq, d, causal)
-        for key, cands in (("dkdv", SWEEP_DKDV), ("dq", SWEEP_DQ)):
-            for cfg in cands:
-                for atomic in (False,):
-                    bwd.CONFIG_OVERRIDE = {key: cfg}
-                    ms = _safe(f"{key} {cfg}",
-                               lambda a=atomic, c=causal: _ours(q, k, v, c, atomic=a))
-                    _log(f"sweep D={d} S={seq} causal={causal:d} {key}={cfg} atomic={atomic:d}: "
-                         f"{fl / ms * 1e-9:6.1f} TFLOP/s")
+        for cfg in SWEEP:
+            bwd.CONFIG_OVERRIDE = cfg
+            ms = _safe(f"{cfg}", lambda c=causal: _ours(q, k, v, c))
+            _log(f"sweep D={d} S={seq} causal={causal:d} {cfg}: {fl / ms * 1e-9:6.1f} TFLOP/s")
         bwd.CONFIG_OVERRIDE = None
+        _kernel_times(_ours(q, k, v, causal), f"D={d} S={seq} causal={causal:d}")
+
+
+def _kernel_times(fn, label):
+    """Device time per kernel of one call (torch profiler), to see which pass dominates."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            _log(f"kernels {label}: {e.key[:60]:60s} {e.device_time_total / 5e3:8.3f} ms")
 
 
 def _run(a, dims):

@@ -75,13 +75,13 @@ def cases():
                      lse_log2=F32, delta=F32, cu_seqlens_q=I32, cu_seqlens_k=I32,
                      seqused_k=I32)
     for label, f in (("causal", flags), ("every flag", every)):
-        consts = dict(f, HKV=8, GROUP=2, D=128, DV=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128,
-                      BLOCK_DV=128, ATOMIC_DQ=False, USE_TMA=True)
+        consts = dict(f, HKV=8, GROUP=2, D=128, DV=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
+                      BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dkdv", f"bwd dK/dV D=128 {label}", bwd._attn_bwd_dkdv_kernel, bwd_types, \
-            consts, 8, 3
+            consts, 8, 2
         consts = dict(f, HQ=16, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
-                      BLOCK_DV=128, USE_TMA=True)
-        yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 2
+                      BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
+        yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3
     dec_types = dict(q=BF16, k=BF16, v=BF16, cache_seqlens=I32, block_table=I32, sink=F32,
                      o=F32, lse=F32, scale_log2="fp32", softcap_a2="fp32", softcap_c2="fp32")
     for paged in (False, True):

@@ -161,7 +161,7 @@ def test_attn_bwd_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, kw):
 
 @pytest.mark.parametrize("mode", [
     pytest.param({"USE_TMA": False}, id="pointers"),
-    pytest.param({"ATOMIC_DQ": True}, id="atomic_dq"),
+    pytest.param({"EARLY_DP": False}, id="late_dp"),
 ])
 def test_attn_bwd_paths(device, monkeypatch, mode):
     dtype = torch.float16 if HAS_CUDA else torch.float32
@@ -257,7 +257,6 @@ def test_attn_bwd_gpu_head_dims(device, dtype, d, dv, kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("atomic", [False, True], ids=["dq_pass", "atomic_dq"])
 @pytest.mark.parametrize("case", [
     pytest.param(dict(sq=1000, sk=400, causal=True), id="causal_sq_gt_sk"),
     pytest.param(dict(sq=500, sk=0, sink=True), id="sk0_sink"),
@@ -266,8 +265,7 @@ def test_attn_bwd_gpu_head_dims(device, dtype, d, dv, kw):
     pytest.param(dict(sq=255, sk=203, window=(31, 0)), id="odd_window"),
     pytest.param(dict(sq=513, sk=513, softcap=30.0), id="softcap"),
 ])
-def test_attn_bwd_gpu_edges(device, monkeypatch, atomic, case):
-    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", {"ATOMIC_DQ": atomic})
+def test_attn_bwd_gpu_edges(device, case):
     case = dict(case)
     sq, sk = case.pop("sq"), case.pop("sk")
     _run_dense(device, torch.bfloat16, 2, sq, sk, 8, 2, 128, 128, **case)
@@ -281,9 +279,7 @@ def test_attn_bwd_gpu_varlen(device, causal):
 
 
 @pytest.mark.gpu
-def test_attn_bwd_gpu_deterministic(device, monkeypatch):
-    # ATOMIC_DQ is requested and must be ignored: deterministic=True never uses atomics.
-    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", {"ATOMIC_DQ": True})
+def test_attn_bwd_gpu_deterministic(device):
     gen = torch.Generator().manual_seed(7)
     b, sq, sk, hq, hkv, d = 2, 1000, 1000, 8, 2, 128
     q, k, v = (torch.randn(b, s, h, d, generator=gen).to(torch.bfloat16).to(device)

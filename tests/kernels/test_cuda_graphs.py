@@ -36,7 +36,9 @@ def test_attention_forward_backward_graph_replay():
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
         return out, lse, dq, dk, dv
 
-    eager = step()
+    # Detached, so that no autograd graph (and none of its AccumulateGrad nodes, made on the
+    # default stream) outlives the call: the capture would otherwise wait on that stream.
+    eager = [t.detach() for t in step()]
     graph, static = _capture(step)
     with torch.no_grad():
         for t in (q, k, v):
