@@ -4,8 +4,10 @@ FlexAttention, all in one process, with the device-copy bandwidth as the ceiling
 Effective bandwidth = bytes of K and V the problem must read / time (for MLA the latent
 cache, read once: ``B * Skv * 576 * 2`` bytes). Times are ``triton.testing.do_bench``
 medians of the kernel launcher (``kernels.decode.decode_fwd``; validation in ops/ is
-host-side work outside the measured stream time). Copy bandwidth counts bytes read plus
-bytes written of a 2 GiB device-to-device copy.
+host-side work outside the measured stream time); ``graph`` replays the same call from a
+CUDA graph (device time alone: where it beats the eager time, the host's Python and
+launches are what the GPU waits for), and ``host_us`` is the launcher's host time a call.
+Copy bandwidth counts bytes read plus bytes written of a 2 GiB device-to-device copy.
 
     python benchmarks/bench_decode.py [--out DIR] [--sweep]
 
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import median_ms  # noqa: E402
 
-from flashlse.kernels import decode  # noqa: E402
+from flashlse.kernels import combine, decode  # noqa: E402
 
 GQA_SHAPES = [(1, 131072), (8, 32768), (64, 8192), (128, 2048)]
 HQ, HKV, D = 32, 8, 128
@@ -55,6 +57,36 @@ def copy_bandwidth() -> float:
     y = torch.empty_like(x)
     ms = bench(lambda: y.copy_(x))
     return 2 * 2 * n / ms / 1e6
+
+
+def graph_ms(fn):
+    """Median milliseconds of ``fn`` replayed from a CUDA graph (no host launch cost)."""
+    if SMOKE:
+        return None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay)
+
+
+def host_us(fn, n=50):
+    """Host microseconds a call: launches are asynchronous, so the loop measures Python and
+    launch cost while the GPU queue absorbs the work."""
+    if SMOKE:
+        return None
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return dt
 
 
 def paged_copy(k, page_size, table=None):
@@ -142,6 +174,8 @@ def main():
         out, _ = decode.decode_fwd(q, k, v, cache_seqlens=lens, block_table=None, left=None,
                                    right=None, softcap=0.0, scale=scale, sink=None, num_splits=0)
         row["ours_ms"] = bench(run_decode(q, k, v, lens, None, scale))
+        row["graph_ms"] = graph_ms(run_decode(q, k, v, lens, None, scale))
+        row["host_us"] = host_us(run_decode(q, k, v, lens, None, scale))
         for ps in (16, 256):
             kp, table = paged_copy(k, ps)
             vp, _ = paged_copy(v, ps, table)
@@ -164,7 +198,7 @@ def main():
                 ms = bench(run_decode(q, k, v, lens, None, scale, num_splits=ns))
                 sweeps.append(dict(shape=row["shape"], cfg=dict(num_splits=ns), ms=ms,
                                    gbs=nbytes / ms / 1e6))
-            cfg0 = decode._pick_config(D, 0, D, HQ // HKV)
+            cfg0 = decode._pick_config(D, 0, D, HQ // HKV, SMOKE)
             n_split = decode._num_splits(
                 b * HKV, triton.cdiv(skv, cfg0["BLOCK_N"]),
                 (2 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count)
@@ -175,7 +209,7 @@ def main():
             lse_m = torch.empty(b, HQ, 1, device=DEV)
             row["default_splits"] = n_split
             row["combine_only_us"] = 1e3 * bench(lambda o_part=o_part, l_part=l_part, out_m=out_m,
-                                                 lse_m=lse_m: decode.merge_states_fwd(
+                                                 lse_m=lse_m: combine.merge_states_fwd(
                 o_part, l_part, out=out_m, lse_out=lse_m.permute(0, 2, 1)))
         if args.sweep:
             for cfg in sweep_configs(2 * D):
@@ -250,7 +284,8 @@ def finish(args, info, copy_gbs, rows, sweeps, dev):
         md.append(
             f"| {info['date']} | decode | {r['shape']} | {dev} | torch {info['torch']}, triton "
             f"{info['triton']} | ours {fmt(ours)} GB/s ({ratio(ours, copy_gbs)}x copy "
-            f"{copy_gbs:.0f}); paged16 {fmt(r.get('paged16_gbs'))}, paged64 "
+            f"{copy_gbs:.0f}), graph-replayed {fmt(r.get('graph_gbs'))}; paged16 "
+            f"{fmt(r.get('paged16_gbs'))}, paged64 "
             f"{fmt(r.get('paged64_gbs'))}, paged256 {fmt(r.get('paged256_gbs'))}; sdpa flash "
             f"{fmt(r.get('sdpa_flash_gbs'))}, cuDNN {fmt(r.get('sdpa_cudnn_gbs'))} "
             f"({ratio(ours, r.get('sdpa_cudnn_gbs'))}x), flex {fmt(r.get('flex_gbs'))} |")
@@ -265,11 +300,13 @@ def finish(args, info, copy_gbs, rows, sweeps, dev):
     for s in sweeps:
         print(f"sweep {s['shape']:<32} {s['cfg']} {fmt(s['gbs'])} GB/s")
     print(f"\n{dev}  torch {info['torch']}  triton {info['triton']}  copy {copy_gbs:.0f} GB/s")
-    hdr = ["shape", "ours", "xcopy", "p16", "p256", "p64", "flash", "cudnn", "xcudnn", "flex"]
+    hdr = ["shape", "ours", "xcopy", "graph", "p16", "p256", "p64", "flash", "cudnn", "xcudnn",
+           "flex"]
     print(" | ".join(f"{h:>9}" for h in hdr))
     for r in rows:
         vals = [r["shape"][:30], fmt(r["ours_gbs"]), ratio(r["ours_gbs"], copy_gbs),
-                fmt(r.get("paged16_gbs")), fmt(r.get("paged256_gbs")), fmt(r.get("paged64_gbs")),
+                fmt(r.get("graph_gbs")), fmt(r.get("paged16_gbs")), fmt(r.get("paged256_gbs")),
+                fmt(r.get("paged64_gbs")),
                 fmt(r.get("sdpa_flash_gbs")), fmt(r.get("sdpa_cudnn_gbs")),
                 ratio(r["ours_gbs"], r.get("sdpa_cudnn_gbs")), fmt(r.get("flex_gbs"))]
         print(" | ".join(f"{x:>9}" for x in vals))

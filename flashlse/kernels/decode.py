@@ -16,7 +16,7 @@ ranges of whole tiles; each program computes the partial state of its range,
     L_s = log sum_{j in range s} e^{s_j}        O_s = sum_{j in range s} e^{s_j - L_s} v_j
 
 in base 2 internally (``2^t`` with ``t = s * log2 e`` is one ``ex2``; ``L = ln 2 * L_log2``),
-and ``combine.merge_states_fwd`` merges the partial states,
+and the merge kernel of ``combine.py`` (launched by ``merge_launch``) merges the partial states,
 ``L = log sum_s e^{L_s}``, ``O = sum_s e^{L_s - L} O_s``, which is exact because the
 ranges partition the keys. A split with no visible key writes ``L_s = -inf`` (and
 ``O_s = 0``), the merge's identity; it may be a split past the last tile (more splits
@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from ._common import interpreting
-from .combine import _cdiv, _next_pow2, _num_sms, merge_states_fwd
+from .combine import _cdiv, _next_pow2, _num_sms, merge_launch
 
 LOG2E = math.log2(math.e)
 
@@ -271,15 +271,16 @@ def _decode_fwd_kernel(
     tl.store(lse + o_l, b_lse, mask=m_m)
 
 
-def _pick_config(d1: int, d2: int, dv: int, rows: int) -> dict:
+@functools.lru_cache(maxsize=256)
+def _pick_config(d1: int, d2: int, dv: int, rows: int, interpret: bool) -> dict:
     """Tile sizes; they depend on head dims and rows only (never on paging), so that paged
     and contiguous caches run the same arithmetic. Pipeline depths (which change no
     arithmetic) differ: the page-table load takes stages of its own, and
     ``num_stages_paged`` keeps as many K/V tiles in flight as the contiguous depth does.
     ``PROGRAMS_PER_SM`` is what ``num_splits=0`` aims for. Measured on an H200
-    (benchmarks/RESULTS.md, 2026-11-29)."""
+    (benchmarks/RESULTS.md, 2026-11-29). Cached: callers must not modify the dict."""
     block_m = max(16, min(64, _next_pow2(rows)))
-    if interpreting():
+    if interpret:
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1, num_stages_paged=1,
                     PROGRAMS_PER_SM=1)
     if d1 + d2 > 256:
@@ -292,10 +293,11 @@ def _pick_config(d1: int, d2: int, dv: int, rows: int) -> dict:
         return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=4, num_stages_paged=7,
                     PROGRAMS_PER_SM=4)
     # Three [64, D] K and V tiles in flight (104 KB for D = 128), two programs resident
-    # per SM. The split count aims at four programs of work per SM: B=8, Skv=32k reached
-    # 0.95x copy bandwidth with 8 splits (512 programs) on the H200.
+    # per SM, and the split count fills exactly those: one full wave. On the H200 (graph
+    # replay) B=1 Skv=128k ran 3714 GB/s with 33 splits (264 programs) and 3397 with 57;
+    # B=8 Skv=32k 4173 with 4 splits and 4168 with 8.
     return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=4, num_stages_paged=7,
-                PROGRAMS_PER_SM=4)
+                PROGRAMS_PER_SM=2)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -303,7 +305,9 @@ def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
     """Split count that fills ``slots`` concurrent programs with little wave quantization.
 
     Efficiency of S splits is ``P S / (ceil(P S / slots) slots)``; take the smallest S
-    within 85% of the best (as flash-attn's heuristic), at most one split per tile.
+    within 95% of the best, at most one split per tile. (flash-attn takes 85%; on the H200
+    at B=1, Skv=128k, 24 / 33 / 48 / 57 splits of 8 programs ran at 3358 / 3714 / 3140 /
+    3397 GB/s: a wave that is 73% full costs more than the few extra splits.)
     Cached: this host loop must cost less than the decode step it sizes.
     """
     if programs >= 0.8 * slots or n_tiles <= 1:
@@ -315,7 +319,7 @@ def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
         effs.append(programs * s / (waves * slots))
     best = max(effs)
     for s, eff in enumerate(effs, start=1):
-        if eff >= 0.85 * best:
+        if eff >= 0.95 * best:
             return s
     return 1
 
@@ -345,6 +349,9 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         ``out (B, Sq, Hq, Dv)`` in ``q.dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
         empty rows give ``out = 0``, ``lse = -inf`` (or the sink).
     """
+    # Host time matters here: at B = 1 the kernel reads 0.5 GB in ~130 us, about what two
+    # launches plus Python took before (on the host alone); hence plain ints, cached configs,
+    # one stride call a tensor and the merge launched without its layout analysis.
     batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
@@ -354,18 +361,16 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         return out, lse
     if q.stride(-1) != 1:
         q = q.contiguous()
+    st_q, st_k, st_v = q.stride(), k_cache.stride(), v_cache.stride()
     paged = block_table is not None
-    shared_kv = (
-        dv <= d
-        and v_cache.data_ptr() == k_cache.data_ptr()
-        and v_cache.stride() == k_cache.stride()
-    )
+    shared_kv = dv <= d and st_v == st_k and v_cache.data_ptr() == k_cache.data_ptr()
     d1 = dv if shared_kv else d
     d2 = d - d1
     rows = sq * group
-    cfg = _pick_config(d1, d2, dv, rows)
+    interpret = interpreting()
+    cfg = _pick_config(d1, d2, dv, rows, interpret)
     if config:
-        cfg.update(config)
+        cfg = {**cfg, **config}
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     m_tiles = _cdiv(rows, block_m)
     page_size = k_cache.shape[1]
@@ -387,9 +392,8 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set.
         o_buf = _empty((splits, batch, sq, hq, dv), dtype=torch.float32, device=q.device)
         lse_buf = _empty((splits, batch, sq, hq), dtype=torch.float32, device=q.device)
-        st_o = o_buf.stride()[:4]
-        st_l = lse_buf.stride()
-    num_stages = cfg["num_stages_paged"] if paged else cfg["num_stages"]
+        st_o = (batch * sq * hq * dv, sq * hq * dv, hq * dv, dv)
+        st_l = (batch * sq * hq, sq * hq, hq, 1)
     softcap = float(softcap or 0.0)
     scale = float(scale)
     grid = (programs, splits)
@@ -402,9 +406,9 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         sink=sink if sink is not None else lse_buf,
         o=o_buf,
         lse=lse_buf,
-        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k_cache.stride(0), stride_kn=k_cache.stride(1), stride_kh=k_cache.stride(2),
-        stride_vb=v_cache.stride(0), stride_vn=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        stride_qb=st_q[0], stride_qs=st_q[1], stride_qh=st_q[2],
+        stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],
+        stride_vb=st_v[0], stride_vn=st_v[1], stride_vh=st_v[2],
         stride_tb=block_table.stride(0) if paged else 0,
         stride_os=st_o[0], stride_ob=st_o[1], stride_oq=st_o[2], stride_oh=st_o[3],
         stride_ls=st_l[0], stride_lb=st_l[1], stride_lq=st_l[2], stride_lh=st_l[3],
@@ -433,10 +437,14 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         HAS_RIGHT=right is not None,
         HAS_SOFTCAP=softcap > 0,
         HAS_SINK=sink is not None and splits == 1,
-        INTERPRET=interpreting(),
+        INTERPRET=interpret,
         num_warps=cfg["num_warps"],
-        num_stages=num_stages,
+        num_stages=cfg["num_stages_paged"] if paged else cfg["num_stages"],
     )
     if splits > 1:
-        merge_states_fwd(o_buf, lse_buf, sink=sink, out=out, lse_out=lse.permute(0, 2, 1))
+        # Rows (b, i, h) of the partials, of out (B, Sq, Hq, Dv) and of lse (B, Hq, Sq): the
+        # layout is known, so the merge launches without merge_states_fwd's layout analysis.
+        merge_launch(o_buf, lse_buf, sink, out, lse, r=batch * sq * hq, r1=sq, r2=hq,
+                     st_o=st_o[1:], st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:],
+                     st_z=(hq * sq, 1, sq))
     return out, lse

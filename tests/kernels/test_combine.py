@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashlse import reference
-from flashlse.kernels.combine import merge_states_fwd
+from flashlse.kernels.combine import _merge_config, merge_states_fwd
 
 HAS_CUDA = torch.cuda.is_available()
 ATOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -121,6 +121,28 @@ def test_merge_sink(device, sink_shape):
 def test_merge_d512(device):
     outs, lses = _states(3, (5, 2), 512, _dtypes()[0], device)
     _check(outs, lses)
+
+
+def test_merge_many_states_few_rows(device):
+    # The split-KV combine's shape: 57 float32 partials of a few rows, many states a step.
+    outs, lses = _states(57, (3, 2), 96, torch.float32, device)
+    out = torch.full((3, 2, 96), float("nan"), device=device, dtype=_dtypes()[0])
+    _check(outs, lses, sink=torch.randn(2, device=device), out=out, dtype=_dtypes()[0])
+
+
+@pytest.mark.parametrize(
+    "n, r, d, alias, want_block_d",
+    [pytest.param(4, 65536, 512, False, 512, id="d512_whole_rows"),
+     pytest.param(8, 131072, 128, False, 128, id="d128_whole_rows"),
+     pytest.param(57, 32, 128, False, 32, id="few_rows_split_d"),
+     pytest.param(2, 32, 512, True, 512, id="in_place_never_splits_d")])
+def test_merge_config_tiles(n, r, d, alias, want_block_d):
+    block_s, block_r, block_d, num_warps = _merge_config(n, r, d, alias, 132)
+    assert block_d == want_block_d
+    # Every state of a step is in flight at once: a few rows of many states take 2 steps.
+    assert block_s <= max(8, n) and block_r * block_d <= 8192
+    if n == 57:
+        assert block_s == 32
 
 
 def test_merge_transposed_lse_view(device):

@@ -140,6 +140,8 @@ CASES = [
     # 100 keys are 4 tiles of 32 (interpreter) or 2 of 64: most of the 9 splits are empty.
     pytest.param(dict(), dict(num_splits=9), id="splits_more_than_tiles"),
     pytest.param(dict(), dict(num_splits=0), id="splits_auto"),
+    # Many splits, most of them empty: the combine merges 57 states, several per step.
+    pytest.param(dict(sq=2), dict(num_splits=57, causal=True), id="splits57"),
     pytest.param(dict(lens=(0, 0)), dict(num_splits=3), id="empty_caches"),
     pytest.param(dict(lens=(0, 5)), dict(num_splits=1), id="one_empty_cache_splits1"),
     pytest.param(dict(sq=4, lens=(2, 61)), dict(causal=True, num_splits=2),
@@ -240,3 +242,11 @@ def test_decode_real_size_paged_bitwise():
     out_p, lse_p = decode.decode_fwd(q, kp, vp, block_table=table, **kw)
     out_c, lse_c = decode.decode_fwd(q, k, v, block_table=None, **kw)
     assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
+
+
+@pytest.mark.parametrize("programs, want", [(8, 32), (64, 4), (512, 1), (1024, 1)])
+def test_num_splits_fills_one_wave(programs, want):
+    # H200, D = 128 decode: 132 SMs x 2 resident programs. B=1 (8 kv heads) and B=8 fill
+    # one wave to >= 95% (32 x 8 = 256 and 4 x 64 = 256 of 264); large batches need no split.
+    assert decode._num_splits(programs, 2048, 264) == want
+    assert decode._num_splits(8, 3, 264) == 3  # at most one split per key tile
