@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -239,29 +240,33 @@ def _append_results(meta, rows):
         f.write(text)
 
 
-# Each entry overrides bwd.CONFIG_OVERRIDE for one timed run (the rest at the table defaults).
-SWEEP = [
-    {},
-    {"EARLY_DP": False},
-    {"dkdv": (64, 128, 8, 3), "EARLY_DP": False},
-    {"dkdv": (64, 64, 8, 3)},
-    {"dq": (128, 64, 8, 2)},
-    {"dq": (128, 128, 8, 2)},
-]
+# Per head dim, each entry overrides bwd.CONFIG_OVERRIDE for one timed run (the rest at the
+# table defaults; the first entry is the defaults themselves).
+SWEEP = {
+    64: [{}, {"dkdv": (64, 128, 4, 3)}, {"dkdv": (128, 128, 8, 2)}, {"dq": (128, 64, 8, 3)},
+         {"dq": (128, 64, 4, 3)}],
+    128: [{}, {"EARLY_DP": False}, {"dkdv": (64, 128, 8, 3), "EARLY_DP": False},
+          {"dkdv": (64, 64, 4, 2), "EARLY_DP": False}, {"dkdv": (32, 64, 4, 3)},
+          {"dq": (64, 64, 4, 3)}, {"dq": (64, 128, 4, 2)}],
+    256: [{}, {"dkdv": (32, 64, 8, 2)}, {"dkdv": (64, 64, 8, 1)}, {"dkdv": (64, 64, 16, 2)},
+          {"dq": (64, 64, 8, 2)}, {"dq": (128, 32, 8, 2)}],
+}
 
 
-def sweep(seq=8192, d=128):
+def sweep(dims, seq=8192):
     """Tile and schedule variants at one shape, and the time of each kernel at the defaults."""
-    h, b = 2048 // d, 16384 // seq
-    q, k, v = bf16_inputs(b, seq, seq, h, d)
-    for causal in (False, True):
-        fl = _flops(b, h, seq, seq, d, causal)
-        for cfg in SWEEP:
-            bwd.CONFIG_OVERRIDE = cfg
-            ms = _safe(f"{cfg}", lambda c=causal: _ours(q, k, v, c))
-            _log(f"sweep D={d} S={seq} causal={causal:d} {cfg}: {fl / ms * 1e-9:6.1f} TFLOP/s")
-        bwd.CONFIG_OVERRIDE = None
-        _kernel_times(_ours(q, k, v, causal), f"D={d} S={seq} causal={causal:d}")
+    for d in dims:
+        h, b = 2048 // d, 16384 // seq
+        q, k, v = bf16_inputs(b, seq, seq, h, d)
+        for causal in (False, True):
+            fl = _flops(b, h, seq, seq, d, causal)
+            for cfg in SWEEP[d]:
+                bwd.CONFIG_OVERRIDE = cfg
+                ms = _safe(f"{cfg}", functools.partial(_ours, q, k, v, causal))
+                _log(f"sweep D={d} S={seq} causal={causal:d} {cfg}: "
+                     f"{fl / ms * 1e-9:6.1f} TFLOP/s")
+            bwd.CONFIG_OVERRIDE = None
+            _kernel_times(_ours(q, k, v, causal), f"D={d} S={seq} causal={causal:d}")
 
 
 def _kernel_times(fn, label):
@@ -287,7 +292,7 @@ def _run(a, dims):
     checks(dims)
     rows = []
     if a.sweep:
-        sweep()
+        sweep(dims)
     else:
         rows = run_table(dims, a.flex_budget)
     if a.autotune:
@@ -308,7 +313,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="D = 128 only")
     p.add_argument("--dims", default="64,128,256")
     p.add_argument("--autotune", action="store_true", help="triton.autotune the tiles")
-    p.add_argument("--sweep", action="store_true", help="tile configs at D = 128, S = 8k")
+    p.add_argument("--sweep", action="store_true", help="tile configs per head dim, S = 8k")
     p.add_argument("--results", action="store_true", help="append rows to benchmarks/RESULTS.md")
     p.add_argument("--flex-budget", type=float, default=120.0,
                    help="seconds of FlexAttention compile+timing before its column is skipped")
