@@ -558,9 +558,10 @@ def _attn_bwd_dq_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim. dK/dV keeps two
-# [BLOCK_N, D] float32 accumulators in registers, dQ one [BLOCK_M, D]. Chosen as the
-# largest tiles that ptxas compiles for sm_90 without spilling (MHA, bf16); the H200
-# timing sweep (bench_bwd.py --sweep / --autotune) has the last word.
+# [BLOCK_N, D] float32 accumulators in registers, dQ one [BLOCK_M, D]. Picked by the H200
+# sweep (bench_bwd.py --sweep, S = 8k, benchmarks/RESULTS.md): D = 128 dK/dV 64 x 128 was
+# 1.7x the 64 x 64 tile; dQ 128 x 64 / 3 stages at D = 64 +6%, 128 x 32 at D = 256 +48%
+# (its dQ pass had taken half the time). D = 32 is not measured.
 _DKDV_CONFIGS = {
     32: (64, 128, 8, 3),
     64: (64, 128, 8, 3),
@@ -569,9 +570,9 @@ _DKDV_CONFIGS = {
 }
 _DQ_CONFIGS = {
     32: (128, 128, 8, 3),
-    64: (128, 128, 8, 3),
+    64: (128, 64, 8, 3),
     128: (128, 64, 8, 3),
-    256: (64, 32, 8, 2),
+    256: (128, 32, 8, 2),
 }
 
 # Candidates for triton.autotune when AUTOTUNE is on (bench_bwd.py --autotune prints the pick).

@@ -311,3 +311,15 @@ def test_attn_bwd_dlse_none_expanded_dout(device):
     for name, a, r in zip(("dq", "dk", "dv"), ours, ref):
         assert not torch.isnan(a).any(), name
         torch.testing.assert_close(a, r, atol=_atol(dtype) * 4, rtol=1e-2, msg=name)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_attn_bwd_shipped_tiles(device, monkeypatch, d):
+    # The GPU tile table itself (the interpreter otherwise runs 16 x 16 tiles): every head
+    # dim's dK/dV and dQ tiles, with the masks' boundary tiles and empty rows.
+    if device == "cuda":
+        pytest.skip("the GPU runs these tiles in every other test")
+    pick = lambda table: tuple(table[d])
+    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", {"dkdv": pick(bwd._DKDV_CONFIGS),
+                                                 "dq": pick(bwd._DQ_CONFIGS)})
+    _run_dense(device, torch.float32, 1, 150, 131, 2, 1, d, d, causal=True, sink=True)
