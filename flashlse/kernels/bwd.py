@@ -624,12 +624,27 @@ _attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, _DQ_TUNE)
 
 
 def _pick(table, key):
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of a padded head dim."""
     if interpreting():
         # Small tiles keep the interpreter fast and give tests several tiles per row.
-        bm, bn, w, s = 16, 16, 4, 1
-    else:
-        bm, bn, w, s = table[min(max(key, 32), 256)]
-    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+        return 16, 16, 4, 1
+    return table[min(max(key, 32), 256)]
+
+
+def _launch(kernel, tuned, cfg, n, block, n_heads, args):
+    """One program per ``block`` rows of ``n`` (grid dim 0) and per head (dim 1), with the
+    tile ``cfg`` = (BLOCK_M, BLOCK_N, warps, stages), or autotuned when ``cfg`` is None."""
+    if cfg is None:
+        tuned[lambda meta: (triton.cdiv(n, meta[block]), n_heads)](**args)
+        return
+    bm, bn, w, s = cfg
+    kernel[(triton.cdiv(n, bm if block == "BLOCK_M" else bn), n_heads)](
+        **args,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        num_warps=w,
+        num_stages=s,
+    )
 
 
 def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
@@ -825,18 +840,9 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             HKV=hkv,
             **common,
         )
-        if tune:
-            _attn_bwd_dkdv_tuned[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]),
-                                               batch * hkv)](**dkdv_args)
-        else:
-            bm, bn, w, s = override.get("dkdv") or tuple(_pick(_DKDV_CONFIGS, key_d).values())
-            _attn_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, bn), batch * hkv)](
-                **dkdv_args,
-                BLOCK_M=bm,
-                BLOCK_N=bn,
-                num_warps=w,
-                num_stages=s,
-            )
+        _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if tune else (
+            override.get("dkdv") or _pick(_DKDV_CONFIGS, key_d)), seqlen_k, "BLOCK_N",
+            batch * hkv, dkdv_args)
     dq_args = dict(
         q=q,
         k=k,
@@ -851,17 +857,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         HQ=hq,
         **common,
     )
-    if tune:
-        _attn_bwd_dq_tuned[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]),
-                                         batch * hq)](**dq_args)
-    else:
-        bm, bn, w, s = override.get("dq") or tuple(_pick(_DQ_CONFIGS, key_d).values())
-        _attn_bwd_dq_kernel[(triton.cdiv(seqlen_q, bm), batch * hq)](
-            **dq_args,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            num_warps=w,
-            num_stages=s,
-        )
+    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if tune else (
+        override.get("dq") or _pick(_DQ_CONFIGS, key_d)), seqlen_q, "BLOCK_M", batch * hq,
+        dq_args)
     dsink = None if sink is None else dsink_part.sum(1)
     return dq, dk, dv, dsink
