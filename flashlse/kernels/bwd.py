@@ -156,7 +156,7 @@ def _attn_bwd_dkdv_tile(
     q_ref, do_ref, p_lse, p_delta,
     stride_qs, stride_dos,
     m0, o_n, T_q, T_k, shift, left, right,
-    scale, scale_log2, softcap_a2, softcap_c2,
+    scale_log2, softcap_a2, softcap_c2,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -209,7 +209,7 @@ def _attn_bwd_dkdv_inner(
     q_ref, do_ref, p_lse, p_delta,
     stride_qs, stride_dos,
     m_lo, m_hi, o_n, T_q, T_k, shift, left, right,
-    scale, scale_log2, softcap_a2, softcap_c2,
+    scale_log2, softcap_a2, softcap_c2,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -225,7 +225,7 @@ def _attn_bwd_dkdv_inner(
             b_dk, b_dv = _attn_bwd_dkdv_tile(
                 b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
                 stride_qs, stride_dos, m0, o_n, T_q, T_k, shift, left, right,
-                scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+                scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
                 MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
             )
             m0 += BLOCK_M
@@ -235,7 +235,7 @@ def _attn_bwd_dkdv_inner(
             b_dk, b_dv = _attn_bwd_dkdv_tile(
                 b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
                 stride_qs, stride_dos, m0, o_n, T_q, T_k, shift, left, right,
-                scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+                scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
                 MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
             )
     return b_dk, b_dv
@@ -339,20 +339,20 @@ def _attn_bwd_dkdv_kernel(
         b_dk, b_dv = _attn_bwd_dkdv_inner(
             b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
             stride_qs, stride_dos, m_lo, m_full_lo, o_n, T_q, T_k, shift, left, right,
-            scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+            scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
             True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP, INTERPRET,
         )
         b_dk, b_dv = _attn_bwd_dkdv_inner(
             b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
             stride_qs, stride_dos, m_full_lo, m_full_hi, o_n, T_q, T_k, shift, left,
-            right, scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+            right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
             False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP, INTERPRET,
         )
         if HAS_LEFT:
             b_dk, b_dv = _attn_bwd_dkdv_inner(
                 b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
                 stride_qs, stride_dos, m_full_hi, m_hi, o_n, T_q, T_k, shift, left,
-                right, scale, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D,
+                right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D,
                 BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
                 INTERPRET,
             )
