@@ -65,3 +65,31 @@ def seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
         T_q = seqlen_q
         T_k = seqlen_k
     return bos, bos_k, T_q, T_k
+
+
+@triton.jit
+def key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key tiles of row block ``[m0, m_last]`` (bottom-right masks, ``shift = T_k - T_q``):
+    ``[n_lo, n_hi)`` is seen by some row (tiles outside it are skipped), and its full middle
+    ``[n_full_lo, n_full_hi)`` (multiples of BLOCK_N) is seen whole by every row, so only
+    ``[n_lo, n_full_lo)`` and ``[n_full_hi, n_hi)`` need the mask. ``n_lo == n_hi``: no key."""
+    n_hi = T_k
+    if HAS_RIGHT:
+        n_hi = tl.minimum(n_hi, m_last + shift + right + 1)
+    n_lo = 0
+    if HAS_LEFT:
+        n_lo = tl.maximum(m0 + shift - left, 0)
+        n_lo = (n_lo // BLOCK_N) * BLOCK_N
+    n_hi = tl.maximum(n_hi, n_lo)
+    n_end = T_k
+    if HAS_RIGHT:
+        n_end = tl.minimum(n_end, m0 + shift + right + 1)
+    n_full_hi = (tl.maximum(n_end, 0) // BLOCK_N) * BLOCK_N
+    n_full_lo = n_lo
+    if HAS_LEFT:
+        n_start = tl.maximum(m_last + shift - left, 0)
+        n_full_lo = tl.maximum(tl.cdiv(n_start, BLOCK_N) * BLOCK_N, n_lo)
+    n_full_lo = tl.minimum(n_full_lo, n_hi)
+    n_full_hi = tl.minimum(tl.maximum(n_full_hi, n_full_lo), n_hi)
+    return n_lo, n_full_lo, n_full_hi, n_hi

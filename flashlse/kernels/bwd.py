@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import alloc_scratch, interpreting, load_rows, seq_bounds, tma_ok
+from ._common import alloc_scratch, interpreting, key_ranges, load_rows, seq_bounds, tma_ok
 
 LOG2E = math.log2(math.e)
 
@@ -505,25 +505,9 @@ def _attn_bwd_dq_kernel(
         k_ref = p_k
         v_ref = p_v
 
-    # Key range seen by some row of the block, and its full middle, as in the forward.
-    n_hi = T_k
-    if HAS_RIGHT:
-        n_hi = tl.minimum(n_hi, m_last + shift + right + 1)
-    n_lo = 0
-    if HAS_LEFT:
-        n_lo = tl.maximum(m0 + shift - left, 0)
-        n_lo = (n_lo // BLOCK_N) * BLOCK_N
-    n_hi = tl.maximum(n_hi, n_lo)
-    n_end = T_k
-    if HAS_RIGHT:
-        n_end = tl.minimum(n_end, m0 + shift + right + 1)
-    n_full_hi = (tl.maximum(n_end, 0) // BLOCK_N) * BLOCK_N
-    n_full_lo = n_lo
-    if HAS_LEFT:
-        n_start = tl.maximum(m_last + shift - left, 0)
-        n_full_lo = tl.maximum(tl.cdiv(n_start, BLOCK_N) * BLOCK_N, n_lo)
-    n_full_lo = tl.minimum(n_full_lo, n_hi)
-    n_full_hi = tl.minimum(tl.maximum(n_full_hi, n_full_lo), n_hi)
+    # Key tiles seen by some row of the block, and their full middle, as in the forward.
+    n_lo, n_full_lo, n_full_hi, n_hi = key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
+                                                  HAS_LEFT, HAS_RIGHT)
 
     # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
     b_q = load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)

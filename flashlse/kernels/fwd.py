@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import alloc_scratch, interpreting, load_rows, seq_bounds, tma_ok
+from ._common import alloc_scratch, interpreting, key_ranges, load_rows, seq_bounds, tma_ok
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -261,31 +261,15 @@ def _attn_fwd_kernel(
     # [BLOCK_M, BLOCK_DV]
     b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # Key range seen by some row of the block; tiles outside it are skipped entirely.
-    n_hi = T_k
-    if HAS_RIGHT:
-        n_hi = tl.minimum(n_hi, m_last + shift + right + 1)
-    n_lo = 0
-    if HAS_LEFT:
-        n_lo = tl.maximum(m0 + shift - left, 0)
-        n_lo = (n_lo // BLOCK_N) * BLOCK_N
-    n_hi = tl.maximum(n_hi, n_lo)
+    # Key tiles seen by some row of the block (the rest are skipped entirely), and the full
+    # middle, where no mask is applied.
+    n_lo, n_full_lo, n_full_hi, n_hi = key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
+                                                  HAS_LEFT, HAS_RIGHT)
     if n_hi == n_lo:
         # No row of the block sees a key: write the empty state, load nothing.
         _attn_fwd_store(b_acc, b_m, b_l, o_m, m0, T_q, p_o, stride_os, p_lse, sink, i_h,
                         DV, BLOCK_M, BLOCK_DV, HAS_SINK, USE_TMA)
         return
-    # Full tiles: [n_full_lo, n_full_hi), seen whole by every row of the block.
-    n_end = T_k
-    if HAS_RIGHT:
-        n_end = tl.minimum(n_end, m0 + shift + right + 1)
-    n_full_hi = (tl.maximum(n_end, 0) // BLOCK_N) * BLOCK_N
-    n_full_lo = n_lo
-    if HAS_LEFT:
-        n_start = tl.maximum(m_last + shift - left, 0)
-        n_full_lo = tl.maximum(tl.cdiv(n_start, BLOCK_N) * BLOCK_N, n_lo)
-    n_full_lo = tl.minimum(n_full_lo, n_hi)
-    n_full_hi = tl.minimum(tl.maximum(n_full_hi, n_full_lo), n_hi)
 
     p_q = q + i_b.to(tl.int64) * stride_qb + bos * stride_qs + i_h.to(tl.int64) * stride_qh
     p_k = k + i_b.to(tl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(tl.int64) * stride_kh
