@@ -88,10 +88,11 @@ def cases():
         consts = dict(SQ=1, GROUP=4, M_TILES=1, D1=128, D2=0, DV=128, BLOCK_M=16, BLOCK_N=64,
                       BLOCK_D1=128, BLOCK_D2=16, BLOCK_DV=128, PAGE_SIZE=16 if paged else 1,
                       PAGED=paged, SHARED_KV=False, HAS_LEFT=False, HAS_RIGHT=True,
-                      HAS_SOFTCAP=False, HAS_SINK=True, INTERPRET=False)
+                      HAS_SOFTCAP=False, HAS_SINK=True, INTERPRET=False, PDL=True)
         yield "decode", f"decode GQA paged={paged}", decode._decode_fwd_kernel, dec_types, \
             consts, 4, 3
-    consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, INTERPRET=False)
+    consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, INTERPRET=False,
+                  PDL=True)
     yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
         dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32), consts, 1, 3
 

@@ -44,6 +44,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ._common import interpreting
 
@@ -104,7 +105,12 @@ def _merge_states_fwd_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        # Launched early behind the split-KV kernel (programmatic dependent launch): wait
+        # here until its partial states are complete and visible.
+        gdc_wait()
     i_r, i_d = tl.program_id(0), tl.program_id(1)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -299,10 +305,12 @@ def _merge_config(n: int, r: int, d: int, alias: bool, sms: int) -> tuple:
 
 
 def merge_launch(outs, lses, sink, out, lse_out, *, r, r1, r2, st_o, st_l, st_k, st_y, st_z,
-                 alias=False):
+                 alias=False, pdl=False):
     """Launches the merge over ``r`` rows indexed ``(r0, r1, r2)``, one stride per index and
     tensor (``st_*``, three each) for outs, lses, sink, out and lse_out; no checks.
-    ``kernels.decode`` calls it directly with the layout of its split partials."""
+    ``kernels.decode`` calls it directly with the layout of its split partials, with
+    ``pdl=True`` (sm90+, not the interpreter) to launch it while the decode kernel runs."""
+    extra = dict(launch_pdl=True) if pdl else {}
     n, d = outs.shape[0], outs.shape[-1]
     block_s, block_r, block_d, num_warps = _merge_config(n, r, d, alias, _num_sms(outs.device))
     grid = (_cdiv(r, block_r), _cdiv(max(d, 1), block_d))
@@ -327,5 +335,7 @@ def merge_launch(outs, lses, sink, out, lse_out, *, r, r1, r2, st_o, st_l, st_k,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         INTERPRET=interpreting(),
+        PDL=pdl,
         num_warps=num_warps,
+        **extra,
     )

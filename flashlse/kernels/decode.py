@@ -59,6 +59,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ._common import interpreting
 from .combine import _cdiv, _next_pow2, _num_sms, merge_launch
@@ -67,6 +68,15 @@ LOG2E = math.log2(math.e)
 
 # Output allocator; tests swap in one that fills with NaN to prove every element is written.
 _empty = torch.empty
+
+# Programmatic dependent launch of the merge behind the split kernel (sm90+); benchmarks
+# switch it off to measure what it saves.
+PDL = True
+
+
+@functools.cache
+def _pdl_ok(device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
@@ -179,7 +189,12 @@ def _decode_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        # Let the merge kernel launch now (it waits for this grid to finish before reading):
+        # its launch then overlaps this kernel instead of following it.
+        gdc_launch_dependents()
     i_bhm, i_s = tl.program_id(0), tl.program_id(1)
     # Row tiles vary fastest: the tiles of one (sequence, KV head, split) run together.
     i_m = i_bhm % M_TILES
@@ -397,6 +412,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     softcap = float(softcap or 0.0)
     scale = float(scale)
     grid = (programs, splits)
+    pdl = splits > 1 and PDL and not interpret and _pdl_ok(q.device)
     _decode_fwd_kernel[grid](
         q=q,
         k=k_cache,
@@ -438,6 +454,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         HAS_SOFTCAP=softcap > 0,
         HAS_SINK=sink is not None and splits == 1,
         INTERPRET=interpret,
+        PDL=pdl,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages_paged"] if paged else cfg["num_stages"],
     )
@@ -446,5 +463,5 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         # layout is known, so the merge launches without merge_states_fwd's layout analysis.
         merge_launch(o_buf, lse_buf, sink, out, lse, r=batch * sq * hq, r1=sq, r2=hq,
                      st_o=st_o[1:], st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:],
-                     st_z=(hq * sq, 1, sq))
+                     st_z=(hq * sq, 1, sq), pdl=pdl)
     return out, lse
