@@ -76,9 +76,10 @@ def cases():
                      seqused_k=I32)
     for label, f in (("causal", flags), ("every flag", every)):
         consts = dict(f, HKV=8, GROUP=2, D=128, DV=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
-                      BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
+                      BLOCK_DV=128, USE_TMA=True, EARLY_DP=True,
+                      STATS_TMA=not f["IS_VARLEN"])
         yield "dkdv", f"bwd dK/dV D=128 {label}", bwd._attn_bwd_dkdv_kernel, bwd_types, \
-            consts, 8, 2
+            consts, 8, 3
         consts = dict(f, HQ=16, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3

@@ -161,6 +161,7 @@ def _attn_bwd_dkdv_tile(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    STATS_TMA: tl.constexpr,
 ):
     """Rows ``[m0, m0 + BLOCK_M)`` of one query head against the program's key block."""
     o_m = m0 + tl.arange(0, BLOCK_M)
@@ -168,9 +169,18 @@ def _attn_bwd_dkdv_tile(
     # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
     b_q = load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
     b_do = load_rows(do_ref, o_m, m0, stride_dos, T_q, BLOCK_M, BLOCK_DV, DV, USE_TMA)
-    # [BLOCK_M]; rows past the end get +inf, so their P is 0 with no mask.
-    b_lse = tl.load(p_lse + o_m, mask=m_m, other=float("inf"))
-    b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
+    # [BLOCK_M]
+    if STATS_TMA:
+        # One TMA copy each instead of a masked load per thread and column (the scores'
+        # layout replicates every row's value over many threads). Rows past the end read
+        # 0: their q and dO rows are zeros too, so P = 1 there meets dO = 0 and
+        # dP - delta = 0, and they add exactly nothing.
+        b_lse = p_lse.load([m0])
+        b_delta = p_delta.load([m0])
+    else:
+        # Rows past the end get +inf, so their P is 0 with no mask.
+        b_lse = tl.load(p_lse + o_m, mask=m_m, other=float("inf"))
+        b_delta = tl.load(p_delta + o_m, mask=m_m, other=0.0)
     # [BLOCK_N, BLOCK_M]: the transposed scores, so dK and dV come out row-major.
     b_st = tl.dot(b_k, tl.trans(b_q))
     if EARLY_DP:
@@ -214,7 +224,7 @@ def _attn_bwd_dkdv_inner(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    STATS_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Row blocks ``[m_lo, m_hi)`` (``m_lo`` a multiple of BLOCK_M), masked or all full."""
     if INTERPRET:
@@ -226,7 +236,7 @@ def _attn_bwd_dkdv_inner(
                 b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
                 stride_qs, stride_dos, m0, o_n, T_q, T_k, shift, left, right,
                 scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
-                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
+                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP, STATS_TMA,
             )
             m0 += BLOCK_M
     else:
@@ -236,7 +246,7 @@ def _attn_bwd_dkdv_inner(
                 b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
                 stride_qs, stride_dos, m0, o_n, T_q, T_k, shift, left, right,
                 scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
-                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
+                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP, STATS_TMA,
             )
     return b_dk, b_dv
 
@@ -263,7 +273,8 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr, STATS_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     # Key block 0 is seen by the most rows under a causal mask: the longest work starts first.
     i_n = tl.program_id(0)
@@ -328,6 +339,13 @@ def _attn_bwd_dkdv_kernel(
         o_t = i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + bos
         p_lse = lse_log2 + o_t
         p_delta = delta + o_t
+        if STATS_TMA:
+            # Dense only: the launcher pads each (batch, head) row of lse_log2 and delta
+            # to 16 bytes, as TMA needs; a varlen sequence starts anywhere in its row.
+            p_lse = tl.make_tensor_descriptor(p_lse, shape=[tl.maximum(T_q, 1)], strides=[1],
+                                              block_shape=[BLOCK_M])
+            p_delta = tl.make_tensor_descriptor(p_delta, shape=[tl.maximum(T_q, 1)], strides=[1],
+                                                block_shape=[BLOCK_M])
         if USE_TMA:
             q_ref = tl.make_tensor_descriptor(p_q, shape=[tl.maximum(T_q, 1), D], strides=[stride_qs, 1],
                                               block_shape=[BLOCK_M, BLOCK_D])
@@ -340,13 +358,13 @@ def _attn_bwd_dkdv_kernel(
             b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
             stride_qs, stride_dos, m_lo, m_full_lo, o_n, T_q, T_k, shift, left, right,
             scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
-            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP, INTERPRET,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP, STATS_TMA, INTERPRET,
         )
         b_dk, b_dv = _attn_bwd_dkdv_inner(
             b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
             stride_qs, stride_dos, m_full_lo, m_full_hi, o_n, T_q, T_k, shift, left,
             right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
-            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP, INTERPRET,
+            False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP, STATS_TMA, INTERPRET,
         )
         if HAS_LEFT:
             b_dk, b_dv = _attn_bwd_dkdv_inner(
@@ -354,7 +372,7 @@ def _attn_bwd_dkdv_kernel(
                 stride_qs, stride_dos, m_full_hi, m_hi, o_n, T_q, T_k, shift, left,
                 right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D,
                 BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
-                INTERPRET,
+                STATS_TMA, INTERPRET,
             )
 
     p_dk = dk + i_b.to(tl.int64) * stride_dkb + bos_k * stride_dks + i_hk.to(tl.int64) * stride_dkh
@@ -544,14 +562,19 @@ def _attn_bwd_dq_kernel(
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim. dK/dV keeps two
 # [BLOCK_N, D] float32 accumulators in registers, dQ one [BLOCK_M, D]. Picked by the H200
 # sweep (bench_bwd.py --sweep, S = 8k, benchmarks/RESULTS.md): D = 128 dK/dV 64 x 128 was
-# 1.7x the 64 x 64 tile; dQ 128 x 64 / 3 stages at D = 64 +6%, 128 x 32 at D = 256 +48%
-# (its dQ pass had taken half the time). D = 32 is not measured.
+# 1.7x the 64 x 64 tile, and 3 stages +5% once lse and delta came by TMA (session 3);
+# dQ 128 x 64 / 3 stages at D = 64 +6%, 128 x 32 at D = 256 +48% (its dQ pass had taken
+# half the time). D = 32 is not measured.
 _DKDV_CONFIGS = {
     32: (64, 128, 8, 3),
     64: (64, 128, 8, 3),
-    128: (64, 128, 8, 2),
+    128: (64, 128, 8, 3),
     256: (64, 64, 8, 2),
 }
+# Varlen reads lse and delta by masked pointer loads (a sequence starts anywhere in its row,
+# which TMA cannot address): at D = 128 a third stage then spills (sm_90 compile: 168-byte
+# stack against 88, 776 against 464 with GQA), so varlen keeps the 2-stage tile.
+_DKDV_VARLEN_CONFIGS = {128: (64, 128, 8, 2)}
 _DQ_CONFIGS = {
     32: (128, 128, 8, 3),
     64: (128, 64, 8, 3),
@@ -690,9 +713,12 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
 
         def lsh(t):
             return t.stride(0), t.stride(1), t.stride(2)
-    # D and lse_log2 in the layout of a contiguous lse.
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
-    lse_log2 = torch.empty(lse.shape, dtype=torch.float32, device=device)
+    # D and lse_log2 in the layout of a contiguous lse, each row padded to 16 bytes so
+    # that the dK/dV kernel can fetch a row block of them by TMA.
+    n_last = lse.shape[-1]
+    padded = (*lse.shape[:-1], (n_last + 3) // 4 * 4)
+    delta = torch.empty(padded, dtype=torch.float32, device=device)[..., :n_last]
+    lse_log2 = torch.empty(padded, dtype=torch.float32, device=device)[..., :n_last]
     st_b, st_h = (0, delta.stride(0)) if is_varlen else (delta.stride(0), delta.stride(1))
 
     n_m_pre = triton.cdiv(max(seqlen_q, 1), _PRE_BLOCK_M)
@@ -822,10 +848,15 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             stride_dvs=dvs,
             stride_dvh=dvh,
             HKV=hkv,
+            # lse_log2 and delta by TMA: dense only (see the kernel).
+            STATS_TMA=bool(use_tma and not is_varlen and override.get("STATS_TMA", True)),
             **common,
         )
+        table = _DKDV_CONFIGS
+        if is_varlen:
+            table = {**_DKDV_CONFIGS, **_DKDV_VARLEN_CONFIGS}
         _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if tune else (
-            override.get("dkdv") or _pick(_DKDV_CONFIGS, key_d)), seqlen_k, "BLOCK_N",
+            override.get("dkdv") or _pick(table, key_d)), seqlen_k, "BLOCK_N",
             batch * hkv, dkdv_args)
     dq_args = dict(
         q=q,
