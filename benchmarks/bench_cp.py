@@ -330,7 +330,9 @@ def main():
                 f"{row['bwd_tok']:.3f} us/tok  1-GPU {row['one']}  speedup {row['speedup']}  "
                 f"TFLOP/s/GPU {row['tflops']}  comm hidden {row['hidden']}  "
                 f"(comm alone {r['comm_fwd'] * 1e3:.2f}/{r['comm_bwd'] * 1e3:.2f} ms)  "
-                f"check {check_txt}")
+                f"check {check_txt}" + (
+                    f"  peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+                    if args.device == "cuda" else ""))
         del whole
     lengths, no_nan, err = empty_shard_with_sink(args, device, rank, world)
     say(f"empty shard + sink, lengths {lengths}: "
