@@ -11,8 +11,9 @@ fits; ``--check-max-seqlen``) by the tests' rule ``err(ring) <= 2 err(one GPU) +
 both errors against a float32 PyTorch-path result; (2) times forward and backward (max over
 ranks) against one GPU, per token and as TFLOP/s per GPU (``4 B H S^2 D``, halved for
 causal, backward 2.5x); (3) estimates the fraction of communication hidden behind compute,
-``(t_compute + t_comm - t_ring) / t_comm`` with the compute (the same per-step calls, no
-messages) and the communication (the same messages, no compute) timed alone. Then one run
+``(t_compute + t_comm - t_ring) / t_comm`` with the compute (the same ring with each
+message replaced by a local copy: attention calls, merges and accumulators, no network)
+and the communication (the same messages, no compute) timed alone. Then one run
 with an empty shard and a sink checks for NaN. ``--results`` appends dated rows to
 benchmarks/RESULTS.md.
 """
@@ -39,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 from flashlse import distributed as fld  # noqa: E402
-from flashlse.ops.attention import attn_bwd, attn_bwd_torch, attn_fwd, attn_fwd_torch  # noqa: E402
+from flashlse.ops.attention import attn_bwd_torch, attn_fwd_torch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -168,35 +169,32 @@ def check(whole, layout, args, device, rank, world):
     return rows, ok
 
 
-def compute_and_comm_alone(s, layout, args, device, rank, world, bwd):
-    """Seconds of the ring's per-step compute without messages, and of its messages alone."""
-    causal = not args.no_causal
+def without_messages(fn):
+    """Runs ``fn`` with every ring transfer replaced by a local copy of the same buffer: the
+    ring's own work (attention calls, merges, the dK/dV accumulators) with no network."""
+    real = fld._exchange
+
+    def local(send, recv, ring):
+        if send is not None and recv is not None and recv.numel() == send.numel():
+            recv.copy_(send)
+        return []
+
+    fld._exchange = local
+    try:
+        return fn()
+    finally:
+        fld._exchange = real
+
+
+def comm_alone(s, layout, args, device, rank, world, bwd):
+    """Seconds of the ring's messages alone: the same K/V (and, backward, float32 dK/dV)
+    transfers, no compute."""
     lengths = fld._even_lengths(s, world, layout)
-    segs = fld.shard_segments(lengths, layout)
-    left, right = (None, 0) if causal else (None, None)
-    plans = [fld.plan_step(segs[rank], segs[o], left, right) for o in range(world)]
     n = lengths[rank]
-    q, k, v, dout = inputs(n, args, device, seed=rank)
-    scale = 1 / math.sqrt(args.head_dim)
-    kw = dict(softcap=0.0, scale=scale, sink=None)
-    out, lse = attn_fwd(q, k, v, left=left, right=right, **kw)
-    zero_dlse = torch.zeros_like(lse)
-
-    def compute():
-        # Own k/v stand in for the visiting block: an even split has equal block sizes.
-        for plan in plans:
-            for q0, q1, k0, k1, lw, rw in plan:
-                # The same calls the ring makes (the Triton kernels on a GPU).
-                if bwd:
-                    attn_bwd(dout[:, q0:q1], zero_dlse[:, :, q0:q1], q[:, q0:q1],
-                               k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[:, :, q0:q1],
-                               left=lw, right=rw, **kw)
-                else:
-                    attn_fwd(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], left=lw, right=rw, **kw)
-
-    kv = torch.cat([k.reshape(-1), v.reshape(-1)])
+    kv = torch.empty(2 * args.batch * n * args.heads * args.head_dim, dtype=torch.bfloat16,
+                     device=device)
     dkv = torch.zeros(kv.numel(), dtype=torch.float32, device=device)
-    rk = fld._Ring(None, *fld._group_ranks(None), lengths, plans, 0.0, scale, "sum")
+    rk = fld._Ring(None, *fld._group_ranks(None), lengths, [], 0.0, 1.0, "sum")
 
     def comm():
         for t in range(world):
@@ -205,8 +203,7 @@ def compute_and_comm_alone(s, layout, args, device, rank, world, bwd):
             if bwd and world > 1:
                 fld._wait(fld._exchange(dkv, torch.empty_like(dkv), rk))
 
-    return (timed(compute, device, args.warmup, args.iters),
-            timed(comm, device, args.warmup, args.iters))
+    return timed(comm, device, args.warmup, args.iters)
 
 
 def bench(s, layout, args, device, rank, world):
@@ -221,8 +218,12 @@ def bench(s, layout, args, device, rank, world):
 
     t_fwd = timed(lambda: fwd().detach(), device, args.warmup, args.iters)
     t_bwd = timed(fwd_bwd, device, args.warmup, args.iters) - t_fwd
-    c_fwd, m_fwd = compute_and_comm_alone(s, layout, args, device, rank, world, False)
-    c_bwd, m_bwd = compute_and_comm_alone(s, layout, args, device, rank, world, True)
+    # The same ring with local copies for messages: everything but the network.
+    c_fwd = timed(lambda: without_messages(lambda: fwd().detach()), device, args.warmup,
+                  args.iters)
+    c_bwd = timed(lambda: without_messages(fwd_bwd), device, args.warmup, args.iters) - c_fwd
+    m_fwd = comm_alone(s, layout, args, device, rank, world, False)
+    m_bwd = comm_alone(s, layout, args, device, rank, world, True)
     # With one rank there is nothing to hide; report nan rather than timer noise.
     hidden = (lambda t, c, m: max(0.0, min(1.0, (c + m - t) / m))) if world > 1 else (
         lambda t, c, m: float("nan"))
