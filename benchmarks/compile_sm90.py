@@ -6,6 +6,11 @@ became wgmma, at no device time:
 
     python benchmarks/compile_sm90.py            # every kernel, a few flag sets each
     python benchmarks/compile_sm90.py fwd dq     # only those
+    python benchmarks/compile_sm90.py --loops dkdv   # and the instruction mix of each loop
+
+``--loops`` reads the SASS: for every backward branch (a loop) of 50 or more instructions it
+prints the instruction count and the most frequent opcodes, which is how the notes count
+the softmax, address and load instructions a tile costs (benchmarks/NOTES.md).
 
 Not a test of correctness or speed: the interpreter tests and the H200 runs are.
 """
@@ -17,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -58,6 +64,29 @@ def report(name: str, k) -> str:
             f"wgmma={wgmma}")
 
 
+def loop_mix(k, top: int = 14) -> list[str]:
+    """One line per loop of the kernel's SASS: first address, instruction count, opcodes."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    # (address, opcode with modifiers) of every instruction, predicates dropped.
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"
+                     r"([^;]*);", sass)
+    where = {int(a, 16): i for i, (a, _, _) in enumerate(ins)}
+    lines = []
+    for i, (a, op, rest) in enumerate(ins):
+        m = re.match(r"\s*0x([0-9a-f]+)", rest) if op == "BRA" else None
+        target = int(m.group(1), 16) if m else None
+        if target is not None and target < int(a, 16) and target in where:
+            body = [o for _, o, _ in ins[where[target]:i + 1]]
+            if len(body) >= 50:
+                mix = ", ".join(f"{o} {n}" for o, n in Counter(body).most_common(top))
+                lines.append(f"  loop at {target:#06x}: {len(body)} instructions: {mix}")
+    return lines
+
+
 def cases():
     flags = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, IS_VARLEN=False,
                  HAS_SEQUSED_K=False, INTERPRET=False)
@@ -78,8 +107,9 @@ def cases():
         consts = dict(f, HKV=8, GROUP=2, D=128, DV=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True,
                       STATS_TMA=not f["IS_VARLEN"])
+        # The shipped stages: varlen keeps 2 (bwd._DKDV_VARLEN_CONFIGS).
         yield "dkdv", f"bwd dK/dV D=128 {label}", bwd._attn_bwd_dkdv_kernel, bwd_types, \
-            consts, 8, 3
+            consts, 8, 2 if f["IS_VARLEN"] else 3
         consts = dict(f, HQ=16, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3
@@ -100,11 +130,16 @@ def cases():
 
 def main(argv=None):
     want = set(argv if argv is not None else sys.argv[1:])
+    loops = "--loops" in want
+    want.discard("--loops")
     for key, name, fn, types, consts, warps, stages in cases():
         if want and key not in want:
             continue
         try:
-            print(report(name, compile_kernel(fn, types, consts, warps, stages)), flush=True)
+            k = compile_kernel(fn, types, consts, warps, stages)
+            print(report(name, k), flush=True)
+            if loops:
+                print("\n".join(loop_mix(k)), flush=True)
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
             print(f"{name:44s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             want.add("__failed__")
