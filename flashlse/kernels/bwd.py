@@ -574,7 +574,7 @@ _DKDV_CONFIGS = {
 # Varlen reads lse and delta by masked pointer loads (a sequence starts anywhere in its row,
 # which TMA cannot address): at D = 128 a third stage then spills (sm_90 compile: 168-byte
 # stack against 88, 776 against 464 with GQA), so varlen keeps the 2-stage tile.
-_DKDV_VARLEN_CONFIGS = {128: (64, 128, 8, 2)}
+_DKDV_VARLEN_CONFIGS = {**_DKDV_CONFIGS, 128: (64, 128, 8, 2)}
 _DQ_CONFIGS = {
     32: (128, 128, 8, 3),
     64: (128, 64, 8, 3),
@@ -852,9 +852,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             STATS_TMA=bool(use_tma and not is_varlen and override.get("STATS_TMA", True)),
             **common,
         )
-        table = _DKDV_CONFIGS
-        if is_varlen:
-            table = {**_DKDV_CONFIGS, **_DKDV_VARLEN_CONFIGS}
+        table = _DKDV_VARLEN_CONFIGS if is_varlen else _DKDV_CONFIGS
         _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if tune else (
             override.get("dkdv") or _pick(table, key_d)), seqlen_k, "BLOCK_N",
             batch * hkv, dkdv_args)
