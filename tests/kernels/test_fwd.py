@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from _cases import GPU_HEAD_DIM_CASES, VARLEN_CASES
 
 from flashlse import reference
 from flashlse.kernels import fwd
@@ -181,14 +182,6 @@ def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=Fals
            _atol(dtype))
 
 
-VARLEN_CASES = [
-    pytest.param([5, 0, 33, 17], [9, 12, 0, 40], {}, id="zero_len_q_and_k"),
-    pytest.param([20, 0, 7, 30], [9, 5, 20, 30], {"causal": True}, id="causal"),
-    pytest.param([18, 25, 3], [30, 25, 40], {"used": [0, 20, 11], "sink": True},
-                 id="seqused_k_sink"),
-    pytest.param([18, 25], [30, 25], {"window": (4, 2), "softcap": 2.0}, id="window_softcap"),
-]
-
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
 @pytest.mark.parametrize("seqlens_q,seqlens_k,kw", VARLEN_CASES)
@@ -196,16 +189,10 @@ def test_attn_fwd_varlen(device, dtype, seqlens_q, seqlens_k, kw):
     _run_varlen(device, dtype, seqlens_q, seqlens_k, 4, 2, 32, 32, **kw)
 
 
-GPU_CASES = [
-    pytest.param(d, dv, kw, id=f"d{d}_dv{dv}_" + "_".join(f"{a}{b}" for a, b in kw.items()))
-    for d, dv in [(32, 32), (59, 59), (64, 64), (111, 111), (128, 128), (192, 128), (256, 256)]
-    for kw in [{}, {"causal": True}, {"window": (100, 50), "sink": True, "softcap": 20.0}]
-]
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d,dv,kw", GPU_CASES)
+@pytest.mark.parametrize("d,dv,kw", GPU_HEAD_DIM_CASES)
 def test_attn_fwd_gpu_head_dims(device, dtype, d, dv, kw):
     _run_dense(device, dtype, 2, 700, 1000, 4, 2, d, dv, **kw)
 
