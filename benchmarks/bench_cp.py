@@ -13,9 +13,9 @@ ranks) against one GPU, per token and as TFLOP/s per GPU (``4 B H S^2 D``, halve
 causal, backward 2.5x); (3) estimates the fraction of communication hidden behind compute,
 ``(t_compute + t_comm - t_ring) / t_comm`` with the compute (the same ring with each
 message replaced by a local copy: attention calls, merges and accumulators, no network)
-and the communication (the same messages, no compute) timed alone. Then one run
-with an empty shard and a sink checks for NaN. ``--results`` appends dated rows to
-benchmarks/RESULTS.md.
+and the communication (the same messages, no compute) timed alone (up to
+``--hidden-max-seqlen``). Then one run with an empty shard and a sink checks for NaN.
+``--results`` appends dated rows to benchmarks/RESULTS.md.
 """
 
 import os
@@ -58,6 +58,9 @@ def parse_args():
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--check-max-seqlen", type=int, default=131072,
                    help="compare with one GPU (and the float32 path) up to this length")
+    p.add_argument("--hidden-max-seqlen", type=int, default=1 << 20,
+                   help="estimate the hidden communication up to this length (above it the "
+                        "compute-alone and comm-alone runs would double a long run's time)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--kind", default="", help="machine label for RESULTS.md, e.g. nvidia-h200-x8")
     p.add_argument("--results", action="store_true", help="append rows to benchmarks/RESULTS.md")
@@ -218,6 +221,10 @@ def bench(s, layout, args, device, rank, world):
 
     t_fwd = timed(lambda: fwd().detach(), device, args.warmup, args.iters)
     t_bwd = timed(fwd_bwd, device, args.warmup, args.iters) - t_fwd
+    nan = float("nan")
+    if s > args.hidden_max_seqlen:
+        return dict(t_fwd=t_fwd, t_bwd=t_bwd, hid_fwd=nan, hid_bwd=nan, comm_fwd=nan,
+                    comm_bwd=nan)
     # The same ring with local copies for messages: everything but the network.
     c_fwd = timed(lambda: without_messages(lambda: fwd().detach()), device, args.warmup,
                   args.iters)
@@ -226,7 +233,7 @@ def bench(s, layout, args, device, rank, world):
     m_bwd = comm_alone(s, layout, args, device, rank, world, True)
     # With one rank there is nothing to hide; report nan rather than timer noise.
     hidden = (lambda t, c, m: max(0.0, min(1.0, (c + m - t) / m))) if world > 1 else (
-        lambda t, c, m: float("nan"))
+        lambda t, c, m: nan)
     return dict(t_fwd=t_fwd, t_bwd=t_bwd, hid_fwd=hidden(t_fwd, c_fwd, m_fwd),
                 hid_bwd=hidden(t_bwd, c_bwd, m_bwd), comm_fwd=m_fwd, comm_bwd=m_bwd)
 
