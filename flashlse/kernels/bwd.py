@@ -44,7 +44,8 @@ Schedule (FA-2 / Triton tutorial 06 split, deterministic by construction):
    ranges are the same for every head of the group, so each range is one loop over
    (head, row block) through references that span the group (3-D Q/dO and 2-D lse/delta
    descriptors): a head loop around the three row loops carried the accumulators across
-   them and spilled (H200, 8k: causal GQA +19-23%, non-causal +4-9%).
+   them and spilled (H200, 8k: causal GQA +19-23%, non-causal +4-9%, MHA +0-2%). Above
+   head dim 128 the head loop stays (``HEAD_LOOP``): there the single loop measured slower.
 3. ``_attn_bwd_dq_kernel``, one program per (row block, batch x query head), over the
    key tiles the forward visits (same three ranges). No atomics anywhere, so every
    gradient is bitwise repeatable. (dQ by float32 atomics inside the dK/dV kernel, five
@@ -165,17 +166,14 @@ def _attn_bwd_dkdv_tile(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    STATS_TMA: tl.constexpr, FLAT: tl.constexpr,
+    STATS_TMA: tl.constexpr,
 ):
-    """Rows ``[m0, m0 + BLOCK_M)`` of one query head against the program's key block. With
-    ``FLAT`` the references span the kv head's whole group and ``i_g`` picks the head."""
+    """Rows ``[m0, m0 + BLOCK_M)`` of query head ``i_g`` of the kv head's group against the
+    program's key block (the references span the group)."""
     o_m = m0 + tl.arange(0, BLOCK_M)
     m_m = o_m < T_q
     # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
-    if not FLAT:
-        b_q = load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
-        b_do = load_rows(do_ref, o_m, m0, stride_dos, T_q, BLOCK_M, BLOCK_DV, DV, USE_TMA)
-    elif USE_TMA:
+    if USE_TMA:
         b_q = q_ref.load([i_g, m0, 0]).reshape(BLOCK_M, BLOCK_D)
         b_do = do_ref.load([i_g, m0, 0]).reshape(BLOCK_M, BLOCK_DV)
     else:
@@ -189,16 +187,10 @@ def _attn_bwd_dkdv_tile(
         # layout replicates every row's value over many threads). Rows past the end read
         # 0: their q and dO rows are zeros too, so P = 1 there meets dO = 0 and
         # dP - delta = 0, and they add exactly nothing.
-        if FLAT:
-            b_lse = p_lse.load([i_g, m0]).reshape(BLOCK_M)
-            b_delta = p_delta.load([i_g, m0]).reshape(BLOCK_M)
-        else:
-            b_lse = p_lse.load([m0])
-            b_delta = p_delta.load([m0])
+        b_lse = p_lse.load([i_g, m0]).reshape(BLOCK_M)
+        b_delta = p_delta.load([i_g, m0]).reshape(BLOCK_M)
     else:
-        o_t = o_m
-        if FLAT:
-            o_t = o_m + i_g * stride_th
+        o_t = o_m + i_g * stride_th
         # Rows past the end get +inf, so their P is 0 with no mask.
         b_lse = tl.load(p_lse + o_t, mask=m_m, other=float("inf"))
         b_delta = tl.load(p_delta + o_t, mask=m_m, other=0.0)
@@ -239,60 +231,91 @@ def _attn_bwd_dkdv_inner(
     b_dk, b_dv, b_k, b_v,
     q_ref, do_ref, p_lse, p_delta,
     stride_qs, stride_dos, stride_qh, stride_doh, stride_th,
-    m_lo, m_hi, o_n, T_q, T_k, shift, left, right,
+    i_g0, m_lo, m_hi, o_n, T_q, T_k, shift, left, right,
     scale_log2, softcap_a2, softcap_c2,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    STATS_TMA: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
+    STATS_TMA: tl.constexpr, N_HEADS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Row blocks ``[m_lo, m_hi)`` (``m_lo`` a multiple of BLOCK_M), masked or all full, of
-    each of the GROUP query heads: one loop over (head, row block), so the accumulators
-    live in a single loop whatever the group size."""
-    n_blk = tl.cdiv(m_hi - m_lo, BLOCK_M)
+    the group's heads ``[i_g0, i_g0 + N_HEADS)``: one loop over (head, row block), so the
+    accumulators live in a single loop. Head and row block advance together (a division
+    per tile would cost ~26 instructions)."""
+    n_tiles = N_HEADS * tl.cdiv(m_hi - m_lo, BLOCK_M)
+    i_g = i_g0
+    m0 = m_lo
     if INTERPRET:
         # Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4
         # refuses as range() bounds; a while loop compares them instead.
         it = 0
-        while it < GROUP * n_blk:
-            i_g = it // n_blk
-            m0 = m_lo + (it - i_g * n_blk) * BLOCK_M
+        while it < n_tiles:
             b_dk, b_dv = _attn_bwd_dkdv_tile(
                 b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
                 stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g, m0, o_n, T_q,
                 T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
                 BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
-                STATS_TMA, GROUP > 1,
-            )
-            it += 1
-    elif GROUP == 1:
-        for m0 in tl.range(m_lo, m_hi, BLOCK_M):
-            m0 = tl.multiple_of(m0, BLOCK_M)
-            b_dk, b_dv = _attn_bwd_dkdv_tile(
-                b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
-                stride_qs, stride_dos, stride_qh, stride_doh, stride_th, 0, m0, o_n, T_q,
-                T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
-                BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
-                STATS_TMA, False,
-            )
-    else:
-        # (head, row block) advance together: no division per tile.
-        i_g = 0
-        m0 = m_lo
-        for _ in tl.range(0, GROUP * n_blk):
-            m0 = tl.multiple_of(m0, BLOCK_M)
-            b_dk, b_dv = _attn_bwd_dkdv_tile(
-                b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
-                stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g, m0, o_n, T_q,
-                T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
-                BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
-                STATS_TMA, True,
+                STATS_TMA,
             )
             m0 += BLOCK_M
             wrap = m0 >= m_hi
             i_g += wrap.to(tl.int32)
             m0 = tl.where(wrap, m_lo, m0)
+            it += 1
+    else:
+        for _ in tl.range(0, n_tiles):
+            m0 = tl.multiple_of(m0, BLOCK_M)
+            b_dk, b_dv = _attn_bwd_dkdv_tile(
+                b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
+                stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g, m0, o_n, T_q,
+                T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
+                BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
+                STATS_TMA,
+            )
+            m0 += BLOCK_M
+            wrap = m0 >= m_hi
+            i_g += wrap.to(tl.int32)
+            m0 = tl.where(wrap, m_lo, m0)
+    return b_dk, b_dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_ranges(
+    b_dk, b_dv, b_k, b_v,
+    q_ref, do_ref, p_lse, p_delta,
+    stride_qs, stride_dos, stride_qh, stride_doh, stride_th,
+    i_g0, m_lo, m_full_lo, m_full_hi, m_hi, o_n, T_q, T_k, shift, left, right,
+    scale_log2, softcap_a2, softcap_c2,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    STATS_TMA: tl.constexpr, N_HEADS: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The three row ranges of heads ``[i_g0, i_g0 + N_HEADS)``: masked, full, masked."""
+    b_dk, b_dv = _attn_bwd_dkdv_inner(
+        b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
+        stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g0, m_lo, m_full_lo, o_n,
+        T_q, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
+        BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
+        STATS_TMA, N_HEADS, INTERPRET,
+    )
+    b_dk, b_dv = _attn_bwd_dkdv_inner(
+        b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
+        stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g0, m_full_lo, m_full_hi,
+        o_n, T_q, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
+        BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
+        STATS_TMA, N_HEADS, INTERPRET,
+    )
+    if HAS_LEFT:
+        b_dk, b_dv = _attn_bwd_dkdv_inner(
+            b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
+            stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g0, m_full_hi, m_hi,
+            o_n, T_q, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV,
+            BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
+            EARLY_DP, STATS_TMA, N_HEADS, INTERPRET,
+        )
     return b_dk, b_dv
 
 
@@ -319,7 +342,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr, STATS_TMA: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    HEAD_LOOP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Key block 0 is seen by the most rows under a causal mask: the longest work starts first.
     i_n = tl.program_id(0)
@@ -386,59 +409,42 @@ def _attn_bwd_dkdv_kernel(
     o_t = i_b.to(tl.int64) * stride_tb + i_h0.to(tl.int64) * stride_th + bos
     p_lse = lse_log2 + o_t
     p_delta = delta + o_t
-    if GROUP == 1:
-        if STATS_TMA:
-            # Dense only: the launcher pads each (batch, head) row of lse_log2 and delta
-            # to 16 bytes, as TMA needs; a varlen sequence starts anywhere in its row.
-            p_lse = tl.make_tensor_descriptor(p_lse, shape=[tl.maximum(T_q, 1)], strides=[1],
-                                              block_shape=[BLOCK_M])
-            p_delta = tl.make_tensor_descriptor(p_delta, shape=[tl.maximum(T_q, 1)], strides=[1],
-                                                block_shape=[BLOCK_M])
-        if USE_TMA:
-            q_ref = tl.make_tensor_descriptor(p_q, shape=[tl.maximum(T_q, 1), D], strides=[stride_qs, 1],
-                                              block_shape=[BLOCK_M, BLOCK_D])
-            do_ref = tl.make_tensor_descriptor(p_do, shape=[tl.maximum(T_q, 1), DV], strides=[stride_dos, 1],
-                                               block_shape=[BLOCK_M, BLOCK_DV])
-        else:
-            q_ref = p_q
-            do_ref = p_do
+    if STATS_TMA:
+        # Dense only: the launcher pads each (batch, head) row of lse_log2 and delta to 16
+        # bytes, as TMA needs; a varlen sequence starts anywhere in its row.
+        p_lse = tl.make_tensor_descriptor(p_lse, shape=[GROUP, tl.maximum(T_q, 1)],
+                                          strides=[stride_th, 1], block_shape=[1, BLOCK_M])
+        p_delta = tl.make_tensor_descriptor(p_delta, shape=[GROUP, tl.maximum(T_q, 1)],
+                                            strides=[stride_th, 1], block_shape=[1, BLOCK_M])
+    if USE_TMA:
+        q_ref = tl.make_tensor_descriptor(p_q, shape=[GROUP, tl.maximum(T_q, 1), D],
+                                          strides=[stride_qh, stride_qs, 1],
+                                          block_shape=[1, BLOCK_M, BLOCK_D])
+        do_ref = tl.make_tensor_descriptor(p_do, shape=[GROUP, tl.maximum(T_q, 1), DV],
+                                           strides=[stride_doh, stride_dos, 1],
+                                           block_shape=[1, BLOCK_M, BLOCK_DV])
     else:
-        if STATS_TMA:
-            p_lse = tl.make_tensor_descriptor(p_lse, shape=[GROUP, tl.maximum(T_q, 1)],
-                                              strides=[stride_th, 1], block_shape=[1, BLOCK_M])
-            p_delta = tl.make_tensor_descriptor(p_delta, shape=[GROUP, tl.maximum(T_q, 1)],
-                                                strides=[stride_th, 1], block_shape=[1, BLOCK_M])
-        if USE_TMA:
-            q_ref = tl.make_tensor_descriptor(p_q, shape=[GROUP, tl.maximum(T_q, 1), D],
-                                              strides=[stride_qh, stride_qs, 1],
-                                              block_shape=[1, BLOCK_M, BLOCK_D])
-            do_ref = tl.make_tensor_descriptor(p_do, shape=[GROUP, tl.maximum(T_q, 1), DV],
-                                               strides=[stride_doh, stride_dos, 1],
-                                               block_shape=[1, BLOCK_M, BLOCK_DV])
-        else:
-            q_ref = p_q
-            do_ref = p_do
-    b_dk, b_dv = _attn_bwd_dkdv_inner(
-        b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
-        stride_qs, stride_dos, stride_qh, stride_doh, stride_th, m_lo, m_full_lo, o_n, T_q,
-        T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M, BLOCK_D,
-        BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP, STATS_TMA, GROUP,
-        INTERPRET,
-    )
-    b_dk, b_dv = _attn_bwd_dkdv_inner(
-        b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
-        stride_qs, stride_dos, stride_qh, stride_doh, stride_th, m_full_lo, m_full_hi, o_n,
-        T_q, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
-        BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
-        STATS_TMA, GROUP, INTERPRET,
-    )
-    if HAS_LEFT:
-        b_dk, b_dv = _attn_bwd_dkdv_inner(
+        q_ref = p_q
+        do_ref = p_do
+    if HEAD_LOOP:
+        # A loop over the heads around the three ranges: at head dims above 128 the tile
+        # sits at the register cap and this allocates better (H200, D = 256, G = 4: the
+        # group-wide loop ran 12-18% slower, benchmarks/NOTES.md).
+        for i_g in range(GROUP):
+            b_dk, b_dv = _attn_bwd_dkdv_ranges(
+                b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
+                stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g, m_lo, m_full_lo,
+                m_full_hi, m_hi, o_n, T_q, T_k, shift, left, right, scale_log2, softcap_a2,
+                softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT,
+                HAS_SOFTCAP, USE_TMA, EARLY_DP, STATS_TMA, 1, INTERPRET,
+            )
+    else:
+        b_dk, b_dv = _attn_bwd_dkdv_ranges(
             b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
-            stride_qs, stride_dos, stride_qh, stride_doh, stride_th, m_full_hi, m_hi, o_n,
-            T_q, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV,
-            BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
-            EARLY_DP, STATS_TMA, GROUP, INTERPRET,
+            stride_qs, stride_dos, stride_qh, stride_doh, stride_th, 0, m_lo, m_full_lo,
+            m_full_hi, m_hi, o_n, T_q, T_k, shift, left, right, scale_log2, softcap_a2,
+            softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            USE_TMA, EARLY_DP, STATS_TMA, GROUP, INTERPRET,
         )
 
     p_dk = dk + i_b.to(tl.int64) * stride_dkb + bos_k * stride_dks + i_hk.to(tl.int64) * stride_dkh
@@ -655,7 +661,9 @@ _DQ_TUNE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), 
 # Set by benchmarks and tests: keys "dkdv" / "dq" (4-tuples as above), "USE_TMA" (False
 # forces pointer loads) and "EARLY_DP" (bool; by default on for head dims <= 128, where
 # the earlier product's registers fit: H200, D = 128, S = 8k, +2% / +3% non-causal /
-# causal). None uses the tables above.
+# causal), "STATS_TMA" (False: lse and delta by pointer loads) and "HEAD_LOOP" (bool; by
+# default on for head dims > 128: a head loop around the dK/dV row ranges instead of one
+# loop per range over the whole group). None uses the tables above.
 CONFIG_OVERRIDE: dict | None = None
 # Autotune the dK/dV and dQ tiles per (head dims, mask, mode); off by default: the first
 # call of each key then compiles and times every candidate.
@@ -916,6 +924,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             HKV=hkv,
             # lse_log2 and delta by TMA: dense only (see the kernel).
             STATS_TMA=bool(use_tma and not is_varlen and override.get("STATS_TMA", True)),
+            # One loop per range over the whole group up to head dim 128; a head loop above.
+            HEAD_LOOP=bool(override.get("HEAD_LOOP", key_d > 128)),
             **common,
         )
         table = _DKDV_VARLEN_CONFIGS if is_varlen else _DKDV_CONFIGS

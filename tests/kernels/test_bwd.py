@@ -163,6 +163,7 @@ def test_attn_bwd_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, kw):
 @pytest.mark.parametrize("mode", [
     pytest.param({"USE_TMA": False}, id="pointers"),
     pytest.param({"EARLY_DP": False}, id="late_dp"),
+    pytest.param({"HEAD_LOOP": True}, id="head_loop"),
 ])
 def test_attn_bwd_paths(device, monkeypatch, mode):
     dtype = torch.float16 if HAS_CUDA else torch.float32
