@@ -98,8 +98,9 @@ def _attn_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SINK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    # A 1-D grid (row block fastest): grid dim 1 stops at 65535, which batch x heads may pass.
+    i_m = tl.program_id(0) % n_m
+    i_bh = tl.program_id(0) // n_m
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     if IS_VARLEN:
@@ -345,8 +346,10 @@ def _attn_bwd_dkdv_kernel(
     HEAD_LOOP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Key block 0 is seen by the most rows under a causal mask: the longest work starts first.
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    # A 1-D grid (key block fastest): grid dim 1 stops at 65535, which batch x heads may pass.
+    n_kb = tl.cdiv(seqlen_k, BLOCK_N)
+    i_n = tl.program_id(0) % n_kb
+    i_bh = tl.program_id(0) // n_kb
     i_b = i_bh // HKV
     i_hk = i_bh % HKV
     bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
@@ -561,8 +564,8 @@ def _attn_bwd_dq_kernel(
 ):
     # Last row block first: under a causal mask it sees the most keys.
     n_m = tl.cdiv(seqlen_q, BLOCK_M)
-    i_m = n_m - 1 - tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_m = n_m - 1 - tl.program_id(0) % n_m
+    i_bh = tl.program_id(0) // n_m
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     i_hk = i_h // GROUP
@@ -713,13 +716,13 @@ def _pick(table, key):
 
 
 def _launch(kernel, tuned, cfg, n, block, n_heads, args):
-    """One program per ``block`` rows of ``n`` (grid dim 0) and per head (dim 1), with the
-    tile ``cfg`` = (BLOCK_M, BLOCK_N, warps, stages), or autotuned when ``cfg`` is None."""
+    """One program per ``block`` rows of ``n`` and per head, on a 1-D grid (blocks fastest),
+    with the tile ``cfg`` = (BLOCK_M, BLOCK_N, warps, stages), or autotuned when None."""
     if cfg is None:
-        tuned[lambda meta: (triton.cdiv(n, meta[block]), n_heads)](**args)
+        tuned[lambda meta: (triton.cdiv(n, meta[block]) * n_heads,)](**args)
         return
     bm, bn, w, s = cfg
-    kernel[(triton.cdiv(n, bm if block == "BLOCK_M" else bn), n_heads)](
+    kernel[(triton.cdiv(n, bm if block == "BLOCK_M" else bn) * n_heads,)](
         **args,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -820,7 +823,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     dob, dos, doh = bsh(dout)
     lb, lh, ls = lsh(lse)
     dlb, dlh, dls = lsh(dlse)
-    _attn_bwd_preprocess_kernel[(n_m_pre, batch * hq)](
+    _attn_bwd_preprocess_kernel[(n_m_pre * batch * hq,)](
         out=out,
         dout=dout,
         lse=lse,

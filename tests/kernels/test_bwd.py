@@ -171,6 +171,27 @@ def test_attn_bwd_paths(device, monkeypatch, mode):
     _run_dense(device, dtype, 1, 37, 41, 4, 2, 32, 32, causal=True, sink=True, seed=3)
 
 
+def test_attn_bwd_grids_are_one_dimensional(device, monkeypatch):
+    # CUDA caps grid dims 1 and 2 at 65535, and batch x heads passes that with a few
+    # thousand varlen sequences: every backward launch puts (block, head) on dim 0.
+    grids = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    for name in ("_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"):
+        monkeypatch.setattr(bwd, name, Spy(getattr(bwd, name)))
+    dtype = torch.float16 if HAS_CUDA else torch.float32
+    _run_dense(device, dtype, 2, 40, 33, 4, 2, 32, 32, causal=True, sink=True, seed=6)
+    assert len(grids) == 3, grids
+    assert all(len(g) == 1 for g in grids), grids
+
+
 def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=False,
                 window=(None, None), used=None, sink=False, softcap=0.0, seed=0,
                 deterministic=False):
