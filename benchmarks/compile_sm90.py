@@ -104,7 +104,7 @@ def cases():
                      lse_log2=F32, delta=F32, cu_seqlens_q=I32, cu_seqlens_k=I32,
                      seqused_k=I32)
     for label, f in (("causal", flags), ("every flag", every)):
-        consts = dict(f, HKV=8, GROUP=2, D=128, DV=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
+        consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True,
                       STATS_TMA=not f["IS_VARLEN"], HEAD_LOOP=False)
         # The shipped stages: varlen keeps 2 (bwd._DKDV_VARLEN_CONFIGS).
@@ -113,10 +113,10 @@ def cases():
         if label == "causal":
             # Head dims above 128 loop over the heads around the row ranges (HEAD_LOOP).
             yield "dkdv", "bwd dK/dV D=256 G=4 causal", bwd._attn_bwd_dkdv_kernel, \
-                bwd_types, dict(consts, HKV=4, GROUP=4, D=256, DV=256, BLOCK_M=64,
+                bwd_types, dict(consts, GROUP=4, D=256, DV=256, BLOCK_M=64,
                                 BLOCK_N=64, BLOCK_D=256, BLOCK_DV=256, EARLY_DP=False,
                                 HEAD_LOOP=True), 8, 2
-        consts = dict(f, HQ=16, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
+        consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3
     dec_types = dict(q=BF16, k=BF16, v=BF16, cache_seqlens=I32, block_table=I32, sink=F32,

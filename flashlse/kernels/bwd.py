@@ -94,15 +94,14 @@ def _attn_bwd_preprocess_kernel(
     stride_dlb, stride_dlh, stride_dls,
     stride_tb, stride_th,
     seqlen_q, n_m, n_part,
-    HQ: tl.constexpr, DV: tl.constexpr,
+    DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SINK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    # A 1-D grid (row block fastest): grid dim 1 stops at 65535, which batch x heads may pass.
-    i_m = tl.program_id(0) % n_m
-    i_bh = tl.program_id(0) // n_m
-    i_b = i_bh // HQ
-    i_h = i_bh % HQ
+    # Grid (row block, head, batch): dims 1 and 2 stop at 65535 each.
+    i_m = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
     if IS_VARLEN:
         bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
         T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
@@ -336,7 +335,7 @@ def _attn_bwd_dkdv_kernel(
     seqlen_q, seqlen_k,
     left, right,
     scale, scale_log2, softcap_a2, softcap_c2,
-    HKV: tl.constexpr, GROUP: tl.constexpr,
+    GROUP: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -346,12 +345,10 @@ def _attn_bwd_dkdv_kernel(
     HEAD_LOOP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Key block 0 is seen by the most rows under a causal mask: the longest work starts first.
-    # A 1-D grid (key block fastest): grid dim 1 stops at 65535, which batch x heads may pass.
-    n_kb = tl.cdiv(seqlen_k, BLOCK_N)
-    i_n = tl.program_id(0) % n_kb
-    i_bh = tl.program_id(0) // n_kb
-    i_b = i_bh // HKV
-    i_hk = i_bh % HKV
+    # Grid (key block, kv head, batch): dims 1 and 2 stop at 65535 each.
+    i_n = tl.program_id(0)
+    i_hk = tl.program_id(1)
+    i_b = tl.program_id(2)
     bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
                                        seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     n0 = i_n * BLOCK_N
@@ -554,7 +551,7 @@ def _attn_bwd_dq_kernel(
     seqlen_q, seqlen_k,
     left, right,
     scale, scale_log2, softcap_a2, softcap_c2,
-    HQ: tl.constexpr, GROUP: tl.constexpr,
+    GROUP: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -563,11 +560,10 @@ def _attn_bwd_dq_kernel(
     USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Last row block first: under a causal mask it sees the most keys.
-    n_m = tl.cdiv(seqlen_q, BLOCK_M)
-    i_m = n_m - 1 - tl.program_id(0) % n_m
-    i_bh = tl.program_id(0) // n_m
-    i_b = i_bh // HQ
-    i_h = i_bh % HQ
+    # Grid (row block, query head, batch): dims 1 and 2 stop at 65535 each.
+    i_m = tl.cdiv(seqlen_q, BLOCK_M) - 1 - tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
     i_hk = i_h // GROUP
     bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
                                        seqused_k, IS_VARLEN, HAS_SEQUSED_K)
@@ -715,14 +711,16 @@ def _pick(table, key):
     return table[min(max(key, 32), 256)]
 
 
-def _launch(kernel, tuned, cfg, n, block, n_heads, args):
-    """One program per ``block`` rows of ``n`` and per head, on a 1-D grid (blocks fastest),
-    with the tile ``cfg`` = (BLOCK_M, BLOCK_N, warps, stages), or autotuned when None."""
+def _launch(kernel, tuned, cfg, n, block, n_heads, batch, args):
+    """One program per ``block`` rows of ``n``, per head and per sequence: grid (blocks,
+    heads, batch), blocks fastest; with the tile ``cfg`` = (BLOCK_M, BLOCK_N, warps, stages),
+    or autotuned when ``cfg`` is None. Heads and batch get a grid dim each (CUDA stops dims
+    1 and 2 at 65535; batch x heads in one dim passed that with a few thousand sequences)."""
     if cfg is None:
-        tuned[lambda meta: (triton.cdiv(n, meta[block]) * n_heads,)](**args)
+        tuned[lambda meta: (triton.cdiv(n, meta[block]), n_heads, batch)](**args)
         return
     bm, bn, w, s = cfg
-    kernel[(triton.cdiv(n, bm if block == "BLOCK_M" else bn) * n_heads,)](
+    kernel[(triton.cdiv(n, bm if block == "BLOCK_M" else bn), n_heads, batch)](
         **args,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -757,6 +755,12 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         ``dq, dk, dv`` shaped and typed as ``q, k, v``, and ``dsink (Hq,)`` float32 or None.
     """
     is_varlen = cu_seqlens_q is not None
+    n_seq = cu_seqlens_q.numel() - 1 if is_varlen else q.shape[0]
+    if max(n_seq, q.shape[-2]) > 65535:
+        # Heads and sequences each take a grid dim, which CUDA stops at 65535.
+        raise ValueError(f"the backward kernels take at most 65535 sequences and 65535 heads "
+                         f"per call, got {n_seq} sequences and {q.shape[-2]} heads; split the "
+                         f"batch into several calls")
     d, dv_dim = q.shape[-1], v.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
     device = q.device
@@ -823,7 +827,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     dob, dos, doh = bsh(dout)
     lb, lh, ls = lsh(lse)
     dlb, dlh, dls = lsh(dlse)
-    _attn_bwd_preprocess_kernel[(n_m_pre * batch * hq,)](
+    _attn_bwd_preprocess_kernel[(n_m_pre, hq, batch)](
         out=out,
         dout=dout,
         lse=lse,
@@ -850,7 +854,6 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         seqlen_q=seqlen_q,
         n_m=n_m_pre,
         n_part=n_part,
-        HQ=hq,
         DV=dv_dim,
         BLOCK_M=_PRE_BLOCK_M,
         BLOCK_DV=block_dv,
@@ -924,7 +927,6 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             stride_dvb=dvb,
             stride_dvs=dvs,
             stride_dvh=dvh,
-            HKV=hkv,
             # lse_log2 and delta by TMA: dense only (see the kernel).
             STATS_TMA=bool(use_tma and not is_varlen and override.get("STATS_TMA", True)),
             # One loop per range over the whole group up to head dim 128; a head loop above.
@@ -934,7 +936,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         table = _DKDV_VARLEN_CONFIGS if is_varlen else _DKDV_CONFIGS
         _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if tune else (
             override.get("dkdv") or _pick(table, key_d)), seqlen_k, "BLOCK_N",
-            batch * hkv, dkdv_args)
+            hkv, batch, dkdv_args)
     dq_args = dict(
         q=q,
         k=k,
@@ -946,11 +948,10 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         stride_dqb=dqb,
         stride_dqs=dqs,
         stride_dqh=dqh,
-        HQ=hq,
         **common,
     )
     _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if tune else (
-        override.get("dq") or _pick(_DQ_CONFIGS, key_d)), seqlen_q, "BLOCK_M", batch * hq,
+        override.get("dq") or _pick(_DQ_CONFIGS, key_d)), seqlen_q, "BLOCK_M", hq, batch,
         dq_args)
     dsink = None if sink is None else dsink_part.sum(1)
     return dq, dk, dv, dsink

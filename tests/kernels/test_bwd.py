@@ -171,9 +171,9 @@ def test_attn_bwd_paths(device, monkeypatch, mode):
     _run_dense(device, dtype, 1, 37, 41, 4, 2, 32, 32, causal=True, sink=True, seed=3)
 
 
-def test_attn_bwd_grids_are_one_dimensional(device, monkeypatch):
-    # CUDA caps grid dims 1 and 2 at 65535, and batch x heads passes that with a few
-    # thousand varlen sequences: every backward launch puts (block, head) on dim 0.
+def test_attn_bwd_grids_split_heads_and_batch(device, monkeypatch):
+    # CUDA caps grid dims 1 and 2 at 65535, and batch x heads in one dim passes that with
+    # a few thousand varlen sequences: every launch gives heads and batch a dim each.
     grids = []
 
     class Spy:
@@ -188,8 +188,19 @@ def test_attn_bwd_grids_are_one_dimensional(device, monkeypatch):
         monkeypatch.setattr(bwd, name, Spy(getattr(bwd, name)))
     dtype = torch.float16 if HAS_CUDA else torch.float32
     _run_dense(device, dtype, 2, 40, 33, 4, 2, 32, 32, causal=True, sink=True, seed=6)
-    assert len(grids) == 3, grids
-    assert all(len(g) == 1 for g in grids), grids
+    # preprocess and dQ over the 4 query heads, dK/dV over the 2 kv heads; batch 2.
+    assert sorted(g[1:] for g in grids) == [(2, 2), (4, 2), (4, 2)], grids
+
+
+def test_attn_bwd_rejects_more_sequences_than_the_grid_holds():
+    # Caught before any kernel runs, with what to do about it.
+    q = torch.zeros(70000, 1, 16)
+    cu = torch.arange(70001, dtype=torch.int32)
+    lse = torch.zeros(1, 70000)
+    with pytest.raises(ValueError, match="65535"):
+        bwd.attn_bwd(q, None, q, q, q, q, lse, left=None, right=None, softcap=0.0,
+                     scale=1.0, sink=None, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1,
+                     max_seqlen_k=1)
 
 
 def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=False,
