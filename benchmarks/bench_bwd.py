@@ -1,6 +1,7 @@
 """Backward attention TFLOP/s: flashlse vs SDPA flash (FA-2), SDPA cuDNN and FlexAttention.
 
-All systems run in this one process on the same GPU. bf16, B*S = 16k, H*D = 2048,
+All systems run in this one process on the same GPU. bf16, B*S = 16k, H*D = 2048 (MHA at
+every length, then GQA with 4 query heads a kv head at D = 128, S = 8k; peers with enable_gqa),
 FLOPs = 2.5 * 4*B*H*Sq*Sk*D (halved for causal), time = median of triton.testing.do_bench
 of the backward only: flashlse's launcher is called directly on a saved (out, lse); the
 peers run their forward once and time ``torch.autograd.grad(..., retain_graph=True)``.
@@ -73,14 +74,15 @@ def _sdpa(backend, qh, kh, vh, causal):
 
     inputs = [t.detach().requires_grad_(True) for t in (qh, kh, vh)]
     with sdpa_kernel(backend):
-        out = sdpa(*inputs, is_causal=causal)
+        out = sdpa(*inputs, is_causal=causal, enable_gqa=qh.shape[1] != kh.shape[1])
     return _grad_fn(out, inputs)
 
 
 def _flex(qh, kh, vh, causal):
     bm = causal_block_mask(qh.shape[2], kh.shape[2]) if causal else None
     inputs = [t.detach().requires_grad_(True) for t in (qh, kh, vh)]
-    out = flex_attention_compiled()(*inputs, block_mask=bm)
+    out = flex_attention_compiled()(*inputs, block_mask=bm,
+                                    enable_gqa=qh.shape[1] != kh.shape[1])
     return _grad_fn(out, inputs)
 
 
@@ -161,14 +163,16 @@ def _safe(name, fn):
         return float("nan")
 
 
-def _row(d, seq, causal, flex_on):
+def _row(d, seq, causal, flex_on, group=1):
     from torch.nn.attention import SDPBackend
 
     h, b = 2048 // d, 16384 // seq
     q, k, v = bf16_inputs(b, seq, seq, h, d, seed=seq + d)
+    # GQA: h // group kv heads (the FLOPs count the query heads, as for MHA).
+    k, v = k[:, :, : h // group].contiguous(), v[:, :, : h // group].contiguous()
     qh, kh, vh = _peers_inputs(q, k, v)
     fl = _flops(b, h, seq, seq, d, causal)
-    r = dict(d=d, seq=seq, b=b, h=h, causal=causal)
+    r = dict(d=d, seq=seq, b=b, h=h, hkv=h // group, causal=causal)
     makers = dict(
         flashlse=lambda: _ours(q, k, v, causal),
         fa2=lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qh, kh, vh, causal),
@@ -190,32 +194,40 @@ def _row(d, seq, causal, flex_on):
 def run_table(dims, flex_budget_s):
     rows = []
     flex_spent = 0.0
-    for d in dims:
-        for seq in SEQS:
-            for causal in (False, True):
-                # Flex compiles per shape: past its budget its column is left empty.
-                r, flex_s = _row(d, seq, causal, flex_spent < flex_budget_s)
-                rows.append(r)
-                flex_spent += flex_s
-                _log(_fmt(rows[-1]))
-                torch.cuda.empty_cache()
+    # MHA at every length, then GQA (4 query heads a kv head) at D = 128, S = 8k.
+    shapes = [(d, seq, 1) for d in dims for seq in SEQS]
+    shapes += [(128, 8192, 4)] if 128 in dims else []
+    for d, seq, group in shapes:
+        for causal in (False, True):
+            # Flex compiles per shape: past its budget its column is left empty.
+            r, flex_s = _row(d, seq, causal, flex_spent < flex_budget_s, group)
+            rows.append(r)
+            flex_spent += flex_s
+            _log(_fmt(rows[-1]))
+            torch.cuda.empty_cache()
     return rows
+
+
+def _heads(r):
+    """``H=16`` for MHA, ``H=16/4`` (query / kv heads) for GQA."""
+    return f"H={r['h']}" + (f"/{r['hkv']}" if r["hkv"] != r["h"] else "")
 
 
 def _fmt(r):
     f = r["flashlse"]
-    return (f"D={r['d']:3d} S={r['seq']:5d} causal={r['causal']:d} flashlse {f:6.1f} "
+    return (f"D={r['d']:3d} S={r['seq']:5d} {_heads(r)} causal={r['causal']:d} flashlse {f:6.1f} "
             f"FA2 {r['fa2']:6.1f} cuDNN {r['cudnn']:6.1f} Flex {r['flex']:6.1f} "
             f"x{f / r['fa2']:.2f} FA-2 x{f / r['cudnn']:.2f} cuDNN x{f / r['flex']:.2f} Flex")
 
 
 def _table(rows):
-    lines = ["| D | S | causal | flashlse | FA-2 | cuDNN | Flex | /FA-2 | /cuDNN | /Flex |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| D | S | heads | causal | flashlse | FA-2 | cuDNN | Flex | /FA-2 | /cuDNN | /Flex |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = r["flashlse"]
         lines.append(
-            f"| {r['d']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | {f:.0f} "
+            f"| {r['d']} | {r['seq']} | {_heads(r)[2:]} | {'yes' if r['causal'] else 'no'} "
+            f"| {f:.0f} "
             f"| {r['fa2']:.0f} | {r['cudnn']:.0f} | {r['flex']:.0f} "
             f"| {f / r['fa2']:.2f} | {f / r['cudnn']:.2f} | {f / r['flex']:.2f} |")
     lines.append("(TFLOP/s, backward = 2.5x forward FLOPs)")
@@ -231,7 +243,7 @@ def _append_results(meta, rows):
         f = r["flashlse"]
         text += (
             f"| {meta['date']} | {meta['device']} | {meta['torch']} | {meta['triton']} "
-            f"| bwd bf16 | D={r['d']} S={r['seq']} B={r['b']} H={r['h']} "
+            f"| bwd bf16 | D={r['d']} S={r['seq']} B={r['b']} {_heads(r)} "
             f"{'causal' if r['causal'] else 'full'} | {f:.0f} "
             f"| FA-2 {r['fa2']:.0f}, cuDNN {r['cudnn']:.0f}, Flex {r['flex']:.0f} "
             f"| x{f / r['fa2']:.2f} FA-2, x{f / r['cudnn']:.2f} cuDNN, "

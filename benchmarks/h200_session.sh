@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 if [ "$1" = tables ]; then
     timeout 250 python3 benchmarks/bench_bwd.py --results --flex-budget 60 --out /tmp/bwd 2>&1 \
-        | tail -34 > "$OUT/bench_bwd.txt"; cat "$OUT/bench_bwd.txt"
+        | tail -36 > "$OUT/bench_bwd.txt"; cat "$OUT/bench_bwd.txt"
     timeout 200 python3 benchmarks/bench_decode.py --out "$OUT" 2>&1 | tail -10
     timeout 60 python3 benchmarks/bench_merge.py --out /tmp/merge 2>&1 | tail -7
     cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
