@@ -227,6 +227,15 @@ def _attn_bwd_dkdv_tile(
 
 
 @triton.jit
+def _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M: tl.constexpr):
+    """The (head, row block) after ``(i_g, m0)``: the next row block, or the next head's
+    first one past ``m_hi`` (no division per tile, which would cost ~26 instructions)."""
+    m0 += BLOCK_M
+    wrap = m0 >= m_hi
+    return i_g + wrap.to(tl.int32), tl.where(wrap, m_lo, m0)
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(
     b_dk, b_dv, b_k, b_v,
     q_ref, do_ref, p_lse, p_delta,
@@ -241,8 +250,7 @@ def _attn_bwd_dkdv_inner(
 ):
     """Row blocks ``[m_lo, m_hi)`` (``m_lo`` a multiple of BLOCK_M), masked or all full, of
     the group's heads ``[i_g0, i_g0 + N_HEADS)``: one loop over (head, row block), so the
-    accumulators live in a single loop. Head and row block advance together (a division
-    per tile would cost ~26 instructions)."""
+    accumulators live in a single loop; head and row block advance together."""
     n_tiles = N_HEADS * tl.cdiv(m_hi - m_lo, BLOCK_M)
     i_g = i_g0
     m0 = m_lo
@@ -258,10 +266,7 @@ def _attn_bwd_dkdv_inner(
                 BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
                 STATS_TMA,
             )
-            m0 += BLOCK_M
-            wrap = m0 >= m_hi
-            i_g += wrap.to(tl.int32)
-            m0 = tl.where(wrap, m_lo, m0)
+            i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
             it += 1
     else:
         for _ in tl.range(0, n_tiles):
@@ -273,10 +278,7 @@ def _attn_bwd_dkdv_inner(
                 BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
                 STATS_TMA,
             )
-            m0 += BLOCK_M
-            wrap = m0 >= m_hi
-            i_g += wrap.to(tl.int32)
-            m0 = tl.where(wrap, m_lo, m0)
+            i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
     return b_dk, b_dv
 
 
