@@ -27,10 +27,11 @@ from collections import Counter
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashlse.kernels import bwd, combine, decode, fwd  # noqa: E402
+from flashlse.kernels import bwd, combine, decode, fwd, fwd_sm90  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"
@@ -44,7 +45,8 @@ def compile_kernel(fn, types: dict, consts: dict, num_warps: int, num_stages: in
     div = [n for n in names
            if n not in consts and (sig[n].startswith("*") or n.startswith("stride"))]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps,
                                                            num_stages=num_stages))
@@ -100,6 +102,18 @@ def cases():
                       BLOCK_DV=128, HAS_SINK=True, NEG_SCALE=False, USE_TMA=tma,
                       WARP_SPECIALIZE=False)
         yield "fwd", f"fwd D=128 {label}", fwd._attn_fwd_kernel, fwd_types, consts, 8, 3
+    # The Hopper Gluon forward (fwd_sm90.py): the shipped schedule and the optional one.
+    sm90_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
+                      cu_seqlens_k=I32, seqused_k=I32, scale_log2="fp32")
+    for label, f, pingpong, overlap in (("causal", flags, False, True),
+                                        ("every flag", every, False, True),
+                                        ("ping-pong serial", flags, True, False)):
+        consts = dict(GROUP=2, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
+                      HAS_RIGHT=True, HAS_SINK=True, IS_VARLEN=f["IS_VARLEN"],
+                      HAS_SEQUSED_K=f["HAS_SEQUSED_K"], PINGPONG=pingpong, OVERLAP=overlap,
+                      CONSUMER_REGS=240)
+        yield "fwd", f"fwd sm90 (Gluon) D=128 {label}", fwd_sm90._fwd_sm90_kernel, \
+            sm90_types, consts, 4, 1
     bwd_types = dict(q=BF16, k=BF16, v=BF16, dout=BF16, dq=BF16, dk=BF16, dv=BF16,
                      lse_log2=F32, delta=F32, cu_seqlens_q=I32, cu_seqlens_k=I32,
                      seqused_k=I32)

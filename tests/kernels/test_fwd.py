@@ -208,14 +208,74 @@ def test_attn_fwd_gpu_head_dims(device, dtype, d, dv, kw):
     pytest.param(dict(sq=255, sk=203, window=(31, 0)), id="odd_window"),
     pytest.param(dict(sq=1024, sk=1024, strided=True), id="strided_q"),
 ])
-def test_attn_fwd_gpu_edges(device, dtype, case):
+@pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "tl"])
+def test_attn_fwd_gpu_edges(device, monkeypatch, dtype, case, sm90):
+    monkeypatch.setattr(fwd, "USE_SM90", sm90)
     case = dict(case)
     sq, sk = case.pop("sq"), case.pop("sk")
     _run_dense(device, dtype, 2, sq, sk, 8, 2, 128, 128, **case)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "tl"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attn_fwd_gpu_varlen(device, causal):
+def test_attn_fwd_gpu_varlen(device, monkeypatch, causal, sm90):
+    monkeypatch.setattr(fwd, "USE_SM90", sm90)
     _run_varlen(device, torch.bfloat16, [700, 0, 1300, 1, 129], [900, 300, 1300, 0, 129],
                 8, 1, 128, 128, causal=causal, used=[900, 300, 1000, 0, 64], sink=True)
+
+
+def _on_sm90():
+    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+# The Hopper warp-specialised kernel (fwd_sm90.py, D = 128): halves of a 128-row block
+# cut by the sequence end, every mask edge, empty blocks and rows, GQA, sink, strides.
+SM90_CASES = [
+    pytest.param(2, 1000, 1000, 4, 2, 128, {}, id="base"),
+    pytest.param(1, 1000, 1000, 4, 4, 128, {"causal": True}, id="causal"),
+    pytest.param(2, 2000, 900, 8, 2, 128, {"causal": True}, id="causal_sq_gt_sk_empty"),
+    pytest.param(1, 300, 2000, 4, 1, 128, {"causal": True}, id="causal_sq_lt_sk_mqa"),
+    pytest.param(1, 1000, 0, 4, 2, 128, {}, id="sk0"),
+    pytest.param(1, 1000, 0, 4, 2, 128, {"sink": True}, id="sk0_sink"),
+    pytest.param(1, 1500, 700, 4, 2, 128, {"causal": True, "sink": True}, id="sink_empty"),
+    pytest.param(1, 255, 203, 4, 2, 128, {"window": (31, 0)}, id="window_31_0"),
+    pytest.param(1, 700, 1000, 4, 2, 128, {"window": (100, 50), "sink": True},
+                 id="window_both_sink"),
+    pytest.param(1, 900, 900, 4, 2, 128, {"window": (200, None)}, id="window_left_only"),
+    pytest.param(1, 400, 1200, 4, 2, 128, {"window": (0, 300)}, id="window_right_only"),
+    pytest.param(1, 1, 4097, 4, 1, 128, {"causal": True}, id="decode_row"),
+    pytest.param(1, 65, 129, 2, 1, 128, {}, id="second_half_one_row"),
+    pytest.param(1, 64, 64, 2, 1, 128, {"causal": True}, id="first_half_only"),
+    pytest.param(2, 1024, 1024, 4, 2, 128, {"strided": True}, id="strided_q"),
+    pytest.param(1, 2000, 2000, 4, 2, 128, {"causal": True, "window": (700, 0)},
+                 id="causal_sliding"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", SM90_CASES)
+def test_attn_fwd_gpu_sm90(device, monkeypatch, dtype, b, sq, sk, hq, hkv, d, kw):
+    from flashlse.kernels import fwd_sm90
+
+    calls = []
+    real = fwd_sm90.attn_fwd_sm90
+    monkeypatch.setattr(fwd_sm90, "attn_fwd_sm90", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, d, d, seed=7, **kw)
+    assert calls, "the call did not take the Hopper kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
+def test_attn_fwd_gpu_sm90_schedules(device, monkeypatch, pingpong, overlap):
+    from flashlse.kernels import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "CONFIG_OVERRIDE", {"PINGPONG": pingpong, "OVERLAP": overlap})
+    _run_dense(device, torch.bfloat16, 2, 1500, 1500, 4, 2, 128, 128, causal=True, seed=9)
+    _run_dense(device, torch.float16, 1, 1000, 1200, 4, 1, 128, 128, window=(300, 20),
+               sink=True, seed=10)
+    _run_dense(device, torch.bfloat16, 1, 2000, 900, 4, 2, 128, 128, causal=True, seed=11)

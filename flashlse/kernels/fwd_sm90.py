@@ -1,0 +1,449 @@
+"""Hopper forward: two consumer warpgroups and a TMA producer warp (Gluon, warp-specialised).
+
+Same math and contract as ``fwd.py`` (its docstring has the derivation): base-2 online
+softmax, ``inv_sum = 0`` for a row that saw no key, so out = 0 and lse = -inf (or the sink).
+What changes is the schedule, which ``tl`` cannot express (benchmarks/NOTES.md, forward #8,
+#12, #13): in the ``tl`` kernel both warpgroups of a 128-row block meet at a barrier every key
+tile, so the exponentials of one tile never run under the matrix products of another.
+
+Here a program owns 128 query rows of one (sequence, head) and splits them into two 64-row
+halves, each owned by one warpgroup (``gl.warp_specialize``):
+
+- one producer warp loads the two Q halves once, then K and V tiles into a ring of STAGES
+  buffers, each guarded by a *full* barrier (TMA bytes arrived) and an *empty* barrier (both
+  warpgroups are done with it: two arrivals);
+- each consumer warpgroup runs, per key tile, ``S = Q_half K^T`` (wgmma from shared memory),
+  the online softmax in registers, ``acc += P V`` with P from registers, and releases K as
+  soon as S is complete and V as soon as the product is. With OVERLAP (FA-3's
+  intra-warpgroup pipelining) ``S_{j+1}`` and ``P_j V_j`` are issued together and the
+  softmax of tile j + 1 runs while ``P_j V_j`` is in flight.
+- PINGPONG (FA-3's inter-warpgroup schedule: the warpgroups take turns to issue products
+  through two barriers) is kept as an option; measured on an H200 it did not pay once the
+  warpgroups run free of each other (NOTES #15, #17).
+
+Fast path only: sm_90, fp16/bf16, D == Dv == 128, scale > 0, no softcap, 16-byte aligned
+rows, at most 65535 sequences and heads (grid y/z); every mask, GQA, sink, varlen and
+seqused_k are handled. Everything else goes to ``fwd.py`` (D = 64 measured slower here below
+8k: NOTES #18). Gluon does not run under TRITON_INTERPRET: CI compiles this kernel for sm_90
+(tests/test_fwd_sm90_compile.py) and tests fwd.py's kernel, the same math; the H200 runs
+tests/kernels/test_fwd.py's ``sm90`` cases.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ._common import alloc_scratch, key_ranges, seq_bounds
+
+# fwd.py's scalar helpers (sequence bounds, key-tile ranges), compiled as Gluon functions.
+_seq_bounds = gluon.jit(seq_bounds.fn)
+_key_ranges = gluon.jit(key_ranges.fn)
+
+LOG2E = 1.4426950408889634
+_LOG2E = gl.constexpr(LOG2E)
+HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+              q_bar, k_full, k_empty, v_full, v_empty,
+              m0, n_lo, n_tiles,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: both Q halves once, then K_j and V_j into the ring, each when it is free."""
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0 + half * HALF_M, 0], q_bar.index(half),
+                                        q_smem.index(half))
+    for it in range(n_tiles):
+        s = it % STAGES
+        # A fresh barrier counts as having completed the phase before 0, so the first
+        # pass over the ring does not wait.
+        ph = ((it // STAGES) & 1) ^ 1
+        n0 = n_lo + it * BLOCK_N
+        mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n0, 0], k_full.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [n0, 0], v_full.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2,
+                  MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Online-softmax step for raw scores ``s_acc`` of key tile ``[n0, n0 + BLOCK_N)``:
+    returns the probabilities (unnormalised, base 2), the rescale factor and the new state."""
+    if MASK:
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        vis = cols[None, :] < T_k
+        if HAS_RIGHT:
+            vis = vis & (cols[None, :] <= rows[:, None] + shift + right)
+        if HAS_LEFT:
+            vis = vis & (cols[None, :] >= rows[:, None] + shift - left)
+        t = gl.where(vis, s_acc * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(t, 1))
+        # A row with no visible key yet keeps m = -inf; pivot on 0 so 2^(-inf - 0) = 0.
+        piv = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(t - piv[:, None])
+    else:
+        # Every score finite: the new max is finite, the scale folds into one FMA.
+        m_new = gl.maximum(m_i, gl.max(s_acc, 1) * scale_log2)
+        piv = m_new
+        p = gl.exp2(s_acc * scale_log2 - piv[:, None])
+    alpha = gl.exp2(m_i - piv)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2,
+                 n_full_lo, n_full_hi, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """``_softmax_tile`` with the mask only on tiles outside the full middle."""
+    if (n0 < n_full_lo) | (n0 >= n_full_hi):
+        p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right,
+                                           scale_log2, True, HAS_LEFT, HAS_RIGHT, BLOCK_N,
+                                           s_layout)
+    else:
+        p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right,
+                                           scale_log2, False, HAS_LEFT, HAS_RIGHT, BLOCK_N,
+                                           s_layout)
+    return p, alpha, m_i, l_i
+
+
+@gluon.jit
+def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
+                           acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
+                           n_lo, n_full_lo, n_full_hi, n_tiles,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                           PINGPONG: gl.constexpr, s_layout: gl.constexpr,
+                           o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """FA-3's intra-warpgroup overlap: ``S_{j+1} = Q K_{j+1}^T`` and ``acc += P_j V_j`` are
+    issued together, and the softmax of tile j + 1 runs while ``P_j V_j`` is in flight."""
+    dtype: gl.constexpr = q_tile.dtype
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    if n_tiles > 0:
+        mbarrier.wait(k_full.index(0), 0)
+        if PINGPONG:
+            mbarrier.wait(turn.index(half), 0)
+        s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - half))
+        s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(0))
+        p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo, rows, T_k, shift, left, right,
+                                          scale_log2, n_full_lo, n_full_hi,
+                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+        for it in range(n_tiles - 1):
+            s = it % STAGES
+            s1 = (it + 1) % STAGES
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(k_full.index(s1), ((it + 1) // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(half), (it + 1) & 1)
+            s_tok = warpgroup_mma(q_tile, k_smem.index(s1).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            mbarrier.wait(v_full.index(s), (it // STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - half))
+            s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(s1))
+            p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo + (it + 1) * BLOCK_N, rows,
+                                              T_k, shift, left, right, scale_log2,
+                                              n_full_lo, n_full_hi,
+                                              HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+            mbarrier.arrive(v_empty.index(s))
+        last = n_tiles - 1
+        s = last % STAGES
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(v_full.index(s), (last // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(half), n_tiles & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - half))
+        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        mbarrier.arrive(v_empty.index(s))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, o_desc,
+              q_bar, k_full, k_empty, v_full, v_empty, turn,
+              p_lse, sink, i_h, half,
+              m0, T_q, T_k, shift, left, right, scale_log2,
+              n_lo, n_full_lo, n_full_hi, n_tiles,
+              D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+    """One warpgroup: 64 query rows against every key tile of the block, then the epilogue."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    r0 = m0 + half * HALF_M
+    rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+    acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    q_tile = q_smem.index(half)
+    mbarrier.wait(q_bar.index(half), 0)
+
+    if OVERLAP:
+        acc, m_i, l_i = _consumer_loop_overlap(
+            q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
+            acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
+            n_lo, n_full_lo, n_full_hi, n_tiles,
+            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, s_layout, o_layout, p_layout)
+    else:
+        for it in range(n_tiles):
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            n0 = n_lo + it * BLOCK_N
+            mbarrier.wait(k_full.index(s), ph)
+            if PINGPONG:
+                # My turn to issue products; the other warpgroup's softmax runs meanwhile.
+                mbarrier.wait(turn.index(half), it & 1)
+            s_tok = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(s))
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - half))
+            p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right,
+                                              scale_log2, n_full_lo, n_full_hi,
+                                              HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(v_full.index(s), ph)
+            o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+            mbarrier.arrive(v_empty.index(s))
+
+    # Epilogue (fwd.py's _attn_fwd_store): l == 0 exactly for a row with no visible key.
+    if HAS_SINK:
+        sink_nat = gl.load(sink + i_h).to(gl.float32)
+        sink2 = sink_nat * _LOG2E
+        m_f = gl.maximum(m_i, sink2)
+        w = gl.exp2(m_i - m_f)
+        l_f = l_i * w + gl.exp2(sink2 - m_f)
+        o_scale = w / l_f
+        lse = (m_f + gl.log2(l_f)) * 0.6931471805599453
+        lse = gl.where(l_i == 0.0, sink_nat, lse)
+    else:
+        nonempty = l_i > 0.0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        o_scale = gl.where(nonempty, 1.0 / l_safe, 0.0)
+        lse = gl.where(nonempty, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    gl.store(p_lse + rows, lse, mask=rows < T_q)
+    out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
+    # Q's buffer is free now: stage out there for one TMA store, clipped at the sequence end.
+    q_tile.store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [r0, 0], q_tile)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype: gl.constexpr,
+                 D: gl.constexpr, BLOCK_M: gl.constexpr, HAS_SINK: gl.constexpr):
+    """out = 0 and lse = -inf (or the sink) for rows ``[m0, m0 + BLOCK_M)`` below ``T_q``."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    p_out = p_o + rows[:, None].to(gl.int64) * stride_os + cols[None, :]
+    gl.store(p_out, gl.zeros([BLOCK_M, D], dtype, layout=layout), mask=rows[:, None] < T_q)
+    lse = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+    if HAS_SINK:
+        lse = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, layout))
+        lse = lse + gl.load(sink + i_h).to(gl.float32)
+    gl.store(p_lse + rows, lse, mask=rows < T_q)
+
+
+# Lengths and window bounds change per call; specialising on them only recompiles.
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+def _fwd_sm90_kernel(
+    q, k, v, o, lse, sink,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, left, right, scale_log2,
+    GROUP: gl.constexpr, D: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, PINGPONG: gl.constexpr,
+    OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = 2 * HALF_M
+    i_m_rev = gl.program_id(0)
+    i_h = gl.program_id(1)
+    i_b = gl.program_id(2)
+    i_hk = i_h // GROUP
+    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
+    # Last row block first: under a causal mask it has the most keys.
+    n_m = (T_q + BLOCK_M - 1) // BLOCK_M
+    i_m = n_m - 1 - i_m_rev
+    if i_m < 0:
+        return
+    m0 = i_m * BLOCK_M
+    m_last = gl.minimum(m0 + BLOCK_M, T_q) - 1
+    shift = T_k - T_q
+
+    # Key tiles some row sees [n_lo, n_hi), and the full middle [n_full_lo, n_full_hi).
+    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
+                                                   HAS_LEFT, HAS_RIGHT)
+    n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
+
+    p_q = q + i_b.to(gl.int64) * stride_qb + bos * stride_qs + i_h.to(gl.int64) * stride_qh
+    p_k = k + i_b.to(gl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(gl.int64) * stride_kh
+    p_v = v + i_b.to(gl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(gl.int64) * stride_vh
+    p_o = o + i_b.to(gl.int64) * stride_ob + bos * stride_os + i_h.to(gl.int64) * stride_oh
+    p_lse = lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + bos
+
+    dtype: gl.constexpr = q.dtype.element_ty
+    if n_tiles == 0:
+        # No row of the block sees a key: store the empty state, build and load nothing.
+        _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype, D, BLOCK_M, HAS_SINK)
+        return
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    # One descriptor per (sequence, head) slice: rows past its end read as zeros and the
+    # store of out is clipped there.
+    q_desc = tma.make_tensor_descriptor(p_q, [T_q, D], [stride_qs, 1], [HALF_M, D], q_layout)
+    o_desc = tma.make_tensor_descriptor(p_o, [T_q, D], [stride_os, 1], [HALF_M, D], q_layout)
+    # (No tile is loaded when T_k == 0; the extent stays >= 1 for a valid descriptor.)
+    T_k_desc = gl.maximum(T_k, 1)
+    k_desc = tma.make_tensor_descriptor(p_k, [T_k_desc, D], [stride_ks, 1], [BLOCK_N, D],
+                                        kv_layout)
+    v_desc = tma.make_tensor_descriptor(p_v, [T_k_desc, D], [stride_vs, 1], [BLOCK_N, D],
+                                        kv_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    # Warpgroup 0 issues first.
+    mbarrier.arrive(turn.index(0))
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty, turn,
+                     p_lse, sink, i_h, 0, m0, T_q, T_k, shift, left, right, scale_log2,
+                     n_lo, n_full_lo, n_full_hi, n_tiles,
+                     D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
+        (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty, turn,
+                     p_lse, sink, i_h, 1, m0, T_q, T_k, shift, left, right, scale_log2,
+                     n_lo, n_full_lo, n_full_hi, n_tiles,
+                     D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                     q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
+                     BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# Tiles per head dim (H200 sweeps, benchmarks/NOTES.md).
+_CONFIGS = {
+    128: dict(BLOCK_N=128, STAGES=2, PINGPONG=False, OVERLAP=True),
+}
+CONFIG_OVERRIDE: dict | None = None
+
+
+def supported(q, k, v, *, softcap, scale, batch) -> bool:
+    """The fast path's domain: everything else runs fwd.py's kernel."""
+    d = q.shape[-1]
+    if batch > 65535 or q.shape[-2] > 65535:
+        return False
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if d not in _CONFIGS or v.shape[-1] != d or softcap or not scale > 0:
+        return False
+    for t in (q, k, v):
+        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
+                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                  seqused_k=None):
+    """Fill ``out`` and ``lse`` (allocated by fwd.attn_fwd, same shapes and meaning)."""
+    is_varlen = cu_seqlens_q is not None
+    d = q.shape[-1]
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if is_varlen:
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        sq = (0, q.stride(0), q.stride(1))
+        sk = (0, k.stride(0), k.stride(1))
+        sv = (0, v.stride(0), v.stride(1))
+        so = (0, out.stride(0), out.stride(1))
+        sl = (0, lse.stride(0))
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        sq = (q.stride(0), q.stride(1), q.stride(2))
+        sk = (k.stride(0), k.stride(1), k.stride(2))
+        sv = (v.stride(0), v.stride(1), v.stride(2))
+        so = (out.stride(0), out.stride(1), out.stride(2))
+        sl = (lse.stride(0), lse.stride(1))
+    cfg = dict(_CONFIGS[d])
+    if CONFIG_OVERRIDE:
+        cfg.update(CONFIG_OVERRIDE)
+    triton.set_allocator(alloc_scratch)
+    grid = (triton.cdiv(seqlen_q, 2 * HALF_M), hq, batch)
+    _fwd_sm90_kernel[grid](
+        q, k, v, out, lse, sink,
+        cu_seqlens_q, cu_seqlens_k, seqused_k,
+        *sq, *sk, *sv, *so, *sl,
+        seqlen_q, seqlen_k,
+        0 if left is None else int(left), 0 if right is None else int(right),
+        float(scale) * LOG2E,
+        GROUP=hq // hkv, D=d,
+        BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
+        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SINK=sink is not None,
+        IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None,
+        PINGPONG=cfg.get("PINGPONG", True), OVERLAP=cfg.get("OVERLAP", False),
+        CONSUMER_REGS=cfg.get("CONSUMER_REGS", 240),
+        num_warps=4,
+    )
+    return out, lse
