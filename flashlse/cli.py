@@ -46,6 +46,8 @@ MERGE_CASES = tuple(c[0] for c in CASES[6:])
 # name -> (what it is, cases it runs); the order is the table's.
 BACKENDS = {
     "flashlse": ("flashlse public functions (Triton kernels on CUDA)", ATTN_CASES + MERGE_CASES),
+    "flashlse d128": ("the same at head dim 128, zero-padded (on sm_90: the Gluon kernel)",
+                      tuple(c for c in ATTN_CASES if c != "sparse")),
     "flashlse kvcache": ("fl.attention_with_kvcache, num_splits=4, cache padded with garbage",
                          ("causal", "window", "sk0", "sink")),
     "sdpa math": ("F.scaled_dot_product_attention, SDPBackend.MATH, bool mask", ATTN_CASES),
@@ -192,6 +194,22 @@ def _run_flashlse(c):
     if cid == "sparse":
         return (*fl.sparse_attention(q, k, v, c["indices"], return_lse=True), None)
     return (*fl.attention(q, k, v, sink=c["sink"], return_lse=True, **_window_kw(c)), None)
+
+
+def _run_flashlse_d128(c):
+    """The attention cases at head dim 128, the one whose forward runs the Hopper kernel on
+    sm_90: q, k, v zero-padded from D (q . k unchanged, scale kept at 1/sqrt(D)), so out's
+    first D columns and the lse are the same case's."""
+    import flashlse as fl
+
+    q, k, v = (torch.nn.functional.pad(c[n], (0, 128 - D)) for n in ("q4", "k4", "v4"))
+    scale = 1.0 / math.sqrt(D)
+    if c["id"] == "varlen0":
+        o, l = fl.attention_varlen(q[0], k[0], v[0], c["cu_q"], c["cu_k"], c["max_q"],
+                                   c["max_k"], scale=scale, return_lse=True)
+        return o[None][..., :D], l[None], None
+    o, l = fl.attention(q, k, v, sink=c["sink"], scale=scale, return_lse=True, **_window_kw(c))
+    return o[..., :D], l, None
 
 
 def _run_flashlse_kvcache(c):
@@ -374,6 +392,7 @@ def _run_merge(fn):
 
 RUNNERS = {
     "flashlse": _run_flashlse,
+    "flashlse d128": _run_flashlse_d128,
     "flashlse kvcache": _run_flashlse_kvcache,
     "sdpa math": _run_sdpa_math,
     "sdpa flash-cpu": _run_sdpa_flash_cpu,
