@@ -31,7 +31,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashlse.kernels import bwd, combine, decode, fwd, fwd_sm90  # noqa: E402
+from flashlse.kernels import bwd, bwd_sm90, combine, decode, fwd, fwd_sm90  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"
@@ -130,6 +130,12 @@ def cases():
                 bwd_types, dict(consts, GROUP=4, D=256, DV=256, BLOCK_M=64,
                                 BLOCK_N=64, BLOCK_D=256, BLOCK_DV=256, EARLY_DP=False,
                                 HEAD_LOOP=True), 8, 2
+        # The Hopper Gluon dK/dV (bwd_sm90.py, experimental, off by default).
+        consts = dict(GROUP=2, D=128, BLOCK_M=64, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
+                      HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
+                      HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False, CONSUMER_REGS=240)
+        yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
+            dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
         consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3

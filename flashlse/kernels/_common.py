@@ -93,3 +93,35 @@ def key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N: tl.constexpr,
     n_full_lo = tl.minimum(n_full_lo, n_hi)
     n_full_hi = tl.minimum(tl.maximum(n_full_hi, n_full_lo), n_hi)
     return n_lo, n_full_lo, n_full_hi, n_hi
+
+
+@triton.jit
+def row_ranges(n0, n_last, T_q, T_k, shift, left, right, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Row blocks of key block ``[n0, n_last]`` (the transpose of ``key_ranges``):
+    ``[m_lo, m_hi)`` see some key of it, ``[m_full_lo, m_full_hi)`` (multiples of BLOCK_M)
+    see all of it, so only the rest needs the mask. The ragged last key block (past T_k)
+    is masked in every tile."""
+    # Rows that see some key of the block: [m_lo, m_hi).
+    m_lo = 0
+    if HAS_RIGHT:
+        m_lo = tl.maximum(n0 - shift - right, 0)
+        m_lo = (m_lo // BLOCK_M) * BLOCK_M
+    m_hi = T_q
+    if HAS_LEFT:
+        m_hi = tl.minimum(m_hi, n_last - shift + left + 1)
+    m_hi = tl.maximum(m_hi, m_lo)
+    # Row blocks that see the whole key block: [m_full_lo, m_full_hi).
+    m_full_lo = m_lo
+    if HAS_RIGHT:
+        m_start = tl.maximum(n0 + BLOCK_N - 1 - shift - right, 0)
+        m_full_lo = tl.maximum(tl.cdiv(m_start, BLOCK_M) * BLOCK_M, m_lo)
+    m_full_hi = m_hi
+    if HAS_LEFT:
+        m_end = tl.maximum(n0 - shift + left + 1, 0)
+        m_full_hi = tl.minimum((m_end // BLOCK_M) * BLOCK_M, m_hi)
+    # The ragged last key block: every tile masks the keys past T_k.
+    m_full_lo = tl.where(n0 + BLOCK_N > T_k, m_hi, m_full_lo)
+    m_full_lo = tl.minimum(m_full_lo, m_hi)
+    m_full_hi = tl.minimum(tl.maximum(m_full_hi, m_full_lo), m_hi)
+    return m_lo, m_full_lo, m_full_hi, m_hi

@@ -1,0 +1,294 @@
+"""Hopper dK/dV: two consumer warpgroups of 64 keys and a TMA producer warp (Gluon).
+
+EXPERIMENTAL, off by default (``bwd.USE_SM90_DKDV = False``): written and compiled for sm_90
+without a GPU at hand (2026-11-29); its H200 tests (tests/kernels/test_bwd.py, ``sm90``) and
+timing are the next device session's first job. Until then ``bwd.py``'s dK/dV kernel runs.
+
+The same math as ``bwd.py``'s ``_attn_bwd_dkdv_kernel`` (its docstring has it), the schedule of
+``fwd_sm90.py``: the forward gained 15-30% on the H200 once the two warpgroups of a block
+stopped meeting at a barrier every tile, and the ``tl`` dK/dV kernel has the same barrier.
+
+A program owns a 128-key block of one (sequence, kv head), split into two 64-key halves, one
+per 4-warp consumer partition holding its ``dK, dV`` (64 x 128 each, float32) in registers.
+A 1-warp producer loads the K and V halves once, then ``Q_i, dO_i`` tiles (64 rows) of every
+query head of the group into a ring of STAGES buffers (full / empty mbarriers; empty takes
+both consumers' arrivals). Per tile a consumer issues ``S^T = K Q^T`` and ``dP^T = V dO^T``
+together (the second runs while the exponentials of the first are computed), then
+``dV += P^T dO`` and ``dK += dS^T Q`` with ``P^T, dS^T`` from registers.
+
+Empty and out-of-bounds rows as in ``bwd.py``: the preprocess stores ``lse_log2 = 0`` for an
+empty row (its masked logits are -inf, so P = 0); rows past the sequence end load
+``lse_log2 = +inf`` and ``delta = 0`` here, and their Q, dO rows are TMA zero-fill, so they
+add nothing. Masks only on boundary tiles (``row_ranges``).
+
+Domain: sm_90, fp16/bf16, D == Dv == 128, no softcap, 16-byte aligned rows (q, k, v, dout,
+dk, dv); every mask, GQA and varlen.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ._common import alloc_scratch, row_ranges, seq_bounds
+
+_seq_bounds = gluon.jit(seq_bounds.fn)
+_row_ranges = gluon.jit(row_ranges.fn)
+
+HALF_N = gl.constexpr(64)  # keys per consumer warpgroup (one wgmma M)
+
+
+@gluon.jit
+def _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M: gl.constexpr):
+    """The (head, row block) after ``(i_g, m0)`` in the flat loop over the group."""
+    m0 += BLOCK_M
+    if m0 >= m_hi:
+        i_g += 1
+        m0 = m_lo
+    return i_g, m0
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+              kv_bar, full, empty, n0, m_lo, m_hi, n_tiles,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the K and V halves once, then Q and dO of every (head, row block)."""
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [n0 + half * HALF_N, 0], kv_bar,
+                                        k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [n0 + half * HALF_N, 0], kv_bar,
+                                        v_smem.index(half))
+    i_g = 0
+    m0 = m_lo
+    for it in range(n_tiles):
+        s = it % STAGES
+        # A fresh barrier counts as having completed the phase before 0.
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(full.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [i_g, m0, 0], full.index(s), q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [i_g, m0, 0], full.index(s), do_smem.index(s))
+        i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
+
+
+@gluon.jit
+def _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2,
+             MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """``P^T = 2^(S^T * scale_log2 - lse_log2)``, masked keys -> 0 on boundary tiles."""
+    if MASK:
+        vis = keys[:, None] < T_k
+        if HAS_RIGHT:
+            vis = vis & (keys[:, None] <= rows[None, :] + shift + right)
+        if HAS_LEFT:
+            vis = vis & (keys[:, None] >= rows[None, :] + shift - left)
+        pt = gl.exp2(gl.where(vis, st * scale_log2, float("-inf")) - lse[None, :])
+    else:
+        pt = gl.exp2(st * scale_log2 - lse[None, :])
+    return pt
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc,
+              kv_bar, full, empty, p_lse, p_delta, stride_th, half,
+              n0, T_q, T_k, shift, left, right, scale, scale_log2,
+              m_lo, m_full_lo, m_full_hi, m_hi, n_tiles,
+              D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EARLY_DP: gl.constexpr):
+    """One warpgroup: 64 keys against every (head, row block) that sees the key block."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    dtype: gl.constexpr = k_smem.dtype
+    keys = n0 + half * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    col_arange = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
+    k_t = k_smem.index(half)
+    v_t = v_smem.index(half)
+    mbarrier.wait(kv_bar, 0)
+
+    i_g = 0
+    m0 = m_lo
+    for it in range(n_tiles):
+        s = it % STAGES
+        mbarrier.wait(full.index(s), (it // STAGES) & 1)
+        q_t = q_smem.index(s).reshape([BLOCK_M, D])
+        do_t = do_smem.index(s).reshape([BLOCK_M, D])
+        rows = m0 + col_arange
+        in_seq = rows < T_q
+        # Rows past the end: lse = +inf, so P = 0 there with no mask.
+        lse = gl.load(p_lse + i_g * stride_th + rows, mask=in_seq, other=float("inf"))
+        dlt = gl.load(p_delta + i_g * stride_th + rows, mask=in_seq, other=0.0)
+        st_tok = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if EARLY_DP:
+            # dP^T runs on the tensor cores while the exponentials of S^T are computed.
+            dpt_tok = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False,
+                                    is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st_tok, ))
+        else:
+            st = warpgroup_mma_wait(0, deps=(st_tok, ))
+        if (m0 < m_full_lo) | (m0 >= m_full_hi):
+            pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, True,
+                          HAS_LEFT, HAS_RIGHT)
+        else:
+            pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, False,
+                          HAS_LEFT, HAS_RIGHT)
+        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv,
+                               is_async=True)
+        if not EARLY_DP:
+            # dP^T runs with dV += P^T dO.
+            dpt_tok = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False,
+                                    is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
+        else:
+            dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
+        dst = pt * (dpt - dlt[None, :])
+        dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk,
+                               is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+        mbarrier.arrive(empty.index(s))
+        i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
+
+    # K and V are no longer read: stage dK, dV in their buffers for two clipped TMA stores.
+    k_t.store((dk * scale).to(dtype))
+    v_t.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [n0 + half * HALF_N, 0], k_t)
+    tma.async_copy_shared_to_global(dv_desc, [n0 + half * HALF_N, 0], v_t)
+    tma.store_wait(0)
+
+
+# Lengths are not specialised (a length of 1 or divisible by 16 would recompile).
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+def _dkdv_sm90_kernel(
+    q, k, v, dout, lse_log2, delta, dk, dv,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_tb, stride_th,
+    seqlen_q, seqlen_k, left, right, scale, scale_log2,
+    GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    BLOCK_N: gl.constexpr = 2 * HALF_N
+    i_n = gl.program_id(0)
+    i_hk = gl.program_id(1)
+    i_b = gl.program_id(2)
+    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
+    n0 = i_n * BLOCK_N
+    if n0 >= T_k:
+        return
+    n_last = gl.minimum(n0 + BLOCK_N, T_k) - 1
+    shift = T_k - T_q
+    m_lo, m_full_lo, m_full_hi, m_hi = _row_ranges(n0, n_last, T_q, T_k, shift, left, right,
+                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # The flat loop over (head, row block) of the group: one trip per tile.
+    n_tiles = GROUP * ((m_hi - m_lo + BLOCK_M - 1) // BLOCK_M)
+
+    i_h0 = i_hk * GROUP
+    p_q = q + i_b.to(gl.int64) * stride_qb + bos * stride_qs + i_h0.to(gl.int64) * stride_qh
+    p_do = (dout + i_b.to(gl.int64) * stride_dob + bos * stride_dos
+            + i_h0.to(gl.int64) * stride_doh)
+    p_k = k + i_b.to(gl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(gl.int64) * stride_kh
+    p_v = v + i_b.to(gl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(gl.int64) * stride_vh
+    p_dk = (dk + i_b.to(gl.int64) * stride_dkb + bos_k * stride_dks
+            + i_hk.to(gl.int64) * stride_dkh)
+    p_dv = (dv + i_b.to(gl.int64) * stride_dvb + bos_k * stride_dvs
+            + i_hk.to(gl.int64) * stride_dvh)
+    o_t = i_b.to(gl.int64) * stride_tb + i_h0.to(gl.int64) * stride_th + bos
+    p_lse = lse_log2 + o_t
+    p_delta = delta + o_t
+
+    dtype: gl.constexpr = q.dtype.element_ty
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, D], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
+    # Q and dO span the group (heads i_h0 .. i_h0 + GROUP - 1); rows past a sequence's end
+    # read as zeros, and the stores of dK, dV are clipped at T_k.
+    T_q_desc = gl.maximum(T_q, 1)
+    q_desc = tma.make_tensor_descriptor(p_q, [GROUP, T_q_desc, D], [stride_qh, stride_qs, 1],
+                                        [1, BLOCK_M, D], row_layout)
+    do_desc = tma.make_tensor_descriptor(p_do, [GROUP, T_q_desc, D],
+                                         [stride_doh, stride_dos, 1], [1, BLOCK_M, D],
+                                         row_layout)
+    k_desc = tma.make_tensor_descriptor(p_k, [T_k, D], [stride_ks, 1], [HALF_N, D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(p_v, [T_k, D], [stride_vs, 1], [HALF_N, D], kv_layout)
+    dk_desc = tma.make_tensor_descriptor(p_dk, [T_k, D], [stride_dks, 1], [HALF_N, D],
+                                         kv_layout)
+    dv_desc = tma.make_tensor_descriptor(p_dv, [T_k, D], [stride_dvs, 1], [HALF_N, D],
+                                         kv_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], kv_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc, kv_bar, full, empty,
+                     p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift, left, right, scale,
+                     scale_log2, m_lo, m_full_lo, m_full_hi, m_hi, n_tiles,
+                     D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP)),
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc, kv_bar, full, empty,
+                     p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift, left, right, scale,
+                     scale_log2, m_lo, m_full_lo, m_full_hi, m_hi, n_tiles,
+                     D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                     kv_bar, full, empty, n0, m_lo, m_hi, n_tiles, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+CONFIG = dict(BLOCK_M=64, STAGES=2, EARLY_DP=False, CONSUMER_REGS=240)
+
+
+def supported(q, k, v, dout, dk, dv, *, softcap) -> bool:
+    """The kernel's domain; everything else runs bwd.py's dK/dV kernel."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0) or softcap:
+        return False
+    if q.shape[-1] != 128 or v.shape[-1] != 128 or min(q.numel(), k.numel()) == 0:
+        return False
+    for t in (q, k, v, dout, dk, dv):
+        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def attn_bwd_dkdv_sm90(args: dict, batch: int, seqlen_k: int, hkv: int):
+    """Launch with bwd.attn_bwd's dK/dV arguments (``dkdv_args``)."""
+    triton.set_allocator(alloc_scratch)
+    cfg = CONFIG
+    grid = (triton.cdiv(seqlen_k, 2 * HALF_N), hkv, batch)
+    names = _dkdv_sm90_kernel.arg_names
+    kwargs = {n: args[n] for n in names if n in args and n not in cfg}
+    _dkdv_sm90_kernel[grid](
+        **kwargs, BLOCK_M=cfg["BLOCK_M"], STAGES=cfg["STAGES"], EARLY_DP=cfg["EARLY_DP"],
+        CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
+    )
