@@ -69,7 +69,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import bwd_sm90
 from ._common import (
     alloc_scratch,
     interpreting,
@@ -79,6 +78,11 @@ from ._common import (
     seq_bounds,
     tma_ok,
 )
+
+try:  # Gluon's Hopper API as of triton 3.6; without it the tl kernels run.
+    from . import bwd_sm90
+except ImportError:  # pragma: no cover - older or newer triton
+    bwd_sm90 = None
 
 LOG2E = math.log2(math.e)
 
@@ -929,8 +933,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             **common,
         )
         table = _DKDV_VARLEN_CONFIGS if is_varlen else _DKDV_CONFIGS
-        if USE_SM90_DKDV and not interpret and bwd_sm90.supported(q, k, v, dout, dk, dv,
-                                                                  softcap=softcap):
+        if (USE_SM90_DKDV and bwd_sm90 is not None
+                and bwd_sm90.supported(q, k, v, dout, dk, dv, softcap=softcap)):
             bwd_sm90.attn_bwd_dkdv_sm90(dkdv_args, batch, seqlen_k, hkv)
         else:
             _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if tune else (

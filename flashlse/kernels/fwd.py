@@ -57,13 +57,18 @@ block freed from the per-tile barrier this kernel cannot avoid (1.15-1.3x faster
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from . import fwd_sm90
 from ._common import alloc_scratch, interpreting, key_ranges, load_rows, seq_bounds, tma_ok
+
+try:  # Gluon's Hopper API as of triton 3.6; without it every call takes this module's kernel.
+    from . import fwd_sm90
+except ImportError:  # pragma: no cover - older or newer triton
+    fwd_sm90 = None
 
 # The Hopper ping-pong kernel (fwd_sm90.py) takes the calls in its domain; False sends every
 # call to this module's kernel (A/B benchmarks, or to rule it out).
@@ -349,6 +354,8 @@ CONFIG_OVERRIDE: dict | None = None
 
 # Block shapes for which warp specialisation failed to compile (fallback taken).
 _WS_FAILED: set = set()
+# Signatures whose Hopper (fwd_sm90) compile failed here: they take this module's kernel.
+_SM90_FAILED: set = set()
 
 # Output allocator; tests swap in one that fills with NaN to prove every element is written.
 _empty = torch.empty
@@ -426,12 +433,22 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
     if n_rows == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
         return out, lse
 
-    if USE_SM90 and not interpreting() and fwd_sm90.supported(q, k, v, softcap=softcap,
-                                                                scale=scale, batch=batch):
-        return fwd_sm90.attn_fwd_sm90(
-            q, k, v, out, lse, left=left, right=right, scale=scale, sink=sink,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+    sm90_key = (q.dtype, left is None, right is None, sink is None, is_varlen,
+                seqused_k is None, hq // hkv)
+    if (USE_SM90 and fwd_sm90 is not None and sm90_key not in _SM90_FAILED
+            and fwd_sm90.supported(q, k, v, softcap=softcap, scale=scale, batch=batch)):
+        try:
+            return fwd_sm90.attn_fwd_sm90(
+                q, k, v, out, lse, left=left, right=right, scale=scale, sink=sink,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+        except Exception as e:  # noqa: BLE001 - a compiler failure: this module's kernel runs
+            # Gluon is experimental in triton: if this triton cannot compile the Hopper
+            # kernel, say so once and run the portable kernel for this signature from now on.
+            _SM90_FAILED.add(sm90_key)
+            warnings.warn(f"flashlse: the Hopper forward kernel failed ({type(e).__name__}: "
+                          f"{str(e)[:200]}); using the portable Triton kernel instead",
+                          RuntimeWarning, stacklevel=2)
 
     block_d = max(triton.next_power_of_2(d), 16)
     block_dv = max(triton.next_power_of_2(dv), 16)

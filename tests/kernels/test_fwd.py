@@ -225,6 +225,27 @@ def test_attn_fwd_gpu_varlen(device, monkeypatch, causal, sm90):
                 8, 1, 128, 128, causal=causal, used=[900, 300, 1000, 0, 64], sink=True)
 
 
+def test_attn_fwd_sm90_failure_falls_back(device, monkeypatch):
+    """A Hopper kernel that does not compile with this triton warns once and the portable
+    kernel answers, for that call and the next ones of the same signature."""
+    from flashlse.kernels import fwd_sm90
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no Gluon here")
+
+    monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(fwd_sm90, "attn_fwd_sm90", broken)
+    monkeypatch.setattr(fwd, "_SM90_FAILED", set())
+    dtype = torch.float16
+    with pytest.warns(RuntimeWarning, match="Hopper forward kernel failed"):
+        _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=12)
+    _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=13)
+    assert len(calls) == 1 and len(fwd._SM90_FAILED) == 1
+
+
 def _on_sm90():
     return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
