@@ -136,6 +136,11 @@ def cases():
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False, CONSUMER_REGS=240)
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
+        consts = dict(GROUP=2, D=128, BLOCK_N=64, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
+                      HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
+                      HAS_SEQUSED_K=f["HAS_SEQUSED_K"], CONSUMER_REGS=240)
+        yield "dq", f"bwd dQ sm90 (Gluon) D=128 {label}", bwd_sm90._dq_sm90_kernel, \
+            dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
         consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3

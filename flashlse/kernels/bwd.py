@@ -86,9 +86,10 @@ except ImportError:  # pragma: no cover - older or newer triton
 
 LOG2E = math.log2(math.e)
 
-# The Hopper Gluon dK/dV kernel (bwd_sm90.py): written and compiled for sm_90 but not yet run
-# on a GPU, so off until its H200 tests pass (tests/kernels/test_bwd.py, sm90 cases).
+# The Hopper Gluon dK/dV and dQ kernels (bwd_sm90.py): written and compiled for sm_90 but
+# not yet run on a GPU, so off until their H200 tests pass (tests/kernels/test_bwd.py, sm90).
 USE_SM90_DKDV = False
+USE_SM90_DQ = False
 
 
 @triton.jit
@@ -953,8 +954,12 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         stride_dqh=dqh,
         **common,
     )
-    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if tune else (
-        override.get("dq") or _pick(_DQ_CONFIGS, key_d)), seqlen_q, "BLOCK_M", hq, batch,
-        dq_args)
+    if (USE_SM90_DQ and bwd_sm90 is not None
+            and bwd_sm90.supported(q, k, v, dout, dq, dq, softcap=softcap)):
+        bwd_sm90.attn_bwd_dq_sm90(dq_args, batch, seqlen_q, hq)
+    else:
+        _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if tune else (
+            override.get("dq") or _pick(_DQ_CONFIGS, key_d)), seqlen_q, "BLOCK_M", hq, batch,
+            dq_args)
     dsink = None if sink is None else dsink_part.sum(1)
     return dq, dk, dv, dsink

@@ -1,8 +1,14 @@
-"""Hopper dK/dV: two consumer warpgroups of 64 keys and a TMA producer warp (Gluon).
+"""Hopper dK/dV and dQ: two consumer warpgroups and a TMA producer warp each (Gluon).
 
-EXPERIMENTAL, off by default (``bwd.USE_SM90_DKDV = False``): written and compiled for sm_90
-without a GPU at hand (2026-11-29); its H200 tests (tests/kernels/test_bwd.py, ``sm90``) and
-timing are the next device session's first job. Until then ``bwd.py``'s dK/dV kernel runs.
+EXPERIMENTAL, off by default (``bwd.USE_SM90_DKDV = bwd.USE_SM90_DQ = False``): written and
+compiled for sm_90 without a GPU at hand (2026-11-29); their H200 tests
+(tests/kernels/test_bwd.py, ``sm90``) and timing are the next device session's first job.
+Until then ``bwd.py``'s kernels run.
+
+dQ (``_dq_sm90_kernel``) is the forward's program (fwd_sm90.py: 128 query rows in two
+halves, K/V ring) with the backward's row math: ``S = Q K^T`` and ``dP = dO V^T`` issued
+together, ``P = 2^(S scale_log2 - lse_log2)``, ``dS = P (dP - delta)``, ``dQ += dS K``;
+lse and delta are two registers a thread there (rows, not columns). dK/dV follows.
 
 The same math as ``bwd.py``'s ``_attn_bwd_dkdv_kernel`` (its docstring has it), the schedule of
 ``fwd_sm90.py``: the forward gained 15-30% on the H200 once the two warpgroups of a block
@@ -39,10 +45,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._common import alloc_scratch, row_ranges, seq_bounds
+from ._common import alloc_scratch, key_ranges, row_ranges, seq_bounds
 
 _seq_bounds = gluon.jit(seq_bounds.fn)
 _row_ranges = gluon.jit(row_ranges.fn)
+_key_ranges = gluon.jit(key_ranges.fn)
 
 HALF_N = gl.constexpr(64)  # keys per consumer warpgroup (one wgmma M)
 
@@ -292,3 +299,198 @@ def attn_bwd_dkdv_sm90(args: dict, batch: int, seqlen_k: int, hkv: int):
         **kwargs, BLOCK_M=cfg["BLOCK_M"], STAGES=cfg["STAGES"], EARLY_DP=cfg["EARLY_DP"],
         CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
     )
+
+
+# --- dQ: the forward's schedule (fwd_sm90.py) with the backward's row math ---------------
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                 q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: both Q and dO halves once, then K_j and V_j into the ring."""
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bar.index(half),
+                        q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0 + half * HALF_N, 0], q_bar.index(half),
+                                        q_smem.index(half))
+        tma.async_copy_global_to_shared(do_desc, [m0 + half * HALF_N, 0], q_bar.index(half),
+                                        do_smem.index(half))
+    for it in range(n_tiles):
+        s = it % STAGES
+        ph = ((it // STAGES) & 1) ^ 1
+        n0 = n_lo + it * BLOCK_N
+        mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n0, 0], k_full.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [n0, 0], v_full.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
+                 q_bar, k_full, k_empty, v_full, v_empty, p_lse, p_delta, half,
+                 m0, T_q, T_k, shift, left, right, scale, scale_log2,
+                 n_lo, n_full_lo, n_full_hi, n_tiles,
+                 D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """One warpgroup: dQ of 64 query rows over every key tile the forward visits."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+    r0 = m0 + half * HALF_N
+    rows = r0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    col_arange = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # Rows past the end: lse = +inf (P = 0), delta = 0; their Q, dO rows are zeros.
+    lse = gl.load(p_lse + rows, mask=rows < T_q, other=float("inf"))
+    dlt = gl.load(p_delta + rows, mask=rows < T_q, other=0.0)
+    s_zero = gl.zeros([HALF_N, BLOCK_N], gl.float32, layout=s_layout)
+    dq = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
+    q_t = q_smem.index(half)
+    do_t = do_smem.index(half)
+    mbarrier.wait(q_bar.index(half), 0)
+
+    for it in range(n_tiles):
+        s = it % STAGES
+        ph = (it // STAGES) & 1
+        n0 = n_lo + it * BLOCK_N
+        mbarrier.wait(k_full.index(s), ph)
+        s_tok = warpgroup_mma(q_t, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        mbarrier.wait(v_full.index(s), ph)
+        # dP runs on the tensor cores while the exponentials of S are computed.
+        dp_tok = warpgroup_mma(do_t, v_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+        sc = warpgroup_mma_wait(1, deps=(s_tok, ))
+        if (n0 < n_full_lo) | (n0 >= n_full_hi):
+            cols = n0 + col_arange
+            vis = cols[None, :] < T_k
+            if HAS_RIGHT:
+                vis = vis & (cols[None, :] <= rows[:, None] + shift + right)
+            if HAS_LEFT:
+                vis = vis & (cols[None, :] >= rows[:, None] + shift - left)
+            p = gl.exp2(gl.where(vis, sc * scale_log2, float("-inf")) - lse[:, None])
+        else:
+            p = gl.exp2(sc * scale_log2 - lse[:, None])
+        dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+        mbarrier.arrive(v_empty.index(s))
+        ds = p * (dp - dlt[:, None])
+        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_smem.index(s), dq,
+                               is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+        mbarrier.arrive(k_empty.index(s))
+
+    # Q's buffer is free now: stage dQ there for one clipped TMA store.
+    q_t.store((dq * scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [r0, 0], q_t)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+def _dq_sm90_kernel(
+    q, k, v, dout, lse_log2, delta, dq,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_tb, stride_th,
+    seqlen_q, seqlen_k, left, right, scale, scale_log2,
+    GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = 2 * HALF_N
+    i_m_rev = gl.program_id(0)
+    i_h = gl.program_id(1)
+    i_b = gl.program_id(2)
+    i_hk = i_h // GROUP
+    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
+    # Last row block first: under a causal mask it has the most keys.
+    i_m = (T_q + BLOCK_M - 1) // BLOCK_M - 1 - i_m_rev
+    if i_m < 0:
+        return
+    m0 = i_m * BLOCK_M
+    m_last = gl.minimum(m0 + BLOCK_M, T_q) - 1
+    shift = T_k - T_q
+    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
+                                                   HAS_LEFT, HAS_RIGHT)
+    # A block that sees no key still stores its dQ = 0 (the launcher does not zero dq).
+    n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
+
+    p_q = q + i_b.to(gl.int64) * stride_qb + bos * stride_qs + i_h.to(gl.int64) * stride_qh
+    p_do = (dout + i_b.to(gl.int64) * stride_dob + bos * stride_dos
+            + i_h.to(gl.int64) * stride_doh)
+    p_dq = dq + i_b.to(gl.int64) * stride_dqb + bos * stride_dqs + i_h.to(gl.int64) * stride_dqh
+    p_k = k + i_b.to(gl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(gl.int64) * stride_kh
+    p_v = v + i_b.to(gl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(gl.int64) * stride_vh
+    o_t = i_b.to(gl.int64) * stride_tb + i_h.to(gl.int64) * stride_th + bos
+    p_lse = lse_log2 + o_t
+    p_delta = delta + o_t
+
+    dtype: gl.constexpr = q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    T_k_desc = gl.maximum(T_k, 1)
+    q_desc = tma.make_tensor_descriptor(p_q, [T_q, D], [stride_qs, 1], [HALF_N, D], q_layout)
+    do_desc = tma.make_tensor_descriptor(p_do, [T_q, D], [stride_dos, 1], [HALF_N, D],
+                                         q_layout)
+    dq_desc = tma.make_tensor_descriptor(p_dq, [T_q, D], [stride_dqs, 1], [HALF_N, D],
+                                         q_layout)
+    k_desc = tma.make_tensor_descriptor(p_k, [T_k_desc, D], [stride_ks, 1], [BLOCK_N, D],
+                                        kv_layout)
+    v_desc = tma.make_tensor_descriptor(p_v, [T_k_desc, D], [stride_vs, 1], [BLOCK_N, D],
+                                        kv_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_desc, q_bar, k_full, k_empty,
+                        v_full, v_empty, p_lse, p_delta, 0, m0, T_q, T_k, shift, left, right,
+                        scale, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles,
+                        D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_desc, q_bar, k_full, k_empty,
+                        v_full, v_empty, p_lse, p_delta, 1, m0, T_q, T_k, shift, left, right,
+                        scale, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles,
+                        D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                        q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
+                        BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+DQ_CONFIG = dict(BLOCK_N=64, STAGES=2, CONSUMER_REGS=240)
+
+
+def attn_bwd_dq_sm90(args: dict, batch: int, seqlen_q: int, hq: int):
+    """Launch with bwd.attn_bwd's dQ arguments (``dq_args``)."""
+    triton.set_allocator(alloc_scratch)
+    cfg = DQ_CONFIG
+    grid = (triton.cdiv(seqlen_q, 2 * HALF_N), hq, batch)
+    names = _dq_sm90_kernel.arg_names
+    kwargs = {n: args[n] for n in names if n in args and n not in cfg}
+    _dq_sm90_kernel[grid](**kwargs, **cfg, num_warps=4)

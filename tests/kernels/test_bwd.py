@@ -349,8 +349,8 @@ def _on_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-# The Hopper Gluon dK/dV kernel (bwd_sm90.py, off by default until these pass on an H200).
-SM90_DKDV_CASES = [
+# The Hopper Gluon dK/dV and dQ kernels (bwd_sm90.py, off until these pass on an H200).
+SM90_CASES = [
     pytest.param(dict(b=2, sq=700, sk=900, hq=4, hkv=2), id="base_gqa"),
     pytest.param(dict(b=1, sq=1000, sk=1000, hq=4, hkv=4, causal=True), id="causal"),
     pytest.param(dict(b=2, sq=1000, sk=400, hq=8, hkv=2, causal=True, sink=True),
@@ -366,26 +366,28 @@ SM90_DKDV_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("part", ["dkdv", "dq"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", SM90_DKDV_CASES)
-def test_attn_bwd_gpu_sm90_dkdv(device, monkeypatch, dtype, case):
+@pytest.mark.parametrize("case", SM90_CASES)
+def test_attn_bwd_gpu_sm90(device, monkeypatch, dtype, case, part):
     from flashlse.kernels import bwd_sm90
 
     calls = []
-    real = bwd_sm90.attn_bwd_dkdv_sm90
-    monkeypatch.setattr(bwd, "USE_SM90_DKDV", True)
-    monkeypatch.setattr(bwd_sm90, "attn_bwd_dkdv_sm90",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    name = f"attn_bwd_{part}_sm90"
+    real = getattr(bwd_sm90, name)
+    monkeypatch.setattr(bwd, f"USE_SM90_{part.upper()}", True)
+    monkeypatch.setattr(bwd_sm90, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     case = dict(case)
     b, sq, sk, hq, hkv = (case.pop(n) for n in ("b", "sq", "sk", "hq", "hkv"))
     _run_dense(device, dtype, b, sq, sk, hq, hkv, 128, 128, seed=5, **case)
-    assert calls, "the call did not take the Hopper dK/dV kernel"
+    assert calls, f"the call did not take the Hopper {part} kernel"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attn_bwd_gpu_sm90_dkdv_varlen(device, monkeypatch, causal):
+def test_attn_bwd_gpu_sm90_varlen(device, monkeypatch, causal):
     monkeypatch.setattr(bwd, "USE_SM90_DKDV", True)
+    monkeypatch.setattr(bwd, "USE_SM90_DQ", True)
     _run_varlen(device, torch.bfloat16, [300, 0, 600, 1, 129], [400, 300, 600, 0, 129],
                 8, 2, 128, 128, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
