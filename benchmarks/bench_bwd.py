@@ -14,6 +14,7 @@ random dlse, a sink, a window and softcap), then the timings; the table is print
     python benchmarks/bench_bwd.py --autotune       # autotune the tiles, print the picks
     python benchmarks/bench_bwd.py --sweep          # tile configs at D = 128, S = 8k
     python benchmarks/bench_bwd.py --results        # also append dated rows to RESULTS.md
+    python benchmarks/bench_bwd.py --quick --sm90 dkdv,dq   # + the Gluon kernels, same run
 
 Logs go to $OUT (or --out) as bench_bwd.log and bench_bwd.json.
 """
@@ -61,6 +62,21 @@ def _ours(q, k, v, causal):
     dlse = torch.zeros_like(lse)
 
     return lambda: bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
+
+
+SM90_PARTS: tuple = ()  # --sm90: the Gluon kernels (bwd_sm90.py) timed beside the default
+
+
+def _with_sm90(fn, parts):
+    """``fn`` run with the Hopper Gluon dK/dV and/or dQ kernels switched on."""
+    def run():
+        old = bwd.USE_SM90_DKDV, bwd.USE_SM90_DQ
+        bwd.USE_SM90_DKDV, bwd.USE_SM90_DQ = "dkdv" in parts, "dq" in parts
+        try:
+            return fn()
+        finally:
+            bwd.USE_SM90_DKDV, bwd.USE_SM90_DQ = old
+    return run
 
 
 def _grad_fn(out, inputs):
@@ -175,6 +191,8 @@ def _row(d, seq, causal, flex_on, group=1):
     r = dict(d=d, seq=seq, b=b, h=h, hkv=h // group, causal=causal)
     makers = dict(
         flashlse=lambda: _ours(q, k, v, causal),
+        **({"sm90": lambda: _with_sm90(_ours(q, k, v, causal), SM90_PARTS)}
+           if SM90_PARTS else {}),
         fa2=lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qh, kh, vh, causal),
         cudnn=lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, causal),
         flex=lambda: _flex(qh, kh, vh, causal),
@@ -217,7 +235,9 @@ def _fmt(r):
     f = r["flashlse"]
     return (f"D={r['d']:3d} S={r['seq']:5d} {_heads(r)} causal={r['causal']:d} flashlse {f:6.1f} "
             f"FA2 {r['fa2']:6.1f} cuDNN {r['cudnn']:6.1f} Flex {r['flex']:6.1f} "
-            f"x{f / r['fa2']:.2f} FA-2 x{f / r['cudnn']:.2f} cuDNN x{f / r['flex']:.2f} Flex")
+            f"x{f / r['fa2']:.2f} FA-2 x{f / r['cudnn']:.2f} cuDNN x{f / r['flex']:.2f} Flex"
+            + (f" | sm90 {r['sm90']:6.1f} x{r['sm90'] / r['cudnn']:.2f} cuDNN" if "sm90" in r
+               else ""))
 
 
 def _table(rows):
@@ -230,6 +250,16 @@ def _table(rows):
             f"| {f:.0f} "
             f"| {r['fa2']:.0f} | {r['cudnn']:.0f} | {r['flex']:.0f} "
             f"| {f / r['fa2']:.2f} | {f / r['cudnn']:.2f} | {f / r['flex']:.2f} |")
+    if any("sm90" in r for r in rows):
+        lines.append("")
+        lines.append("| D | S | heads | causal | default | sm90 (" + ",".join(SM90_PARTS)
+                     + ") | sm90 / default | sm90 / cuDNN |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            lines.append(f"| {r['d']} | {r['seq']} | {_heads(r)[2:]} | "
+                         f"{'yes' if r['causal'] else 'no'} | {r['flashlse']:.0f} | "
+                         f"{r['sm90']:.0f} | {r['sm90'] / r['flashlse']:.2f} | "
+                         f"{r['sm90'] / r['cudnn']:.2f} |")
     lines.append("(TFLOP/s, backward = 2.5x forward FLOPs)")
     return "\n".join(lines)
 
@@ -302,6 +332,9 @@ def _run(a, dims):
                 torch=torch.__version__, triton=triton.__version__)
     _log(f"bench_bwd {meta}")
     checks(dims)
+    if SM90_PARTS:
+        # The same checks through the Gluon kernels before they are timed.
+        _with_sm90(lambda: checks([128]), SM90_PARTS)()
     rows = []
     if a.sweep:
         sweep(dims)
@@ -329,9 +362,13 @@ def main():
     p.add_argument("--results", action="store_true", help="append rows to benchmarks/RESULTS.md")
     p.add_argument("--flex-budget", type=float, default=120.0,
                    help="seconds of FlexAttention compile+timing before its column is skipped")
+    p.add_argument("--sm90", default="",
+                   help="also time the Hopper Gluon kernels: dkdv, dq or dkdv,dq (bwd_sm90.py)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    global SM90_PARTS
+    SM90_PARTS = tuple(x for x in a.sm90.split(",") if x)
     dims = [128] if a.quick else [int(x) for x in a.dims.split(",")]
     bwd.AUTOTUNE = a.autotune
     try:
