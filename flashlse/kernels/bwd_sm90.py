@@ -153,15 +153,15 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc,
         else:
             pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, False,
                           HAS_LEFT, HAS_RIGHT)
-        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv,
-                               is_async=True)
         if not EARLY_DP:
-            # dP^T runs with dV += P^T dO.
+            # dP^T is issued just before dV += P^T dO and runs with it.
             dpt_tok = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False,
                                     is_async=True)
-            dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
-        else:
-            dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
+        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv,
+                               is_async=True)
+        # Groups complete in issue order: with dP^T issued before dV, leaving one in flight
+        # means dP^T is done.
+        dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
         dst = pt * (dpt - dlt[None, :])
         dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk,
                                is_async=True)
