@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._common import alloc_scratch, key_ranges, row_ranges, seq_bounds
+from .fwd_sm90 import _producer as _fwd_producer
 
 _seq_bounds = gluon.jit(seq_bounds.fn)
 _row_ranges = gluon.jit(row_ranges.fn)
@@ -301,31 +302,7 @@ def attn_bwd_dkdv_sm90(args: dict, batch: int, seqlen_k: int, hkv: int):
     )
 
 
-# --- dQ: the forward's schedule (fwd_sm90.py) with the backward's row math ---------------
-
-
-@gluon.jit
-def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                 q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: both Q and dO halves once, then K_j and V_j into the ring."""
-    for half in gl.static_range(2):
-        mbarrier.expect(q_bar.index(half),
-                        q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0 + half * HALF_N, 0], q_bar.index(half),
-                                        q_smem.index(half))
-        tma.async_copy_global_to_shared(do_desc, [m0 + half * HALF_N, 0], q_bar.index(half),
-                                        do_smem.index(half))
-    for it in range(n_tiles):
-        s = it % STAGES
-        ph = ((it // STAGES) & 1) ^ 1
-        n0 = n_lo + it * BLOCK_N
-        mbarrier.wait(k_empty.index(s), ph)
-        mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [n0, 0], k_full.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), ph)
-        mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [n0, 0], v_full.index(s), v_smem.index(s))
+# --- dQ: the forward's program (fwd_sm90.py, its producer too) with the backward's row math
 
 
 @gluon.jit
@@ -477,9 +454,9 @@ def _dq_sm90_kernel(
                         v_full, v_empty, p_lse, p_delta, 1, m0, T_q, T_k, shift, left, right,
                         scale, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles,
                         D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
-        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                        q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
-                        BLOCK_N, STAGES)),
+        (_fwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                         q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
+                         BLOCK_N, STAGES, True)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 

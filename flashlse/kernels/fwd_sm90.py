@@ -55,13 +55,20 @@ HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               q_bar, k_full, k_empty, v_full, v_empty,
               m0, n_lo, n_tiles,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: both Q halves once, then K_j and V_j into the ring, each when it is free."""
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_DO: gl.constexpr):
+    """One warp: both Q halves (and dO's, for the backward's dQ: HAS_DO) once, then K_j and
+    V_j into the ring, each when it is free."""
     for half in gl.static_range(2):
-        mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
+        if HAS_DO:
+            mbarrier.expect(q_bar.index(half),
+                            q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [m0 + half * HALF_M, 0], q_bar.index(half),
+                                            do_smem.index(half))
+        else:
+            mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [m0 + half * HALF_M, 0], q_bar.index(half),
                                         q_smem.index(half))
     for it in range(n_tiles):
@@ -374,9 +381,9 @@ def _fwd_sm90_kernel(
                      p_lse, sink, i_h, 1, m0, T_q, T_k, shift, left, right, scale_log2,
                      n_lo, n_full_lo, n_full_hi, n_tiles,
                      D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+        (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
                      q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
-                     BLOCK_N, STAGES)),
+                     BLOCK_N, STAGES, False)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
