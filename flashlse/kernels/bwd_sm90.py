@@ -45,14 +45,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._common import alloc_scratch, key_ranges, row_ranges, seq_bounds
+from ._common import alloc_scratch, row_ranges, tma_ok
+from .fwd_sm90 import HALF_M, _key_ranges, _seq_bounds
 from .fwd_sm90 import _producer as _fwd_producer
 
-_seq_bounds = gluon.jit(seq_bounds.fn)
 _row_ranges = gluon.jit(row_ranges.fn)
-_key_ranges = gluon.jit(key_ranges.fn)
 
-HALF_N = gl.constexpr(64)  # keys per consumer warpgroup (one wgmma M)
+HALF_N = HALF_M  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: one wgmma M
 
 
 @gluon.jit
@@ -283,10 +282,7 @@ def supported(q, k, v, dout, dk, dv, *, softcap) -> bool:
         return False
     if q.shape[-1] != 128 or v.shape[-1] != 128 or min(q.numel(), k.numel()) == 0:
         return False
-    for t in (q, k, v, dout, dk, dv):
-        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return tma_ok(q, k, v, dout, dk, dv)
 
 
 def attn_bwd_dkdv_sm90(args: dict, batch: int, seqlen_k: int, hkv: int):

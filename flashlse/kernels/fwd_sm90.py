@@ -25,7 +25,7 @@ Fast path only: sm_90, fp16/bf16, D == Dv == 128, scale > 0, no softcap, 16-byte
 rows, at most 65535 sequences and heads (grid y/z); every mask, GQA, sink, varlen and
 seqused_k are handled. Everything else goes to ``fwd.py`` (D = 64 measured slower here below
 8k: NOTES #18). Gluon does not run under TRITON_INTERPRET: CI compiles this kernel for sm_90
-(tests/test_fwd_sm90_compile.py) and tests fwd.py's kernel, the same math; the H200 runs
+(tests/test_kernels_compile_sm90.py) and tests fwd.py's kernel, the same math; the H200 runs
 tests/kernels/test_fwd.py's ``sm90`` cases.
 """
 
@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._common import alloc_scratch, key_ranges, seq_bounds
+from ._common import alloc_scratch, key_ranges, seq_bounds, tma_ok
 
 # fwd.py's scalar helpers (sequence bounds, key-tile ranges), compiled as Gluon functions.
 _seq_bounds = gluon.jit(seq_bounds.fn)
@@ -405,10 +405,7 @@ def supported(q, k, v, *, softcap, scale, batch) -> bool:
         return False
     if d not in _CONFIGS or v.shape[-1] != d or softcap or not scale > 0:
         return False
-    for t in (q, k, v):
-        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return tma_ok(q, k, v)
 
 
 def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
