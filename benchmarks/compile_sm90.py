@@ -133,10 +133,15 @@ def cases():
         # The Hopper Gluon dK/dV (bwd_sm90.py, experimental, off by default).
         consts = dict(GROUP=2, D=128, BLOCK_M=64, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
-                      HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False, CONSUMER_REGS=240)
+                      HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
+                      STATS_TMA=not f["IS_VARLEN"], CONSUMER_REGS=240)
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
-        consts = dict(GROUP=2, D=128, BLOCK_N=64, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
+        if label == "causal":
+            yield "dkdv", "bwd dK/dV sm90 (Gluon) D=128 causal EARLY_DP", \
+                bwd_sm90._dkdv_sm90_kernel, dict(bwd_types, scale="fp32", scale_log2="fp32"), \
+                dict(consts, EARLY_DP=True), 4, 1
+        consts = dict(GROUP=2, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], CONSUMER_REGS=240)
         yield "dq", f"bwd dQ sm90 (Gluon) D=128 {label}", bwd_sm90._dq_sm90_kernel, \

@@ -1,9 +1,9 @@
 """Hopper dK/dV and dQ: two consumer warpgroups and a TMA producer warp each (Gluon).
 
-EXPERIMENTAL, off by default (``bwd.USE_SM90_DKDV = bwd.USE_SM90_DQ = False``): written and
-compiled for sm_90 without a GPU at hand (2026-11-29); their H200 tests
-(tests/kernels/test_bwd.py, ``sm90``) and timing are the next device session's first job.
-Until then ``bwd.py``'s kernels run.
+On by default inside their domain (``bwd.USE_SM90_DKDV``, ``bwd.USE_SM90_DQ``); a triton that
+cannot compile them warns once and runs ``bwd.py``'s kernels. H200, bf16, D = 128 (per-kernel
+device time, benchmarks/RESULTS.md, S = 4k / 8k): dQ 15-20% faster than ``bwd.py``'s, dK/dV
+from 2% slower (8k non-causal, one run) to 7% faster; both together 8-11%.
 
 dQ (``_dq_sm90_kernel``) is the forward's program (fwd_sm90.py: 128 query rows in two
 halves, K/V ring) with the backward's row math: ``S = Q K^T`` and ``dP = dO V^T`` issued
@@ -17,15 +17,18 @@ stopped meeting at a barrier every tile, and the ``tl`` dK/dV kernel has the sam
 A program owns a 128-key block of one (sequence, kv head), split into two 64-key halves, one
 per 4-warp consumer partition holding its ``dK, dV`` (64 x 128 each, float32) in registers.
 A 1-warp producer loads the K and V halves once, then ``Q_i, dO_i`` tiles (64 rows) of every
-query head of the group into a ring of STAGES buffers (full / empty mbarriers; empty takes
-both consumers' arrivals). Per tile a consumer issues ``S^T = K Q^T`` and ``dP^T = V dO^T``
-together (the second runs while the exponentials of the first are computed), then
-``dV += P^T dO`` and ``dK += dS^T Q`` with ``P^T, dS^T`` from registers.
+query head of the group, with their ``lse_log2`` and ``delta`` (dense inputs), into a ring of
+STAGES buffers (full / empty mbarriers; empty takes both consumers' arrivals). Per tile a
+consumer issues ``S^T = K Q^T``, computes ``P^T``, issues ``dP^T = V dO^T`` and
+``dV += P^T dO`` together, then ``dK += dS^T Q`` with ``P^T, dS^T`` from registers. lse and
+delta are read from shared memory where they are used: in the transposed scores' layout they
+are 16 registers each a thread, and holding them through a tile spilled (by pointer loads the
+kernel was 15% slower).
 
 Empty and out-of-bounds rows as in ``bwd.py``: the preprocess stores ``lse_log2 = 0`` for an
-empty row (its masked logits are -inf, so P = 0); rows past the sequence end load
-``lse_log2 = +inf`` and ``delta = 0`` here, and their Q, dO rows are TMA zero-fill, so they
-add nothing. Masks only on boundary tiles (``row_ranges``).
+empty row (its masked logits are -inf, so P = 0). Rows past the sequence end are TMA
+zero-fill in Q and dO, and in lse / delta too (dense) or ``+inf`` / 0 (varlen pointer loads):
+either way they add nothing. Masks only on boundary tiles (``row_ranges``).
 
 Domain: sm_90, fp16/bf16, D == Dv == 128, no softcap, 16-byte aligned rows (q, k, v, dout,
 dk, dv); every mask, GQA and varlen.
@@ -65,10 +68,11 @@ def _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-              kv_bar, full, empty, n0, m_lo, m_hi, n_tiles,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the K and V halves once, then Q and dO of every (head, row block)."""
+def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem, k_smem,
+              v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi, n_tiles,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
+    """One warp: the K and V halves once, then Q and dO (and with ``STATS_TMA`` lse_log2
+    and delta) of every (head, row block)."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [n0 + half * HALF_N, 0], kv_bar,
@@ -81,7 +85,16 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         s = it % STAGES
         # A fresh barrier counts as having completed the phase before 0.
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(full.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        if STATS_TMA:
+            mbarrier.expect(full.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + lse_desc.block_type.nbytes + dlt_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(lse_desc, [i_g, m0], full.index(s),
+                                            lse_smem.index(s))
+            tma.async_copy_global_to_shared(dlt_desc, [i_g, m0], full.index(s),
+                                            dlt_smem.index(s))
+        else:
+            mbarrier.expect(full.index(s),
+                            q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [i_g, m0, 0], full.index(s), q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [i_g, m0, 0], full.index(s), do_smem.index(s))
         i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
@@ -90,26 +103,28 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 @gluon.jit
 def _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2,
              MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """``P^T = 2^(S^T * scale_log2 - lse_log2)``, masked keys -> 0 on boundary tiles."""
+    """``P^T = 2^(S^T * scale_log2 - lse_log2)``, masked keys -> 0 on boundary tiles
+    (``lse``: [1, BLOCK_M], one value a row, broadcast over the keys)."""
     if MASK:
         vis = keys[:, None] < T_k
         if HAS_RIGHT:
             vis = vis & (keys[:, None] <= rows[None, :] + shift + right)
         if HAS_LEFT:
             vis = vis & (keys[:, None] >= rows[None, :] + shift - left)
-        pt = gl.exp2(gl.where(vis, st * scale_log2, float("-inf")) - lse[None, :])
+        pt = gl.exp2(gl.where(vis, st * scale_log2, float("-inf")) - lse)
     else:
-        pt = gl.exp2(st * scale_log2 - lse[None, :])
+        pt = gl.exp2(st * scale_log2 - lse)
     return pt
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc,
+def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
               kv_bar, full, empty, p_lse, p_delta, stride_th, half,
               n0, T_q, T_k, shift, left, right, scale, scale_log2,
               m_lo, m_full_lo, m_full_hi, m_hi, n_tiles,
               D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EARLY_DP: gl.constexpr):
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EARLY_DP: gl.constexpr,
+              STATS_TMA: gl.constexpr):
     """One warpgroup: 64 keys against every (head, row block) that sees the key block."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -135,10 +150,12 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc,
         q_t = q_smem.index(s).reshape([BLOCK_M, D])
         do_t = do_smem.index(s).reshape([BLOCK_M, D])
         rows = m0 + col_arange
-        in_seq = rows < T_q
-        # Rows past the end: lse = +inf, so P = 0 there with no mask.
-        lse = gl.load(p_lse + i_g * stride_th + rows, mask=in_seq, other=float("inf"))
-        dlt = gl.load(p_delta + i_g * stride_th + rows, mask=in_seq, other=0.0)
+        if not STATS_TMA:
+            # Rows past the end: lse = +inf, so P = 0 there with no mask.
+            in_seq = rows < T_q
+            lse = gl.load(p_lse + i_g * stride_th + rows, mask=in_seq,
+                          other=float("inf"))[None, :]
+            dlt = gl.load(p_delta + i_g * stride_th + rows, mask=in_seq, other=0.0)[None, :]
         st_tok = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if EARLY_DP:
             # dP^T runs on the tensor cores while the exponentials of S^T are computed.
@@ -147,6 +164,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc,
             st = warpgroup_mma_wait(1, deps=(st_tok, ))
         else:
             st = warpgroup_mma_wait(0, deps=(st_tok, ))
+        if STATS_TMA:
+            # Read from shared memory where they are used: 16 registers each a thread in
+            # this layout, so they are not held across the products.
+            lse = lse_smem.index(s).load(s_layout)
         if (m0 < m_full_lo) | (m0 >= m_full_hi):
             pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, True,
                           HAS_LEFT, HAS_RIGHT)
@@ -162,7 +183,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc,
         # Groups complete in issue order: with dP^T issued before dV, leaving one in flight
         # means dP^T is done.
         dpt = warpgroup_mma_wait(1, deps=(dpt_tok, ))
-        dst = pt * (dpt - dlt[None, :])
+        if STATS_TMA:
+            dlt = dlt_smem.index(s).load(s_layout)
+        dst = pt * (dpt - dlt)
         dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk,
                                is_async=True)
         dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
@@ -194,7 +217,7 @@ def _dkdv_sm90_kernel(
     GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
     i_n = gl.program_id(0)
@@ -244,8 +267,24 @@ def _dkdv_sm90_kernel(
     dv_desc = tma.make_tensor_descriptor(p_dv, [T_k, D], [stride_dvs, 1], [HALF_N, D],
                                          kv_layout)
 
+    # lse_log2 and delta of a (head, row block), by TMA beside Q and dO (dense only: the
+    # launcher pads each (batch, head) row to 16 bytes; a varlen sequence starts anywhere).
+    # Rows past the end read 0 there: their Q and dO rows are zeros too, so P = 1 meets
+    # dO = 0 and dP - delta = 0, and they add nothing.
+    stat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                     element_bitwidth=32, rank=2)
+    if STATS_TMA:
+        lse_desc = tma.make_tensor_descriptor(p_lse, [GROUP, T_q_desc], [stride_th, 1],
+                                              [1, BLOCK_M], stat_layout)
+        dlt_desc = tma.make_tensor_descriptor(p_delta, [GROUP, T_q_desc], [stride_th, 1],
+                                              [1, BLOCK_M], stat_layout)
+    else:
+        lse_desc = q_desc
+        dlt_desc = q_desc
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_layout)
+    dlt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -258,20 +297,21 @@ def _dkdv_sm90_kernel(
         mbarrier.init(empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc, kv_bar, full, empty,
-                     p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift, left, right, scale,
-                     scale_log2, m_lo, m_full_lo, m_full_hi, m_hi, n_tiles,
-                     D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP)),
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, dk_desc, dv_desc, kv_bar, full, empty,
-                     p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift, left, right, scale,
-                     scale_log2, m_lo, m_full_lo, m_full_hi, m_hi, n_tiles,
-                     D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP)),
-        (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                     kv_bar, full, empty, n0, m_lo, m_hi, n_tiles, BLOCK_M, STAGES)),
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
+                     kv_bar, full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
+                     left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
+                     n_tiles, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP, STATS_TMA)),
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
+                     kv_bar, full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
+                     left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
+                     n_tiles, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP, STATS_TMA)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem,
+                     k_smem, v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi,
+                     n_tiles, BLOCK_M, STAGES, STATS_TMA)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-CONFIG = dict(BLOCK_M=64, STAGES=2, EARLY_DP=False, CONSUMER_REGS=240)
+CONFIG = dict(BLOCK_M=64, STAGES=2, EARLY_DP=False, STATS_TMA=True, CONSUMER_REGS=240)
 
 
 def supported(q, k, v, dout, dk, dv, *, softcap) -> bool:
@@ -294,6 +334,7 @@ def attn_bwd_dkdv_sm90(args: dict, batch: int, seqlen_k: int, hkv: int):
     kwargs = {n: args[n] for n in names if n in args and n not in cfg}
     _dkdv_sm90_kernel[grid](
         **kwargs, BLOCK_M=cfg["BLOCK_M"], STAGES=cfg["STAGES"], EARLY_DP=cfg["EARLY_DP"],
+        STATS_TMA=bool(cfg["STATS_TMA"] and args["STATS_TMA"]),
         CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
     )
 
@@ -456,7 +497,7 @@ def _dq_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-DQ_CONFIG = dict(BLOCK_N=64, STAGES=2, CONSUMER_REGS=240)
+DQ_CONFIG = dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=240)
 
 
 def attn_bwd_dq_sm90(args: dict, batch: int, seqlen_q: int, hq: int):

@@ -349,7 +349,8 @@ def _on_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-# The Hopper Gluon dK/dV and dQ kernels (bwd_sm90.py, off until these pass on an H200).
+# The Hopper Gluon dK/dV and dQ kernels (bwd_sm90.py, D = 128), and bwd.py's kernels on the
+# same cases with the Gluon ones switched off.
 SM90_CASES = [
     pytest.param(dict(b=2, sq=700, sk=900, hq=4, hkv=2), id="base_gqa"),
     pytest.param(dict(b=1, sq=1000, sk=1000, hq=4, hkv=4, causal=True), id="causal"),
@@ -366,28 +367,55 @@ SM90_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("part", ["dkdv", "dq"])
+@pytest.mark.parametrize("path", ["sm90", "tl"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", SM90_CASES)
-def test_attn_bwd_gpu_sm90(device, monkeypatch, dtype, case, part):
+def test_attn_bwd_gpu_sm90(device, monkeypatch, dtype, case, path):
     from flashlse.kernels import bwd_sm90
 
     calls = []
-    name = f"attn_bwd_{part}_sm90"
-    real = getattr(bwd_sm90, name)
-    monkeypatch.setattr(bwd, f"USE_SM90_{part.upper()}", True)
-    monkeypatch.setattr(bwd_sm90, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    for part in ("dkdv", "dq"):
+        name = f"attn_bwd_{part}_sm90"
+        real = getattr(bwd_sm90, name)
+        monkeypatch.setattr(bwd, f"USE_SM90_{part.upper()}", path == "sm90")
+        monkeypatch.setattr(bwd_sm90, name,
+                            lambda *a, _p=part, _r=real, **k: calls.append(_p) or _r(*a, **k))
     case = dict(case)
     b, sq, sk, hq, hkv = (case.pop(n) for n in ("b", "sq", "sk", "hq", "hkv"))
     _run_dense(device, dtype, b, sq, sk, hq, hkv, 128, 128, seed=5, **case)
-    assert calls, f"the call did not take the Hopper {part} kernel"
+    assert sorted(calls) == (["dkdv", "dq"] if path == "sm90" else []), calls
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("path", ["sm90", "tl"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attn_bwd_gpu_sm90_varlen(device, monkeypatch, causal):
-    monkeypatch.setattr(bwd, "USE_SM90_DKDV", True)
-    monkeypatch.setattr(bwd, "USE_SM90_DQ", True)
+def test_attn_bwd_gpu_sm90_varlen(device, monkeypatch, causal, path):
+    monkeypatch.setattr(bwd, "USE_SM90_DKDV", path == "sm90")
+    monkeypatch.setattr(bwd, "USE_SM90_DQ", path == "sm90")
     _run_varlen(device, torch.bfloat16, [300, 0, 600, 1, 129], [400, 300, 600, 0, 129],
                 8, 2, 128, 128, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
+
+
+def test_attn_bwd_sm90_failure_falls_back(device, monkeypatch):
+    """A Hopper backward kernel that does not compile with this triton warns once and the
+    portable kernel answers, for that call and the next ones of the same signature."""
+    from flashlse.kernels import bwd_sm90
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no Gluon here")
+
+    monkeypatch.setattr(bwd_sm90, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_dkdv_sm90", broken)
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_dq_sm90", broken)
+    monkeypatch.setattr(bwd, "USE_SM90_DKDV", True)
+    monkeypatch.setattr(bwd, "USE_SM90_DQ", True)
+    monkeypatch.setattr(bwd, "_SM90_FAILED", set())
+    dtype = torch.float16
+    with pytest.warns(RuntimeWarning, match="Hopper backward dK/dV kernel failed"):
+        _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=12)
+    _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=13)
+    assert len(calls) == 2 and len(bwd._SM90_FAILED) == 2
