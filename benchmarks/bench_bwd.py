@@ -14,7 +14,10 @@ random dlse, a sink, a window and softcap), then the timings; the table is print
     python benchmarks/bench_bwd.py --autotune       # autotune the tiles, print the picks
     python benchmarks/bench_bwd.py --sweep          # tile configs at D = 128, S = 8k
     python benchmarks/bench_bwd.py --results        # also append dated rows to RESULTS.md
-    python benchmarks/bench_bwd.py --quick --sm90 dkdv,dq   # + the Gluon kernels, same run
+    python benchmarks/bench_bwd.py --quick --sm90 none   # + bwd.py's kernels alone, same run
+
+``--sm90 PARTS`` times a second flashlse column with exactly those Hopper Gluon kernels on
+(``dkdv``, ``dq``, both, or ``none``: bwd.py's kernels only) beside the defaults.
 
 Logs go to $OUT (or --out) as bench_bwd.log and bench_bwd.json.
 """
@@ -64,11 +67,11 @@ def _ours(q, k, v, causal):
     return lambda: bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
 
 
-SM90_PARTS: tuple = ()  # --sm90: the Gluon kernels (bwd_sm90.py) timed beside the default
+SM90_PARTS: tuple = ()  # --sm90: a second column with exactly these Gluon kernels on
 
 
 def _with_sm90(fn, parts):
-    """``fn`` run with the Hopper Gluon dK/dV and/or dQ kernels switched on."""
+    """``fn`` run with exactly the Hopper Gluon kernels in ``parts`` on (dkdv, dq)."""
     def run():
         old = bwd.USE_SM90_DKDV, bwd.USE_SM90_DQ
         bwd.USE_SM90_DKDV, bwd.USE_SM90_DQ = "dkdv" in parts, "dq" in parts
@@ -252,8 +255,8 @@ def _table(rows):
             f"| {f / r['fa2']:.2f} | {f / r['cudnn']:.2f} | {f / r['flex']:.2f} |")
     if any("sm90" in r for r in rows):
         lines.append("")
-        lines.append("| D | S | heads | causal | default | sm90 (" + ",".join(SM90_PARTS)
-                     + ") | sm90 / default | sm90 / cuDNN |")
+        lines.append("| D | S | heads | causal | default | Gluon: " + ",".join(SM90_PARTS)
+                     + " | / default | / cuDNN |")
         lines.append("|---|---|---|---|---|---|---|---|")
         for r in rows:
             lines.append(f"| {r['d']} | {r['seq']} | {_heads(r)[2:]} | "
@@ -363,7 +366,8 @@ def main():
     p.add_argument("--flex-budget", type=float, default=120.0,
                    help="seconds of FlexAttention compile+timing before its column is skipped")
     p.add_argument("--sm90", default="",
-                   help="also time the Hopper Gluon kernels: dkdv, dq or dkdv,dq (bwd_sm90.py)")
+                   help="a second column with exactly these Gluon kernels on (bwd_sm90.py): "
+                        "dkdv, dq, dkdv,dq or none")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)

@@ -146,6 +146,11 @@ def cases():
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], CONSUMER_REGS=240)
         yield "dq", f"bwd dQ sm90 (Gluon) D=128 {label}", bwd_sm90._dq_sm90_kernel, \
             dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
+        if label == "causal":
+            for d in (256, ):
+                yield "dq", f"bwd dQ sm90 (Gluon) D={d} {label}", bwd_sm90._dq_sm90_kernel, \
+                    dict(bwd_types, scale="fp32", scale_log2="fp32"), \
+                    dict(consts, D=d, BLOCK_N=bwd_sm90.DQ_CONFIG[d]["BLOCK_N"]), 4, 1
         consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3

@@ -4,6 +4,7 @@
 #   bash benchmarks/h200_session.sh            # tests + audit + quick benchmarks
 #   bash benchmarks/h200_session.sh tables     # the full tables (bwd, decode with MLA, merge)
 #   bash benchmarks/h200_session.sh sm90       # the Gluon backward kernels: tests + A/B table
+#                                                (defaults against bwd.py's kernels alone)
 # Note: `-m gpu` alone selects only the real-size tests; the parametrized kernel tests
 # (the same ones CI runs under the interpreter) run on CUDA too when no marker is given.
 set -o pipefail
@@ -12,8 +13,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 if [ "$1" = sm90 ]; then
-    # The Gluon backward kernels (bwd_sm90.py, off by default): their GPU tests, then the
-    # D = 128 table with them timed beside the default kernels (same process).
+    # The Gluon backward kernels (bwd_sm90.py): their GPU tests (and bwd.py's on the same
+    # cases), then the D = 128 table with bwd.py's kernels alone beside the defaults.
     K=tests/kernels/test_bwd.py
     timeout 240 python3 -m pytest -q $K -k "sm90 and (bf16 or varlen)" -p no:cacheprovider \
         > "$OUT/test_sm90_a.log" 2>&1 &
@@ -24,7 +25,7 @@ if [ "$1" = sm90 ]; then
     wait $P1 $P2
     for f in "$OUT"/test_sm90_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_sm90_*.log | head
-    timeout 280 python3 benchmarks/bench_bwd.py --quick --sm90 dkdv,dq --flex-budget 0 \
+    timeout 280 python3 benchmarks/bench_bwd.py --quick --sm90 none --flex-budget 0 \
         --out "$OUT" 2>&1 | tail -22
     exit 0
 fi

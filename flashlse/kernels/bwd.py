@@ -54,7 +54,8 @@ Schedule (FA-2 / Triton tutorial 06 split, deterministic by construction):
 
 On Hopper at head dim 128 (fp16/bf16, no softcap, aligned rows) steps 2 and 3 run the Gluon
 kernels of ``bwd_sm90.py`` instead: the same math and loops, with a TMA producer warp and two
-consumer warpgroups that do not meet at a barrier every tile (8-11% faster on the H200).
+consumer warpgroups that do not meet at a barrier every tile (8-11% faster on the H200); at
+head dim 256 step 3 does (8-12%).
 
 The dK/dV tile issues ``V dO^T`` right after ``K Q^T`` (``EARLY_DP``), so the second
 product runs on the tensor cores while the exponentials of the first are computed.
@@ -980,7 +981,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         **common,
     )
     if not (USE_SM90_DQ and bwd_sm90 is not None
-            and bwd_sm90.supported(q, k, v, dout, dq, dq, softcap=softcap)
+            and bwd_sm90.supported(q, k, v, dout, dq, dq, softcap=softcap,
+                                   dims=bwd_sm90.DQ_DIMS)
             and _run_sm90("dQ", sm90_key, lambda: bwd_sm90.attn_bwd_dq_sm90(
                 dq_args, batch, seqlen_q, hq))):
         _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if tune else (

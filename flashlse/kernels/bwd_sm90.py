@@ -30,8 +30,8 @@ empty row (its masked logits are -inf, so P = 0). Rows past the sequence end are
 zero-fill in Q and dO, and in lse / delta too (dense) or ``+inf`` / 0 (varlen pointer loads):
 either way they add nothing. Masks only on boundary tiles (``row_ranges``).
 
-Domain: sm_90, fp16/bf16, D == Dv == 128, no softcap, 16-byte aligned rows (q, k, v, dout,
-dk, dv); every mask, GQA and varlen.
+Domain: sm_90, fp16/bf16, D == Dv == 128 (dQ: 128 or 256), no softcap, 16-byte aligned rows
+(q, k, v, dout, dk, dv); every mask, GQA and varlen.
 """
 
 from __future__ import annotations
@@ -314,13 +314,14 @@ def _dkdv_sm90_kernel(
 CONFIG = dict(BLOCK_M=64, STAGES=2, EARLY_DP=False, STATS_TMA=True, CONSUMER_REGS=240)
 
 
-def supported(q, k, v, dout, dk, dv, *, softcap) -> bool:
-    """The kernel's domain; everything else runs bwd.py's dK/dV kernel."""
+def supported(q, k, v, dout, dk, dv, *, softcap, dims=(128, )) -> bool:
+    """A kernel's domain (head dims ``dims``, D == Dv); everything else runs bwd.py's."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0) or softcap:
         return False
-    if q.shape[-1] != 128 or v.shape[-1] != 128 or min(q.numel(), k.numel()) == 0:
+    d = q.shape[-1]
+    if d not in dims or v.shape[-1] != d or min(q.numel(), k.numel()) == 0:
         return False
     return tma_ok(q, k, v, dout, dk, dv)
 
@@ -497,13 +498,21 @@ def _dq_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-DQ_CONFIG = dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=240)
+# Per head dim. D = 256: a [64, 256] float32 dQ is 128 registers a thread, and Q, dO (both
+# halves) take 128 KB of shared memory, so the K/V ring holds 32-key tiles (H200: the whole
+# backward 8-12% faster than with bwd.py's dQ). D = 64 (128-key tiles) was 0-9% slower than
+# bwd.py's dQ there, so it is not in the domain.
+DQ_CONFIG = {
+    128: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=240),
+    256: dict(BLOCK_N=32, STAGES=2, CONSUMER_REGS=240),
+}
+DQ_DIMS = tuple(DQ_CONFIG)
 
 
 def attn_bwd_dq_sm90(args: dict, batch: int, seqlen_q: int, hq: int):
     """Launch with bwd.attn_bwd's dQ arguments (``dq_args``)."""
     triton.set_allocator(alloc_scratch)
-    cfg = DQ_CONFIG
+    cfg = DQ_CONFIG[args["q"].shape[-1]]
     grid = (triton.cdiv(seqlen_q, 2 * HALF_N), hq, batch)
     names = _dq_sm90_kernel.arg_names
     kwargs = {n: args[n] for n in names if n in args and n not in cfg}

@@ -397,6 +397,25 @@ def test_attn_bwd_gpu_sm90_varlen(device, monkeypatch, causal, path):
                 8, 2, 128, 128, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("path", ["sm90", "tl"])
+@pytest.mark.parametrize("d", [256])
+@pytest.mark.parametrize("case", [SM90_CASES[i] for i in (0, 2, 5, 7, 8)])
+def test_attn_bwd_gpu_sm90_dq_dims(device, monkeypatch, case, d, path):
+    # The Gluon dQ at D = 256 too (its dK/dV is D = 128 only).
+    from flashlse.kernels import bwd_sm90
+
+    calls = []
+    real = bwd_sm90.attn_bwd_dq_sm90
+    monkeypatch.setattr(bwd, "USE_SM90_DQ", path == "sm90")
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_dq_sm90",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    case = dict(case)
+    b, sq, sk, hq, hkv = (case.pop(n) for n in ("b", "sq", "sk", "hq", "hkv"))
+    _run_dense(device, torch.bfloat16, b, sq, sk, hq, hkv, d, d, seed=6, **case)
+    assert len(calls) == (1 if path == "sm90" else 0)
+
 def test_attn_bwd_sm90_failure_falls_back(device, monkeypatch):
     """A Hopper backward kernel that does not compile with this triton warns once and the
     portable kernel answers, for that call and the next ones of the same signature."""
