@@ -93,7 +93,7 @@ except ImportError:  # pragma: no cover - older or newer triton
 LOG2E = math.log2(math.e)
 
 # The Hopper Gluon dK/dV and dQ kernels (bwd_sm90.py) inside their domain (sm_90, fp16/bf16,
-# D = Dv = 128, no softcap, aligned rows); False runs this module's kernels everywhere.
+# D = Dv = 128, for dQ also 256; no softcap, aligned rows); False runs this module's kernels.
 USE_SM90_DKDV = True
 USE_SM90_DQ = True
 # (part, signature) pairs whose Hopper compile failed here: they take this module's kernels.
