@@ -389,12 +389,14 @@ def test_attn_bwd_gpu_sm90(device, monkeypatch, dtype, case, path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("path", ["sm90", "tl"])
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attn_bwd_gpu_sm90_varlen(device, monkeypatch, causal, path):
+def test_attn_bwd_gpu_sm90_varlen(device, monkeypatch, causal, d, path):
+    # D = 256: only the dQ kernel is Gluon there.
     monkeypatch.setattr(bwd, "USE_SM90_DKDV", path == "sm90")
     monkeypatch.setattr(bwd, "USE_SM90_DQ", path == "sm90")
     _run_varlen(device, torch.bfloat16, [300, 0, 600, 1, 129], [400, 300, 600, 0, 129],
-                8, 2, 128, 128, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
+                8, 2, d, d, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
 
 
 @pytest.mark.gpu
@@ -416,15 +418,6 @@ def test_attn_bwd_gpu_sm90_dq_dims(device, monkeypatch, case, d, path):
     _run_dense(device, torch.bfloat16, b, sq, sk, hq, hkv, d, d, seed=6, **case)
     assert len(calls) == (1 if path == "sm90" else 0)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("path", ["sm90", "tl"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attn_bwd_gpu_sm90_dq_d256_varlen(device, monkeypatch, causal, path):
-    monkeypatch.setattr(bwd, "USE_SM90_DQ", path == "sm90")
-    _run_varlen(device, torch.bfloat16, [300, 0, 600, 1, 129], [400, 300, 600, 0, 129],
-                4, 2, 256, 256, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
 
 def test_attn_bwd_sm90_failure_falls_back(device, monkeypatch):
     """A Hopper backward kernel that does not compile with this triton warns once and the
