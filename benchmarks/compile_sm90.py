@@ -130,7 +130,7 @@ def cases():
                 bwd_types, dict(consts, GROUP=4, D=256, DV=256, BLOCK_M=64,
                                 BLOCK_N=64, BLOCK_D=256, BLOCK_DV=256, EARLY_DP=False,
                                 HEAD_LOOP=True), 8, 2
-        # The Hopper Gluon dK/dV (bwd_sm90.py, experimental, off by default).
+        # The Hopper Gluon dK/dV and dQ (bwd_sm90.py), at their shipped tiles.
         consts = dict(GROUP=2, D=128, BLOCK_M=64, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
@@ -147,10 +147,9 @@ def cases():
         yield "dq", f"bwd dQ sm90 (Gluon) D=128 {label}", bwd_sm90._dq_sm90_kernel, \
             dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
         if label == "causal":
-            for d in (256, ):
-                yield "dq", f"bwd dQ sm90 (Gluon) D={d} {label}", bwd_sm90._dq_sm90_kernel, \
-                    dict(bwd_types, scale="fp32", scale_log2="fp32"), \
-                    dict(consts, D=d, BLOCK_N=bwd_sm90.DQ_CONFIG[d]["BLOCK_N"]), 4, 1
+            yield "dq", "bwd dQ sm90 (Gluon) D=256 causal", bwd_sm90._dq_sm90_kernel, \
+                dict(bwd_types, scale="fp32", scale_log2="fp32"), \
+                dict(consts, D=256, BLOCK_N=bwd_sm90.DQ_CONFIG[256]["BLOCK_N"]), 4, 1
         consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3
