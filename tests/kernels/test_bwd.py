@@ -402,7 +402,8 @@ def test_attn_bwd_gpu_sm90_varlen(device, monkeypatch, causal, d, path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("path", ["sm90", "tl"])
-@pytest.mark.parametrize("case", [SM90_CASES[i] for i in (0, 2, 5, 7, 8)])
+# window_31_0 has rows that see no key and no sink (lse = -inf, dq = 0).
+@pytest.mark.parametrize("case", [SM90_CASES[i] for i in (0, 2, 4, 5, 7, 8)])
 def test_attn_bwd_gpu_sm90_dq_d256(device, monkeypatch, case, path):
     # The Gluon dQ at D = 256 too (its dK/dV is D = 128 only).
     from flashlse.kernels import bwd_sm90
