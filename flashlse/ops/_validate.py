@@ -3,19 +3,52 @@ what came, and how to fix it, and is raised before any kernel runs."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import os
 
 import torch
 
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 
+# Checks that read tensor values (lengths, offsets, pages, indices, lse values) on a GPU cost
+# a host-device sync each, longer than a decode step: there they run only when asked for, by
+# FLASHLSE_VALUE_CHECKS=1 or inside ``value_checks()``. CPU tensors are always checked.
+# None (the default): CPU tensors checked, GPU tensors not; True / False: all or none.
+_VALUE_CHECKS = contextvars.ContextVar(
+    "flashlse_value_checks",
+    default=True if os.environ.get("FLASHLSE_VALUE_CHECKS", "0") == "1" else None)
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool = True):
+    """Runs the checks that read GPU tensor values (and so sync) inside the block.
+
+    Without them every kernel is still memory-safe for any values; docs/design.md lists
+    what each out-of-range value produces. ``value_checks(False)`` turns them off, the CPU
+    path's included (tests use it to feed bad values to the kernels)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"value_checks takes a bool, got {type(enabled).__name__}")
+    token = _VALUE_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
+
 
 def values_checkable(t: torch.Tensor) -> bool:
-    """Whether checks that read tensor values may run: not while torch.compile traces
-    (the values are unknown then) nor while a CUDA graph captures (a read would sync)."""
+    """Whether checks that read tensor values run: always for CPU tensors (unless turned off
+    by ``value_checks(False)``), on a GPU only when asked for; never while torch.compile
+    traces (the values are unknown) nor while a CUDA graph captures (a read would sync)."""
     if torch.compiler.is_compiling():
         return False
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    asked = _VALUE_CHECKS.get()
+    if t.device.type == "cpu":
+        return asked is not False
+    return asked is True and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 # Head dims the CUDA kernels compile for: prefill (forward/backward) and decode (MLA's 576).
 MAX_HEAD_DIM_PREFILL = 256
 MAX_HEAD_DIM_DECODE = 576

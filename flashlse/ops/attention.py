@@ -198,6 +198,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
 
         return attn_bwd_kernel(dout, dlse, q, k, v, out, lse, deterministic=deterministic,
                                **kw, **varlen)
+    if dlse is None:
+        dlse = torch.zeros_like(lse)
     if not varlen:
         return attn_bwd_torch(dout, dlse, q, k, v, out, lse, **kw)
     cu_q, cu_k, seqused_k = varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], varlen["seqused_k"]
@@ -222,9 +224,55 @@ def _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k
                 max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
 
 
-# The forward and backward are torch custom ops (dense when cu_seqlens_q is None, else
-# packed varlen), so torch.compile sees one opaque node -- no graph break, fake tensors
-# give the shapes -- and CUDA graphs can capture the kernels.
+# Two ways into the same attn_fwd / attn_bwd. Eager calls go through AttentionFunction (or
+# straight to attn_fwd when nothing needs a gradient): a few microseconds, where the
+# dispatch of a torch custom op costs tens a call and more with autograd. While torch.compile
+# traces, the calls go through the custom ops below instead, so the compiled graph holds
+# one opaque node (no graph break; fake tensors give the shapes), and CUDA graphs capture
+# the kernels either way.
+class AttentionFunction(torch.autograd.Function):
+    """Eager autograd of ``attention`` / ``attention_varlen`` (dense when cu_seqlens_q is None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                seqused_k, left, right, softcap, scale, deterministic):
+        varlen = _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+        out, lse = attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
+                            sink=sink, **varlen)
+        ctx.save_for_backward(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        ctx.ints = (max_seqlen_q, max_seqlen_k, left, right, softcap, scale, deterministic)
+        # An unused lse gets no zero-filled gradient: the kernels read dlse = None as 0.
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sink, cu_q, cu_k, seqused_k = ctx.saved_tensors
+        max_q, max_k, left, right, softcap, scale, deterministic = ctx.ints
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv, dsink = attn_bwd(
+            dout, dlse, q, k, v, out, lse, left=left, right=right, softcap=softcap, scale=scale,
+            sink=sink, deterministic=deterministic,
+            **_varlen_kw(cu_q, cu_k, max_q, max_k, seqused_k))
+        return (dq, dk, dv, dsink) + (None,) * 10
+
+
+def _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+          left, right, softcap, scale, deterministic):
+    """``(out, lse)`` through the cheapest entry that keeps autograd and torch.compile right."""
+    args = (q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+            left, right, softcap, scale, deterministic)
+    if torch.compiler.is_compiling():
+        return _attn_fwd_op(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            sink is not None and sink.requires_grad)):
+        return AttentionFunction.apply(*args)
+    return attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink,
+                    **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 seqused_k))
+
+
 @torch.library.custom_op("flashlse::attn_fwd", mutates_args=())
 def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
@@ -331,8 +379,8 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"q, k, v must share the batch and k, v the sequence length: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    out, lse = _attn_fwd_op(q, k, v, sink, None, None, None, None, None, left, right,
-                            softcap, scale, deterministic)
+    out, lse = _attn(q, k, v, sink, None, None, None, None, None, left, right, softcap, scale,
+                     deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -367,12 +415,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     V.check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
     if seqused_k is not None:
         V.check_int_tensor("seqused_k", seqused_k, "(B,)", q.device, 1)
-        lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-        if seqused_k.shape != lens.shape or (V.values_checkable(seqused_k) and bool(
-                ((seqused_k < 0) | (seqused_k > lens)).any())):
-            raise ValueError(
-                f"seqused_k must be (B,) with 0 <= seqused_k[b] <= the length of key sequence b "
-                f"({lens.tolist()}), got {seqused_k.tolist()}")
-    out, lse = _attn_fwd_op(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            seqused_k, left, right, softcap, scale, deterministic)
+        if seqused_k.shape[0] != cu_seqlens_k.shape[0] - 1:
+            raise ValueError(f"seqused_k must be (B,) = ({cu_seqlens_k.shape[0] - 1},), got "
+                             f"{tuple(seqused_k.shape)}")
+        if V.values_checkable(seqused_k):
+            lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+            if bool(((seqused_k < 0) | (seqused_k > lens)).any()):
+                raise ValueError(
+                    f"seqused_k must satisfy 0 <= seqused_k[b] <= the length of key sequence b "
+                    f"({lens.tolist()}), got {seqused_k.tolist()}")
+    out, lse = _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     seqused_k, left, right, softcap, scale, deterministic)
     return (out, lse) if return_lse else out
