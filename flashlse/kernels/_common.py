@@ -47,18 +47,26 @@ def load_rows(ref, o_r, i_r0, stride_r, n_rows, BLOCK_R: tl.constexpr, BLOCK_C: 
 
 
 @triton.jit
-def seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+def seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
                IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
     """``(bos, bos_k, T_q, T_k)`` of sequence ``i_b``: its first query / key row in the
-    packed tensors (0 when dense) and its lengths (``seqused_k`` caps the keys)."""
+    packed tensors (0 when dense) and its lengths (``seqused_k`` caps the keys).
+
+    Varlen offsets and lengths are clamped, so that any values (GPU value checks are opt-in)
+    stay inside the packed tensors of ``total_q`` / ``total_k`` rows: offsets to
+    ``[previous, total]``, lengths to ``max_seqlen`` (``seqlen_q`` / ``seqlen_k`` here, what
+    the grid covers), ``seqused_k`` to ``[0, T_k]``. Valid input is unchanged by the clamps."""
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
-        T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
-        bos_k = tl.load(cu_seqlens_k + i_b).to(tl.int64)
+        q0 = tl.minimum(tl.maximum(tl.load(cu_seqlens_q + i_b), 0), total_q)
+        q1 = tl.minimum(tl.maximum(tl.load(cu_seqlens_q + i_b + 1), q0), total_q)
+        k0 = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + i_b), 0), total_k)
+        k1 = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + i_b + 1), k0), total_k)
+        bos = q0.to(tl.int64)
+        bos_k = k0.to(tl.int64)
+        T_q = tl.minimum(q1 - q0, seqlen_q).to(tl.int32)
+        T_k = tl.minimum(k1 - k0, seqlen_k).to(tl.int32)
         if HAS_SEQUSED_K:
-            T_k = tl.load(seqused_k + i_b)
-        else:
-            T_k = (tl.load(cu_seqlens_k + i_b + 1) - bos_k).to(tl.int32)
+            T_k = tl.minimum(tl.maximum(tl.load(seqused_k + i_b), 0), T_k)
     else:
         bos = 0
         bos_k = 0

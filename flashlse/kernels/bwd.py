@@ -126,7 +126,7 @@ def _store_rows(p_base, b_x, o_r, stride_r, n_rows, BLOCK_C: tl.constexpr, N_COL
 
 # Lengths are not specialised: a length of 1 would become a constexpr, and lengths
 # divisible by 16 would compile a kernel of their own.
-@triton.jit(do_not_specialize=["seqlen_q"])
+@triton.jit(do_not_specialize=["seqlen_q", "total_q"])
 def _attn_bwd_preprocess_kernel(
     out, dout, lse, dlse, delta, lse_log2, sink, dsink_part,
     cu_seqlens_q,
@@ -135,7 +135,7 @@ def _attn_bwd_preprocess_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_dlb, stride_dlh, stride_dls,
     stride_tb, stride_th,
-    seqlen_q, n_m, n_part,
+    seqlen_q, total_q, n_m, n_part,
     DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SINK: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -144,12 +144,9 @@ def _attn_bwd_preprocess_kernel(
     i_m = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens_q + i_b).to(tl.int64)
-        T_q = (tl.load(cu_seqlens_q + i_b + 1) - bos).to(tl.int32)
-    else:
-        bos = 0
-        T_q = seqlen_q
+    # The rows seq_bounds gives the other kernels (the same clamps, no keys needed).
+    bos, _, T_q, _ = seq_bounds(i_b, seqlen_q, 0, total_q, 0, cu_seqlens_q, cu_seqlens_q, None,
+                                IS_VARLEN, False)
     m0 = i_m * BLOCK_M
     if m0 >= T_q:
         return
@@ -365,7 +362,7 @@ def _attn_bwd_dkdv_ranges(
 
 # Lengths are not specialised: a length of 1 would become a constexpr, and lengths
 # divisible by 16 would compile a kernel of their own.
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_bwd_dkdv_kernel(
     q, k, v, dout, lse_log2, delta, dk, dv,
     cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -376,7 +373,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_tb, stride_th,
-    seqlen_q, seqlen_k,
+    seqlen_q, seqlen_k, total_q, total_k,
     left, right,
     scale, scale_log2, softcap_a2, softcap_c2,
     GROUP: tl.constexpr,
@@ -393,7 +390,7 @@ def _attn_bwd_dkdv_kernel(
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1)
     i_b = tl.program_id(2)
-    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
                                        seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     n0 = i_n * BLOCK_N
     if n0 >= T_k:
@@ -562,7 +559,7 @@ def _attn_bwd_dq_inner(
 
 # Lengths are not specialised: a length of 1 would become a constexpr, and lengths
 # divisible by 16 would compile a kernel of their own.
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k"])
 def _attn_bwd_dq_kernel(
     q, k, v, dout, lse_log2, delta, dq,
     cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -572,7 +569,7 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_tb, stride_th,
-    seqlen_q, seqlen_k,
+    seqlen_q, seqlen_k, total_q, total_k,
     left, right,
     scale, scale_log2, softcap_a2, softcap_c2,
     GROUP: tl.constexpr,
@@ -589,7 +586,7 @@ def _attn_bwd_dq_kernel(
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
     i_hk = i_h // GROUP
-    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
                                        seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     m0 = i_m * BLOCK_M
     if m0 >= T_q:
@@ -876,6 +873,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         stride_tb=st_b,
         stride_th=st_h,
         seqlen_q=seqlen_q,
+        total_q=q.shape[0] if is_varlen else 0,
         n_m=n_m_pre,
         n_part=n_part,
         DV=dv_dim,
@@ -910,6 +908,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         stride_th=st_h,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
+        total_q=q.shape[0] if is_varlen else 0,
+        total_k=k.shape[0] if is_varlen else 0,
         left=0 if left is None else int(left),
         right=0 if right is None else int(right),
         scale=scale,

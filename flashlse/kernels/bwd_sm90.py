@@ -202,7 +202,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
 
 
 # Lengths are not specialised (a length of 1 or divisible by 16 would recompile).
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "left", "right"])
 def _dkdv_sm90_kernel(
     q, k, v, dout, lse_log2, delta, dk, dv,
     cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -213,7 +213,7 @@ def _dkdv_sm90_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_tb, stride_th,
-    seqlen_q, seqlen_k, left, right, scale, scale_log2,
+    seqlen_q, seqlen_k, total_q, total_k, left, right, scale, scale_log2,
     GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
@@ -223,7 +223,7 @@ def _dkdv_sm90_kernel(
     i_n = gl.program_id(0)
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
-    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
                                        seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     n0 = i_n * BLOCK_N
     if n0 >= T_k:
@@ -407,7 +407,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "left", "right"])
 def _dq_sm90_kernel(
     q, k, v, dout, lse_log2, delta, dq,
     cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -417,7 +417,7 @@ def _dq_sm90_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_tb, stride_th,
-    seqlen_q, seqlen_k, left, right, scale, scale_log2,
+    seqlen_q, seqlen_k, total_q, total_k, left, right, scale, scale_log2,
     GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -427,7 +427,7 @@ def _dq_sm90_kernel(
     i_h = gl.program_id(1)
     i_b = gl.program_id(2)
     i_hk = i_h // GROUP
-    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
                                        seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     # Last row block first: under a causal mask it has the most keys.
     i_m = (T_q + BLOCK_M - 1) // BLOCK_M - 1 - i_m_rev

@@ -83,7 +83,7 @@ def _pdl_ok(device) -> bool:
 def _decode_fwd_tile(
     b_acc, b_m, b_l, b_q1, b_q2,
     k, v, block_table,
-    n0, n_end, i_b, i_hkv, o_diag,
+    n0, n_end, i_b, i_hkv, o_diag, num_pages,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_tb,
@@ -99,6 +99,8 @@ def _decode_fwd_tile(
     if PAGED:
         # One page lookup per key row: any page size, pages smaller than a tile included.
         b_page = tl.load(block_table + i_b.to(tl.int64) * stride_tb + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+        # A page index outside the cache (value checks are opt-in) is no key, never read.
+        m_n = m_n & (b_page >= 0) & (b_page < num_pages)
         o_row = (o_n % PAGE_SIZE).to(tl.int64)
         o_k = b_page * stride_kb + o_row * stride_kn + i_hkv.to(tl.int64) * stride_kh
         o_v = b_page * stride_vb + o_row * stride_vn + i_hkv.to(tl.int64) * stride_vh
@@ -165,6 +167,9 @@ def _decode_fwd_kernel(
     stride_ls, stride_lb, stride_lq, stride_lh,
     HKV,
     num_splits,
+    capacity,
+    num_pages,
+    seqlen_add,
     left,
     right,
     scale_log2,
@@ -184,6 +189,7 @@ def _decode_fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
     SHARED_KV: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -201,7 +207,12 @@ def _decode_fwd_kernel(
     i_bh = i_bhm // M_TILES
     i_b, i_hkv = i_bh // HKV, i_bh % HKV
 
-    sk = tl.load(cache_seqlens + i_b)
+    # Keys of the sequence: its cache length plus the tokens just appended, clamped to the
+    # cache (value checks are opt-in: a length out of range reads no memory outside it).
+    if HAS_SEQLENS:
+        sk = tl.minimum(tl.maximum(tl.load(cache_seqlens + i_b) + seqlen_add, 0), capacity)
+    else:
+        sk = capacity
     # Keys before row 0's window start are seen by no row; the range starts on a tile
     # boundary so that paged and contiguous caches walk the same tiles.
     n_lo = 0
@@ -242,7 +253,7 @@ def _decode_fwd_kernel(
         n0 = n_start
         while n0 < n_end:
             b_acc, b_m, b_l = _decode_fwd_tile(
-                b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag,
+                b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag, num_pages,
                 stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
                 left, right, scale_log2, softcap_a2, softcap_c2,
                 D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
@@ -252,7 +263,7 @@ def _decode_fwd_kernel(
     else:
         for n0 in range(n_start, n_end, BLOCK_N):
             b_acc, b_m, b_l = _decode_fwd_tile(
-                b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag,
+                b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag, num_pages,
                 stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
                 left, right, scale_log2, softcap_a2, softcap_c2,
                 D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
@@ -340,7 +351,7 @@ def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
 
 
 def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
-               sink, num_splits, config=None):
+               sink, num_splits, seqlen_add=0, config=None):
     """``out = softmax(scale * q k^T [masked]) v`` over each sequence's cache, split over keys.
 
     Inputs are assumed valid (ops/ validates, and appends k_new/v_new before this runs).
@@ -351,8 +362,11 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         k_cache: ``(B, Smax, Hkv, D)``, or paged ``(num_pages, page_size, Hkv, D)``.
         v_cache: ``(B, Smax, Hkv, Dv)`` or ``(num_pages, page_size, Hkv, Dv)``; may be the
             view ``k_cache[..., :Dv]`` (MLA), which is then read once.
-        cache_seqlens: ``(B,)`` int32 valid keys per sequence (0 allowed).
-        block_table: ``(B, max_pages)`` int32 page indices, or None for contiguous caches.
+        cache_seqlens: ``(B,)`` int32 valid keys per sequence (0 allowed), or None for the
+            whole cache (contiguous only); ``seqlen_add`` (an int) is added to each. Lengths
+            are clamped to ``[0, capacity]`` in the kernel.
+        block_table: ``(B, max_pages)`` int32 page indices, or None for contiguous caches;
+            a page outside ``[0, num_pages)`` holds no key (it is never read).
         left, right: window bounds (int >= 0) or None; causal is ``right=0``.
         softcap: ``c > 0`` applies ``c * tanh(s / c)``; 0 is off.
         scale: multiplies ``q . k``.
@@ -418,7 +432,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         k=k_cache,
         v=v_cache,
         cache_seqlens=cache_seqlens,
-        block_table=block_table if paged else cache_seqlens,
+        block_table=block_table,
         sink=sink if sink is not None else lse_buf,
         o=o_buf,
         lse=lse_buf,
@@ -430,6 +444,9 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         stride_ls=st_l[0], stride_lb=st_l[1], stride_lq=st_l[2], stride_lh=st_l[3],
         HKV=hkv,
         num_splits=splits,
+        capacity=capacity,
+        num_pages=k_cache.shape[0],
+        seqlen_add=int(seqlen_add),
         left=0 if left is None else int(left),
         right=0 if right is None else int(right),
         scale_log2=scale * LOG2E,
@@ -449,6 +466,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         PAGE_SIZE=page_size if paged else 1,
         PAGED=paged,
         SHARED_KV=shared_kv,
+        HAS_SEQLENS=cache_seqlens is not None,
         HAS_LEFT=left is not None,
         HAS_RIGHT=right is not None,
         HAS_SOFTCAP=softcap > 0,
@@ -465,3 +483,86 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
                      st_o=st_o[1:], st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:],
                      st_z=(hq * sq, 1, sq), pdl=pdl)
     return out, lse
+
+
+@triton.jit
+def _append_kv_kernel(
+    k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_knb, stride_kns, stride_knh,
+    stride_vnb, stride_vns, stride_vnh,
+    stride_tb,
+    s_new, capacity, num_pages,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+):
+    """Writes ``k_new[b, t]`` / ``v_new[b, t]`` at key position ``cache_seqlens[b] + t``."""
+    i_t, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_t = i_t * BLOCK_S + tl.arange(0, BLOCK_S)
+    o_pos = tl.load(cache_seqlens + i_b) + o_t
+    # Positions outside the cache (value checks are opt-in) are dropped, never written.
+    m_t = (o_t < s_new) & (o_pos >= 0) & (o_pos < capacity)
+    if PAGED:
+        b_page = tl.load(block_table + i_b.to(tl.int64) * stride_tb + o_pos // PAGE_SIZE, mask=m_t, other=0).to(tl.int64)
+        m_t = m_t & (b_page >= 0) & (b_page < num_pages)
+        o_row = (o_pos % PAGE_SIZE).to(tl.int64)
+        o_k = b_page * stride_kb + o_row * stride_kn
+        o_v = b_page * stride_vb + o_row * stride_vn
+    else:
+        o_k = i_b.to(tl.int64) * stride_kb + o_pos.to(tl.int64) * stride_kn
+        o_v = i_b.to(tl.int64) * stride_vb + o_pos.to(tl.int64) * stride_vn
+    o_k += i_h.to(tl.int64) * stride_kh
+    o_v += i_h.to(tl.int64) * stride_vh
+    o_kn = i_b.to(tl.int64) * stride_knb + o_t.to(tl.int64) * stride_kns + i_h.to(tl.int64) * stride_knh
+    o_vn = i_b.to(tl.int64) * stride_vnb + o_t.to(tl.int64) * stride_vns + i_h.to(tl.int64) * stride_vnh
+    o_d = tl.arange(0, BLOCK_D)
+    m_k = m_t[:, None] & (o_d < D)[None, :]
+    # [BLOCK_S, BLOCK_D]
+    b_k = tl.load(k_new + o_kn[:, None] + o_d[None, :], mask=m_k)
+    tl.store(k_cache + o_k[:, None] + o_d[None, :], b_k, mask=m_k)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_v = m_t[:, None] & (o_dv < DV)[None, :]
+    # [BLOCK_S, BLOCK_DV]
+    b_v = tl.load(v_new + o_vn[:, None] + o_dv[None, :], mask=m_v)
+    tl.store(v_cache + o_v[:, None] + o_dv[None, :], b_v, mask=m_v)
+
+
+def append_kv(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table):
+    """Writes ``k_new``/``v_new`` ``(B, Snew, Hkv, D / Dv)`` into the caches at positions
+    ``cache_seqlens[b] + t``, in place, one launch. Positions past the cache, and pages
+    outside ``[0, num_pages)``, are dropped (value checks are opt-in); the last dims of all
+    four tensors must have stride 1."""
+    batch, s_new, hkv, d = k_new.shape
+    dv = v_new.shape[-1]
+    if batch == 0 or s_new == 0 or hkv == 0:
+        return
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    block_s = min(16, _next_pow2(s_new))
+    st_k, st_v, st_kn, st_vn = k_cache.stride(), v_cache.stride(), k_new.stride(), v_new.stride()
+    _append_kv_kernel[(_cdiv(s_new, block_s), hkv, batch)](
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k_new=k_new,
+        v_new=v_new,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],
+        stride_vb=st_v[0], stride_vn=st_v[1], stride_vh=st_v[2],
+        stride_knb=st_kn[0], stride_kns=st_kn[1], stride_knh=st_kn[2],
+        stride_vnb=st_vn[0], stride_vns=st_vn[1], stride_vnh=st_vn[2],
+        stride_tb=block_table.stride(0) if paged else 0,
+        s_new=s_new,
+        capacity=capacity,
+        num_pages=k_cache.shape[0],
+        D=d,
+        DV=dv,
+        BLOCK_S=block_s,
+        BLOCK_D=max(16, _next_pow2(d)),
+        BLOCK_DV=max(16, _next_pow2(dv)),
+        PAGE_SIZE=k_cache.shape[1] if paged else 1,
+        PAGED=paged,
+        num_warps=4,
+    )

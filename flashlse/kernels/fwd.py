@@ -223,7 +223,7 @@ def _attn_fwd_store(
 
 
 # Lengths, window bounds and grid sizes change per call; specialising on them only recompiles.
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "n_bh", "group_heads", "left", "right"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "n_bh", "group_heads", "left", "right"])
 def _attn_fwd_kernel(
     q, k, v, o, lse, sink,
     cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -232,7 +232,7 @@ def _attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
-    seqlen_q, seqlen_k, n_bh, group_heads,
+    seqlen_q, seqlen_k, total_q, total_k, n_bh, group_heads,
     left, right,
     scale_log2, softcap_a2, softcap_c2,
     HQ: tl.constexpr, GROUP: tl.constexpr,
@@ -258,7 +258,7 @@ def _attn_fwd_kernel(
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     i_hk = i_h // GROUP
-    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
                                        seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     m0 = i_m * BLOCK_M
     if m0 >= T_q:
@@ -493,6 +493,8 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
             stride_lh=sl_h,
             seqlen_q=seqlen_q,
             seqlen_k=seqlen_k,
+            total_q=q.shape[0] if is_varlen else 0,
+            total_k=k.shape[0] if is_varlen else 0,
             n_bh=n_bh,
             group_heads=min(group_heads, n_bh),
             left=0 if left is None else int(left),

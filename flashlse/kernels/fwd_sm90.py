@@ -290,7 +290,7 @@ def _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype: gl.constexpr,
 
 
 # Lengths and window bounds change per call; specialising on them only recompiles.
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "left", "right"])
 def _fwd_sm90_kernel(
     q, k, v, o, lse, sink,
     cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -299,7 +299,7 @@ def _fwd_sm90_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
-    seqlen_q, seqlen_k, left, right, scale_log2,
+    seqlen_q, seqlen_k, total_q, total_k, left, right, scale_log2,
     GROUP: gl.constexpr, D: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
@@ -311,7 +311,7 @@ def _fwd_sm90_kernel(
     i_h = gl.program_id(1)
     i_b = gl.program_id(2)
     i_hk = i_h // GROUP
-    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
                                        seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     # Last row block first: under a causal mask it has the most keys.
     n_m = (T_q + BLOCK_M - 1) // BLOCK_M
@@ -440,6 +440,7 @@ def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
         cu_seqlens_q, cu_seqlens_k, seqused_k,
         *sq, *sk, *sv, *so, *sl,
         seqlen_q, seqlen_k,
+        q.shape[0] if is_varlen else 0, k.shape[0] if is_varlen else 0,
         0 if left is None else int(left), 0 if right is None else int(right),
         float(scale) * LOG2E,
         GROUP=hq // hkv, D=d,

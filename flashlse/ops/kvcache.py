@@ -65,6 +65,56 @@ def _split_fwd(qb, kb, vb, num_splits, left, right, softcap, scale, sink):
     return out.transpose(1, 2).to(qb.dtype), lse
 
 
+def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
+    """Queries longer than the decode kernel takes: the varlen forward kernel, one sequence
+    per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k).
+    A paged cache is first gathered into contiguous rows (a copy; issue 16 reads pages in
+    the kernel). A page out of range ends its sequence there: it and later pages hold no key."""
+    from ..kernels.fwd import attn_fwd as attn_fwd_kernel
+
+    b, sq, hq, d = q.shape
+    if block_table is not None:
+        num_pages, page = k_cache.shape[:2]
+        valid = (block_table >= 0) & (block_table < num_pages)
+        cols = torch.arange(block_table.shape[1], device=q.device, dtype=torch.int32)
+        first_bad = torch.where(valid, block_table.shape[1], cols[None]).amin(1)
+        pages = block_table.clamp(0, max(num_pages - 1, 0)).long()
+        k_cache = k_cache[pages].flatten(1, 2)
+        v_cache = v_cache[pages].flatten(1, 2)
+        used = torch.minimum(lens + s_new, first_bad * page).to(torch.int32)
+    else:
+        used = None if lens is None else (lens + s_new if s_new else lens)
+    smax = k_cache.shape[1]
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (b + 1) * smax, smax, dtype=torch.int32, device=q.device)
+    out, lse = attn_fwd_kernel(
+        q.reshape(b * sq, hq, d), k_cache.reshape(b * smax, *k_cache.shape[2:]),
+        v_cache.reshape(b * smax, *v_cache.shape[2:]), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
+    return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
+
+
+def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw):
+    """The PyTorch path: CPU tensors (values checked), float64, and GPU calls with long
+    queries of head dims above the prefill kernel's (this path reads lengths on the host)."""
+    if s_new:
+        _append(k_cache, v_cache, k_new, v_new, lens, block_table)
+    bsz, capacity = q.shape[0], k_cache.shape[1]
+    total = [capacity] * bsz if lens is None else (lens + s_new).tolist()
+    outs, lses = [], []
+    for b in range(bsz):
+        n = total[b]
+        o, l = _split_fwd(q[b:b + 1], _gather(k_cache, b, n, block_table)[None],
+                          _gather(v_cache, b, n, block_table)[None], max(1, num_splits), **kw)
+        outs.append(o)
+        lses.append(l)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if not outs:
+        return (q.new_zeros(q.shape[:3] + v_cache.shape[-1:]),
+                q.new_zeros((0, q.shape[2], q.shape[1]), dtype=lse_dtype))
+    return torch.cat(outs), torch.cat(lses).to(lse_dtype)
+
+
 def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits):
     V.check_tensor("q", q, 4, "(B, Sq, Hq, D)")
     paged = block_table is not None
@@ -116,9 +166,9 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
         if paged:
             raise ValueError("a paged cache needs cache_seqlens (B,) int32: the valid length "
                              "of each sequence")
-        lens = torch.full((bsz,), capacity - s_new, dtype=torch.int32, device=q.device)
         if s_new:
             raise ValueError("k_new needs cache_seqlens (B,) int32: where to append")
+        return None, 0
     else:
         V.check_int_tensor("cache_seqlens", cache_seqlens, "(B,)", q.device, 1)
         if cache_seqlens.shape[0] != bsz:
@@ -126,7 +176,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
                              f"{tuple(cache_seqlens.shape)}")
         lens = cache_seqlens
     if not bsz or not V.values_checkable(lens):
-        # Values unknown (compile) or unreadable (CUDA graph capture): shapes were checked.
+        # Values not read (a GPU without value_checks, compile, CUDA graph capture): the
+        # kernels clamp lengths to the cache and treat pages out of range as holding no key.
         return lens, s_new
     lo, hi = int(lens.min()), int(lens.max())
     if lo < 0 or hi + s_new > capacity:
@@ -175,30 +226,23 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     softcap = V.check_softcap(softcap)
     scale = V.check_scale(scale, q.shape[-1])
     sink = V.check_sink(sink, q.shape[2], q.device)
-    with torch.no_grad():
-        if s_new:
-            _append(k_cache, v_cache, k_new, v_new, lens, block_table)
-        total = (lens + s_new).to(torch.int32)
-        kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
-        if use_triton(q) and q.shape[1] <= DECODE_MAX_SQ:
-            from ..kernels.decode import decode_fwd
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise ValueError("attention_with_kvcache is not differentiable (serving); call it under "
+                         "torch.no_grad(), or use flashlse.attention for gradients")
+    kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+    if use_triton(q) and (q.shape[1] <= DECODE_MAX_SQ or max(
+            q.shape[-1], v_cache.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
+        from ..kernels.decode import append_kv, decode_fwd
 
-            out, lse = decode_fwd(q, k_cache, v_cache, cache_seqlens=total,
+        if s_new:
+            append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                      block_table=block_table)
+        if q.shape[1] <= DECODE_MAX_SQ:
+            out, lse = decode_fwd(q, k_cache, v_cache, cache_seqlens=lens, seqlen_add=s_new,
                                   block_table=block_table, num_splits=num_splits, **kw)
         else:
-            outs, lses = [], []
-            for b in range(q.shape[0]):
-                n = int(total[b])
-                o, l = _split_fwd(q[b:b + 1], _gather(k_cache, b, n, block_table)[None],
-                                  _gather(v_cache, b, n, block_table)[None],
-                                  max(1, num_splits), **kw)
-                outs.append(o)
-                lses.append(l)
-            if outs:
-                out, lse = torch.cat(outs), torch.cat(lses)
-            else:
-                out = q.new_zeros(q.shape[:3] + v_cache.shape[-1:])
-                lse = q.new_zeros((0, q.shape[2], q.shape[1]), dtype=torch.float32)
-            if q.dtype != torch.float64:
-                lse = lse.float()
+            out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw)
+    else:
+        out, lse = _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
+                              num_splits, kw)
     return (out, lse) if return_lse else out
