@@ -12,6 +12,7 @@ from .ops import (
     merge,
     merge_states,
     sparse_attention,
+    value_checks,
 )
 
 __version__ = "0.1.0"
@@ -28,4 +29,5 @@ __all__ = [
     "merge_states",
     "reference",
     "sparse_attention",
+    "value_checks",
 ]

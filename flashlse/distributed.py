@@ -368,7 +368,7 @@ def _check_group():
 
 def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), sink=None,
                    scale=None, softcap=0.0, return_lse=False, layout="contiguous",
-                   sink_grad="sum"):
+                   sink_grad="sum", shard_lengths=None):
     """:func:`flashlse.attention` over one sequence sharded on the ranks of ``group``.
 
     ``O_i = sum_j exp(S_ij - L_i) V_j`` over all keys of the whole sequence (``Sq == Sk``,
@@ -387,6 +387,10 @@ def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), si
             sequence, equal on every rank, as a single process would give. ``"local"``:
             only this rank's rows; use it when the framework sums or averages replicated
             parameter gradients over the context-parallel ranks itself.
+        shard_lengths: every rank's ``n_r`` in rank order (ints, equal on all ranks), as
+            :func:`split_sequence` cut them. None gathers them from the ranks, which costs
+            one small all-gather and a host-device sync a call; passing them costs neither.
+            Pass them on every rank or on none (the gather is a collective).
 
     Returns:
         ``out (B, n_r, Hq, Dv)``, and ``lse (B, Hq, n_r)`` float32 if ``return_lse``.
@@ -403,10 +407,16 @@ def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), si
         raise ValueError(f"sink_grad must be one of {SINK_GRADS}, got {sink_grad!r}")
     rank, world, prev, nxt = _group_ranks(group)
     # Every rank needs every shard length (unequal or empty shards); one small all-gather.
-    n_local = torch.tensor([q.shape[1]], dtype=torch.int64, device=q.device)
-    lengths = torch.empty(world, dtype=torch.int64, device=q.device)
-    _all_gather_flat(lengths, n_local, group)
-    lengths = lengths.tolist()
+    if shard_lengths is None:
+        n_local = torch.tensor([q.shape[1]], dtype=torch.int64, device=q.device)
+        lengths = torch.empty(world, dtype=torch.int64, device=q.device)
+        _all_gather_flat(lengths, n_local, group)
+        lengths = lengths.tolist()
+    else:
+        lengths = [int(n) for n in shard_lengths]
+        if len(lengths) != world or lengths[rank] != q.shape[1] or min(lengths) < 0:
+            raise ValueError(f"shard_lengths must hold every rank's n_r ({world} ints >= 0, "
+                             f"this rank's = {q.shape[1]}), got {list(shard_lengths)}")
     segs = shard_segments(lengths, layout)
     plans = [plan_step(segs[rank], segs[s], left, right) for s in range(world)]
     ring = _Ring(group, rank, world, prev, nxt, lengths, plans, softcap, scale, sink_grad)

@@ -67,3 +67,50 @@ def test_opcheck_attn_fwd(with_sink):
     args = (q, k, v, sink if with_sink else None, None, None, None, None, None, None, 0, 0.0,
             0.25, False)
     torch.library.opcheck(torch.ops.flashlse.attn_fwd.default, args)
+
+
+def test_attention_compiles_with_dynamic_shapes():
+    torch._dynamo.reset()
+    args = _dense(4)
+    got = torch.compile(_loss, fullgraph=True, dynamic=True, backend="aot_eager")(*args)
+    torch.testing.assert_close(got, _loss(*args))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_compiles_fullgraph_with_append(dynamic, paged):
+    """Lengths are data: the call is two opaque ops (append, attend), no data-dependent trace."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 4, 16, generator=g)
+    k_cache, v_cache = torch.randn(2, 12, 2, 16, generator=g), torch.randn(2, 12, 2, 8, generator=g)
+    lens = torch.tensor([5, 0], dtype=torch.int32)
+    k_new, v_new = torch.randn(2, 2, 2, 16, generator=g), torch.randn(2, 2, 2, 8, generator=g)
+    extra = {}
+    if paged:
+        k_cache, v_cache = k_cache.view(6, 4, 2, 16), v_cache.view(6, 4, 2, 8)
+        extra = dict(block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32))
+
+    def call(q, kc, vc):
+        return fl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_new=k_new, v_new=v_new,
+                                         causal=True, return_lse=True, **extra)
+
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    got = torch.compile(call, fullgraph=True, dynamic=dynamic, backend="aot_eager")(q, kc1, vc1)
+    want = call(q, k_cache, v_cache)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(kc1, k_cache) and torch.equal(vc1, v_cache)  # appended in both
+
+
+def test_merge_and_sparse_compile_fullgraph():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    outs, lses = torch.randn(3, 2, 4, 16, generator=g), torch.randn(3, 2, 4, generator=g)
+    lses[:, 0] = float("-inf")
+    merged = torch.compile(fl.merge_states, fullgraph=True, dynamic=True,
+                           backend="aot_eager")(outs, lses)
+    torch.testing.assert_close(merged, fl.merge_states(outs, lses))
+    q, k, v, _ = _dense(7)
+    idx = torch.randint(-1, 5, (2, 7, 2, 3), generator=g, dtype=torch.int32)
+    sparse = torch.compile(fl.sparse_attention, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(sparse(q, k, v, idx), fl.sparse_attention(q, k, v, idx))

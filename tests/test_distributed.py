@@ -102,8 +102,10 @@ def _ring_case(c, rank, world):
     shard = lambda x, dim=1: fld.split_sequence(x, lengths, layout=c["layout"], dim=dim)[rank]
     mine = [shard(t).clone().requires_grad_() for t in (q, k, v)]
     sink_r = None if sink is None else sink.clone().requires_grad_()
+    # Zigzag cases name the shard lengths (no all-gather of them); contiguous ones gather.
+    given = list(lengths) if c["layout"] == "zigzag" else None
     out, lse = fld.ring_attention(*mine, sink=sink_r, return_lse=True, layout=c["layout"],
-                                  group=group, **kw)
+                                  group=group, shard_lengths=given, **kw)
     ((out * shard(g_out)).sum() + (lse * shard(g_lse, 2)).sum()).backward()
 
     assert out.shape == (b, lengths[rank], hq, d + 2) and lse.shape == (b, hq, lengths[rank])

@@ -1,5 +1,6 @@
 """Validation, autograd and the public functions; the PyTorch path for CPU tensors."""
 
+from ._validate import value_checks
 from .attention import attention, attention_varlen
 from .kvcache import attention_with_kvcache
 from .merge import merge, merge_states
@@ -12,4 +13,5 @@ __all__ = [
     "merge",
     "merge_states",
     "sparse_attention",
+    "value_checks",
 ]

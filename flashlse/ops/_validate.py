@@ -124,7 +124,8 @@ def check_scale(scale, d: int) -> float:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
+    # Comparisons, not math.isfinite: torch.compile cannot trace math.isfinite on a float.
+    if not -math.inf < scale < math.inf:
         raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
 
@@ -132,7 +133,7 @@ def check_scale(scale, d: int) -> float:
 def check_softcap(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}")
-    if not (softcap >= 0 and math.isfinite(softcap)):
+    if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap must be finite and >= 0 (0.0 = off), got {softcap}")
     return float(softcap)
 

@@ -97,7 +97,7 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
 def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw):
     """The PyTorch path: CPU tensors (values checked), float64, and GPU calls with long
     queries of head dims above the prefill kernel's (this path reads lengths on the host)."""
-    if s_new:
+    if k_new is not None:
         _append(k_cache, v_cache, k_new, v_new, lens, block_table)
     bsz, capacity = q.shape[0], k_cache.shape[1]
     total = [capacity] * bsz if lens is None else (lens + s_new).tolist()
@@ -229,12 +229,26 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise ValueError("attention_with_kvcache is not differentiable (serving); call it under "
                          "torch.no_grad(), or use flashlse.attention for gradients")
-    kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+    if torch.compiler.is_compiling():
+        # One opaque node each (the caches' lengths are data torch.compile cannot read).
+        if s_new:
+            _append_op(k_cache, v_cache, k_new, v_new, lens, block_table)
+        out, lse = _kvcache_op(q, k_cache, v_cache, lens, s_new, block_table, num_splits, left,
+                               right, softcap, scale, sink)
+    else:
+        out, lse = _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
+                                num_splits, dict(left=left, right=right, softcap=softcap,
+                                                 scale=scale, sink=sink))
+    return (out, lse) if return_lse else out
+
+
+def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw):
+    """Appends ``k_new``/``v_new`` (when given) and attends, on the path the call belongs to."""
     if use_triton(q) and (q.shape[1] <= DECODE_MAX_SQ or max(
             q.shape[-1], v_cache.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
         from ..kernels.decode import append_kv, decode_fwd
 
-        if s_new:
+        if k_new is not None:
             append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
                       block_table=block_table)
         if q.shape[1] <= DECODE_MAX_SQ:
@@ -245,4 +259,38 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     else:
         out, lse = _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
                               num_splits, kw)
-    return (out, lse) if return_lse else out
+    return out, lse
+
+
+@torch.library.custom_op("flashlse::kvcache_append", mutates_args=("k_cache", "v_cache"))
+def _append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+               v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+               block_table: torch.Tensor | None) -> None:
+    if use_triton(k_new):
+        from ..kernels.decode import append_kv
+
+        append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                  block_table=block_table)
+    else:
+        _append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
+
+
+@torch.library.custom_op("flashlse::kvcache_fwd", mutates_args=())
+def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor | None, s_new: int,
+                block_table: torch.Tensor | None, num_splits: int, left: int | None,
+                right: int | None, softcap: float, scale: float,
+                sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    # The append already ran (_append_op): the keys are the first lens + s_new of each row.
+    out, lse = _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, s_new, block_table, None, None,
+                            num_splits, dict(left=left, right=right, softcap=softcap,
+                                             scale=scale, sink=sink))
+    return out, lse
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, s_new, block_table, num_splits, left, right, softcap,
+      scale, sink):
+    b, sq, hq, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(b, sq, hq, v_cache.shape[-1]), q.new_empty(b, hq, sq, dtype=lse_dtype)

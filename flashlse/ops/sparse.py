@@ -18,11 +18,14 @@ from .attention import TILE_ELEMS
 from .merge import merge_math
 
 
-def _chunks(indices, d):
+def _chunks(indices, d, sk):
     b, sq, hkv, topk = indices.shape
     t = max(1, min(topk, TILE_ELEMS // max(1, b * sq * hkv * d)))
     for t0 in range(0, topk, t):
-        yield indices[..., t0:t0 + t].long()
+        idx = indices[..., t0:t0 + t].long()
+        # An index outside [0, Sk) is no key, like -1 (GPU value checks are opt-in): the
+        # gather never reads outside k and v.
+        yield torch.where(idx < sk, idx, -1)
 
 
 def _gather(x, idx, dt):
@@ -53,7 +56,7 @@ def sparse_fwd_torch(q, k, v, indices, *, scale, sink):
     qg = q.reshape(b, sq, hkv, g, d).to(dt)
     out = torch.zeros(b, sq, hkv, g, dv, dtype=dt, device=q.device)
     lse = torch.full((b, sq, hkv, g), float("-inf"), dtype=dt, device=q.device)
-    for idx in _chunks(indices, max(d, dv)):
+    for idx in _chunks(indices, max(d, dv), k.shape[1]):
         s = _logits(qg, _gather(k, idx, dt), idx, scale)
         m = s.amax(dim=-1, keepdim=True)
         e = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m))
@@ -72,6 +75,8 @@ def sparse_fwd_torch(q, k, v, indices, *, scale, sink):
 def _scatter_add(dst, idx, src):
     # dst (B * Sk * Hkv, D) += src (B, Sq, Hkv, T, D) at rows (b, idx, h); -1 entries add 0.
     b, sq, hkv, t = idx.shape
+    if dst.shape[0] == 0:
+        return
     sk = dst.shape[0] // (b * hkv)
     bi = torch.arange(b, device=idx.device).view(b, 1, 1, 1)
     hi = torch.arange(hkv, device=idx.device).view(1, 1, hkv, 1)
@@ -93,7 +98,7 @@ def sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
     dq = torch.zeros_like(qg)
     dk = torch.zeros(b * sk * hkv, d, dtype=dt, device=q.device)
     dv_ = torch.zeros(b * sk * hkv, dv, dtype=dt, device=q.device)
-    for idx in _chunks(indices, max(d, dv)):
+    for idx in _chunks(indices, max(d, dv), k.shape[1]):
         kg, vg = _gather(k, idx, dt), _gather(v, idx, dt)
         p = torch.exp(_logits(qg, kg, idx, scale) - pivot)
         _scatter_add(dv_, idx, torch.einsum("bqhgt,bqhgd->bqhtd", p, dog))

@@ -1,0 +1,134 @@
+"""``attention_with_kvcache`` on the kernels: queries longer than the decode kernel takes (the
+varlen forward kernel, contiguous and paged caches), k_new appended by the append kernel, and
+out-of-range values with the value checks off (memory-safe, documented results).
+
+Inputs, poisoning and the comparison are those of tests/test_attention_with_kvcache.py (its
+helpers are imported): cache slots past each length are NaN, so a read past a length fails.
+Under ``TRITON_INTERPRET=1`` (CI) the tensors are on the CPU; on a GPU they move to CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_with_kvcache import make, run_both, to_paged
+
+import flashlse as fl
+from flashlse import reference as R
+
+HAS_CUDA = torch.cuda.is_available()
+DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
+
+
+def _to(t, device):
+    out = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in t.items()}
+    if t["v_cache"].data_ptr() == t["k_cache"].data_ptr():
+        out["v_cache"] = out["k_cache"][..., : t["v_cache"].shape[-1]]
+    return out
+
+
+# (B, Sq, Hq, Hkv, D, Dv, Smax, cache_seqlens, Snew, keywords): Sq > 16, the prefill kernel.
+CASES = [
+    pytest.param(2, 20, 4, 2, 32, 32, 60, [37, 60], 0, dict(causal=True), id="chunk_causal"),
+    pytest.param(3, 17, 4, 1, 32, 32, 48, [0, 9, 30], 0, dict(causal=True),
+                 id="empty_cache_and_sq_gt_sk"),
+    pytest.param(2, 18, 4, 2, 32, 16, 64, [20, 3], 5, dict(causal=True, sink=True),
+                 id="k_new_sink_dv16"),
+    pytest.param(2, 24, 2, 2, 32, 32, 50, [40, 26], 0, dict(window=(7, 0)), id="window"),
+    pytest.param(1, 19, 2, 1, 64, 48, 40, [33], 2, dict(mla=True), id="mla_view_k_new"),
+    pytest.param(2, 20, 2, 2, 32, 32, 40, [30, 21], 0, dict(softcap=3.0), id="softcap"),
+]
+
+
+def _split(kw):
+    kw = dict(kw)
+    return {n: kw.pop(n) for n in ("sink", "mla") if n in kw}, kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page", [None, 1, 16], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("b,sq,hq,hkv,d,dv,smax,lens,snew,kw", CASES)
+def test_kvcache_long_queries_on_kernels(device, b, sq, hq, hkv, d, dv, smax, lens, snew, kw,
+                                         page, dtype):
+    make_kw, call_kw = _split(kw)
+    t = make(b, sq, hq, hkv, d, dv, smax, lens, snew, dtype, **make_kw)
+    if page is not None:
+        t = to_paged(t, page)
+    run_both(_to(t, device), **call_kw)
+
+
+@pytest.mark.parametrize("page", [None, 3], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
+def test_kvcache_lengths_out_of_range_are_clamped(device, sq, page):
+    """With the value checks off a length past the cache reads the whole cache, a negative
+    one no key, and k_new past the end is dropped: nothing outside the caches is touched."""
+    t = make(3, sq, 4, 2, 32, 32, 24, [24, 24, 0], 2, torch.float16)
+    t["k_cache"][:] = torch.randn_like(t["k_cache"])
+    t["v_cache"][:] = torch.randn_like(t["v_cache"])
+    if page is not None:
+        t = to_paged(t, page, extra_pages=0)
+    t = _to(t, device)
+    bad = dict(t, cache_seqlens=torch.tensor([30, 23, -5], dtype=torch.int32, device=device))
+    k_before = t["k_cache"].clone()
+    with fl.value_checks(False):
+        out, lse = fl.attention_with_kvcache(**bad, causal=True, return_lse=True)
+    # What the clamps mean: lengths [24, 24, 0] of the (already full) cache, after writing
+    # the one new token that fits (sequence 1, slot 23) and dropping the rest.
+    cap = dict(t, cache_seqlens=torch.tensor([24, 24, 0], dtype=torch.int32, device=device))
+    cap["k_cache"], cap["v_cache"] = bad["k_cache"], bad["v_cache"]
+    ref_t = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+             for n, x in cap.items() if n not in ("k_new", "v_new")}
+    ref_out, ref_lse = R.attention_with_kvcache(**ref_t, causal=True, return_lse=True)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
+    changed = (bad["k_cache"] != k_before).flatten(1).any(1)
+    if page is None:
+        # Only sequence 1's slot 23 was written.
+        assert changed.tolist() == [False, True, False]
+        assert torch.equal(bad["k_cache"][1, 23], t["k_new"][1, 0])
+
+
+@pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
+def test_kvcache_pages_out_of_range_are_not_read(device, sq):
+    """A block-table entry outside [0, num_pages) holds no key (decode) or ends the sequence
+    (longer queries); a valid call on the same data before it is unaffected."""
+    t = to_paged(make(2, sq, 2, 1, 32, 32, 12, [12, 12], 0, torch.float16), 4, extra_pages=0)
+    t = _to(t, device)
+    good = fl.attention_with_kvcache(**t)
+    bt = t["block_table"].clone()
+    bt[1, 2] = 10_000  # sequence 1's last page (keys 8..11)
+    with fl.value_checks(False):
+        out = fl.attention_with_kvcache(**dict(t, block_table=bt))
+    torch.testing.assert_close(out[0], good[0])
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="block_table"), fl.value_checks():
+        fl.attention_with_kvcache(**dict(t, block_table=bt))
+
+
+def test_kvcache_grad_is_refused(device):
+    t = _to(make(1, 1, 2, 1, 16, 16, 8, [5], 0, torch.float16), device)
+    t["q"].requires_grad_()
+    with pytest.raises(ValueError, match="not differentiable"):
+        fl.attention_with_kvcache(**t)
+
+
+def test_varlen_bad_offsets_are_clamped(device):
+    """cu_seqlens past the tokens or decreasing, with the value checks off: the kernels read
+    and write inside the packed tensors only, and a valid sequence whose rows no bad one
+    overlaps is exact (decreasing query offsets may make two sequences share rows)."""
+    dtype = DTYPES[0]
+    q = torch.randn(24, 2, 32, device=device).to(dtype)
+    k = torch.randn(20, 2, 32, device=device).to(dtype)
+    v = torch.randn(20, 2, 32, device=device).to(dtype)
+    cu_q = torch.tensor([0, 10, 12, 1000], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 12, 5, 1000], dtype=torch.int32, device=device)
+    with fl.value_checks(False):
+        out, lse = fl.attention_varlen(q, k, v, cu_q, cu_k, 16, 16, causal=True,
+                                       return_lse=True)
+    ref_out, ref_lse = R.attention(q[None, :10].double(), k[None, :12].double(),
+                                   v[None, :12].double(), causal=True, return_lse=True)
+    torch.testing.assert_close(out[:10].double(), ref_out[0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse[:, :10].double(), ref_lse[0], atol=2e-3, rtol=2e-3)
+    assert not torch.isnan(out[12:]).any()
+    with pytest.raises(ValueError, match="cu_seqlens"), fl.value_checks():
+        fl.attention_varlen(q, k, v, cu_q, cu_k, 16, 16, causal=True)
