@@ -3,13 +3,14 @@ FlexAttention, all in one process, with the device-copy bandwidth as the ceiling
 
 Effective bandwidth = bytes of K and V the problem must read / time (for MLA the latent
 cache, read once: ``B * Skv * 576 * 2`` bytes). Times are ``triton.testing.do_bench``
-medians of the kernel launcher (``kernels.decode.decode_fwd``; validation in ops/ is
-host-side work outside the measured stream time); ``graph`` replays the same call from a
-CUDA graph (device time alone: where it beats the eager time, the host's Python and
-launches are what the GPU waits for), and ``host_us`` is the launcher's host time a call.
+medians of the public call ``flashlse.attention_with_kvcache`` (validation included;
+``--kernel-only`` times the launcher ``kernels.decode.decode_fwd`` instead, and tile sweeps
+always do); ``graph`` replays the same call from a CUDA graph (device time alone: where it
+beats the eager time, the host's Python and launches are what the GPU waits for), and
+``host_us`` is the timed call's host time.
 Copy bandwidth counts bytes read plus bytes written of a 2 GiB device-to-device copy.
 
-    python benchmarks/bench_decode.py [--out DIR] [--sweep]
+    python benchmarks/bench_decode.py [--out DIR] [--sweep] [--kernel-only]
 
 Writes ``decode.json``, ``results_rows.md`` (rows for benchmarks/RESULTS.md) and
 ``decode.png`` into ``--out``; prints the table last.
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import median_ms  # noqa: E402
 
+import flashlse as fl  # noqa: E402
 from flashlse.kernels import combine, decode  # noqa: E402
 
 GQA_SHAPES = [(1, 131072), (8, 32768), (64, 8192), (128, 2048)]
@@ -44,6 +46,8 @@ bench = functools.partial(median_ms, smoke=SMOKE, rep=150)
 DEV = "cpu" if SMOKE else "cuda"
 # --quick: the split-path shapes only, peers without compilation (no FlexAttention), no MLA.
 QUICK = "--quick" in sys.argv
+# --kernel-only: time the launcher (no validation) instead of the public function.
+KERNEL_ONLY = "--kernel-only" in sys.argv
 if QUICK:
     GQA_SHAPES = GQA_SHAPES[:2]
 if SMOKE:
@@ -101,6 +105,9 @@ def paged_copy(k, page_size, table=None):
 
 
 def run_decode(q, k, v, lens, table, scale, config=None, num_splits=0):
+    if config is None and not KERNEL_ONLY:
+        return lambda: fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                                 scale=scale, num_splits=num_splits)
     return lambda: decode.decode_fwd(q, k, v, cache_seqlens=lens, block_table=table, left=None,
                                      right=None, softcap=0.0, scale=scale, sink=None,
                                      num_splits=num_splits, config=config)
@@ -153,6 +160,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kernel-only", action="store_true")
     args = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.cache_size_limit = 64

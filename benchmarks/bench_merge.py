@@ -1,11 +1,12 @@
-"""Merge bandwidth: ``kernels.combine.merge_states_fwd`` merging N states of 256 MB in total.
+"""Merge bandwidth: the public ``flashlse.merge_states`` merging N states of 256 MB in total
+(``--kernel-only``: the launcher ``kernels.combine.merge_states_fwd``).
 
 Bandwidth = (bytes of the N outs and lses read + bytes of out and lse written) / time,
 against a device-to-device copy (bytes read plus written) measured in the same process,
 and against the same merge written in eager torch (the unfused formula of DESIGN.md §1).
 About 30% of the lse entries are -inf (empty states), as after a split-KV decode.
 
-    python benchmarks/bench_merge.py [--out DIR]
+    python benchmarks/bench_merge.py [--out DIR] [--kernel-only]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import median_ms  # noqa: E402
 
+import flashlse as fl  # noqa: E402
 from flashlse.kernels.combine import merge_states_fwd  # noqa: E402
 
 # --smoke: 1 MB on the CPU under TRITON_INTERPRET=1, to check the script itself.
@@ -48,6 +50,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--kernel-only", action="store_true")
     args = ap.parse_args()
     dev = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
     date = time.strftime("%Y-%m-%d")
@@ -65,7 +68,9 @@ def main():
             ref_out, ref_lse = torch_merge(outs, lses)
             maxdiff = float((out.float() - ref_out.float()).abs().max())
             nbytes = outs.numel() * 2 + lses.numel() * 4 + out.numel() * 2 + lse.numel() * 4
-            ms = bench(lambda outs=outs, lses=lses: merge_states_fwd(outs, lses))
+            # The public call by default; --kernel-only: the launcher, without validation.
+            merge = merge_states_fwd if args.kernel_only else fl.merge_states
+            ms = bench(lambda outs=outs, lses=lses, merge=merge: merge(outs, lses))
             ms_t = bench(lambda outs=outs, lses=lses: torch_merge(outs, lses))
             rows.append(dict(n=n, d=d, rows=r, ms=ms, gbs=nbytes / ms / 1e6, torch_ms=ms_t,
                              torch_gbs=nbytes / ms_t / 1e6, maxdiff=maxdiff))
