@@ -1,0 +1,393 @@
+"""Host overhead of the public functions: is ``fl.attention(...)`` as fast as its kernels?
+
+Each row times one public call (validation, autograd and launches included, as a user
+calls it) four ways, in one process:
+
+- ``public``: ``triton.testing.do_bench`` median of the public call (``_common.median_ms``).
+  Events bracket each call on the stream, so host time the GPU waits for is counted --
+  less the head start do_bench gives the host: it clears the L2 (a 256 MB memset, about
+  50 us on an H200) before each call, and the call's launches overlap that clear.
+- ``graph``: the same call captured in a CUDA graph after a warm-up on a side stream,
+  ``g.replay()`` timed the same way: the device time with no host in the way. Where
+  ``public`` exceeds it, the GPU waits for Python (or for a sync).
+- ``kernel``: torch.profiler, the time the device events (kernels, memsets, copies) of 20
+  calls cover, divided by 20: the GPU work itself, without launch gaps. Covered time, the
+  union of the events' intervals, not the sum of their durations: with programmatic
+  dependent launch the decode merge kernel starts (and waits) while the split kernel
+  runs, and a sum would count that overlap twice.
+- ``host``: host microseconds a call. A ``torch.cuda._sleep`` first holds the GPU busy, long
+  enough that the queue absorbs every launch, then 200 calls are timed with
+  ``time.perf_counter`` and no synchronize (in chunks of 50, which keeps the pending
+  launches below the driver's queue depth: a full queue would block the host on the GPU).
+  If the sleep has already ended when a chunk's loop ends (the call synchronized, or the
+  queue filled), the host time includes GPU time: the column is marked ``!``.
+- ``sync``: whether one call runs under ``torch.cuda.set_sync_debug_mode("error")``.
+
+Bars (issue "Public calls at kernel speed"): host us a call <= 30 (attention forward and
+attention_with_kvcache), <= 100 (attention forward + backward), <= 20 (merge_states);
+and public <= 1.05 x graph wherever graph >= 0.1 ms (shorter calls are launch-bound by
+nature). attention_varlen and sparse_attention rows have no host bar.
+
+    python benchmarks/bench_overhead.py [--out DIR] [--functions kvcache,merge,fwd,...]
+    TRITON_INTERPRET=1 python benchmarks/bench_overhead.py --smoke --out /tmp/ovh
+
+``--functions`` picks from kvcache, merge, fwd, fwdbwd, varlen, sparse (default all).
+Writes ``overhead.json`` and ``overhead_rows.md`` (rows for benchmarks/RESULTS.md) into
+``--out`` (default benchmarks/results); prints the table last. ``--smoke`` runs tiny
+shapes on the CPU under the interpreter to check the script: only ``public`` (one
+host-timed call) is measured there, the CUDA-only columns print ``-``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import functools
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from _common import median_ms  # noqa: E402
+
+import flashlse as fl  # noqa: E402
+
+# --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1, to check the script itself.
+SMOKE = "--smoke" in sys.argv
+# Median milliseconds (one host-timed call under --smoke).
+bench = functools.partial(median_ms, smoke=SMOKE)
+DEV = "cpu" if SMOKE else "cuda"
+# The interpreter's bf16 tl.dot is wrong in triton 3.6: smoke runs float32.
+DT = torch.float32 if SMOKE else torch.bfloat16
+D = 32 if SMOKE else 128
+HQ, HKV = (4, 2) if SMOKE else (32, 8)
+# Decode: (B, Skv) pairs of equal cache bytes, contiguous; plus one paged row.
+KV_SHAPES = [(1, 256), (2, 128)] if SMOKE else [(1, 131072), (8, 32768), (64, 8192), (128, 2048)]
+KV_PAGED = (2, 128, 16) if SMOKE else (64, 8192, 64)  # (B, Skv, page size)
+# merge_states: (N, leading dims..., D), dtype.
+MERGE_SHAPES = ([((2, 4, 8, D), DT), ((4, 2, 4, D), torch.float32), ((8, 4, 8, D), DT)]
+                if SMOKE else
+                [((2, 4096, 128, 128), torch.bfloat16), ((4, 64, 32, 128), torch.float32),
+                 ((8, 4096, 128, 128), torch.bfloat16)])
+# Prefill: (B, S, H), causal.
+ATTN_SHAPES = [(1, 64, 2), (1, 32, 2)] if SMOKE else [(16, 1024, 16), (8, 2048, 16)]
+VARLEN = (2, 64, 2) if SMOKE else (16, 1024, 16)  # (sequences, tokens each, H)
+SPARSE = (1, 32, 2, 1, 8) if SMOKE else (1, 1024, 16, 1, 256)  # (B, S, Hq, Hkv, topk)
+
+N_HOST, CHUNK = 200, 50
+N_PROFILE = 20
+HOST_BAR_US = {"kvcache": 30, "merge": 20, "fwd": 30, "fwdbwd": 100}
+RATIO_BAR, RATIO_MIN_MS = 1.05, 0.1
+LABEL = {"kvcache": "attention_with_kvcache", "merge": "merge_states", "fwd": "attention fwd",
+         "fwdbwd": "attention fwd+bwd", "varlen": "attention_varlen fwd",
+         "sparse": "sparse_attention fwd"}
+
+Case = collections.namedtuple("Case", "kind shape build")
+
+
+def randn(*shape, dtype=DT, requires_grad=False):
+    return torch.randn(*shape, device=DEV, dtype=dtype, requires_grad=requires_grad)
+
+
+# Each builder allocates its inputs and returns the public call as a closure: the inputs
+# live as long as the closure does, and are freed before the next case.
+
+def kvcache_call(b, skv, page=None):
+    q = randn(b, 1, HQ, D)
+    if page is None:
+        k, table = randn(b, skv, HKV, D), None
+    else:
+        pages = skv // page
+        k = randn(b * pages, page, HKV, D)
+        table = torch.randperm(b * pages, device=DEV).view(b, pages).to(torch.int32)
+    v = torch.randn_like(k)
+    lens = torch.full((b,), skv, dtype=torch.int32, device=DEV)
+    return lambda: fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table)
+
+
+def merge_call(shape, dtype):
+    outs = randn(*shape, dtype=dtype)
+    lses = randn(*shape[:-1], dtype=torch.float32) * 3
+    return lambda: fl.merge_states(outs, lses)
+
+
+def fwd_call(b, s, h):
+    q, k, v = (randn(b, s, h, D) for _ in range(3))
+    return lambda: fl.attention(q, k, v, causal=True)
+
+
+def fwdbwd_call(b, s, h):
+    q, k, v = (randn(b, s, h, D, requires_grad=True) for _ in range(3))
+    dout = randn(b, s, h, D)
+
+    def step():
+        # Fresh gradients every call (no accumulate kernel), as in the graph-capture recipe
+        # of the torch docs, so eager and replayed calls do the same device work.
+        for t in (q, k, v):
+            t.grad = None
+        out = fl.attention(q, k, v, causal=True)
+        out.backward(dout)
+
+    return step
+
+
+def varlen_call(n, s, h):
+    q, k, v = (randn(n * s, h, D) for _ in range(3))
+    cu = (torch.arange(n + 1, device=DEV, dtype=torch.int32) * s)
+    return lambda: fl.attention_varlen(q, k, v, cu, cu, s, s, causal=True)
+
+
+def sparse_call(b, s, hq, hkv, topk):
+    q, k, v = randn(b, s, hq, D), randn(b, s, hkv, D), randn(b, s, hkv, D)
+    idx = torch.randint(0, s, (b, s, hkv, topk), device=DEV, dtype=torch.int32)
+    idx[..., -topk // 8:] = -1  # some slots hold no key, as a top-k selector leaves them
+    return lambda: fl.sparse_attention(q, k, v, idx)
+
+
+def cases(kinds):
+    hd = f"Hq/Hkv={HQ}/{HKV} D={D}"
+    out = []
+    if "kvcache" in kinds:
+        for b, skv in KV_SHAPES:
+            out.append(Case("kvcache", f"B={b} Skv={skv} {hd} contiguous",
+                            functools.partial(kvcache_call, b, skv)))
+        b, skv, page = KV_PAGED
+        out.append(Case("kvcache", f"B={b} Skv={skv} {hd} paged {page}",
+                        functools.partial(kvcache_call, b, skv, page)))
+    if "merge" in kinds:
+        for shape, dtype in MERGE_SHAPES:
+            rows = 1
+            for x in shape[1:-1]:
+                rows *= x
+            name = str(dtype).replace("torch.", "")
+            out.append(Case("merge", f"N={shape[0]} x ({rows} rows, {shape[-1]}) {name}",
+                            functools.partial(merge_call, shape, dtype)))
+    for kind, call in (("fwd", fwd_call), ("fwdbwd", fwdbwd_call)):
+        if kind in kinds:
+            for b, s, h in ATTN_SHAPES:
+                out.append(Case(kind, f"B={b} S={s} H={h} D={D} causal",
+                                functools.partial(call, b, s, h)))
+    if "varlen" in kinds:
+        n, s, h = VARLEN
+        out.append(Case("varlen", f"{n} x {s} tokens H={h} D={D} causal",
+                        functools.partial(varlen_call, n, s, h)))
+    if "sparse" in kinds:
+        b, s, hq, hkv, topk = SPARSE
+        out.append(Case("sparse", f"B={b} S={s} Hq/Hkv={hq}/{hkv} D={D} topk={topk}",
+                        functools.partial(sparse_call, b, s, hq, hkv, topk)))
+    return out
+
+
+def sync_free(step) -> bool:
+    """Whether one call runs with no host-device sync (torch raises on the first one)."""
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        return True
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+        torch.cuda.synchronize()
+
+
+def graph_ms(step) -> float:
+    """Median ms of ``step`` replayed from a CUDA graph: warm-up on a side stream, then one
+    capture (the whole-network recipe of the torch CUDA graphs docs; for fwd+bwd the
+    gradients are set to None before the capture, by ``step`` itself)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    ms = bench(g.replay)
+    del g
+    return ms
+
+
+def kernel_ms(step) -> float:
+    """Device time of one call by torch.profiler: the time covered by the device events
+    (kernels, memsets, copies) of N_PROFILE calls, gaps between them left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(N_PROFILE):
+            step()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    us, end = 0.0, float("-inf")
+    for t0, t1 in spans:  # the union of the intervals: overlapping kernels count once
+        if t1 > end:
+            us += t1 - max(t0, end)
+            end = t1
+    return us / N_PROFILE / 1e3
+
+
+@functools.cache
+def sleep_cycles_per_s() -> float:
+    """Clock rate of ``torch.cuda._sleep`` (it spins a number of GPU cycles), measured."""
+    torch.cuda._sleep(1000)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10**8)
+    b.record()
+    b.synchronize()
+    return 1e8 / (a.elapsed_time(b) / 1e3)
+
+
+def host_us(step) -> tuple[float, bool]:
+    """Host microseconds a call, and whether the GPU was still asleep after every chunk
+    (False: the loop waited on the GPU somewhere, the time is not host time alone)."""
+    step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    # A synchronized call bounds the host time a call from above: sleep for twice a chunk
+    # of those (5 ms at least, 5 s at most), so the GPU outlasts the host loop.
+    sleep_s = min(5.0, max(0.005, 2 * CHUNK * (time.perf_counter() - t)))
+    cycles = int(sleep_s * sleep_cycles_per_s())
+    total, clean = 0.0, True
+    for _ in range(N_HOST // CHUNK):
+        torch.cuda._sleep(cycles)
+        awake = torch.cuda.Event()
+        awake.record()
+        t = time.perf_counter()
+        for _ in range(CHUNK):
+            step()
+        total += time.perf_counter() - t
+        clean &= not awake.query()
+        torch.cuda.synchronize()
+    return total / (N_HOST // CHUNK * CHUNK) * 1e6, clean
+
+
+def measure(case) -> dict:
+    row = dict(function=case.kind, label=LABEL[case.kind], shape=case.shape)
+    step = case.build()
+    row["public_ms"] = bench(step)
+    if not SMOKE:
+        # Graph capture last: it holds a memory pool and, for fwd+bwd, the gradients.
+        for key, fn in (("host_us", host_us), ("kernel_ms", kernel_ms), ("sync_free", sync_free),
+                        ("graph_ms", graph_ms)):
+            try:
+                res = fn(step)
+            except Exception as e:  # noqa: BLE001 - a failing column is reported, not fatal
+                res = None
+                row[key.rsplit("_", 1)[0] + "_err"] = repr(e)[:200]
+                torch.cuda.synchronize()
+            if key == "host_us" and res is not None:
+                res, row["host_clean"] = res
+            row[key] = res
+    del step
+    gc.collect()
+    if not SMOKE:
+        torch.cuda.empty_cache()
+    pub, graph, host = row["public_ms"], row.get("graph_ms"), row.get("host_us")
+    row["ratio"] = None if graph is None else pub / graph
+    bar = HOST_BAR_US.get(case.kind)
+    row["host_bar_us"] = bar
+    row["host_ok"] = None if bar is None or host is None else host <= bar
+    row["ratio_ok"] = (None if graph is None or graph < RATIO_MIN_MS
+                       else pub <= RATIO_BAR * graph)
+    return row
+
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def mark(ok):
+    return "-" if ok is None else ("✓" if ok else "✗")
+
+
+def host_cell(r):
+    h = r.get("host_us")
+    if h is None:
+        return "-"
+    return f"{h:.1f}" + ("" if r.get("host_clean", True) else "!")
+
+
+def finish(args, info, rows):
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "overhead.json"), "w") as f:
+        json.dump(dict(info=info, rows=rows), f, indent=1)
+    md = []
+    for r in rows:
+        bar = r["host_bar_us"]
+        host_bar = "no host bar" if bar is None else f"host <= {bar} us {mark(r['host_ok'])}"
+        md.append(
+            f"| {info['date']} | {info['device']} | torch {info['torch']} | triton "
+            f"{info['triton']} | overhead | {r['label']} {r['shape']} | public "
+            f"{fmt(r['public_ms'])} ms, host {host_cell(r)} us | graph {fmt(r.get('graph_ms'))} "
+            f"ms, kernel {fmt(r.get('kernel_ms'))} ms; {host_bar}, sync-free "
+            f"{mark(r.get('sync_free'))} | x{fmt(r['ratio'], '.2f')} graph "
+            f"{mark(r['ratio_ok'])} |")
+    with open(os.path.join(args.out, "overhead_rows.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+
+    print()
+    for r in rows:
+        errs = {k: v for k, v in r.items() if k.endswith("_err")}
+        if errs:
+            print(r["label"], r["shape"], errs)
+    print(f"\n{info['device']}  torch {info['torch']}  triton {info['triton']}  "
+          f"({info['date']}; host: {N_HOST} calls behind a GPU sleep, ! = the loop waited "
+          f"on the GPU)")
+    hdr = ["function", "shape", "public ms", "graph ms", "kernel ms", "host us", "pub/graph",
+           "host bar", "ratio bar", "sync-free"]
+    widths = [22, 42, 9, 9, 9, 8, 9, 9, 9, 9]
+    print(" | ".join(f"{h:<{w}}" for h, w in zip(hdr, widths)))
+    for r in rows:
+        bar = r["host_bar_us"]
+        vals = [r["label"], r["shape"], fmt(r["public_ms"]), fmt(r.get("graph_ms")),
+                fmt(r.get("kernel_ms")), host_cell(r), fmt(r["ratio"], ".2f"),
+                "-" if bar is None else f"{mark(r['host_ok'])} <={bar}",
+                mark(r["ratio_ok"]), mark(r.get("sync_free"))]
+        print(" | ".join(f"{str(x)[:w]:<{w}}" for x, w in zip(vals, widths)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results"))
+    ap.add_argument("--functions", default=",".join(LABEL),
+                    help="comma list of: " + ", ".join(LABEL))
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    kinds = [k.strip() for k in args.functions.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in LABEL]
+    if unknown:
+        ap.error(f"unknown --functions {unknown}; choose from {', '.join(LABEL)}")
+    torch.manual_seed(0)
+    info = dict(date=datetime.date.today().isoformat(),
+                device="cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
+    rows = []
+    for case in cases(kinds):
+        rows.append(measure(case))
+        r = rows[-1]
+        print(f"{r['label']:<24} {r['shape']:<44} public {fmt(r['public_ms'])} ms  graph "
+              f"{fmt(r.get('graph_ms'))} ms  host {host_cell(r)} us", flush=True)
+    finish(args, info, rows)
+
+
+if __name__ == "__main__":
+    main()
