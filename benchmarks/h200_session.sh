@@ -29,6 +29,25 @@ if [ "$1" = sm90 ]; then
         --out "$OUT" 2>&1 | tail -22
     exit 0
 fi
+if [ "$1" = host ]; then
+    # Public-call speed: where host time goes (cProfile), the kernels and sync-free tests of
+    # the dispatch layer, then bench_overhead's table.
+    timeout 120 python3 benchmarks/profile_host.py --top 22 > "$OUT/profile_host.txt" 2>&1
+    grep "===" "$OUT/profile_host.txt"
+    K=tests/kernels
+    timeout 300 python3 -m pytest -q $K/test_kvcache_kernels.py $K/test_sync_free.py \
+        $K/test_decode.py $K/test_cuda_graphs.py $K/test_combine.py -p no:cacheprovider \
+        > "$OUT/test_gpu_serving.log" 2>&1 &
+    timeout 300 python3 -m pytest -q $K/test_fwd.py $K/test_bwd.py -k "varlen" \
+        -p no:cacheprovider > "$OUT/test_gpu_varlen.log" 2>&1 &
+    timeout 300 python3 -m pytest -q tests/test_compile.py tests/test_attention.py \
+        -p no:cacheprovider > "$OUT/test_gpu_ops.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -20
+    timeout 200 python3 benchmarks/bench_overhead.py --out "$OUT" 2>&1 | tail -16
+    exit 0
+fi
 if [ "$1" = tables ]; then
     timeout 250 python3 benchmarks/bench_bwd.py --results --flex-budget 60 --out /tmp/bwd 2>&1 \
         | tail -36 > "$OUT/bench_bwd.txt"; cat "$OUT/bench_bwd.txt"
