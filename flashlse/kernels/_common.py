@@ -3,6 +3,7 @@ descriptor scratch allocator and the masked row-tile load."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -14,11 +15,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    # Plain ints: triton.cdiv on the host goes through the JIT's call path (~6 us a call).
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(t: torch.Tensor) -> tuple[int, int]:
+    """Compute capability of a CUDA tensor's device, cached (torch asks the driver each time:
+    tens of microseconds a public call)."""
+    index = t.device.index
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """TMA needs sm90+, 16-byte aligned bases and row strides, and 16-byte rows at least."""
-    if not interpreting() and (
-        not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9
-    ):
+    if not interpreting() and (not tensors[0].is_cuda or capability(tensors[0])[0] < 9):
         return False
     for t in tensors:
         es = t.element_size()

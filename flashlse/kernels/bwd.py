@@ -77,9 +77,11 @@ import triton.language as tl
 
 from ._common import (
     alloc_scratch,
+    cdiv,
     interpreting,
     key_ranges,
     load_rows,
+    next_pow2,
     row_ranges,
     seq_bounds,
     tma_ok,
@@ -741,7 +743,7 @@ def _launch(kernel, tuned, cfg, n, block, n_heads, batch, args):
         tuned[lambda meta: (triton.cdiv(n, meta[block]), n_heads, batch)](**args)
         return
     bm, bn, w, s = cfg
-    kernel[(triton.cdiv(n, bm if block == "BLOCK_M" else bn), n_heads, batch)](
+    kernel[(cdiv(n, bm if block == "BLOCK_M" else bn), n_heads, batch)](
         **args,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -823,7 +825,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     lse_log2 = torch.empty(padded, dtype=torch.float32, device=device)[..., :n_last]
     st_b, st_h = (0, delta.stride(0)) if is_varlen else (delta.stride(0), delta.stride(1))
 
-    n_m_pre = triton.cdiv(max(seqlen_q, 1), _PRE_BLOCK_M)
+    n_m_pre = cdiv(max(seqlen_q, 1), _PRE_BLOCK_M)
     n_part = batch * n_m_pre
     dsink_part = (torch.zeros((hq, n_part), dtype=torch.float32, device=device)
                   if sink is not None else None)
@@ -835,8 +837,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
 
     scale = float(scale)
     softcap = float(softcap or 0.0)
-    block_d = max(triton.next_power_of_2(d), 16)
-    block_dv = max(triton.next_power_of_2(dv_dim), 16)
+    block_d = max(next_pow2(d), 16)
+    block_dv = max(next_pow2(dv_dim), 16)
     # No descriptor over an empty tensor (its base address may be null).
     use_tma = (override.get("USE_TMA", True) and min(q.numel(), k.numel(), v.numel()) > 0
                and tma_ok(q, k, v, dout))

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._common import alloc_scratch, row_ranges, tma_ok
+from ._common import alloc_scratch, capability, cdiv, row_ranges, tma_ok
 from .fwd_sm90 import HALF_M, _key_ranges, _seq_bounds
 from .fwd_sm90 import _producer as _fwd_producer
 
@@ -318,7 +318,7 @@ def supported(q, k, v, dout, dk, dv, *, softcap, dims=(128, )) -> bool:
     """A kernel's domain (head dims ``dims``, D == Dv); everything else runs bwd.py's."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0) or softcap:
+    if capability(q) != (9, 0) or softcap:
         return False
     d = q.shape[-1]
     if d not in dims or v.shape[-1] != d or min(q.numel(), k.numel()) == 0:
@@ -330,7 +330,7 @@ def attn_bwd_dkdv_sm90(args: dict, batch: int, seqlen_k: int, hkv: int):
     """Launch with bwd.attn_bwd's dK/dV arguments (``dkdv_args``)."""
     triton.set_allocator(alloc_scratch)
     cfg = CONFIG
-    grid = (triton.cdiv(seqlen_k, 2 * HALF_N), hkv, batch)
+    grid = (cdiv(seqlen_k, 2 * HALF_N), hkv, batch)
     names = _dkdv_sm90_kernel.arg_names
     kwargs = {n: args[n] for n in names if n in args and n not in cfg}
     _dkdv_sm90_kernel[grid](
@@ -513,7 +513,7 @@ def attn_bwd_dq_sm90(args: dict, batch: int, seqlen_q: int, hq: int):
     """Launch with bwd.attn_bwd's dQ arguments (``dq_args``)."""
     triton.set_allocator(alloc_scratch)
     cfg = DQ_CONFIG[args["q"].shape[-1]]
-    grid = (triton.cdiv(seqlen_q, 2 * HALF_N), hq, batch)
+    grid = (cdiv(seqlen_q, 2 * HALF_N), hq, batch)
     names = _dq_sm90_kernel.arg_names
     kwargs = {n: args[n] for n in names if n in args and n not in cfg}
     _dq_sm90_kernel[grid](**kwargs, **cfg, num_warps=4)

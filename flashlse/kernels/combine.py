@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from ._common import interpreting
+from ._common import cdiv, interpreting, next_pow2
 
 # constexpr globals: jit functions may read only those.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -171,13 +171,7 @@ def _merge_states_fwd_kernel(
         tl.store(lse + o_r0 * stride_z0 + o_r1 * stride_z1 + o_r2 * stride_z2, b_lse, mask=m_r)
 
 
-def _cdiv(a: int, b: int) -> int:
-    # Plain ints: triton.cdiv on the host goes through the JIT's call path (~6 us a call).
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+_cdiv, _next_pow2 = cdiv, next_pow2
 
 
 def _coalesce(shape, strides_list):

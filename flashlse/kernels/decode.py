@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from ._common import interpreting
+from ._common import capability, interpreting
 from .combine import _cdiv, _next_pow2, _num_sms, merge_launch
 
 LOG2E = math.log2(math.e)
@@ -74,9 +74,8 @@ _empty = torch.empty
 PDL = True
 
 
-@functools.cache
-def _pdl_ok(device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+def _pdl_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda and capability(t)[0] >= 9
 
 
 @triton.jit
@@ -426,7 +425,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     softcap = float(softcap or 0.0)
     scale = float(scale)
     grid = (programs, splits)
-    pdl = splits > 1 and PDL and not interpret and _pdl_ok(q.device)
+    pdl = splits > 1 and PDL and not interpret and _pdl_ok(q)
     _decode_fwd_kernel[grid](
         q=q,
         k=k_cache,

@@ -63,7 +63,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import alloc_scratch, interpreting, key_ranges, load_rows, seq_bounds, tma_ok
+from ._common import (
+    alloc_scratch,
+    cdiv,
+    interpreting,
+    key_ranges,
+    load_rows,
+    next_pow2,
+    seq_bounds,
+    tma_ok,
+)
 
 try:  # Gluon's Hopper API as of triton 3.6; without it every call takes this module's kernel.
     from . import fwd_sm90
@@ -450,8 +459,8 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
                           f"{str(e)[:200]}); using the portable Triton kernel instead",
                           RuntimeWarning, stacklevel=2)
 
-    block_d = max(triton.next_power_of_2(d), 16)
-    block_dv = max(triton.next_power_of_2(dv), 16)
+    block_d = max(next_pow2(d), 16)
+    block_dv = max(next_pow2(dv), 16)
     cfg = _pick_config(block_d, block_dv, right is not None or left is not None)
     use_tma = cfg.pop("USE_TMA", True) and tma_ok(q, k, v, out)
     # Triton 3.6's Hopper warp specialisation compiled here only with TMA loads and 8 warps
@@ -464,7 +473,7 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
     softcap = float(softcap or 0.0)
     n_bh = batch * hq
     group_heads = cfg.get("GROUP_HEADS") or _group_heads(seqlen_k, d + dv, q.element_size())
-    grid = (n_bh * triton.cdiv(seqlen_q, cfg["BLOCK_M"]),)
+    grid = (n_bh * cdiv(seqlen_q, cfg["BLOCK_M"]),)
 
     def launch(ws):
         _attn_fwd_kernel[grid](

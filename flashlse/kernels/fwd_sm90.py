@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._common import alloc_scratch, key_ranges, seq_bounds, tma_ok
+from ._common import alloc_scratch, capability, cdiv, key_ranges, seq_bounds, tma_ok
 
 # fwd.py's scalar helpers (sequence bounds, key-tile ranges), compiled as Gluon functions.
 _seq_bounds = gluon.jit(seq_bounds.fn)
@@ -401,7 +401,7 @@ def supported(q, k, v, *, softcap, scale, batch) -> bool:
         return False
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if capability(q) != (9, 0):
         return False
     if d not in _CONFIGS or v.shape[-1] != d or softcap or not scale > 0:
         return False
@@ -434,7 +434,7 @@ def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
     if CONFIG_OVERRIDE:
         cfg.update(CONFIG_OVERRIDE)
     triton.set_allocator(alloc_scratch)
-    grid = (triton.cdiv(seqlen_q, 2 * HALF_M), hq, batch)
+    grid = (cdiv(seqlen_q, 2 * HALF_M), hq, batch)
     _fwd_sm90_kernel[grid](
         q, k, v, out, lse, sink,
         cu_seqlens_q, cu_seqlens_k, seqused_k,
