@@ -35,6 +35,15 @@ if [ "$1" = host ]; then
     timeout 120 python3 benchmarks/profile_host.py --top 22 > "$OUT/profile_host.txt" 2>&1
     grep "===" "$OUT/profile_host.txt"
     K=tests/kernels
+    if [ "$2" = full ]; then
+        timeout 200 python3 -m pytest -q $K/test_kvcache_kernels.py $K/test_sync_free.py \
+            -p no:cacheprovider > "$OUT/test_gpu_serving.log" 2>&1
+        tail -1 "$OUT/test_gpu_serving.log"
+        timeout 100 python3 benchmarks/bench_overhead.py --out "$OUT" 2>&1 | tail -16
+        timeout 240 python3 benchmarks/bench_decode.py --out "$OUT" 2>&1 | tail -8
+        timeout 60 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -7
+        exit 0
+    fi
     timeout 300 python3 -m pytest -q $K/test_kvcache_kernels.py $K/test_sync_free.py \
         $K/test_decode.py $K/test_cuda_graphs.py $K/test_combine.py -p no:cacheprovider \
         > "$OUT/test_gpu_serving.log" 2>&1 &
