@@ -42,6 +42,7 @@ if [ "$1" = host ]; then
         timeout 100 python3 benchmarks/bench_overhead.py --out "$OUT" 2>&1 | tail -16
         timeout 240 python3 benchmarks/bench_decode.py --out "$OUT" 2>&1 | tail -8
         timeout 60 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -7
+        timeout 60 python3 benchmarks/bench_serving.py 2>&1 | tail -6
         exit 0
     fi
     timeout 300 python3 -m pytest -q $K/test_kvcache_kernels.py $K/test_sync_free.py \

@@ -1,0 +1,72 @@
+"""Chunked prefill against a cache through the public ``attention_with_kvcache``, beside the
+dense kernel on the same work (``fl.attention`` with the cache as k/v), one process.
+
+B=4 sequences, Sq=512 new query rows against an 8k-token cache, Hq/Hkv=32/8, D=128, causal
+(bottom-right: row i sees cache keys up to 8k - 512 + i), bf16. FLOPs counted as the dense
+causal call's (``4 B H Sq Sk D`` minus the masked half of the last 512 x 512 block).
+
+    python benchmarks/bench_serving.py [--smoke]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import median_ms  # noqa: E402
+
+import flashlse as fl  # noqa: E402
+
+SMOKE = "--smoke" in sys.argv
+
+
+def paged(cache, page, perm=None):
+    """The same keys in shuffled pages: (num_pages, page, H, D) and a (B, pages) table."""
+    b, s = cache.shape[:2]
+    n = s // page
+    if perm is None:
+        perm = torch.randperm(b * n, device=cache.device)
+    pages = torch.empty(b * n, page, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+    pages[perm] = cache.reshape(b * n, page, *cache.shape[2:])
+    return pages, perm.view(b, n).to(torch.int32)
+
+
+def main():
+    dev, dt = ("cpu", torch.float16) if SMOKE else ("cuda", torch.bfloat16)
+    b, sq, sk, hq, hkv, d = (2, 20, 64, 4, 2, 32) if SMOKE else (4, 512, 8192, 32, 8, 128)
+    q = torch.randn(b, sq, hq, d, device=dev, dtype=dt)
+    k = torch.randn(b, sk, hkv, d, device=dev, dtype=dt)
+    v = torch.randn(b, sk, hkv, d, device=dev, dtype=dt)
+    lens = torch.full((b,), sk, dtype=torch.int32, device=dev)
+    flops = 4 * b * hq * sq * d * (sk - sq / 2)
+    rows = []
+    dense = lambda: fl.attention(q, k, v, causal=True)
+    ref = dense()
+    rows.append(("fl.attention (dense kernel, same work)", median_ms(dense, SMOKE)))
+    call = lambda: fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=True)
+    err = float((call().float() - ref.float()).abs().max())
+    rows.append((f"attention_with_kvcache contiguous (max diff {err:.1e})", median_ms(call, SMOKE)))
+    for page in (16, 64, 256):
+        if sk % page:
+            continue
+        kp, table = paged(k, page)
+        vp, _ = paged(v, page, table.view(-1).long())
+        call = lambda kp=kp, vp=vp, table=table: fl.attention_with_kvcache(
+            q, kp, vp, cache_seqlens=lens, block_table=table, causal=True)
+        err = float((call().float() - ref.float()).abs().max())
+        rows.append((f"attention_with_kvcache paged {page} (max diff {err:.1e})",
+                     median_ms(call, SMOKE)))
+    name = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
+    print(f"\nserving prefill: {name} torch {torch.__version__}; B={b} Sq={sq} Skv={sk} "
+          f"Hq/Hkv={hq}/{hkv} D={d} causal")
+    base = rows[0][1]
+    for label, ms in rows:
+        print(f"{label:<58} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s  {base / ms:.2f}x dense")
+
+
+if __name__ == "__main__":
+    main()
