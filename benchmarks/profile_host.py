@@ -1,8 +1,12 @@
-"""Where a public call's host time goes: cProfile over many calls of small (host-bound) shapes.
+"""Where a public call's host time goes: cProfile over many calls of small (host-bound) shapes,
+and the floor this host sets: a bare torch op, ``torch.empty``, and an empty Triton kernel
+launched through ``JITFunction.run`` with 1 and with 32 arguments (flashlse's kernels take
+30-60) and through the compiled kernel's own launcher.
 
     python benchmarks/profile_host.py [--top 18]
 
-Prints, per call kind, microseconds a call and the functions with the most own time.
+Prints the floor, then per call kind microseconds a call and the functions with the most
+own time.
 """
 
 from __future__ import annotations
@@ -13,8 +17,93 @@ import pstats
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 import flashlse as fl
+
+
+@triton.jit
+def _empty1(x):
+    pass
+
+
+@triton.jit
+def _empty32(x0, x1, x2, x3, x4, x5, x6, x7, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11,
+             a12, a13, a14, a15, a16, a17, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+             B3: tl.constexpr, B4: tl.constexpr, B5: tl.constexpr):
+    pass
+
+
+def per_call_us(fn, n):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def back_to_back_ms(fn, n=200):
+    """Milliseconds a call over n calls issued back to back (no L2 flush between them, unlike
+    do_bench): a call whose host time exceeds its GPU time shows here, not in do_bench."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def graphed(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def back_to_back():
+    dev, dt = "cuda", torch.bfloat16
+    kc = torch.randn(1, 131072, 8, 128, device=dev, dtype=dt)
+    qd = torch.randn(1, 1, 32, 128, device=dev, dtype=dt)
+    lens = torch.full((1,), 131072, dtype=torch.int32, device=dev)
+    q = torch.randn(16, 1024, 16, 128, device=dev, dtype=dt)
+    rows = {
+        "kvcache B=1 Skv=128k": lambda: fl.attention_with_kvcache(qd, kc, kc, cache_seqlens=lens),
+        "attention fwd B=16 S=1k causal": lambda: fl.attention(q, q, q, causal=True),
+    }
+    for name, fn in rows.items():
+        pub, gr = back_to_back_ms(fn), back_to_back_ms(graphed(fn))
+        print(f"=== back to back {name:<32} public {pub:.3f} ms, graph {gr:.3f} ms, "
+              f"{pub / gr:.2f}x")
+
+
+def floor(n):
+    x = torch.zeros(16, device="cuda")
+    ts = [torch.zeros(16, device="cuda") for _ in range(8)]
+    ints = list(range(3, 21))
+    k32 = lambda: _empty32[(1,)](*ts, *ints, 16, 32, 64, 128, True, False)
+    compiled = _empty32[(1,)](*ts, *ints, 16, 32, 64, 128, True, False)
+    runner = compiled[(1, 1, 1)]
+    return {
+        "x.add_(1)": per_call_us(lambda: x.add_(1), n),
+        "torch.empty(4096)": per_call_us(lambda: torch.empty(4096, device="cuda"), n),
+        "empty kernel, 1 arg, JIT path": per_call_us(lambda: _empty1[(1,)](x), n),
+        "empty kernel, 32 args, JIT path": per_call_us(k32, n),
+        "empty kernel, 32 args, compiled launcher": per_call_us(
+            lambda: runner(*ts, *ints, 16, 32, 64, 128, True, False), n),
+    }
 
 
 def calls():
@@ -46,6 +135,10 @@ def main():
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--n", type=int, default=300)
     args = ap.parse_args()
+    print("=== floor of this host, us a call ===")
+    for name, us in floor(args.n).items():
+        print(f"=== {name:<42} {us:7.1f}")
+    back_to_back()
     for name, fn in calls().items():
         for _ in range(20):
             fn()
