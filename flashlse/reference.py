@@ -57,7 +57,8 @@ def softmax_weights(scores: torch.Tensor, sink: torch.Tensor | None = None):
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     e = torch.exp(scores - m)
     z = e.sum(dim=-1, keepdim=True)
-    nonempty = z > 0
+    # Empty only when no key is visible (z exactly 0): a NaN z is data and propagates.
+    nonempty = z != 0
     # Neither branch of a where may divide by or log a zero: autograd differentiates both.
     z_safe = torch.where(nonempty, z, torch.ones_like(z))
     inv_sum = torch.where(nonempty, 1.0 / z_safe, torch.zeros_like(z))

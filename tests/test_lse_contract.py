@@ -120,7 +120,7 @@ def test_attention_chunk_invariance(seed, sq, sk, heads, d, cuts, sink, softcap)
         outs.append(o)
         lses.append(l.transpose(1, 2))  # (1, Sq, Hq): out's shape without D
     # The sink is added once, at the merge, never per part.
-    m_out, m_lse = fl.merge_states(torch.stack(outs), torch.stack(lses), sink=s)
+    m_out, m_lse = fl.merge_states(torch.stack(outs), torch.stack(lses), sink=s, layout="rows")
     ref_out, ref_lse = R.attention(q, k, v, softcap=softcap, sink=s, return_lse=True)
     assert_close_to_ref(out, ref_out)
     assert_close_to_ref(lse, ref_lse, name="lse")
@@ -143,7 +143,7 @@ def test_sparse_chunk_invariance(seed, sq, sk, topk, cuts, p_none, sink):
         o, l = fl.sparse_attention(q, k, v, idx[..., t0:t1].contiguous(), return_lse=True)
         outs.append(o)
         lses.append(l.transpose(1, 2))
-    m_out, m_lse = fl.merge_states(torch.stack(outs), torch.stack(lses), sink=s)
+    m_out, m_lse = fl.merge_states(torch.stack(outs), torch.stack(lses), sink=s, layout="rows")
     ref_out, ref_lse = R.sparse_attention(q, k, v, idx, sink=s, return_lse=True)
     assert_close_to_ref(m_out, ref_out)
     assert_close_to_ref(m_lse.transpose(1, 2), ref_lse, name="lse")

@@ -162,3 +162,37 @@ def test_merge_states_strided_views():
     r_o, r_l = torch.autograd.grad([ref_out, ref_lse], leaves, [dout.double(), dlse.double()])
     assert_close_to_ref(g_o[..., 2:10], r_o, name="douts")
     assert_close_to_ref(g_l.transpose(-1, -2), r_l, name="dlses")
+
+
+@pytest.mark.parametrize("sq,hq", [(4, 4), (5, 2)], ids=["sq_eq_hq", "sq_ne_hq"])
+def test_merge_of_attention_halves_in_flash_layout(sq, hq):
+    """attention's own (out (B, Sq, H, D), lse (B, H, Sq)) merge as they come, with
+    layout='flash'; when Sq == H the shapes fit both layouts and layout=None refuses."""
+    q, k, v = rand(1, sq, hq, 16), rand(1, 10, hq, 16), rand(1, 10, hq, 16)
+    a = fl.attention(q, k[:, :4], v[:, :4], return_lse=True)
+    b = fl.attention(q, k[:, 4:], v[:, 4:], return_lse=True)
+    out, lse = fl.merge(*a, *b, layout="flash")
+    ref_out, ref_lse = R.attention(q, k, v, return_lse=True)
+    assert_close_to_ref(out, ref_out)
+    assert_close_to_ref(lse, ref_lse, name="lse")
+    if sq == hq:
+        with pytest.raises(ValueError, match="fit both layouts"):
+            fl.merge(*a, *b)
+    else:
+        torch.testing.assert_close(fl.merge(*a, *b), (out, lse))
+
+
+def test_merge_nan_state_propagates_to_its_row_only():
+    """A NaN (or +inf) lse is data, not an empty state: its row comes out NaN, the other rows
+    are exact (with the value checks off; on the CPU they would raise first)."""
+    outs, lses = states(2, (3, 4), 8, p_empty=0.0)
+    lses[0, 1, 2] = float("nan")
+    lses[1, 2, 0] = float("inf")
+    with fl.value_checks(False):
+        out, lse = fl.merge_states(outs, lses)
+    bad = torch.zeros(3, 4, dtype=torch.bool)
+    bad[1, 2] = bad[2, 0] = True
+    assert torch.isnan(lse[bad]).all() and torch.isnan(out[bad]).all()
+    ref_out, ref_lse = R.merge_states(outs.double(), lses.double().masked_fill(bad, 0.0))
+    torch.testing.assert_close(out[~bad].double(), ref_out[~bad], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[~bad].double(), ref_lse[~bad], atol=1e-5, rtol=1e-5)

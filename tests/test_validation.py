@@ -239,8 +239,11 @@ def mg(**over):
 
 
 MERGE = [
-    pytest.param(ms(lses=torch.randn(3, 2, 5, 4)), ValueError, "shape of outs without",
+    pytest.param(ms(lses=torch.randn(3, 2, 5, 5)), ValueError, "shape of outs without",
                  id="lse_shape_mismatch"),
+    pytest.param(ms(outs=torch.randn(3, 2, 4, 4, 8), lses=torch.randn(3, 2, 4, 4)), ValueError,
+                 "fit both layouts", id="sq_equals_h_ambiguous"),
+    pytest.param(ms(layout="heads"), ValueError, "layout must be", id="layout_name"),
     pytest.param(ms(lses=torch.randn(3, 2, 4)), ValueError, "shape of outs without",
                  id="lse_rank_mismatch"),
     pytest.param(ms(outs=torch.randn(3)), ValueError, "at least 2 dims", id="outs_rank"),

@@ -23,8 +23,10 @@ Epilogue: ``l == 0`` exactly when the row saw no key (a visible key contributes
 ``2^0 = 1`` at the maximum), so ``inv_sum = 0 if l == 0 else 1 / l`` gives ``out = 0``
 and ``lse_log2 = -inf`` with no division by zero. A sink ``t_s = sink * log2 e`` is one
 more key of value 0, added once here: ``m_f = max(m, t_s)``,
-``l_f = l * 2^(m - m_f) + 2^(t_s - m_f)`` (>= 1, so never zero) and
-``out = acc * 2^(m - m_f) / l_f``, ``lse_log2 = m_f + log2(l_f)``.
+``l_f = l * 2^(m - m_f) + 2^(t_s - m_f)`` (>= 1 for a finite sink) and
+``out = acc * 2^(m - m_f) / l_f``, ``lse_log2 = m_f + log2(l_f)``; a sink of -inf is no sink
+(the pivot is 0 when ``m_f = -inf``, so an empty row stays ``(0, -inf)``). Empty means
+``l == 0`` exactly: a NaN score makes ``l`` NaN, and that row's out and lse NaN.
 
 Masks, bottom-right aligned (masks.py): with ``shift = Sk - Sq`` row i sees key j iff
 ``i + shift - left <= j <= i + shift + right``. For a row block ``[m0, m_last]`` the
@@ -197,22 +199,25 @@ def _attn_fwd_store(
     HAS_SINK: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Epilogue: normalise, add the sink once, store out and the natural-log lse."""
-    # l == 0 exactly for a row with no visible key.
+    # l == 0 exactly for a row with no visible key; a NaN l (a NaN score) is not empty and
+    # propagates to out and lse.
     b_l_keys = b_l
+    b_piv = b_m
     if HAS_SINK:
         b_sink_nat = tl.load(sink + i_h).to(tl.float32)
         b_sink = b_sink_nat * 1.4426950408889634
         b_m_f = tl.maximum(b_m, b_sink)
-        b_w = tl.math.exp2(b_m - b_m_f)
-        b_l = b_l * b_w + tl.math.exp2(b_sink - b_m_f)
-        b_scale = b_w / b_l
-        b_lse_log2 = b_m_f + tl.math.log2(b_l)
+        # A sink of -inf on an empty row leaves m_f = -inf: pivot on 0, never -inf - -inf.
+        b_piv = tl.where(b_m_f == float("-inf"), 0.0, b_m_f)
+        b_w = tl.math.exp2(b_m - b_piv)
+        b_l = b_l * b_w + tl.math.exp2(b_sink - b_piv)
     else:
-        b_nonempty = b_l > 0.0
-        # Neither branch of a where may divide by or take the log of the zero sum.
-        b_l_safe = tl.where(b_nonempty, b_l, 1.0)
-        b_scale = tl.where(b_nonempty, 1.0 / b_l_safe, 0.0)
-        b_lse_log2 = tl.where(b_nonempty, b_m + tl.math.log2(b_l_safe), float("-inf"))
+        b_w = 1.0
+    b_nonempty = b_l != 0.0
+    # Neither branch of a where may divide by or take the log of the zero sum.
+    b_l_safe = tl.where(b_nonempty, b_l, 1.0)
+    b_scale = tl.where(b_nonempty, b_w / b_l_safe, 0.0)
+    b_lse_log2 = tl.where(b_nonempty, b_piv + tl.math.log2(b_l_safe), float("-inf"))
     # [BLOCK_M, BLOCK_DV]
     b_o = b_acc * b_scale[:, None]
     b_lse = b_lse_log2 * 0.6931471805599453

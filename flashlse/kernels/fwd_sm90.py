@@ -249,18 +249,22 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(v_empty.index(s))
 
-    # Epilogue (fwd.py's _attn_fwd_store): l == 0 exactly for a row with no visible key.
+    # Epilogue (fwd.py's _attn_fwd_store): l == 0 exactly for a row with no visible key; a
+    # NaN l propagates; a -inf sink pivots on 0.
     if HAS_SINK:
         sink_nat = gl.load(sink + i_h).to(gl.float32)
         sink2 = sink_nat * _LOG2E
         m_f = gl.maximum(m_i, sink2)
-        w = gl.exp2(m_i - m_f)
-        l_f = l_i * w + gl.exp2(sink2 - m_f)
-        o_scale = w / l_f
-        lse = (m_f + gl.log2(l_f)) * 0.6931471805599453
+        piv = gl.where(m_f == float("-inf"), 0.0, m_f)
+        w = gl.exp2(m_i - piv)
+        l_f = l_i * w + gl.exp2(sink2 - piv)
+        nonempty = l_f != 0.0
+        l_safe = gl.where(nonempty, l_f, 1.0)
+        o_scale = gl.where(nonempty, w / l_safe, 0.0)
+        lse = gl.where(nonempty, (piv + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         lse = gl.where(l_i == 0.0, sink_nat, lse)
     else:
-        nonempty = l_i > 0.0
+        nonempty = l_i != 0.0
         l_safe = gl.where(nonempty, l_i, 1.0)
         o_scale = gl.where(nonempty, 1.0 / l_safe, 0.0)
         lse = gl.where(nonempty, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))

@@ -98,7 +98,8 @@ def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
         pivot = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
         e = torch.exp(s - pivot)
         z = e.sum(dim=-1, keepdim=True)
-        inv_sum = torch.where(z > 0, 1.0 / z, torch.zeros_like(z))
+        # Empty only for z == 0 exactly: a NaN z propagates (1 / NaN), never reads as empty.
+        inv_sum = torch.where(z != 0, 1.0 / z, torch.zeros_like(z))
         o_c = e.matmul(vh[..., k0:k1, :]) * inv_sum
         l_c = (torch.log(z) + m).squeeze(-1)
         o, l = merge_math(torch.stack([out[..., q0:q1, :], o_c]),

@@ -35,7 +35,8 @@ def merge_math(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None
     total = w.sum(dim=0)
     if sink is not None:
         total = total + torch.exp(sink - pivot)
-    nonempty = total > 0
+    # Empty only when nothing was seen (total exactly 0); a NaN total is data, not empty.
+    nonempty = total != 0
     # Neither branch of a where may divide by or log a zero: autograd differentiates both.
     total_safe = torch.where(nonempty, total, torch.ones_like(total))
     inv_sum = torch.where(nonempty, 1.0 / total_safe, torch.zeros_like(total))
@@ -82,19 +83,57 @@ def _validate_states(outs, lses, sink):
             raise ValueError(f"sink is on {sink.device}, lses on {lses.device}")
 
 
-def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor | None = None):
+LAYOUTS = ("rows", "flash")
+
+
+def _resolve_layout(outs, lses, layout):
+    """``"rows"`` (lses.shape == outs.shape[:-1]) or ``"flash"`` (attention's own outputs:
+    outs ``(N, B, Sq, H, D)``, lses ``(N, B, H, Sq)``). None infers it from the shapes and
+    raises when both fit (Sq == H), so no shape coincidence can pick the wrong axis."""
+    if layout is not None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be 'rows', 'flash' or None, got {layout!r}")
+        return layout
+    if not (isinstance(outs, torch.Tensor) and isinstance(lses, torch.Tensor)):
+        return "rows"
+    rows = tuple(lses.shape) == tuple(outs.shape[:-1])
+    flash = (outs.dim() == 5 and lses.dim() == 4 and tuple(lses.shape) == (
+        outs.shape[0], outs.shape[1], outs.shape[3], outs.shape[2]))
+    # Sq == H == 1: the two layouts are the same memory order, either reading is right.
+    if rows and flash and outs.shape[2] > 1:
+        raise ValueError(
+            f"outs {tuple(outs.shape)} and lses {tuple(lses.shape)} fit both layouts (Sq == H = "
+            f"{outs.shape[2]}): pass layout='flash' for attention's outputs (out (B, Sq, H, D), "
+            f"lse (B, H, Sq)), or layout='rows' for lse = out.shape[:-1]")
+    return "flash" if flash and not rows else "rows"
+
+
+def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor | None = None,
+                 layout: str | None = None):
     """Merges N attention states: ``L = log Σ_s e^(L_s) [+ e^sink]``, ``O = Σ_s e^(L_s - L) O_s``.
 
     Args:
         outs: ``(N, ..., D)`` partial outputs, any float dtype.
-        lses: ``(N, ...)`` their canonical LSEs (natural log, -inf = empty),
-            ``lses.shape == outs.shape[:-1]``.
-        sink: optional logits broadcastable to ``lses.shape[1:]``, added once.
+        lses: ``(N, ...)`` their canonical LSEs (natural log, -inf = empty).
+        sink: optional logits broadcastable to one state's lse (``(H, 1)`` for the flash
+            layout's ``(B, H, Sq)``), added once.
+        layout: ``"rows"``: ``lses.shape == outs.shape[:-1]``. ``"flash"``: states as
+            ``attention`` returns them, outs ``(N, B, Sq, H, D)``, lses ``(N, B, H, Sq)``.
+            None (default) infers it, and raises if both fit (Sq == H).
 
     Returns:
-        ``(out (..., D) in outs.dtype, lse (...) float32)`` (float64 for float64 inputs).
-        All-empty rows give ``(0, -inf)``, or ``(0, sink)`` with a sink.
+        ``(out (..., D) in outs.dtype, lse (...) float32)`` (float64 for float64 inputs), lse
+        in the layout given (``(B, H, Sq)`` for ``"flash"``). All-empty rows give
+        ``(0, -inf)``, or ``(0, sink)`` with a sink. A +inf or NaN lse makes its row NaN.
     """
+    if _resolve_layout(outs, lses, layout) == "flash":
+        _validate_states(outs, lses.transpose(-1, -2), None)
+        if sink is not None:
+            _validate_states(outs, lses, sink)
+        out, lse = merge_states(outs, lses.transpose(-1, -2),
+                                sink=None if sink is None else sink.transpose(-1, -2),
+                                layout="rows")
+        return out, lse.transpose(-1, -2)
     _validate_states(outs, lses, sink)
     _check_canonical(lses)
     return merge_states_unchecked(outs, lses, sink=sink)
@@ -125,11 +164,14 @@ def merge_states_unchecked(outs, lses, *, sink=None):
     return out.to(outs.dtype), lse if outs.dtype == torch.float64 else lse.float()
 
 
-def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+          *, layout: str | None = None):
     """Merges two attention states; ``(0, -inf)`` is the identity.
 
     Args:
-        out_a, out_b: ``(..., D)``; lse_a, lse_b: ``(...)`` canonical LSEs.
+        out_a, out_b: ``(..., D)``; lse_a, lse_b: ``(...)`` canonical LSEs, either
+            ``lse.shape == out.shape[:-1]`` or attention's own ``out (B, Sq, H, D)`` with
+            ``lse (B, H, Sq)``; ``layout`` as :func:`merge_states`.
 
     Returns:
         ``(out (..., D), lse (...))`` as :func:`merge_states`.
@@ -144,4 +186,7 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
         )
     if out_a.dtype != out_b.dtype:
         raise ValueError(f"out_a and out_b must share a dtype, got {out_a.dtype} and {out_b.dtype}")
-    return merge_states(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]))
+    devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
+    if len(devices) > 1:
+        raise ValueError(f"the two states must be on one device, got {sorted(map(str, devices))}")
+    return merge_states(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]), layout=layout)

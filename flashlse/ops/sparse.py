@@ -62,7 +62,7 @@ def sparse_fwd_torch(q, k, v, indices, *, scale, sink):
         e = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m))
         z = e.sum(dim=-1, keepdim=True)
         o_c = torch.einsum("bqhgt,bqhtd->bqhgd", e, _gather(v, idx, dt))
-        o_c = o_c * torch.where(z > 0, 1.0 / z, torch.zeros_like(z))
+        o_c = o_c * torch.where(z != 0, 1.0 / z, torch.zeros_like(z))
         out, lse = merge_math(torch.stack([out, o_c]),
                               torch.stack([lse, (torch.log(z) + m).squeeze(-1)]))
     if sink is not None:

@@ -1,0 +1,24 @@
+"""tests/test_nan_propagation.py's checks on the kernels: the forward kernel (and, on an
+H100/H200 at D = 128, not these shapes), the split-KV decode kernel with the combine kernel at
+1-3 splits. Under ``TRITON_INTERPRET=1`` float32 on the CPU; on a GPU float16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_nan_propagation import run_case, run_neg_inf_sink
+
+DTYPE = torch.float16 if torch.cuda.is_available() else torch.float32
+PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3)]
+IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3"]
+
+
+@pytest.mark.parametrize("what", ["k", "q", "sink"])
+@pytest.mark.parametrize("path,num_splits", PATHS, ids=IDS)
+def test_kernels_nan_reaches_exactly_the_rows_that_see_it(device, path, num_splits, what):
+    run_case(device, DTYPE, path, what, num_splits)
+
+
+@pytest.mark.parametrize("path,num_splits", PATHS, ids=IDS)
+def test_kernels_neg_inf_sink_is_no_sink(device, path, num_splits):
+    run_neg_inf_sink(device, DTYPE, path, num_splits)

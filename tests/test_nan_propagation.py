@@ -1,0 +1,116 @@
+"""Bad data propagates; it is never "empty" (docs/math.md, "Non-finite inputs").
+
+A row is empty only by structure (no visible key). A NaN in q, in a key a row sees, or in a
+sink reaches exactly the rows that see it -- NaN out and NaN lse -- on every path and at every
+split count; the other rows equal attention on clean data. A sink of -inf is no sink. (A NaN
+in v reaches every row of the tile that multiplies it, seen or not -- ``0 * NaN`` in P V, as
+in flash-attn's kernels; not tested here.)
+
+The same checks run on the kernels (tests/kernels/test_nan_kernels.py imports ``run_case``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashlse as fl
+from flashlse import reference as R
+
+NAN = float("nan")
+# q (1, 6, 2, 16), k/v (1, 8, 1, 16), causal bottom-right: row i sees keys 0 .. i + 2.
+SQ, SK, HQ, D = 6, 8, 2, 16
+
+
+def _inputs(device, dtype):
+    g = torch.Generator().manual_seed(11)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+    return mk(1, SQ, HQ, D), mk(1, SK, 1, D), mk(1, SK, 1, D)
+
+
+def _assert_bad_rows(out, lse, bad, want_out, want_lse, tol):
+    """``bad (Hq, Sq)``: NaN out (every column) and NaN lse there; elsewhere the clean result."""
+    out, lse = out[0].transpose(0, 1).float(), lse[0].float()  # (Hq, Sq, Dv), (Hq, Sq)
+    want_out, want_lse = want_out[0].transpose(0, 1).float(), want_lse[0].float()
+    assert torch.isnan(lse[bad]).all(), f"lse not NaN on rows that see bad data: {lse[bad]}"
+    assert torch.isnan(out[bad]).all(), "out not NaN on rows that see bad data"
+    good = ~bad
+    assert not torch.isnan(lse[good]).any() and not torch.isnan(out[good]).any()
+    torch.testing.assert_close(lse[good], want_lse[good], atol=tol, rtol=tol)
+    torch.testing.assert_close(out[good], want_out[good], atol=tol, rtol=tol)
+
+
+def _call(path, q, k, v, sink, num_splits):
+    if path == "attention":
+        return fl.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+    lens = torch.full((1,), SK, dtype=torch.int32, device=q.device)
+    with torch.no_grad(), fl.value_checks(False):
+        return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, sink=sink,
+                                         num_splits=num_splits, return_lse=True)
+
+
+def run_case(device, dtype, path, what, num_splits=1):
+    q, k, v = _inputs(device, dtype)
+    sink = torch.tensor([0.5, -1.0], device=device)
+    clean = _call(path, q, k, v, sink, num_splits)
+    bad = torch.zeros(HQ, SQ, dtype=torch.bool)
+    if what == "k":
+        k[0, 5, 0, 3] = NAN
+        bad[:, 3:] = True  # rows 3.. see key 5
+    elif what == "q":
+        q[0, 1, 1, 0] = NAN
+        bad[1, 1] = True
+    elif what == "sink":
+        sink[1] = NAN
+        bad[1] = True
+    out, lse = _call(path, q, k, v, sink, num_splits)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _assert_bad_rows(out, lse, bad, *clean, tol)
+
+
+def run_neg_inf_sink(device, dtype, path, num_splits=1):
+    """sink = -inf equals no sink: empty rows (0, -inf), the rest bit-for-bit the no-sink
+    call's; with grad, equal gradients and a zero dsink."""
+    q, k, v = _inputs(device, dtype)
+    q = torch.cat([q, q], 1)  # Sq = 12 > Sk = 8: rows 0-3 see no key
+    none = _call(path, q, k, v, None, num_splits)
+    sink = torch.tensor([float("-inf"), float("-inf")], device=device)
+    got = _call(path, q, k, v, sink, num_splits)
+    for a, b in zip(got, none):
+        assert not torch.isnan(a).any()
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert torch.isneginf(got[1][0, :, :4]).all() and (got[0][0, :4] == 0).all()
+    if path != "attention":
+        return
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = sink.clone().requires_grad_()
+    out, lse = fl.attention(*leaves, causal=True, sink=s, return_lse=True)
+    (out.float().square().sum() + lse.masked_fill(torch.isneginf(lse), 0).sum()).backward()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_r, lse_r = fl.attention(*ref, causal=True, return_lse=True)
+    (out_r.float().square().sum() + lse_r.masked_fill(torch.isneginf(lse_r), 0).sum()).backward()
+    for a, b in zip(leaves, ref):
+        assert not torch.isnan(a.grad).any()
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+    assert torch.equal(s.grad, torch.zeros_like(s.grad))
+
+
+@pytest.mark.parametrize("what", ["k", "q", "sink"])
+@pytest.mark.parametrize("path,num_splits", [("attention", 1), ("kvcache", 1), ("kvcache", 2),
+                                             ("kvcache", 3)], ids=["attention", "kv_splits1",
+                                                                   "kv_splits2", "kv_splits3"])
+def test_nan_reaches_exactly_the_rows_that_see_it(path, num_splits, what):
+    run_case("cpu", torch.float32, path, what, num_splits)
+
+
+@pytest.mark.parametrize("path,num_splits", [("attention", 1), ("kvcache", 1), ("kvcache", 3)],
+                         ids=["attention", "kv_splits1", "kv_splits3"])
+def test_neg_inf_sink_is_no_sink(path, num_splits):
+    run_neg_inf_sink("cpu", torch.float32, path, num_splits)
+
+
+def test_reference_treats_nan_as_data_not_empty():
+    q, k, v = _inputs("cpu", torch.float64)
+    k[0, 5, 0, 0] = NAN
+    out, lse = R.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.isnan(lse[0, :, 3:]).all() and not torch.isnan(lse[0, :, :3]).any()
