@@ -104,6 +104,13 @@ def main():
     p.add_argument("--out", default=None, help="plot path (png)")
     p.add_argument("--json", default=None, help="write both loss curves here")
     args = p.parse_args()
+    if args.out:
+        # Fail now, not after the training: the plot needs matplotlib.
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--out writes a plot with matplotlib, which is not installed: "
+                    "pip install matplotlib, or drop --out")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
     data, entropy = markov_batches(args.steps, args.batch, args.seq, args.vocab, device)

@@ -81,11 +81,27 @@ def safe_pivot(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
+def _as_broadcast(name: str, value, lse: torch.Tensor) -> torch.Tensor:
+    """``value`` as a tensor on lse's device that broadcasts to ``lse``, or a clear error."""
+    t = torch.as_tensor(value, device=lse.device)
+    try:
+        torch.broadcast_shapes(t.shape, lse.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} {tuple(t.shape)} must broadcast to lse {tuple(lse.shape)} by torch rules "
+            f"(one value per row: its shape, or trailing dims of it, with 1s where shared)"
+        ) from None
+    if torch.broadcast_shapes(t.shape, lse.shape) != lse.shape:
+        raise ValueError(f"{name} {tuple(t.shape)} would grow lse {tuple(lse.shape)}: it must "
+                         f"broadcast to lse's shape, not beyond it")
+    return t
+
+
 def _empty_from_counts(lse, key_counts, empty):
     if empty is not None:
-        return torch.as_tensor(empty, device=lse.device).to(torch.bool).expand_as(lse)
+        return _as_broadcast("empty", empty, lse).to(torch.bool).expand_as(lse)
     if key_counts is not None:
-        return (torch.as_tensor(key_counts, device=lse.device) == 0).expand_as(lse)
+        return (_as_broadcast("key_counts", key_counts, lse) == 0).expand_as(lse)
     raise ValueError(
         "convention 'sdpa_efficient' writes lse = 0 for a row with no key, the same value as a "
         "row whose Z is 1; pass key_counts= (visible keys per row, broadcastable to lse) or "
@@ -132,7 +148,7 @@ def to_canonical(
         x = x * LN2
     out = torch.where(folded, torch.full_like(x, NEG_INF), x)
     if convention == "flashmla" and sink is not None:
-        out = torch.logaddexp(out, torch.as_tensor(sink, device=x.device).float())
+        out = torch.logaddexp(out, _as_broadcast("sink", sink, x).float())
     if return_count:
         return out, int(folded.sum())
     return out

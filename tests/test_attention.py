@@ -241,3 +241,10 @@ def test_attention_deterministic_backward_bitwise():
         res.append(torch.autograd.grad(out.sum() + lse.sum(), leaves))
     for a, b in zip(*res):
         assert torch.equal(a, b)
+
+
+def test_huge_window_is_unbounded():
+    """A window side of 2^31 or more sees every key: it equals no bound on that side."""
+    q, k, v = rand(2, 5, 4, 16), rand(2, 7, 2, 16), rand(2, 7, 2, 16)
+    torch.testing.assert_close(fl.attention(q, k, v, window=(10**20, 0)),
+                               fl.attention(q, k, v, causal=True))

@@ -157,3 +157,12 @@ def test_conversion_errors():
         L.to_canonical([0.0], "fa2")
     with pytest.raises(TypeError, match="floating-point"):
         L.from_canonical(torch.zeros(2, dtype=torch.int32), "fa2")
+
+
+@pytest.mark.parametrize("kw", [dict(convention="flashmla", sink=torch.zeros(3)),
+                                dict(convention="sdpa_efficient", key_counts=torch.ones(5, 2)),
+                                dict(convention="fa2", empty=torch.zeros(2, 4, 7, dtype=bool))],
+                         ids=["sink", "key_counts", "empty_grows"])
+def test_to_canonical_misshaped_side_inputs_say_so(kw):
+    with pytest.raises(ValueError, match="must broadcast to lse"):
+        L.to_canonical(torch.zeros(4, 7), **kw)

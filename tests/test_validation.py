@@ -77,6 +77,10 @@ ATTENTION = [
     pytest.param(attn(scale="0.1"), TypeError, "scale", id="scale_str"),
     pytest.param(attn(causal=1), TypeError, "bool", id="causal_int"),
     pytest.param(attn(deterministic="yes"), TypeError, "bool", id="deterministic_str"),
+    pytest.param(attn(return_lse="no"), TypeError, "return_lse must be a bool",
+                 id="return_lse_str"),
+    pytest.param(attn(window=(-3, 0)), ValueError, "None / -1 for unbounded",
+                 id="window_negative"),
 ]
 
 
@@ -146,6 +150,9 @@ def kvcache(paged=False, **over):
 KNEW = dict(k_new=torch.randn(2, 4, 2, 16), v_new=torch.randn(2, 4, 2, 16))
 
 KVCACHE = [
+    pytest.param(kvcache(q=torch.randn(2, 20, 4, 0), k_cache=torch.randn(2, 8, 2, 0)),
+                 ValueError, "head dims must be >= 1", id="d0_long_q"),
+    pytest.param(kvcache(return_lse=1), TypeError, "return_lse", id="return_lse_int"),
     pytest.param(kvcache(q=torch.randn(2, 4, 16)), ValueError, "4 dims", id="q_rank"),
     pytest.param(kvcache(k_cache=torch.randn(2, 8, 3, 16), v_cache=torch.randn(2, 8, 3, 16)),
                  ValueError, "multiple", id="gqa_indivisible"),
@@ -204,6 +211,10 @@ def sparse(**over):
 
 
 SPARSE = [
+    pytest.param(sparse(q=torch.randn(2, 3, 4, 0), k=torch.randn(2, 5, 2, 0)), ValueError,
+                 "head dims must be >= 1", id="d0"),
+    pytest.param(sparse(v=torch.randn(2, 5, 2, 0)), ValueError, "head dims must be >= 1",
+                 id="dv0"),
     pytest.param(sparse(q=torch.randn(2, 3, 16)), ValueError, "4 dims", id="q_rank"),
     pytest.param(sparse(indices=torch.full((2, 3, 2, 4), 5, dtype=I32)), ValueError,
                  r"\[0, 5\)", id="indices_past_sk"),
@@ -333,3 +344,4 @@ def test_valid_edge_inputs_pass_validation(call):
     # Valid inputs reach the (patched) computation.
     with pytest.raises(AssertionError, match="before validation finished"):
         call()
+

@@ -138,7 +138,13 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
+# A window side this large sees every key of any sequence a GPU holds: it is unbounded.
+WINDOW_UNBOUNDED = 2**31
+
+
 def check_window(window) -> tuple[int | None, int | None]:
+    """``(left, right)`` with None for unbounded: None, flash-attn's -1, or a side of at
+    least 2^31 (more keys than any sequence has). Other negative values are errors."""
     if window is None:
         return (None, None)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -146,10 +152,15 @@ def check_window(window) -> tuple[int | None, int | None]:
             f"window must be a pair (left, right) of ints or None, got {window!r}; "
             f"use (None, None) for no window, (w, 0) for causal sliding window"
         )
+    sides = []
     for side in window:
         if side is not None and (isinstance(side, bool) or not isinstance(side, int)):
             raise TypeError(f"window entries must be int or None, got {window!r}")
-    return (window[0], window[1])
+        if side is not None and side < -1:
+            raise ValueError(f"window entries must be >= 0, or None / -1 for unbounded, got "
+                             f"{window!r}")
+        sides.append(None if side is None or side == -1 or side >= WINDOW_UNBOUNDED else side)
+    return (sides[0], sides[1])
 
 
 def check_sink(sink, hq: int, device: torch.device):

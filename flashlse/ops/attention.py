@@ -377,6 +377,7 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
         q, k, v, sink, softcap, scale, window, causal, 4,
         ("(B, Sq, Hq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)"))
     V.check_bool("deterministic", deterministic)
+    V.check_bool("return_lse", return_lse)
     if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"q, k, v must share the batch and k, v the sequence length: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -404,6 +405,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q, k, v, sink, softcap, scale, window, causal, 3,
         ("(total_q, Hq, D)", "(total_k, Hkv, D)", "(total_k, Hkv, Dv)"))
     V.check_bool("deterministic", deterministic)
+    V.check_bool("return_lse", return_lse)
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and "
                          f"{v.shape[0]}")

@@ -132,9 +132,9 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if q.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"q and k_cache must share D, got {q.shape[-1]} and {k_cache.shape[-1]}")
-    # Longer queries than the decode kernel takes run the PyTorch path: any head dim.
-    if q.shape[1] <= DECODE_MAX_SQ:
-        V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda, V.MAX_HEAD_DIM_DECODE)
+    # Longer queries with head dims above the prefill kernel's run the PyTorch path.
+    V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda and q.shape[1] <= DECODE_MAX_SQ,
+                     V.MAX_HEAD_DIM_DECODE)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose), got {num_splits!r}")
     bsz = q.shape[0]
@@ -222,6 +222,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     lens, s_new = _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                             num_splits)
     V.check_bool("causal", causal)
+    V.check_bool("return_lse", return_lse)
     left, right = masks.normalize_window(causal, V.check_window(window))
     softcap = V.check_softcap(softcap)
     scale = V.check_scale(scale, q.shape[-1])

@@ -149,6 +149,8 @@ def sparse_attention(q, k, v, indices, *, scale=None, sink=None, return_lse=Fals
     V.check_same({"q": q, "k": k, "v": v}, "dtype")
     V.check_same({"q": q, "k": k, "v": v}, "device")
     V.check_heads(q.shape[2], k.shape[2], v.shape[2])
+    V.check_head_dim(q.shape[-1], v.shape[-1], False, 0)
+    V.check_bool("return_lse", return_lse)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share D, got {q.shape[-1]} and {k.shape[-1]}")
     if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
