@@ -212,6 +212,7 @@ def test_attention_64k_keys_bounded_tiles(monkeypatch):
     # Forced into many small tiles: unchanged within rounding.
     tiles.clear()
     monkeypatch.setattr(attn_mod, "TILE_ELEMS", 16 * 4096)
+    monkeypatch.setattr(attn_mod, "K_CHUNK", 1 << 16)  # the tile budget alone sets the chunk
     out2, lse2 = fl.attention(q, k, v, causal=True, return_lse=True)
     assert len(tiles) == 16 and max(tiles) <= 16 * 4096
     assert_close_to_ref(out2, ref_out)

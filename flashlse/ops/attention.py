@@ -27,10 +27,16 @@ from .merge import merge_math
 TILE_ELEMS = 1 << 22
 
 
+# Tile sides of the CPU path: 256 x 256 scores a head stay in cache through the elementwise
+# steps, and a causal mask skips most of its upper triangle (2 CPU threads, S = 2048 causal:
+# forward 0.082 -> 0.057 s, forward+backward 0.252 -> 0.161 s against 1024 x 512).
+Q_BLOCK = K_CHUNK = 256
+
+
 def _blocks(b: int, h: int, sq: int, sk: int) -> tuple[int, int]:
     # Query blocks shrink with B * H so that a tile of >= 16 keys stays within TILE_ELEMS.
-    q_block = max(1, min(sq, 1024, TILE_ELEMS // max(1, b * h * 16)))
-    k_chunk = max(16, min(max(sk, 1), TILE_ELEMS // max(1, b * h * q_block)))
+    q_block = max(1, min(sq, Q_BLOCK, TILE_ELEMS // max(1, b * h * 16)))
+    k_chunk = max(16, min(max(sk, 1), K_CHUNK, TILE_ELEMS // max(1, b * h * q_block)))
     return q_block, k_chunk
 
 
@@ -56,6 +62,11 @@ def _scores(qb, kc, scale, softcap):
 
 
 def _tile_mask(q0, q1, k0, k1, sq, sk, left, right, device):
+    """The tile's visibility mask, or None when every row sees every key of it."""
+    shift = sk - sq
+    if ((right is None or q0 + shift + right >= k1 - 1)
+            and (left is None or q1 - 1 + shift - left <= k0)):
+        return None
     return masks.visible(torch.arange(q0, q1, device=device), torch.arange(k0, k1, device=device),
                          sq, sk, left, right)
 
@@ -88,28 +99,44 @@ def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
     out = torch.zeros(b, hkv, g, sq, dv, dtype=dt, device=q.device)
     lse = torch.full((b, hkv, g, sq), float("-inf"), dtype=dt, device=q.device)
     q_block, k_chunk = _blocks(b, hq, sq, sk)
+    # Online softmax over the key chunks of each query block, as the kernels run it: running
+    # max m (pivot 0 while a row has seen no key), sum l and unnormalised acc.
+    state = None
     for q0, q1, k0, k1 in _tiles(sq, sk, q_block, k_chunk, left, right):
+        if state is None or state[0] != q0:
+            if state is not None:
+                _finish(out, lse, *state)
+            shape = (b, hkv, g, q1 - q0)
+            state = (q0, q1, torch.full(shape, float("-inf"), dtype=dt, device=q.device),
+                     torch.zeros(shape, dtype=dt, device=q.device),
+                     torch.zeros(shape + (dv,), dtype=dt, device=q.device))
+        _, _, m, l, acc = state
         s, _ = _scores(qh[..., q0:q1, :], kh[..., k0:k1, :], scale, softcap)
         ok = _tile_mask(q0, q1, k0, k1, sq, sk, left, right, q.device)
         if ok is not None:
-            s = s.masked_fill(~ok, float("-inf"))
-        # The chunk's own state; its max is a finite pivot (0 for a chunk-empty row).
-        m = s.amax(dim=-1, keepdim=True)
-        pivot = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-        e = torch.exp(s - pivot)
-        z = e.sum(dim=-1, keepdim=True)
-        # Empty only for z == 0 exactly: a NaN z propagates (1 / NaN), never reads as empty.
-        inv_sum = torch.where(z != 0, 1.0 / z, torch.zeros_like(z))
-        o_c = e.matmul(vh[..., k0:k1, :]) * inv_sum
-        l_c = (torch.log(z) + m).squeeze(-1)
-        o, l = merge_math(torch.stack([out[..., q0:q1, :], o_c]),
-                          torch.stack([lse[..., q0:q1], l_c]))
-        out[..., q0:q1, :] = o
-        lse[..., q0:q1] = l
+            s.masked_fill_(~ok, float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        pivot = torch.where(torch.isneginf(m_new), 0.0, m_new)
+        alpha = torch.exp(m - pivot)
+        e = s.sub_(pivot.unsqueeze(-1)).exp_()
+        l.mul_(alpha).add_(e.sum(dim=-1))
+        acc.mul_(alpha.unsqueeze(-1)).add_(e.matmul(vh[..., k0:k1, :]))
+        m.copy_(m_new)
+    if state is not None:
+        _finish(out, lse, *state)
     if sink is not None:
         out, lse = merge_math(out[None], lse[None], sink.view(hkv, g, 1))
     out = _unheads(out).to(q.dtype).contiguous()
     return out, lse.reshape(b, hq, sq).to(_lse_dtype(q.dtype))
+
+
+def _finish(out, lse, q0, q1, m, l, acc):
+    """Normalises one query block's online-softmax state into ``out`` and ``lse``. Empty means
+    ``l == 0`` exactly (no visible key); a NaN ``l`` propagates."""
+    nonempty = l != 0
+    l_safe = torch.where(nonempty, l, 1.0)
+    out[..., q0:q1, :] = acc * torch.where(nonempty, 1.0 / l_safe, 0.0).unsqueeze(-1)
+    lse[..., q0:q1] = torch.where(nonempty, torch.log(l_safe) + m, float("-inf"))
 
 
 def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink):

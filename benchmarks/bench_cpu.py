@@ -1,0 +1,68 @@
+"""The PyTorch (CPU) path against SDPA on the CPU, same process, fp32.
+
+Issue 20's shape: B=1, H=8, D=64, S=2048 and 4096, causal and not, forward and
+forward+backward (``out.sum().backward()``); best of 3 (2 for the backward) after a warm-up,
+on the threads torch is given (CI's machine: 2).
+
+    python benchmarks/bench_cpu.py [--threads 2] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flashlse as fl
+
+
+def best_s(fn, n):
+    fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def measure(q, k, v, causal):
+    """Seconds: ours and SDPA's forward, ours and SDPA's forward+backward."""
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    sdpa = [x.transpose(1, 2).clone().requires_grad_() for x in (q, k, v)]
+    plain = [x.detach() for x in sdpa]
+    return (best_s(lambda: fl.attention(q, k, v, causal=causal), 3),
+            best_s(lambda: F.scaled_dot_product_attention(*plain, is_causal=causal), 3),
+            best_s(lambda: fl.attention(*leaves, causal=causal).sum().backward(), 2),
+            best_s(lambda: F.scaled_dot_product_attention(
+                *sdpa, is_causal=causal).sum().backward(), 2))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    b, h, d = 1, 8, 64
+    lengths = (256,) if args.smoke else (2048, 4096)
+    print(f"CPU path vs SDPA (cpu), fp32, B={b} H={h} D={d}, {args.threads} threads, "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    ours = {}
+    for s in lengths:
+        q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
+        for causal in (False, True):
+            fwd, fwd_ref, both, both_ref = measure(q, k, v, causal)
+            ours[s, causal] = (fwd, both)
+            print(f"S={s} causal={causal!s:<5} forward {fwd:.3f} s (SDPA {fwd_ref:.3f}, "
+                  f"{fwd_ref / fwd:.2f}x)  forward+backward {both:.3f} s (SDPA {both_ref:.3f}, "
+                  f"{both_ref / both:.2f}x)")
+    s = lengths[-1]
+    print(f"causal speed-up at S={s}: forward {ours[s, False][0] / ours[s, True][0]:.2f}x, "
+          f"forward+backward {ours[s, False][1] / ours[s, True][1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
