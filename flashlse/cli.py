@@ -183,7 +183,7 @@ def _run_flashlse(c):
     if cid == "merge_empty":
         return (*fl.merge(*c["a"], *c["b"]), None)
     if cid == "merge_inf":
-        # The foreign state is converted at the boundary, as flashlse asks of every caller.
+        # The foreign state is converted at the boundary, as every merge's is (_run_merge).
         lse_a = fl.lse.to_canonical(c["a"][1], "fa2")
         return (*fl.merge(c["a"][0], lse_a, *c["b"]), None)
     q, k, v = c["q4"], c["k4"], c["v4"]
@@ -387,7 +387,16 @@ def merge_naive(out_a, lse_a, out_b, lse_b):
 
 
 def _run_merge(fn):
-    return lambda c: (*fn(*c["a"], *c["b"]), "canonical")
+    def run(c):
+        a = c["a"]
+        if c["id"] == "merge_inf":
+            # Every merge gets the same boundary conversion flashlse asks of its own callers.
+            from .lse import to_canonical
+
+            a = (a[0], to_canonical(a[1], "fa2"))
+        return (*fn(*a, *c["b"]), "canonical")
+
+    return run
 
 
 RUNNERS = {
@@ -500,7 +509,7 @@ def judge(backend: str, c: dict, out, lse, convention) -> dict:
     if c["sink"] is not None:
         sink = c["sink"].float().view(1, H, 1).expand_as(e)[e]
     cell = {"status": "ok", "out": _kind_out(out_s[e]), "lse": "n/a", "merge": None,
-            "conv": None}
+            "conv": None, "verdict": None}
     if lse is None:
         cell["text"] = f"{cell['out']}/(no lse)"
         cell["detail"] = "the backend returns no LSE"
@@ -516,8 +525,15 @@ def judge(backend: str, c: dict, out, lse, convention) -> dict:
     cell["merge"] = _merge_exact(c, out_s, lse_c)
     if not cell["merge"]:
         cell["detail"] = _why_wrong(c, lse_c, e)
+    # NaN is never a pass: a NaN out on the rows judged is wrong whatever its lse says.
+    if cell["out"] == "NaN":
+        cell["merge"] = False
+        cell["detail"] = "NaN in out on the rows judged"
+    cell["verdict"] = "pass" if cell["merge"] else "fail"
     mark = "✓" if cell["merge"] else "✗"
-    if cell["merge"] and not strict and convention != "canonical":
+    if cell["merge"] and c["id"] == "merge_inf":
+        cell["conv"] = "fa2"  # the input state's conversion, the same for every merge
+    elif cell["merge"] and not strict and convention != "canonical":
         cell["conv"] = CONV_SHORT.get(convention, convention)
     elif cell["merge"] and n_fold:
         cell["conv"] = "fold"
@@ -680,8 +696,24 @@ def audit(device: str = "cpu", isolate: bool = True, timeout: float | None = Non
         "not_installed": missing,
         "cells": [cells[n, c] for n in rows for c, _, _ in CASES],
         "violations": violations,
+        "fields": JSON_FIELDS,
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+JSON_FIELDS = {
+    "cells[].status": "how the backend ran: ok (it returned a result), na (it cannot run this "
+                      "case), skip (not this kind of function), error (it raised), crash (its "
+                      "process died)",
+    "cells[].out / lse": "what out and lse were on the rows that see no key (merges: the "
+                         "whole result): 0, NaN, fin, inf / -inf, +inf, 0, fin, NaN, sink",
+    "cells[].merge": "true when flashlse.merge of this state (after conversion) with a "
+                     "half-empty state equals the float64 reference merge and out has no NaN",
+    "cells[].verdict": "pass / fail: the ✓ / ✗ of the table (null when there is no lse)",
+    "cells[].conv": "the conversion that made it pass (fa2, eff, fi, fold), null for none",
+    "violations": "flashlse cells that break the contract (0/-inf or 0/sink on empty rows, "
+                  "merge exact, no conversion): the exit code is 1 when there is one",
+}
 
 
 LEGEND = """\
@@ -692,8 +724,11 @@ cell = out/lse on the rows that see no key (merges: the whole result), then the 
   ✓(fa2) ✓(eff) ✓(fi) ✓(fold)  ... only after lse.to_canonical(lse, convention): fa2 = +inf
      empty; eff = sdpa_efficient, 0 for empty rows, needs the key counts; fi = FlashInfer
      base 2; fold = NaN / +inf folded to -inf
-  ✗  the merge is wrong even after conversion;   (no lse): none returned;   · not this function
-  flashlse cells are judged without conversion: contract = 0/-inf (0/sink) ✓"""
+  ✗  the merge is wrong even after conversion, or out holds NaN (NaN never passes)
+  (no lse): none returned;   · not this function
+  merge +inf: every merge gets the input converted from fa2's +inf first (✓(fa2))
+  flashlse cells are judged without conversion: contract = 0/-inf (0/sink) ✓; a flashlse
+  cell that breaks it is listed under CONTRACT VIOLATIONS and the exit code is 1"""
 
 
 def format_table(report: dict) -> str:
@@ -768,9 +803,23 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_worker"]:
         return _worker(argv[1:])
-    parser = argparse.ArgumentParser(prog="flashlse", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="flashlse",
+        description="flashlse: exact attention whose log-sum-exp means the same on every path. "
+                    "Commands: audit (how every attention backend here treats rows that see "
+                    "no key), demo (merge two empty states), bench (where the benchmarks are).")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"flashlse {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("audit", help="how every backend here treats rows that see no key")
+    p = sub.add_parser(
+        "audit", help="how every backend here treats rows that see no key",
+        description="Runs eight cases in which a query row sees no key (or a merge meets an "
+                    "empty state) on every attention backend this machine has, and prints "
+                    "backend x case: out and lse on the empty rows, and whether flashlse.merge "
+                    "of that state (after converting the backend's convention) equals the "
+                    "float64 reference. flashlse's own cells are judged with no conversion; "
+                    "the exit code is 1 when one breaks the contract.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--backend", action="append", choices=tuple(BACKENDS),

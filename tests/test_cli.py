@@ -48,7 +48,9 @@ def test_flashlse_cells_meet_the_contract(report, backend):
             continue
         assert cell["status"] == "ok", cell
         assert (cell["out"], cell["lse"]) == cli.expected(case_id), cell
-        assert cell["merge"] is True and cell["conv"] is None, cell
+        # merge +inf: the input state is converted from fa2 first, as for every merge.
+        want_conv = "fa2" if case_id == "merge_inf" else None
+        assert cell["merge"] is True and cell["conv"] == want_conv, cell
 
 
 def test_flashlse_covers_every_case(report):
@@ -61,7 +63,21 @@ def test_sigmoid_merge_of_two_empty_states_is_nan(report):
     assert (cell["out"], cell["lse"]) == ("NaN", "NaN"), cell
     # An fa2 +inf state swallows the non-empty one: the merge check must fail.
     assert _cells(report, "merge sigmoid")["merge_inf"]["merge"] is False
-    assert _cells(report, "merge naive")["merge_inf"]["merge"] is False
+    # The naive merge is exact once its input is converted, the same conversion flashlse gets.
+    naive = _cells(report, "merge naive")
+    assert naive["merge_inf"]["merge"] is True and naive["merge_inf"]["conv"] == "fa2"
+    # Its two empty states give NaN out: NaN never passes.
+    assert naive["merge_empty"]["out"] == "NaN" and naive["merge_empty"]["verdict"] == "fail"
+
+
+def test_nan_never_passes_and_verdict_matches_the_mark(report):
+    for cell in report["cells"]:
+        if cell["status"] != "ok" or cell.get("verdict") is None:
+            continue
+        assert cell["verdict"] == ("pass" if "✓" in cell["text"] else "fail"), cell
+        if "NaN" in (cell["out"],):
+            assert cell["verdict"] == "fail", cell
+    assert "violations" in report["fields"] and "cells[].verdict" in report["fields"]
 
 
 def test_table_renders(report):
@@ -115,3 +131,14 @@ def test_a_crashing_peer_costs_one_cell():
     cells = cli._run_isolated("sdpa flash-cpu", "cpu", ["causal", "sk0"], timeout=50)
     assert cells["causal"]["text"] == "0/0 ✓(eff)"
     assert cells["sk0"]["status"] in ("crash", "ok", "error")
+
+
+def test_help_is_plain_text_and_version_prints(capsys):
+    for argv in (["--help"], ["audit", "--help"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        text = capsys.readouterr().out
+        assert "``" not in text and len(text.split()) > 20, text
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.startswith("flashlse ")
