@@ -1,0 +1,1 @@
+"""Scripts the repository keeps beside the package: docs generators and shared helpers."""
