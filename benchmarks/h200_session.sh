@@ -29,6 +29,27 @@ if [ "$1" = sm90 ]; then
         --out "$OUT" 2>&1 | tail -22
     exit 0
 fi
+if [ "$1" = fuzz ]; then
+    # Bad-data honesty: the fuzzer in bf16 (four processes, disjoint seeds, a time budget
+    # each), the NaN and -inf-sink kernel tests, and compute-sanitizer memcheck over the
+    # kernel tests that feed out-of-range values with the value checks off.
+    for i in 0 1 2 3; do
+        timeout 460 python3 benchmarks/fuzz.py --device cuda --dtype bf16 --n 1000 \
+            --seed $((i * 1000)) --seconds 400 > "$OUT/fuzz_$i.log" 2>&1 &
+    done
+    timeout 300 python3 -m pytest -q tests/kernels/test_nan_kernels.py tests/kernels/test_sync_free.py \
+        tests/kernels/test_fwd.py -k "sink or nan or window" -p no:cacheprovider \
+        > "$OUT/test_gpu_nan.log" 2>&1
+    tail -1 "$OUT/test_gpu_nan.log"; grep -h "^FAILED" "$OUT/test_gpu_nan.log" | head
+    timeout 300 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
+        tests/kernels/test_kvcache_kernels.py -k "out_of_range or bad_offsets or long_queries" \
+        -p no:cacheprovider > "$OUT/memcheck.log" 2>&1
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
+    wait
+    for i in 0 1 2 3; do tail -1 "$OUT/fuzz_$i.log"; done
+    grep -h "^FAIL" "$OUT"/fuzz_*.log | head -20
+    exit 0
+fi
 if [ "$1" = host ]; then
     # Public-call speed: where host time goes (cProfile), the kernels and sync-free tests of
     # the dispatch layer, then bench_overhead's table.

@@ -226,7 +226,7 @@ def sparse_attention(q, k, v, indices, *, scale=None, sink=None, return_lse=Fals
     s = torch.einsum("bqhgd,bqhtd->bqhgt", qg, kg) * scale
     s = s.masked_fill(~valid.unsqueeze(3), float("-inf"))
     p, lse = softmax_weights(s, None if sink is None else sink.to(_F64).view(1, 1, hkv, g))
-    out = torch.einsum("bqhgt,bqhtd->bqhgd", p, vg).reshape(b, sq, hq, -1)
+    out = torch.einsum("bqhgt,bqhtd->bqhgd", p, vg).reshape(b, sq, hq, v.shape[-1])
     lse = lse.reshape(b, sq, hq).transpose(1, 2)
     return (out, lse) if return_lse else out
 

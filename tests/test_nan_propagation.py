@@ -22,10 +22,10 @@ NAN = float("nan")
 SQ, SK, HQ, D = 6, 8, 2, 16
 
 
-def _inputs(device, dtype):
+def _inputs(device, dtype, d=D):
     g = torch.Generator().manual_seed(11)
     mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)
-    return mk(1, SQ, HQ, D), mk(1, SK, 1, D), mk(1, SK, 1, D)
+    return mk(1, SQ, HQ, d), mk(1, SK, 1, d), mk(1, SK, 1, d)
 
 
 def _assert_bad_rows(out, lse, bad, want_out, want_lse, tol):
@@ -49,8 +49,8 @@ def _call(path, q, k, v, sink, num_splits):
                                          num_splits=num_splits, return_lse=True)
 
 
-def run_case(device, dtype, path, what, num_splits=1):
-    q, k, v = _inputs(device, dtype)
+def run_case(device, dtype, path, what, num_splits=1, d=D):
+    q, k, v = _inputs(device, dtype, d)
     sink = torch.tensor([0.5, -1.0], device=device)
     clean = _call(path, q, k, v, sink, num_splits)
     bad = torch.zeros(HQ, SQ, dtype=torch.bool)
@@ -68,10 +68,10 @@ def run_case(device, dtype, path, what, num_splits=1):
     _assert_bad_rows(out, lse, bad, *clean, tol)
 
 
-def run_neg_inf_sink(device, dtype, path, num_splits=1):
+def run_neg_inf_sink(device, dtype, path, num_splits=1, d=D):
     """sink = -inf equals no sink: empty rows (0, -inf), the rest bit-for-bit the no-sink
     call's; with grad, equal gradients and a zero dsink."""
-    q, k, v = _inputs(device, dtype)
+    q, k, v = _inputs(device, dtype, d)
     q = torch.cat([q, q], 1)  # Sq = 12 > Sk = 8: rows 0-3 see no key
     none = _call(path, q, k, v, None, num_splits)
     sink = torch.tensor([float("-inf"), float("-inf")], device=device)

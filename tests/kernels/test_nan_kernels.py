@@ -1,6 +1,6 @@
-"""tests/test_nan_propagation.py's checks on the kernels: the forward kernel (and, on an
-H100/H200 at D = 128, not these shapes), the split-KV decode kernel with the combine kernel at
-1-3 splits. Under ``TRITON_INTERPRET=1`` float32 on the CPU; on a GPU float16."""
+"""tests/test_nan_propagation.py's checks on the kernels: the forward kernel (on an H100/H200
+at D = 128 the Hopper Gluon kernel, the ``d128`` GPU cases), the split-KV decode kernel with the
+combine kernel at 1-3 splits. Under ``TRITON_INTERPRET=1`` float32 on the CPU; on a GPU fp16."""
 
 from __future__ import annotations
 
@@ -22,3 +22,14 @@ def test_kernels_nan_reaches_exactly_the_rows_that_see_it(device, path, num_spli
 @pytest.mark.parametrize("path,num_splits", PATHS, ids=IDS)
 def test_kernels_neg_inf_sink_is_no_sink(device, path, num_splits):
     run_neg_inf_sink(device, DTYPE, path, num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["k", "q", "sink"])
+def test_kernels_nan_d128_hopper(device, what):
+    run_case(device, DTYPE, "attention", what, d=128)
+
+
+@pytest.mark.gpu
+def test_kernels_neg_inf_sink_d128_hopper(device):
+    run_neg_inf_sink(device, DTYPE, "attention", d=128)

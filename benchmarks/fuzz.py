@@ -1,0 +1,303 @@
+"""Seeded fuzzer: random configurations of every public function against the float64 reference.
+
+Each configuration draws shapes (zero lengths included), masks (causal, windows), GQA, Dv != D,
+a sink, softcap, and per function: varlen sequences of length 0 and seqused_k; contiguous or
+paged caches (page 1, 3, 16, shuffled pages) with k_new and 0-3 splits; sparse top-k lists
+with -1 entries and all -1 rows; merges of 1-6 states with empty ones and a sink. Forward
+and, where the function is differentiable, backward (a random dout and dlse, dlse 0 on empty
+rows). A configuration passes when, for out, lse and every gradient: the -inf pattern equals
+the reference's, there is no NaN and no +inf, and the error is at most ``2 * err(the
+reference computed in the inputs' dtype) + atol`` (STYLE.md §3; fp32: 1e-4 of the scale).
+
+    python benchmarks/fuzz.py --n 10000                          # CPU path, float32
+    python benchmarks/fuzz.py --n 2000 --device cuda --dtype bf16 # the kernels
+    TRITON_INTERPRET=1 python benchmarks/fuzz.py --n 50          # kernels under the interpreter
+
+Prints one line per failure (its seed reproduces it: ``--seed S --n 1``) and a summary.
+tests/test_fuzz.py runs it at a small count in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+import torch
+
+import flashlse as fl
+from flashlse import reference as R
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+class Config:
+    """A random draw; ``rng`` is seeded per configuration so each one replays alone."""
+
+    def __init__(self, seed: int, gpu: bool):
+        rng = random.Random(seed)
+        self.seed, self.rng = seed, rng
+        self.kind = rng.choice(["attention", "attention", "varlen", "kvcache", "kvcache",
+                                "sparse", "merge"])
+        self.hkv = rng.choice([1, 2])
+        self.hq = self.hkv * rng.choice([1, 2, 4])
+        dims = [32, 64, 128] if gpu else [16, 32, 59, 64]
+        self.d = rng.choice(dims)
+        self.dv = self.d if rng.random() < 0.7 else rng.choice(dims)
+        self.causal = rng.random() < 0.5
+        self.window = (None, None)
+        if rng.random() < 0.3:
+            self.window = (rng.choice([None, 0, 1, 3, 8]), rng.choice([None, 0, 2, 5]))
+        self.softcap = rng.choice([0.0, 0.0, 0.0, 2.5])
+        self.sink = rng.random() < 0.4
+
+    def __repr__(self):
+        keys = ("kind", "hq", "hkv", "d", "dv", "causal", "window", "softcap", "sink")
+        return f"seed={self.seed} " + " ".join(f"{k}={getattr(self, k)}" for k in keys)
+
+
+def _randn(g, *shape, device, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device, dtype)
+
+
+def _close(name, ours, ref, base, dtype):
+    """The house rule, returning an error string or None."""
+    if ours is None or ref is None:
+        return None if ours is None and ref is None else f"{name}: missing"
+    ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
+    if ours.shape != ref.shape:
+        return f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    if torch.isnan(ours).any():
+        return f"{name}: NaN"
+    if torch.isposinf(ours).any():
+        return f"{name}: +inf"
+    if not torch.equal(torch.isneginf(ours), torch.isneginf(ref)):
+        return f"{name}: -inf pattern differs"
+    fin = torch.isfinite(ref)
+    if not fin.any():
+        return None
+    scale = max(1.0, float(ref[fin].abs().max()))
+    err = float((ours[fin] - ref[fin]).abs().max())
+    tol = ATOL[dtype] * scale
+    if base is not None and dtype != torch.float32:
+        base = base.detach().double().cpu()
+        tol += 2 * float((base[fin] - ref[fin]).abs().max())
+    return None if err <= tol else f"{name}: error {err:.2e} > tol {tol:.2e}"
+
+
+def _compare(fn, ref_fn, diff, const, dtype, grad):
+    """Runs ``fn`` (ours), ``ref_fn`` in float64 and in ``dtype`` (the baseline); compares out,
+    lse and, with ``grad``, the gradient of every tensor in ``diff``."""
+    errors = []
+    runs = {}
+    for name, f, cast in (("ours", fn, None), ("ref", ref_fn, torch.float64),
+                          ("base", ref_fn, dtype)):
+        if name == "base" and dtype == torch.float32:
+            continue
+        leaves = {k: (v.to(cast) if cast is not None and v.is_floating_point() else v).detach()
+                  .requires_grad_(grad and v.is_floating_point()) for k, v in diff.items()}
+        c = {k: v.to(cast) if cast is not None and isinstance(v, torch.Tensor)
+             and v.is_floating_point() else v for k, v in const.items()}
+        if name == "base":
+            with R.computed_in(dtype):
+                out, lse = f(**leaves, **c)
+        else:
+            out, lse = f(**leaves, **c)
+        grads = {}
+        if grad:
+            g = torch.Generator().manual_seed(7)
+            dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out)
+            dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse)
+            dlse = torch.where(torch.isfinite(lse.detach()), dlse, torch.zeros_like(dlse))
+            loss = (out * dout).sum() + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()
+            params = [v for v in leaves.values() if v.requires_grad]
+            got = torch.autograd.grad(loss, params, allow_unused=True)
+            grads = {k: gr for k, gr in zip([k for k, v in leaves.items() if v.requires_grad],
+                                            got)}
+        runs[name] = (out, lse, grads)
+    ours, ref = runs["ours"], runs["ref"]
+    base = runs.get("base", (None, None, {}))
+    for i, name in enumerate(("out", "lse")):
+        errors.append(_close(name, ours[i], ref[i], base[i], dtype))
+    for k, got in ours[2].items():
+        # An input the result does not depend on has no reference gradient: zeros.
+        want = ref[2][k] if ref[2][k] is not None else torch.zeros_like(got, dtype=torch.float64)
+        got = got if got is not None else torch.zeros_like(want)
+        errors.append(_close(f"d{k}", got, want, base[2].get(k), dtype))
+    return [e for e in errors if e]
+
+
+def run_attention(cfg, device, dtype):
+    r, g = cfg.rng, torch.Generator().manual_seed(cfg.seed)
+    b, sq, sk = r.choice([1, 2]), r.randint(0, 40), r.randint(0, 40)
+    mk = lambda *s, scale=1.0: _randn(g, *s, device=device, dtype=dtype, scale=scale)
+    diff = dict(q=mk(b, sq, cfg.hq, cfg.d), k=mk(b, sk, cfg.hkv, cfg.d),
+                v=mk(b, sk, cfg.hkv, cfg.dv))
+    if cfg.sink:
+        diff["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
+    const = dict(causal=cfg.causal, window=cfg.window, softcap=cfg.softcap, return_lse=True)
+    return _compare(fl.attention, R.attention, diff, const, dtype, grad=True)
+
+
+def run_varlen(cfg, device, dtype):
+    r, g = cfg.rng, torch.Generator().manual_seed(cfg.seed)
+    n = r.randint(1, 4)
+    lq = [r.choice([0, r.randint(1, 20)]) for _ in range(n)]
+    lk = [r.choice([0, r.randint(1, 20)]) for _ in range(n)]
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0).tolist()),
+                                 dtype=torch.int32, device=device)
+    mk = lambda *s: _randn(g, *s, device=device, dtype=dtype)
+    diff = dict(q=mk(sum(lq), cfg.hq, cfg.d), k=mk(sum(lk), cfg.hkv, cfg.d),
+                v=mk(sum(lk), cfg.hkv, cfg.dv))
+    if cfg.sink:
+        diff["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
+    const = dict(cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk), max_seqlen_q=max(lq),
+                 max_seqlen_k=max(lk), causal=cfg.causal, window=cfg.window,
+                 softcap=cfg.softcap, return_lse=True)
+    if r.random() < 0.4:
+        const["seqused_k"] = torch.tensor([r.randint(0, x) for x in lk], dtype=torch.int32,
+                                          device=device)
+    return _compare(fl.attention_varlen, R.attention_varlen, diff, const, dtype, grad=True)
+
+
+def _paged(k_cache, v_cache, page, g):
+    b, smax = k_cache.shape[:2]
+    n_pages = -(-smax // page)
+    total = b * n_pages + 2
+    perm = torch.randperm(total, generator=g)[: b * n_pages].view(b, n_pages)
+    kp = torch.full((total, page) + k_cache.shape[2:], float("nan"), dtype=k_cache.dtype)
+    vp = torch.full((total, page) + v_cache.shape[2:], float("nan"), dtype=v_cache.dtype)
+    for i in range(b):
+        for j in range(n_pages):
+            s0, s1 = j * page, min(smax, (j + 1) * page)
+            kp[perm[i, j], : s1 - s0] = k_cache[i, s0:s1].cpu()
+            vp[perm[i, j], : s1 - s0] = v_cache[i, s0:s1].cpu()
+    dev = k_cache.device
+    return kp.to(dev), vp.to(dev), perm.to(torch.int32).to(dev)
+
+
+def run_kvcache(cfg, device, dtype):
+    r, g = cfg.rng, torch.Generator().manual_seed(cfg.seed)
+    b, sq, smax = r.choice([1, 2, 3]), r.choice([1, 1, 2, 5, 20]), r.randint(4, 48)
+    s_new = r.choice([0, 0, 1, 3])
+    lens = [r.randint(0, smax - s_new) for _ in range(b)]
+    mk = lambda *s: _randn(g, *s, device=device, dtype=dtype)
+    t = dict(q=mk(b, sq, cfg.hq, cfg.d), k_cache=mk(b, smax, cfg.hkv, cfg.d),
+             v_cache=mk(b, smax, cfg.hkv, cfg.dv),
+             cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device))
+    for i, n in enumerate(lens):
+        t["k_cache"][i, n:] = float("nan")
+        t["v_cache"][i, n:] = float("nan")
+    if s_new:
+        t["k_new"], t["v_new"] = mk(b, s_new, cfg.hkv, cfg.d), mk(b, s_new, cfg.hkv, cfg.dv)
+    if r.random() < 0.5:
+        t["k_cache"], t["v_cache"], t["block_table"] = _paged(
+            t["k_cache"], t["v_cache"], r.choice([1, 3, 16]), g)
+    if cfg.sink:
+        t["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
+    kw = dict(causal=cfg.causal, window=cfg.window, softcap=cfg.softcap,
+              num_splits=r.choice([0, 1, 3]), return_lse=True)
+    copy = lambda d, cast=None: {k: (v.clone().to(cast) if cast and v.is_floating_point()
+                                     else v.clone()) if isinstance(v, torch.Tensor) else v
+                                 for k, v in d.items()}
+    with torch.no_grad():
+        ours_t = copy(t)
+        out, lse = fl.attention_with_kvcache(**ours_t, **kw)
+        ref_t = copy(t, torch.float64)
+        ref = R.attention_with_kvcache(**ref_t, **kw)
+        base = (None, None)
+        if dtype != torch.float32:
+            with R.computed_in(dtype):
+                base = R.attention_with_kvcache(**copy(t), **kw)
+    errors = [_close("out", out, ref[0], base[0], dtype),
+              _close("lse", lse, ref[1], base[1], dtype)]
+    for name in ("k_cache", "v_cache"):
+        if not torch.equal(torch.nan_to_num(ours_t[name].double(), 7.0),
+                           torch.nan_to_num(ref_t[name], 7.0)):
+            errors.append(f"{name}: append differs")
+    return [e for e in errors if e]
+
+
+def run_sparse(cfg, device, dtype):
+    r, g = cfg.rng, torch.Generator().manual_seed(cfg.seed)
+    b, sq, sk, topk = r.choice([1, 2]), r.randint(0, 24), r.randint(0, 40), r.randint(1, 12)
+    mk = lambda *s: _randn(g, *s, device=device, dtype=dtype)
+    idx = torch.randint(-1, max(sk, 1), (b, sq, cfg.hkv, topk), generator=g)
+    idx = torch.where(torch.rand(idx.shape, generator=g) < 0.3, -1, idx)
+    if sk == 0:
+        idx.fill_(-1)
+    if sq:
+        idx[:, 0] = -1  # an empty row
+    diff = dict(q=mk(b, sq, cfg.hq, cfg.d), k=mk(b, sk, cfg.hkv, cfg.d),
+                v=mk(b, sk, cfg.hkv, cfg.dv))
+    if cfg.sink:
+        diff["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
+    const = dict(indices=idx.to(torch.int32).to(device), return_lse=True)
+    return _compare(fl.sparse_attention, R.sparse_attention, diff, const, dtype, grad=True)
+
+
+def run_merge(cfg, device, dtype):
+    r, g = cfg.rng, torch.Generator().manual_seed(cfg.seed)
+    n, shape = r.randint(1, 6), (r.randint(1, 3), r.randint(1, 9), cfg.hq)
+    outs = _randn(g, n, *shape, cfg.dv, device=device, dtype=dtype)
+    lses = _randn(g, n, *shape, device=device, dtype=torch.float32, scale=3.0)
+    lses = torch.where(torch.rand(lses.shape, generator=g).to(device) < 0.3, float("-inf"), lses)
+    diff = dict(outs=outs, lses=lses)
+    if cfg.sink:
+        diff["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
+    grad = dtype == torch.float32 or device == "cpu"
+    # States of shape (n, a, b, H): rows layout (lses = outs.shape[:-1]), named explicitly.
+    ours = lambda **kw: fl.merge_states(**kw, layout="rows")
+    return _compare(ours, R.merge_states, diff, {}, dtype, grad=grad)
+
+
+RUN = {"attention": run_attention, "varlen": run_varlen, "kvcache": run_kvcache,
+       "sparse": run_sparse, "merge": run_merge}
+
+
+def fuzz(n: int, seed: int = 0, device: str = "cpu", dtype=torch.float32, verbose=True,
+         seconds: float | None = None):
+    """Runs ``n`` configurations from ``seed`` (or fewer, stopping after ``seconds``);
+    returns ``(counts by kind, failures)``."""
+    counts, failures = {}, []
+    t0 = time.perf_counter()
+    for s in range(seed, seed + n):
+        if seconds is not None and time.perf_counter() - t0 > seconds:
+            break
+        cfg = Config(s, device == "cuda")
+        counts[cfg.kind] = counts.get(cfg.kind, 0) + 1
+        try:
+            errors = RUN[cfg.kind](cfg, device, dtype)
+        except Exception as e:  # noqa: BLE001 - a crash is a failure to report, not to stop on
+            errors = [f"raised {type(e).__name__}: {str(e)[:200]}"]
+        if errors:
+            failures.append((cfg, errors))
+            if verbose:
+                print(f"FAIL {cfg}: {'; '.join(errors)}", flush=True)
+    return counts, failures
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    ap.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    counts, failures = fuzz(args.n, args.seed, args.device, DTYPES[args.dtype],
+                            seconds=args.seconds)
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    ran = sum(counts.values())
+    last = args.seed + ran - 1
+    print(f"fuzz: {ran} configurations ({kinds}) on {dev} {args.dtype}, seeds "
+          f"{args.seed}..{last}: {len(failures)} failures, {time.perf_counter() - t0:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
