@@ -265,7 +265,7 @@ def empty_shard_with_sink(args, device, rank, world):
     sink = torch.randn(args.heads, generator=g, device=device).requires_grad_()
     shard = lambda x: fld.split_sequence(x, lengths, layout="zigzag")[rank]
     leaves = [shard(t).clone().requires_grad_() for t in (q, k, v)]
-    out, lse = fld.ring_attention(*leaves, causal=True, layout="zigzag", sink=sink,
+    out, lse = fld.ring_attention(*leaves, causal=True, layout="zigzag", sink=sink, sink_grad="sum",
                                   return_lse=True)
     (out.float() * shard(dout).float()).sum().backward()
     tensors = [out, lse, sink.grad] + [t.grad for t in leaves]

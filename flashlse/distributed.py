@@ -368,7 +368,7 @@ def _check_group():
 
 def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), sink=None,
                    scale=None, softcap=0.0, return_lse=False, layout="contiguous",
-                   sink_grad="sum", shard_lengths=None):
+                   sink_grad="local", shard_lengths=None):
     """:func:`flashlse.attention` over one sequence sharded on the ranks of ``group``.
 
     ``O_i = sum_j exp(S_ij - L_i) V_j`` over all keys of the whole sequence (``Sq == Sk``,
@@ -383,10 +383,12 @@ def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), si
         causal, window, scale, softcap, sink, return_lse: as :func:`flashlse.attention`;
             ``sink`` ``(Hq,)`` must be equal on every rank.
         layout: ``"contiguous"`` or ``"zigzag"`` (see :func:`split_sequence`).
-        sink_grad: ``"sum"`` (default): ``sink.grad`` is the gradient of the whole
-            sequence, equal on every rank, as a single process would give. ``"local"``:
-            only this rank's rows; use it when the framework sums or averages replicated
-            parameter gradients over the context-parallel ranks itself.
+        sink_grad: ``"local"`` (default): ``sink.grad`` holds this rank's rows' part, like
+            the gradient of every replicated weight that produced q, k, v, so the reduction
+            FSDP/DDP run over the context-parallel ranks (torchtitan's ``dp_shard_cp``) treats
+            the sink like every other parameter. ``"sum"``: all-reduced over the group, the
+            whole sequence's gradient on every rank, as one process would give (for loops
+            that do not reduce replicated gradients over these ranks).
         shard_lengths: every rank's ``n_r`` in rank order (ints, equal on all ranks), as
             :func:`split_sequence` cut them. None gathers them from the ranks, which costs
             one small all-gather and a host-device sync a call; passing them costs neither.

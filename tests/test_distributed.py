@@ -64,6 +64,52 @@ MERGE_CASES = [
     dict(id="w2-merge-all-empty", world=2, lengths=[0, 0], sink=False),
 ]
 
+# Context parallel under DDP over the CP ranks (torchtitan folds them into FSDP's reduction).
+DDP_CASES = [
+    dict(id="w2-ddp-sink-default-local", world=2, layout="zigzag"),
+    dict(id="w3-ddp-sink-default-local", world=3, layout="contiguous"),
+]
+
+
+class _CPBlock(torch.nn.Module):
+    """q/k/v from one replicated projection, a learnable sink, causal attention."""
+
+    def __init__(self, width=16, hq=2, hkv=1, d=8):
+        super().__init__()
+        self.hq, self.hkv, self.d = hq, hkv, d
+        self.qkv = torch.nn.Linear(width, (hq + 2 * hkv) * d, bias=False, dtype=F64)
+        self.sink = torch.nn.Parameter(torch.randn(hq, dtype=F64))
+
+    def forward(self, x, ring=None):
+        q, k, v = self.qkv(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        q = q.unflatten(-1, (self.hq, self.d))
+        k, v = (t.unflatten(-1, (self.hkv, self.d)) for t in (k, v))
+        if ring is None:
+            return fl.attention(q, k, v, causal=True, sink=self.sink)
+        return fld.ring_attention(q, k, v, causal=True, sink=self.sink, **ring)
+
+
+def _ddp_case(c, rank, world):
+    """Under DDP over the CP ranks every replicated parameter's gradient is the ranks' average
+    of their own parts; with the default sink_grad ("local") the sink's is too, so each
+    gradient times the world size equals one process's over the whole sequence."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(zlib.crc32(c["id"].encode()))
+    s = 7 * world
+    x, g_out = torch.randn(1, s, 16, dtype=F64), torch.randn(1, s, 2, 8, dtype=F64)
+    single = _CPBlock()
+    (single(x) * g_out).sum().backward()
+    block = _CPBlock()
+    block.load_state_dict(single.state_dict())
+    ddp = DistributedDataParallel(block)
+    lengths = fld._even_lengths(s, world, c["layout"])
+    shard = lambda t: fld.split_sequence(t, lengths, layout=c["layout"], dim=1)[rank]
+    out = ddp(shard(x), ring=dict(layout=c["layout"], shard_lengths=lengths))
+    (out * shard(g_out)).sum().backward()
+    for name, p in block.named_parameters():
+        _close(f"{name}.grad x world", p.grad * world, dict(single.named_parameters())[name].grad)
+
 
 def _close(name, got, want, tol=TOL):
     want = want.to(got.dtype)
@@ -104,8 +150,9 @@ def _ring_case(c, rank, world):
     sink_r = None if sink is None else sink.clone().requires_grad_()
     # Zigzag cases name the shard lengths (no all-gather of them); contiguous ones gather.
     given = list(lengths) if c["layout"] == "zigzag" else None
+    # sink_grad="sum": dsink is the whole sequence's on every rank, as one process's.
     out, lse = fld.ring_attention(*mine, sink=sink_r, return_lse=True, layout=c["layout"],
-                                  group=group, shard_lengths=given, **kw)
+                                  group=group, shard_lengths=given, sink_grad="sum", **kw)
     ((out * shard(g_out)).sum() + (lse * shard(g_lse, 2)).sum()).backward()
 
     assert out.shape == (b, lengths[rank], hq, d + 2) and lse.shape == (b, hq, lengths[rank])
@@ -188,7 +235,9 @@ def _worker(rank, world, init, cases, queue):
     results = {}
     for c in cases:
         try:
-            (_ring_case if c["id"] in _RING_IDS else _merge_case)(c, rank, world)
+            run = (_ring_case if c["id"] in _RING_IDS else
+                   _ddp_case if c["id"] in _DDP_IDS else _merge_case)
+            run(c, rank, world)
             results[c["id"]] = None
         except Exception:
             results[c["id"]] = traceback.format_exc()
@@ -200,10 +249,11 @@ def _worker(rank, world, init, cases, queue):
 
 
 _RING_IDS = {c["id"] for c in RING_CASES}
+_DDP_IDS = {c["id"] for c in DDP_CASES}
 
 
 def _run_group(world, tmp_path):
-    cases = [c for c in RING_CASES + MERGE_CASES if c["world"] == world]
+    cases = [c for c in RING_CASES + MERGE_CASES + DDP_CASES if c["world"] == world]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tmp_path / f'rendezvous-{world}'}"
@@ -242,7 +292,8 @@ def group_results(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in RING_CASES + MERGE_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"])
+                                  for c in RING_CASES + MERGE_CASES + DDP_CASES])
 def test_distributed(case, group_results):
     got = group_results(case["world"])
     errors = [f"rank {r}:\n{got[r][case['id']]}" for r in sorted(got) if got[r][case["id"]]]

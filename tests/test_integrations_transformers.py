@@ -1,0 +1,108 @@
+"""flashlse as a transformers attention implementation: tiny random models of transformers' own
+classes (Llama; gpt-oss with sliding and full layers and learnable sinks) against "eager" --
+logits of a left-padded batch, greedy generation token for token, sink gradients."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+flt = pytest.importorskip("flashlse.integrations.transformers")
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    return cfg, transformers.LlamaForCausalLM
+
+
+def _gpt_oss():
+    cfg = transformers.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                                    num_experts_per_tok=1, sliding_window=4,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    max_position_embeddings=64)
+    return cfg, transformers.GptOssForCausalLM
+
+
+def _pair(make):
+    """The same random weights under eager and under flashlse."""
+    cfg, cls = make()
+    torch.manual_seed(0)
+    eager = cls._from_config(cfg, attn_implementation="eager").eval()
+    ours = cls._from_config(cfg, attn_implementation=flt.ATTN_IMPLEMENTATION).eval()
+    ours.load_state_dict(eager.state_dict())
+    for name, p in eager.named_parameters():
+        if name.endswith("sinks"):  # random sinks, so that they matter
+            with torch.no_grad():
+                p.copy_(torch.randn_like(p))
+                dict(ours.named_parameters())[name].copy_(p)
+    return eager, ours
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 97, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    mask[2, :6] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt_oss], ids=["llama", "gpt_oss"])
+def test_left_padded_logits_match_eager(make):
+    eager, ours = _pair(make)
+    ids, mask = _batch()
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask).logits
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=2e-5)
+    # Unpadded too (the mask function returns None: the dense kernel path).
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids[:1]).logits,
+                                   eager(input_ids=ids[:1]).logits, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt_oss], ids=["llama", "gpt_oss"])
+def test_greedy_generation_matches_eager_token_for_token(make):
+    eager, ours = _pair(make)
+    ids, mask = _batch()
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = eager.generate(ids, **kw)
+        got = ours.generate(ids, **kw)
+    assert torch.equal(got, want)
+
+
+def test_gpt_oss_sink_gradients_match_eager():
+    eager, ours = _pair(_gpt_oss)
+    ids, mask = _batch()
+    grads = []
+    for model in (eager, ours):
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if n.endswith("sinks")})
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert grads[1][name].abs().sum() > 0
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)
+
+
+def test_dropout_is_refused():
+    q = torch.randn(1, 2, 3, 8)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="no attention dropout"):
+        flt.attention_forward(module, q, q, q, None, dropout=0.1)
+
+
+def test_name_holds_no_flash_and_is_registered():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert "flash" not in flt.ATTN_IMPLEMENTATION
+    assert AttentionInterface._global_mapping[flt.ATTN_IMPLEMENTATION] is flt.attention_forward
+    assert AttentionMaskInterface._global_mapping[flt.ATTN_IMPLEMENTATION] is flt.attention_mask
