@@ -56,3 +56,34 @@ def causal_block_mask(sq: int, sk: int):
     shift = sk - sq
     return create_block_mask(lambda b, h, qi, ki: qi + shift >= ki, None, None, sq, sk,
                              device="cuda")
+
+
+def graph_replay(fn):
+    """``fn`` captured once in a CUDA graph (warm-up on a side stream first, the whole-network
+    recipe of the torch CUDA graphs docs); returns the graph's ``replay``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def host_loop_s(fn, n: int, *, sync_end: bool) -> float:
+    """Seconds a call over ``n`` calls after 20 warm-up calls: host time alone
+    (``sync_end=False``: the clock stops before the GPU finishes) or back to back."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if sync_end:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return seconds

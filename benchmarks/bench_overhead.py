@@ -55,7 +55,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import median_ms  # noqa: E402
+from _common import graph_replay, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 
@@ -203,21 +203,10 @@ def sync_free(step) -> bool:
 
 
 def graph_ms(step) -> float:
-    """Median ms of ``step`` replayed from a CUDA graph: warm-up on a side stream, then one
-    capture (the whole-network recipe of the torch CUDA graphs docs; for fwd+bwd the
-    gradients are set to None before the capture, by ``step`` itself)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    ms = bench(g.replay)
-    del g
-    return ms
+    """Median ms of ``step`` replayed from a CUDA graph (for fwd+bwd the gradients are set to
+    None before the capture, by ``step`` itself)."""
+    replay = graph_replay(step)
+    return bench(replay)
 
 
 def kernel_ms(step) -> float:

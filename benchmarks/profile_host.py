@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
 
-import flashlse as fl
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import graph_replay, host_loop_s  # noqa: E402
+
+import flashlse as fl  # noqa: E402
 
 
 @triton.jit
@@ -36,41 +42,13 @@ def _empty32(x0, x1, x2, x3, x4, x5, x6, x7, a0, a1, a2, a3, a4, a5, a6, a7, a8,
 
 
 def per_call_us(fn, n):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return us
+    return host_loop_s(fn, n, sync_end=False) * 1e6
 
 
 def back_to_back_ms(fn, n=200):
     """Milliseconds a call over n calls issued back to back (no L2 flush between them, unlike
     do_bench): a call whose host time exceeds its GPU time shows here, not in do_bench."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    return host_loop_s(fn, n, sync_end=True) * 1e3
 
 
 def back_to_back():
@@ -84,7 +62,7 @@ def back_to_back():
         "attention fwd B=16 S=1k causal": lambda: fl.attention(q, q, q, causal=True),
     }
     for name, fn in rows.items():
-        pub, gr = back_to_back_ms(fn), back_to_back_ms(graphed(fn))
+        pub, gr = back_to_back_ms(fn), back_to_back_ms(graph_replay(fn))
         print(f"=== back to back {name:<32} public {pub:.3f} ms, graph {gr:.3f} ms, "
               f"{pub / gr:.2f}x")
 
