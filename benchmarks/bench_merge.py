@@ -3,7 +3,7 @@
 
 Bandwidth = (bytes of the N outs and lses read + bytes of out and lse written) / time,
 against a device-to-device copy (bytes read plus written) measured in the same process,
-and against the same merge written in eager torch (the unfused formula of DESIGN.md §1).
+and against the same merge written in eager torch (the unfused formula of docs/design.md §1).
 About 30% of the lse entries are -inf (empty states), as after a split-KV decode.
 
     python benchmarks/bench_merge.py [--out DIR] [--kernel-only]

@@ -7,7 +7,7 @@ with -1 entries and all -1 rows; merges of 1-6 states with empty ones and a sink
 and, where the function is differentiable, backward (a random dout and dlse, dlse 0 on empty
 rows). A configuration passes when, for out, lse and every gradient: the -inf pattern equals
 the reference's, there is no NaN and no +inf, and the error is at most ``2 * err(the
-reference computed in the inputs' dtype) + atol`` (STYLE.md §3; fp32: 1e-4 of the scale).
+reference computed in the inputs' dtype) + atol`` (docs/design.md §5; fp32: 1e-4 of the scale).
 
     python benchmarks/fuzz.py --n 10000                          # CPU path, float32
     python benchmarks/fuzz.py --n 2000 --device cuda --dtype bf16 # the kernels

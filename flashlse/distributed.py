@@ -1,6 +1,6 @@
 """Context parallel on torch.distributed: ring attention, and merging states across ranks.
 
-Both functions rest on the merge monoid of DESIGN §1: attention over a sequence is the
+Both functions rest on the merge monoid of docs/design.md §1: attention over a sequence is the
 merge of the partial states ``(O_s, L_s)`` of its key blocks, in any order, with
 ``(0, -inf)`` for a block a row cannot see; the sink is one more state ``(0, sink)``,
 merged once at the end. Nothing here uses the LSE as a denominator, so empty shards,

@@ -76,7 +76,7 @@ def is_empty(lse: torch.Tensor) -> torch.Tensor:
 def safe_pivot(lse: torch.Tensor) -> torch.Tensor:
     """``lse`` with -inf replaced by 0: a finite pivot, so ``exp(S - pivot)`` is 0 on empty rows.
 
-    This is the once-per-row fix of the backward preprocess (DESIGN §1).
+    This is the once-per-row fix of the backward preprocess (docs/design.md §1).
     """
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 

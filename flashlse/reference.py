@@ -1,4 +1,4 @@
-"""Float64 references for every public function: DESIGN.md §1-2 as executable code.
+"""Float64 references for every public function: docs/design.md §1-2 as executable code.
 
 Plain and slow on purpose: the whole score matrix is built, in float64, and every
 function is differentiable through ordinary torch autograd (the gradients of empty

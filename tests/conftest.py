@@ -1,6 +1,6 @@
 """Shared test helpers: comparison against the float64 reference, seeding, gradients.
 
-Every comparison follows STYLE §2-3: ``-inf`` patterns equal exactly, no NaN and no
+Every comparison follows docs/design.md §5: ``-inf`` patterns equal exactly, no NaN and no
 +inf anywhere, finite entries within tolerance. fp32 must be within 1e-5 of the
 reference's scale (issue 2), float64 tighter; fp16/bf16 within twice the error of
 the same math done by torch in that dtype (the reference run in that dtype) plus a
@@ -107,7 +107,7 @@ def check_against_reference(fn, ref_fn, diff: dict, const: dict | None = None, *
     """Runs ``fn`` and ``ref_fn`` (keywords ``**diff, **const``; both return ``(out, lse)``)
     and compares out, lse and the gradient of every tensor in ``diff`` against the
     float64 reference (``ref_fn`` on float64 copies). Low-precision inputs are also
-    run through ``ref_fn`` in their own dtype, the baseline of STYLE §3.
+    run through ``ref_fn`` in their own dtype, the baseline of docs/design.md §5.
 
     Returns ``(out, lse, grads)`` of ``fn`` for extra checks.
     """

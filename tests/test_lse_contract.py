@@ -1,4 +1,4 @@
-"""The LSE contract (DESIGN §1) as properties: attention states form a commutative monoid
+"""The LSE contract (docs/design.md §1) as properties: attention states form a commutative monoid
 under merge with identity (0, -inf), and attention over K is the merge of attention over
 any partition of K (empty parts included), the sink added once at the merge."""
 

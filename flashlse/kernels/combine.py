@@ -1,7 +1,7 @@
 """Merge of attention states on the GPU: the split-KV combine and ``merge_states`` / ``merge``.
 
 Derivation. A state ``(O_s, L_s)`` stands for the partial sum ``Z_s = e^(L_s)`` and the
-unnormalised output ``Z_s O_s`` (DESIGN.md §1). Merging N states (and an optional sink,
+unnormalised output ``Z_s O_s`` (docs/design.md §1). Merging N states (and an optional sink,
 one more "key" with logit ``sink`` and value 0) adds the partial sums:
 
     Z = sum_s e^(L_s) [+ e^sink]        O = sum_s (e^(L_s) / Z) O_s        L = log Z

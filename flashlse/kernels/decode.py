@@ -1,6 +1,6 @@
 """Split-KV decode kernel: ``attention_with_kvcache`` against contiguous or paged caches.
 
-Math (DESIGN.md §1). For query row i of sequence b, with ``sk = cache_seqlens[b]`` keys
+Math (docs/design.md §1). For query row i of sequence b, with ``sk = cache_seqlens[b]`` keys
 and scores ``s_j = scale * q_i . k_j`` (or the soft-capped ``c * tanh(s_j / c)``),
 
     lse_i = log(sum_j e^{s_j} [+ e^{sink}])          out_i = sum_j e^{s_j - lse_i} v_j

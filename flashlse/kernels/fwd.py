@@ -1,6 +1,6 @@
 """Forward attention kernel: dense and varlen, every mask, sink, softcap, GQA, honest LSE.
 
-Math (DESIGN.md §1). For one query row with scores ``s_j = scale * q . k_j`` (or the
+Math (docs/design.md §1). For one query row with scores ``s_j = scale * q . k_j`` (or the
 soft-capped ``c * tanh(s_j / c)``), masked keys removed, the kernel returns
 
     lse = log(sum_j e^{s_j} [+ e^{sink}])          out = sum_j e^{s_j - lse} v_j

@@ -1,4 +1,4 @@
-"""``merge`` and ``merge_states``: the attention-state monoid (DESIGN §1, docs/math.md).
+"""``merge`` and ``merge_states``: the attention-state monoid (docs/design.md §1, docs/math.md).
 
     m = max_s L_s (0 when m = -inf)     w_s = exp(L_s - m)     sum = Σ_s w_s
     inv_sum = 0 if sum == 0 else 1/sum  O = Σ_s w_s inv_sum O_s   L = log(sum) + m (raw m)

@@ -5,7 +5,7 @@ the finite LSE entries, so the gradient through the LSE (``D = rowsum(dO * O) - 
 tested with every other term. The forward ``(out, lse)`` comes from the PyTorch path
 (``attn_fwd_torch``), so these tests do not depend on the forward kernel.
 
-Tolerance (STYLE.md §3): ``err(kernel) <= 2 * err(torch autograd in the same dtype) + atol``,
+Tolerance (docs/design.md §5): ``err(kernel) <= 2 * err(torch autograd in the same dtype) + atol``,
 errors measured against the float64 gradients, atol relative to the gradient's scale. Empty
 rows must give ``dq = 0`` exactly, and no gradient may hold a NaN; dense gradients are
 allocated pre-filled with NaN so an unwritten element fails.

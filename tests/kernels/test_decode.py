@@ -1,6 +1,6 @@
 """``kernels.decode.decode_fwd`` against ``flashlse.reference.attention_with_kvcache``.
 
-Tolerance (STYLE.md §3): ``err(kernel) <= 2 * err(torch in the same dtype) + atol``, both
+Tolerance (docs/design.md §5): ``err(kernel) <= 2 * err(torch in the same dtype) + atol``, both
 against the float64 reference, for out and lse. The ``-inf`` pattern of lse equals the
 reference's exactly, empty rows have ``out == 0``, and no NaN or +inf appears anywhere;
 every buffer the launcher allocates (out, lse, the split partials) starts as NaN, so an

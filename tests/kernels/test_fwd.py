@@ -1,6 +1,6 @@
 """``kernels.fwd.attn_fwd`` against the float64 reference (out and lse, every row).
 
-Tolerance (STYLE.md §3): ``err(kernel) <= 2 * err(torch in the same dtype) + atol``, both
+Tolerance (docs/design.md §5): ``err(kernel) <= 2 * err(torch in the same dtype) + atol``, both
 measured against ``flashlse.reference`` in float64. Empty rows must match exactly:
 ``-inf`` where the reference has ``-inf`` and nowhere else, ``out = 0`` there, and no NaN
 anywhere; outputs are allocated pre-filled with NaN so an unwritten element fails.
