@@ -5,6 +5,7 @@ attention states ``(out, lse)`` merge as a monoid with identity ``(0, -inf)``.
 """
 
 from . import compat, distributed, lse, masks, reference
+from .integrations import sdpa as _sdpa
 from .ops import (
     attention,
     attention_varlen,
@@ -16,6 +17,10 @@ from .ops import (
 )
 
 __version__ = "0.1.0"
+
+# "flashlse" becomes a PyTorch SDPA flash implementation to activate (nothing is activated):
+# torch.nn.attention.activate_flash_attention_impl("flashlse").
+_sdpa.register()
 
 __all__ = [
     "attention",
