@@ -3,8 +3,9 @@
 All systems run in this one process on the same GPU. bf16, B*S = 16k, H*D = 2048 (MHA at
 every length, then GQA with 4 query heads a kv head at D = 128, S = 8k; peers with enable_gqa),
 FLOPs = 2.5 * 4*B*H*Sq*Sk*D (halved for causal), time = median of triton.testing.do_bench
-of the backward only: flashlse's launcher is called directly on a saved (out, lse); the
-peers run their forward once and time ``torch.autograd.grad(..., retain_graph=True)``.
+of the backward only: every system, flashlse's public ``fl.attention`` included, runs its
+forward once and times ``torch.autograd.grad(..., retain_graph=True)`` (``--kernel-only``
+times flashlse's launcher on a saved (out, lse) instead).
 flashlse takes its native (B, S, H, D) layout, the peers their native (B, H, S, D).
 Correctness is checked first (against float64 autograd of flashlse.reference, with a
 random dlse, a sink, a window and softcap), then the timings; the table is printed last.
@@ -37,6 +38,7 @@ import torch
 import triton
 from _common import attn_flops, bf16_inputs, causal_block_mask, flex_attention_compiled, median_ms
 
+import flashlse as fl
 from flashlse import reference
 from flashlse.kernels import bwd
 from flashlse.kernels.fwd import attn_fwd
@@ -56,10 +58,21 @@ def _flops(b, h, sq, sk, d, causal):
     return 2.5 * attn_flops(b, h, sq, sk, d, causal)
 
 
+# --kernel-only: time the launcher bwd.attn_bwd on a saved (out, lse), not the public call.
+KERNEL_ONLY = False
+
+
 def _ours(q, k, v, causal):
-    """The backward call to time (under the CONFIG_OVERRIDE in force when it runs)."""
+    """The backward call to time (under the CONFIG_OVERRIDE in force when it runs): the
+    backward of the public ``fl.attention`` through autograd, as the peers are timed
+    (``torch.autograd.grad(..., retain_graph=True)``), or the launcher with --kernel-only."""
     kw = dict(left=None, right=0 if causal else None, softcap=0.0,
               scale=1.0 / math.sqrt(q.shape[-1]), sink=None)
+    if not KERNEL_ONLY:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fl.attention(*leaves, causal=causal)
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
     out, lse = attn_fwd(q, k, v, **kw)
     dout = torch.randn_like(out)
     dlse = torch.zeros_like(lse)
@@ -369,9 +382,12 @@ def main():
                    help="a second column with exactly these Gluon kernels on (bwd_sm90.py): "
                         "dkdv, dq, dkdv,dq or none")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--kernel-only", action="store_true",
+                   help="time the launcher on a saved (out, lse) instead of the public call")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    global SM90_PARTS
+    global SM90_PARTS, KERNEL_ONLY
+    KERNEL_ONLY = a.kernel_only
     SM90_PARTS = tuple(x for x in a.sm90.split(",") if x)
     dims = [128] if a.quick else [int(x) for x in a.dims.split(",")]
     bwd.AUTOTUNE = a.autotune

@@ -2,7 +2,9 @@
 
 All systems run in this one process on the same GPU. bf16, B*S = 16k, H*D = 2048,
 FLOPs = 4*B*H*Sq*Sk*D (halved for causal), time = median of triton.testing.do_bench.
-flashlse takes its native (B, S, H, D) layout, the peers their native (B, H, S, D).
+flashlse takes its native (B, S, H, D) layout, the peers their native (B, H, S, D). flashlse's
+time is the public ``fl.attention`` (validation and dispatch included); ``--kernel-only``
+times the launcher ``kernels.fwd.attn_fwd`` instead.
 
     python benchmarks/bench_fwd.py --sweep          # round 1: block shapes per head dim
     python benchmarks/bench_fwd.py --ws             # warp specialisation (own process)
@@ -29,13 +31,22 @@ import torch
 import triton
 from _common import attn_flops, bf16_inputs, causal_block_mask, flex_attention_compiled, median_ms
 
+import flashlse as fl
 from flashlse.kernels import fwd
 
 DATE = "2026-11-29"
 SEQS = [1024, 2048, 4096, 8192, 16384]
 
 
+# --kernel-only: time the launcher (fwd.attn_fwd, no validation) instead of the public call.
+KERNEL_ONLY = False
+
+
 def _ours(q, k, v, causal):
+    """The call to time: ``fl.attention`` (with return_lse, as the launcher returns), or the
+    launcher with --kernel-only."""
+    if not KERNEL_ONLY:
+        return lambda: fl.attention(q, k, v, causal=causal, return_lse=True)
     scale = 1.0 / math.sqrt(q.shape[-1])
     right = 0 if causal else None
     return lambda: fwd.attn_fwd(q, k, v, left=None, right=right, softcap=0.0, scale=scale,
@@ -359,7 +370,11 @@ def main():
     p.add_argument("--dims", default="64,128,256")
     p.add_argument("--flex-budget", type=float, default=240.0)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--kernel-only", action="store_true",
+                   help="time the launcher instead of the public fl.attention")
     a = p.parse_args()
+    global KERNEL_ONLY
+    KERNEL_ONLY = a.kernel_only
     os.makedirs(a.out, exist_ok=True)
     if a.sweep:
         peers_at()
