@@ -43,11 +43,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, seqused_k=None):
-    """flash-attn 2 ``flash_attn_varlen_func``: q ``(total_q, Hq, D)``, lse ``(Hq, total_q)``."""
+                           return_attn_probs=False, seqused_k=None, block_table=None):
+    """flash-attn 2 ``flash_attn_varlen_func``: q ``(total_q, Hq, D)``, lse ``(Hq, total_q)``.
+    With ``block_table`` (vLLM's call) k and v are paged caches
+    ``(num_pages, page_size, Hkv, D)`` and ``seqused_k`` (or ``cu_seqlens_k``) the lengths."""
     _unsupported(dropout_p, alibi_slopes)
     out, lse = ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, seqused_k=seqused_k, causal=causal,
+                                    max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
+                                    causal=causal,
                                     window=_window(window_size), softcap=softcap,
                                     scale=softmax_scale, deterministic=deterministic,
                                     return_lse=True)

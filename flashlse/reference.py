@@ -106,14 +106,18 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     seqused_k=None, causal=False, window=(None, None), softcap=0.0,
-                     scale=None, sink=None, return_lse=False):
+                     seqused_k=None, block_table=None, causal=False, window=(None, None),
+                     softcap=0.0, scale=None, sink=None, return_lse=False):
     """Reference of :func:`flashlse.attention_varlen`: each sequence is its own ``attention``.
 
     Args:
-        q: ``(total_q, Hq, D)``; k: ``(total_k, Hkv, D)``; v: ``(total_k, Hkv, Dv)``.
-        cu_seqlens_q / cu_seqlens_k: ``(B + 1,)`` int32 offsets.
+        q: ``(total_q, Hq, D)``; k: ``(total_k, Hkv, D)``; v: ``(total_k, Hkv, Dv)``, or
+            paged caches ``(num_pages, page_size, Hkv, D / Dv)`` with ``block_table``.
+        cu_seqlens_q / cu_seqlens_k: ``(B + 1,)`` int32 offsets (cu_seqlens_k may be None
+            with a block table and seqused_k).
         seqused_k: ``(B,)`` int32, keys actually used per sequence (a prefix).
+        block_table: ``(B, max_pages)`` int32: sequence b's key j is row ``j % page_size`` of
+            page ``block_table[b, j // page_size]``.
 
     Returns:
         ``out (total_q, Hq, Dv)`` float64, and ``lse (Hq, total_q)`` if ``return_lse``.
@@ -123,10 +127,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     outs, lses = [], []
     for b in range(cu_seqlens_q.numel() - 1):
         q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
-        if seqused_k is not None:
-            k1 = k0 + int(seqused_k[b])
-        o, l = attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal,
+        if block_table is not None:
+            n = int(seqused_k[b]) if seqused_k is not None else int(
+                cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+            kb, vb = gather_cache(k, b, n, block_table), gather_cache(v, b, n, block_table)
+        else:
+            k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+            if seqused_k is not None:
+                k1 = k0 + int(seqused_k[b])
+            kb, vb = k[k0:k1], v[k0:k1]
+        o, l = attention(q[None, q0:q1], kb[None], vb[None], causal=causal,
                          window=window, softcap=softcap, scale=scale, sink=sink,
                          return_lse=True)
         outs.append(o[0])

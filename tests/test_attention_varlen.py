@@ -144,3 +144,76 @@ def test_attention_varlen_strided_views():
     assert_close_to_ref(grads[0][:, 1:3, :16], ref[0], name="dq")
     assert_close_to_ref(grads[1][:, :1], ref[1], name="dk")
     assert_close_to_ref(grads[2][:, 2:, 4:], ref[2], name="dv")
+
+
+def run_paged(device, dtype, qlens, klens, page, hq=4, hkv=2, d=16, dv=16, sink=False,
+              seed=0, **kw):
+    """attention_varlen over a paged cache (shuffled pages, unused slots NaN) against the
+    reference over the same pages; lengths through seqused_k. Returns (out, lse)."""
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    n_pages = [max(1, -(-n // page)) for n in klens]
+    total = sum(n_pages) + 2
+    perm = torch.randperm(total, generator=g)
+    k_cache = torch.full((total, page, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((total, page, hkv, dv), float("nan"), dtype=dtype)
+    table = torch.full((len(klens), max(n_pages)), -1, dtype=torch.int32)
+    j = 0
+    for b, n in enumerate(klens):
+        for p in range(n_pages[b]):
+            table[b, p] = perm[j]
+            rows = min(page, n - p * page)
+            if rows > 0:
+                k_cache[perm[j], :rows] = mk(rows, hkv, d)
+                v_cache[perm[j], :rows] = mk(rows, hkv, dv)
+            j += 1
+    # Columns past a sequence's pages point at a real page: never read (seqused_k ends first).
+    table = torch.where(table < 0, perm[0].to(torch.int32), table)
+    q = mk(sum(qlens), hq, d)
+    s = mk(hq).float() * 2 if sink else None
+    t = dict(cu_seqlens_q=cu(qlens).to(device), cu_seqlens_k=None, max_seqlen_q=max(qlens),
+             max_seqlen_k=max(klens), seqused_k=torch.tensor(klens, dtype=torch.int32,
+                                                             device=device),
+             block_table=table.to(device), return_lse=True, **kw)
+    with torch.no_grad():
+        out, lse = fl.attention_varlen(q.to(device), k_cache.to(device), v_cache.to(device),
+                                       sink=None if s is None else s.to(device), **t)
+    ref_t = {n: x.cpu() if isinstance(x, torch.Tensor) else x for n, x in t.items()}
+    ref_out, ref_lse = R.attention_varlen(q.double(), k_cache.double(), v_cache.double(),
+                                          sink=s, **ref_t)
+    base = {}
+    if dtype in LOWP:
+        with R.computed_in(dtype):
+            base = dict(zip(("out", "lse"), R.attention_varlen(q, k_cache, v_cache, sink=s,
+                                                               **ref_t)))
+    low = dtype if dtype in LOWP else None
+    assert_close_to_ref(out.cpu(), ref_out, baseline=base.get("out"), dtype=low)
+    assert_close_to_ref(lse.cpu(), ref_lse, baseline=base.get("lse"), dtype=low, name="lse")
+    return out, lse
+
+
+# A mixed serving step: prefill, chunked prefill, decodes, a zero-length query, an empty cache.
+PAGED = [
+    pytest.param([5, 3, 1, 1, 0, 2], [5, 9, 12, 1, 4, 0], dict(causal=True), id="mixed_step"),
+    pytest.param([4, 1], [10, 7], dict(causal=True, sink=True), id="sink"),
+    pytest.param([6, 2], [6, 11], dict(causal=True, window=(3, 0)), id="window"),
+    pytest.param([3, 1], [8, 5], dict(hq=6, hkv=2, dv=8), id="gqa_dv8"),
+]
+
+
+@pytest.mark.parametrize("page", [1, 3, 16], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("qlens,klens,kw", PAGED)
+def test_attention_varlen_paged(qlens, klens, kw, page):
+    run_paged("cpu", torch.float32, qlens, klens, page, **kw)
+
+
+def test_attention_varlen_paged_is_forward_only_and_needs_lengths():
+    q = torch.randn(3, 2, 16, requires_grad=True)
+    kc = torch.randn(4, 2, 2, 16)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    cu_q = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="forward only"):
+        fl.attention_varlen(q, kc, kc, cu_q, None, 3, 4, block_table=table,
+                            seqused_k=torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="needs the key lengths"):
+        fl.attention_varlen(q.detach(), kc, kc, cu_q, None, 3, 4, block_table=table)

@@ -54,3 +54,21 @@ def test_unsupported_arguments_raise(kwargs, match):
     q = torch.randn(1, 2, 2, 8)
     with pytest.raises(ValueError, match=match):
         compat.flash_attn_func(q, q, q, **kwargs)
+
+
+def test_flash_attn_varlen_func_with_block_table():
+    """vLLM's call: paged caches, block_table and seqused_k, cu_seqlens_k None."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 2, 16, generator=g)
+    k_cache, v_cache = torch.randn(6, 4, 1, 16, generator=g), torch.randn(6, 4, 1, 16, generator=g)
+    table = torch.tensor([[5, 2], [0, 3]], dtype=torch.int32)
+    used = torch.tensor([7, 3], dtype=torch.int32)
+    cu_q = torch.tensor([0, 4, 5], dtype=torch.int32)
+    out, lse, _ = compat.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 4, 8,
+                                                causal=True, return_attn_probs=True,
+                                                seqused_k=used, block_table=table)
+    ref_out, ref_lse = reference.attention_varlen(q, k_cache, v_cache, cu_q, None, 4, 8,
+                                                  causal=True, seqused_k=used,
+                                                  block_table=table, return_lse=True)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)

@@ -414,20 +414,32 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     seqused_k=None, causal=False, window=(None, None), softcap=0.0, scale=None,
-                     sink=None, return_lse=False, deterministic=False):
+                     seqused_k=None, block_table=None, causal=False, window=(None, None),
+                     softcap=0.0, scale=None, sink=None, return_lse=False, deterministic=False):
     """:func:`attention` over packed sequences: sequence ``b`` is ``q[cu_q[b]:cu_q[b+1]]``.
 
     Args:
-        q: ``(total_q, Hq, D)``; k: ``(total_k, Hkv, D)``; v: ``(total_k, Hkv, Dv)``.
+        q: ``(total_q, Hq, D)``; k: ``(total_k, Hkv, D)``; v: ``(total_k, Hkv, Dv)``; or, with
+            ``block_table``, paged caches ``(num_pages, page_size, Hkv, D / Dv)``.
         cu_seqlens_q / cu_seqlens_k: ``(B + 1,)`` int32, non-decreasing from 0 (zero-length
-            sequences allowed). max_seqlen_q / max_seqlen_k: ints >= the longest sequence.
+            sequences allowed). With a block table ``cu_seqlens_k`` may be None when
+            ``seqused_k`` gives the lengths. max_seqlen_q / max_seqlen_k: ints >= the longest
+            sequence.
         seqused_k: ``(B,)`` int32, only the first ``seqused_k[b]`` keys of sequence b are used.
+        block_table: ``(B, max_pages)`` int32, vLLM's / flash-attn's paged KV: key j of
+            sequence b is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
+            One call then serves a mixed batch of prefills, chunked prefills (Sq < Sk,
+            bottom-right causal) and decodes. Forward only. (The pages in use are copied
+            into packed rows before the kernel runs, a copy of each sequence's capacity.)
         Other keywords as :func:`attention`.
 
     Returns:
         ``out (total_q, Hq, Dv)``, and ``lse (Hq, total_q)`` if ``return_lse``.
     """
+    if block_table is not None:
+        return _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, seqused_k, block_table, causal, window,
+                                       softcap, scale, sink, return_lse, deterministic)
     left, right, softcap, scale, sink = _validate_common(
         q, k, v, sink, softcap, scale, window, causal, 3,
         ("(total_q, Hq, D)", "(total_k, Hkv, D)", "(total_k, Hkv, Dv)"))
@@ -456,4 +468,71 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                     f"({lens.tolist()}), got {seqused_k.tolist()}")
     out, lse = _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      seqused_k, left, right, softcap, scale, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, seqused_k, block_table, causal, window, softcap, scale,
+                            sink, return_lse, deterministic):
+    """``attention_varlen`` over paged caches: validation, then the pages in use gathered into
+    packed rows (``_paged.gather_pages``) and the packed varlen path."""
+    from ._paged import gather_pages
+
+    V.check_tensor("q", q, 3, "(total_q, Hq, D)")
+    layout = "(num_pages, page_size, Hkv, D)"
+    V.check_tensor("k", k_cache, 4, layout)
+    V.check_tensor("v", v_cache, 4, layout[:-2] + "Dv)")
+    if k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(f"paged k and v must agree in (num_pages, page_size), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    left, right, softcap, scale, sink = _validate_common(
+        # One page (or none) stands for the cache: a view, never a copy of the whole cache.
+        q, k_cache[:1].flatten(0, 1), v_cache[:1].flatten(0, 1), sink, softcap, scale, window,
+        causal, 3,
+        ("(total_q, Hq, D)", layout, layout[:-2] + "Dv)"))
+    V.check_bool("deterministic", deterministic)
+    V.check_bool("return_lse", return_lse)
+    V.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    bsz = cu_seqlens_q.numel() - 1
+    V.check_int_tensor("block_table", block_table, "(B, max_pages)", q.device, 2)
+    if block_table.shape[0] != bsz:
+        raise ValueError(f"block_table must have B = {bsz} rows (cu_seqlens_q has B + 1 "
+                         f"entries), got {block_table.shape[0]}")
+    if seqused_k is not None:
+        V.check_int_tensor("seqused_k", seqused_k, "(B,)", q.device, 1)
+        if seqused_k.shape[0] != bsz:
+            raise ValueError(f"seqused_k must be (B,) = ({bsz},), got {tuple(seqused_k.shape)}")
+        lens = seqused_k
+    elif cu_seqlens_k is not None:
+        V.check_int_tensor("cu_seqlens_k", cu_seqlens_k, "(B + 1,)", q.device, 1)
+        if cu_seqlens_k.shape[0] != bsz + 1:
+            raise ValueError(f"cu_seqlens_k must have B + 1 = {bsz + 1} entries, got "
+                             f"{cu_seqlens_k.shape[0]}")
+        lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    else:
+        raise ValueError("a paged attention_varlen needs the key lengths: seqused_k (B,) int32 "
+                         "(or cu_seqlens_k (B + 1,) int32)")
+    V.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
+        raise TypeError(f"max_seqlen_k must be an int, got {type(max_seqlen_k).__name__}")
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    if V.values_checkable(lens) and bsz:
+        if bool(((lens < 0) | (lens > capacity)).any()):
+            raise ValueError(f"key lengths must lie in [0, {capacity}] (block_table's pages x "
+                             f"page_size), got {lens.tolist()}")
+        page = k_cache.shape[1]
+        cols = torch.arange(block_table.shape[1], device=q.device)[None]
+        in_use = cols < ((lens.long() + page - 1) // page)[:, None]
+        bad = in_use & ((block_table < 0) | (block_table >= k_cache.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(f"block_table entries for the pages in use must lie in "
+                             f"[0, {k_cache.shape[0]}) (the number of pages), found "
+                             f"{block_table[bad][:4].tolist()}")
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
+        raise ValueError("attention_varlen with a block_table is forward only (serving); call it "
+                         "under torch.no_grad(), or pack the keys for gradients")
+    k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, lens)
+    out, lse = _attn(q, k, v, sink, cu_seqlens_q, cu_k, max_seqlen_q, capacity, used, left, right,
+                     softcap, scale, deterministic)
     return (out, lse) if return_lse else out

@@ -13,6 +13,7 @@ import torch
 from .. import masks
 from . import _validate as V
 from ._dispatch import compute_dtype, use_triton
+from ._paged import gather_pages
 from .attention import attn_fwd_torch
 from .merge import merge_math
 
@@ -73,23 +74,18 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     from ..kernels.fwd import attn_fwd as attn_fwd_kernel
 
     b, sq, hq, d = q.shape
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
     if block_table is not None:
-        num_pages, page = k_cache.shape[:2]
-        valid = (block_table >= 0) & (block_table < num_pages)
-        cols = torch.arange(block_table.shape[1], device=q.device, dtype=torch.int32)
-        first_bad = torch.where(valid, block_table.shape[1], cols[None]).amin(1)
-        pages = block_table.clamp(0, max(num_pages - 1, 0)).long()
-        k_cache = k_cache[pages].flatten(1, 2)
-        v_cache = v_cache[pages].flatten(1, 2)
-        used = torch.minimum(lens + s_new, first_bad * page).to(torch.int32)
+        k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, lens + s_new)
+        smax = k.shape[0] // max(b, 1)
     else:
+        smax = k_cache.shape[1]
+        cu_k = torch.arange(b + 1, dtype=torch.int32, device=q.device) * smax
+        k, v = k_cache.reshape(b * smax, *k_cache.shape[2:]), v_cache.reshape(
+            b * smax, *v_cache.shape[2:])
         used = None if lens is None else (lens + s_new if s_new else lens)
-    smax = k_cache.shape[1]
-    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-    cu_k = torch.arange(0, (b + 1) * smax, smax, dtype=torch.int32, device=q.device)
     out, lse = attn_fwd_kernel(
-        q.reshape(b * sq, hq, d), k_cache.reshape(b * smax, *k_cache.shape[2:]),
-        v_cache.reshape(b * smax, *v_cache.shape[2:]), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention_varlen import PAGED, run_paged
 from test_attention_with_kvcache import make, run_both, to_paged
 
 import flashlse as fl
@@ -132,3 +133,12 @@ def test_varlen_bad_offsets_are_clamped(device):
     assert not torch.isnan(out[12:]).any()
     with pytest.raises(ValueError, match="cu_seqlens"), fl.value_checks():
         fl.attention_varlen(q, k, v, cu_q, cu_k, 16, 16, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page", [1, 3, 16], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("qlens,klens,kw", PAGED)
+def test_attention_varlen_paged_on_kernels(device, qlens, klens, kw, page, dtype):
+    """vLLM's mixed step (prefill, chunked prefill, decodes, empty query and cache) through
+    attention_varlen with a block table, on the varlen forward kernel."""
+    run_paged(device, dtype, qlens, klens, page, **kw)
