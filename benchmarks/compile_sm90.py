@@ -91,7 +91,7 @@ def loop_mix(k, top: int = 14) -> list[str]:
 
 def cases():
     flags = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, IS_VARLEN=False,
-                 HAS_SEQUSED_K=False, INTERPRET=False)
+                 HAS_SEQUSED_K=False)
     every = dict(flags, HAS_LEFT=True, HAS_SOFTCAP=True, IS_VARLEN=True, HAS_SEQUSED_K=True)
     fwd_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                      cu_seqlens_k=I32, seqused_k=I32, scale_log2="fp32", softcap_a2="fp32",
@@ -159,11 +159,10 @@ def cases():
         consts = dict(SQ=1, GROUP=4, M_TILES=1, D1=128, D2=0, DV=128, BLOCK_M=16, BLOCK_N=64,
                       BLOCK_D1=128, BLOCK_D2=16, BLOCK_DV=128, PAGE_SIZE=16 if paged else 1,
                       PAGED=paged, SHARED_KV=False, HAS_LEFT=False, HAS_RIGHT=True,
-                      HAS_SOFTCAP=False, HAS_SINK=True, INTERPRET=False, PDL=True)
+                      HAS_SOFTCAP=False, HAS_SINK=True, HAS_SEQLENS=True, PDL=True)
         yield "decode", f"decode GQA paged={paged}", decode._decode_fwd_kernel, dec_types, \
             consts, 4, 3
-    consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, INTERPRET=False,
-                  PDL=True)
+    consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, PDL=True)
     yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
         dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32), consts, 1, 3
 

@@ -287,7 +287,7 @@ def _attn_bwd_dkdv_inner(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    STATS_TMA: tl.constexpr, N_HEADS: tl.constexpr, INTERPRET: tl.constexpr,
+    STATS_TMA: tl.constexpr, N_HEADS: tl.constexpr,
 ):
     """Row blocks ``[m_lo, m_hi)`` (``m_lo`` a multiple of BLOCK_M), masked or all full, of
     the group's heads ``[i_g0, i_g0 + N_HEADS)``: one loop over (head, row block), so the
@@ -295,31 +295,16 @@ def _attn_bwd_dkdv_inner(
     n_tiles = N_HEADS * tl.cdiv(m_hi - m_lo, BLOCK_M)
     i_g = i_g0
     m0 = m_lo
-    if INTERPRET:
-        # Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4
-        # refuses as range() bounds; a while loop compares them instead.
-        it = 0
-        while it < n_tiles:
-            b_dk, b_dv = _attn_bwd_dkdv_tile(
-                b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
-                stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g, m0, o_n, T_q,
-                T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
-                BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
-                STATS_TMA,
-            )
-            i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
-            it += 1
-    else:
-        for _ in tl.range(0, n_tiles):
-            m0 = tl.multiple_of(m0, BLOCK_M)
-            b_dk, b_dv = _attn_bwd_dkdv_tile(
-                b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
-                stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g, m0, o_n, T_q,
-                T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
-                BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
-                STATS_TMA,
-            )
-            i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
+    for _ in tl.range(0, n_tiles):
+        m0 = tl.multiple_of(m0, BLOCK_M)
+        b_dk, b_dv = _attn_bwd_dkdv_tile(
+            b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
+            stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g, m0, o_n, T_q,
+            T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
+            BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
+            STATS_TMA,
+        )
+        i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
     return b_dk, b_dv
 
 
@@ -334,7 +319,7 @@ def _attn_bwd_dkdv_ranges(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    STATS_TMA: tl.constexpr, N_HEADS: tl.constexpr, INTERPRET: tl.constexpr,
+    STATS_TMA: tl.constexpr, N_HEADS: tl.constexpr,
 ):
     """The three row ranges of heads ``[i_g0, i_g0 + N_HEADS)``: masked, full, masked."""
     b_dk, b_dv = _attn_bwd_dkdv_inner(
@@ -342,14 +327,14 @@ def _attn_bwd_dkdv_ranges(
         stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g0, m_lo, m_full_lo, o_n,
         T_q, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
         BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
-        STATS_TMA, N_HEADS, INTERPRET,
+        STATS_TMA, N_HEADS,
     )
     b_dk, b_dv = _attn_bwd_dkdv_inner(
         b_dk, b_dv, b_k, b_v, q_ref, do_ref, p_lse, p_delta,
         stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g0, m_full_lo, m_full_hi,
         o_n, T_q, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV, BLOCK_M,
         BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA, EARLY_DP,
-        STATS_TMA, N_HEADS, INTERPRET,
+        STATS_TMA, N_HEADS,
     )
     if HAS_LEFT:
         b_dk, b_dv = _attn_bwd_dkdv_inner(
@@ -357,7 +342,7 @@ def _attn_bwd_dkdv_ranges(
             stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g0, m_full_hi, m_hi,
             o_n, T_q, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2, D, DV,
             BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
-            EARLY_DP, STATS_TMA, N_HEADS, INTERPRET,
+            EARLY_DP, STATS_TMA, N_HEADS,
         )
     return b_dk, b_dv
 
@@ -385,7 +370,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr, STATS_TMA: tl.constexpr,
-    HEAD_LOOP: tl.constexpr, INTERPRET: tl.constexpr,
+    HEAD_LOOP: tl.constexpr,
 ):
     # Key block 0 is seen by the most rows under a causal mask: the longest work starts first.
     # Grid (key block, kv head, batch): dims 1 and 2 stop at 65535 each.
@@ -459,7 +444,7 @@ def _attn_bwd_dkdv_kernel(
                 stride_qs, stride_dos, stride_qh, stride_doh, stride_th, i_g, m_lo, m_full_lo,
                 m_full_hi, m_hi, o_n, T_q, T_k, shift, left, right, scale_log2, softcap_a2,
                 softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT,
-                HAS_SOFTCAP, USE_TMA, EARLY_DP, STATS_TMA, 1, INTERPRET,
+                HAS_SOFTCAP, USE_TMA, EARLY_DP, STATS_TMA, 1,
             )
     else:
         b_dk, b_dv = _attn_bwd_dkdv_ranges(
@@ -467,7 +452,7 @@ def _attn_bwd_dkdv_kernel(
             stride_qs, stride_dos, stride_qh, stride_doh, stride_th, 0, m_lo, m_full_lo,
             m_full_hi, m_hi, o_n, T_q, T_k, shift, left, right, scale_log2, softcap_a2,
             softcap_c2, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            USE_TMA, EARLY_DP, STATS_TMA, GROUP, INTERPRET,
+            USE_TMA, EARLY_DP, STATS_TMA, GROUP,
         )
 
     p_dk = dk + i_b.to(tl.int64) * stride_dkb + bos_k * stride_dks + i_hk.to(tl.int64) * stride_dkh
@@ -534,28 +519,16 @@ def _attn_bwd_dq_inner(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    INTERPRET: tl.constexpr,
 ):
     """Key tiles ``[n_lo, n_hi)`` (``n_lo`` a multiple of BLOCK_N), masked or all full."""
-    if INTERPRET:
-        n0 = n_lo
-        while n0 < n_hi:
-            b_dq = _attn_bwd_dq_tile(
-                b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
-                n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                USE_TMA, EARLY_DP,
-            )
-            n0 += BLOCK_N
-    else:
-        for n0 in tl.range(n_lo, n_hi, BLOCK_N):
-            n0 = tl.multiple_of(n0, BLOCK_N)
-            b_dq = _attn_bwd_dq_tile(
-                b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
-                n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                USE_TMA, EARLY_DP,
-            )
+    for n0 in tl.range(n_lo, n_hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        b_dq = _attn_bwd_dq_tile(
+            b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
+            n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            USE_TMA, EARLY_DP,
+        )
     return b_dq
 
 
@@ -580,7 +553,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
 ):
     # Last row block first: under a causal mask it sees the most keys.
     # Grid (row block, query head, batch): dims 1 and 2 stop at 65535 each.
@@ -635,19 +608,19 @@ def _attn_bwd_dq_kernel(
             b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
             n_lo, n_full_lo, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
             D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
-            EARLY_DP, INTERPRET,
+            EARLY_DP,
         )
     b_dq = _attn_bwd_dq_inner(
         b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
         n_full_lo, n_full_hi, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
-        EARLY_DP, INTERPRET,
+        EARLY_DP,
     )
     b_dq = _attn_bwd_dq_inner(
         b_dq, b_q, b_do, b_lse, b_delta, k_ref, v_ref, stride_ks, stride_vs,
         n_full_hi, n_hi, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
-        EARLY_DP, INTERPRET,
+        EARLY_DP,
     )
     p_dq = dq + i_b.to(tl.int64) * stride_dqb + bos * stride_dqs + i_h.to(tl.int64) * stride_dqh
     _store_rows(p_dq, b_dq * scale, o_m, stride_dqs, T_q, BLOCK_D, D)
@@ -930,7 +903,6 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         HAS_SEQUSED_K=seqused_k is not None,
         USE_TMA=use_tma,
         EARLY_DP=bool(override.get("EARLY_DP", max(block_d, block_dv) <= 128)),
-        INTERPRET=interpret,
     )
     tune = AUTOTUNE and not interpret and "dkdv" not in override and "dq" not in override
     # A Hopper compile failure is remembered per signature (the kernels' constexpr flags).

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from ._common import cdiv, interpreting, next_pow2
+from ._common import cdiv, next_pow2
 
 # constexpr globals: jit functions may read only those.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -57,7 +57,7 @@ def _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S: tl.constexp
     """``max(b_m, max_s L_s)`` over states ``[i_s, i_s + BLOCK_S)``."""
     for j in tl.static_range(BLOCK_S):
         # [BLOCK_R]
-        b_l = tl.load(lses + (i_s + j).to(tl.int64) * stride_ls + o_l, mask=m_r & (i_s + j < N), other=float("-inf"))
+        b_l = tl.load(lses + tl.cast(i_s + j, tl.int64) * stride_ls + o_l, mask=m_r & (i_s + j < N), other=float("-inf"))
         b_m = tl.maximum(b_m, b_l)
     return b_m
 
@@ -71,7 +71,7 @@ def _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b
     flight at once) and the sum over states stays inside each thread's registers.
     """
     for j in tl.static_range(BLOCK_S):
-        o_s = (i_s + j).to(tl.int64)
+        o_s = tl.cast(i_s + j, tl.int64)
         b_l = tl.load(lses + o_s * stride_ls + o_l, mask=m_r & (i_s + j < N), other=float("-inf"))
         # [BLOCK_R]
         b_w = tl.exp2(b_l * LOG2E - b_pivot_log2)
@@ -104,7 +104,6 @@ def _merge_states_fwd_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -129,16 +128,8 @@ def _merge_states_fwd_kernel(
     # Pass 1: the raw maximum over the states (and the sink). Reading lse twice costs
     # 1/D of the outs traffic and keeps no per-state array in registers.
     b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    if INTERPRET:
-        # Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4
-        # refuses as range() bounds; a while loop compares them instead.
-        i_s = 0
-        while i_s < N:
-            b_m = _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S)
-            i_s += BLOCK_S
-    else:
-        for i_s in range(0, N, BLOCK_S):
-            b_m = _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S)
+    for i_s in tl.range(0, N, BLOCK_S):
+        b_m = _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S)
     if HAS_SINK:
         b_sink = tl.load(sink + o_r0 * stride_k0 + o_r1 * stride_k1 + o_r2 * stride_k2, mask=m_r, other=float("-inf"))
         b_m = tl.maximum(b_m, b_sink)
@@ -149,14 +140,8 @@ def _merge_states_fwd_kernel(
     b_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
     # [BLOCK_R, BLOCK_D]
     b_acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    if INTERPRET:
-        i_s = 0
-        while i_s < N:
-            b_acc, b_sum = _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot_log2, stride_ls, stride_os, stride_od, BLOCK_S)
-            i_s += BLOCK_S
-    else:
-        for i_s in range(0, N, BLOCK_S):
-            b_acc, b_sum = _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot_log2, stride_ls, stride_os, stride_od, BLOCK_S)
+    for i_s in tl.range(0, N, BLOCK_S):
+        b_acc, b_sum = _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot_log2, stride_ls, stride_os, stride_od, BLOCK_S)
     if HAS_SINK:
         b_sum += tl.exp2(b_sink * LOG2E - b_pivot_log2)
     b_inv_sum = tl.where(b_sum == 0, 0.0, 1.0 / b_sum)
@@ -328,7 +313,6 @@ def merge_launch(outs, lses, sink, out, lse_out, *, r, r1, r2, st_o, st_l, st_k,
         BLOCK_S=block_s,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
-        INTERPRET=interpreting(),
         PDL=pdl,
         num_warps=num_warps,
         **extra,

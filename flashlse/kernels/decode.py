@@ -193,7 +193,6 @@ def _decode_fwd_kernel(
     HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr,
-    INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -246,28 +245,14 @@ def _decode_fwd_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     # [BLOCK_M, BLOCK_DV]
     b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    if INTERPRET:
-        # Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4
-        # refuses as range() bounds; a while loop compares them instead.
-        n0 = n_start
-        while n0 < n_end:
-            b_acc, b_m, b_l = _decode_fwd_tile(
-                b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag, num_pages,
-                stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
-                left, right, scale_log2, softcap_a2, softcap_c2,
-                D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
-                PAGE_SIZE, PAGED, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            )
-            n0 += BLOCK_N
-    else:
-        for n0 in range(n_start, n_end, BLOCK_N):
-            b_acc, b_m, b_l = _decode_fwd_tile(
-                b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag, num_pages,
-                stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
-                left, right, scale_log2, softcap_a2, softcap_c2,
-                D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
-                PAGE_SIZE, PAGED, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            )
+    for n0 in range(n_start, n_end, BLOCK_N):
+        b_acc, b_m, b_l = _decode_fwd_tile(
+            b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag, num_pages,
+            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
+            left, right, scale_log2, softcap_a2, softcap_c2,
+            D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
+            PAGE_SIZE, PAGED, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        )
 
     b_l_keys = b_l
     if HAS_SINK:
@@ -470,7 +455,6 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         HAS_RIGHT=right is not None,
         HAS_SOFTCAP=softcap > 0,
         HAS_SINK=sink is not None and splits == 1,
-        INTERPRET=interpret,
         PDL=pdl,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages_paged"] if paged else cfg["num_stages"],

@@ -162,32 +162,18 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Key tiles ``[n_lo, n_hi)`` (``n_lo`` a multiple of BLOCK_N), masked or all full."""
-    if INTERPRET:
-        # Triton 3.6's interpreter keeps scalars as 1-element arrays, which numpy >= 2.4
-        # refuses as range() bounds; a while loop compares them instead.
-        n0 = n_lo
-        while n0 < n_hi:
-            b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
-            b_acc, b_m, b_l = _attn_fwd_softmax_pv(
-                b_acc, b_m, b_l, b_s, v_ref, stride_vs,
-                n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
-                DV, BLOCK_N, BLOCK_DV,
-                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-            )
-            n0 += BLOCK_N
-    else:
-        for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            n0 = tl.multiple_of(n0, BLOCK_N)
-            b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
-            b_acc, b_m, b_l = _attn_fwd_softmax_pv(
-                b_acc, b_m, b_l, b_s, v_ref, stride_vs,
-                n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
-                DV, BLOCK_N, BLOCK_DV,
-                MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-            )
+    for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+        b_acc, b_m, b_l = _attn_fwd_softmax_pv(
+            b_acc, b_m, b_l, b_s, v_ref, stride_vs,
+            n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+            DV, BLOCK_N, BLOCK_DV,
+            MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+        )
     return b_acc, b_m, b_l
 
 
@@ -256,7 +242,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, NEG_SCALE: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # Row blocks are handed out head group by head group (GROUP_HEADS (batch, head) pairs at a
     # time, so their K/V stay in L2), and inside a group last block first: under a causal
@@ -325,7 +311,7 @@ def _attn_fwd_kernel(
             scale_log2, softcap_a2, softcap_c2,
             D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
             True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-            WARP_SPECIALIZE, INTERPRET,
+            WARP_SPECIALIZE,
         )
     b_acc, b_m, b_l = _attn_fwd_inner(
         b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs,
@@ -333,7 +319,7 @@ def _attn_fwd_kernel(
         scale_log2, softcap_a2, softcap_c2,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
         False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-        WARP_SPECIALIZE, INTERPRET,
+        WARP_SPECIALIZE,
     )
     b_acc, b_m, b_l = _attn_fwd_inner(
         b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs,
@@ -341,7 +327,7 @@ def _attn_fwd_kernel(
         scale_log2, softcap_a2, softcap_c2,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
         True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-        WARP_SPECIALIZE, INTERPRET,
+        WARP_SPECIALIZE,
     )
     _attn_fwd_store(b_acc, b_m, b_l, o_m, m0, T_q, p_o, stride_os, p_lse, sink, i_h,
                     DV, BLOCK_M, BLOCK_DV, HAS_SINK, USE_TMA)
@@ -531,7 +517,6 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
             HAS_SEQUSED_K=seqused_k is not None,
             USE_TMA=use_tma,
             WARP_SPECIALIZE=ws,
-            INTERPRET=interpreting(),
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"],
             num_warps=num_warps,
