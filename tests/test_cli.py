@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from flashlse import cli
+from flashlse import audit, cli
+from flashlse.audit import report as audit_report
 
 # The pure-PyTorch rows run in this process; the native kernels' child processes are
 # tested once below (each child pays for importing torch).
@@ -38,7 +39,7 @@ def test_audit_exit_code_and_shape(report):
     assert report["violations"] == []
     names = [b["name"] for b in report["backends"]]
     assert names == list(ROWS)
-    assert len(report["cells"]) == len(names) * len(cli.CASES)
+    assert len(report["cells"]) == len(names) * len(audit.CASES)
 
 
 @pytest.mark.parametrize("backend", ["flashlse", "flashlse kvcache"])
@@ -47,7 +48,7 @@ def test_flashlse_cells_meet_the_contract(report, backend):
         if cell["status"] == "skip":
             continue
         assert cell["status"] == "ok", cell
-        assert (cell["out"], cell["lse"]) == cli.expected(case_id), cell
+        assert (cell["out"], cell["lse"]) == audit.expected(case_id), cell
         # merge +inf: the input state is converted from fa2 first, as for every merge.
         want_conv = "fa2" if case_id == "merge_inf" else None
         assert cell["merge"] is True and cell["conv"] == want_conv, cell
@@ -55,7 +56,7 @@ def test_flashlse_cells_meet_the_contract(report, backend):
 
 def test_flashlse_covers_every_case(report):
     assert {c for c, cell in _cells(report, "flashlse").items()
-            if cell["status"] == "ok"} == {c[0] for c in cli.CASES}
+            if cell["status"] == "ok"} == {c[0] for c in audit.CASES}
 
 
 def test_sigmoid_merge_of_two_empty_states_is_nan(report):
@@ -81,32 +82,32 @@ def test_nan_never_passes_and_verdict_matches_the_mark(report):
 
 
 def test_table_renders(report):
-    text = cli.format_table(report)
+    text = audit.format_table(report)
     assert "flashlse" in text and "0/-inf ✓" in text and "NaN/NaN" in text
     assert "cell = out/lse" in text
 
 
 def test_judge_rejects_foreign_empty_rows_without_conversion():
-    c = cli.make_case("causal", "cpu")
+    c = audit.make_case("causal", "cpu")
     out, lse = c["ref"][0].transpose(1, 2).float(), c["ref"][1].float()
     for bad, kind in ((0.0, "0"), (math.inf, "+inf")):
-        cell = cli.judge("x", c, out, lse.masked_fill(c["empty"], bad), None)
+        cell = audit.judge("x", c, out, lse.masked_fill(c["empty"], bad), None)
         assert cell["lse"] == kind and cell["merge"] is False
-        fixed = cli.judge("x", c, out, lse.masked_fill(c["empty"], bad),
+        fixed = audit.judge("x", c, out, lse.masked_fill(c["empty"], bad),
                           "sdpa_efficient" if bad == 0 else "fa2")
         assert fixed["merge"] is True and fixed["conv"] in ("eff", "fa2")
     nan_out = out.masked_fill(c["empty"].transpose(1, 2).unsqueeze(-1), math.nan)
-    assert cli.judge("x", c, nan_out, lse, None)["out"] == "NaN"
+    assert audit.judge("x", c, nan_out, lse, None)["out"] == "NaN"
 
 
 def test_broken_flashlse_is_a_violation(monkeypatch):
     def broken(c):
         if c["id"] != "merge_empty":
-            raise cli.NotApplicable("skipped in this test")
-        return (*cli.merge_sigmoid(*c["a"], *c["b"]), None)
+            raise audit.NotApplicable("skipped in this test")
+        return (*audit.merge_sigmoid(*c["a"], *c["b"]), None)
 
-    monkeypatch.setitem(cli.RUNNERS, "flashlse", broken)
-    rep = cli.audit("cpu", backends=["flashlse"])
+    monkeypatch.setitem(audit.RUNNERS, "flashlse", broken)
+    rep = audit.audit("cpu", backends=["flashlse"])
     assert [v.split(":")[0] for v in rep["violations"]] == ["flashlse / merge_empty"]
 
 
@@ -120,15 +121,15 @@ def test_demo_and_bench_run(capsys):
 def test_worker_reports_cells(capsys):
     assert cli.main(["_worker", "merge naive", "cpu", "merge_empty"]) == 0
     line = capsys.readouterr().out.strip()
-    cell = json.loads(line[len(cli.WORKER_MARK):])
+    cell = json.loads(line[len(audit.WORKER_MARK):])
     assert cell["out"] == "NaN" and cell["lse"] == "-inf"
-    assert torch.isnan(cli.merge_naive(torch.zeros(1, 2), torch.tensor([-math.inf]),
+    assert torch.isnan(audit.merge_naive(torch.zeros(1, 2), torch.tensor([-math.inf]),
                                        torch.zeros(1, 2), torch.tensor([-math.inf]))[0]).all()
 
 
 def test_a_crashing_peer_costs_one_cell():
     # torch's CPU flash kernel dies with SIGFPE on Sk = 0 (torch 2.13): the cell says so.
-    cells = cli._run_isolated("sdpa flash-cpu", "cpu", ["causal", "sk0"], timeout=50)
+    cells = audit_report._run_isolated("sdpa flash-cpu", "cpu", ["causal", "sk0"], timeout=50)
     assert cells["causal"]["text"] == "0/0 ✓(eff)"
     assert cells["sk0"]["status"] in ("crash", "ok", "error")
 
