@@ -31,7 +31,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import median_ms  # noqa: E402
+from _common import graph_replay, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 from flashlse.kernels import combine, decode  # noqa: E402
@@ -67,15 +67,7 @@ def graph_ms(fn):
     """Median milliseconds of ``fn`` replayed from a CUDA graph (no host launch cost)."""
     if SMOKE:
         return None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay)
+    return bench(graph_replay(fn))
 
 
 def host_us(fn, n=50):
