@@ -13,7 +13,7 @@ import torch
 
 from ..lse import safe_pivot
 from . import _validate as V
-from ._dispatch import compute_dtype
+from ._dispatch import compute_dtype, use_triton
 from .attention import TILE_ELEMS
 from .merge import merge_math
 
@@ -113,10 +113,59 @@ def sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
             dv_.view(b, sk, hkv, dv).to(v.dtype), dsink)
 
 
+def sparse_fwd_kernel(q, k, v, indices, *, scale, sink):
+    """The forward on the split-KV decode kernel (``kernels/decode.py``), no new kernel: each
+    (batch, query row, kv head) is one "sequence" whose key list is a block table of pages of
+    one (token, kv head) row, and its query heads are the decode kernel's head group, so each
+    gathered K/V row is read once for the whole group (MLA: 128 heads on one latent row, and
+    ``v = k[..., :Dv]`` read once). An index outside ``[0, Sk)`` or -1 is a page outside the
+    cache: no key. The sink is merged once afterwards.
+
+    Returns:
+        ``out (B, Sq, Hq, Dv)`` in q's dtype and ``lse (B, Hq, Sq)`` float32.
+    """
+    from ..kernels.decode import decode_fwd
+    from .merge import merge_states_unchecked
+
+    b, sq, hq, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g, topk = hq // hkv, indices.shape[-1]
+    rows = b * sq * hkv
+    # Page p = (b * Sk + j) * Hkv + h: key row j of kv head h in batch b.
+    pages_k = k.reshape(b * sk * hkv, 1, 1, d)
+    pages_v = v.reshape(b * sk * hkv, 1, 1, dv)
+    base = (torch.arange(b, device=q.device).view(b, 1, 1, 1) * sk * hkv
+            + torch.arange(hkv, device=q.device).view(1, 1, hkv, 1))
+    idx = indices.long()
+    table = torch.where((idx >= 0) & (idx < sk), base + idx * hkv, -1).to(torch.int32)
+    lens = torch.full((rows,), topk, dtype=torch.int32, device=q.device)
+    out, lse = decode_fwd(q.reshape(rows, 1, g, d), pages_k, pages_v, cache_seqlens=lens,
+                          block_table=table.view(rows, topk), left=None, right=None,
+                          softcap=0.0, scale=scale, sink=None, num_splits=0)
+    out = out.view(b, sq, hq, dv)
+    lse = lse.view(b, sq, hq)
+    if sink is not None:
+        out, lse = merge_states_unchecked(out[None], lse[None], sink=sink)
+    return out, lse.transpose(1, 2).contiguous()
+
+
+def _kernel_ok(q, k, v, indices) -> bool:
+    """The decode kernel takes the call: Triton device, head dims within its limit, page ids
+    within int32, and K/V rows that flatten into pages without a copy."""
+    b, sk, hkv = k.shape[:3]
+    return (use_triton(q) and max(q.shape[-1], v.shape[-1]) <= V.MAX_HEAD_DIM_DECODE
+            and 0 < b * sk * hkv < 2**31 and indices.shape[-1] > 0 and q.numel() > 0
+            and k.stride(1) == hkv * k.stride(2) and v.stride(1) == hkv * v.stride(2)
+            and k.stride(0) == sk * k.stride(1) and v.stride(0) == sk * v.stride(1))
+
+
 class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, sink, scale):
-        out, lse = sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
+        if _kernel_ok(q, k, v, indices):
+            out, lse = sparse_fwd_kernel(q, k, v, indices, scale=scale, sink=sink)
+        else:
+            out, lse = sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
         ctx.save_for_backward(q, k, v, indices, out, lse, sink)
         ctx.scale = scale
         ctx.mark_non_differentiable(indices)

@@ -1,0 +1,81 @@
+"""Sparse top-k attention through the public ``flashlse.sparse_attention`` (issue 17's shapes).
+
+FLOPs = 2 * Sq * Hq * topk * (D + Dv) (forward; backward 2.5x). Shapes, bf16:
+
+* MLA (DeepSeek sparse attention): S=4096 queries, Hq=128 on one latent head of 576, v its
+  first 512 columns, topk=2048 -- the issue's bar is >= 350 TFLOP/s forward;
+* GQA: B=1, S=8192, Hq/Hkv=32/4, D=128, topk=2048 -- forward against the dense kernel on the
+  same FLOPs (Sq=8192 against Sk=2048 keys, non-causal; bar >= 0.6x), backward (bar >= 200).
+
+    python benchmarks/bench_sparse.py [--smoke] [--backward]
+
+``--backward`` also times the backward (the PyTorch path: seconds at the GQA shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import median_ms  # noqa: E402
+
+import flashlse as fl  # noqa: E402
+
+
+def indices(b, sq, hkv, topk, sk, device):
+    """Distinct random key positions per (row, kv head), as a top-k selection gives."""
+    scores = torch.rand(b, sq, hkv, sk, device=device)
+    return scores.topk(topk, dim=-1).indices.to(torch.int32)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--backward", action="store_true")
+    args = ap.parse_args()
+    smoke = args.smoke
+    dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    name = "cpu (smoke)" if smoke else torch.cuda.get_device_name()
+    print(f"sparse attention, public calls: {name}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}")
+    torch.manual_seed(0)
+    # MLA: v a view of the latent cache.
+    s, hq, dl, dv, topk = (64, 16, 64, 32, 16) if smoke else (4096, 128, 576, 512, 2048)
+    q = torch.randn(1, s, hq, dl, device=dev, dtype=dt)
+    kv = torch.randn(1, s, 1, dl, device=dev, dtype=dt)
+    idx = indices(1, s, 1, topk, s, dev)
+    flops = 2 * s * hq * topk * (dl + dv)
+    ms = median_ms(lambda: fl.sparse_attention(q, kv, kv[..., :dv], idx), smoke)
+    print(f"MLA S={s} Hq={hq} {dl}/{dv} topk={topk}: {ms:.3f} ms, "
+          f"{flops / ms / 1e9:.1f} TFLOP/s (bar >= 350)")
+    # GQA against the dense kernel on the same FLOPs.
+    b, s, hq, hkv, d, topk = (1, 64, 4, 2, 32, 16) if smoke else (1, 8192, 32, 4, 128, 2048)
+    q = torch.randn(b, s, hq, d, device=dev, dtype=dt)
+    k = torch.randn(b, s, hkv, d, device=dev, dtype=dt)
+    v = torch.randn(b, s, hkv, d, device=dev, dtype=dt)
+    idx = indices(b, s, hkv, topk, s, dev)
+    flops = 2 * b * s * hq * topk * 2 * d
+    ms = median_ms(lambda: fl.sparse_attention(q, k, v, idx), smoke)
+    kd, vd = k[:, :topk].contiguous(), v[:, :topk].contiguous()
+    ms_dense = median_ms(lambda: fl.attention(q, kd, vd), smoke)
+    print(f"GQA B={b} S={s} Hq/Hkv={hq}/{hkv} D={d} topk={topk}: forward {ms:.3f} ms, "
+          f"{flops / ms / 1e9:.1f} TFLOP/s; dense kernel on the same FLOPs {ms_dense:.3f} ms, "
+          f"{flops / ms_dense / 1e9:.1f} TFLOP/s; ratio {ms_dense / ms:.2f} (bar >= 0.6)")
+    if not args.backward:
+        return
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fl.sparse_attention(*leaves, idx)
+    dout = torch.randn_like(out)
+    ms_b = median_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), smoke)
+    print(f"GQA backward: {ms_b:.3f} ms, {2.5 * flops / ms_b / 1e9:.1f} TFLOP/s (bar >= 200; "
+          f"the backward is the PyTorch path)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""sparse_attention's forward on the kernels (ops/sparse.sparse_fwd_kernel: the split-KV decode
+kernel with one page per listed (token, kv head) row), forward and backward against the
+float64 reference with tests/test_sparse_attention.py's cases: unlisted K/V rows are NaN (never
+read), all -1 rows empty, repeated indices counted each time, a sink merged once. Under
+``TRITON_INTERPRET=1`` float32/float16 on the CPU; on a GPU float16/bfloat16, plus an MLA row
+(``v = k[..., :512]``, 64 heads on one latent head)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _flashlse_testing import check_against_reference
+from test_sparse_attention import CASES, check_empty_rows, make, make_indices
+
+import flashlse as fl
+from flashlse import reference as R
+
+sparse_mod = __import__("flashlse.ops.sparse", fromlist=["sparse"])
+DTYPES = [torch.float16, torch.bfloat16] if torch.cuda.is_available() else [torch.float32,
+                                                                               torch.float16]
+
+
+def _to(t, device):
+    return {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in t.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,dv,topk,kw", CASES)
+def test_sparse_attention_on_kernels(device, b, sq, sk, hq, hkv, d, dv, topk, kw, dtype,
+                                     monkeypatch):
+    calls = []
+    real = sparse_mod.sparse_fwd_kernel
+    monkeypatch.setattr(sparse_mod, "sparse_fwd_kernel",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    diff, const = make(b, sq, sk, hq, hkv, d, dv, topk, kw, dtype)
+    diff, const = _to(diff, device), _to(const, device)
+    out, lse, grads = check_against_reference(fl.sparse_attention, R.sparse_attention, diff,
+                                              const)
+    check_empty_rows(out.cpu(), lse.cpu(), {n: g.cpu() for n, g in grads.items()},
+                     _to(diff, "cpu"), _to(const, "cpu"))
+    # The forward ran on the kernel wherever it takes the call (not for topk 0 or Sk 0).
+    assert calls or topk == 0 or sq == 0 or sk == 0
+
+
+def test_out_of_range_indices_are_no_key(device):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 3, 2, 16, generator=g).to(device),
+               torch.randn(1, 5, 1, 16, generator=g).to(device),
+               torch.randn(1, 5, 1, 16, generator=g).to(device))
+    idx = torch.tensor([[[[0, 4, 9]], [[7, -3, 2]], [[1, 1, 1]]]], dtype=torch.int32,
+                       device=device)
+    with fl.value_checks(False):
+        out, lse = fl.sparse_attention(q, k, v, idx, return_lse=True)
+    clean = torch.where((idx >= 0) & (idx < 5), idx, -1)
+    want_out, want_lse = R.sparse_attention(q.double(), k.double(), v.double(), clean,
+                                            return_lse=True)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_sparse_mla_view_on_kernels():
+    """DeepSeek's sparse MLA: one latent head of 576, v its first 512 columns, 64 heads."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 64, 576, generator=g).cuda().bfloat16()
+    kv = torch.randn(1, 300, 1, 576, generator=g).cuda().bfloat16()
+    idx = make_indices(1, 8, 1, 96, 300).cuda()
+    out, lse = fl.sparse_attention(q, kv, kv[..., :512], idx, return_lse=True)
+    want_out, want_lse = R.sparse_attention(q.double(), kv.double(), kv[..., :512].double(),
+                                            idx, return_lse=True)
+    torch.testing.assert_close(out.double(), want_out, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=3e-2, rtol=3e-2)
