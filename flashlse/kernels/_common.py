@@ -4,15 +4,12 @@ descriptor scratch allocator and the masked row-tile load."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .._env import interpreting  # noqa: F401 - re-exported to the kernel modules
 
 
 def cdiv(a: int, b: int) -> int:

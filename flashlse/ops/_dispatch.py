@@ -3,13 +3,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from .._env import interpreting
 
 
 def use_triton(t: torch.Tensor) -> bool:
