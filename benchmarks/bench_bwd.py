@@ -38,6 +38,7 @@ import torch
 import triton
 from _common import attn_flops, bf16_inputs, causal_block_mask, flex_attention_compiled, median_ms
 
+import flashlse
 import flashlse as fl
 from flashlse import reference
 from flashlse.kernels import bwd
@@ -63,7 +64,7 @@ KERNEL_ONLY = False
 
 
 def _ours(q, k, v, causal):
-    """The backward call to time (under the CONFIG_OVERRIDE in force when it runs): the
+    """The backward call to time (under the kernel options in force when it runs): the
     backward of the public ``fl.attention`` through autograd, as the peers are timed
     (``torch.autograd.grad(..., retain_graph=True)``), or the launcher with --kernel-only."""
     kw = dict(left=None, right=0 if causal else None, softcap=0.0,
@@ -86,12 +87,8 @@ SM90_PARTS: tuple = ()  # --sm90: a second column with exactly these Gluon kerne
 def _with_sm90(fn, parts):
     """``fn`` run with exactly the Hopper Gluon kernels in ``parts`` on (dkdv, dq)."""
     def run():
-        old = bwd.USE_SM90_DKDV, bwd.USE_SM90_DQ
-        bwd.USE_SM90_DKDV, bwd.USE_SM90_DQ = "dkdv" in parts, "dq" in parts
-        try:
+        with fl.kernel_options(sm90_dkdv="dkdv" in parts, sm90_dq="dq" in parts):
             return fn()
-        finally:
-            bwd.USE_SM90_DKDV, bwd.USE_SM90_DQ = old
     return run
 
 
@@ -298,7 +295,7 @@ def _append_results(meta, rows):
         f.write(text)
 
 
-# Per head dim, each entry overrides bwd.CONFIG_OVERRIDE for one timed run (the rest at the
+# Per head dim, each entry is KernelOptions.bwd_config for one timed run (the rest at the
 # table defaults; the first entry is the defaults themselves).
 SWEEP = {
     64: [{}, {"EARLY_DP": False}, {"dkdv": (128, 128, 8, 2)}, {"dq": (128, 64, 8, 3)},
@@ -319,11 +316,10 @@ def sweep(dims, seq=8192):
         for causal in (False, True):
             fl = _flops(b, h, seq, seq, d, causal)
             for cfg in SWEEP[d]:
-                bwd.CONFIG_OVERRIDE = cfg
-                ms = _safe(f"{cfg}", functools.partial(_ours, q, k, v, causal))
+                with flashlse.kernel_options(bwd_config=cfg):
+                    ms = _safe(f"{cfg}", functools.partial(_ours, q, k, v, causal))
                 _log(f"sweep D={d} S={seq} causal={causal:d} {cfg}: "
                      f"{fl / ms * 1e-9:6.1f} TFLOP/s")
-            bwd.CONFIG_OVERRIDE = None
             _kernel_times(_ours(q, k, v, causal), f"D={d} S={seq} causal={causal:d}")
 
 
@@ -390,9 +386,9 @@ def main():
     KERNEL_ONLY = a.kernel_only
     SM90_PARTS = tuple(x for x in a.sm90.split(",") if x)
     dims = [128] if a.quick else [int(x) for x in a.dims.split(",")]
-    bwd.AUTOTUNE = a.autotune
     try:
-        _run(a, dims)
+        with flashlse.kernel_options(autotune_bwd=a.autotune):
+            _run(a, dims)
     finally:
         # The log reaches $OUT even when a correctness check stops the run.
         with open(os.path.join(a.out, "bench_bwd.log"), "w") as f:

@@ -158,7 +158,6 @@ def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3"):
     inputs = {seq: bf16_inputs(16384 // seq, seq, seq, h, d) for seq in seqs}
     for causal in (False, True):
         for cfg in variants or SWEEP3:
-            fwd.CONFIG_OVERRIDE = cfg
             name = ",".join(f"{key}={val}" for key, val in cfg.items())
             n_failed = len(fwd._WS_FAILED)
             tfs = []
@@ -166,7 +165,8 @@ def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3"):
                 for _ in range(repeats):
                     for seq in seqs:
                         q, k, v = inputs[seq]
-                        ms = median_ms(_ours(q, k, v, causal))
+                        with fl.kernel_options(fwd_config=cfg):
+                            ms = median_ms(_ours(q, k, v, causal))
                         tfs.append(attn_flops(16384 // seq, h, seq, seq, d, causal) / ms * 1e-9)
             except Exception as e:  # noqa: BLE001 - a config may not compile; record why
                 name += f" FAILED {type(e).__name__}: {str(e)[:120]}"
@@ -180,7 +180,6 @@ def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3"):
             key = f"{d},{int(causal)}"
             if mean == mean and mean > best.get(key, (0.0, None))[0]:
                 best[key] = (mean, cfg)
-    fwd.CONFIG_OVERRIDE = None
     with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
         json.dump(dict(rows=rows, best=best), f, indent=1)
 
@@ -196,10 +195,10 @@ def sweep(out_dir, seq=8192, ws=False, table=None, tag="sweep"):
         variants = table[d] if not ws else [dict(SWEEP[128][0], WARP_SPECIALIZE=True)]
         for causal in (False, True):
             for cfg in variants:
-                fwd.CONFIG_OVERRIDE = cfg
                 name = ",".join(f"{key}={val}" for key, val in cfg.items())
                 try:
-                    ms = median_ms(_ours(q, k, v, causal))
+                    with fl.kernel_options(fwd_config=cfg):
+                        ms = median_ms(_ours(q, k, v, causal))
                     tf = attn_flops(b, h, seq, seq, d, causal) / ms * 1e-9
                 except Exception as e:  # noqa: BLE001 - a config may not fit; record why
                     ms, tf = float("nan"), float("nan")
@@ -209,7 +208,6 @@ def sweep(out_dir, seq=8192, ws=False, table=None, tag="sweep"):
                 key = f"{d},{int(causal)}"
                 if tf == tf and tf > best.get(key, (0.0, None))[0]:
                     best[key] = (tf, cfg)
-        fwd.CONFIG_OVERRIDE = None
     with open(os.path.join(out_dir, f"{tag}_ws.json" if ws else f"{tag}.json"), "w") as f:
         json.dump(dict(rows=rows, best=best), f, indent=1)
     return rows

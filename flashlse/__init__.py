@@ -6,6 +6,7 @@ attention states ``(out, lse)`` merge as a monoid with identity ``(0, -inf)``.
 
 from . import compat, distributed, lse, masks, reference
 from .integrations import sdpa as _sdpa
+from .kernels.options import KernelOptions, kernel_options
 from .ops import (
     attention,
     attention_varlen,
@@ -23,11 +24,13 @@ __version__ = "0.1.0"
 _sdpa.register()
 
 __all__ = [
+    "KernelOptions",
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
     "compat",
     "distributed",
+    "kernel_options",
     "lse",
     "masks",
     "merge",

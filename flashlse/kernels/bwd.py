@@ -75,6 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import options
 from ._common import (
     alloc_scratch,
     cdiv,
@@ -94,10 +95,9 @@ except ImportError:  # pragma: no cover - older or newer triton
 
 LOG2E = math.log2(math.e)
 
-# The Hopper Gluon dK/dV and dQ kernels (bwd_sm90.py) inside their domain (sm_90, fp16/bf16,
-# D = Dv = 128, for dQ also 256; no softcap, aligned rows); False runs this module's kernels.
-USE_SM90_DKDV = True
-USE_SM90_DQ = True
+# The Hopper Gluon dK/dV and dQ kernels (bwd_sm90.py) run inside their domain (sm_90,
+# fp16/bf16, D = Dv = 128, for dQ also 256; no softcap, aligned rows) unless
+# KernelOptions.sm90_dkdv / sm90_dq turn them off.
 # (part, signature) pairs whose Hopper compile failed here: they take this module's kernels.
 _SM90_FAILED: set = set()
 
@@ -649,23 +649,17 @@ _DQ_CONFIGS = {
     256: (128, 32, 8, 2),
 }
 
-# Candidates for triton.autotune when AUTOTUNE is on (bench_bwd.py --autotune prints the pick).
+# Candidates for triton.autotune under KernelOptions.autotune_bwd (bench_bwd.py --autotune
+# prints the pick; the first call of each key then compiles and times every candidate).
 _DKDV_TUNE = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 8, 3), (32, 128, 8, 3)]
 _DQ_TUNE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 8, 2)]
 
-# Set by benchmarks and tests: keys "dkdv" / "dq" (4-tuples as above), "USE_TMA" (False
-# forces pointer loads) and "EARLY_DP" (bool; by default on for head dims <= 128, where
-# the earlier product's registers fit: H200, D = 128, S = 8k, +2% / +3% non-causal /
-# causal), "STATS_TMA" (False: lse and delta by pointer loads) and "HEAD_LOOP" (bool; by
-# default on for head dims > 128: a head loop around the dK/dV row ranges instead of one
-# loop per range over the whole group). None uses the tables above.
-CONFIG_OVERRIDE: dict | None = None
-# Autotune the dK/dV and dQ tiles per (head dims, mask, mode); off by default: the first
-# call of each key then compiles and times every candidate.
-AUTOTUNE = False
-
-# Gradient allocator; tests swap in one that fills with NaN to prove every element is written.
-_empty = torch.empty
+# KernelOptions.bwd_config keys: "dkdv" / "dq" (4-tuples as above), "USE_TMA" (False forces
+# pointer loads), "EARLY_DP" (bool; by default on for head dims <= 128, where the earlier
+# product's registers fit: H200, D = 128, S = 8k, +2% / +3% non-causal / causal), "STATS_TMA"
+# (False: lse and delta by pointer loads) and "HEAD_LOOP" (bool; by default on for head dims
+# > 128: a head loop around the dK/dV row ranges instead of one loop per range over the
+# whole group). None uses the tables above.
 
 # Rows per preprocess program: 32 keeps the int64 pointer tiles of a D = 128 row block
 # in registers (memory-bound either way).
@@ -765,9 +759,10 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         dout = dout.contiguous()
     if dlse is None:
         dlse = torch.zeros_like(lse, dtype=torch.float32)
-    override = CONFIG_OVERRIDE or {}
+    opts = options.current()
+    override = opts.bwd_config or {}
     # Varlen: rows outside every sequence (and keys past seqused_k) get zero gradients.
-    alloc = torch.zeros if is_varlen else _empty
+    alloc = torch.zeros if is_varlen else options.empty
     dq = alloc(q.shape, dtype=q.dtype, device=device)
     dk = alloc(k.shape, dtype=k.dtype, device=device)
     dv = alloc(v.shape, dtype=v.dtype, device=device)
@@ -904,7 +899,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         USE_TMA=use_tma,
         EARLY_DP=bool(override.get("EARLY_DP", max(block_d, block_dv) <= 128)),
     )
-    tune = AUTOTUNE and not interpret and "dkdv" not in override and "dq" not in override
+    tune = opts.autotune_bwd and not interpret and "dkdv" not in override and "dq" not in override
     # A Hopper compile failure is remembered per signature (the kernels' constexpr flags).
     sm90_key = (q.dtype, left is None, right is None, is_varlen, seqused_k is None, hq // hkv)
     key_d = max(block_d, block_dv)
@@ -934,7 +929,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             **common,
         )
         table = _DKDV_VARLEN_CONFIGS if is_varlen else _DKDV_CONFIGS
-        if not (USE_SM90_DKDV and bwd_sm90 is not None
+        if not (opts.sm90_dkdv and bwd_sm90 is not None
                 and bwd_sm90.supported(q, k, v, dout, dk, dv, softcap=softcap)
                 and _run_sm90("dK/dV", sm90_key, lambda: bwd_sm90.attn_bwd_dkdv_sm90(
                     dkdv_args, batch, seqlen_k, hkv))):
@@ -954,7 +949,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         stride_dqh=dqh,
         **common,
     )
-    if not (USE_SM90_DQ and bwd_sm90 is not None
+    if not (opts.sm90_dq and bwd_sm90 is not None
             and bwd_sm90.supported(q, k, v, dout, dq, dq, softcap=softcap,
                                    dims=bwd_sm90.DQ_DIMS)
             and _run_sm90("dQ", sm90_key, lambda: bwd_sm90.attn_bwd_dq_sm90(

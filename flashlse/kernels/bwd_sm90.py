@@ -1,6 +1,6 @@
 """Hopper dK/dV and dQ: two consumer warpgroups and a TMA producer warp each (Gluon).
 
-On by default inside their domain (``bwd.USE_SM90_DKDV``, ``bwd.USE_SM90_DQ``); a triton that
+On by default inside their domain (``KernelOptions.sm90_dkdv`` / ``sm90_dq`` turn them off); a triton that
 cannot compile them warns once and runs ``bwd.py``'s kernels. H200, bf16, D = 128 (per-kernel
 device time, benchmarks/RESULTS.md, S = 4k / 8k): dQ 15-20% faster than ``bwd.py``'s, dK/dV
 from 2% slower (8k non-causal, one run) to 7% faster; both together 8-11%.

@@ -61,17 +61,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from . import options
 from ._common import capability, interpreting
 from .combine import _cdiv, _next_pow2, _num_sms, merge_launch
 
 LOG2E = math.log2(math.e)
 
-# Output allocator; tests swap in one that fills with NaN to prove every element is written.
-_empty = torch.empty
-
-# Programmatic dependent launch of the merge behind the split kernel (sm90+); benchmarks
-# switch it off to measure what it saves.
-PDL = True
 
 
 def _pdl_ok(t: torch.Tensor) -> bool:
@@ -368,8 +363,8 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
-    out = _empty((batch, sq, hq, dv), dtype=q.dtype, device=q.device)
-    lse = _empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+    out = options.empty((batch, sq, hq, dv), dtype=q.dtype, device=q.device)
+    lse = options.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     if q.stride(-1) != 1:
@@ -403,14 +398,16 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         st_l = (0, lse.stride(0), lse.stride(2), lse.stride(1))
     else:
         # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set.
-        o_buf = _empty((splits, batch, sq, hq, dv), dtype=torch.float32, device=q.device)
-        lse_buf = _empty((splits, batch, sq, hq), dtype=torch.float32, device=q.device)
+        o_buf = options.empty((splits, batch, sq, hq, dv), dtype=torch.float32, device=q.device)
+        lse_buf = options.empty((splits, batch, sq, hq), dtype=torch.float32, device=q.device)
         st_o = (batch * sq * hq * dv, sq * hq * dv, hq * dv, dv)
         st_l = (batch * sq * hq, sq * hq, hq, 1)
     softcap = float(softcap or 0.0)
     scale = float(scale)
     grid = (programs, splits)
-    pdl = splits > 1 and PDL and not interpret and _pdl_ok(q)
+    # Programmatic dependent launch of the merge behind the split kernel (sm90+);
+    # KernelOptions.pdl=False measures what it saves.
+    pdl = splits > 1 and options.current().pdl and not interpret and _pdl_ok(q)
     _decode_fwd_kernel[grid](
         q=q,
         k=k_cache,

@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import options
 from ._common import (
     alloc_scratch,
     cdiv,
@@ -80,10 +81,6 @@ try:  # Gluon's Hopper API as of triton 3.6; without it every call takes this mo
     from . import fwd_sm90
 except ImportError:  # pragma: no cover - older or newer triton
     fwd_sm90 = None
-
-# The Hopper ping-pong kernel (fwd_sm90.py) takes the calls in its domain; False sends every
-# call to this module's kernel (A/B benchmarks, or to rule it out).
-USE_SM90 = True
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -348,20 +345,14 @@ _MASKED_CONFIGS = {
     128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, WARP_SPECIALIZE=True),
 }
 
-# Set by benchmarks and tests to sweep configurations (keys of _pick_config's dict, and
-# USE_TMA=False to force pointer loads); None uses the tables above.
-CONFIG_OVERRIDE: dict | None = None
-
 # Block shapes for which warp specialisation failed to compile (fallback taken).
 _WS_FAILED: set = set()
 # Signatures whose Hopper (fwd_sm90) compile failed here: they take this module's kernel.
 _SM90_FAILED: set = set()
 
-# Output allocator; tests swap in one that fills with NaN to prove every element is written.
-_empty = torch.empty
-
-
 def _pick_config(block_d: int, block_dv: int, masked: bool) -> dict:
+    """The table's tiles for these head dims and mask, with ``KernelOptions.fwd_config``'s
+    overrides (keys of the dict, and ``USE_TMA=False`` to force pointer loads)."""
     if interpreting():
         # Small tiles keep the interpreter fast and give tests several tiles per row.
         cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -369,8 +360,9 @@ def _pick_config(block_d: int, block_dv: int, masked: bool) -> dict:
         key = min(max(block_d, block_dv, 32), 256)
         cfg = dict((_MASKED_CONFIGS if masked else _CONFIGS).get(key) or _CONFIGS[key])
     cfg.setdefault("WARP_SPECIALIZE", False)
-    if CONFIG_OVERRIDE:
-        cfg.update(CONFIG_OVERRIDE)
+    override = options.current().fwd_config
+    if override:
+        cfg.update(override)
     return cfg
 
 
@@ -409,8 +401,8 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
         batch = cu_seqlens_q.numel() - 1
         total_q = q.shape[0]
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        out = _empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
-        lse = _empty((hq, total_q), dtype=torch.float32, device=q.device)
+        out = options.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
+        lse = options.empty((hq, total_q), dtype=torch.float32, device=q.device)
         # Varlen tensors have no batch stride: the sequence offset moves along the rows.
         sq_b = sk_b = sv_b = so_b = 0
         sq_s, sq_h = q.stride(0), q.stride(1)
@@ -422,8 +414,8 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]
         seqlen_k = k.shape[1]
-        out = _empty((batch, seqlen_q, hq, dv), dtype=q.dtype, device=q.device)
-        lse = _empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device)
+        out = options.empty((batch, seqlen_q, hq, dv), dtype=q.dtype, device=q.device)
+        lse = options.empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device)
         sq_b, sq_s, sq_h = q.stride(0), q.stride(1), q.stride(2)
         sk_b, sk_s, sk_h = k.stride(0), k.stride(1), k.stride(2)
         sv_b, sv_s, sv_h = v.stride(0), v.stride(1), v.stride(2)
@@ -435,7 +427,7 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
 
     sm90_key = (q.dtype, left is None, right is None, sink is None, is_varlen,
                 seqused_k is None, hq // hkv)
-    if (USE_SM90 and fwd_sm90 is not None and sm90_key not in _SM90_FAILED
+    if (options.current().sm90_fwd and fwd_sm90 is not None and sm90_key not in _SM90_FAILED
             and fwd_sm90.supported(q, k, v, softcap=softcap, scale=scale, batch=batch)):
         try:
             return fwd_sm90.attn_fwd_sm90(

@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import options
 from ._common import alloc_scratch, capability, cdiv, key_ranges, seq_bounds, tma_ok
 
 # fwd.py's scalar helpers (sequence bounds, key-tile ranges), compiled as Gluon functions.
@@ -395,7 +396,6 @@ def _fwd_sm90_kernel(
 _CONFIGS = {
     128: dict(BLOCK_N=128, STAGES=2, PINGPONG=False, OVERLAP=True),
 }
-CONFIG_OVERRIDE: dict | None = None
 
 
 def supported(q, k, v, *, softcap, scale, batch) -> bool:
@@ -435,8 +435,7 @@ def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
         so = (out.stride(0), out.stride(1), out.stride(2))
         sl = (lse.stride(0), lse.stride(1))
     cfg = dict(_CONFIGS[d])
-    if CONFIG_OVERRIDE:
-        cfg.update(CONFIG_OVERRIDE)
+    cfg.update(options.current().fwd_sm90_config or {})
     triton.set_allocator(alloc_scratch)
     grid = (cdiv(seqlen_q, 2 * HALF_M), hq, batch)
     _fwd_sm90_kernel[grid](

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from flashlse import kernel_options
 
 _HERE = Path(__file__).parent
 HAS_CUDA = torch.cuda.is_available()
@@ -28,3 +31,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs():
+    """Every buffer a launcher allocates starts as NaN, so an unwritten element fails."""
+    with kernel_options(poison_outputs=True):
+        yield
+
+
+@pytest.fixture
+def kernel_opts():
+    """``kernel_opts(sm90_fwd=False, ...)`` sets flashlse.kernel_options for the rest of the
+    test (on top of the poisoned outputs)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(kernel_options(**changes))

@@ -27,16 +27,6 @@ from flashlse.ops.attention import attn_fwd_torch
 HAS_CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
-    def empty_nan(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(bwd, "_empty", empty_nan)
-    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", None)
-    monkeypatch.setattr(bwd, "AUTOTUNE", False)
-
-
 def _atol(dtype):
     return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
 
@@ -165,9 +155,9 @@ def test_attn_bwd_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, kw):
     pytest.param({"EARLY_DP": False}, id="late_dp"),
     pytest.param({"HEAD_LOOP": True}, id="head_loop"),
 ])
-def test_attn_bwd_paths(device, monkeypatch, mode):
+def test_attn_bwd_paths(device, kernel_opts, monkeypatch, mode):
     dtype = torch.float16 if HAS_CUDA else torch.float32
-    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", mode)
+    kernel_opts(bwd_config=mode)
     _run_dense(device, dtype, 1, 37, 41, 4, 2, 32, 32, causal=True, sink=True, seed=3)
 
 
@@ -334,13 +324,13 @@ def test_attn_bwd_dlse_none_expanded_dout(device):
 
 
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
-def test_attn_bwd_shipped_tiles(device, monkeypatch, d):
+def test_attn_bwd_shipped_tiles(device, kernel_opts, monkeypatch, d):
     # The GPU tile table itself (the interpreter otherwise runs 16 x 16 tiles): every head
     # dim's dK/dV and dQ tiles, with the masks' boundary tiles and empty rows.
     if device == "cuda":
         pytest.skip("the GPU runs these tiles in every other test")
     pick = lambda table: tuple(table[d])
-    monkeypatch.setattr(bwd, "CONFIG_OVERRIDE", {"dkdv": pick(bwd._DKDV_CONFIGS),
+    kernel_opts(bwd_config={"dkdv": pick(bwd._DKDV_CONFIGS),
                                                  "dq": pick(bwd._DQ_CONFIGS)})
     _run_dense(device, torch.float32, 1, 150, 131, 2, 1, d, d, causal=True, sink=True)
 
@@ -370,14 +360,14 @@ SM90_CASES = [
 @pytest.mark.parametrize("path", ["sm90", "tl"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", SM90_CASES)
-def test_attn_bwd_gpu_sm90(device, monkeypatch, dtype, case, path):
+def test_attn_bwd_gpu_sm90(device, kernel_opts, monkeypatch, dtype, case, path):
     from flashlse.kernels import bwd_sm90
 
     calls = []
     for part in ("dkdv", "dq"):
         name = f"attn_bwd_{part}_sm90"
         real = getattr(bwd_sm90, name)
-        monkeypatch.setattr(bwd, f"USE_SM90_{part.upper()}", path == "sm90")
+        kernel_opts(**{f"sm90_{part}": path == "sm90"})
         monkeypatch.setattr(bwd_sm90, name,
                             lambda *a, _p=part, _r=real, **k: calls.append(_p) or _r(*a, **k))
     case = dict(case)
@@ -391,10 +381,10 @@ def test_attn_bwd_gpu_sm90(device, monkeypatch, dtype, case, path):
 @pytest.mark.parametrize("path", ["sm90", "tl"])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attn_bwd_gpu_sm90_varlen(device, monkeypatch, causal, d, path):
+def test_attn_bwd_gpu_sm90_varlen(device, kernel_opts, monkeypatch, causal, d, path):
     # D = 256: only the dQ kernel is Gluon there.
-    monkeypatch.setattr(bwd, "USE_SM90_DKDV", path == "sm90")
-    monkeypatch.setattr(bwd, "USE_SM90_DQ", path == "sm90")
+    kernel_opts(sm90_dkdv=path == "sm90")
+    kernel_opts(sm90_dq=path == "sm90")
     _run_varlen(device, torch.bfloat16, [300, 0, 600, 1, 129], [400, 300, 600, 0, 129],
                 8, 2, d, d, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
 
@@ -404,13 +394,13 @@ def test_attn_bwd_gpu_sm90_varlen(device, monkeypatch, causal, d, path):
 @pytest.mark.parametrize("path", ["sm90", "tl"])
 # window_31_0 has rows that see no key and no sink (lse = -inf, dq = 0).
 @pytest.mark.parametrize("case", [SM90_CASES[i] for i in (0, 2, 4, 5, 7, 8)])
-def test_attn_bwd_gpu_sm90_dq_d256(device, monkeypatch, case, path):
+def test_attn_bwd_gpu_sm90_dq_d256(device, kernel_opts, monkeypatch, case, path):
     # The Gluon dQ at D = 256 too (its dK/dV is D = 128 only).
     from flashlse.kernels import bwd_sm90
 
     calls = []
     real = bwd_sm90.attn_bwd_dq_sm90
-    monkeypatch.setattr(bwd, "USE_SM90_DQ", path == "sm90")
+    kernel_opts(sm90_dq=path == "sm90")
     monkeypatch.setattr(bwd_sm90, "attn_bwd_dq_sm90",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     case = dict(case)
@@ -419,7 +409,7 @@ def test_attn_bwd_gpu_sm90_dq_d256(device, monkeypatch, case, path):
     assert len(calls) == (1 if path == "sm90" else 0)
 
 
-def test_attn_bwd_sm90_failure_falls_back(device, monkeypatch):
+def test_attn_bwd_sm90_failure_falls_back(device, kernel_opts, monkeypatch):
     """A Hopper backward kernel that does not compile with this triton warns once and the
     portable kernel answers, for that call and the next ones of the same signature."""
     from flashlse.kernels import bwd_sm90
@@ -433,8 +423,8 @@ def test_attn_bwd_sm90_failure_falls_back(device, monkeypatch):
     monkeypatch.setattr(bwd_sm90, "supported", lambda *a, **k: True)
     monkeypatch.setattr(bwd_sm90, "attn_bwd_dkdv_sm90", broken)
     monkeypatch.setattr(bwd_sm90, "attn_bwd_dq_sm90", broken)
-    monkeypatch.setattr(bwd, "USE_SM90_DKDV", True)
-    monkeypatch.setattr(bwd, "USE_SM90_DQ", True)
+    kernel_opts(sm90_dkdv=True)
+    kernel_opts(sm90_dq=True)
     monkeypatch.setattr(bwd, "_SM90_FAILED", set())
     dtype = torch.float16
     with pytest.warns(RuntimeWarning, match="Hopper backward dK/dV kernel failed"):

@@ -20,15 +20,6 @@ from flashlse.kernels import fwd
 HAS_CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
-    def empty_nan(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(fwd, "_empty", empty_nan)
-    monkeypatch.setattr(fwd, "CONFIG_OVERRIDE", None)
-
-
 def _torch_attention(q, k, v, left, right, softcap, scale, sink):
     """The same attention in q's dtype with plain torch ops: the error yardstick."""
     with reference.computed_in(q.dtype):
@@ -139,11 +130,11 @@ def test_attn_fwd_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, kw):
 
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_attn_fwd_load_paths(device, monkeypatch, use_tma, dtype):
+def test_attn_fwd_load_paths(device, kernel_opts, monkeypatch, use_tma, dtype):
     if HAS_CUDA and dtype == torch.float32:
         pytest.skip("the GPU kernels take fp16/bf16")
     # Three (batch, head) pairs per schedule group: 8 pairs leave a partial last group.
-    monkeypatch.setattr(fwd, "CONFIG_OVERRIDE", {"USE_TMA": use_tma, "GROUP_HEADS": 3})
+    kernel_opts(fwd_config={"USE_TMA": use_tma, "GROUP_HEADS": 3})
     _run_dense(device, dtype, 2, 37, 41, 4, 2, 32, 32, causal=True, sink=True, seed=3)
     _run_dense(device, dtype, 1, 20, 64, 2, 1, 32, 32, seed=4)
 
@@ -209,8 +200,8 @@ def test_attn_fwd_gpu_head_dims(device, dtype, d, dv, kw):
     pytest.param(dict(sq=1024, sk=1024, strided=True), id="strided_q"),
 ])
 @pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "tl"])
-def test_attn_fwd_gpu_edges(device, monkeypatch, dtype, case, sm90):
-    monkeypatch.setattr(fwd, "USE_SM90", sm90)
+def test_attn_fwd_gpu_edges(device, kernel_opts, monkeypatch, dtype, case, sm90):
+    kernel_opts(sm90_fwd=sm90)
     case = dict(case)
     sq, sk = case.pop("sq"), case.pop("sk")
     _run_dense(device, dtype, 2, sq, sk, 8, 2, 128, 128, **case)
@@ -219,8 +210,8 @@ def test_attn_fwd_gpu_edges(device, monkeypatch, dtype, case, sm90):
 @pytest.mark.gpu
 @pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "tl"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attn_fwd_gpu_varlen(device, monkeypatch, causal, sm90):
-    monkeypatch.setattr(fwd, "USE_SM90", sm90)
+def test_attn_fwd_gpu_varlen(device, kernel_opts, monkeypatch, causal, sm90):
+    kernel_opts(sm90_fwd=sm90)
     _run_varlen(device, torch.bfloat16, [700, 0, 1300, 1, 129], [900, 300, 1300, 0, 129],
                 8, 1, 128, 128, causal=causal, used=[900, 300, 1000, 0, 64], sink=True)
 
@@ -292,10 +283,9 @@ def test_attn_fwd_gpu_sm90(device, monkeypatch, dtype, b, sq, sk, hq, hkv, d, kw
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
-def test_attn_fwd_gpu_sm90_schedules(device, monkeypatch, pingpong, overlap):
-    from flashlse.kernels import fwd_sm90
+def test_attn_fwd_gpu_sm90_schedules(device, kernel_opts, monkeypatch, pingpong, overlap):
 
-    monkeypatch.setattr(fwd_sm90, "CONFIG_OVERRIDE", {"PINGPONG": pingpong, "OVERLAP": overlap})
+    kernel_opts(fwd_sm90_config={"PINGPONG": pingpong, "OVERLAP": overlap})
     _run_dense(device, torch.bfloat16, 2, 1500, 1500, 4, 2, 128, 128, causal=True, seed=9)
     _run_dense(device, torch.float16, 1, 1000, 1200, 4, 1, 128, 128, window=(300, 20),
                sink=True, seed=10)

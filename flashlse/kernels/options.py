@@ -1,0 +1,86 @@
+"""Kernel options: the choices a caller may make about how the kernels run, per call or per
+block of code (FlexAttention's ``kernel_options``), as one typed, frozen value.
+
+    with flashlse.kernel_options(sm90_fwd=False):          # the portable forward only
+        out = flashlse.attention(q, k, v)
+    with flashlse.kernel_options(fwd_config={"BLOCK_N": 64}, poison_outputs=True):
+        ...
+
+The defaults are the measured choices (benchmarks/NOTES.md, RESULTS.md). Launchers read
+:func:`current` when they run, so options reach the kernels through every public function,
+torch.compile's custom ops and CUDA-graph capture alike; nothing module-level is switched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How the kernels run; every field defaults to the shipped choice.
+
+    Attributes:
+        sm90_fwd: the Hopper Gluon forward (``fwd_sm90.py``) inside its domain.
+        sm90_dkdv / sm90_dq: the Hopper Gluon backward kernels inside their domains.
+        fwd_config: overrides of ``fwd.py``'s tile table (``BLOCK_M``, ``BLOCK_N``,
+            ``num_warps``, ``num_stages``, ``USE_TMA``, ``WARP_SPECIALIZE``, ``GROUP_HEADS``).
+        fwd_sm90_config: overrides of ``fwd_sm90.py``'s table (``BLOCK_N``, ``STAGES``,
+            ``PINGPONG``, ``OVERLAP``, ``CONSUMER_REGS``).
+        bwd_config: overrides of ``bwd.py``'s tables (``"dkdv"`` / ``"dq"`` tile tuples,
+            ``USE_TMA``, ``EARLY_DP``, ``STATS_TMA``, ``HEAD_LOOP``).
+        autotune_bwd: let ``triton.autotune`` pick the backward tiles (benchmarks).
+        pdl: launch the split-KV merge with programmatic dependent launch (sm_90+).
+        poison_outputs: fill every output and scratch buffer the launchers allocate with NaN
+            before the kernels run, so that an unwritten element shows (tests).
+    """
+
+    sm90_fwd: bool = True
+    sm90_dkdv: bool = True
+    sm90_dq: bool = True
+    fwd_config: Mapping | None = None
+    fwd_sm90_config: Mapping | None = None
+    bwd_config: Mapping | None = None
+    autotune_bwd: bool = False
+    pdl: bool = True
+    poison_outputs: bool = False
+
+
+_DEFAULT = KernelOptions()
+# None outside any kernel_options block: the defaults.
+_CURRENT: contextvars.ContextVar[KernelOptions | None] = contextvars.ContextVar(
+    "flashlse_kernel_options", default=None)
+
+
+def current() -> KernelOptions:
+    """The options in force here (the defaults outside any :func:`kernel_options` block)."""
+    return _CURRENT.get() or _DEFAULT
+
+
+@contextlib.contextmanager
+def kernel_options(options: KernelOptions | None = None, **changes):
+    """Runs the block with ``options`` (default: those in force) changed by ``changes``."""
+    if options is not None and not isinstance(options, KernelOptions):
+        raise TypeError(f"kernel_options takes a KernelOptions, got {type(options).__name__}")
+    try:
+        opts = dataclasses.replace(options or current(), **changes)
+    except TypeError as e:
+        names = ", ".join(f.name for f in dataclasses.fields(KernelOptions))
+        raise TypeError(f"{e}; KernelOptions fields: {names}") from None
+    token = _CURRENT.set(opts)
+    try:
+        yield opts
+    finally:
+        _CURRENT.reset(token)
+
+
+def empty(shape, *, dtype, device) -> torch.Tensor:
+    """The launchers' allocator: ``torch.empty``, or NaN-filled under ``poison_outputs``."""
+    if current().poison_outputs:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
