@@ -1,8 +1,9 @@
 """Seeded fuzzer: random configurations of every public function against the float64 reference.
 
 Each configuration draws shapes (zero lengths included), masks (causal, windows), GQA, Dv != D,
-a sink, softcap, and per function: varlen sequences of length 0 and seqused_k; contiguous or
-paged caches (page 1, 3, 16, shuffled pages) with k_new and 0-3 splits; sparse top-k lists
+a sink, softcap, and per function: varlen sequences of length 0 and seqused_k; mixed serving
+steps over paged caches (attention_varlen with a block table); contiguous or paged caches
+(page 1, 3, 16, shuffled pages) with k_new and 0-3 splits; sparse top-k lists
 with -1 entries and all -1 rows; merges of 1-6 states with empty ones and a sink. Forward
 and, where the function is differentiable, backward (a random dout and dlse, dlse 0 on empty
 rows). A configuration passes when, for out, lse and every gradient: the -inf pattern equals
@@ -39,8 +40,8 @@ class Config:
     def __init__(self, seed: int, gpu: bool):
         rng = random.Random(seed)
         self.seed, self.rng = seed, rng
-        self.kind = rng.choice(["attention", "attention", "varlen", "kvcache", "kvcache",
-                                "sparse", "merge"])
+        self.kind = rng.choice(["attention", "attention", "varlen", "varlen_paged", "kvcache",
+                                "kvcache", "sparse", "merge"])
         self.hkv = rng.choice([1, 2])
         self.hq = self.hkv * rng.choice([1, 2, 4])
         dims = [32, 64, 128] if gpu else [16, 32, 59, 64]
@@ -253,7 +254,43 @@ def run_merge(cfg, device, dtype):
     return _compare(ours, R.merge_states, diff, {}, dtype, grad=grad)
 
 
-RUN = {"attention": run_attention, "varlen": run_varlen, "kvcache": run_kvcache,
+def run_varlen_paged(cfg, device, dtype):
+    """A serving step: attention_varlen over a paged cache (forward only)."""
+    r, g = cfg.rng, torch.Generator().manual_seed(cfg.seed)
+    n, page = r.randint(1, 4), r.choice([1, 3, 16])
+    lk = [r.randint(0, 40) for _ in range(n)]
+    lq = [r.choice([0, 1, min(x, r.randint(1, 12))]) for x in lk]
+    smax = max(max(lk), 1)
+    k = _randn(g, n, smax, cfg.hkv, cfg.d, device=device, dtype=dtype)
+    v = _randn(g, n, smax, cfg.hkv, cfg.dv, device=device, dtype=dtype)
+    for i, length in enumerate(lk):  # slots past each length: NaN, never read
+        k[i, length:] = float("nan")
+        v[i, length:] = float("nan")
+    k_cache, v_cache, table = _paged(k, v, page, g)
+    q = _randn(g, sum(lq), cfg.hq, cfg.d, device=device, dtype=dtype)
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+    kw = dict(seqused_k=torch.tensor(lk, dtype=torch.int32, device=device), block_table=table,
+              causal=cfg.causal, window=cfg.window, softcap=cfg.softcap, return_lse=True)
+    sink = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0) if cfg.sink else None
+    with torch.no_grad():
+        out, lse = fl.attention_varlen(q, k_cache, v_cache, cu_q, None, max(lq), max(lk),
+                                       sink=sink, **kw)
+        f64 = lambda t: t.double() if t is not None else None
+        ref = R.attention_varlen(f64(q), f64(k_cache), f64(v_cache), cu_q, None, max(lq),
+                                 max(lk), sink=f64(sink), **kw)
+        base = (None, None)
+        if dtype != torch.float32:
+            with R.computed_in(dtype):
+                base = R.attention_varlen(q, k_cache, v_cache, cu_q, None, max(lq), max(lk),
+                                          sink=sink, **kw)
+    errors = [_close("out", out, ref[0], base[0], dtype),
+              _close("lse", lse, ref[1], base[1], dtype)]
+    return [e for e in errors if e]
+
+
+RUN = {"attention": run_attention, "varlen": run_varlen, "varlen_paged": run_varlen_paged,
+       "kvcache": run_kvcache,
        "sparse": run_sparse, "merge": run_merge}
 
 

@@ -16,5 +16,5 @@ _spec.loader.exec_module(fuzz)
 @pytest.mark.parametrize("seed", [0, 100_000], ids=["seeds_0", "seeds_100k"])
 def test_fuzz_cpu_path(seed):
     counts, failures = fuzz.fuzz(300, seed=seed, verbose=False)
-    assert set(counts) == {"attention", "varlen", "kvcache", "sparse", "merge"}
+    assert set(counts) == {"attention", "varlen", "varlen_paged", "kvcache", "sparse", "merge"}
     assert not failures, "\n".join(f"{cfg}: {errs}" for cfg, errs in failures[:10])
