@@ -11,6 +11,21 @@ import triton.language as tl
 
 from .._env import interpreting  # noqa: F401 - re-exported to the kernel modules
 
+# Base-2 constants, once: e^x = 2^(x * LOG2E) and ln(x) = log2(x) * LN2. Constexprs, so the
+# kernels fold them; host code reads ``.value``.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def exp2_constants(scale: float, softcap: float) -> dict:
+    """The kernels' base-2 scalars: ``scale_log2 = scale log2(e)``, and for a softcap c > 0
+    (``c tanh(scale s / c)`` in base 2, math.md) ``softcap_a2 = 2 log2(e) scale / c`` and
+    ``softcap_c2 = c log2(e)``."""
+    log2e = LOG2E.value
+    return dict(scale_log2=scale * log2e,
+                softcap_a2=(2.0 * log2e * scale / softcap) if softcap > 0 else 0.0,
+                softcap_c2=softcap * log2e)
+
 
 def cdiv(a: int, b: int) -> int:
     # Plain ints: triton.cdiv on the host goes through the JIT's call path (~6 us a call).

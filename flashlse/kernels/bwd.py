@@ -68,7 +68,6 @@ loads. Gradients are stored with masked pointer stores (once per program).
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -77,8 +76,10 @@ import triton.language as tl
 
 from . import options
 from ._common import (
+    LOG2E,
     alloc_scratch,
     cdiv,
+    exp2_constants,
     interpreting,
     key_ranges,
     load_rows,
@@ -93,7 +94,6 @@ try:  # Gluon's Hopper API as of triton 3.6; without it the tl kernels run.
 except ImportError:  # pragma: no cover - older or newer triton
     bwd_sm90 = None
 
-LOG2E = math.log2(math.e)
 
 # The Hopper Gluon dK/dV and dQ kernels (bwd_sm90.py) run inside their domain (sm_90,
 # fp16/bf16, D = Dv = 128, for dQ also 256; no softcap, aligned rows) unless
@@ -172,12 +172,12 @@ def _attn_bwd_preprocess_kernel(
                      + o_tok * stride_dls, mask=m_m, other=0.0)
     b_delta = tl.sum(b_o * b_do, 1) - b_dlse
     # The once-per-row fix: an empty row's -inf becomes 0, so 2^(-inf - 0) = 0 downstream.
-    b_lse_log2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * 1.4426950408889634)
+    b_lse_log2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E)
     o_t = i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + bos + o_m
     tl.store(delta + o_t, b_delta, mask=m_m)
     tl.store(lse_log2 + o_t, b_lse_log2, mask=m_m)
     if HAS_SINK:
-        b_sink_log2 = tl.load(sink + i_h).to(tl.float32) * 1.4426950408889634
+        b_sink_log2 = tl.load(sink + i_h).to(tl.float32) * LOG2E
         # With a sink every L_i >= sink_h is finite, so the weight is at most 1.
         b_w = tl.where(m_m, tl.math.exp2(b_sink_log2 - b_lse_log2), 0.0)
         # One slot per program, summed by the launcher in a fixed order (deterministic).
@@ -883,9 +883,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         left=0 if left is None else int(left),
         right=0 if right is None else int(right),
         scale=scale,
-        scale_log2=scale * LOG2E,
-        softcap_a2=(2.0 * LOG2E * scale / softcap) if softcap > 0 else 0.0,
-        softcap_c2=softcap * LOG2E,
+        **exp2_constants(scale, softcap),
         GROUP=hq // hkv,
         D=d,
         DV=dv_dim,

@@ -46,10 +46,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from ._common import cdiv, next_pow2
+from ._common import LOG2E, cdiv, next_pow2
 
 # constexpr globals: jit functions may read only those.
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -54,7 +54,6 @@ latent cache is read once per split, not twice.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -62,11 +61,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import options
-from ._common import capability, interpreting
+from ._common import LN2, LOG2E, capability, exp2_constants, interpreting
 from .combine import _cdiv, _next_pow2, _num_sms, merge_launch
-
-LOG2E = math.log2(math.e)
-
 
 
 def _pdl_ok(t: torch.Tensor) -> bool:
@@ -253,7 +249,7 @@ def _decode_fwd_kernel(
     if HAS_SINK:
         # Only with one split (else the merge adds it): one more key of value 0.
         b_sink_nat = tl.load(sink + o_h, mask=m_m, other=0.0)
-        b_t_sink = b_sink_nat * 1.4426950408889634
+        b_t_sink = b_sink_nat * LOG2E
         b_m_f = tl.maximum(b_m, b_t_sink)
         b_pivot = tl.where(b_m_f == float("-inf"), 0.0, b_m_f)
         b_alpha = tl.exp2(b_m - b_pivot)
@@ -263,7 +259,7 @@ def _decode_fwd_kernel(
     # l == 0 exactly for a row with no visible key (the maximum contributes 2^0 = 1).
     b_inv_sum = tl.where(b_l == 0, 0.0, 1.0 / tl.where(b_l == 0, 1.0, b_l))
     # Raw m: log2(0) + -inf = -inf for an empty row.
-    b_lse = (tl.log2(b_l) + b_m) * 0.6931471805599453
+    b_lse = (tl.log2(b_l) + b_m) * LN2
     if HAS_SINK:
         # An empty row's lse is the sink itself, not its round trip through base 2.
         b_lse = tl.where(b_l_keys == 0, b_sink_nat, b_lse)
@@ -430,9 +426,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         seqlen_add=int(seqlen_add),
         left=0 if left is None else int(left),
         right=0 if right is None else int(right),
-        scale_log2=scale * LOG2E,
-        softcap_a2=(2.0 * LOG2E * scale / softcap) if softcap > 0 else 0.0,
-        softcap_c2=softcap * LOG2E,
+        **exp2_constants(scale, softcap),
         SQ=sq,
         GROUP=group,
         M_TILES=m_tiles,

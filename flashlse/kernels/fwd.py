@@ -58,7 +58,6 @@ block freed from the per-tile barrier this kernel cannot avoid (1.15-1.3x faster
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -67,8 +66,11 @@ import triton.language as tl
 
 from . import options
 from ._common import (
+    LN2,
+    LOG2E,
     alloc_scratch,
     cdiv,
+    exp2_constants,
     interpreting,
     key_ranges,
     load_rows,
@@ -82,8 +84,6 @@ try:  # Gluon's Hopper API as of triton 3.6; without it every call takes this mo
 except ImportError:  # pragma: no cover - older or newer triton
     fwd_sm90 = None
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 @triton.jit
@@ -188,7 +188,7 @@ def _attn_fwd_store(
     b_piv = b_m
     if HAS_SINK:
         b_sink_nat = tl.load(sink + i_h).to(tl.float32)
-        b_sink = b_sink_nat * 1.4426950408889634
+        b_sink = b_sink_nat * LOG2E
         b_m_f = tl.maximum(b_m, b_sink)
         # A sink of -inf on an empty row leaves m_f = -inf: pivot on 0, never -inf - -inf.
         b_piv = tl.where(b_m_f == float("-inf"), 0.0, b_m_f)
@@ -203,7 +203,7 @@ def _attn_fwd_store(
     b_lse_log2 = tl.where(b_nonempty, b_piv + tl.math.log2(b_l_safe), float("-inf"))
     # [BLOCK_M, BLOCK_DV]
     b_o = b_acc * b_scale[:, None]
-    b_lse = b_lse_log2 * 0.6931471805599453
+    b_lse = b_lse_log2 * LN2
     if HAS_SINK:
         # An empty row's lse is the sink itself, not its round trip through base 2.
         b_lse = tl.where(b_l_keys == 0.0, b_sink_nat, b_lse)
@@ -491,9 +491,7 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
             group_heads=min(group_heads, n_bh),
             left=0 if left is None else int(left),
             right=0 if right is None else int(right),
-            scale_log2=scale * LOG2E,
-            softcap_a2=(2.0 * LOG2E * scale / softcap) if softcap > 0 else 0.0,
-            softcap_c2=softcap * LOG2E,
+            **exp2_constants(scale, softcap),
             HQ=hq,
             GROUP=hq // hkv,
             D=d,

@@ -44,14 +44,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import options
-from ._common import alloc_scratch, capability, cdiv, key_ranges, seq_bounds, tma_ok
+from ._common import LN2, LOG2E, alloc_scratch, capability, cdiv, key_ranges, seq_bounds, tma_ok
 
 # fwd.py's scalar helpers (sequence bounds, key-tile ranges), compiled as Gluon functions.
 _seq_bounds = gluon.jit(seq_bounds.fn)
 _key_ranges = gluon.jit(key_ranges.fn)
 
-LOG2E = 1.4426950408889634
-_LOG2E = gl.constexpr(LOG2E)
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
 
@@ -254,7 +252,7 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
     # NaN l propagates; a -inf sink pivots on 0.
     if HAS_SINK:
         sink_nat = gl.load(sink + i_h).to(gl.float32)
-        sink2 = sink_nat * _LOG2E
+        sink2 = sink_nat * LOG2E
         m_f = gl.maximum(m_i, sink2)
         piv = gl.where(m_f == float("-inf"), 0.0, m_f)
         w = gl.exp2(m_i - piv)
@@ -262,13 +260,13 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
         nonempty = l_f != 0.0
         l_safe = gl.where(nonempty, l_f, 1.0)
         o_scale = gl.where(nonempty, w / l_safe, 0.0)
-        lse = gl.where(nonempty, (piv + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse = gl.where(nonempty, (piv + gl.log2(l_safe)) * LN2, float("-inf"))
         lse = gl.where(l_i == 0.0, sink_nat, lse)
     else:
         nonempty = l_i != 0.0
         l_safe = gl.where(nonempty, l_i, 1.0)
         o_scale = gl.where(nonempty, 1.0 / l_safe, 0.0)
-        lse = gl.where(nonempty, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse = gl.where(nonempty, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
     gl.store(p_lse + rows, lse, mask=rows < T_q)
     out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
     # Q's buffer is free now: stage out there for one TMA store, clipped at the sequence end.
@@ -445,7 +443,7 @@ def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
         seqlen_q, seqlen_k,
         q.shape[0] if is_varlen else 0, k.shape[0] if is_varlen else 0,
         0 if left is None else int(left), 0 if right is None else int(right),
-        float(scale) * LOG2E,
+        float(scale) * LOG2E.value,
         GROUP=hq // hkv, D=d,
         BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SINK=sink is not None,
