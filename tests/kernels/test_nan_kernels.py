@@ -13,7 +13,7 @@ PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3)]
 IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3"]
 
 
-@pytest.mark.parametrize("what", ["k", "q", "sink"])
+@pytest.mark.parametrize("what", ["k", "q", "sink", "sink_inf"])
 @pytest.mark.parametrize("path,num_splits", PATHS, ids=IDS)
 def test_kernels_nan_reaches_exactly_the_rows_that_see_it(device, path, num_splits, what):
     run_case(device, DTYPE, path, what, num_splits)
