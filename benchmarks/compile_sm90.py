@@ -31,7 +31,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashlse.kernels import bwd, bwd_sm90, combine, decode, fwd, fwd_sm90  # noqa: E402
+from flashlse.kernels import bwd, bwd_sm90, combine, decode, fwd, fwd_sm90, sparse  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"
@@ -165,6 +165,12 @@ def cases():
     consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, PDL=True)
     yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
         dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32), consts, 1, 3
+    # The sparse top-k backward (kernels/sparse.py) at issue 17's GQA shape: 8 heads a kv head.
+    yield "sparse", "sparse bwd D=128 G=8", sparse._sparse_bwd_kernel, \
+        dict(q=BF16, k=BF16, v=BF16, dout=BF16, indices=I32, lse_log2=F32, delta=F32, dq=BF16,
+             dk=F32, dv=F32, scale="fp32", scale_log2="fp32"), \
+        dict(HKV=4, GROUP=8, D=128, DV=128, BLOCK_H=16, BLOCK_N=32, BLOCK_D=128,
+             BLOCK_DV=128), 4, 3
 
 
 def main(argv=None):

@@ -174,8 +174,17 @@ class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, indices, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse,
-                                             scale=ctx.scale, sink=sink)
+        # The kernel scatters dK/dV with atomics: not bitwise repeatable, so deterministic
+        # mode takes the PyTorch path.
+        if (use_triton(q) and not torch.are_deterministic_algorithms_enabled()
+                and max(q.shape[-1], v.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
+            from ..kernels.sparse import sparse_bwd
+
+            dq, dk, dv, dsink = sparse_bwd(dout, dlse, q, k, v, indices, out, lse,
+                                           scale=ctx.scale, sink=sink)
+        else:
+            dq, dk, dv, dsink = sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse,
+                                                 scale=ctx.scale, sink=sink)
         return dq, dk, dv, None, dsink, None
 
 

@@ -70,3 +70,29 @@ def test_sparse_mla_view_on_kernels():
                                             idx, return_lse=True)
     torch.testing.assert_close(out.double(), want_out, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(lse.double(), want_lse, atol=3e-2, rtol=3e-2)
+
+
+def test_deterministic_mode_takes_the_repeatable_path(device, monkeypatch):
+    """The backward kernel scatters dK/dV with atomics; torch's deterministic mode runs the
+    PyTorch path instead, with the same gradients."""
+    kernels_sparse = __import__("flashlse.kernels.sparse", fromlist=["sparse"])
+    calls = []
+    real = kernels_sparse.sparse_bwd
+    monkeypatch.setattr(kernels_sparse, "sparse_bwd",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    diff, const = make(1, 4, 9, 4, 2, 16, 16, 5, {}, DTYPES[0])
+    diff, const = _to(diff, device), _to(const, device)
+    grads = []
+    for deterministic in (False, True):
+        leaves = {n: t.clone().requires_grad_() for n, t in diff.items()}
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            out, lse = fl.sparse_attention(**leaves, **const)
+            out.float().square().sum().backward()
+        finally:
+            torch.use_deterministic_algorithms(False)
+        grads.append([leaves[n].grad for n in ("q", "k", "v")])
+    assert len(calls) == 1  # the kernel only outside deterministic mode
+    for a, b in zip(*grads):
+        torch.testing.assert_close(torch.nan_to_num(a.float()), torch.nan_to_num(b.float()),
+                                   atol=2e-2, rtol=2e-2)
