@@ -207,19 +207,26 @@ def _pad_key(x):
     return torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], dim=1)
 
 
-def sparse_attention(q, k, v, indices, *, scale=None, sink=None, return_lse=False):
+def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=None,
+                     return_lse=False):
     """Reference of :func:`flashlse.sparse_attention`: each row attends to its listed keys.
 
     Every non-negative entry of ``indices`` is one key term (a repeated index counts
     each time); ``-1`` is no key, and a row of all ``-1`` is empty.
 
     Args:
-        q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)``.
+        q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)``, or paged
+            caches ``(num_pages, page_size, Hkv, D / Dv)`` with ``block_table (B, max_pages)``
+            (indices are token positions of each sequence).
         indices: ``(B, Sq, Hkv, topk)`` int32 key positions, -1 for none.
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` float64, and ``lse (B, Hq, Sq)`` if ``return_lse``.
     """
+    if block_table is not None:
+        cap = block_table.shape[1] * k.shape[1]
+        k = torch.stack([gather_cache(k, i, cap, block_table) for i in range(q.shape[0])])
+        v = torch.stack([gather_cache(v, i, cap, block_table) for i in range(q.shape[0])])
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv

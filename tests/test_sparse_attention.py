@@ -176,3 +176,52 @@ def test_sparse_attention_strided_views():
     assert_close_to_ref(dkv[:, :, :2], ref[1], name="dk")
     assert_close_to_ref(dkv[:, :, 2:, :8], ref[2], name="dv")
     assert bool((dkv[:, :, 2:, 8:] == 0).all())
+
+
+def run_sparse_paged(device, dtype, mla=False, page=3, seed=0):
+    """sparse_attention over a paged cache (shuffled pages, unused slots NaN) against the
+    reference over the same pages; indices are token positions of each sequence."""
+    g = torch.Generator().manual_seed(seed)
+    b, sq, hq, hkv, d, dv, lens, topk = 2, 4, 4, 1 if mla else 2, 48 if mla else 16, \
+        32 if mla else 16, [10, 7], 5
+    n_pages = [-(-n // page) for n in lens]
+    total = sum(n_pages) + 2
+    perm = torch.randperm(total, generator=g)
+    k_cache = torch.full((total, page, hkv, d), float("nan"))
+    v_cache = torch.full((total, page, hkv, dv), float("nan"))
+    table = torch.full((b, max(n_pages)), int(perm[-1]), dtype=torch.int32)
+    j = 0
+    for i, n in enumerate(lens):
+        for p in range(n_pages[i]):
+            rows = min(page, n - p * page)
+            k_cache[perm[j], :rows] = torch.randn(rows, hkv, d, generator=g)
+            v_cache[perm[j], :rows] = torch.randn(rows, hkv, dv, generator=g)
+            table[i, p] = perm[j]
+            j += 1
+    if mla:
+        v_cache = k_cache[..., :dv]
+    idx = torch.stack([torch.randint(0, n, (sq, hkv, topk), generator=g) for n in lens])
+    idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    idx[:, 1] = -1  # an empty row
+    idx = idx.to(torch.int32)
+    q = torch.randn(b, sq, hq, d, generator=g)
+    sink = torch.randn(hq, generator=g)
+    cast = lambda t: t.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        k_dev = cast(k_cache)
+        v_dev = k_dev[..., :dv] if mla else cast(v_cache)
+        out, lse = fl.sparse_attention(cast(q), k_dev, v_dev, idx.to(device),
+                                       block_table=table.to(device), sink=sink.to(device),
+                                       return_lse=True)
+    ref_out, ref_lse = R.sparse_attention(q.double(), k_cache.double(), v_cache.double(), idx,
+                                          block_table=table, sink=sink.double(),
+                                          return_lse=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla_view"])
+@pytest.mark.parametrize("page", [1, 3, 16], ids=lambda p: f"page{p}")
+def test_sparse_attention_paged(mla, page):
+    run_sparse_paged("cpu", torch.float32, mla=mla, page=page)

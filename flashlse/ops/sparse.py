@@ -113,7 +113,7 @@ def sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
             dv_.view(b, sk, hkv, dv).to(v.dtype), dsink)
 
 
-def sparse_fwd_kernel(q, k, v, indices, *, scale, sink):
+def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None):
     """The forward on the split-KV decode kernel (``kernels/decode.py``), no new kernel: each
     (batch, query row, kv head) is one "sequence" whose key list is a block table of pages of
     one (token, kv head) row, and its query heads are the decode kernel's head group, so each
@@ -128,16 +128,29 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink):
     from .merge import merge_states_unchecked
 
     b, sq, hq, d = q.shape
-    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    hkv, dv = k.shape[2], v.shape[-1]
     g, topk = hq // hkv, indices.shape[-1]
     rows = b * sq * hkv
-    # Page p = (b * Sk + j) * Hkv + h: key row j of kv head h in batch b.
-    pages_k = k.reshape(b * sk * hkv, 1, 1, d)
-    pages_v = v.reshape(b * sk * hkv, 1, 1, dv)
-    base = (torch.arange(b, device=q.device).view(b, 1, 1, 1) * sk * hkv
-            + torch.arange(hkv, device=q.device).view(1, 1, hkv, 1))
+    # The decode kernel's pages are single (token, kv head) rows: row r of kv head h is page
+    # r * Hkv + h, r = b * Sk + j contiguous, or (page * page_size + j % page_size) paged.
+    n_rows = k.shape[0] * k.shape[1]
+    pages_k = k.reshape(n_rows * hkv, 1, 1, d)
+    pages_v = v.reshape(n_rows * hkv, 1, 1, dv)
     idx = indices.long()
-    table = torch.where((idx >= 0) & (idx < sk), base + idx * hkv, -1).to(torch.int32)
+    heads = torch.arange(hkv, device=q.device).view(1, 1, hkv, 1)
+    if block_table is None:
+        sk = k.shape[1]
+        row = torch.arange(b, device=q.device).view(b, 1, 1, 1) * sk + idx
+        ok = (idx >= 0) & (idx < sk)
+    else:
+        page_size, max_pages = k.shape[1], block_table.shape[1]
+        ok = (idx >= 0) & (idx < max_pages * page_size)
+        slot = torch.where(ok, idx, 0)
+        page = torch.gather(block_table.long(), 1, (slot // page_size).flatten(1)).view_as(idx)
+        # A block-table entry outside [0, num_pages) is no key, as an index outside the cache.
+        ok = ok & (page >= 0) & (page < k.shape[0])
+        row = page * page_size + slot % page_size
+    table = torch.where(ok, row * hkv + heads, -1).to(torch.int32)
     lens = torch.full((rows,), topk, dtype=torch.int32, device=q.device)
     out, lse = decode_fwd(q.reshape(rows, 1, g, d), pages_k, pages_v, cache_seqlens=lens,
                           block_table=table.view(rows, topk), left=None, right=None,
@@ -151,12 +164,13 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink):
 
 def _kernel_ok(q, k, v, indices) -> bool:
     """The decode kernel takes the call: Triton device, head dims within its limit, page ids
-    within int32, and K/V rows that flatten into pages without a copy."""
-    b, sk, hkv = k.shape[:3]
+    within int32, and K/V rows that flatten into pages without a copy (contiguous
+    ``(B, Sk, Hkv, *)`` or paged ``(num_pages, page_size, Hkv, *)``: the same test)."""
+    n0, n1, hkv = k.shape[:3]
     return (use_triton(q) and max(q.shape[-1], v.shape[-1]) <= V.MAX_HEAD_DIM_DECODE
-            and 0 < b * sk * hkv < 2**31 and indices.shape[-1] > 0 and q.numel() > 0
+            and 0 < n0 * n1 * hkv < 2**31 and indices.shape[-1] > 0 and q.numel() > 0
             and k.stride(1) == hkv * k.stride(2) and v.stride(1) == hkv * v.stride(2)
-            and k.stride(0) == sk * k.stride(1) and v.stride(0) == sk * v.stride(1))
+            and k.stride(0) == n1 * k.stride(1) and v.stride(0) == n1 * v.stride(1))
 
 
 class SparseAttentionFunction(torch.autograd.Function):
@@ -188,13 +202,19 @@ class SparseAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, dsink, None
 
 
-def sparse_attention(q, k, v, indices, *, scale=None, sink=None, return_lse=False):
+def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=None,
+                     return_lse=False):
     """``O_i = sum_{j in I_i} exp(S_ij - L_i) V_j``, ``L_i = log sum_{j in I_i} e^S_ij [+ e^sink]``.
 
     Args:
         q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)``.
         indices: ``(B, Sq, Hkv, topk)`` int32 key positions in ``[0, Sk)``, -1 = no key;
-            the query heads of a kv head share its list.
+            the query heads of a kv head share its list. A repeated index counts each time.
+        block_table: ``(B, max_pages)`` int32 with paged caches k ``(num_pages, page_size,
+            Hkv, D)``, v ``(num_pages, page_size, Hkv, Dv)`` (vLLM's layout; v may be a view of
+            k, MLA): indices are token positions of each sequence, key j of sequence b is row
+            ``j % page_size`` of page ``block_table[b, j // page_size]``. Forward only
+            (DeepSeek sparse decode and prefill over a serving cache).
         scale: default ``1/sqrt(D)``. sink: ``(Hq,)`` logits. return_lse: also return lse.
 
     Returns:
@@ -211,19 +231,67 @@ def sparse_attention(q, k, v, indices, *, scale=None, sink=None, return_lse=Fals
     V.check_bool("return_lse", return_lse)
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share D, got {q.shape[-1]} and {k.shape[-1]}")
-    if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"q, k, v must share B and k, v the length: got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must agree in their first two dims, got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if block_table is None and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q, k, v must share B: got q {tuple(q.shape)}, k {tuple(k.shape)}; "
+                         f"for a paged cache pass block_table")
     V.check_int_tensor("indices", indices, "(B, Sq, Hkv, topk)", q.device, 4)
     want = tuple(q.shape[:2]) + (k.shape[2],)
     if tuple(indices.shape[:3]) != want:
         raise ValueError(f"indices must be (B, Sq, Hkv, topk) with (B, Sq, Hkv) = {want}, got "
                          f"{tuple(indices.shape)}")
+    length = k.shape[1]
+    if block_table is not None:
+        V.check_int_tensor("block_table", block_table, "(B, max_pages)", q.device, 2)
+        if block_table.shape[0] != q.shape[0]:
+            raise ValueError(f"block_table must have B = {q.shape[0]} rows, got "
+                             f"{block_table.shape[0]}")
+        length = block_table.shape[1] * k.shape[1]
     if indices.numel() and V.values_checkable(indices) and bool(
-            ((indices < -1) | (indices >= k.shape[1])).any()):
-        raise ValueError(f"indices must lie in [0, Sk) = [0, {k.shape[1]}) or be -1 (no key), "
-                         f"got values in [{int(indices.min())}, {int(indices.max())}]")
+            ((indices < -1) | (indices >= length)).any()):
+        raise ValueError(f"indices must lie in [0, {length}) (the keys of a sequence) or be -1 "
+                         f"(no key), got values in [{int(indices.min())}, {int(indices.max())}]")
     scale = V.check_scale(scale, q.shape[-1])
     sink = V.check_sink(sink, q.shape[2], q.device)
+    if block_table is not None:
+        return _sparse_paged(q, k, v, indices, block_table, scale, sink, return_lse)
     out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale)
+    return (out, lse) if return_lse else out
+
+
+def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return_lse):
+    """Sparse attention over paged caches: the kernel reads the listed rows in place; the
+    PyTorch path gathers each sequence's capacity first. Forward only."""
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
+        raise ValueError("sparse_attention with a block_table is forward only (serving); call "
+                         "it under torch.no_grad()")
+    if V.values_checkable(block_table) and indices.numel():
+        page_size = k_cache.shape[1]
+        used = torch.where(indices >= 0, indices, 0).long() // page_size
+        pages = torch.gather(block_table.long(), 1, used.flatten(1)).view_as(used)
+        bad = (indices >= 0) & ((pages < 0) | (pages >= k_cache.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(f"block_table entries of listed keys must lie in "
+                             f"[0, {k_cache.shape[0]}) (the number of pages), found "
+                             f"{pages[bad][:4].tolist()}")
+    if _kernel_ok(q, k_cache, v_cache, indices):
+        out, lse = sparse_fwd_kernel(q, k_cache, v_cache, indices, scale=scale, sink=sink,
+                                     block_table=block_table)
+    else:
+        from ._paged import gather_pages
+
+        b = q.shape[0]
+        cap = block_table.shape[1] * k_cache.shape[1]
+        lens = torch.full((b,), cap, dtype=torch.int32, device=q.device)
+        k, v, _, _ = gather_pages(k_cache, v_cache, block_table, lens)
+        k, v = k.view(b, cap, *k.shape[1:]), v.view(b, cap, *v.shape[1:])
+        # A listed key on a page outside the cache is no key here too (checks off).
+        slot = torch.where((indices >= 0) & (indices < cap), indices, 0).long()
+        page = torch.gather(block_table.long(), 1,
+                            (slot // k_cache.shape[1]).flatten(1)).view_as(slot)
+        indices = torch.where((page >= 0) & (page < k_cache.shape[0]), indices, -1)
+        out, lse = sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
     return (out, lse) if return_lse else out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _flashlse_testing import check_against_reference
-from test_sparse_attention import CASES, check_empty_rows, make, make_indices
+from test_sparse_attention import CASES, check_empty_rows, make, make_indices, run_sparse_paged
 
 import flashlse as fl
 from flashlse import reference as R
@@ -96,3 +96,16 @@ def test_deterministic_mode_takes_the_repeatable_path(device, monkeypatch):
     for a, b in zip(*grads):
         torch.testing.assert_close(torch.nan_to_num(a.float()), torch.nan_to_num(b.float()),
                                    atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla_view"])
+@pytest.mark.parametrize("page", [1, 3, 16], ids=lambda p: f"page{p}")
+def test_sparse_attention_paged_on_kernels(device, mla, page, monkeypatch):
+    """DeepSeek-style sparse attention over a paged serving cache, on the decode kernel
+    (the listed rows read in place, no gather)."""
+    calls = []
+    real = sparse_mod.sparse_fwd_kernel
+    monkeypatch.setattr(sparse_mod, "sparse_fwd_kernel",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    run_sparse_paged(device, DTYPES[0], mla=mla, page=page)
+    assert calls
