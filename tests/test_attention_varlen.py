@@ -167,7 +167,9 @@ def run_paged(device, dtype, qlens, klens, page, hq=4, hkv=2, d=16, dv=16, sink=
                 k_cache[perm[j], :rows] = mk(rows, hkv, d)
                 v_cache[perm[j], :rows] = mk(rows, hkv, dv)
             j += 1
-    # Columns past a sequence's pages point at a real page: never read (seqused_k ends first).
+    # Columns past a sequence's pages point at a real page: never read (seqused_k ends first);
+    # three more than any sequence needs, as a serving engine's table is wider than its batch.
+    table = torch.cat([table, torch.full((len(klens), 3), -1, dtype=torch.int32)], 1)
     table = torch.where(table < 0, perm[0].to(torch.int32), table)
     q = mk(sum(qlens), hq, d)
     s = mk(hq).float() * 2 if sink else None

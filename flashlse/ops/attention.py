@@ -429,8 +429,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         block_table: ``(B, max_pages)`` int32, vLLM's / flash-attn's paged KV: key j of
             sequence b is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
             One call then serves a mixed batch of prefills, chunked prefills (Sq < Sk,
-            bottom-right causal) and decodes. Forward only. (The pages in use are copied
-            into packed rows before the kernel runs, a copy of each sequence's capacity.)
+            bottom-right causal) and decodes. Forward only. (The pages that can hold the
+            first ``max_seqlen_k`` keys are copied into packed rows before the kernel runs.)
         Other keywords as :func:`attention`.
 
     Returns:
@@ -517,9 +517,10 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
         raise TypeError(f"max_seqlen_k must be an int, got {type(max_seqlen_k).__name__}")
     capacity = block_table.shape[1] * k_cache.shape[1]
     if V.values_checkable(lens) and bsz:
-        if bool(((lens < 0) | (lens > capacity)).any()):
-            raise ValueError(f"key lengths must lie in [0, {capacity}] (block_table's pages x "
-                             f"page_size), got {lens.tolist()}")
+        if bool(((lens < 0) | (lens > min(capacity, max_seqlen_k))).any()):
+            raise ValueError(f"key lengths must lie in [0, {min(capacity, max_seqlen_k)}] "
+                             f"(block_table's pages x page_size, and max_seqlen_k), got "
+                             f"{lens.tolist()}")
         page = k_cache.shape[1]
         cols = torch.arange(block_table.shape[1], device=q.device)[None]
         in_use = cols < ((lens.long() + page - 1) // page)[:, None]
@@ -532,7 +533,11 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
             t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
         raise ValueError("attention_varlen with a block_table is forward only (serving); call it "
                          "under torch.no_grad(), or pack the keys for gradients")
-    k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, lens)
-    out, lse = _attn(q, k, v, sink, cu_seqlens_q, cu_k, max_seqlen_q, capacity, used, left, right,
-                     softcap, scale, deterministic)
+    # Only the pages that can hold one of the first max_seqlen_k keys are copied: a serving
+    # block table is often as wide as the longest sequence the engine allows.
+    page = k_cache.shape[1]
+    n_cols = min(block_table.shape[1], -(-max(max_seqlen_k, 0) // page))
+    k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table[:, :n_cols], lens)
+    out, lse = _attn(q, k, v, sink, cu_seqlens_q, cu_k, max_seqlen_q, n_cols * page, used, left,
+                     right, softcap, scale, deterministic)
     return (out, lse) if return_lse else out
