@@ -196,3 +196,17 @@ def test_merge_nan_state_propagates_to_its_row_only():
     ref_out, ref_lse = R.merge_states(outs.double(), lses.double().masked_fill(bad, 0.0))
     torch.testing.assert_close(out[~bad].double(), ref_out[~bad], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse[~bad].double(), ref_lse[~bad], atol=1e-5, rtol=1e-5)
+
+
+def test_merge_states_flash_layout_with_sink():
+    """attention's (out, lse) per key part, merged in the flash layout with the sink (H, 1)
+    added once, equals attention with the sink over all keys."""
+    q, k, v = rand(2, 5, 4, 16), rand(2, 12, 2, 16), rand(2, 12, 2, 8)
+    sink = rand(4, scale=2.0)
+    parts = [fl.attention(q, k[:, a:b], v[:, a:b], return_lse=True) for a, b in ((0, 7), (7, 12))]
+    out, lse = fl.merge_states(torch.stack([p[0] for p in parts]),
+                               torch.stack([p[1] for p in parts]), sink=sink.view(4, 1),
+                               layout="flash")
+    ref_out, ref_lse = R.attention(q, k, v, sink=sink, return_lse=True)
+    assert_close_to_ref(out, ref_out)
+    assert_close_to_ref(lse, ref_lse, name="lse")

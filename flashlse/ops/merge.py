@@ -69,18 +69,23 @@ def _validate_states(outs, lses, sink):
     if outs.shape[0] < 1:
         raise ValueError("merge_states needs at least one state (N >= 1), got N = 0")
     if sink is not None:
-        if not isinstance(sink, torch.Tensor) or not sink.is_floating_point():
-            raise TypeError(f"sink must be a floating-point tensor, got {type(sink).__name__}")
-        try:
-            torch.broadcast_shapes(sink.shape, lses.shape[1:])
-        except RuntimeError:
-            raise ValueError(
-                f"sink {tuple(sink.shape)} must broadcast against one state's lse "
-                f"{tuple(lses.shape[1:])} by torch rules: (H,) for lse (..., H), "
-                f"(H, 1) for lse (B, H, Sq)"
-            ) from None
-        if sink.device != lses.device:
-            raise ValueError(f"sink is on {sink.device}, lses on {lses.device}")
+        _check_sink(sink, lses)
+
+
+def _check_sink(sink, lses):
+    """``sink`` broadcasts against one state's lse ``lses.shape[1:]``, on lses' device."""
+    if not isinstance(sink, torch.Tensor) or not sink.is_floating_point():
+        raise TypeError(f"sink must be a floating-point tensor, got {type(sink).__name__}")
+    try:
+        torch.broadcast_shapes(sink.shape, lses.shape[1:])
+    except RuntimeError:
+        raise ValueError(
+            f"sink {tuple(sink.shape)} must broadcast against one state's lse "
+            f"{tuple(lses.shape[1:])} by torch rules: (H,) for lse (..., H), "
+            f"(H, 1) for lse (B, H, Sq)"
+        ) from None
+    if sink.device != lses.device:
+        raise ValueError(f"sink is on {sink.device}, lses on {lses.device}")
 
 
 LAYOUTS = ("rows", "flash")
@@ -126,17 +131,18 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor |
         in the layout given (``(B, H, Sq)`` for ``"flash"``). All-empty rows give
         ``(0, -inf)``, or ``(0, sink)`` with a sink. A +inf or NaN lse makes its row NaN.
     """
-    if _resolve_layout(outs, lses, layout) == "flash":
-        _validate_states(outs, lses.transpose(-1, -2), None)
+    flash = _resolve_layout(outs, lses, layout) == "flash"
+    if flash:
+        # The rows layout of the same states: lse (B, Sq, H), the sink broadcast against the
+        # flash-layout lse first, then transposed with it (a view either way).
         if sink is not None:
-            _validate_states(outs, lses, sink)
-        out, lse = merge_states(outs, lses.transpose(-1, -2),
-                                sink=None if sink is None else sink.transpose(-1, -2),
-                                layout="rows")
-        return out, lse.transpose(-1, -2)
+            _check_sink(sink, lses)
+            sink = torch.broadcast_to(sink, lses.shape[1:]).transpose(-1, -2)
+        lses = lses.transpose(-1, -2)
     _validate_states(outs, lses, sink)
     _check_canonical(lses)
-    return merge_states_unchecked(outs, lses, sink=sink)
+    out, lse = merge_states_unchecked(outs, lses, sink=sink)
+    return (out, lse.transpose(-1, -2)) if flash else (out, lse)
 
 
 def _check_canonical(lses: torch.Tensor) -> None:
