@@ -225,3 +225,23 @@ def run_sparse_paged(device, dtype, mla=False, page=3, seed=0):
 @pytest.mark.parametrize("page", [1, 3, 16], ids=lambda p: f"page{p}")
 def test_sparse_attention_paged(mla, page):
     run_sparse_paged("cpu", torch.float32, mla=mla, page=page)
+
+
+def test_sparse_paged_page_outside_the_cache():
+    """A listed key on a block-table entry outside [0, num_pages): a clear error with the value
+    checks (always on the CPU), and no key without them -- never a read outside the cache."""
+    q, k_cache = torch.randn(1, 2, 2, 16), torch.randn(3, 4, 1, 16)
+    table = torch.tensor([[2, 99]], dtype=torch.int32)
+    idx = torch.tensor([[[[1, 6]], [[0, -1]]]], dtype=torch.int32)  # key 6 sits on page 99
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="block_table entries of listed keys"):
+            fl.sparse_attention(q, k_cache, k_cache, idx, block_table=table)
+        with fl.value_checks(False):
+            out, lse = fl.sparse_attention(q, k_cache, k_cache, idx, block_table=table,
+                                           return_lse=True)
+    clean = torch.where(idx == 6, -1, idx)
+    ref_out, ref_lse = R.sparse_attention(q.double(), k_cache.double(), k_cache.double(), clean,
+                                          block_table=torch.tensor([[2, 0]], dtype=torch.int32),
+                                          return_lse=True)
+    assert_close_to_ref(out, ref_out)
+    assert_close_to_ref(lse, ref_lse, name="lse")

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..masks import normalize_window
+
 IMPL_NAME = "flashlse"
 
 
@@ -46,14 +48,6 @@ def _unsupported(what: str, dropout_p: float = 0.0, **extra) -> None:
             raise RuntimeError(f"flashlse SDPA {what}: {name} is not supported")
 
 
-def _window(is_causal, left, right):
-    left = None if left is None or left < 0 else int(left)
-    right = None if right is None or right < 0 else int(right)
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    return left, right
-
-
 def _scale(scale, d):
     return d ** -0.5 if scale is None else float(scale)
 
@@ -61,7 +55,7 @@ def _scale(scale, d):
 def _fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right, seqused_k):
     from ..kernels.fwd import attn_fwd
 
-    left, right = _window(is_causal, left, right)
+    left, right = normalize_window(is_causal, (left, right))
     varlen = {}
     if cu_q is not None:
         varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q),
@@ -108,7 +102,7 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_se
     from ..kernels.bwd import attn_bwd
 
     _unsupported("backward", dropout_p)
-    left, right = _window(is_causal, window_size_left, window_size_right)
+    left, right = normalize_window(is_causal, (window_size_left, window_size_right))
     varlen = {}
     if cum_seq_q is not None:
         varlen = dict(cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k, max_seqlen_q=int(max_q),

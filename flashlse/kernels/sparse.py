@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..lse import safe_pivot
 from ._common import LOG2E, next_pow2
 
 
@@ -118,7 +119,8 @@ def sparse_bwd(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
     delta = (dout.float() * out.float()).sum(-1)
     if dlse is not None:
         delta = delta - dlse.transpose(1, 2).float()
-    lse_log2 = torch.where(torch.isneginf(lse_rows), 0.0, lse_rows * LOG2E.value).contiguous()
+    pivot = safe_pivot(lse_rows)
+    lse_log2 = (pivot * LOG2E.value).contiguous()
     delta = delta.contiguous()
     dq = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device)
     dk = torch.zeros(b, sk, hkv, d, dtype=torch.float32, device=q.device)
@@ -126,7 +128,6 @@ def sparse_bwd(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
     dsink = None
     if sink is not None:
         # dL/dsink_h = -sum_rows exp(sink_h - L) Delta (the sink is a key of value 0).
-        pivot = torch.where(torch.isneginf(lse_rows), 0.0, lse_rows)
         dsink = -(torch.exp(sink.float() - pivot) * delta).sum((0, 1)).to(sink.dtype)
     if b * sq * hkv and topk:
         st_q, st_k, st_v, st_i = q.stride(), k.stride(), v.stride(), indices.stride()

@@ -223,7 +223,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     softcap = V.check_softcap(softcap)
     scale = V.check_scale(scale, q.shape[-1])
     sink = V.check_sink(sink, q.shape[2], q.device)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
         raise ValueError("attention_with_kvcache is not differentiable (serving); call it under "
                          "torch.no_grad(), or use flashlse.attention for gradients")
     if torch.compiler.is_compiling():

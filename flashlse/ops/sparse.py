@@ -113,7 +113,26 @@ def sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
             dv_.view(b, sk, hkv, dv).to(v.dtype), dsink)
 
 
-def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None):
+def _listed_rows(indices, k, block_table):
+    """Where each listed key lives: ``(row, ok)``, ``row`` the key's row in the cache viewed
+    as ``(rows, Hkv, D)`` (``b * Sk + j`` contiguous, ``page * page_size + j % page_size``
+    paged), ``ok`` False for -1, an index past the sequence's keys, or a page outside
+    ``[0, num_pages)``."""
+    idx = indices.long()
+    if block_table is None:
+        sk = k.shape[1]
+        b = indices.shape[0]
+        return (torch.arange(b, device=idx.device).view(b, 1, 1, 1) * sk + idx,
+                (idx >= 0) & (idx < sk))
+    page_size = k.shape[1]
+    ok = (idx >= 0) & (idx < block_table.shape[1] * page_size)
+    slot = torch.where(ok, idx, 0)
+    page = torch.gather(block_table.long(), 1, (slot // page_size).flatten(1)).view_as(idx)
+    ok = ok & (page >= 0) & (page < k.shape[0])
+    return page * page_size + slot % page_size, ok
+
+
+def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, listed=None):
     """The forward on the split-KV decode kernel (``kernels/decode.py``), no new kernel: each
     (batch, query row, kv head) is one "sequence" whose key list is a block table of pages of
     one (token, kv head) row, and its query heads are the decode kernel's head group, so each
@@ -136,20 +155,11 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None):
     n_rows = k.shape[0] * k.shape[1]
     pages_k = k.reshape(n_rows * hkv, 1, 1, d)
     pages_v = v.reshape(n_rows * hkv, 1, 1, dv)
-    idx = indices.long()
     heads = torch.arange(hkv, device=q.device).view(1, 1, hkv, 1)
-    if block_table is None:
-        sk = k.shape[1]
-        row = torch.arange(b, device=q.device).view(b, 1, 1, 1) * sk + idx
-        ok = (idx >= 0) & (idx < sk)
-    else:
-        page_size, max_pages = k.shape[1], block_table.shape[1]
-        ok = (idx >= 0) & (idx < max_pages * page_size)
-        slot = torch.where(ok, idx, 0)
-        page = torch.gather(block_table.long(), 1, (slot // page_size).flatten(1)).view_as(idx)
-        # A block-table entry outside [0, num_pages) is no key, as an index outside the cache.
-        ok = ok & (page >= 0) & (page < k.shape[0])
-        row = page * page_size + slot % page_size
+    # An unlisted key (-1, out of range, or on a page outside the cache) is a page the
+    # kernel never reads: no key.
+    # listed: _listed_rows of a paged cache; a contiguous one is computed here.
+    row, ok = listed if listed is not None else _listed_rows(indices, k, None)
     table = torch.where(ok, row * hkv + heads, -1).to(torch.int32)
     lens = torch.full((rows,), topk, dtype=torch.int32, device=q.device)
     out, lse = decode_fwd(q.reshape(rows, 1, g, d), pages_k, pages_v, cache_seqlens=lens,
@@ -268,18 +278,22 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
             t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
         raise ValueError("sparse_attention with a block_table is forward only (serving); call "
                          "it under torch.no_grad()")
+    listed = _listed_rows(indices, k_cache, block_table)
+    ok = listed[1]
     if V.values_checkable(block_table) and indices.numel():
-        page_size = k_cache.shape[1]
-        used = torch.where(indices >= 0, indices, 0).long() // page_size
-        pages = torch.gather(block_table.long(), 1, used.flatten(1)).view_as(used)
-        bad = (indices >= 0) & ((pages < 0) | (pages >= k_cache.shape[0]))
+        # The indices lie in [0, capacity) or are -1 (checked): a listed key that is not ok
+        # sits on a page outside the cache.
+        bad = (indices >= 0) & ~ok
         if bool(bad.any()):
+            page_size = k_cache.shape[1]
+            cols = indices[bad].long() // page_size
+            rows_b = bad.nonzero()[:, 0]
             raise ValueError(f"block_table entries of listed keys must lie in "
                              f"[0, {k_cache.shape[0]}) (the number of pages), found "
-                             f"{pages[bad][:4].tolist()}")
+                             f"{block_table[rows_b, cols][:4].tolist()}")
     if _kernel_ok(q, k_cache, v_cache, indices):
         out, lse = sparse_fwd_kernel(q, k_cache, v_cache, indices, scale=scale, sink=sink,
-                                     block_table=block_table)
+                                     listed=listed)
     else:
         from ._paged import gather_pages
 
@@ -289,9 +303,6 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
         k, v, _, _ = gather_pages(k_cache, v_cache, block_table, lens)
         k, v = k.view(b, cap, *k.shape[1:]), v.view(b, cap, *v.shape[1:])
         # A listed key on a page outside the cache is no key here too (checks off).
-        slot = torch.where((indices >= 0) & (indices < cap), indices, 0).long()
-        page = torch.gather(block_table.long(), 1,
-                            (slot // k_cache.shape[1]).flatten(1)).view_as(slot)
-        indices = torch.where((page >= 0) & (page < k_cache.shape[0]), indices, -1)
-        out, lse = sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
+        out, lse = sparse_fwd_torch(q, k, v, torch.where(ok, indices, -1), scale=scale,
+                                    sink=sink)
     return (out, lse) if return_lse else out
