@@ -40,9 +40,44 @@ def _assert_bad_rows(out, lse, bad, want_out, want_lse, tol):
     torch.testing.assert_close(out[good], want_out[good], atol=tol, rtol=tol)
 
 
+def _causal_indices(sq, sk, device):
+    """Top-k lists equal to the bottom-right causal mask: row i lists keys 0 .. i + Sk - Sq."""
+    j = torch.arange(sk, device=device)
+    rows = torch.arange(sq, device=device)[:, None] + sk - sq
+    return torch.where(j[None] <= rows, j[None], -1).to(torch.int32)
+
+
+def _paged(x, page):
+    """(1, S, H, D) as a paged cache of shuffled-free pages and its block table."""
+    n = -(-x.shape[1] // page)
+    pages = x.new_zeros(n + 1, page, *x.shape[2:])
+    pages[1:].flatten(0, 1)[: x.shape[1]] = x[0]
+    return pages, torch.arange(1, n + 1, dtype=torch.int32, device=x.device)[None]
+
+
 def _call(path, q, k, v, sink, num_splits):
+    """The same causal attention through each path: dense, decode (num_splits), sparse with
+    causal top-k lists, paged varlen, paged sparse."""
     if path == "attention":
         return fl.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+    if path in ("sparse", "sparse_paged"):
+        idx = _causal_indices(q.shape[1], k.shape[1], q.device)[None, :, None].contiguous()
+        with torch.no_grad(), fl.value_checks(False):
+            if path == "sparse":
+                return fl.sparse_attention(q, k, v, idx, sink=sink, return_lse=True)
+            (kp, table), (vp, _) = _paged(k, 3), _paged(v, 3)
+            return fl.sparse_attention(q, kp, vp, idx, block_table=table, sink=sink,
+                                       return_lse=True)
+    if path == "varlen_paged":
+        (kp, table), (vp, _) = _paged(k, 3), _paged(v, 3)
+        sq, sk = q.shape[1], k.shape[1]
+        cu_q = torch.tensor([0, sq], dtype=torch.int32, device=q.device)
+        used = torch.tensor([sk], dtype=torch.int32, device=q.device)
+        with torch.no_grad(), fl.value_checks(False):
+            out, lse = fl.attention_varlen(q[0], kp, vp, cu_q, None, sq, sk, seqused_k=used,
+                                           block_table=table, causal=True, sink=sink,
+                                           return_lse=True)
+        return out[None], lse[None]
     lens = torch.full((1,), SK, dtype=torch.int32, device=q.device)
     with torch.no_grad(), fl.value_checks(False):
         return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, sink=sink,
@@ -99,16 +134,20 @@ def run_neg_inf_sink(device, dtype, path, num_splits=1, d=D):
     assert torch.equal(s.grad, torch.zeros_like(s.grad))
 
 
+# Every path, (path, num_splits) with its test id.
+PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3), ("sparse", 1),
+         ("sparse_paged", 1), ("varlen_paged", 1)]
+IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3", "sparse", "sparse_paged",
+       "varlen_paged"]
+
+
 @pytest.mark.parametrize("what", ["k", "q", "sink", "sink_inf"])
-@pytest.mark.parametrize("path,num_splits", [("attention", 1), ("kvcache", 1), ("kvcache", 2),
-                                             ("kvcache", 3)], ids=["attention", "kv_splits1",
-                                                                   "kv_splits2", "kv_splits3"])
+@pytest.mark.parametrize("path,num_splits", PATHS, ids=IDS)
 def test_nan_reaches_exactly_the_rows_that_see_it(path, num_splits, what):
     run_case("cpu", torch.float32, path, what, num_splits)
 
 
-@pytest.mark.parametrize("path,num_splits", [("attention", 1), ("kvcache", 1), ("kvcache", 3)],
-                         ids=["attention", "kv_splits1", "kv_splits3"])
+@pytest.mark.parametrize("path,num_splits", PATHS, ids=IDS)
 def test_neg_inf_sink_is_no_sink(path, num_splits):
     run_neg_inf_sink("cpu", torch.float32, path, num_splits)
 

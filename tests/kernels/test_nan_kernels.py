@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_nan_propagation import run_case, run_neg_inf_sink
+from test_nan_propagation import IDS, PATHS, run_case, run_neg_inf_sink
 
 DTYPE = torch.float16 if torch.cuda.is_available() else torch.float32
-PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3)]
-IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3"]
 
 
 @pytest.mark.parametrize("what", ["k", "q", "sink", "sink_inf"])
