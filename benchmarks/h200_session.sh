@@ -45,9 +45,9 @@ if [ "$1" = pending ]; then
     wait
     for f in "$OUT"/test_gpu_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -20
-    timeout 120 python3 benchmarks/bench_sparse.py --backward 2>&1 | tail -4
-    timeout 100 python3 benchmarks/bench_serving.py 2>&1 | tail -7
-    timeout 60 python3 benchmarks/bench_sdpa.py 2>&1 | tail -2
+    timeout 100 python3 benchmarks/bench_sparse.py --backward 2>&1 | tail -4
+    timeout 80 python3 benchmarks/bench_serving.py 2>&1 | tail -7
+    timeout 60 python3 benchmarks/bench_sdpa.py 2>&1 | tail -3
     exit 0
 fi
 if [ "$1" = fuzz ]; then

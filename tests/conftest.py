@@ -114,8 +114,8 @@ def check_against_reference(fn, ref_fn, diff: dict, const: dict | None = None, *
     const = const or {}
     with torch.no_grad():
         out0, lse0 = fn(**diff, **const)
-    dout = rand(*out0.shape)
-    dlse = rand(*lse0.shape)
+    dout = rand(*out0.shape).to(out0.device)
+    dlse = rand(*lse0.shape).to(lse0.device)
     if not grad:
         ref_out, ref_lse = ref_fn(**_leaves(diff, torch.float64), **const)
         outs = {"out": (out0, ref_out.detach()), "lse": (lse0, ref_lse.detach())}

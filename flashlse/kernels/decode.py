@@ -368,7 +368,9 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     st_q, st_k, st_v = q.stride(), k_cache.stride(), v_cache.stride()
     paged = block_table is not None
     shared_kv = dv <= d and st_v == st_k and v_cache.data_ptr() == k_cache.data_ptr()
-    d1 = dv if shared_kv else d
+    # K's columns as two power-of-two-padded pieces: V's columns and the rest when V is a view
+    # of K (MLA's 512 + 64), else at most 256 columns padded (576 -> 512 + 64, not 1024).
+    d1 = dv if shared_kv else (d if d <= 256 else 1 << (d.bit_length() - 1))
     d2 = d - d1
     rows = sq * group
     interpret = interpreting()

@@ -154,7 +154,10 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, listed=None):
     # r * Hkv + h, r = b * Sk + j contiguous, or (page * page_size + j % page_size) paged.
     n_rows = k.shape[0] * k.shape[1]
     pages_k = k.reshape(n_rows * hkv, 1, 1, d)
-    pages_v = v.reshape(n_rows * hkv, 1, 1, dv)
+    # MLA (v = k[..., :Dv]) keeps v a view of the same pages, so the kernel reads the latent
+    # row once; a reshape would give the size-1 dims other strides and hide that.
+    shared = v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and dv <= d
+    pages_v = pages_k[..., :dv] if shared else v.reshape(n_rows * hkv, 1, 1, dv)
     heads = torch.arange(hkv, device=q.device).view(1, 1, hkv, 1)
     # An unlisted key (-1, out of range, or on a page outside the cache) is a page the
     # kernel never reads: no key.
