@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..lse import safe_pivot
+from . import configs
 from ._common import LOG2E, next_pow2
 
 
@@ -131,6 +132,7 @@ def sparse_bwd(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
         dsink = -(torch.exp(sink.float() - pivot) * delta).sum((0, 1)).to(sink.dtype)
     if b * sq * hkv and topk:
         st_q, st_k, st_v, st_i = q.stride(), k.stride(), v.stride(), indices.stride()
+        cfg = configs.sparse_bwd_config(group)
         _sparse_bwd_kernel[(b * sq * hkv,)](
             q=q,
             k=k,
@@ -155,11 +157,11 @@ def sparse_bwd(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
             GROUP=group,
             D=d,
             DV=dv_dim,
-            BLOCK_H=max(16, next_pow2(group)),
-            BLOCK_N=32,
+            BLOCK_H=cfg.block_m,
+            BLOCK_N=cfg.block_n,
             BLOCK_D=max(16, next_pow2(d)),
             BLOCK_DV=max(16, next_pow2(dv_dim)),
-            num_warps=4,
+            **cfg.launch(),
         )
     else:
         dq.zero_()
