@@ -86,6 +86,8 @@ from ._common import (
     next_pow2,
     row_ranges,
     seq_bounds,
+    stride_args,
+    strides,
     tma_ok,
 )
 
@@ -720,28 +722,16 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
         n_rows = q.shape[0]
-
-        def bsh(t):
-            return 0, t.stride(0), t.stride(1)
-
-        def lsh(t):
-            return 0, t.stride(0), t.stride(1)
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         n_rows = batch * seqlen_q
-
-        def bsh(t):
-            return t.stride(0), t.stride(1), t.stride(2)
-
-        def lsh(t):
-            return t.stride(0), t.stride(1), t.stride(2)
     # D and lse_log2 in the layout of a contiguous lse, each row padded to 16 bytes so
     # that the dK/dV kernel can fetch a row block of them by TMA.
     n_last = lse.shape[-1]
     padded = (*lse.shape[:-1], (n_last + 3) // 4 * 4)
     delta = torch.empty(padded, dtype=torch.float32, device=device)[..., :n_last]
     lse_log2 = torch.empty(padded, dtype=torch.float32, device=device)[..., :n_last]
-    st_b, st_h = (0, delta.stride(0)) if is_varlen else (delta.stride(0), delta.stride(1))
+    st_b, st_h = strides(delta, is_varlen)[:2]
 
     n_m_pre = cdiv(max(seqlen_q, 1), configs.BWD_PREPROCESS.block_m)
     n_part = batch * n_m_pre
@@ -770,10 +760,6 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     if use_tma and not interpret:
         triton.set_allocator(alloc_scratch)
 
-    ob, os_, oh = bsh(out)
-    dob, dos, doh = bsh(dout)
-    lb, lh, ls = lsh(lse)
-    dlb, dlh, dls = lsh(dlse)
     _attn_bwd_preprocess_kernel[(n_m_pre, hq, batch)](
         out=out,
         dout=dout,
@@ -784,18 +770,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         sink=sink,
         dsink_part=dsink_part,
         cu_seqlens_q=cu_seqlens_q,
-        stride_ob=ob,
-        stride_os=os_,
-        stride_oh=oh,
-        stride_dob=dob,
-        stride_dos=dos,
-        stride_doh=doh,
-        stride_lb=lb,
-        stride_lh=lh,
-        stride_ls=ls,
-        stride_dlb=dlb,
-        stride_dlh=dlh,
-        stride_dls=dls,
+        **stride_args("bsh", is_varlen, o=out, do=dout),
+        **stride_args("bhs", is_varlen, l=lse, dl=dlse),
         stride_tb=st_b,
         stride_th=st_h,
         seqlen_q=seqlen_q,
@@ -810,26 +786,11 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         **configs.BWD_PREPROCESS.launch(),
     )
 
-    qb, qs, qh = bsh(q)
-    kb, ks, kh = bsh(k)
-    vb, vs, vh = bsh(v)
-    dqb, dqs, dqh = bsh(dq)
     common = dict(
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         seqused_k=seqused_k,
-        stride_qb=qb,
-        stride_qs=qs,
-        stride_qh=qh,
-        stride_kb=kb,
-        stride_ks=ks,
-        stride_kh=kh,
-        stride_vb=vb,
-        stride_vs=vs,
-        stride_vh=vh,
-        stride_dob=dob,
-        stride_dos=dos,
-        stride_doh=doh,
+        **stride_args("bsh", is_varlen, q=q, k=k, v=v, do=dout),
         stride_tb=st_b,
         stride_th=st_h,
         seqlen_q=seqlen_q,
@@ -858,8 +819,6 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     sm90_key = (q.dtype, left is None, right is None, is_varlen, seqused_k is None, hq // hkv)
 
     if seqlen_k > 0:
-        dkb, dks, dkh = bsh(dk)
-        dvb, dvs, dvh = bsh(dv)
         dkdv_args = dict(
             q=q,
             k=k,
@@ -869,12 +828,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             delta=delta,
             dk=dk,
             dv=dv,
-            stride_dkb=dkb,
-            stride_dks=dks,
-            stride_dkh=dkh,
-            stride_dvb=dvb,
-            stride_dvs=dvs,
-            stride_dvh=dvh,
+            **stride_args("bsh", is_varlen, dk=dk, dv=dv),
             # lse_log2 and delta by TMA: dense only (see the kernel).
             STATS_TMA=bool(use_tma and not is_varlen and dkdv_cfg.stats_tma),
             # One loop per range over the whole group up to head dim 128; a head loop above.
@@ -895,9 +849,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         lse_log2=lse_log2,
         delta=delta,
         dq=dq,
-        stride_dqb=dqb,
-        stride_dqs=dqs,
-        stride_dqh=dqh,
+        **stride_args("bsh", is_varlen, dq=dq),
         **common,
     )
     if not (opts.sm90_dq and bwd_sm90 is not None

@@ -61,7 +61,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import configs, options
-from ._common import LN2, LOG2E, capability, exp2_constants, interpreting
+from ._common import LN2, LOG2E, capability, exp2_constants, interpreting, stride_args
 from .combine import _cdiv, _next_pow2, _num_sms, merge_launch
 
 
@@ -487,7 +487,6 @@ def append_kv(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table):
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = configs.append_kv_config(s_new)
-    st_k, st_v, st_kn, st_vn = k_cache.stride(), v_cache.stride(), k_new.stride(), v_new.stride()
     _append_kv_kernel[(_cdiv(s_new, cfg.block_m), hkv, batch)](
         k_cache=k_cache,
         v_cache=v_cache,
@@ -495,10 +494,8 @@ def append_kv(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table):
         v_new=v_new,
         cache_seqlens=cache_seqlens,
         block_table=block_table,
-        stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],
-        stride_vb=st_v[0], stride_vn=st_v[1], stride_vh=st_v[2],
-        stride_knb=st_kn[0], stride_kns=st_kn[1], stride_knh=st_kn[2],
-        stride_vnb=st_vn[0], stride_vns=st_vn[1], stride_vnh=st_vn[2],
+        **stride_args("bnh", k=k_cache, v=v_cache),
+        **stride_args("bsh", kn=k_new, vn=v_new),
         stride_tb=block_table.stride(0) if paged else 0,
         s_new=s_new,
         capacity=capacity,
