@@ -44,7 +44,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs, options
-from ._common import LN2, LOG2E, alloc_scratch, capability, cdiv, key_ranges, seq_bounds, tma_ok
+from ._common import (
+    LN2,
+    LOG2E,
+    alloc_scratch,
+    capability,
+    cdiv,
+    key_ranges,
+    seq_bounds,
+    strides,
+    tma_ok,
+)
 
 # fwd.py's scalar helpers (sequence bounds, key-tile ranges), compiled as Gluon functions.
 _seq_bounds = gluon.jit(seq_bounds.fn)
@@ -414,18 +424,11 @@ def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
     if is_varlen:
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        sq = (0, q.stride(0), q.stride(1))
-        sk = (0, k.stride(0), k.stride(1))
-        sv = (0, v.stride(0), v.stride(1))
-        so = (0, out.stride(0), out.stride(1))
-        sl = (0, lse.stride(0))
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        sq = (q.stride(0), q.stride(1), q.stride(2))
-        sk = (k.stride(0), k.stride(1), k.stride(2))
-        sv = (v.stride(0), v.stride(1), v.stride(2))
-        so = (out.stride(0), out.stride(1), out.stride(2))
-        sl = (lse.stride(0), lse.stride(1))
+    # (batch, row, head) strides; lse: (batch, head).
+    sq, sk, sv, so = (strides(t, is_varlen) for t in (q, k, v, out))
+    sl = strides(lse, is_varlen)[:2]
     cfg = configs.override(configs.FWD_SM90[d], options.current().fwd_sm90_config,
                            configs.FWD_SM90_KEYS, what="fwd_sm90_config")
     triton.set_allocator(alloc_scratch)
