@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _common import graph_replay, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
-from flashlse.kernels import combine, decode  # noqa: E402
+from flashlse.kernels import combine, configs, decode  # noqa: E402
 
 GQA_SHAPES = [(1, 131072), (8, 32768), (64, 8192), (128, 2048)]
 HQ, HKV, D = 32, 8, 128
@@ -198,11 +198,11 @@ def main():
                 ms = bench(run_decode(q, k, v, lens, None, scale, num_splits=ns))
                 sweeps.append(dict(shape=row["shape"], cfg=dict(num_splits=ns), ms=ms,
                                    gbs=nbytes / ms / 1e6))
-            cfg0 = decode._pick_config(D, 0, D, HQ // HKV, SMOKE)
+            cfg0 = configs.decode_config(D, 0, D, HQ // HKV, SMOKE)
             n_split = decode._num_splits(
-                b * HKV, triton.cdiv(skv, cfg0["BLOCK_N"]),
+                b * HKV, triton.cdiv(skv, cfg0.block_n),
                 (2 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count)
-                * cfg0["PROGRAMS_PER_SM"])
+                * cfg0.programs_per_sm)
             o_part = torch.randn(n_split, b, 1, HQ, D, device=DEV)
             l_part = torch.randn(n_split, b, 1, HQ, device=DEV)
             out_m = torch.empty(b, 1, HQ, D, device=DEV, dtype=dtype)

@@ -32,7 +32,7 @@ import triton
 from _common import attn_flops, bf16_inputs, causal_block_mask, flex_attention_compiled, median_ms
 
 import flashlse as fl
-from flashlse.kernels import fwd
+from flashlse.kernels import configs, fwd
 
 DATE = "2026-11-29"
 SEQS = [1024, 2048, 4096, 8192, 16384]
@@ -394,7 +394,8 @@ def main():
             best = json.load(f)["best"]
         for key, (tf, cfg) in best.items():
             d, causal = (int(x) for x in key.split(","))
-            (fwd._MASKED_CONFIGS if causal else fwd._CONFIGS)[d] = cfg
+            table = configs.FWD_MASKED if causal else configs.FWD
+            table[d] = configs.override(table.get(d) or configs.FWD[d], cfg, configs.FWD_KEYS)
             print(f"config D={d} causal={causal}: {cfg} ({tf:.1f} TFLOP/s in the sweep)")
     if a.full:
         full(a.out, dims=[int(x) for x in a.dims.split(",")], flex_budget_s=a.flex_budget,

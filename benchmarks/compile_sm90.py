@@ -31,7 +31,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashlse.kernels import bwd, bwd_sm90, combine, decode, fwd, fwd_sm90, sparse  # noqa: E402
+from flashlse.kernels import bwd, bwd_sm90, combine, configs, decode, fwd, fwd_sm90, sparse  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"
@@ -121,7 +121,7 @@ def cases():
         consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True,
                       STATS_TMA=not f["IS_VARLEN"], HEAD_LOOP=False)
-        # The shipped stages: varlen keeps 2 (bwd._DKDV_VARLEN_CONFIGS).
+        # The shipped stages: varlen keeps 2 (configs.BWD_DKDV_VARLEN).
         yield "dkdv", f"bwd dK/dV D=128 {label}", bwd._attn_bwd_dkdv_kernel, bwd_types, \
             consts, 8, 2 if f["IS_VARLEN"] else 3
         if label == "causal":
@@ -149,7 +149,7 @@ def cases():
         if label == "causal":
             yield "dq", "bwd dQ sm90 (Gluon) D=256 causal", bwd_sm90._dq_sm90_kernel, \
                 dict(bwd_types, scale="fp32", scale_log2="fp32"), \
-                dict(consts, D=256, BLOCK_N=bwd_sm90.DQ_CONFIG[256]["BLOCK_N"]), 4, 1
+                dict(consts, D=256, BLOCK_N=configs.BWD_SM90_DQ[256].block_n), 4, 1
         consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3

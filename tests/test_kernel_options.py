@@ -32,3 +32,24 @@ def test_unknown_field_and_wrong_type_say_so():
 def test_poison_outputs_fills_the_launchers_buffers_with_nan():
     with fl.kernel_options(poison_outputs=True):
         assert torch.isnan(options.empty((4,), dtype=torch.float32, device="cpu")).all()
+
+
+def test_tile_overrides_convert_in_one_place():
+    # KernelOptions' tile dicts become a TileConfig in configs.override: a mapping sets the
+    # fields it names, a TileConfig replaces the entry, an unknown key is an error.
+    pytest.importorskip("triton")
+    from flashlse.kernels import configs
+
+    base = configs.FWD[128]
+    cfg = configs.override(base, {"BLOCK_N": 64, "USE_TMA": True}, configs.FWD_KEYS)
+    assert (cfg.block_m, cfg.block_n, cfg.use_tma, cfg.num_warps) == (128, 64, True, 8)
+    assert configs.override(base, None, configs.FWD_KEYS) is base
+    mine = configs.TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    assert configs.override(base, mine, configs.FWD_KEYS) is mine
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        configs.override(base, {"BLOCK_K": 64}, configs.FWD_KEYS)
+    dkdv, dq = configs.bwd_configs(128, False, False)
+    change = {"dkdv": (32, 64, 4, 2), "EARLY_DP": False}
+    assert configs.override(dkdv, change, configs.BWD_KEYS, part="dkdv").tile == (32, 64, 4, 2)
+    dq2 = configs.override(dq, change, configs.BWD_KEYS, part="dq")
+    assert dq2.tile == dq.tile and not dq2.early_dp

@@ -142,14 +142,24 @@ def _varlen_lse(lse, c):
     return torch.cat([lse[i, :, : cu[i + 1] - cu[i]] for i in range(len(cu) - 1)], -1)[None]
 
 
-def _run_sdpa_flash(c):
+def _flash_inputs(c):
+    """``q, k, v`` of a case that kernels with no sink and no index lists run (flash-attn's
+    and the memory-efficient kernels: dense, or varlen0 as one packed batch)."""
     if c["sink"] is not None:
         raise NotApplicable("no sink")
     if c["id"] == "sparse":
         raise NotApplicable("no indices")
-    q, k, v = c["q4"], c["k4"], c["v4"]
-    left = -1 if c["left"] is None else c["left"]
-    right = -1 if c["right"] is None else c["right"]
+    return c["q4"], c["k4"], c["v4"]
+
+
+def _fa_window(c):
+    """flash-attn's ``(left, right)`` window, -1 for unbounded."""
+    return (-1 if c["left"] is None else c["left"], -1 if c["right"] is None else c["right"])
+
+
+def _run_sdpa_flash(c):
+    q, k, v = _flash_inputs(c)
+    left, right = _fa_window(c)
     win = dict(window_size_left=left, window_size_right=right)
     if c["id"] == "varlen0":
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
@@ -162,11 +172,7 @@ def _run_sdpa_flash(c):
 
 
 def _run_sdpa_efficient(c):
-    if c["sink"] is not None:
-        raise NotApplicable("no sink")
-    if c["id"] == "sparse":
-        raise NotApplicable("no indices")
-    q, k, v = c["q4"], c["k4"], c["v4"]
+    q, k, v = _flash_inputs(c)
     if c["id"] == "varlen0":
         out, lse, *_ = torch.ops.aten._efficient_attention_forward(
             q, k, v, None, c["cu_q"], c["cu_k"], c["max_q"], c["max_k"], 0.0, 0, True)
@@ -209,18 +215,13 @@ def _run_flex(c):
 def _run_flash_attn(c):
     import flash_attn
 
-    if c["sink"] is not None:
-        raise NotApplicable("no sink")
-    if c["id"] == "sparse":
-        raise NotApplicable("no indices")
-    q, k, v = c["q4"], c["k4"], c["v4"]
+    q, k, v = _flash_inputs(c)
     if c["id"] == "varlen0":
         out, lse, _ = flash_attn.flash_attn_varlen_func(
             q[0], k[0], v[0], c["cu_q"], c["cu_k"], c["max_q"], c["max_k"],
             return_attn_probs=True)
         return out[None], _varlen_lse(lse, c), "fa2"
-    win = (-1 if c["left"] is None else c["left"], -1 if c["right"] is None else c["right"])
-    out, lse, _ = flash_attn.flash_attn_func(q, k, v, causal=c["causal"], window_size=win,
+    out, lse, _ = flash_attn.flash_attn_func(q, k, v, causal=c["causal"], window_size=_fa_window(c),
                                              return_attn_probs=True)
     return out, lse, "fa2"
 

@@ -36,6 +36,30 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def strides(t: torch.Tensor, varlen: bool = False) -> tuple:
+    """The three leading strides of a ``(B, S, H, ...)`` tensor (or ``(B, H, S)`` lse), or
+    ``(0, s0, s1)`` of a packed varlen one (``(total, H, ...)``, ``(H, total)``): varlen
+    tensors have no batch stride, the sequence offset moves along the rows."""
+    st = t.stride()
+    return (0, st[0], st[1]) if varlen else (st[0], st[1], st[2])
+
+
+def stride_args(dims: str, varlen: bool = False, **tensors: torch.Tensor) -> dict:
+    """Launch keywords ``stride_<name><dim>`` of each tensor's :func:`strides`, the dims
+    named by the letters of ``dims``: ``stride_args("bsh", q=q)`` gives ``stride_qb``,
+    ``stride_qs``, ``stride_qh``."""
+    args = {}
+    for keys, t in zip(_stride_keys(dims, tuple(tensors)), tensors.values()):
+        args.update(zip(keys, strides(t, varlen)))
+    return args
+
+
+@functools.cache
+def _stride_keys(dims: str, names: tuple) -> tuple:
+    # Cached: the launchers of the decode step call stride_args every step.
+    return tuple(tuple(f"stride_{name}{dim}" for dim in dims) for name in names)
+
+
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

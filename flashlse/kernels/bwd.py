@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import options
+from . import configs, options
 from ._common import (
     LOG2E,
     alloc_scratch,
@@ -86,6 +86,8 @@ from ._common import (
     next_pow2,
     row_ranges,
     seq_bounds,
+    stride_args,
+    strides,
     tma_ok,
 )
 
@@ -626,46 +628,6 @@ def _attn_bwd_dq_kernel(
     _store_rows(p_dq, b_dq * scale, o_m, stride_dqs, T_q, BLOCK_D, D)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim. dK/dV keeps two
-# [BLOCK_N, D] float32 accumulators in registers, dQ one [BLOCK_M, D]. Picked by the H200
-# sweep (bench_bwd.py --sweep, S = 8k, benchmarks/RESULTS.md): D = 128 dK/dV 64 x 128 was
-# 1.7x the 64 x 64 tile, and 3 stages +5% once lse and delta came by TMA (session 3);
-# dQ 128 x 64 / 3 stages at D = 64 +6%, 128 x 32 at D = 256 +48% (its dQ pass had taken
-# half the time). D = 32 is not measured.
-_DKDV_CONFIGS = {
-    32: (64, 128, 8, 3),
-    64: (64, 128, 8, 3),
-    128: (64, 128, 8, 3),
-    256: (64, 64, 8, 2),
-}
-# Varlen reads lse and delta by masked pointer loads (a sequence starts anywhere in its row,
-# which TMA cannot address): at D = 128 a third stage then spills (sm_90 compile: 168-byte
-# stack against 88 for MHA), so varlen keeps the 2-stage tile.
-_DKDV_VARLEN_CONFIGS = {**_DKDV_CONFIGS, 128: (64, 128, 8, 2)}
-_DQ_CONFIGS = {
-    32: (128, 128, 8, 3),
-    64: (128, 64, 8, 3),
-    128: (128, 64, 8, 3),
-    256: (128, 32, 8, 2),
-}
-
-# Candidates for triton.autotune under KernelOptions.autotune_bwd (bench_bwd.py --autotune
-# prints the pick; the first call of each key then compiles and times every candidate).
-_DKDV_TUNE = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 8, 3), (32, 128, 8, 3)]
-_DQ_TUNE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 8, 2)]
-
-# KernelOptions.bwd_config keys: "dkdv" / "dq" (4-tuples as above), "USE_TMA" (False forces
-# pointer loads), "EARLY_DP" (bool; by default on for head dims <= 128, where the earlier
-# product's registers fit: H200, D = 128, S = 8k, +2% / +3% non-causal / causal), "STATS_TMA"
-# (False: lse and delta by pointer loads) and "HEAD_LOOP" (bool; by default on for head dims
-# > 128: a head loop around the dK/dV row ranges instead of one loop per range over the
-# whole group). None uses the tables above.
-
-# Rows per preprocess program: 32 keeps the int64 pointer tiles of a D = 128 row block
-# in registers (memory-bound either way).
-_PRE_BLOCK_M = 32
-
-
 def _tune_prune(configs, named_args, **kwargs):
     # Drop tiles whose K/V (or Q/dO) stages alone exceed the H200's 227 KB of shared memory.
     bd, bdv = named_args.get("BLOCK_D", kwargs.get("BLOCK_D")), named_args.get(
@@ -689,33 +651,23 @@ def _tuned(kernel, candidates):
     )(kernel)
 
 
-_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, _DKDV_TUNE)
-_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, _DQ_TUNE)
-
-
-def _pick(table, key):
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of a padded head dim."""
-    if interpreting():
-        # Small tiles keep the interpreter fast and give tests several tiles per row.
-        return 16, 16, 4, 1
-    return table[min(max(key, 32), 256)]
+_attn_bwd_dkdv_tuned = _tuned(_attn_bwd_dkdv_kernel, configs.BWD_DKDV_TUNE)
+_attn_bwd_dq_tuned = _tuned(_attn_bwd_dq_kernel, configs.BWD_DQ_TUNE)
 
 
 def _launch(kernel, tuned, cfg, n, block, n_heads, batch, args):
     """One program per ``block`` rows of ``n``, per head and per sequence: grid (blocks,
-    heads, batch), blocks fastest; with the tile ``cfg`` = (BLOCK_M, BLOCK_N, warps, stages),
-    or autotuned when ``cfg`` is None. Heads and batch get a grid dim each (CUDA stops dims
+    heads, batch), blocks fastest; with the tiles of ``cfg`` (a ``TileConfig``), or
+    autotuned when ``cfg`` is None. Heads and batch get a grid dim each (CUDA stops dims
     1 and 2 at 65535; batch x heads in one dim passed that with a few thousand sequences)."""
     if cfg is None:
         tuned[lambda meta: (triton.cdiv(n, meta[block]), n_heads, batch)](**args)
         return
-    bm, bn, w, s = cfg
-    kernel[(cdiv(n, bm if block == "BLOCK_M" else bn), n_heads, batch)](
+    kernel[(cdiv(n, cfg.block_m if block == "BLOCK_M" else cfg.block_n), n_heads, batch)](
         **args,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        num_warps=w,
-        num_stages=s,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        **cfg.launch(),
     )
 
 
@@ -770,30 +722,18 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
         n_rows = q.shape[0]
-
-        def bsh(t):
-            return 0, t.stride(0), t.stride(1)
-
-        def lsh(t):
-            return 0, t.stride(0), t.stride(1)
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         n_rows = batch * seqlen_q
-
-        def bsh(t):
-            return t.stride(0), t.stride(1), t.stride(2)
-
-        def lsh(t):
-            return t.stride(0), t.stride(1), t.stride(2)
     # D and lse_log2 in the layout of a contiguous lse, each row padded to 16 bytes so
     # that the dK/dV kernel can fetch a row block of them by TMA.
     n_last = lse.shape[-1]
     padded = (*lse.shape[:-1], (n_last + 3) // 4 * 4)
     delta = torch.empty(padded, dtype=torch.float32, device=device)[..., :n_last]
     lse_log2 = torch.empty(padded, dtype=torch.float32, device=device)[..., :n_last]
-    st_b, st_h = (0, delta.stride(0)) if is_varlen else (delta.stride(0), delta.stride(1))
+    st_b, st_h = strides(delta, is_varlen)[:2]
 
-    n_m_pre = cdiv(max(seqlen_q, 1), _PRE_BLOCK_M)
+    n_m_pre = cdiv(max(seqlen_q, 1), configs.BWD_PREPROCESS.block_m)
     n_part = batch * n_m_pre
     dsink_part = (torch.zeros((hq, n_part), dtype=torch.float32, device=device)
                   if sink is not None else None)
@@ -807,17 +747,19 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     softcap = float(softcap or 0.0)
     block_d = max(next_pow2(d), 16)
     block_dv = max(next_pow2(dv_dim), 16)
-    # No descriptor over an empty tensor (its base address may be null).
-    use_tma = (override.get("USE_TMA", True) and min(q.numel(), k.numel(), v.numel()) > 0
-               and tma_ok(q, k, v, dout))
-    if use_tma and not interpreting():
-        triton.set_allocator(alloc_scratch)
+    key_d = max(block_d, block_dv)
     interpret = interpreting()
+    # The tiles and switches of both passes (configs.py), with KernelOptions.bwd_config's.
+    dkdv_cfg, dq_cfg = configs.bwd_configs(key_d, is_varlen, interpret)
+    dkdv_cfg = configs.override(dkdv_cfg, override, configs.BWD_KEYS, part="dkdv",
+                                what="bwd_config")
+    dq_cfg = configs.override(dq_cfg, override, configs.BWD_KEYS, part="dq", what="bwd_config")
+    # No descriptor over an empty tensor (its base address may be null).
+    use_tma = (dq_cfg.use_tma and min(q.numel(), k.numel(), v.numel()) > 0
+               and tma_ok(q, k, v, dout))
+    if use_tma and not interpret:
+        triton.set_allocator(alloc_scratch)
 
-    ob, os_, oh = bsh(out)
-    dob, dos, doh = bsh(dout)
-    lb, lh, ls = lsh(lse)
-    dlb, dlh, dls = lsh(dlse)
     _attn_bwd_preprocess_kernel[(n_m_pre, hq, batch)](
         out=out,
         dout=dout,
@@ -828,18 +770,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         sink=sink,
         dsink_part=dsink_part,
         cu_seqlens_q=cu_seqlens_q,
-        stride_ob=ob,
-        stride_os=os_,
-        stride_oh=oh,
-        stride_dob=dob,
-        stride_dos=dos,
-        stride_doh=doh,
-        stride_lb=lb,
-        stride_lh=lh,
-        stride_ls=ls,
-        stride_dlb=dlb,
-        stride_dlh=dlh,
-        stride_dls=dls,
+        **stride_args("bsh", is_varlen, o=out, do=dout),
+        **stride_args("bhs", is_varlen, l=lse, dl=dlse),
         stride_tb=st_b,
         stride_th=st_h,
         seqlen_q=seqlen_q,
@@ -847,33 +779,18 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         n_m=n_m_pre,
         n_part=n_part,
         DV=dv_dim,
-        BLOCK_M=_PRE_BLOCK_M,
+        BLOCK_M=configs.BWD_PREPROCESS.block_m,
         BLOCK_DV=block_dv,
         HAS_SINK=sink is not None,
         IS_VARLEN=is_varlen,
-        num_warps=4,
+        **configs.BWD_PREPROCESS.launch(),
     )
 
-    qb, qs, qh = bsh(q)
-    kb, ks, kh = bsh(k)
-    vb, vs, vh = bsh(v)
-    dqb, dqs, dqh = bsh(dq)
     common = dict(
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
         seqused_k=seqused_k,
-        stride_qb=qb,
-        stride_qs=qs,
-        stride_qh=qh,
-        stride_kb=kb,
-        stride_ks=ks,
-        stride_kh=kh,
-        stride_vb=vb,
-        stride_vs=vs,
-        stride_vh=vh,
-        stride_dob=dob,
-        stride_dos=dos,
-        stride_doh=doh,
+        **stride_args("bsh", is_varlen, q=q, k=k, v=v, do=dout),
         stride_tb=st_b,
         stride_th=st_h,
         seqlen_q=seqlen_q,
@@ -895,16 +812,13 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         IS_VARLEN=is_varlen,
         HAS_SEQUSED_K=seqused_k is not None,
         USE_TMA=use_tma,
-        EARLY_DP=bool(override.get("EARLY_DP", max(block_d, block_dv) <= 128)),
+        EARLY_DP=bool(dq_cfg.early_dp),
     )
     tune = opts.autotune_bwd and not interpret and "dkdv" not in override and "dq" not in override
     # A Hopper compile failure is remembered per signature (the kernels' constexpr flags).
     sm90_key = (q.dtype, left is None, right is None, is_varlen, seqused_k is None, hq // hkv)
-    key_d = max(block_d, block_dv)
 
     if seqlen_k > 0:
-        dkb, dks, dkh = bsh(dk)
-        dvb, dvs, dvh = bsh(dv)
         dkdv_args = dict(
             q=q,
             k=k,
@@ -914,26 +828,19 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             delta=delta,
             dk=dk,
             dv=dv,
-            stride_dkb=dkb,
-            stride_dks=dks,
-            stride_dkh=dkh,
-            stride_dvb=dvb,
-            stride_dvs=dvs,
-            stride_dvh=dvh,
+            **stride_args("bsh", is_varlen, dk=dk, dv=dv),
             # lse_log2 and delta by TMA: dense only (see the kernel).
-            STATS_TMA=bool(use_tma and not is_varlen and override.get("STATS_TMA", True)),
+            STATS_TMA=bool(use_tma and not is_varlen and dkdv_cfg.stats_tma),
             # One loop per range over the whole group up to head dim 128; a head loop above.
-            HEAD_LOOP=bool(override.get("HEAD_LOOP", key_d > 128)),
+            HEAD_LOOP=bool(dkdv_cfg.head_loop),
             **common,
         )
-        table = _DKDV_VARLEN_CONFIGS if is_varlen else _DKDV_CONFIGS
         if not (opts.sm90_dkdv and bwd_sm90 is not None
                 and bwd_sm90.supported(q, k, v, dout, dk, dv, softcap=softcap)
                 and _run_sm90("dK/dV", sm90_key, lambda: bwd_sm90.attn_bwd_dkdv_sm90(
                     dkdv_args, batch, seqlen_k, hkv))):
-            _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if tune else (
-                override.get("dkdv") or _pick(table, key_d)), seqlen_k, "BLOCK_N",
-                hkv, batch, dkdv_args)
+            _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if tune else dkdv_cfg,
+                    seqlen_k, "BLOCK_N", hkv, batch, dkdv_args)
     dq_args = dict(
         q=q,
         k=k,
@@ -942,9 +849,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         lse_log2=lse_log2,
         delta=delta,
         dq=dq,
-        stride_dqb=dqb,
-        stride_dqs=dqs,
-        stride_dqh=dqh,
+        **stride_args("bsh", is_varlen, dq=dq),
         **common,
     )
     if not (opts.sm90_dq and bwd_sm90 is not None
@@ -952,8 +857,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
                                    dims=bwd_sm90.DQ_DIMS)
             and _run_sm90("dQ", sm90_key, lambda: bwd_sm90.attn_bwd_dq_sm90(
                 dq_args, batch, seqlen_q, hq))):
-        _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if tune else (
-            override.get("dq") or _pick(_DQ_CONFIGS, key_d)), seqlen_q, "BLOCK_M", hq, batch,
-            dq_args)
+        _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if tune else dq_cfg, seqlen_q,
+                "BLOCK_M", hq, batch, dq_args)
     dsink = None if sink is None else dsink_part.sum(1)
     return dq, dk, dv, dsink

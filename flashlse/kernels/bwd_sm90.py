@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import configs
 from ._common import alloc_scratch, capability, cdiv, row_ranges, tma_ok
 from .fwd_sm90 import HALF_M, _key_ranges, _seq_bounds
 from .fwd_sm90 import _producer as _fwd_producer
@@ -311,9 +312,6 @@ def _dkdv_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-CONFIG = dict(BLOCK_M=64, STAGES=2, EARLY_DP=False, STATS_TMA=True, CONSUMER_REGS=240)
-
-
 def supported(q, k, v, dout, dk, dv, *, softcap, dims=(128, )) -> bool:
     """A kernel's domain (head dims ``dims``, D == Dv); everything else runs bwd.py's."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
@@ -329,15 +327,14 @@ def supported(q, k, v, dout, dk, dv, *, softcap, dims=(128, )) -> bool:
 def attn_bwd_dkdv_sm90(args: dict, batch: int, seqlen_k: int, hkv: int):
     """Launch with bwd.attn_bwd's dK/dV arguments (``dkdv_args``)."""
     triton.set_allocator(alloc_scratch)
-    cfg = CONFIG
+    cfg = configs.BWD_SM90_DKDV
+    tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
+                 STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
+                 CONSUMER_REGS=cfg.consumer_regs)
     grid = (cdiv(seqlen_k, 2 * HALF_N), hkv, batch)
     names = _dkdv_sm90_kernel.arg_names
-    kwargs = {n: args[n] for n in names if n in args and n not in cfg}
-    _dkdv_sm90_kernel[grid](
-        **kwargs, BLOCK_M=cfg["BLOCK_M"], STAGES=cfg["STAGES"], EARLY_DP=cfg["EARLY_DP"],
-        STATS_TMA=bool(cfg["STATS_TMA"] and args["STATS_TMA"]),
-        CONSUMER_REGS=cfg["CONSUMER_REGS"], num_warps=4,
-    )
+    kwargs = {n: args[n] for n in names if n in args and n not in tiles}
+    _dkdv_sm90_kernel[grid](**kwargs, **tiles, num_warps=cfg.num_warps)
 
 
 # --- dQ: the forward's program (fwd_sm90.py, its producer too) with the backward's row math
@@ -498,22 +495,16 @@ def _dq_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-# Per head dim. D = 256: a [64, 256] float32 dQ is 128 registers a thread, and Q, dO (both
-# halves) take 128 KB of shared memory, so the K/V ring holds 32-key tiles (H200: the whole
-# backward 8-12% faster than with bwd.py's dQ). D = 64 (128-key tiles) was 0-9% slower than
-# bwd.py's dQ there, so it is not in the domain.
-DQ_CONFIG = {
-    128: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=240),
-    256: dict(BLOCK_N=32, STAGES=2, CONSUMER_REGS=240),
-}
-DQ_DIMS = tuple(DQ_CONFIG)
+# The dQ kernel's head dims: those of its tile table (configs.BWD_SM90_DQ).
+DQ_DIMS = tuple(configs.BWD_SM90_DQ)
 
 
 def attn_bwd_dq_sm90(args: dict, batch: int, seqlen_q: int, hq: int):
     """Launch with bwd.attn_bwd's dQ arguments (``dq_args``)."""
     triton.set_allocator(alloc_scratch)
-    cfg = DQ_CONFIG[args["q"].shape[-1]]
+    cfg = configs.BWD_SM90_DQ[args["q"].shape[-1]]
+    tiles = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs)
     grid = (cdiv(seqlen_q, 2 * HALF_N), hq, batch)
     names = _dq_sm90_kernel.arg_names
-    kwargs = {n: args[n] for n in names if n in args and n not in cfg}
-    _dq_sm90_kernel[grid](**kwargs, **cfg, num_warps=4)
+    kwargs = {n: args[n] for n in names if n in args and n not in tiles}
+    _dq_sm90_kernel[grid](**kwargs, **tiles, num_warps=cfg.num_warps)

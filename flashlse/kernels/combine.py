@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from . import configs
 from ._common import LOG2E, cdiv, next_pow2
 
 # constexpr globals: jit functions may read only those.
@@ -252,36 +253,6 @@ def merge_states_fwd(outs, lses, *, sink=None, out=None, lse_out=None):
     return out, lse_out
 
 
-@functools.lru_cache(maxsize=1024)
-def _merge_config(n: int, r: int, d: int, alias: bool, sms: int) -> tuple:
-    """``(BLOCK_S, BLOCK_R, BLOCK_D, num_warps)``; cached: the decode combine asks every step.
-
-    A program covers whole rows of up to 512 columns. Split into 128-column programs, a
-    D = 512 row is read as 256-byte pieces in four separate sweeps over memory (0.71-0.74x
-    copy on the H200, against 0.81-0.85x for D = 128). Only few rows (the split-KV combine)
-    split D, down to 32 columns, and only when no output aliases lses: the program that
-    writes lse must be the last reader of its rows' lses. Tiles of about 8192 values keep
-    16-32 KB of bf16 states in flight.
-    """
-    block_d = _next_pow2(max(d, 1))
-    if not alias:
-        block_d = min(block_d, 512)
-    block_s = min(_next_pow2(max(n, 1)), 8)
-    block_r = max(1, 8192 // (min(block_s, 4) * block_d))
-    # Small merges (the split-KV combine of a few rows) need many programs, not big ones.
-    target = 2 * sms
-    while block_r > 1 and _cdiv(r, block_r) < target:
-        block_r //= 2
-    while not alias and block_d > 32 and _cdiv(r, block_r) * _cdiv(d, block_d) < target:
-        block_d //= 2
-    num_warps = max(1, min(4, block_r * block_d // 512))
-    # Each state step is one memory latency; a small tile has registers for more states
-    # per step (up to 64 values a thread): 57 splits of a [1, 32] tile take two steps.
-    per_state = max(1, block_r * block_d // (32 * num_warps))
-    block_s = min(_next_pow2(max(n, 1)), max(block_s, min(32, 64 // per_state)))
-    return block_s, block_r, block_d, num_warps
-
-
 def merge_launch(outs, lses, sink, out, lse_out, *, r, r1, r2, st_o, st_l, st_k, st_y, st_z,
                  alias=False, pdl=False):
     """Launches the merge over ``r`` rows indexed ``(r0, r1, r2)``, one stride per index and
@@ -290,8 +261,8 @@ def merge_launch(outs, lses, sink, out, lse_out, *, r, r1, r2, st_o, st_l, st_k,
     ``pdl=True`` (sm90+, not the interpreter) to launch it while the decode kernel runs."""
     extra = dict(launch_pdl=True) if pdl else {}
     n, d = outs.shape[0], outs.shape[-1]
-    block_s, block_r, block_d, num_warps = _merge_config(n, r, d, alias, _num_sms(outs.device))
-    grid = (_cdiv(r, block_r), _cdiv(max(d, 1), block_d))
+    cfg = configs.merge_config(n, r, d, alias, _num_sms(outs.device))
+    grid = (_cdiv(r, cfg.block_m), _cdiv(max(d, 1), cfg.block_d))
     _merge_states_fwd_kernel[grid](
         outs=outs,
         lses=lses,
@@ -309,10 +280,10 @@ def merge_launch(outs, lses, sink, out, lse_out, *, r, r1, r2, st_o, st_l, st_k,
         stride_z0=st_z[0], stride_z1=st_z[1], stride_z2=st_z[2],
         D=d,
         HAS_SINK=sink is not None,
-        BLOCK_S=block_s,
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
+        BLOCK_S=cfg.block_n,
+        BLOCK_R=cfg.block_m,
+        BLOCK_D=cfg.block_d,
         PDL=pdl,
-        num_warps=num_warps,
+        **cfg.launch(),
         **extra,
     )

@@ -60,8 +60,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from . import options
-from ._common import LN2, LOG2E, capability, exp2_constants, interpreting
+from . import configs, options
+from ._common import LN2, LOG2E, capability, exp2_constants, interpreting, stride_args
 from .combine import _cdiv, _next_pow2, _num_sms, merge_launch
 
 
@@ -272,35 +272,6 @@ def _decode_fwd_kernel(
     tl.store(lse + o_l, b_lse, mask=m_m)
 
 
-@functools.lru_cache(maxsize=256)
-def _pick_config(d1: int, d2: int, dv: int, rows: int, interpret: bool) -> dict:
-    """Tile sizes; they depend on head dims and rows only (never on paging), so that paged
-    and contiguous caches run the same arithmetic. Pipeline depths (which change no
-    arithmetic) differ: the page-table load takes stages of its own, and
-    ``num_stages_paged`` keeps as many K/V tiles in flight as the contiguous depth does.
-    ``PROGRAMS_PER_SM`` is what ``num_splits=0`` aims for. Measured on an H200
-    (benchmarks/RESULTS.md, 2026-11-29). Cached: callers must not modify the dict."""
-    block_m = max(16, min(64, _next_pow2(rows)))
-    if interpret:
-        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=1, num_stages_paged=1,
-                    PROGRAMS_PER_SM=1)
-    if d1 + d2 > 256:
-        # MLA-sized rows: a [64, 576] bf16 K tile is 72 KB; two stages and Q fill shared
-        # memory (one program per SM), and the group's [64, 512] fp32 accumulator takes
-        # 128 registers a thread over 8 warps.
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_paged=3,
-                    PROGRAMS_PER_SM=1)
-    if d1 + d2 + dv > 256:
-        return dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=4, num_stages_paged=7,
-                    PROGRAMS_PER_SM=4)
-    # Three [64, D] K and V tiles in flight (104 KB for D = 128), two programs resident
-    # per SM, and the split count fills exactly those: one full wave. On the H200 (graph
-    # replay) B=1 Skv=128k ran 3714 GB/s with 33 splits (264 programs) and 3397 with 57;
-    # B=8 Skv=32k 4173 with 4 splits and 4168 with 8.
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=4, num_stages_paged=7,
-                PROGRAMS_PER_SM=2)
-
-
 @functools.lru_cache(maxsize=1024)
 def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
     """Split count that fills ``slots`` concurrent programs with little wave quantization.
@@ -347,7 +318,8 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         scale: multiplies ``q . k``.
         sink: ``(Hq,)`` float32 logits or None; counted once, after the splits merge.
         num_splits: 0 picks from batch, heads, cache size and SM count; ``> 0`` forces it.
-        config: optional dict overriding ``_pick_config`` (benchmarks sweep tiles with it).
+        config: optional dict overriding ``configs.decode_config``'s tiles (benchmarks sweep
+            tiles with it), or a ``TileConfig`` replacing them.
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` in ``q.dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
@@ -374,10 +346,10 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     d2 = d - d1
     rows = sq * group
     interpret = interpreting()
-    cfg = _pick_config(d1, d2, dv, rows, interpret)
+    cfg = configs.decode_config(d1, d2, dv, rows, interpret)
     if config:
-        cfg = {**cfg, **config}
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        cfg = configs.override(cfg, config, configs.DECODE_KEYS, what="decode config")
+    block_m, block_n = cfg.block_m, cfg.block_n
     m_tiles = _cdiv(rows, block_m)
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
@@ -386,7 +358,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     if num_splits > 0:
         splits = int(num_splits)
     elif q.is_cuda:
-        splits = _num_splits(programs, n_tiles, _num_sms(q.device) * cfg["PROGRAMS_PER_SM"])
+        splits = _num_splits(programs, n_tiles, _num_sms(q.device) * cfg.programs_per_sm)
     else:
         splits = min(4, max(1, n_tiles))
 
@@ -449,8 +421,8 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         HAS_SOFTCAP=softcap > 0,
         HAS_SINK=sink is not None and splits == 1,
         PDL=pdl,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages_paged"] if paged else cfg["num_stages"],
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages_paged if paged else cfg.num_stages,
     )
     if splits > 1:
         # Rows (b, i, h) of the partials, of out (B, Sq, Hq, Dv) and of lse (B, Hq, Sq): the
@@ -516,29 +488,26 @@ def append_kv(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table):
         return
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    block_s = min(16, _next_pow2(s_new))
-    st_k, st_v, st_kn, st_vn = k_cache.stride(), v_cache.stride(), k_new.stride(), v_new.stride()
-    _append_kv_kernel[(_cdiv(s_new, block_s), hkv, batch)](
+    cfg = configs.append_kv_config(s_new)
+    _append_kv_kernel[(_cdiv(s_new, cfg.block_m), hkv, batch)](
         k_cache=k_cache,
         v_cache=v_cache,
         k_new=k_new,
         v_new=v_new,
         cache_seqlens=cache_seqlens,
         block_table=block_table,
-        stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],
-        stride_vb=st_v[0], stride_vn=st_v[1], stride_vh=st_v[2],
-        stride_knb=st_kn[0], stride_kns=st_kn[1], stride_knh=st_kn[2],
-        stride_vnb=st_vn[0], stride_vns=st_vn[1], stride_vnh=st_vn[2],
+        **stride_args("bnh", k=k_cache, v=v_cache),
+        **stride_args("bsh", kn=k_new, vn=v_new),
         stride_tb=block_table.stride(0) if paged else 0,
         s_new=s_new,
         capacity=capacity,
         num_pages=k_cache.shape[0],
         D=d,
         DV=dv,
-        BLOCK_S=block_s,
+        BLOCK_S=cfg.block_m,
         BLOCK_D=max(16, _next_pow2(d)),
         BLOCK_DV=max(16, _next_pow2(dv)),
         PAGE_SIZE=k_cache.shape[1] if paged else 1,
         PAGED=paged,
-        num_warps=4,
+        **cfg.launch(),
     )

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import options
+from . import configs, options
 from ._common import (
     LN2,
     LOG2E,
@@ -330,45 +330,17 @@ def _attn_fwd_kernel(
                     DV, BLOCK_M, BLOCK_DV, HAS_SINK, USE_TMA)
 
 
-# Launch configuration per padded head dim (the wider of D and Dv), the winners of the sweeps
-# on an H200 at S = 4k-8k (benchmarks/NOTES.md). USE_TMA=False takes pointer loads even where
-# TMA would work; GROUP_HEADS is the schedule's head group (absent: from the L2 size).
-_CONFIGS = {
-    32: dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, USE_TMA=False, GROUP_HEADS=1),
-    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, USE_TMA=False, GROUP_HEADS=1),
-    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, USE_TMA=False, GROUP_HEADS=1),
-    256: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2, WARP_SPECIALIZE=True),
-}
-# Masked (causal or window) calls, where they differ.
-_MASKED_CONFIGS = {
-    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, USE_TMA=False, GROUP_HEADS=1),
-    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, WARP_SPECIALIZE=True),
-}
-
 # Block shapes for which warp specialisation failed to compile (fallback taken).
 _WS_FAILED: set = set()
 # Signatures whose Hopper (fwd_sm90) compile failed here: they take this module's kernel.
 _SM90_FAILED: set = set()
 
-def _pick_config(block_d: int, block_dv: int, masked: bool) -> dict:
-    """The table's tiles for these head dims and mask, with ``KernelOptions.fwd_config``'s
-    overrides (keys of the dict, and ``USE_TMA=False`` to force pointer loads)."""
-    if interpreting():
-        # Small tiles keep the interpreter fast and give tests several tiles per row.
-        cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    else:
-        key = min(max(block_d, block_dv, 32), 256)
-        cfg = dict((_MASKED_CONFIGS if masked else _CONFIGS).get(key) or _CONFIGS[key])
-    cfg.setdefault("WARP_SPECIALIZE", False)
-    override = options.current().fwd_config
-    if override:
-        cfg.update(override)
-    return cfg
-
-
-def _group_heads(seqlen_k: int, width: int, elsize: int) -> int:
-    # Heads whose K and V together fill about a third of the H200's 50 MB L2.
-    return max(1, (16 << 20) // max(1, seqlen_k * width * elsize))
+def _pick_config(block_d: int, block_dv: int, masked: bool) -> configs.TileConfig:
+    """``configs.fwd_config``'s tiles for these head dims and mask, with
+    ``KernelOptions.fwd_config``'s overrides (``USE_TMA=False`` forces pointer loads)."""
+    cfg = configs.fwd_config(block_d, block_dv, masked, interpreting())
+    return configs.override(cfg, options.current().fwd_config, configs.FWD_KEYS,
+                            what="fwd_config")
 
 
 def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
@@ -445,18 +417,18 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
     block_d = max(next_pow2(d), 16)
     block_dv = max(next_pow2(dv), 16)
     cfg = _pick_config(block_d, block_dv, right is not None or left is not None)
-    use_tma = cfg.pop("USE_TMA", True) and tma_ok(q, k, v, out)
+    use_tma = cfg.use_tma and tma_ok(q, k, v, out)
     # Triton 3.6's Hopper warp specialisation compiled here only with TMA loads and 8 warps
     # (4 warps hit an assertion in its TaskIdPropagation pass).
-    ws = cfg["WARP_SPECIALIZE"] and use_tma and cfg["num_warps"] >= 8 and not interpreting()
+    ws = cfg.warp_specialize and use_tma and cfg.num_warps >= 8 and not interpreting()
     if use_tma and not interpreting():
         triton.set_allocator(alloc_scratch)
-    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    num_warps, num_stages = cfg.num_warps, cfg.num_stages
     scale = float(scale)
     softcap = float(softcap or 0.0)
     n_bh = batch * hq
-    group_heads = cfg.get("GROUP_HEADS") or _group_heads(seqlen_k, d + dv, q.element_size())
-    grid = (n_bh * cdiv(seqlen_q, cfg["BLOCK_M"]),)
+    group_heads = cfg.group_heads or configs.fwd_group_heads(seqlen_k, d + dv, q.element_size())
+    grid = (n_bh * cdiv(seqlen_q, cfg.block_m),)
 
     def launch(ws):
         _attn_fwd_kernel[grid](
@@ -507,13 +479,13 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
             HAS_SEQUSED_K=seqused_k is not None,
             USE_TMA=use_tma,
             WARP_SPECIALIZE=ws,
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
             num_warps=num_warps,
             num_stages=num_stages,
         )
 
-    key = (block_d, block_dv, cfg["BLOCK_M"], cfg["BLOCK_N"], num_warps, q.dtype)
+    key = (block_d, block_dv, cfg.block_m, cfg.block_n, num_warps, q.dtype)
     if ws and key not in _WS_FAILED:
         try:
             launch(True)

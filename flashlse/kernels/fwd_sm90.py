@@ -43,8 +43,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import options
-from ._common import LN2, LOG2E, alloc_scratch, capability, cdiv, key_ranges, seq_bounds, tma_ok
+from . import configs, options
+from ._common import (
+    LN2,
+    LOG2E,
+    alloc_scratch,
+    capability,
+    cdiv,
+    key_ranges,
+    seq_bounds,
+    strides,
+    tma_ok,
+)
 
 # fwd.py's scalar helpers (sequence bounds, key-tile ranges), compiled as Gluon functions.
 _seq_bounds = gluon.jit(seq_bounds.fn)
@@ -390,12 +400,6 @@ def _fwd_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-# Tiles per head dim (H200 sweeps, benchmarks/NOTES.md).
-_CONFIGS = {
-    128: dict(BLOCK_N=128, STAGES=2, PINGPONG=False, OVERLAP=True),
-}
-
-
 def supported(q, k, v, *, softcap, scale, batch) -> bool:
     """The fast path's domain: everything else runs fwd.py's kernel."""
     d = q.shape[-1]
@@ -405,7 +409,7 @@ def supported(q, k, v, *, softcap, scale, batch) -> bool:
         return False
     if capability(q) != (9, 0):
         return False
-    if d not in _CONFIGS or v.shape[-1] != d or softcap or not scale > 0:
+    if d not in configs.FWD_SM90 or v.shape[-1] != d or softcap or not scale > 0:
         return False
     return tma_ok(q, k, v)
 
@@ -420,20 +424,13 @@ def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
     if is_varlen:
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        sq = (0, q.stride(0), q.stride(1))
-        sk = (0, k.stride(0), k.stride(1))
-        sv = (0, v.stride(0), v.stride(1))
-        so = (0, out.stride(0), out.stride(1))
-        sl = (0, lse.stride(0))
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        sq = (q.stride(0), q.stride(1), q.stride(2))
-        sk = (k.stride(0), k.stride(1), k.stride(2))
-        sv = (v.stride(0), v.stride(1), v.stride(2))
-        so = (out.stride(0), out.stride(1), out.stride(2))
-        sl = (lse.stride(0), lse.stride(1))
-    cfg = dict(_CONFIGS[d])
-    cfg.update(options.current().fwd_sm90_config or {})
+    # (batch, row, head) strides; lse: (batch, head).
+    sq, sk, sv, so = (strides(t, is_varlen) for t in (q, k, v, out))
+    sl = strides(lse, is_varlen)[:2]
+    cfg = configs.override(configs.FWD_SM90[d], options.current().fwd_sm90_config,
+                           configs.FWD_SM90_KEYS, what="fwd_sm90_config")
     triton.set_allocator(alloc_scratch)
     grid = (cdiv(seqlen_q, 2 * HALF_M), hq, batch)
     _fwd_sm90_kernel[grid](
@@ -445,11 +442,10 @@ def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
         0 if left is None else int(left), 0 if right is None else int(right),
         float(scale) * LOG2E.value,
         GROUP=hq // hkv, D=d,
-        BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
+        BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SINK=sink is not None,
         IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None,
-        PINGPONG=cfg.get("PINGPONG", True), OVERLAP=cfg.get("OVERLAP", False),
-        CONSUMER_REGS=cfg.get("CONSUMER_REGS", 240),
-        num_warps=4,
+        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs,
+        num_warps=cfg.num_warps,
     )
     return out, lse

@@ -6,7 +6,8 @@ block of code (FlexAttention's ``kernel_options``), as one typed, frozen value.
     with flashlse.kernel_options(fwd_config={"BLOCK_N": 64}, poison_outputs=True):
         ...
 
-The defaults are the measured choices (benchmarks/NOTES.md, RESULTS.md). Launchers read
+The defaults are the measured choices (benchmarks/NOTES.md, RESULTS.md; the tiles are in
+``kernels/configs.py``). Launchers read
 :func:`current` when they run, so options reach the kernels through every public function,
 torch.compile's custom ops and CUDA-graph capture alike; nothing module-level is switched.
 """
@@ -28,12 +29,16 @@ class KernelOptions:
     Attributes:
         sm90_fwd: the Hopper Gluon forward (``fwd_sm90.py``) inside its domain.
         sm90_dkdv / sm90_dq: the Hopper Gluon backward kernels inside their domains.
-        fwd_config: overrides of ``fwd.py``'s tile table (``BLOCK_M``, ``BLOCK_N``,
-            ``num_warps``, ``num_stages``, ``USE_TMA``, ``WARP_SPECIALIZE``, ``GROUP_HEADS``).
-        fwd_sm90_config: overrides of ``fwd_sm90.py``'s table (``BLOCK_N``, ``STAGES``,
-            ``PINGPONG``, ``OVERLAP``, ``CONSUMER_REGS``).
-        bwd_config: overrides of ``bwd.py``'s tables (``"dkdv"`` / ``"dq"`` tile tuples,
-            ``USE_TMA``, ``EARLY_DP``, ``STATS_TMA``, ``HEAD_LOOP``).
+        fwd_config: overrides of the portable forward's tiles (``configs.FWD``): a mapping
+            of ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``USE_TMA``,
+            ``WARP_SPECIALIZE``, ``GROUP_HEADS``, or a ``configs.TileConfig`` replacing them.
+        fwd_sm90_config: overrides of the Hopper forward's (``configs.FWD_SM90``):
+            ``BLOCK_N``, ``STAGES``, ``PINGPONG``, ``OVERLAP``, ``CONSUMER_REGS``, or a
+            ``TileConfig``.
+        bwd_config: overrides of the portable backward's (``configs.BWD_DKDV`` /
+            ``BWD_DQ``): ``"dkdv"`` / ``"dq"`` tiles (``(BLOCK_M, BLOCK_N, num_warps,
+            num_stages)`` or a ``TileConfig``), ``USE_TMA``, ``EARLY_DP``, ``STATS_TMA``,
+            ``HEAD_LOOP``. An unknown key is an error.
         autotune_bwd: let ``triton.autotune`` pick the backward tiles (benchmarks).
         pdl: launch the split-KV merge with programmatic dependent launch (sm_90+).
         poison_outputs: fill every output and scratch buffer the launchers allocate with NaN

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from ..lse import safe_pivot
-from ._common import LOG2E, next_pow2
+from . import configs
+from ._common import LOG2E, next_pow2, stride_args
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def sparse_bwd(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
         # dL/dsink_h = -sum_rows exp(sink_h - L) Delta (the sink is a key of value 0).
         dsink = -(torch.exp(sink.float() - pivot) * delta).sum((0, 1)).to(sink.dtype)
     if b * sq * hkv and topk:
-        st_q, st_k, st_v, st_i = q.stride(), k.stride(), v.stride(), indices.stride()
+        cfg = configs.sparse_bwd_config(group)
         _sparse_bwd_kernel[(b * sq * hkv,)](
             q=q,
             k=k,
@@ -142,10 +143,7 @@ def sparse_bwd(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
             dq=dq,
             dk=dk,
             dv=dv,
-            stride_qb=st_q[0], stride_qs=st_q[1], stride_qh=st_q[2],
-            stride_kb=st_k[0], stride_ks=st_k[1], stride_kh=st_k[2],
-            stride_vb=st_v[0], stride_vs=st_v[1], stride_vh=st_v[2],
-            stride_ib=st_i[0], stride_is=st_i[1], stride_ih=st_i[2],
+            **stride_args("bsh", q=q, k=k, v=v, i=indices),
             sq=sq,
             sk=sk,
             topk=topk,
@@ -155,11 +153,11 @@ def sparse_bwd(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
             GROUP=group,
             D=d,
             DV=dv_dim,
-            BLOCK_H=max(16, next_pow2(group)),
-            BLOCK_N=32,
+            BLOCK_H=cfg.block_m,
+            BLOCK_N=cfg.block_n,
             BLOCK_D=max(16, next_pow2(d)),
             BLOCK_DV=max(16, next_pow2(dv_dim)),
-            num_warps=4,
+            **cfg.launch(),
         )
     else:
         dq.zero_()

@@ -20,7 +20,7 @@ import torch
 from _cases import GPU_HEAD_DIM_CASES, VARLEN_CASES
 
 from flashlse import reference
-from flashlse.kernels import bwd
+from flashlse.kernels import bwd, configs
 from flashlse.masks import normalize_window
 from flashlse.ops.attention import attn_fwd_torch
 
@@ -329,9 +329,7 @@ def test_attn_bwd_shipped_tiles(device, kernel_opts, monkeypatch, d):
     # dim's dK/dV and dQ tiles, with the masks' boundary tiles and empty rows.
     if device == "cuda":
         pytest.skip("the GPU runs these tiles in every other test")
-    pick = lambda table: tuple(table[d])
-    kernel_opts(bwd_config={"dkdv": pick(bwd._DKDV_CONFIGS),
-                                                 "dq": pick(bwd._DQ_CONFIGS)})
+    kernel_opts(bwd_config={"dkdv": configs.BWD_DKDV[d].tile, "dq": configs.BWD_DQ[d].tile})
     _run_dense(device, torch.float32, 1, 150, 131, 2, 1, d, d, causal=True, sink=True)
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flashlse import reference
-from flashlse.kernels.combine import _merge_config, merge_states_fwd
+from flashlse.kernels.combine import merge_states_fwd
+from flashlse.kernels.configs import merge_config
 
 HAS_CUDA = torch.cuda.is_available()
 ATOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -137,7 +138,9 @@ def test_merge_many_states_few_rows(device):
      pytest.param(57, 32, 128, False, 32, id="few_rows_split_d"),
      pytest.param(2, 32, 512, True, 512, id="in_place_never_splits_d")])
 def test_merge_config_tiles(n, r, d, alias, want_block_d):
-    block_s, block_r, block_d, num_warps = _merge_config(n, r, d, alias, 132)
+    cfg = merge_config(n, r, d, alias, 132)
+    # block_m rows, block_n states per step, block_d columns a program.
+    block_s, block_r, block_d = cfg.block_n, cfg.block_m, cfg.block_d
     assert block_d == want_block_d
     # Every state of a step is in flight at once: a few rows of many states take 2 steps.
     assert block_s <= max(8, n) and block_r * block_d <= 8192

@@ -1,0 +1,358 @@
+"""Every kernel's launch configuration: one type, :class:`TileConfig`, and one table or rule
+per kernel, here and nowhere else.
+
+Each entry cites the ``benchmarks/RESULTS.md`` row that chose it (its date, the table it sits
+in and the shape), and ``benchmarks/NOTES.md`` where the sweep behind the row is described;
+an entry no row measured says so. These values are what the H200 tables in RESULTS.md were
+measured with: change one only with a new dated row that shows why, and cite that row here.
+
+The launchers read their tiles from here and apply the caller's overrides
+(``KernelOptions.fwd_config`` / ``fwd_sm90_config`` / ``bwd_config``, decode's ``config=``)
+through :func:`override`, the one place where those dicts become a ``TileConfig``. Under
+``TRITON_INTERPRET=1`` the rules hand out small tiles (the interpreter is fast with them and
+the tests get several tiles per row); the tables below are the GPU's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+
+from ._common import cdiv, next_pow2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileConfig:
+    """One kernel launch's tiles and schedule switches.
+
+    Attributes:
+        block_m: rows per program, or per tile of the program's row loop: query rows (the
+            attention kernels; decode: query rows x heads of the group; sparse: the group's
+            heads), new keys (append), merged rows (combine).
+        block_n: the tile along the reduced axis: keys (attention), states per unrolled step
+            (combine); None where the kernel has none (whole rows).
+        num_warps: warps per program.
+        num_stages: software-pipeline depth; None leaves Triton's default (not passed).
+        num_stages_paged: decode over a paged cache (the page-table load takes stages too).
+        programs_per_sm: decode: what ``num_splits=0`` fills.
+        block_d: combine: output columns per program (elsewhere the head dim decides).
+        use_tma: fwd, bwd: False takes masked pointer loads even where TMA would work.
+        warp_specialize: fwd: ``tl.range(..., warp_specialize=True)`` (TMA, 8 warps only).
+        group_heads: fwd: (batch, head) pairs per L2 group; None sizes it from the L2.
+        early_dp: bwd (both passes), bwd_sm90 dK/dV: ``dP`` issued right after ``S``.
+        stats_tma: bwd / bwd_sm90 dK/dV: lse and delta by TMA (dense inputs only).
+        head_loop: bwd dK/dV: a loop over the group's heads around the row ranges.
+        pingpong, overlap: fwd_sm90: FA-3's inter- / intra-warpgroup schedules.
+        consumer_regs: the Gluon kernels: registers per consumer-warpgroup thread.
+    """
+
+    block_m: int
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int | None = None
+    num_stages_paged: int | None = None
+    programs_per_sm: int = 1
+    block_d: int | None = None
+    use_tma: bool = True
+    warp_specialize: bool = False
+    group_heads: int | None = None
+    early_dp: bool = False
+    stats_tma: bool = True
+    head_loop: bool = False
+    pingpong: bool = False
+    overlap: bool = False
+    consumer_regs: int = 240
+
+    @property
+    def tile(self) -> tuple:
+        """``(block_m, block_n, num_warps, num_stages)``: ``bwd_config``'s tuple form."""
+        return self.block_m, self.block_n, self.num_warps, self.num_stages
+
+    def launch(self) -> dict:
+        """``num_warps`` and, when set, ``num_stages``: the launch keywords of a kernel."""
+        if self.num_stages is None:
+            return dict(num_warps=self.num_warps)
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# Override keys (the kernels' own names, as KernelOptions and the benchmarks spell them) and
+# the field each sets.
+_FIELDS = {
+    "BLOCK_M": "block_m", "BLOCK_N": "block_n", "num_warps": "num_warps",
+    "num_stages": "num_stages", "STAGES": "num_stages", "num_stages_paged": "num_stages_paged",
+    "PROGRAMS_PER_SM": "programs_per_sm", "USE_TMA": "use_tma",
+    "WARP_SPECIALIZE": "warp_specialize", "GROUP_HEADS": "group_heads", "EARLY_DP": "early_dp",
+    "STATS_TMA": "stats_tma", "HEAD_LOOP": "head_loop", "PINGPONG": "pingpong",
+    "OVERLAP": "overlap", "CONSUMER_REGS": "consumer_regs",
+}
+FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "WARP_SPECIALIZE",
+            "GROUP_HEADS")
+FWD_SM90_KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "OVERLAP", "CONSUMER_REGS")
+DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_paged",
+               "PROGRAMS_PER_SM")
+# bwd_config: "dkdv" / "dq" take (BLOCK_M, BLOCK_N, num_warps, num_stages); the flags set
+# both passes' configs.
+BWD_KEYS = ("dkdv", "dq", "USE_TMA", "EARLY_DP", "STATS_TMA", "HEAD_LOOP")
+
+
+def override(cfg: TileConfig, changes, keys: tuple, *, part: str | None = None,
+             what: str = "config") -> TileConfig:
+    """``cfg`` with a caller's ``changes``: None keeps it, a :class:`TileConfig` replaces it,
+    a mapping of ``keys`` (the kernels' names: ``BLOCK_N``, ``num_stages``, ...) sets those
+    fields. With ``part`` (bwd: ``"dkdv"`` / ``"dq"``) the mapping's entry of that name is
+    the tile tuple ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; the others' are ignored."""
+    if not changes:
+        return cfg
+    if isinstance(changes, TileConfig) and part is None:
+        return changes
+    if not isinstance(changes, Mapping):
+        raise TypeError(f"{what} takes a mapping or a TileConfig, got {type(changes).__name__}")
+    unknown = sorted(set(changes) - set(keys))
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {unknown}; it takes {', '.join(keys)}")
+    fields = {}
+    for key, value in changes.items():
+        if key in ("dkdv", "dq"):
+            if key == part and isinstance(value, TileConfig):
+                cfg = value
+            elif key == part and value:
+                bm, bn, w, s = value
+                fields.update(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+        else:
+            fields[_FIELDS[key]] = value
+    return dataclasses.replace(cfg, **fields) if fields else cfg
+
+
+# --- fwd.py: the portable forward ---------------------------------------------------------
+#
+# Per padded head dim (the wider of D and Dv). NOTES.md "Forward kernel" experiments #1-#7
+# and "Per head dim" (S = 8k sweeps); the rows measured with these tiles: RESULTS.md,
+# 2026-11-29, the first table, "fwd bf16" D=64 / D=128 / D=256 S=1024-16384 full and causal
+# (D=128 rows there predate the Hopper forward, which runs D=128 on sm_90 since session 5).
+FWD = {
+    # Not measured (no D=32 row): D=64's tile.
+    32: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=3, use_tma=False,
+                   group_heads=1),
+    # RESULTS.md 2026-11-29 first table, fwd bf16 D=64 S=8192 B=2 H=32 full (406 TFLOP/s):
+    # 128x128/4 warps, pointer loads (NOTES #6), one head per L2 group (NOTES #5).
+    64: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=3, use_tma=False,
+                   group_heads=1),
+    # RESULTS.md 2026-11-29 first table, fwd bf16 D=128 S=8192 B=2 H=16 full (492): NOTES #1
+    # (128x128/8 warps/3 stages), #5 (one head per group non-causal), #6 (pointer loads).
+    128: TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, use_tma=False,
+                    group_heads=1),
+    # RESULTS.md 2026-11-29 first table, fwd bf16 D=256 S=8192 B=2 H=8 full / causal
+    # (523 / 498): 128x64/8 warps/2 stages, TMA and warp specialisation (NOTES #7).
+    256: TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, warp_specialize=True),
+}
+# Masked (causal or window) calls where they differ; the others take FWD's entry.
+FWD_MASKED = {
+    # RESULTS.md 2026-11-29 first table, fwd bf16 D=64 S=8192 B=2 H=32 causal (386):
+    # 128x64/4 warps (NOTES "Per head dim": causal 389), pointer loads.
+    64: TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, use_tma=False,
+                   group_heads=1),
+    # RESULTS.md 2026-11-29 first table, fwd bf16 D=128 S=8192 B=2 H=16 causal (462): TMA,
+    # warp specialisation (NOTES #7), heads grouped by the L2 size (NOTES #5, "auto").
+    128: TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, warp_specialize=True),
+}
+_FWD_INTERPRET = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def fwd_config(block_d: int, block_dv: int, masked: bool, interpret: bool) -> TileConfig:
+    """The portable forward's tiles for padded head dims ``block_d`` / ``block_dv``."""
+    if interpret:
+        return _FWD_INTERPRET
+    key = min(max(block_d, block_dv, 32), 256)
+    return (FWD_MASKED if masked else FWD).get(key) or FWD[key]
+
+
+def fwd_group_heads(seqlen_k: int, width: int, elsize: int) -> int:
+    """Heads whose K and V together fill about a third of the H200's 50 MB L2 (NOTES.md
+    forward #5, "auto": RESULTS.md 2026-11-29 first table, fwd bf16 D=128 causal rows)."""
+    return max(1, (16 << 20) // max(1, seqlen_k * width * elsize))
+
+
+# --- fwd_sm90.py: the Hopper Gluon forward ------------------------------------------------
+#
+# block_m is the kernel's (two 64-row consumer warpgroups) and num_warps its consumers'.
+# RESULTS.md 2026-11-29, session 5, the variants table ("ovfree" column, D=128 S=4096-16384
+# full / causal: overlap without ping-pong, 2 stages) and the bench_fwd.py --full table
+# above it (fwd bf16 D=128 S=8192 B=2 H=16 full 600, causal 547). D=64 is not in the domain:
+# session 5's "Gluon kernel at D=64, not kept" rows.
+FWD_SM90 = {
+    128: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,
+                    overlap=True, consumer_regs=240),
+}
+
+
+# --- bwd.py: the portable backward --------------------------------------------------------
+#
+# dK/dV keeps two [block_n, D] float32 accumulators in registers, dQ one [block_m, D].
+# EARLY_DP is on up to head dim 128 (RESULTS.md 2026-11-29, session 2, "bwd sweep" D=128
+# S=8192 B=2 H=16: + EARLY_DP 375 / 352 against 369 / 340; D=64: EARLY_DP off 243 / 226
+# against 251 / 235). HEAD_LOOP is on above 128 (RESULTS.md 2026-11-29, "More experiments",
+# "D=256 group-wide loop against the head loop": G=4 flat 215 / 237, head loop 261 / 269).
+BWD_DKDV = {
+    # Not measured (no D=32 row): D=64's tile.
+    32: TileConfig(block_m=64, block_n=128, num_warps=8, num_stages=3),
+    # RESULTS.md 2026-11-29, session 2, bwd sweep D=64 S=8192 B=2 H=32: the defaults
+    # against dK/dV 128x128/8w/2st (251 / 235 against 218 / 194).
+    64: TileConfig(block_m=64, block_n=128, num_warps=8, num_stages=3),
+    # RESULTS.md 2026-11-29, session 2, bwd sweep D=128 S=8192 B=2 H=16 (64x128 343 / 310
+    # against the old 64x64 205 / 195), then session 3, "dK/dV stages with lse/delta by TMA"
+    # D=128 S=8k / 4k: 3 stages 415 / 392, 393 / 353 against 2 stages 394 / 381, 378 / 337.
+    128: TileConfig(block_m=64, block_n=128, num_warps=8, num_stages=3),
+    # RESULTS.md 2026-11-29, session 2, bwd sweep D=256 S=8192 B=2 H=8: the defaults
+    # (153 / 154) against dK/dV 32x64/8w/2st (134 / 142).
+    256: TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
+}
+# Varlen reads lse and delta by masked pointer loads (a sequence starts anywhere in its row,
+# which TMA cannot address): at D = 128 a third stage then spills (sm_90 compile: 168-byte
+# stack against 88 for MHA; NOTES.md backward #10), so varlen keeps the 2-stage tile of
+# RESULTS.md 2026-11-29, session 3, "lse/delta by masked pointer loads (old)" (D=128
+# B*S=16k H=16: 369 / 346, 359 / 315).
+BWD_DKDV_VARLEN = {**BWD_DKDV, 128: TileConfig(block_m=64, block_n=128, num_warps=8,
+                                                 num_stages=2)}
+BWD_DQ = {
+    # RESULTS.md 2026-11-29, session 2, bwd sweep D=64: "defaults (dQ 128x128/3st)" before
+    # the D=64 change; D=32 keeps that tile (not measured at D=32).
+    32: TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    # RESULTS.md 2026-11-29, session 2, bwd sweep D=64 S=8192 B=2 H=32: dQ 128x64/8w/3st
+    # 265 / 249 against 251 / 235 ("dQ 128x64/3st kept (+6%)").
+    64: TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    # RESULTS.md 2026-11-29, session 2, bwd sweep D=128 S=8192 B=2 H=16: "+ dQ 128x64/3st
+    # 369 / 340" (kept), and the second run's dQ 64x64 / 64x128 lost (364 / 338, 348 / 308).
+    128: TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    # RESULTS.md 2026-11-29, session 2, bwd sweep D=256 S=8192 B=2 H=8: dQ 128x32/8w/2st
+    # 226 / 224 against 153 / 154 ("dQ 128x32 kept (+48%)").
+    256: TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
+}
+_BWD_INTERPRET = TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+# Candidates for triton.autotune under KernelOptions.autotune_bwd (bench_bwd.py --autotune
+# prints the pick; the first call of each key then compiles and times every candidate).
+BWD_DKDV_TUNE = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 8, 3), (32, 128, 8, 3)]
+BWD_DQ_TUNE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 8, 2)]
+# The preprocess (D and lse_log2): 32 rows keep the int64 pointer tiles of a D = 128 row
+# block in registers; memory-bound either way (no RESULTS.md row measured other sizes).
+BWD_PREPROCESS = TileConfig(block_m=32, num_warps=4)
+
+
+def bwd_configs(key_d: int, varlen: bool, interpret: bool) -> tuple[TileConfig, TileConfig]:
+    """``(dK/dV, dQ)`` tiles of the portable backward at padded head dim ``key_d`` (the
+    wider of D and Dv), with EARLY_DP and HEAD_LOOP by the head dim (the rules above)."""
+    key = min(max(key_d, 32), 256)
+    if interpret:
+        dkdv = dq = _BWD_INTERPRET
+    else:
+        dkdv = (BWD_DKDV_VARLEN if varlen else BWD_DKDV)[key]
+        dq = BWD_DQ[key]
+    flags = dict(early_dp=key_d <= 128)
+    return (dataclasses.replace(dkdv, head_loop=key_d > 128, **flags),
+            dataclasses.replace(dq, **flags))
+
+
+# --- bwd_sm90.py: the Hopper Gluon dK/dV and dQ ---------------------------------------------
+#
+# dK/dV: block_n is the kernel's (two 64-key halves), block_m the Q/dO tile of its ring.
+# RESULTS.md 2026-11-29, "bench_bwd.py 2026-11-29" session 6, the per-kernel device time
+# table: "Gluon dK/dV (lse/delta by TMA)" against "(lse/delta by pointer)" (S=8k full 3.406
+# against 3.851 ms), and the session-6 bwd bf16 D=128 rows measured with this config.
+# EARLY_DP off here: not measured on (the compile test builds both).
+BWD_SM90_DKDV = TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, early_dp=False,
+                           stats_tma=True, consumer_regs=240)
+# dQ per head dim; block_m is the kernel's (two 64-row halves).
+BWD_SM90_DQ = {
+    # RESULTS.md 2026-11-29, session 6, per-kernel device time: "Gluon dQ BN=128" against
+    # "BN=64" (S=8k full 2.138 against 2.236 ms).
+    128: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, consumer_regs=240),
+    # RESULTS.md 2026-11-29, "bench_bwd.py 2026-11-29 (Gluon dQ at head dims 64 and 256)":
+    # D=256 Gluon / bwd.py 1.08-1.12 ("shipped Gluon"). A [64, 256] float32 dQ is 128
+    # registers a thread and Q, dO take 128 KB of shared memory: the K/V ring holds 32-key
+    # tiles. D=64 (0.91-1.00 there) is not in the domain.
+    256: TileConfig(block_m=128, block_n=32, num_warps=4, num_stages=2, consumer_regs=240),
+}
+
+
+# --- decode.py: split-KV decode and the append --------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def decode_config(d1: int, d2: int, dv: int, rows: int, interpret: bool) -> TileConfig:
+    """The split-KV decode kernel's tiles; they depend on head dims and rows only (never on
+    paging), so that paged and contiguous caches run the same arithmetic. Pipeline depths
+    (which change no arithmetic) differ: the page-table load takes stages of its own, and
+    ``num_stages_paged`` keeps as many K/V tiles in flight as the contiguous depth does.
+    Cached: the decode step asks every call."""
+    block_m = max(16, min(64, next_pow2(rows)))
+    if interpret:
+        return TileConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=1,
+                          num_stages_paged=1, programs_per_sm=1)
+    if d1 + d2 > 256:
+        # MLA-sized rows: a [64, 576] bf16 K tile is 72 KB; two stages and Q fill shared
+        # memory (one program per SM), and the group's [64, 512] fp32 accumulator takes
+        # 128 registers a thread over 8 warps. RESULTS.md 2026-11-29, first table, "decode
+        # bf16 GB/s (latent bytes / time)" MLA B=64 Skv=8192 Hq=128 D=576 Dv=512 (1134).
+        return TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2,
+                          num_stages_paged=3, programs_per_sm=1)
+    if d1 + d2 + dv > 256:
+        # Head dims above 128 (K and V over 256 wide): 32-key tiles, four programs per SM.
+        # Not measured: no RESULTS.md row has a decode at D > 128 other than MLA.
+        return TileConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=4,
+                          num_stages_paged=7, programs_per_sm=4)
+    # Three [64, D] K and V tiles in flight (104 KB for D = 128), two programs resident per
+    # SM, and the split count fills exactly those: one full wave. RESULTS.md 2026-11-29,
+    # session 2, "decode split sweep, graph-replayed GB/s" B=1 Skv=131072 (33 splits 3714,
+    # 57 3397; 3 stages 33: 3744; BLOCK_N 128 33: 3719) and B=8 Skv=32768 (4: 4173, 8: 4168).
+    return TileConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=4, num_stages_paged=7,
+                      programs_per_sm=2)
+
+
+def append_kv_config(s_new: int) -> TileConfig:
+    """The k_new append: up to 16 new keys a program (a copy; no RESULTS.md row measured it)."""
+    return TileConfig(block_m=min(16, next_pow2(s_new)), num_warps=4)
+
+
+# --- combine.py: the merge of states (merge_states and the split-KV combine) -----------------
+
+
+@functools.lru_cache(maxsize=1024)
+def merge_config(n: int, r: int, d: int, alias: bool, sms: int) -> TileConfig:
+    """``block_m`` rows, ``block_n`` states per unrolled step and ``block_d`` columns a
+    program, ``num_warps``; cached: the decode combine asks every step.
+
+    A program covers whole rows of up to 512 columns. Split into 128-column programs, a
+    D = 512 row is read as 256-byte pieces in four separate sweeps over memory (RESULTS.md
+    2026-11-29, session 2, "merge_states bf16 GB/s, whole-row tiles" N=2/4/8 D=512: 3393 /
+    3584 / 3848 against the old tiles' N=4 3406, N=8 3449; D=128 3387 / 3466 / 3591). Only
+    few rows (the split-KV combine) split D, down to 32 columns, and only when no output
+    aliases lses: the program that writes lse must be the last reader of its rows' lses.
+    Tiles of about 8192 values keep 16-32 KB of bf16 states in flight.
+    """
+    block_d = next_pow2(max(d, 1))
+    if not alias:
+        block_d = min(block_d, 512)
+    block_s = min(next_pow2(max(n, 1)), 8)
+    block_r = max(1, 8192 // (min(block_s, 4) * block_d))
+    # Small merges (the split-KV combine of a few rows) need many programs, not big ones.
+    target = 2 * sms
+    while block_r > 1 and cdiv(r, block_r) < target:
+        block_r //= 2
+    while not alias and block_d > 32 and cdiv(r, block_r) * cdiv(d, block_d) < target:
+        block_d //= 2
+    num_warps = max(1, min(4, block_r * block_d // 512))
+    # Each state step is one memory latency; a small tile has registers for more states
+    # per step (up to 64 values a thread): 57 splits of a [1, 32] tile take two steps.
+    per_state = max(1, block_r * block_d // (32 * num_warps))
+    block_s = min(next_pow2(max(n, 1)), max(block_s, min(32, 64 // per_state)))
+    return TileConfig(block_m=block_r, block_n=block_s, block_d=block_d, num_warps=num_warps)
+
+
+# --- sparse.py: the sparse top-k backward ---------------------------------------------------
+
+
+def sparse_bwd_config(group: int) -> TileConfig:
+    """The group's query heads padded to 16 rows (a ``tl.dot`` needs 16), 32 listed keys a
+    tile, 4 warps. No RESULTS.md row measured other tiles (the 2026-12-01 overhead table's
+    sparse_attention row times the forward)."""
+    return TileConfig(block_m=max(16, next_pow2(group)), block_n=32, num_warps=4)
