@@ -523,6 +523,14 @@ _MASKED_CONFIGS = {
     128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, WARP_SPECIALIZE=True),
 }
 
+# The paged kernel's prefill tiles: its per-row K/V addresses take registers, and BLOCK_N =
+# 128 (the table above) spills at D = 128 (stack 128 B, sm_90 compile); these do not.
+_PAGED_CONFIGS = {
+    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    256: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
+}
+
 # Block shapes for which warp specialisation failed to compile (fallback taken).
 _WS_FAILED: set = set()
 # Signatures whose Hopper (fwd_sm90) compile failed here: they take this module's kernel.
@@ -537,8 +545,13 @@ def _pick_config(block_d: int, block_dv: int, masked: bool, rows: int | None = N
         # Small tiles keep the interpreter fast and give tests several tiles per row.
         cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     elif rows is not None and rows <= 64:
-        cfg = dict(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=64, num_warps=4,
-                   num_stages=2 if max(block_d, block_dv) > 128 else 4)
+        block_m = max(16, next_pow2(rows))
+        cfg = (dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=4)
+               if max(block_d, block_dv) <= 128 else
+               dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=8 if block_m == 64 else 4,
+                    num_stages=2))
+    elif rows is not None:
+        cfg = dict(_PAGED_CONFIGS[min(max(block_d, block_dv, 64), 256)])
     else:
         key = min(max(block_d, block_dv, 32), 256)
         cfg = dict((_MASKED_CONFIGS if masked else _CONFIGS).get(key) or _CONFIGS[key])
