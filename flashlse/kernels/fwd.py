@@ -51,6 +51,18 @@ untouched), or through masked pointer loads. TMA needs sm90 and 16-byte aligned 
 row strides; where it is allowed the per-head-dim table picks the faster of the two, as
 measured on an H200 (benchmarks/NOTES.md), and warp specialisation goes with TMA only.
 
+Paged caches (``attn_fwd_paged``: serving, forward only). K/V are ``(num_pages, page_size,
+Hkv, D)`` and key j of sequence b is row ``j % page_size`` of page ``block_table[b, j //
+page_size]``: the K/V loader computes one address per key row (one page id per tile when
+a page holds whole tiles), so any page size works and the tile arithmetic is the varlen
+kernel's. The query heads of a kv head are packed into the rows (PackGQA: row r is query
+``r // G`` of head ``r % G`` of the group), one program per (row tile, kv head, sequence):
+a decode fills G rows of a tile instead of one, every K/V tile is read once per kv head,
+and a batch with short queries only (decodes) gets tiles of as few as 16 rows. The masks
+take each row's query position, so they are unchanged. A sequence's keys end before the
+first block-table entry outside ``[0, num_pages)`` (value checks are opt-in), so no tile
+loads a page outside the cache.
+
 On Hopper (sm_90) the calls in ``fwd_sm90.supported``'s domain (fp16/bf16, D = Dv = 128, no
 softcap) go to ``fwd_sm90.py`` instead: the same math in Gluon, with the two warpgroups of a
 block freed from the per-tile barrier this kernel cannot avoid (1.15-1.3x faster there).
