@@ -58,7 +58,9 @@ a page holds whole tiles), so any page size works and the tile arithmetic is the
 kernel's. The query heads of a kv head are packed into the rows (PackGQA: row r is query
 ``r // G`` of head ``r % G`` of the group), one program per (row tile, kv head, sequence):
 a decode fills G rows of a tile instead of one, every K/V tile is read once per kv head,
-and a batch with short queries only (decodes) gets tiles of as few as 16 rows. The masks
+and sequences of at most 16 packed rows (decodes) run on 16-row tiles: the whole call when
+no query is longer, else a second launch beside the large tiles (each launch skips the
+other's sequences, so no length is read on the host). The masks
 take each row's query position, so they are unchanged. A sequence's keys end before the
 first block-table entry outside ``[0, num_pages)`` (value checks are opt-in), so no tile
 loads a page outside the cache.
@@ -448,7 +450,8 @@ def _attn_fwd_paged_store(b_acc, b_m, b_l, o_i, o_h, m_r, bos, o, lse, sink,
     tl.store(p_out, b_o.to(p_out.dtype.element_ty), mask=m_r[:, None] & (o_dv < DV)[None, :])
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "total_q", "capacity", "num_pages", "left", "right"])
+@triton.jit(do_not_specialize=["seqlen_q", "total_q", "capacity", "num_pages", "rows_lo", "rows_hi",
+                               "left", "right"])
 def _attn_fwd_paged_kernel(
     q, k, v, o, lse, sink,
     cu_seqlens_q, seqused_k, block_table,
@@ -456,7 +459,7 @@ def _attn_fwd_paged_kernel(
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_os, stride_oh, stride_lh, stride_tb,
-    seqlen_q, total_q, capacity, num_pages,
+    seqlen_q, total_q, capacity, num_pages, rows_lo, rows_hi,
     left, right,
     scale_log2, softcap_a2, softcap_c2,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -476,7 +479,8 @@ def _attn_fwd_paged_kernel(
     bos, T_q = seq_span(cu_seqlens_q, i_b, total_q, seqlen_q)
     n_rows = T_q * GROUP
     r0 = i_t * BLOCK_M
-    if r0 >= n_rows:
+    # Sequences of (rows_lo, rows_hi] packed rows are this launch's; the rest are another's.
+    if (r0 >= n_rows) | (n_rows <= rows_lo) | (n_rows > rows_hi):
         return
     p_bt = block_table + i_b.to(tl.int64) * stride_tb
     # Keys: seqused_k clamped to the pages the table holds, ended before a page out of range.
@@ -734,6 +738,10 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
     return out, lse
 
 
+# Packed rows up to which a sequence runs on 16-row tiles (a decode of up to 16 heads a group).
+_SMALL_ROWS = 16
+
+
 def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
                    max_seqlen_k, left, right, softcap, scale, sink):
     """:func:`attn_fwd` over paged K/V caches, read in place (no gather), the query heads of
@@ -767,55 +775,69 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
         return out, lse
     block_d = max(next_pow2(d), 16)
     block_dv = max(next_pow2(dv), 16)
-    cfg = _pick_config(block_d, block_dv, right is not None or left is not None, rows=rows)
+    masked = right is not None or left is not None
     scale = float(scale)
     softcap = float(softcap or 0.0)
     # A cache of empty pages (page_size 0) holds no key.
     n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page)) if page else 0
-    _attn_fwd_paged_kernel[(cdiv(rows, cfg["BLOCK_M"]), hkv, batch)](
-        q=q,
-        k=k_cache,
-        v=v_cache,
-        o=out,
-        lse=lse,
-        sink=sink,
-        cu_seqlens_q=cu_seqlens_q,
-        seqused_k=seqused_k,
-        block_table=block_table,
-        stride_qs=q.stride(0),
-        stride_qh=q.stride(1),
-        stride_kp=k_cache.stride(0),
-        stride_ks=k_cache.stride(1),
-        stride_kh=k_cache.stride(2),
-        stride_vp=v_cache.stride(0),
-        stride_vs=v_cache.stride(1),
-        stride_vh=v_cache.stride(2),
-        stride_os=out.stride(0),
-        stride_oh=out.stride(1),
-        stride_lh=lse.stride(0),
-        stride_tb=block_table.stride(0),
-        seqlen_q=int(max_seqlen_q),
-        total_q=total_q,
-        capacity=n_cols * page,
-        num_pages=num_pages,
-        left=0 if left is None else int(left),
-        right=0 if right is None else int(right),
-        **exp2_constants(scale, softcap),
-        GROUP=group,
-        D=d,
-        DV=dv,
-        PAGE_SIZE=max(page, 1),
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-        BLOCK_P=128,
-        HAS_LEFT=left is not None,
-        HAS_RIGHT=right is not None,
-        HAS_SOFTCAP=softcap > 0,
-        HAS_SINK=sink is not None,
-        NEG_SCALE=scale < 0,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+
+    def launch(cfg, rows_lo, rows_hi):
+        # The sequences of (rows_lo, rows_hi] packed rows; the others exit at once.
+        _attn_fwd_paged_kernel[(cdiv(rows_hi, cfg["BLOCK_M"]), hkv, batch)](
+            q=q,
+            k=k_cache,
+            v=v_cache,
+            o=out,
+            lse=lse,
+            sink=sink,
+            cu_seqlens_q=cu_seqlens_q,
+            seqused_k=seqused_k,
+            block_table=block_table,
+            stride_qs=q.stride(0),
+            stride_qh=q.stride(1),
+            stride_kp=k_cache.stride(0),
+            stride_ks=k_cache.stride(1),
+            stride_kh=k_cache.stride(2),
+            stride_vp=v_cache.stride(0),
+            stride_vs=v_cache.stride(1),
+            stride_vh=v_cache.stride(2),
+            stride_os=out.stride(0),
+            stride_oh=out.stride(1),
+            stride_lh=lse.stride(0),
+            stride_tb=block_table.stride(0),
+            seqlen_q=int(max_seqlen_q),
+            total_q=total_q,
+            capacity=n_cols * page,
+            num_pages=num_pages,
+            rows_lo=rows_lo,
+            rows_hi=rows_hi,
+            left=0 if left is None else int(left),
+            right=0 if right is None else int(right),
+            **exp2_constants(scale, softcap),
+            GROUP=group,
+            D=d,
+            DV=dv,
+            PAGE_SIZE=max(page, 1),
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_D=block_d,
+            BLOCK_DV=block_dv,
+            BLOCK_P=128,
+            HAS_LEFT=left is not None,
+            HAS_RIGHT=right is not None,
+            HAS_SOFTCAP=softcap > 0,
+            HAS_SINK=sink is not None,
+            NEG_SCALE=scale < 0,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+
+    if rows <= _SMALL_ROWS:
+        launch(_pick_config(block_d, block_dv, masked, rows=rows), 0, rows)
+    else:
+        # A mixed step: the sequences of up to _SMALL_ROWS packed rows (decodes, G <= 16) take
+        # a launch of 16-row tiles of their own instead of a 128-row tile each; both launches
+        # see every sequence and skip the other's (no host sync on the lengths).
+        launch(_pick_config(block_d, block_dv, masked, rows=rows), _SMALL_ROWS, rows)
+        launch(_pick_config(block_d, block_dv, masked, rows=_SMALL_ROWS), 0, _SMALL_ROWS)
     return out, lse
