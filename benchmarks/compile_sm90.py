@@ -102,6 +102,19 @@ def cases():
                       BLOCK_DV=128, HAS_SINK=True, NEG_SCALE=False, USE_TMA=tma,
                       WARP_SPECIALIZE=False)
         yield "fwd", f"fwd D=128 {label}", fwd._attn_fwd_kernel, fwd_types, consts, 8, 3
+    # The paged forward (PackGQA): the mixed step's prefill tiles at page 16 (a page id per
+    # key row) and 256 (one per tile), and the small tiles of a batch of decodes.
+    paged_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
+                       seqused_k=I32, block_table=I32, scale_log2="fp32", softcap_a2="fp32",
+                       softcap_c2="fp32")
+    for label, page, block_m, block_n, warps, stages in (("page 16", 16, 128, 64, 8, 3),
+                                                         ("page 256", 256, 128, 64, 8, 3),
+                                                         ("decode rows", 16, 16, 64, 4, 4)):
+        consts = dict(GROUP=4, D=128, DV=128, PAGE_SIZE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_D=128, BLOCK_DV=128, BLOCK_P=128, HAS_LEFT=False, HAS_RIGHT=True,
+                      HAS_SOFTCAP=False, HAS_SINK=True, NEG_SCALE=False)
+        yield "fwd", f"fwd paged D=128 G=4 causal {label}", fwd._attn_fwd_paged_kernel, \
+            paged_types, consts, warps, stages
     # The Hopper Gluon forward (fwd_sm90.py): the shipped schedule and the optional one.
     sm90_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                       cu_seqlens_k=I32, seqused_k=I32, scale_log2="fp32")

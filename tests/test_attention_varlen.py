@@ -200,6 +200,13 @@ PAGED = [
     pytest.param([4, 1], [10, 7], dict(causal=True, sink=True), id="sink"),
     pytest.param([6, 2], [6, 11], dict(causal=True, window=(3, 0)), id="window"),
     pytest.param([3, 1], [8, 5], dict(hq=6, hkv=2, dv=8), id="gqa_dv8"),
+    # GQA 4:1 packs 4 heads a query into the kernel's rows: 17 queries take several row tiles
+    # (and more than 16 rows: the decodes and the 3-query sequence get a launch of their own).
+    pytest.param([17, 1, 1, 0, 3], [20, 7, 0, 5, 3], dict(hq=8, hkv=2, causal=True),
+                 id="gqa4_prefill_decodes"),
+    pytest.param([4, 1, 2], [9, 6, 0], dict(hq=4, hkv=1, dv=24, softcap=2.0, sink=True),
+                 id="mqa_softcap_sink_dv24"),
+    pytest.param([7, 1], [10, 4], dict(hq=4, hkv=2, window=(2, 1)), id="window_left_right"),
 ]
 
 

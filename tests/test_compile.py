@@ -61,6 +61,27 @@ def test_attention_varlen_compiles_fullgraph():
     assert torch.autograd.grad(got, [q])[0][:3].abs().sum() == 0  # sequence 0 has no keys
 
 
+def test_attention_varlen_paged_compiles_fullgraph():
+    """The paged forward is one opaque op (flashlse::attn_fwd_paged) with a sound fake."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(8)
+    cu_q = torch.tensor([0, 3, 4], dtype=torch.int32)
+    used = torch.tensor([5, 7], dtype=torch.int32)
+    table = torch.tensor([[3, 0, 2], [1, 4, 5]], dtype=torch.int32)
+    q = torch.randn(4, 4, 16, generator=g)
+    kc, vc = torch.randn(6, 3, 1, 16, generator=g), torch.randn(6, 3, 1, 8, generator=g)
+
+    def call(q, kc, vc):
+        return fl.attention_varlen(q, kc, vc, cu_q, None, 3, 7, seqused_k=used,
+                                   block_table=table, causal=True, return_lse=True)
+
+    with torch.no_grad():
+        got = torch.compile(call, fullgraph=True, backend="aot_eager")(q, kc, vc)
+        torch.testing.assert_close(got, call(q, kc, vc))
+    args = (q, kc, vc, table, cu_q, 3, used, 7, None, None, 0, 0.0, 0.25)
+    torch.library.opcheck(torch.ops.flashlse.attn_fwd_paged.default, args)
+
+
 @pytest.mark.parametrize("with_sink", [False, True], ids=["no_sink", "sink"])
 def test_opcheck_attn_fwd(with_sink):
     q, k, v, sink = _dense(3)

@@ -103,24 +103,27 @@ def load_rows(ref, o_r, i_r0, stride_r, n_rows, BLOCK_R: tl.constexpr, BLOCK_C: 
 
 
 @triton.jit
+def seq_span(cu_seqlens, i_b, total, max_len):
+    """``(start, length)`` of packed sequence ``i_b``, clamped so that any offsets stay inside
+    the ``total`` rows: ``cu_seqlens[i_b]`` to ``[0, total]``, the end to ``[start, total]``,
+    the length to ``max_len`` (what the grid covers). Valid input is unchanged."""
+    s0 = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_b), 0), total)
+    s1 = tl.minimum(tl.maximum(tl.load(cu_seqlens + i_b + 1), s0), total)
+    return s0.to(tl.int64), tl.minimum(s1 - s0, max_len).to(tl.int32)
+
+
+@triton.jit
 def seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
                IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
     """``(bos, bos_k, T_q, T_k)`` of sequence ``i_b``: its first query / key row in the
     packed tensors (0 when dense) and its lengths (``seqused_k`` caps the keys).
 
-    Varlen offsets and lengths are clamped, so that any values (GPU value checks are opt-in)
-    stay inside the packed tensors of ``total_q`` / ``total_k`` rows: offsets to
-    ``[previous, total]``, lengths to ``max_seqlen`` (``seqlen_q`` / ``seqlen_k`` here, what
-    the grid covers), ``seqused_k`` to ``[0, T_k]``. Valid input is unchanged by the clamps."""
+    Varlen offsets and lengths are clamped (``seq_span``), so that any values (GPU value
+    checks are opt-in) stay inside the packed tensors of ``total_q`` / ``total_k`` rows;
+    ``seqused_k`` to ``[0, T_k]``."""
     if IS_VARLEN:
-        q0 = tl.minimum(tl.maximum(tl.load(cu_seqlens_q + i_b), 0), total_q)
-        q1 = tl.minimum(tl.maximum(tl.load(cu_seqlens_q + i_b + 1), q0), total_q)
-        k0 = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + i_b), 0), total_k)
-        k1 = tl.minimum(tl.maximum(tl.load(cu_seqlens_k + i_b + 1), k0), total_k)
-        bos = q0.to(tl.int64)
-        bos_k = k0.to(tl.int64)
-        T_q = tl.minimum(q1 - q0, seqlen_q).to(tl.int32)
-        T_k = tl.minimum(k1 - k0, seqlen_k).to(tl.int32)
+        bos, T_q = seq_span(cu_seqlens_q, i_b, total_q, seqlen_q)
+        bos_k, T_k = seq_span(cu_seqlens_k, i_b, total_k, seqlen_k)
         if HAS_SEQUSED_K:
             T_k = tl.minimum(tl.maximum(tl.load(seqused_k + i_b), 0), T_k)
     else:

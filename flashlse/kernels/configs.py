@@ -173,6 +173,31 @@ def fwd_group_heads(seqlen_k: int, width: int, elsize: int) -> int:
     return max(1, (16 << 20) // max(1, seqlen_k * width * elsize))
 
 
+# The paged forward (PackGQA rows, per-row K/V addresses). Its prefill tiles: BLOCK_N = 128 (the
+# table above) spills at D = 128 (stack 128 B in the sm_90 compile), these do not; sequences
+# of at most 64 packed rows (decodes, short speculative queries) take one tile of as few rows
+# as tl.dot allows. Not measured yet (session 8 measures them: bench_serving.py).
+FWD_PAGED = {
+    64: TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    128: TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    256: TileConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
+}
+
+
+@functools.lru_cache(maxsize=256)
+def fwd_paged_config(block_d: int, block_dv: int, rows: int, interpret: bool) -> TileConfig:
+    """The paged forward's tiles for sequences of at most ``rows`` packed rows."""
+    if interpret:
+        return _FWD_INTERPRET
+    if rows <= 64:
+        block_m = max(16, next_pow2(rows))
+        if max(block_d, block_dv) <= 128:
+            return TileConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=4)
+        return TileConfig(block_m=block_m, block_n=32, num_warps=8 if block_m == 64 else 4,
+                          num_stages=2)
+    return FWD_PAGED[min(max(block_d, block_dv, 64), 256)]
+
+
 # --- fwd_sm90.py: the Hopper Gluon forward ------------------------------------------------
 #
 # block_m is the kernel's (two 64-row consumer warpgroups) and num_warps its consumers'.

@@ -51,6 +51,20 @@ untouched), or through masked pointer loads. TMA needs sm90 and 16-byte aligned 
 row strides; where it is allowed the per-head-dim table picks the faster of the two, as
 measured on an H200 (benchmarks/NOTES.md), and warp specialisation goes with TMA only.
 
+Paged caches (``attn_fwd_paged``: serving, forward only). K/V are ``(num_pages, page_size,
+Hkv, D)`` and key j of sequence b is row ``j % page_size`` of page ``block_table[b, j //
+page_size]``: the K/V loader computes one address per key row (one page id per tile when
+a page holds whole tiles), so any page size works and the tile arithmetic is the varlen
+kernel's. The query heads of a kv head are packed into the rows (PackGQA: row r is query
+``r // G`` of head ``r % G`` of the group), one program per (row tile, kv head, sequence):
+a decode fills G rows of a tile instead of one, every K/V tile is read once per kv head,
+and sequences of at most 16 packed rows (decodes) run on 16-row tiles: the whole call when
+no query is longer, else a second launch beside the large tiles (each launch skips the
+other's sequences, so no length is read on the host). The masks
+take each row's query position, so they are unchanged. A sequence's keys end before the
+first block-table entry outside ``[0, num_pages)`` (value checks are opt-in), so no tile
+loads a page outside the cache.
+
 On Hopper (sm_90) the calls in ``fwd_sm90.supported``'s domain (fp16/bf16, D = Dv = 128, no
 softcap) go to ``fwd_sm90.py`` instead: the same math in Gluon, with the two warpgroups of a
 block freed from the per-tile barrier this kernel cannot avoid (1.15-1.3x faster there).
@@ -76,6 +90,7 @@ from ._common import (
     load_rows,
     next_pow2,
     seq_bounds,
+    seq_span,
     tma_ok,
 )
 
@@ -87,26 +102,55 @@ except ImportError:  # pragma: no cover - older or newer triton
 
 
 @triton.jit
-def _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 D: tl.constexpr, USE_TMA: tl.constexpr):
+def _attn_fwd_load_kv(ref, o_n, n0, stride_s, T_k, p_bt, stride_p,
+                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, N_COLS: tl.constexpr,
+                      USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """K or V tile ``[BLOCK_N, BLOCK_C]`` of keys ``o_n = n0 + arange``, zeros from ``T_k`` on:
+    rows of one contiguous slice (``PAGE_SIZE == 0``), or of a paged cache, key j at row
+    ``j % PAGE_SIZE`` of page ``p_bt[j // PAGE_SIZE]`` (pages ``stride_p`` apart)."""
+    if PAGE_SIZE == 0:
+        b_x = load_rows(ref, o_n, n0, stride_s, T_k, BLOCK_N, BLOCK_C, N_COLS, USE_TMA)
+    else:
+        m_n = o_n < T_k
+        if PAGE_SIZE % BLOCK_N == 0:
+            # The tile lies inside one page (n0 < T_k, so its entry is in use): one page id.
+            b_page = tl.load(p_bt + n0 // PAGE_SIZE).to(tl.int64)
+        else:
+            # [BLOCK_N] one page id per key row: any page size, pages smaller than a tile too.
+            b_page = tl.load(p_bt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+        o_row = b_page * stride_p + (o_n % PAGE_SIZE).to(tl.int64) * stride_s
+        o_c = tl.arange(0, BLOCK_C)
+        # [BLOCK_N, BLOCK_C]; a row is N_COLS contiguous elements either way.
+        b_x = tl.load(ref + o_row[:, None] + o_c[None, :],
+                      mask=m_n[:, None] & (o_c < N_COLS)[None, :], other=0.0)
+    return b_x
+
+
+@triton.jit
+def _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, p_bt, stride_kp, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, D: tl.constexpr, USE_TMA: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr):
     """Raw scores ``q . k`` of key tile ``[n0, n0 + BLOCK_N)``: ``[BLOCK_M, BLOCK_N]``."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     # [BLOCK_N, BLOCK_D]
-    b_k = load_rows(k_ref, o_n, n0, stride_ks, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+    b_k = _attn_fwd_load_kv(k_ref, o_n, n0, stride_ks, T_k, p_bt, stride_kp,
+                            BLOCK_N, BLOCK_D, D, USE_TMA, PAGE_SIZE)
     return tl.dot(b_q, tl.trans(b_k))
 
 
 @triton.jit
 def _attn_fwd_softmax_pv(
     b_acc, b_m, b_l, b_s,
-    v_ref, stride_vs,
+    v_ref, stride_vs, p_bt, stride_vp,
     n0, o_m, T_k, shift, left, right,
     scale_log2, softcap_a2, softcap_c2,
     DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
-    """Online-softmax update with the raw scores ``b_s`` of key tile ``[n0, n0 + BLOCK_N)``."""
+    """Online-softmax update with the raw scores ``b_s`` of key tile ``[n0, n0 + BLOCK_N)``;
+    ``o_m`` is each row's query position (the masks' row index)."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     if HAS_SOFTCAP:
         # c * tanh(scale * s / c) in base 2: tanh(x) = 1 - 2 / (1 + 2^(2 x log2 e)),
@@ -140,7 +184,8 @@ def _attn_fwd_softmax_pv(
     b_alpha = tl.math.exp2(b_m - b_piv)
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
     # [BLOCK_N, BLOCK_DV]
-    b_v = load_rows(v_ref, o_n, n0, stride_vs, T_k, BLOCK_N, BLOCK_DV, DV, USE_TMA)
+    b_v = _attn_fwd_load_kv(v_ref, o_n, n0, stride_vs, T_k, p_bt, stride_vp,
+                            BLOCK_N, BLOCK_DV, DV, USE_TMA, PAGE_SIZE)
     # [BLOCK_M, BLOCK_DV]
     b_acc = b_acc * b_alpha[:, None]
     b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
@@ -152,6 +197,7 @@ def _attn_fwd_inner(
     b_acc, b_m, b_l, b_q,
     k_ref, v_ref,
     stride_ks, stride_vs,
+    p_bt, stride_kp, stride_vp,
     n_lo, n_hi,
     o_m, T_k, shift, left, right,
     scale_log2, softcap_a2, softcap_c2,
@@ -159,35 +205,77 @@ def _attn_fwd_inner(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    """Key tiles ``[n_lo, n_hi)`` (``n_lo`` a multiple of BLOCK_N), masked or all full."""
+    """Key tiles ``[n_lo, n_hi)`` (``n_lo`` a multiple of BLOCK_N), masked or all full; K/V
+    contiguous (``PAGE_SIZE == 0``) or paged through the block-table row ``p_bt``."""
     for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         n0 = tl.multiple_of(n0, BLOCK_N)
-        b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, BLOCK_N, BLOCK_D, D, USE_TMA)
+        b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, p_bt, stride_kp,
+                           BLOCK_N, BLOCK_D, D, USE_TMA, PAGE_SIZE)
         b_acc, b_m, b_l = _attn_fwd_softmax_pv(
-            b_acc, b_m, b_l, b_s, v_ref, stride_vs,
+            b_acc, b_m, b_l, b_s, v_ref, stride_vs, p_bt, stride_vp,
             n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
             DV, BLOCK_N, BLOCK_DV,
-            MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+            MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA, PAGE_SIZE,
         )
     return b_acc, b_m, b_l
 
 
 @triton.jit
-def _attn_fwd_store(
-    b_acc, b_m, b_l, o_m, m0, T_q,
-    p_o, stride_os, p_lse, sink, i_h,
-    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SINK: tl.constexpr, USE_TMA: tl.constexpr,
+def _attn_fwd_ranges(
+    b_acc, b_m, b_l, b_q,
+    k_ref, v_ref,
+    stride_ks, stride_vs,
+    p_bt, stride_kp, stride_vp,
+    n_lo, n_full_lo, n_full_hi, n_hi,
+    o_m, T_k, shift, left, right,
+    scale_log2, softcap_a2, softcap_c2,
+    D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    """Epilogue: normalise, add the sink once, store out and the natural-log lse."""
+    """The key tiles of a row block (``key_ranges``): masked left edge (only with a left
+    window), full middle, masked right edge (causal diagonal, ragged end of the keys)."""
+    if HAS_LEFT:
+        b_acc, b_m, b_l = _attn_fwd_inner(
+            b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs, p_bt, stride_kp, stride_vp,
+            n_lo, n_full_lo, o_m, T_k, shift, left, right,
+            scale_log2, softcap_a2, softcap_c2,
+            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+            WARP_SPECIALIZE, PAGE_SIZE,
+        )
+    b_acc, b_m, b_l = _attn_fwd_inner(
+        b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs, p_bt, stride_kp, stride_vp,
+        n_full_lo, n_full_hi, o_m, T_k, shift, left, right,
+        scale_log2, softcap_a2, softcap_c2,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+        False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+        WARP_SPECIALIZE, PAGE_SIZE,
+    )
+    b_acc, b_m, b_l = _attn_fwd_inner(
+        b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs, p_bt, stride_kp, stride_vp,
+        n_full_hi, n_hi, o_m, T_k, shift, left, right,
+        scale_log2, softcap_a2, softcap_c2,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+        True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+        WARP_SPECIALIZE, PAGE_SIZE,
+    )
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _attn_fwd_finish(b_acc, b_m, b_l, b_sink_nat, HAS_SINK: tl.constexpr):
+    """Epilogue math: normalise and add the sink (natural-log logit, a scalar or one per row)
+    once; returns ``out [BLOCK_M, BLOCK_DV]`` (float32) and the natural-log ``lse [BLOCK_M]``."""
     # l == 0 exactly for a row with no visible key; a NaN l (a NaN score) is not empty and
     # propagates to out and lse.
     b_l_keys = b_l
     b_piv = b_m
     if HAS_SINK:
-        b_sink_nat = tl.load(sink + i_h).to(tl.float32)
         b_sink = b_sink_nat * LOG2E
         b_m_f = tl.maximum(b_m, b_sink)
         # A sink of -inf on an empty row leaves m_f = -inf: pivot on 0, never -inf - -inf.
@@ -207,6 +295,22 @@ def _attn_fwd_store(
     if HAS_SINK:
         # An empty row's lse is the sink itself, not its round trip through base 2.
         b_lse = tl.where(b_l_keys == 0.0, b_sink_nat, b_lse)
+    return b_o, b_lse
+
+
+@triton.jit
+def _attn_fwd_store(
+    b_acc, b_m, b_l, o_m, m0, T_q,
+    p_o, stride_os, p_lse, sink, i_h,
+    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINK: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Epilogue of one (sequence, head) row block: out and the natural-log lse."""
+    if HAS_SINK:
+        b_sink_nat = tl.load(sink + i_h).to(tl.float32)
+    else:
+        b_sink_nat = 0.0
+    b_o, b_lse = _attn_fwd_finish(b_acc, b_m, b_l, b_sink_nat, HAS_SINK)
     tl.store(p_lse + o_m, b_lse, mask=o_m < T_q)
     if USE_TMA:
         o_ref = tl.make_tensor_descriptor(p_o, shape=[T_q, DV], strides=[stride_os, 1],
@@ -301,33 +405,123 @@ def _attn_fwd_kernel(
 
     # [BLOCK_M, BLOCK_D]
     b_q = load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
-    if HAS_LEFT:
-        b_acc, b_m, b_l = _attn_fwd_inner(
-            b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs,
-            n_lo, n_full_lo, o_m, T_k, shift, left, right,
-            scale_log2, softcap_a2, softcap_c2,
-            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-            WARP_SPECIALIZE,
-        )
-    b_acc, b_m, b_l = _attn_fwd_inner(
-        b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs,
-        n_full_lo, n_full_hi, o_m, T_k, shift, left, right,
+    b_acc, b_m, b_l = _attn_fwd_ranges(
+        b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs, None, 0, 0,
+        n_lo, n_full_lo, n_full_hi, n_hi, o_m, T_k, shift, left, right,
         scale_log2, softcap_a2, softcap_c2,
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-        False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-        WARP_SPECIALIZE,
-    )
-    b_acc, b_m, b_l = _attn_fwd_inner(
-        b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs,
-        n_full_hi, n_hi, o_m, T_k, shift, left, right,
-        scale_log2, softcap_a2, softcap_c2,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-        True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-        WARP_SPECIALIZE,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA, WARP_SPECIALIZE, 0,
     )
     _attn_fwd_store(b_acc, b_m, b_l, o_m, m0, T_q, p_o, stride_os, p_lse, sink, i_h,
                     DV, BLOCK_M, BLOCK_DV, HAS_SINK, USE_TMA)
+
+
+@triton.jit
+def _paged_keys(p_bt, T_k, num_pages, PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Keys of a paged sequence: ``T_k`` ended before its first block-table entry outside
+    ``[0, num_pages)`` (value checks are opt-in: that page and the later ones hold no key and
+    are never read), so every page a tile loads is inside the cache."""
+    n_pages = tl.cdiv(T_k, PAGE_SIZE)
+    first_bad = n_pages
+    for p0 in range(0, n_pages, BLOCK_P):
+        o_p = p0 + tl.arange(0, BLOCK_P)
+        m_p = o_p < n_pages
+        # [BLOCK_P]
+        b_page = tl.load(p_bt + o_p, mask=m_p, other=0)
+        b_bad = m_p & ((b_page < 0) | (b_page >= num_pages))
+        first_bad = tl.minimum(first_bad, tl.min(tl.where(b_bad, o_p, n_pages), 0))
+    return tl.minimum(T_k, first_bad * PAGE_SIZE)
+
+
+@triton.jit
+def _attn_fwd_paged_store(b_acc, b_m, b_l, o_i, o_h, m_r, bos, o, lse, sink,
+                          stride_os, stride_oh, stride_lh,
+                          DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr):
+    """Epilogue of a packed row tile: row r is query ``bos + o_i[r]`` of head ``o_h[r]``."""
+    if HAS_SINK:
+        b_sink_nat = tl.load(sink + o_h, mask=m_r, other=0.0).to(tl.float32)
+    else:
+        b_sink_nat = 0.0
+    b_o, b_lse = _attn_fwd_finish(b_acc, b_m, b_l, b_sink_nat, HAS_SINK)
+    o_q = bos + o_i.to(tl.int64)
+    tl.store(lse + o_h.to(tl.int64) * stride_lh + o_q, b_lse, mask=m_r)
+    o_dv = tl.arange(0, BLOCK_DV)
+    p_out = o + (o_q * stride_os + o_h.to(tl.int64) * stride_oh)[:, None] + o_dv[None, :]
+    tl.store(p_out, b_o.to(p_out.dtype.element_ty), mask=m_r[:, None] & (o_dv < DV)[None, :])
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "total_q", "capacity", "num_pages", "rows_lo", "rows_hi",
+                               "left", "right"])
+def _attn_fwd_paged_kernel(
+    q, k, v, o, lse, sink,
+    cu_seqlens_q, seqused_k, block_table,
+    stride_qs, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_os, stride_oh, stride_lh, stride_tb,
+    seqlen_q, total_q, capacity, num_pages, rows_lo, rows_hi,
+    left, right,
+    scale_log2, softcap_a2, softcap_c2,
+    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINK: tl.constexpr, NEG_SCALE: tl.constexpr,
+):
+    """Varlen forward over paged K/V with the query heads of a kv head packed into the rows
+    (PackGQA): one program per (row tile, kv head, sequence), row r of a sequence's
+    ``T_q * GROUP`` packed rows is query ``r // GROUP`` of head ``kv head * GROUP + r % GROUP``.
+    A decode (one query) fills GROUP rows of a tile, and each K/V tile is read once per kv
+    head for the whole group. Last row tile first (the most keys under a causal mask)."""
+    i_t = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_hk = tl.program_id(1)
+    i_b = tl.program_id(2)
+    bos, T_q = seq_span(cu_seqlens_q, i_b, total_q, seqlen_q)
+    n_rows = T_q * GROUP
+    r0 = i_t * BLOCK_M
+    # Sequences of (rows_lo, rows_hi] packed rows are this launch's; the rest are another's.
+    if (r0 >= n_rows) | (n_rows <= rows_lo) | (n_rows > rows_hi):
+        return
+    p_bt = block_table + i_b.to(tl.int64) * stride_tb
+    # Keys: seqused_k clamped to the pages the table holds, ended before a page out of range.
+    T_k = tl.minimum(tl.maximum(tl.load(seqused_k + i_b), 0), capacity)
+    T_k = _paged_keys(p_bt, T_k, num_pages, PAGE_SIZE, BLOCK_P)
+    # Query positions [m0, m_last] of the tile, for the (bottom-right) masks.
+    m0 = r0 // GROUP
+    m_last = (tl.minimum(r0 + BLOCK_M, n_rows) - 1) // GROUP
+    shift = T_k - T_q
+
+    o_r = r0 + tl.arange(0, BLOCK_M)
+    m_r = o_r < n_rows
+    # [BLOCK_M] query position and head of each row
+    o_i = o_r // GROUP
+    o_h = i_hk * GROUP + o_r % GROUP
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # [BLOCK_M, BLOCK_DV]
+    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    n_lo, n_full_lo, n_full_hi, n_hi = key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
+                                                  HAS_LEFT, HAS_RIGHT)
+    if n_hi == n_lo:
+        # No row of the tile sees a key: write the empty state, load nothing.
+        _attn_fwd_paged_store(b_acc, b_m, b_l, o_i, o_h, m_r, bos, o, lse, sink,
+                              stride_os, stride_oh, stride_lh, DV, BLOCK_DV, HAS_SINK)
+        return
+
+    o_d = tl.arange(0, BLOCK_D)
+    p_q = q + ((bos + o_i.to(tl.int64)) * stride_qs + o_h.to(tl.int64) * stride_qh)[:, None] + o_d[None, :]
+    # [BLOCK_M, BLOCK_D]
+    b_q = tl.load(p_q, mask=m_r[:, None] & (o_d < D)[None, :], other=0.0)
+    b_acc, b_m, b_l = _attn_fwd_ranges(
+        b_acc, b_m, b_l, b_q, k + i_hk.to(tl.int64) * stride_kh, v + i_hk.to(tl.int64) * stride_vh,
+        stride_ks, stride_vs, p_bt, stride_kp, stride_vp,
+        n_lo, n_full_lo, n_full_hi, n_hi, o_i, T_k, shift, left, right,
+        scale_log2, softcap_a2, softcap_c2,
+        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, False, False, PAGE_SIZE,
+    )
+    _attn_fwd_paged_store(b_acc, b_m, b_l, o_i, o_h, m_r, bos, o, lse, sink,
+                          stride_os, stride_oh, stride_lh, DV, BLOCK_DV, HAS_SINK)
 
 
 # Block shapes for which warp specialisation failed to compile (fallback taken).
@@ -339,6 +533,14 @@ def _pick_config(block_d: int, block_dv: int, masked: bool) -> configs.TileConfi
     """``configs.fwd_config``'s tiles for these head dims and mask, with
     ``KernelOptions.fwd_config``'s overrides (``USE_TMA=False`` forces pointer loads)."""
     cfg = configs.fwd_config(block_d, block_dv, masked, interpreting())
+    return configs.override(cfg, options.current().fwd_config, configs.FWD_KEYS,
+                            what="fwd_config")
+
+
+def _pick_paged_config(block_d: int, block_dv: int, rows: int) -> configs.TileConfig:
+    """``configs.fwd_paged_config``'s tiles for sequences of at most ``rows`` packed rows, with
+    ``KernelOptions.fwd_config``'s overrides."""
+    cfg = configs.fwd_paged_config(block_d, block_dv, rows, interpreting())
     return configs.override(cfg, options.current().fwd_config, configs.FWD_KEYS,
                             what="fwd_config")
 
@@ -495,4 +697,107 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
             # run the same kernel without it rather than fail the call.
             _WS_FAILED.add(key)
     launch(False)
+    return out, lse
+
+
+# Packed rows up to which a sequence runs on 16-row tiles (a decode of up to 16 heads a group).
+_SMALL_ROWS = 16
+
+
+def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
+                   max_seqlen_k, left, right, softcap, scale, sink):
+    """:func:`attn_fwd` over paged K/V caches, read in place (no gather), the query heads of
+    each kv head packed into the rows of a tile.
+
+    Inputs are assumed valid (ops/ validates); any values are memory-safe: lengths are clamped
+    to the table's pages, and a sequence's keys end before a block-table entry outside
+    ``[0, num_pages)``. No host sync.
+
+    Args:
+        q: ``(total_q, Hq, D)`` with ``cu_seqlens_q (B + 1,)`` int32 and ``max_seqlen_q``.
+        k_cache / v_cache: ``(num_pages, page_size, Hkv, D / Dv)``, any page size.
+        block_table: ``(B, max_pages)`` int32: key j of sequence b is row ``j % page_size`` of
+            page ``block_table[b, j // page_size]``.
+        seqused_k: ``(B,)`` int32 keys of each sequence.
+        max_seqlen_k: int; only the table's pages that can hold the first ``max_seqlen_k``
+            keys are looked at.
+        left, right, softcap, scale, sink: as :func:`attn_fwd`.
+
+    Returns:
+        ``out (total_q, Hq, Dv)`` in ``q.dtype`` and ``lse (Hq, total_q)`` float32.
+    """
+    total_q, hq, d = q.shape
+    num_pages, page, hkv, dv = v_cache.shape
+    batch = cu_seqlens_q.numel() - 1
+    out = options.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
+    lse = options.empty((hq, total_q), dtype=torch.float32, device=q.device)
+    group = hq // hkv
+    rows = int(max_seqlen_q) * group
+    if total_q == 0 or batch == 0 or rows == 0:
+        return out, lse
+    block_d = max(next_pow2(d), 16)
+    block_dv = max(next_pow2(dv), 16)
+    scale = float(scale)
+    softcap = float(softcap or 0.0)
+    # A cache of empty pages (page_size 0) holds no key.
+    n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page)) if page else 0
+
+    def launch(cfg, rows_lo, rows_hi):
+        # The sequences of (rows_lo, rows_hi] packed rows; the others exit at once.
+        _attn_fwd_paged_kernel[(cdiv(rows_hi, cfg.block_m), hkv, batch)](
+            q=q,
+            k=k_cache,
+            v=v_cache,
+            o=out,
+            lse=lse,
+            sink=sink,
+            cu_seqlens_q=cu_seqlens_q,
+            seqused_k=seqused_k,
+            block_table=block_table,
+            stride_qs=q.stride(0),
+            stride_qh=q.stride(1),
+            stride_kp=k_cache.stride(0),
+            stride_ks=k_cache.stride(1),
+            stride_kh=k_cache.stride(2),
+            stride_vp=v_cache.stride(0),
+            stride_vs=v_cache.stride(1),
+            stride_vh=v_cache.stride(2),
+            stride_os=out.stride(0),
+            stride_oh=out.stride(1),
+            stride_lh=lse.stride(0),
+            stride_tb=block_table.stride(0),
+            seqlen_q=int(max_seqlen_q),
+            total_q=total_q,
+            capacity=n_cols * page,
+            num_pages=num_pages,
+            rows_lo=rows_lo,
+            rows_hi=rows_hi,
+            left=0 if left is None else int(left),
+            right=0 if right is None else int(right),
+            **exp2_constants(scale, softcap),
+            GROUP=group,
+            D=d,
+            DV=dv,
+            PAGE_SIZE=max(page, 1),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_D=block_d,
+            BLOCK_DV=block_dv,
+            BLOCK_P=128,
+            HAS_LEFT=left is not None,
+            HAS_RIGHT=right is not None,
+            HAS_SOFTCAP=softcap > 0,
+            HAS_SINK=sink is not None,
+            NEG_SCALE=scale < 0,
+            **cfg.launch(),
+        )
+
+    if rows <= _SMALL_ROWS:
+        launch(_pick_paged_config(block_d, block_dv, rows), 0, rows)
+    else:
+        # A mixed step: the sequences of up to _SMALL_ROWS packed rows (decodes, G <= 16) take
+        # a launch of 16-row tiles of their own instead of a 128-row tile each; both launches
+        # see every sequence and skip the other's (no host sync on the lengths).
+        launch(_pick_paged_config(block_d, block_dv, rows), _SMALL_ROWS, rows)
+        launch(_pick_paged_config(block_d, block_dv, _SMALL_ROWS), 0, _SMALL_ROWS)
     return out, lse

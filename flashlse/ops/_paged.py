@@ -1,4 +1,5 @@
-"""Paged caches read as packed varlen rows, for the forward kernels that take packed K/V."""
+"""Paged caches read as packed varlen rows, for the PyTorch path (the kernels read pages in
+place: ``kernels/fwd.attn_fwd_paged``)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from .. import masks
 from ..lse import safe_pivot
 from . import _validate as V
 from ._dispatch import compute_dtype, use_triton
+from ._paged import gather_pages
 from .merge import merge_math
 
 # Elements of one (query block x key chunk) score tile, all heads and batches.
@@ -429,8 +430,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         block_table: ``(B, max_pages)`` int32, vLLM's / flash-attn's paged KV: key j of
             sequence b is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
             One call then serves a mixed batch of prefills, chunked prefills (Sq < Sk,
-            bottom-right causal) and decodes. Forward only. (The pages that can hold the
-            first ``max_seqlen_k`` keys are copied into packed rows before the kernel runs.)
+            bottom-right causal) and decodes. Forward only. The kernel reads the pages in
+            place, the query heads of each kv head packed into its tiles (the PyTorch path
+            copies the pages that can hold the first ``max_seqlen_k`` keys first).
         Other keywords as :func:`attention`.
 
     Returns:
@@ -474,10 +476,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, seqused_k, block_table, causal, window, softcap, scale,
                             sink, return_lse, deterministic):
-    """``attention_varlen`` over paged caches: validation, then the pages in use gathered into
-    packed rows (``_paged.gather_pages``) and the packed varlen path."""
-    from ._paged import gather_pages
-
+    """``attention_varlen`` over paged caches: validation, then ``_paged_fwd``."""
     V.check_tensor("q", q, 3, "(total_q, Hq, D)")
     layout = "(num_pages, page_size, Hkv, D)"
     V.check_tensor("k", k_cache, 4, layout)
@@ -533,11 +532,46 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
             t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
         raise ValueError("attention_varlen with a block_table is forward only (serving); call it "
                          "under torch.no_grad(), or pack the keys for gradients")
+    args = (q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens, max_seqlen_k,
+            sink, left, right, softcap, scale)
+    out, lse = _paged_fwd_op(*args) if torch.compiler.is_compiling() else _paged_fwd(*args)
+    return (out, lse) if return_lse else out
+
+
+def _paged_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens, max_seqlen_k,
+               sink, left, right, softcap, scale):
+    """Paged forward on the path the device has: the kernel reads the pages in place; the
+    PyTorch path first copies the pages in use into packed rows."""
+    kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
+    if use_triton(q):
+        from ..kernels.fwd import attn_fwd_paged
+
+        return attn_fwd_paged(q, k_cache, v_cache, block_table, cu_seqlens_q=cu_seqlens_q,
+                              max_seqlen_q=max_seqlen_q, seqused_k=lens,
+                              max_seqlen_k=max_seqlen_k, **kw)
     # Only the pages that can hold one of the first max_seqlen_k keys are copied: a serving
     # block table is often as wide as the longest sequence the engine allows.
     page = k_cache.shape[1]
     n_cols = min(block_table.shape[1], -(-max(max_seqlen_k, 0) // page))
     k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table[:, :n_cols], lens)
-    out, lse = _attn(q, k, v, sink, cu_seqlens_q, cu_k, max_seqlen_q, n_cols * page, used, left,
-                     right, softcap, scale, deterministic)
-    return (out, lse) if return_lse else out
+    return attn_fwd(q, k, v, **kw, **_varlen_kw(cu_seqlens_q, cu_k, max_seqlen_q, n_cols * page,
+                                                 used))
+
+
+# While torch.compile traces, the paged forward is one opaque node (forward only: no backward).
+@torch.library.custom_op("flashlse::attn_fwd_paged", mutates_args=())
+def _paged_fwd_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                  lens: torch.Tensor, max_seqlen_k: int, sink: torch.Tensor | None,
+                  left: int | None, right: int | None, softcap: float,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _paged_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens,
+                      max_seqlen_k, sink, left, right, softcap, scale)
+
+
+@_paged_fwd_op.register_fake
+def _(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens, max_seqlen_k, sink,
+      left, right, softcap, scale):
+    total, hq, _ = q.shape
+    return (q.new_empty(total, hq, v_cache.shape[-1]),
+            q.new_empty(hq, total, dtype=_lse_dtype(q.dtype)))

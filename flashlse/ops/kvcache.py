@@ -13,7 +13,6 @@ import torch
 from .. import masks
 from . import _validate as V
 from ._dispatch import compute_dtype, use_triton
-from ._paged import gather_pages
 from .attention import attn_fwd_torch
 from .merge import merge_math
 
@@ -68,25 +67,28 @@ def _split_fwd(qb, kb, vb, num_splits, left, right, softcap, scale, sink):
 
 def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     """Queries longer than the decode kernel takes: the varlen forward kernel, one sequence
-    per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k).
-    A paged cache is first gathered into contiguous rows (a copy; issue 16 reads pages in
-    the kernel). A page out of range ends its sequence there: it and later pages hold no key."""
+    per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k), a
+    paged cache read in place by the paged kernel. A page out of range ends its sequence
+    there: it and later pages hold no key."""
     from ..kernels.fwd import attn_fwd as attn_fwd_kernel
+    from ..kernels.fwd import attn_fwd_paged
 
     b, sq, hq, d = q.shape
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
+    used = None if lens is None else (lens + s_new if s_new else lens)
     if block_table is not None:
-        k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, lens + s_new)
-        smax = k.shape[0] // max(b, 1)
+        out, lse = attn_fwd_paged(
+            q.reshape(b * sq, hq, d), k_cache, v_cache, block_table, cu_seqlens_q=cu_q,
+            max_seqlen_q=sq, seqused_k=used, max_seqlen_k=block_table.shape[1] * k_cache.shape[1],
+            **kw)
     else:
         smax = k_cache.shape[1]
         cu_k = torch.arange(b + 1, dtype=torch.int32, device=q.device) * smax
         k, v = k_cache.reshape(b * smax, *k_cache.shape[2:]), v_cache.reshape(
             b * smax, *v_cache.shape[2:])
-        used = None if lens is None else (lens + s_new if s_new else lens)
-    out, lse = attn_fwd_kernel(
-        q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
+        out, lse = attn_fwd_kernel(
+            q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
 
 

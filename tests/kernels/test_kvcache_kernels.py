@@ -142,3 +142,35 @@ def test_attention_varlen_paged_on_kernels(device, qlens, klens, kw, page, dtype
     """vLLM's mixed step (prefill, chunked prefill, decodes, empty query and cache) through
     attention_varlen with a block table, on the varlen forward kernel."""
     run_paged(device, dtype, qlens, klens, page, **kw)
+
+
+@pytest.mark.parametrize("bad", [-5, "past_end"], ids=str)
+def test_attention_varlen_paged_page_out_of_range(device, bad):
+    """With the value checks off a block-table entry outside [0, num_pages) in use ends its
+    sequence before that page, nothing outside the cache is read, and the other sequences
+    are exact (the paged kernel, PackGQA with a decode in the batch)."""
+    dtype = DTYPES[0]
+    g = torch.Generator().manual_seed(11)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
+    k_cache, v_cache = mk(8, 3, 1, 16), mk(8, 3, 1, 16)
+    table = torch.tensor([[5, 2, 7, 0], [1, 3, 4, 6]], dtype=torch.int32, device=device)
+    bad_table = table.clone()
+    bad_table[0, 2] = -5 if bad == -5 else 8 + 3
+    q = mk(5, 4, 16)
+    cu_q = torch.tensor([0, 4, 5], dtype=torch.int32, device=device)
+    call = dict(cu_seqlens_k=None, max_seqlen_q=4, max_seqlen_k=12, causal=True,
+                return_lse=True)
+    with fl.value_checks(False):
+        out, lse = fl.attention_varlen(q, k_cache, v_cache, cu_q, block_table=bad_table,
+                                       seqused_k=torch.tensor([10, 11], dtype=torch.int32,
+                                                              device=device), **call)
+    # Sequence 0's keys end at its third page: 6 keys, bottom-right causal against 6.
+    ref_out, ref_lse = R.attention_varlen(
+        q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(), cu_q.cpu(),
+        block_table=table.cpu(), seqused_k=torch.tensor([6, 11], dtype=torch.int32), **call)
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="block_table"), fl.value_checks():
+        fl.attention_varlen(q, k_cache, v_cache, cu_q, block_table=bad_table,
+                            seqused_k=torch.tensor([10, 11], dtype=torch.int32, device=device),
+                            **call)
