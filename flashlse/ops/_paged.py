@@ -1,5 +1,6 @@
 """Paged caches read as packed varlen rows, for the PyTorch path (the kernels read pages in
-place: ``kernels/fwd.attn_fwd_paged``)."""
+place: ``kernels/fwd.attn_fwd_paged``), and for
+long paged prefills of ``attention_with_kvcache`` before the dense kernel (ops/kvcache.py)."""
 
 from __future__ import annotations
 

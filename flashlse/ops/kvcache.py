@@ -13,6 +13,7 @@ import torch
 from .. import masks
 from . import _validate as V
 from ._dispatch import compute_dtype, use_triton
+from ._paged import gather_pages
 from .attention import attn_fwd_torch
 from .merge import merge_math
 
@@ -65,30 +66,43 @@ def _split_fwd(qb, kb, vb, num_splits, left, right, softcap, scale, sink):
     return out.transpose(1, 2).to(qb.dtype), lse
 
 
+# Query rows from which a paged prefill gathers its pages and runs the dense varlen kernel:
+# on the H200 (RESULTS.md 2026-12-01, session 8, sweep_paged.py: B=4 Sq=512 on 8k, page 16)
+# gather + the Hopper forward took 0.54 ms (0.84x dense), the paged kernel 0.81-1.32 ms over
+# nine tiles (0.32-0.52x; the portable dense kernel 0.76x). Shorter chunks read the pages in
+# place: the copy of whole cache rows would outweigh their compute.
+_GATHER_MIN_ROWS = 128
+
+
 def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     """Queries longer than the decode kernel takes: the varlen forward kernel, one sequence
-    per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k), a
-    paged cache read in place by the paged kernel. A page out of range ends its sequence
-    there: it and later pages hold no key."""
+    per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k). A
+    paged cache is gathered into rows first for long chunks, read in place by the paged
+    kernel for short ones. A page out of range ends its sequence there: it and later pages
+    hold no key."""
     from ..kernels.fwd import attn_fwd as attn_fwd_kernel
     from ..kernels.fwd import attn_fwd_paged
 
     b, sq, hq, d = q.shape
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
     used = None if lens is None else (lens + s_new if s_new else lens)
-    if block_table is not None:
+    if block_table is not None and sq < _GATHER_MIN_ROWS:
         out, lse = attn_fwd_paged(
             q.reshape(b * sq, hq, d), k_cache, v_cache, block_table, cu_seqlens_q=cu_q,
             max_seqlen_q=sq, seqused_k=used, max_seqlen_k=block_table.shape[1] * k_cache.shape[1],
             **kw)
+        return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
+    if block_table is not None:
+        k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, used)
+        smax = k.shape[0] // max(b, 1)
     else:
         smax = k_cache.shape[1]
         cu_k = torch.arange(b + 1, dtype=torch.int32, device=q.device) * smax
         k, v = k_cache.reshape(b * smax, *k_cache.shape[2:]), v_cache.reshape(
             b * smax, *v_cache.shape[2:])
-        out, lse = attn_fwd_kernel(
-            q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
+    out, lse = attn_fwd_kernel(
+        q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
 
 

@@ -38,6 +38,9 @@ CASES = [
     pytest.param(2, 24, 2, 2, 32, 32, 50, [40, 26], 0, dict(window=(7, 0)), id="window"),
     pytest.param(1, 19, 2, 1, 64, 48, 40, [33], 2, dict(mla=True), id="mla_view_k_new"),
     pytest.param(2, 20, 2, 2, 32, 32, 40, [30, 21], 0, dict(softcap=3.0), id="softcap"),
+    # 128 rows or more: a paged cache is gathered for the dense kernel (ops/kvcache.py).
+    pytest.param(1, 130, 2, 1, 32, 32, 160, [25], 3, dict(causal=True, sink=True),
+                 id="long_chunk_gathered"),
 ]
 
 
