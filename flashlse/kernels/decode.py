@@ -297,7 +297,7 @@ def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
 
 
 def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
-               sink, num_splits, seqlen_add=0, config=None):
+               sink, num_splits, seqlen_add=0, config=None, out_dtype=None):
     """``out = softmax(scale * q k^T [masked]) v`` over each sequence's cache, split over keys.
 
     Inputs are assumed valid (ops/ validates, and appends k_new/v_new before this runs).
@@ -320,9 +320,10 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         num_splits: 0 picks from batch, heads, cache size and SM count; ``> 0`` forces it.
         config: optional dict overriding ``configs.decode_config``'s tiles (benchmarks sweep
             tiles with it), or a ``TileConfig`` replacing them.
+        out_dtype: ``out``'s dtype (default q's); float32 for a caller that merges further.
 
     Returns:
-        ``out (B, Sq, Hq, Dv)`` in ``q.dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
+        ``out (B, Sq, Hq, Dv)`` in ``out_dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
         empty rows give ``out = 0``, ``lse = -inf`` (or the sink).
     """
     # Host time matters here: at B = 1 the kernel reads 0.5 GB in ~130 us, about what two
@@ -331,7 +332,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
-    out = options.empty((batch, sq, hq, dv), dtype=q.dtype, device=q.device)
+    out = options.empty((batch, sq, hq, dv), dtype=out_dtype or q.dtype, device=q.device)
     lse = options.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse

@@ -167,11 +167,14 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, listed=None):
     lens = torch.full((rows,), topk, dtype=torch.int32, device=q.device)
     out, lse = decode_fwd(q.reshape(rows, 1, g, d), pages_k, pages_v, cache_seqlens=lens,
                           block_table=table.view(rows, topk), left=None, right=None,
-                          softcap=0.0, scale=scale, sink=None, num_splits=0)
+                          softcap=0.0, scale=scale, sink=None, num_splits=0,
+                          out_dtype=torch.float32 if sink is not None else None)
     out = out.view(b, sq, hq, dv)
     lse = lse.view(b, sq, hq)
     if sink is not None:
+        # Merged from float32 and rounded once (a second rounding doubled out's error).
         out, lse = merge_states_unchecked(out[None], lse[None], sink=sink)
+        out = out.to(q.dtype)
     return out, lse.transpose(1, 2).contiguous()
 
 
