@@ -7,10 +7,17 @@ became wgmma, at no device time:
     python benchmarks/compile_sm90.py            # every kernel, a few flag sets each
     python benchmarks/compile_sm90.py fwd dq     # only those
     python benchmarks/compile_sm90.py --loops dkdv   # and the instruction mix of each loop
+    python benchmarks/compile_sm90.py --pipeline fwd # and the cp.async pipeline (TTGIR)
 
 ``--loops`` reads the SASS: for every backward branch (a loop) of 50 or more instructions it
 prints the instruction count and the most frequent opcodes, which is how the notes count
 the softmax, address and load instructions a tile costs (benchmarks/NOTES.md).
+
+``--pipeline`` reads the TTGIR: the depth of every ``cp.async`` wait (``async_wait {num = N}``:
+the copy groups still in flight when a tile is used; 0 means the tile's load was not overlapped
+with the compute before it) and the multi-buffered shared allocations of the pipelined loads
+(``3x64x128`` is three K or V tiles in flight), which is how NOTES.md session 8 found the paged
+forward's loads unpipelined.
 
 Not a test of correctness or speed: the interpreter tests and the H200 runs are.
 """
@@ -87,6 +94,15 @@ def loop_mix(k, top: int = 14) -> list[str]:
                 mix = ", ".join(f"{o} {n}" for o, n in Counter(body).most_common(top))
                 lines.append(f"  loop at {target:#06x}: {len(body)} instructions: {mix}")
     return lines
+
+
+def pipeline(k) -> tuple[list[int], dict[str, int]]:
+    """The cp.async pipeline of a kernel's TTGIR: the sorted depths of its waits and the
+    shapes (``stages x rows x cols``) of its shared buffers, with their counts."""
+    ttgir = k.asm["ttgir"]
+    waits = sorted(int(n) for n in re.findall(r"ttg\.async_wait[^{\n]*\{num = (\d+)", ttgir))
+    bufs = Counter(re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<([0-9x]+)x", ttgir))
+    return waits, dict(sorted(bufs.items()))
 
 
 def cases():
@@ -188,14 +204,17 @@ def cases():
 
 def main(argv=None):
     want = set(argv if argv is not None else sys.argv[1:])
-    loops = "--loops" in want
-    want.discard("--loops")
+    loops, pipe = "--loops" in want, "--pipeline" in want
+    want -= {"--loops", "--pipeline"}
     for key, name, fn, types, consts, warps, stages in cases():
         if want and key not in want:
             continue
         try:
             k = compile_kernel(fn, types, consts, warps, stages)
             print(report(name, k), flush=True)
+            if pipe:
+                waits, bufs = pipeline(k)
+                print(f"  cp.async waits {waits}, buffers {bufs}", flush=True)
             if loops:
                 print("\n".join(loop_mix(k)), flush=True)
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail

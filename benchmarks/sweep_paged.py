@@ -1,7 +1,9 @@
 """Tile sweep of the paged forward (kernels/fwd.py ``_attn_fwd_paged_kernel``) on issue 16's
 chunked prefill (B=4, Sq=512 on an 8k cache, page 16, Hq/Hkv=32/8, D=128, causal, bf16),
-through the public ``attention_with_kvcache`` with ``KernelOptions.fwd_config`` overrides;
-the dense kernel (Gluon) and the portable dense kernel (``sm90_fwd=False``) beside.
+through the public ``attention_varlen`` with the block table (always the paged kernel) and
+``KernelOptions.fwd_config`` overrides; the dense kernel (Gluon), the portable dense kernel
+(``sm90_fwd=False``) and ``attention_with_kvcache`` (which gathers the pages of chunks of 128
+rows or more for the dense kernel, ops/kvcache.py) beside.
 
     python benchmarks/sweep_paged.py
 """
@@ -37,12 +39,17 @@ def main():
     with fl.kernel_options(sm90_fwd=False):
         rows.append(("dense, portable kernel", median_ms(lambda: fl.attention(q, k, v,
                                                                               causal=True))))
+    rows.append(("paged 16 attention_with_kvcache", median_ms(lambda: fl.attention_with_kvcache(
+        q, kp, vp, cache_seqlens=lens, block_table=table, causal=True))))
+    q_packed = q.reshape(b * sq, hq, d)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda") * sq
     for bm, bn, w, s in TILES:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
         try:
             with fl.kernel_options(fwd_config=cfg):
-                ms = median_ms(lambda: fl.attention_with_kvcache(
-                    q, kp, vp, cache_seqlens=lens, block_table=table, causal=True))
+                ms = median_ms(lambda: fl.attention_varlen(
+                    q_packed, kp, vp, cu_q, None, sq, sk, seqused_k=lens, block_table=table,
+                    causal=True))
         except Exception as e:  # noqa: BLE001 (out of resources: a row saying so)
             print(f"paged 16 {bm}x{bn} w{w} s{s}: {type(e).__name__}")
             continue

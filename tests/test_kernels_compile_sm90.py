@@ -27,3 +27,21 @@ def test_kernel_compiles_for_sm90(case):
     kernel = compile_sm90.compile_kernel(fn, types, consts, warps, stages)
     assert kernel.asm["cubin"], name
     assert "regs=   ?" not in compile_sm90.report(name, kernel)
+
+
+def test_paged_forward_pipelines_like_the_contiguous_one():
+    """The paged forward's K/V copies run as many tiles ahead as the contiguous kernel's at the
+    same tile (same cp.async wait depths and buffers in the sm_90 TTGIR). Its page ids are
+    loaded a tile ahead: loaded in the tile's own iteration they made the pipeliner wait for
+    every copy at each tile, with one buffer less (benchmarks/NOTES.md, session 8)."""
+    by_name = {c[1]: c for c in CASES}
+    _, _, dense, types, consts, _, _ = by_name["fwd D=128 causal"]
+    for page in ("page 16", "page 256"):
+        _, name, fn, ptypes, pconsts, warps, stages = by_name[f"fwd paged D=128 G=4 causal {page}"]
+        ref = compile_sm90.compile_kernel(
+            dense, types, dict(consts, BLOCK_M=pconsts["BLOCK_M"], BLOCK_N=pconsts["BLOCK_N"]),
+            warps, stages)
+        paged = compile_sm90.compile_kernel(fn, ptypes, pconsts, warps, stages)
+        waits, bufs = compile_sm90.pipeline(paged)
+        assert (waits, bufs) == compile_sm90.pipeline(ref), name
+        assert max(waits) > 0, name

@@ -174,7 +174,8 @@ def fwd_group_heads(seqlen_k: int, width: int, elsize: int) -> int:
 
 
 # The paged forward (PackGQA rows, per-row K/V addresses). Its prefill tiles: BLOCK_N = 128 (the
-# table above) spills at D = 128 (stack 128 B in the sm_90 compile), these do not; sequences
+# table above) spills at D = 128 (stack 56 B in the sm_90 compile since session 8, outside the
+# loops; the contiguous kernel's 48 B), these do not; sequences
 # of at most 64 packed rows (decodes, short speculative queries) take one tile of as few rows
 # as tl.dot allows. Not measured yet (session 8 measures them: bench_serving.py).
 FWD_PAGED = {

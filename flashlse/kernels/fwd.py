@@ -55,7 +55,8 @@ Paged caches (``attn_fwd_paged``: serving, forward only). K/V are ``(num_pages, 
 Hkv, D)`` and key j of sequence b is row ``j % page_size`` of page ``block_table[b, j //
 page_size]``: the K/V loader computes one address per key row (one page id per tile when
 a page holds whole tiles), so any page size works and the tile arithmetic is the varlen
-kernel's. The query heads of a kv head are packed into the rows (PackGQA: row r is query
+kernel's. A tile's page ids are loaded one tile ahead and carried through the loop, so that
+the K/V copies pipeline as the contiguous loop's do (NOTES.md, session 8). The query heads of a kv head are packed into the rows (PackGQA: row r is query
 ``r // G`` of head ``r % G`` of the group), one program per (row tile, kv head, sequence):
 a decode fills G rows of a tile instead of one, every K/V tile is read once per kv head,
 and sequences of at most 16 packed rows (decodes) run on 16-row tiles: the whole call when
@@ -102,38 +103,59 @@ except ImportError:  # pragma: no cover - older or newer triton
 
 
 @triton.jit
-def _attn_fwd_load_kv(ref, o_n, n0, stride_s, T_k, p_bt, stride_p,
+def _paged_tile_pages(p_bt, n0, T_k, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Page ids of key tile ``[n0, n0 + BLOCK_N)`` from the block-table row ``p_bt``: one
+    (a scalar) when a page holds whole tiles, else one per key row (``[BLOCK_N]``, any page
+    size). Entries of keys from ``T_k`` on are not read (0): they may lie past the row or
+    hold an invalid page, and no tile loads those keys."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        b_page = tl.load(p_bt + n0 // PAGE_SIZE, mask=n0 < T_k, other=0)
+    else:
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        b_page = tl.load(p_bt + o_n // PAGE_SIZE, mask=o_n < T_k, other=0)
+    return b_page
+
+
+@triton.jit
+def _attn_fwd_load_kv(ref, o_n, n0, stride_s, T_k, b_page, stride_p,
                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, N_COLS: tl.constexpr,
                       USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """K or V tile ``[BLOCK_N, BLOCK_C]`` of keys ``o_n = n0 + arange``, zeros from ``T_k`` on:
     rows of one contiguous slice (``PAGE_SIZE == 0``), or of a paged cache, key j at row
-    ``j % PAGE_SIZE`` of page ``p_bt[j // PAGE_SIZE]`` (pages ``stride_p`` apart)."""
+    ``j % PAGE_SIZE`` of its page (pages ``stride_p`` apart), the tile's page ids ``b_page``
+    given (``_paged_tile_pages``, loaded a tile ahead by ``_attn_fwd_inner``)."""
     if PAGE_SIZE == 0:
         b_x = load_rows(ref, o_n, n0, stride_s, T_k, BLOCK_N, BLOCK_C, N_COLS, USE_TMA)
     else:
         m_n = o_n < T_k
         if PAGE_SIZE % BLOCK_N == 0:
-            # The tile lies inside one page (n0 < T_k, so its entry is in use): one page id.
-            b_page = tl.load(p_bt + n0 // PAGE_SIZE).to(tl.int64)
+            # The tile is BLOCK_N consecutive rows of one page (n0 < T_k: its entry is in use).
+            p_x = ref + (b_page.to(tl.int64) * stride_p + (n0 % PAGE_SIZE).to(tl.int64) * stride_s)
+            o_row = tl.arange(0, BLOCK_N).to(tl.int64) * stride_s
         else:
-            # [BLOCK_N] one page id per key row: any page size, pages smaller than a tile too.
-            b_page = tl.load(p_bt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
-        o_row = b_page * stride_p + (o_n % PAGE_SIZE).to(tl.int64) * stride_s
+            p_x = ref
+            if BLOCK_N % PAGE_SIZE == 0:
+                # n0 is a multiple of the page size: the rows inside the pages are the same
+                # every tile, and their offsets are hoisted out of the loop.
+                o_in = tl.arange(0, BLOCK_N) % PAGE_SIZE
+            else:
+                o_in = o_n % PAGE_SIZE
+            o_row = b_page.to(tl.int64) * stride_p + o_in.to(tl.int64) * stride_s
         o_c = tl.arange(0, BLOCK_C)
         # [BLOCK_N, BLOCK_C]; a row is N_COLS contiguous elements either way.
-        b_x = tl.load(ref + o_row[:, None] + o_c[None, :],
+        b_x = tl.load(p_x + o_row[:, None] + o_c[None, :],
                       mask=m_n[:, None] & (o_c < N_COLS)[None, :], other=0.0)
     return b_x
 
 
 @triton.jit
-def _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, p_bt, stride_kp, BLOCK_N: tl.constexpr,
+def _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, b_page, stride_kp, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, D: tl.constexpr, USE_TMA: tl.constexpr,
                  PAGE_SIZE: tl.constexpr):
     """Raw scores ``q . k`` of key tile ``[n0, n0 + BLOCK_N)``: ``[BLOCK_M, BLOCK_N]``."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     # [BLOCK_N, BLOCK_D]
-    b_k = _attn_fwd_load_kv(k_ref, o_n, n0, stride_ks, T_k, p_bt, stride_kp,
+    b_k = _attn_fwd_load_kv(k_ref, o_n, n0, stride_ks, T_k, b_page, stride_kp,
                             BLOCK_N, BLOCK_D, D, USE_TMA, PAGE_SIZE)
     return tl.dot(b_q, tl.trans(b_k))
 
@@ -141,7 +163,7 @@ def _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, p_bt, stride_kp, BLOCK_N: tl.co
 @triton.jit
 def _attn_fwd_softmax_pv(
     b_acc, b_m, b_l, b_s,
-    v_ref, stride_vs, p_bt, stride_vp,
+    v_ref, stride_vs, b_page, stride_vp,
     n0, o_m, T_k, shift, left, right,
     scale_log2, softcap_a2, softcap_c2,
     DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -184,7 +206,7 @@ def _attn_fwd_softmax_pv(
     b_alpha = tl.math.exp2(b_m - b_piv)
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
     # [BLOCK_N, BLOCK_DV]
-    b_v = _attn_fwd_load_kv(v_ref, o_n, n0, stride_vs, T_k, p_bt, stride_vp,
+    b_v = _attn_fwd_load_kv(v_ref, o_n, n0, stride_vs, T_k, b_page, stride_vp,
                             BLOCK_N, BLOCK_DV, DV, USE_TMA, PAGE_SIZE)
     # [BLOCK_M, BLOCK_DV]
     b_acc = b_acc * b_alpha[:, None]
@@ -209,16 +231,27 @@ def _attn_fwd_inner(
 ):
     """Key tiles ``[n_lo, n_hi)`` (``n_lo`` a multiple of BLOCK_N), masked or all full; K/V
     contiguous (``PAGE_SIZE == 0``) or paged through the block-table row ``p_bt``."""
+    # Paged: a tile's page ids are loaded one iteration ahead and carried, so the K/V
+    # addresses depend on no load of their own iteration and the software pipeliner issues
+    # the K/V copies num_stages - 1 tiles ahead as in the contiguous loop (loaded in the same
+    # iteration, the ids made it wait for every copy at each tile: NOTES.md, session 8).
+    b_page = 0
+    if PAGE_SIZE != 0:
+        b_page = _paged_tile_pages(p_bt, n_lo, T_k, BLOCK_N, PAGE_SIZE)
     for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         n0 = tl.multiple_of(n0, BLOCK_N)
-        b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, p_bt, stride_kp,
+        b_page_next = b_page
+        if PAGE_SIZE != 0:
+            b_page_next = _paged_tile_pages(p_bt, n0 + BLOCK_N, T_k, BLOCK_N, PAGE_SIZE)
+        b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, b_page, stride_kp,
                            BLOCK_N, BLOCK_D, D, USE_TMA, PAGE_SIZE)
         b_acc, b_m, b_l = _attn_fwd_softmax_pv(
-            b_acc, b_m, b_l, b_s, v_ref, stride_vs, p_bt, stride_vp,
+            b_acc, b_m, b_l, b_s, v_ref, stride_vs, b_page, stride_vp,
             n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
             DV, BLOCK_N, BLOCK_DV,
             MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA, PAGE_SIZE,
         )
+        b_page = b_page_next
     return b_acc, b_m, b_l
 
 

@@ -177,3 +177,46 @@ def test_attention_varlen_paged_page_out_of_range(device, bad):
         fl.attention_varlen(q, k_cache, v_cache, cu_q, block_table=bad_table,
                             seqused_k=torch.tensor([10, 11], dtype=torch.int32, device=device),
                             **call)
+
+
+@pytest.mark.parametrize("page", [3, 4, 16], ids=lambda p: f"page{p}")
+def test_attention_varlen_paged_bad_page_at_tile_boundary(device, page):
+    """The paged kernel loads a tile's page ids one tile ahead: with a block-table entry
+    outside the cache right at a key-tile boundary (the tile size is 16 in the interpreter,
+    so page 16 takes the one-id-a-tile path, page 4 the fixed rows-in-page path, page 3 the
+    general one), the sequence ends there, exact, and no K/V row outside the keys in use is
+    read: every other page of the cache is NaN."""
+    dtype = DTYPES[0]
+    g = torch.Generator().manual_seed(5)
+    n_pages, h, d = 48, 1, 16
+    k_cache = torch.full((n_pages, page, h, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((n_pages, page, h, d), float("nan"), dtype=dtype)
+    lens = [64, 50]
+    cut = 32 if page != 3 else 33  # the first key of the bad page, a tile boundary (page 3: 33)
+    cols = max(-(-n // page) for n in lens) + 1
+    table = torch.zeros((2, cols), dtype=torch.int32)
+    pages = torch.randperm(n_pages, generator=g).tolist()
+    used = {0: cut, 1: lens[1]}
+    for b in range(2):
+        for c in range(cols):
+            table[b, c] = pages.pop()
+            if c * page < used[b]:
+                n = min(page, used[b] - c * page)
+                k_cache[table[b, c], :n] = torch.randn(n, h, d, generator=g).to(dtype)
+                v_cache[table[b, c], :n] = torch.randn(n, h, d, generator=g).to(dtype)
+    bad_table = table.clone()
+    bad_table[0, cut // page] = n_pages + 7
+    q = torch.randn(20 + 1, 4 * h, d, generator=g).to(dtype)
+    cu_q = torch.tensor([0, 20, 21], dtype=torch.int32)
+    call = dict(cu_seqlens_k=None, max_seqlen_q=20, max_seqlen_k=max(lens), causal=True,
+                return_lse=True)
+    with fl.value_checks(False):
+        out, lse = fl.attention_varlen(q.to(device), k_cache.to(device), v_cache.to(device),
+                                       cu_q.to(device), block_table=bad_table.to(device),
+                                       seqused_k=torch.tensor(lens, dtype=torch.int32,
+                                                              device=device), **call)
+    ref_out, ref_lse = R.attention_varlen(
+        q.double(), k_cache.double(), v_cache.double(), cu_q, block_table=table,
+        seqused_k=torch.tensor([cut, lens[1]], dtype=torch.int32), **call)
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=2e-3, rtol=2e-3)
