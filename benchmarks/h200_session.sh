@@ -8,6 +8,8 @@
 #   bash benchmarks/h200_session.sh host [full] # public-call host time, sync-free tests, tables
 #   bash benchmarks/h200_session.sh fuzz       # bf16 fuzz, NaN/sink tests, memcheck
 #   bash benchmarks/h200_session.sh pending    # the GPU tests and benchmarks not yet run
+#   bash benchmarks/h200_session.sh serving    # paged kernel tests, sweep, serving, host time
+#   (issue 20's figures: benchmarks/h200_fuzz_memcheck.sh, fuzz beside memcheck)
 # Note: `-m gpu` alone selects only the real-size tests; the parametrized kernel tests
 # (the same ones CI runs under the interpreter) run on CUDA too when no marker is given.
 set -o pipefail
@@ -48,6 +50,17 @@ if [ "$1" = pending ]; then
     timeout 100 python3 benchmarks/bench_sparse.py --backward 2>&1 | tail -4
     timeout 80 python3 benchmarks/bench_serving.py 2>&1 | tail -7
     timeout 60 python3 benchmarks/bench_sdpa.py 2>&1 | tail -3
+    exit 0
+fi
+if [ "$1" = serving ]; then
+    # Session 8's unmeasured changes: the paged forward's pipelined loads (sweep_paged,
+    # bench_serving), then host time a call (bench_overhead) after the Python cuts.
+    timeout 200 python3 -m pytest -q tests/kernels/test_kvcache_kernels.py \
+        tests/test_attention_varlen.py -p no:cacheprovider > "$OUT/test_gpu_paged.log" 2>&1
+    tail -1 "$OUT/test_gpu_paged.log"; grep -h "^FAILED" "$OUT/test_gpu_paged.log" | head
+    timeout 120 python3 benchmarks/sweep_paged.py 2>&1 | tail -14
+    timeout 90 python3 benchmarks/bench_serving.py 2>&1 | tail -7
+    timeout 100 python3 benchmarks/bench_overhead.py --out "$OUT" 2>&1 | tail -16
     exit 0
 fi
 if [ "$1" = fuzz ]; then
