@@ -42,7 +42,7 @@ import flashlse
 import flashlse as fl
 from flashlse import reference
 from flashlse.kernels import bwd
-from flashlse.kernels.fwd import attn_fwd
+from flashlse.kernels.dispatch import attn_bwd, attn_fwd
 
 SEQS = [1024, 2048, 4096, 8192, 16384]
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -59,7 +59,8 @@ def _flops(b, h, sq, sk, d, causal):
     return 2.5 * attn_flops(b, h, sq, sk, d, causal)
 
 
-# --kernel-only: time the launcher bwd.attn_bwd on a saved (out, lse), not the public call.
+# --kernel-only: time the kernels' entry dispatch.attn_bwd on a saved (out, lse), not the
+# public call.
 KERNEL_ONLY = False
 
 
@@ -78,7 +79,7 @@ def _ours(q, k, v, causal):
     dout = torch.randn_like(out)
     dlse = torch.zeros_like(lse)
 
-    return lambda: bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
+    return lambda: attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
 
 
 SM90_PARTS: tuple = ()  # --sm90: a second column with exactly these Gluon kernels on
@@ -146,7 +147,7 @@ def check(d, causal=False, window=(None, None), softcap=0.0, sink=False, sq=1000
     out, lse = attn_fwd(q, k, v, **kw)
     dout = mk(*out.shape).bfloat16()
     dlse = mk(*lse.shape).masked_fill(~torch.isfinite(lse), 0.0)
-    ours = bwd.attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
+    ours = attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
     leaf = lambda t, dt: None if t is None else t.detach().to(dt).requires_grad_(True)
     ref = _grads(lambda q_, k_, v_, s_: reference.attention(
         q_, k_, v_, causal=causal, window=window, softcap=softcap, scale=scale, sink=s_,

@@ -4,7 +4,7 @@ All systems run in this one process on the same GPU. bf16, B*S = 16k, H*D = 2048
 FLOPs = 4*B*H*Sq*Sk*D (halved for causal), time = median of triton.testing.do_bench.
 flashlse takes its native (B, S, H, D) layout, the peers their native (B, H, S, D). flashlse's
 time is the public ``fl.attention`` (validation and dispatch included); ``--kernel-only``
-times the launcher ``kernels.fwd.attn_fwd`` instead.
+times the kernels' entry ``kernels.dispatch.attn_fwd`` (no validation) instead.
 
     python benchmarks/bench_fwd.py --sweep          # round 1: block shapes per head dim
     python benchmarks/bench_fwd.py --ws             # warp specialisation (own process)
@@ -32,13 +32,14 @@ import triton
 from _common import attn_flops, bf16_inputs, causal_block_mask, flex_attention_compiled, median_ms
 
 import flashlse as fl
-from flashlse.kernels import configs, fwd
+from flashlse.kernels import configs, dispatch
+from flashlse.kernels.failures import FAILURES
 
 DATE = "2026-11-29"
 SEQS = [1024, 2048, 4096, 8192, 16384]
 
 
-# --kernel-only: time the launcher (fwd.attn_fwd, no validation) instead of the public call.
+# --kernel-only: time the kernels' entry (dispatch.attn_fwd, no validation), not the public call.
 KERNEL_ONLY = False
 
 
@@ -49,8 +50,13 @@ def _ours(q, k, v, causal):
         return lambda: fl.attention(q, k, v, causal=causal, return_lse=True)
     scale = 1.0 / math.sqrt(q.shape[-1])
     right = 0 if causal else None
-    return lambda: fwd.attn_fwd(q, k, v, left=None, right=right, softcap=0.0, scale=scale,
-                                sink=None)
+    return lambda: dispatch.attn_fwd(q, k, v, left=None, right=right, softcap=0.0, scale=scale,
+                                     sink=None)
+
+
+def _ws_failures() -> int:
+    """Tile shapes whose warp-specialised forward failed to compile so far (each fell back)."""
+    return sum(key[0] == "fwd warp_specialize" for key in FAILURES)
 
 
 def _sdpa(backend, qh, kh, vh, causal):
@@ -159,7 +165,7 @@ def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3"):
     for causal in (False, True):
         for cfg in variants or SWEEP3:
             name = ",".join(f"{key}={val}" for key, val in cfg.items())
-            n_failed = len(fwd._WS_FAILED)
+            n_failed = _ws_failures()
             tfs = []
             try:
                 for _ in range(repeats):
@@ -171,7 +177,7 @@ def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3"):
             except Exception as e:  # noqa: BLE001 - a config may not compile; record why
                 name += f" FAILED {type(e).__name__}: {str(e)[:120]}"
                 tfs = [float("nan")]
-            if len(fwd._WS_FAILED) > n_failed:
+            if _ws_failures() > n_failed:
                 name += " (warp specialisation fell back)"
             mean = sum(tfs) / len(tfs)
             rows.append(dict(d=d, causal=causal, cfg=name, tflops=tfs, mean=mean))

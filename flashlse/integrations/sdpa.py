@@ -53,7 +53,7 @@ def _scale(scale, d):
 
 
 def _fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right, seqused_k):
-    from ..kernels.fwd import attn_fwd
+    from ..kernels.dispatch import attn_fwd
 
     left, right = normalize_window(is_causal, (left, right))
     varlen = {}
@@ -99,7 +99,7 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_se
                              max_q, max_k, dropout_p, is_causal, rng_state, unused, *,
                              scale=None, window_size_left=None, window_size_right=None):
     """``aten::_flash_attention_backward``: ``(dq, dk, dv)``."""
-    from ..kernels.bwd import attn_bwd
+    from ..kernels.dispatch import attn_bwd
 
     _unsupported("backward", dropout_p)
     left, right = normalize_window(is_causal, (window_size_left, window_size_right))

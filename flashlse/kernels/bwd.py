@@ -52,8 +52,10 @@ Schedule (FA-2 / Triton tutorial 06 split, deterministic by construction):
    products per tile pair instead of seven, measured slower on the H200 with pointer
    atomics and with TMA reduce-adds alike: benchmarks/NOTES.md.)
 
-On Hopper at head dim 128 (fp16/bf16, no softcap, aligned rows) steps 2 and 3 run the Gluon
-kernels of ``bwd_sm90.py`` instead: the same math and loops, with a TMA producer warp and two
+On Hopper at head dim 128 (fp16/bf16, no softcap, aligned rows) the dispatcher
+(``dispatch.py``) runs steps 2 and 3 by the Gluon kernels of ``bwd_sm90.py`` instead (this module
+exposes the steps, :func:`prepare`, :func:`attn_bwd_dkdv` and :func:`attn_bwd_dq`, and knows
+nothing of those kernels): the same math and loops, with a TMA producer warp and two
 consumer warpgroups that do not meet at a barrier every tile (8-11% faster on the H200); at
 head dim 256 step 3 does (8-12%).
 
@@ -68,7 +70,7 @@ loads. Gradients are stored with masked pointer stores (once per program).
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 
 import torch
 import triton
@@ -90,34 +92,6 @@ from ._common import (
     strides,
     tma_ok,
 )
-
-try:  # Gluon's Hopper API as of triton 3.6; without it the tl kernels run.
-    from . import bwd_sm90
-except ImportError:  # pragma: no cover - older or newer triton
-    bwd_sm90 = None
-
-
-# The Hopper Gluon dK/dV and dQ kernels (bwd_sm90.py) run inside their domain (sm_90,
-# fp16/bf16, D = Dv = 128, for dQ also 256; no softcap, aligned rows) unless
-# KernelOptions.sm90_dkdv / sm90_dq turn them off.
-# (part, signature) pairs whose Hopper compile failed here: they take this module's kernels.
-_SM90_FAILED: set = set()
-
-
-def _run_sm90(part: str, key: tuple, launch) -> bool:
-    """Launch a Hopper Gluon kernel; False (after one warning) if this triton cannot
-    compile it, so the caller runs the portable kernel for this signature from now on."""
-    if (part, key) in _SM90_FAILED:
-        return False
-    try:
-        launch()
-        return True
-    except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
-        _SM90_FAILED.add((part, key))
-        warnings.warn(f"flashlse: the Hopper backward {part} kernel failed "
-                      f"({type(e).__name__}: {str(e)[:200]}); using the portable Triton "
-                      "kernel instead", RuntimeWarning, stacklevel=3)
-        return False
 
 
 @triton.jit
@@ -671,31 +645,57 @@ def _launch(kernel, tuned, cfg, n, block, n_heads, batch, args):
     )
 
 
-def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
-             deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None, seqused_k=None):
-    """``dq, dk, dv, dsink`` of ``(out, lse) = attention(q, k, v)`` given ``dout`` and ``dlse``.
+@dataclasses.dataclass(slots=True)
+class BwdPass:
+    """One backward call after :func:`prepare`: the gradients' buffers, ``delta`` and
+    ``lse_log2`` written by the preprocess kernel, and the launch arguments that every dK/dV
+    and dQ launcher takes (this module's and ``bwd_sm90``'s; ``dispatch.attn_bwd`` picks).
 
-    ``dS = P (dO V^T - D)`` with ``P = exp(S - lse)`` and ``D = rowsum(dO * O) - dlse``.
-    Inputs are assumed valid (ops/ validates); any strides with the last one 1.
+    ``empty``: no row to compute (the gradients are zeros, nothing else is set). ``dkdv_args``
+    / ``dq_args``: the kernels' keyword arguments (``dkdv_args`` None when there is no key).
+    ``signature``: the values the kernels' constexpr flags come from (dtype, masks, varlen,
+    seqused_k, GQA group), which names a compilation."""
 
-    Args:
-        dout: ``(B, Sq, Hq, Dv)`` (varlen ``(total_q, Hq, Dv)``), the gradient of out.
-        dlse: ``(B, Hq, Sq)`` (varlen ``(Hq, total_q)``) float32, the gradient of lse, or None.
-        q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)`` (varlen: no B).
-        out: ``(B, Sq, Hq, Dv)`` and lse: ``(B, Hq, Sq)`` float32 natural log (with the sink,
-            -inf on empty rows), as the forward returned them.
-        left, right: window bounds (int >= 0) or None for unbounded; causal is ``right=0``.
-        softcap: ``c > 0`` for ``c * tanh(s / c)``; 0 is off. scale: multiplies ``q . k``.
-        sink: ``(Hq,)`` float32 logits or None.
-        deterministic: accepted for the API; the kernels use no atomics, so the
-            gradients are bitwise repeatable either way.
-        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 (varlen); max_seqlen_q, max_seqlen_k:
-            ints; seqused_k: ``(B,)`` int32 or None.
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    sink: torch.Tensor | None
+    dsink_part: torch.Tensor | None
+    empty: bool = False
+    opts: options.KernelOptions | None = None
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    dout: torch.Tensor | None = None
+    softcap: float = 0.0
+    batch: int = 0
+    seqlen_q: int = 0
+    seqlen_k: int = 0
+    hq: int = 0
+    hkv: int = 0
+    signature: tuple = ()
+    dkdv_cfg: configs.TileConfig | None = None
+    dq_cfg: configs.TileConfig | None = None
+    tune: bool = False
+    dkdv_args: dict | None = None
+    dq_args: dict | None = None
 
-    Returns:
-        ``dq, dk, dv`` shaped and typed as ``q, k, v``, and ``dsink (Hq,)`` float32 or None.
-    """
+    def grads(self):
+        """``dq, dk, dv, dsink`` once the dK/dV and dQ launchers have run (dsink: the
+        preprocess kernel's partial sums, summed in a fixed order)."""
+        if self.sink is None:
+            return self.dq, self.dk, self.dv, None
+        if self.empty:
+            return self.dq, self.dk, self.dv, torch.zeros_like(self.sink, dtype=torch.float32)
+        return self.dq, self.dk, self.dv, self.dsink_part.sum(1)
+
+
+def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+            seqused_k=None) -> BwdPass:
+    """The backward up to dK/dV and dQ: the gradients' buffers, the preprocess kernel (``D``,
+    ``lse_log2``, dsink's partial sums) and the arguments of the two passes, with their tiles
+    (configs.py and ``KernelOptions.bwd_config``). Arguments as :func:`attn_bwd`."""
     is_varlen = cu_seqlens_q is not None
     n_seq = cu_seqlens_q.numel() - 1 if is_varlen else q.shape[0]
     if max(n_seq, q.shape[-2]) > 65535:
@@ -741,7 +741,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         dq.zero_()
         dk.zero_()
         dv.zero_()
-        return dq, dk, dv, None if sink is None else torch.zeros_like(sink, dtype=torch.float32)
+        return BwdPass(dq, dk, dv, sink, dsink_part, empty=True)
 
     scale = float(scale)
     softcap = float(softcap or 0.0)
@@ -814,10 +814,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         USE_TMA=use_tma,
         EARLY_DP=bool(dq_cfg.early_dp),
     )
-    tune = opts.autotune_bwd and not interpret and "dkdv" not in override and "dq" not in override
-    # A Hopper compile failure is remembered per signature (the kernels' constexpr flags).
-    sm90_key = (q.dtype, left is None, right is None, is_varlen, seqused_k is None, hq // hkv)
-
+    dkdv_args = None
     if seqlen_k > 0:
         dkdv_args = dict(
             q=q,
@@ -835,12 +832,6 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             HEAD_LOOP=bool(dkdv_cfg.head_loop),
             **common,
         )
-        if not (opts.sm90_dkdv and bwd_sm90 is not None
-                and bwd_sm90.supported(q, k, v, dout, dk, dv, softcap=softcap)
-                and _run_sm90("dK/dV", sm90_key, lambda: bwd_sm90.attn_bwd_dkdv_sm90(
-                    dkdv_args, batch, seqlen_k, hkv))):
-            _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if tune else dkdv_cfg,
-                    seqlen_k, "BLOCK_N", hkv, batch, dkdv_args)
     dq_args = dict(
         q=q,
         k=k,
@@ -852,12 +843,60 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
         **stride_args("bsh", is_varlen, dq=dq),
         **common,
     )
-    if not (opts.sm90_dq and bwd_sm90 is not None
-            and bwd_sm90.supported(q, k, v, dout, dq, dq, softcap=softcap,
-                                   dims=bwd_sm90.DQ_DIMS)
-            and _run_sm90("dQ", sm90_key, lambda: bwd_sm90.attn_bwd_dq_sm90(
-                dq_args, batch, seqlen_q, hq))):
-        _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if tune else dq_cfg, seqlen_q,
-                "BLOCK_M", hq, batch, dq_args)
-    dsink = None if sink is None else dsink_part.sum(1)
-    return dq, dk, dv, dsink
+    return BwdPass(
+        dq, dk, dv, sink, dsink_part, opts=opts, q=q, k=k, v=v, dout=dout, softcap=softcap,
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, hq=hq, hkv=hkv,
+        signature=(q.dtype, left is None, right is None, is_varlen, seqused_k is None,
+                   hq // hkv),
+        dkdv_cfg=dkdv_cfg, dq_cfg=dq_cfg,
+        tune=(opts.autotune_bwd and not interpret and "dkdv" not in override
+              and "dq" not in override),
+        dkdv_args=dkdv_args, dq_args=dq_args)
+
+
+def attn_bwd_dkdv(p: BwdPass) -> None:
+    """dK and dV by this module's kernel (``p.dkdv_args`` not None: there are keys)."""
+    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if p.tune else p.dkdv_cfg,
+            p.seqlen_k, "BLOCK_N", p.hkv, p.batch, p.dkdv_args)
+
+
+def attn_bwd_dq(p: BwdPass) -> None:
+    """dQ by this module's kernel."""
+    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if p.tune else p.dq_cfg, p.seqlen_q,
+            "BLOCK_M", p.hq, p.batch, p.dq_args)
+
+
+def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
+             deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+             max_seqlen_k=None, seqused_k=None):
+    """``dq, dk, dv, dsink`` of ``(out, lse) = attention(q, k, v)`` given ``dout`` and ``dlse``,
+    by this module's kernels (``dispatch.attn_bwd`` picks them or the Hopper ones per pass).
+
+    ``dS = P (dO V^T - D)`` with ``P = exp(S - lse)`` and ``D = rowsum(dO * O) - dlse``.
+    Inputs are assumed valid (ops/ validates); any strides with the last one 1.
+
+    Args:
+        dout: ``(B, Sq, Hq, Dv)`` (varlen ``(total_q, Hq, Dv)``), the gradient of out.
+        dlse: ``(B, Hq, Sq)`` (varlen ``(Hq, total_q)``) float32, the gradient of lse, or None.
+        q: ``(B, Sq, Hq, D)``; k: ``(B, Sk, Hkv, D)``; v: ``(B, Sk, Hkv, Dv)`` (varlen: no B).
+        out: ``(B, Sq, Hq, Dv)`` and lse: ``(B, Hq, Sq)`` float32 natural log (with the sink,
+            -inf on empty rows), as the forward returned them.
+        left, right: window bounds (int >= 0) or None for unbounded; causal is ``right=0``.
+        softcap: ``c > 0`` for ``c * tanh(s / c)``; 0 is off. scale: multiplies ``q . k``.
+        sink: ``(Hq,)`` float32 logits or None.
+        deterministic: accepted for the API; the kernels use no atomics, so the
+            gradients are bitwise repeatable either way.
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 (varlen); max_seqlen_q, max_seqlen_k:
+            ints; seqused_k: ``(B,)`` int32 or None.
+
+    Returns:
+        ``dq, dk, dv`` shaped and typed as ``q, k, v``, and ``dsink (Hq,)`` float32 or None.
+    """
+    p = prepare(dout, dlse, q, k, v, out, lse, left=left, right=right, softcap=softcap,
+                scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+    if not p.empty:
+        if p.dkdv_args is not None:
+            attn_bwd_dkdv(p)
+        attn_bwd_dq(p)
+    return p.grads()

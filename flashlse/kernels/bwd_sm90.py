@@ -36,6 +36,8 @@ Domain: sm_90, fp16/bf16, D == Dv == 128 (dQ: 128 or 256), no softcap, 16-byte a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -52,6 +54,9 @@ from . import configs
 from ._common import alloc_scratch, capability, cdiv, row_ranges, tma_ok
 from .fwd_sm90 import HALF_M, _key_ranges, _seq_bounds
 from .fwd_sm90 import _producer as _fwd_producer
+
+if TYPE_CHECKING:
+    from .bwd import BwdPass
 
 _row_ranges = gluon.jit(row_ranges.fn)
 
@@ -313,7 +318,8 @@ def _dkdv_sm90_kernel(
 
 
 def supported(q, k, v, dout, dk, dv, *, softcap, dims=(128, )) -> bool:
-    """A kernel's domain (head dims ``dims``, D == Dv); everything else runs bwd.py's."""
+    """A kernel's domain (head dims ``dims``, D == Dv; ``dispatch.attn_bwd`` asks per pass):
+    everything else runs bwd.py's."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         return False
     if capability(q) != (9, 0) or softcap:
@@ -324,14 +330,16 @@ def supported(q, k, v, dout, dk, dv, *, softcap, dims=(128, )) -> bool:
     return tma_ok(q, k, v, dout, dk, dv)
 
 
-def attn_bwd_dkdv_sm90(args: dict, batch: int, seqlen_k: int, hkv: int):
-    """Launch with bwd.attn_bwd's dK/dV arguments (``dkdv_args``)."""
+def attn_bwd_dkdv_sm90(p: BwdPass) -> None:
+    """dK and dV of a prepared backward (``bwd.prepare``; its ``dkdv_args``) inside
+    :func:`supported`'s domain: ``bwd.attn_bwd_dkdv``'s peer (``dispatch.attn_bwd`` picks)."""
+    args = p.dkdv_args
     triton.set_allocator(alloc_scratch)
     cfg = configs.BWD_SM90_DKDV
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
                  CONSUMER_REGS=cfg.consumer_regs)
-    grid = (cdiv(seqlen_k, 2 * HALF_N), hkv, batch)
+    grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
     names = _dkdv_sm90_kernel.arg_names
     kwargs = {n: args[n] for n in names if n in args and n not in tiles}
     _dkdv_sm90_kernel[grid](**kwargs, **tiles, num_warps=cfg.num_warps)
@@ -499,12 +507,14 @@ def _dq_sm90_kernel(
 DQ_DIMS = tuple(configs.BWD_SM90_DQ)
 
 
-def attn_bwd_dq_sm90(args: dict, batch: int, seqlen_q: int, hq: int):
-    """Launch with bwd.attn_bwd's dQ arguments (``dq_args``)."""
+def attn_bwd_dq_sm90(p: BwdPass) -> None:
+    """dQ of a prepared backward (``bwd.prepare``; its ``dq_args``) inside :func:`supported`'s
+    domain with ``dims=DQ_DIMS``: ``bwd.attn_bwd_dq``'s peer (``dispatch.attn_bwd`` picks)."""
+    args = p.dq_args
     triton.set_allocator(alloc_scratch)
     cfg = configs.BWD_SM90_DQ[args["q"].shape[-1]]
     tiles = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs)
-    grid = (cdiv(seqlen_q, 2 * HALF_N), hq, batch)
+    grid = (cdiv(p.seqlen_q, 2 * HALF_N), p.hq, p.batch)
     names = _dq_sm90_kernel.arg_names
     kwargs = {n: args[n] for n in names if n in args and n not in tiles}
     _dq_sm90_kernel[grid](**kwargs, **tiles, num_warps=cfg.num_warps)

@@ -66,14 +66,13 @@ take each row's query position, so they are unchanged. A sequence's keys end bef
 first block-table entry outside ``[0, num_pages)`` (value checks are opt-in), so no tile
 loads a page outside the cache.
 
-On Hopper (sm_90) the calls in ``fwd_sm90.supported``'s domain (fp16/bf16, D = Dv = 128, no
-softcap) go to ``fwd_sm90.py`` instead: the same math in Gluon, with the two warpgroups of a
-block freed from the per-tile barrier this kernel cannot avoid (1.15-1.3x faster there).
+On Hopper (sm_90) the dispatcher (``dispatch.py``) sends the calls in ``fwd_sm90.supported``'s
+domain (fp16/bf16, D = Dv = 128, no softcap) to ``fwd_sm90.py`` instead: the same math in Gluon,
+with the two warpgroups of a block freed from the per-tile barrier this kernel cannot avoid
+(1.15-1.3x faster there). This module knows nothing of that kernel.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 import triton
@@ -94,12 +93,7 @@ from ._common import (
     seq_span,
     tma_ok,
 )
-
-try:  # Gluon's Hopper API as of triton 3.6; without it every call takes this module's kernel.
-    from . import fwd_sm90
-except ImportError:  # pragma: no cover - older or newer triton
-    fwd_sm90 = None
-
+from .failures import FAILURES
 
 
 @triton.jit
@@ -557,11 +551,6 @@ def _attn_fwd_paged_kernel(
                           stride_os, stride_oh, stride_lh, DV, BLOCK_DV, HAS_SINK)
 
 
-# Block shapes for which warp specialisation failed to compile (fallback taken).
-_WS_FAILED: set = set()
-# Signatures whose Hopper (fwd_sm90) compile failed here: they take this module's kernel.
-_SM90_FAILED: set = set()
-
 def _pick_config(block_d: int, block_dv: int, masked: bool) -> configs.TileConfig:
     """``configs.fwd_config``'s tiles for these head dims and mask, with
     ``KernelOptions.fwd_config``'s overrides (``USE_TMA=False`` forces pointer loads)."""
@@ -578,10 +567,25 @@ def _pick_paged_config(block_d: int, block_dv: int, rows: int) -> configs.TileCo
                             what="fwd_config")
 
 
+def new_outputs(q, v, cu_seqlens_q=None):
+    """``out`` and ``lse`` of a forward, unwritten (NaN under ``poison_outputs``): ``(B, Sq, Hq,
+    Dv)`` in ``q.dtype`` and ``(B, Hq, Sq)`` float32, or varlen ``(total_q, Hq, Dv)`` and
+    ``(Hq, total_q)``. Every forward launcher (this module's, ``fwd_sm90``'s) fills these."""
+    hq, dv = q.shape[-2], v.shape[-1]
+    if cu_seqlens_q is not None:
+        total_q = q.shape[0]
+        return (options.empty((total_q, hq, dv), dtype=q.dtype, device=q.device),
+                options.empty((hq, total_q), dtype=torch.float32, device=q.device))
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    return (options.empty((batch, seqlen_q, hq, dv), dtype=q.dtype, device=q.device),
+            options.empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device))
+
+
 def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-             seqused_k=None):
-    """``out = softmax(scale * q k^T [masked]) v`` and ``lse = log sum exp`` (+ sink), rowwise.
+             seqused_k=None, out=None, lse=None):
+    """``out = softmax(scale * q k^T [masked]) v`` and ``lse = log sum exp`` (+ sink), rowwise,
+    by the portable Triton kernel (``dispatch.attn_fwd`` picks between it and the Hopper one).
 
     Inputs are assumed valid (ops/ validates). Any strides with the last one 1.
 
@@ -596,6 +600,7 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
         cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 offsets (varlen).
         max_seqlen_q, max_seqlen_k: ints (varlen).
         seqused_k: ``(B,)`` int32 keys used per sequence, or None.
+        out, lse: :func:`new_outputs`'s buffers to fill, or None to allocate them here.
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` in ``q.dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
@@ -604,12 +609,12 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
     is_varlen = cu_seqlens_q is not None
     d, dv = q.shape[-1], v.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
+    if out is None:
+        out, lse = new_outputs(q, v, cu_seqlens_q)
     if is_varlen:
         batch = cu_seqlens_q.numel() - 1
         total_q = q.shape[0]
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        out = options.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
-        lse = options.empty((hq, total_q), dtype=torch.float32, device=q.device)
         # Varlen tensors have no batch stride: the sequence offset moves along the rows.
         sq_b = sk_b = sv_b = so_b = 0
         sq_s, sq_h = q.stride(0), q.stride(1)
@@ -621,8 +626,6 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]
         seqlen_k = k.shape[1]
-        out = options.empty((batch, seqlen_q, hq, dv), dtype=q.dtype, device=q.device)
-        lse = options.empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device)
         sq_b, sq_s, sq_h = q.stride(0), q.stride(1), q.stride(2)
         sk_b, sk_s, sk_h = k.stride(0), k.stride(1), k.stride(2)
         sv_b, sv_s, sv_h = v.stride(0), v.stride(1), v.stride(2)
@@ -631,23 +634,6 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
         n_rows = batch * seqlen_q
     if n_rows == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
         return out, lse
-
-    sm90_key = (q.dtype, left is None, right is None, sink is None, is_varlen,
-                seqused_k is None, hq // hkv)
-    if (options.current().sm90_fwd and fwd_sm90 is not None and sm90_key not in _SM90_FAILED
-            and fwd_sm90.supported(q, k, v, softcap=softcap, scale=scale, batch=batch)):
-        try:
-            return fwd_sm90.attn_fwd_sm90(
-                q, k, v, out, lse, left=left, right=right, scale=scale, sink=sink,
-                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
-        except Exception as e:  # noqa: BLE001 - a compiler failure: this module's kernel runs
-            # Gluon is experimental in triton: if this triton cannot compile the Hopper
-            # kernel, say so once and run the portable kernel for this signature from now on.
-            _SM90_FAILED.add(sm90_key)
-            warnings.warn(f"flashlse: the Hopper forward kernel failed ({type(e).__name__}: "
-                          f"{str(e)[:200]}); using the portable Triton kernel instead",
-                          RuntimeWarning, stacklevel=2)
 
     block_d = max(next_pow2(d), 16)
     block_dv = max(next_pow2(dv), 16)
@@ -720,15 +706,16 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
             num_stages=num_stages,
         )
 
-    key = (block_d, block_dv, cfg.block_m, cfg.block_n, num_warps, q.dtype)
-    if ws and key not in _WS_FAILED:
+    key = ("fwd warp_specialize", block_d, block_dv, cfg.block_m, cfg.block_n, num_warps,
+           q.dtype)
+    if ws and key not in FAILURES:
         try:
             launch(True)
             return out, lse
         except Exception:  # noqa: BLE001 - compiler failure: the plain kernel is the fallback
             # Warp specialisation is young in Triton 3.6: if its passes reject a kernel,
-            # run the same kernel without it rather than fail the call.
-            _WS_FAILED.add(key)
+            # run the same kernel without it rather than fail the call (no warning, as before).
+            FAILURES.add(key)
     launch(False)
     return out, lse
 

@@ -401,7 +401,7 @@ def _fwd_sm90_kernel(
 
 
 def supported(q, k, v, *, softcap, scale, batch) -> bool:
-    """The fast path's domain: everything else runs fwd.py's kernel."""
+    """The fast path's domain (``dispatch.attn_fwd`` asks): everything else runs fwd.py's."""
     d = q.shape[-1]
     if batch > 65535 or q.shape[-2] > 65535:
         return False
@@ -417,7 +417,8 @@ def supported(q, k, v, *, softcap, scale, batch) -> bool:
 def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                   seqused_k=None):
-    """Fill ``out`` and ``lse`` (allocated by fwd.attn_fwd, same shapes and meaning)."""
+    """Fill and return ``out`` and ``lse`` (``fwd.new_outputs``'s, the shapes and meaning of
+    ``fwd.attn_fwd``'s) for a call inside :func:`supported`'s domain (``dispatch.attn_fwd``)."""
     is_varlen = cu_seqlens_q is not None
     d = q.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
@@ -426,6 +427,8 @@ def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    if q.shape[0] == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
+        return out, lse  # no row (fwd.attn_fwd's test: q.shape[0] is B or total_q)
     # (batch, row, head) strides; lse: (batch, head).
     sq, sk, sv, so = (strides(t, is_varlen) for t in (q, k, v, out))
     sl = strides(lse, is_varlen)[:2]

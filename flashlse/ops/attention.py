@@ -201,7 +201,7 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink, **varlen):
     ``cu_seqlens_q/k``, ``max_seqlen_q/k`` and ``seqused_k`` keywords of packed input."""
     kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
     if use_triton(q):
-        from ..kernels.fwd import attn_fwd as attn_fwd_kernel
+        from ..kernels.dispatch import attn_fwd as attn_fwd_kernel
 
         return attn_fwd_kernel(q, k, v, **kw, **varlen)
     if not varlen:
@@ -223,7 +223,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     ``varlen`` as in :func:`attn_fwd`."""
     kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
     if use_triton(q):
-        from ..kernels.bwd import attn_bwd as attn_bwd_kernel
+        from ..kernels.dispatch import attn_bwd as attn_bwd_kernel
 
         return attn_bwd_kernel(dout, dlse, q, k, v, out, lse, deterministic=deterministic,
                                **kw, **varlen)

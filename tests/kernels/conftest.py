@@ -46,3 +46,13 @@ def kernel_opts():
     test (on top of the poisoned outputs)."""
     with contextlib.ExitStack() as stack:
         yield lambda **changes: stack.enter_context(kernel_options(**changes))
+
+
+@pytest.fixture
+def compile_failures():
+    """The kernels' memory of compile failures (``kernels/failures.py``), empty for this test and
+    restored after it: a test that makes a kernel fail does not steer the ones after it."""
+    from flashlse.kernels.failures import FAILURES
+
+    with FAILURES.isolated():
+        yield FAILURES

@@ -1,4 +1,6 @@
-"""``kernels.bwd.attn_bwd`` against float64 autograd of ``flashlse.reference`` (dq, dk, dv, dsink).
+"""The Triton-path backward (``kernels.dispatch.attn_bwd``: ``kernels/bwd.py``, with the Hopper
+Gluon dK/dV and dQ where supported) against float64 autograd of ``flashlse.reference`` (dq,
+dk, dv, dsink).
 
 The loss is ``sum(out * dout) + sum(lse * dlse)`` with random ``dout`` and a random ``dlse`` on
 the finite LSE entries, so the gradient through the LSE (``D = rowsum(dO * O) - dlse``) is
@@ -20,7 +22,7 @@ import torch
 from _cases import GPU_HEAD_DIM_CASES, VARLEN_CASES
 
 from flashlse import reference
-from flashlse.kernels import bwd, configs
+from flashlse.kernels import bwd, configs, dispatch
 from flashlse.masks import normalize_window
 from flashlse.ops.attention import attn_fwd_torch
 
@@ -90,8 +92,8 @@ def _run_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, causal=False, window=(N
     dlse = torch.randn(lse.shape, generator=gen).masked_fill(~torch.isfinite(lse), 0.0)
 
     on = [None if t is None else t.to(device) for t in (dout, dlse, q, k, v, out, lse, sink_t)]
-    dq, dk, dv_, dsink = bwd.attn_bwd(*on[:7], left=left, right=right, softcap=softcap,
-                                      scale=scale, sink=on[7], deterministic=deterministic)
+    dq, dk, dv_, dsink = dispatch.attn_bwd(*on[:7], left=left, right=right, softcap=softcap,
+                                           scale=scale, sink=on[7], deterministic=deterministic)
     assert dq.dtype == dtype and dk.dtype == dtype and dv_.dtype == dtype
 
     def ref_fn(q_, k_, v_, s_):
@@ -188,7 +190,7 @@ def test_attn_bwd_rejects_more_sequences_than_the_grid_holds():
     cu = torch.arange(70001, dtype=torch.int32)
     lse = torch.zeros(1, 70000)
     with pytest.raises(ValueError, match="65535"):
-        bwd.attn_bwd(q, None, q, q, q, q, lse, left=None, right=None, softcap=0.0,
+        dispatch.attn_bwd(q, None, q, q, q, q, lse, left=None, right=None, softcap=0.0,
                      scale=1.0, sink=None, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1,
                      max_seqlen_k=1)
 
@@ -227,7 +229,7 @@ def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=Fals
 
     on = [None if t is None else t.to(device)
           for t in (dout, dlse, q, k, v, out, lse, sink_t, cu_q, cu_k, seqused)]
-    dq, dk, dv_, dsink = bwd.attn_bwd(
+    dq, dk, dv_, dsink = dispatch.attn_bwd(
         *on[:7], sink=on[7], deterministic=deterministic, cu_seqlens_q=on[8],
         cu_seqlens_k=on[9], max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
         seqused_k=on[10], **kw)
@@ -298,7 +300,7 @@ def test_attn_bwd_gpu_deterministic(device):
     kw = dict(left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=sink)
     out, lse = attn_fwd_torch(q, k, v, **kw)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    runs = [bwd.attn_bwd(dout, dlse, q, k, v, out, lse, deterministic=True, **kw)
+    runs = [dispatch.attn_bwd(dout, dlse, q, k, v, out, lse, deterministic=True, **kw)
             for _ in range(3)]
     for other in runs[1:]:
         for name, a, c in zip(("dq", "dk", "dv", "dsink"), runs[0], other):
@@ -316,7 +318,7 @@ def test_attn_bwd_dlse_none_expanded_dout(device):
     kw = dict(left=None, right=0, softcap=0.0, scale=0.2, sink=None)
     out, lse = attn_fwd_torch(q, k, v, **kw)
     dout = torch.ones(1, 1, 1, 1, dtype=dtype, device=device).expand_as(out)
-    ours = bwd.attn_bwd(dout, None, q, k, v, out, lse, **kw)
+    ours = dispatch.attn_bwd(dout, None, q, k, v, out, lse, **kw)
     ref = attn_bwd_torch(dout, torch.zeros_like(lse), q, k, v, out, lse, **kw)
     for name, a, r in zip(("dq", "dk", "dv"), ours, ref):
         assert not torch.isnan(a).any(), name
@@ -407,7 +409,7 @@ def test_attn_bwd_gpu_sm90_dq_d256(device, kernel_opts, monkeypatch, case, path)
     assert len(calls) == (1 if path == "sm90" else 0)
 
 
-def test_attn_bwd_sm90_failure_falls_back(device, kernel_opts, monkeypatch):
+def test_attn_bwd_sm90_failure_falls_back(device, kernel_opts, monkeypatch, compile_failures):
     """A Hopper backward kernel that does not compile with this triton warns once and the
     portable kernel answers, for that call and the next ones of the same signature."""
     from flashlse.kernels import bwd_sm90
@@ -423,9 +425,9 @@ def test_attn_bwd_sm90_failure_falls_back(device, kernel_opts, monkeypatch):
     monkeypatch.setattr(bwd_sm90, "attn_bwd_dq_sm90", broken)
     kernel_opts(sm90_dkdv=True)
     kernel_opts(sm90_dq=True)
-    monkeypatch.setattr(bwd, "_SM90_FAILED", set())
     dtype = torch.float16
     with pytest.warns(RuntimeWarning, match="Hopper backward dK/dV kernel failed"):
         _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=12)
     _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=13)
-    assert len(calls) == 2 and len(bwd._SM90_FAILED) == 2
+    assert len(calls) == 2
+    assert sorted(key[0] for key in compile_failures) == ["bwd_sm90 dK/dV", "bwd_sm90 dQ"]

@@ -1,4 +1,6 @@
-"""``kernels.fwd.attn_fwd`` against the float64 reference (out and lse, every row).
+"""The Triton-path forward (``kernels.dispatch.attn_fwd``: the Hopper Gluon kernel where it is
+supported, else ``kernels.fwd.attn_fwd``) against the float64 reference (out and lse, every
+row).
 
 Tolerance (docs/design.md §5): ``err(kernel) <= 2 * err(torch in the same dtype) + atol``, both
 measured against ``flashlse.reference`` in float64. Empty rows must match exactly:
@@ -15,7 +17,7 @@ import torch
 from _cases import GPU_HEAD_DIM_CASES, VARLEN_CASES
 
 from flashlse import reference
-from flashlse.kernels import fwd
+from flashlse.kernels import dispatch
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -73,8 +75,8 @@ def _run_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, causal=False, window=(N
     sink_t = (torch.randn(hq, generator=gen) * 2).to(device) if sink else None
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     left, right = _window(causal, window)
-    out, lse = fwd.attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
-                            sink=sink_t)
+    out, lse = dispatch.attn_fwd(q, k, v, left=left, right=right, softcap=softcap,
+                                 scale=scale, sink=sink_t)
     assert out.shape == (b, sq, hq, dv) and out.dtype == dtype
     assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
     ref_out, ref_lse = reference.attention(q, k, v, causal=causal, window=window,
@@ -152,10 +154,10 @@ def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=Fals
     cu_q, cu_k = cu_q.to(device), cu_k.to(device)
     scale = 1.0 / math.sqrt(d)
     left, right = _window(causal, window)
-    out, lse = fwd.attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
-                            sink=sink_t, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-                            seqused_k=seqused)
+    out, lse = dispatch.attn_fwd(q, k, v, left=left, right=right, softcap=softcap,
+                                 scale=scale, sink=sink_t, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+                                 seqused_k=seqused)
     assert out.shape == (q.shape[0], hq, dv) and lse.shape == (hq, q.shape[0])
     ref_out, ref_lse = reference.attention_varlen(
         q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k), seqused_k=seqused, causal=causal,
@@ -216,7 +218,7 @@ def test_attn_fwd_gpu_varlen(device, kernel_opts, monkeypatch, causal, sm90):
                 8, 1, 128, 128, causal=causal, used=[900, 300, 1000, 0, 64], sink=True)
 
 
-def test_attn_fwd_sm90_failure_falls_back(device, monkeypatch):
+def test_attn_fwd_sm90_failure_falls_back(device, monkeypatch, compile_failures):
     """A Hopper kernel that does not compile with this triton warns once and the portable
     kernel answers, for that call and the next ones of the same signature."""
     from flashlse.kernels import fwd_sm90
@@ -229,12 +231,11 @@ def test_attn_fwd_sm90_failure_falls_back(device, monkeypatch):
 
     monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
     monkeypatch.setattr(fwd_sm90, "attn_fwd_sm90", broken)
-    monkeypatch.setattr(fwd, "_SM90_FAILED", set())
     dtype = torch.float16
     with pytest.warns(RuntimeWarning, match="Hopper forward kernel failed"):
         _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=12)
     _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=13)
-    assert len(calls) == 1 and len(fwd._SM90_FAILED) == 1
+    assert len(calls) == 1 and [key[0] for key in compile_failures] == ["fwd_sm90"]
 
 
 def _on_sm90():

@@ -1,0 +1,341 @@
+"""``kernels/dispatch.py``: which kernel each attention pass runs, and with what arguments.
+
+Every kernel is replaced by a recorder (no GPU, no interpreter), and the Hopper kernels'
+``supported`` predicates by stubs, so these tests see the decisions themselves: the Gluon
+launchers get the arguments the code before the dispatcher passed (grids, buffers, flags,
+tiles), the portable kernels run outside the Gluon domains or with ``KernelOptions`` off, and
+a Gluon kernel that fails to compile warns once and leaves its signature to the portable one
+(``failures.FAILURES``). The numbers these kernels compute are tested in tests/kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import warnings
+
+import pytest
+import torch
+import triton
+
+from flashlse import kernel_options
+from flashlse.kernels import bwd, configs, dispatch, fwd
+from flashlse.kernels.failures import FAILURES
+
+fwd_sm90 = pytest.importorskip("flashlse.kernels.fwd_sm90")
+bwd_sm90 = pytest.importorskip("flashlse.kernels.bwd_sm90")
+attention_ops = importlib.import_module("flashlse.ops.attention")
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: str
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _Kernel:
+    """Stands for a ``@triton.jit`` / ``@gluon.jit`` kernel: records each launch, and raises
+    (as a compiler would) while ``fails(kwargs)``."""
+
+    def __init__(self, name, log, real, fails=None):
+        self.name, self.log, self.fails = name, log, fails
+        self.arg_names = real.arg_names
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(Launch(self.name, grid, args, kwargs))
+            if self.fails is not None and self.fails(kwargs):
+                raise RuntimeError(f"{self.name} does not compile here")
+        return launch
+
+
+class Kernels:
+    """The launches of one test, the ``supported`` answers, and which kernels fail."""
+
+    def __init__(self):
+        self.log: list[Launch] = []
+        self.supported = {"fwd": True, "dkdv": True, "dq": True}
+        self.asked: list[tuple] = []
+        self.failing: set[str] = set()
+
+    def names(self):
+        return [launch.kernel for launch in self.log]
+
+    def of(self, name):
+        (launch,) = [launch for launch in self.log if launch.kernel == name]
+        return launch
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    k = Kernels()
+    for mod, attr, name in ((fwd, "_attn_fwd_kernel", "fwd"),
+                            (fwd_sm90, "_fwd_sm90_kernel", "fwd_sm90"),
+                            (bwd, "_attn_bwd_preprocess_kernel", "bwd_pre"),
+                            (bwd, "_attn_bwd_dkdv_kernel", "dkdv"),
+                            (bwd, "_attn_bwd_dq_kernel", "dq"),
+                            (bwd_sm90, "_dkdv_sm90_kernel", "dkdv_sm90"),
+                            (bwd_sm90, "_dq_sm90_kernel", "dq_sm90")):
+        fails = (lambda kw, n=name: n in k.failing
+                 or (n == "fwd" and kw["WARP_SPECIALIZE"] and "fwd_ws" in k.failing))
+        monkeypatch.setattr(mod, attr, _Kernel(name, k.log, getattr(mod, attr), fails))
+    monkeypatch.setattr(triton, "set_allocator", lambda fn: None)
+
+    def fwd_supported(*args, **kwargs):
+        k.asked.append(("fwd", args, kwargs))
+        return k.supported["fwd"]
+
+    def bwd_supported(*args, softcap, dims=(128,)):
+        part = "dq" if dims == bwd_sm90.DQ_DIMS else "dkdv"
+        k.asked.append((part, args, dict(softcap=softcap, dims=dims)))
+        return k.supported[part] and args[0].shape[-1] in dims
+
+    monkeypatch.setattr(fwd_sm90, "supported", fwd_supported)
+    monkeypatch.setattr(bwd_sm90, "supported", bwd_supported)
+    with FAILURES.isolated():
+        yield k
+
+
+def _dense(b=2, sq=300, sk=333, hq=4, hkv=2, d=128, dtype=torch.float16, sink=True):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, sq, hq, d, generator=gen).to(dtype)
+    k = torch.randn(b, sk, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(b, sk, hkv, d, generator=gen).to(dtype)
+    s = torch.randn(hq, generator=gen) if sink else None
+    return q, k, v, dict(left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=s)
+
+
+def _varlen(hq=4, hkv=1, d=128):
+    cu_q = torch.tensor([0, 100, 100, 350], dtype=torch.int32)
+    cu_k = torch.tensor([0, 120, 300, 700], dtype=torch.int32)
+    q = torch.randn(350, hq, d).half()
+    k, v = torch.randn(700, hkv, d).half(), torch.randn(700, hkv, d).half()
+    used = torch.tensor([120, 10, 400], dtype=torch.int32)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=250, max_seqlen_k=400,
+                  seqused_k=used)
+    return q, k, v, dict(left=31, right=0, softcap=0.0, scale=0.1, sink=None, **varlen)
+
+
+def _strides(t, varlen=False):
+    st = t.stride()
+    return (0, st[0], st[1]) if varlen else st[:3]
+
+
+# --- forward ---------------------------------------------------------------------------------
+
+
+def test_forward_takes_the_hopper_kernel_with_its_arguments(kernels):
+    q, k, v, kw = _dense()
+    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["fwd_sm90"]
+    assert kernels.asked == [("fwd", (q, k, v), dict(softcap=0.0, scale=kw["scale"], batch=2))]
+    g = kernels.of("fwd_sm90")
+    cfg = configs.FWD_SM90[128]
+    assert g.grid == (3, 4, 2)  # (ceil(300 / 128) row blocks, Hq, B)
+    assert g.args[:9] == (q, k, v, out, lse, kw["sink"], None, None, None)
+    assert g.args[9:21] == (*_strides(q), *_strides(k), *_strides(v), *_strides(out))
+    assert g.args[21:] == (*lse.stride()[:2], 300, 333, 0, 0, 0, 0,
+                           kw["scale"] * 1.4426950408889634)
+    assert g.kwargs == dict(GROUP=2, D=128, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+                            HAS_LEFT=False, HAS_RIGHT=True, HAS_SINK=True, IS_VARLEN=False,
+                            HAS_SEQUSED_K=False, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
+                            CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
+    assert out.shape == (2, 300, 4, 128) and lse.shape == (2, 4, 300)
+
+
+def test_forward_varlen_asks_with_the_sequence_count(kernels):
+    q, k, v, kw = _varlen()
+    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.asked[0][2]["batch"] == 3
+    g = kernels.of("fwd_sm90")
+    assert g.grid == (2, 4, 3)
+    assert g.args[6:9] == (kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_k"])
+    assert g.args[9:12] == _strides(q, True) and g.args[21:23] == (0, lse.stride(0))
+    assert g.args[23:29] == (250, 400, 350, 700, 31, 0)
+    assert g.kwargs["GROUP"] == 4 and g.kwargs["IS_VARLEN"] and g.kwargs["HAS_SEQUSED_K"]
+    assert out.shape == (350, 4, 128) and lse.shape == (4, 350)
+
+
+@pytest.mark.parametrize("supported, on", [(False, True), (True, False)],
+                         ids=["outside_domain", "option_off"])
+def test_forward_portable_outside_the_domain_or_switched_off(kernels, supported, on):
+    kernels.supported["fwd"] = supported
+    q, k, v, kw = _dense()
+    with kernel_options(sm90_fwd=on):
+        out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["fwd"]
+    assert len(kernels.asked) == (1 if on else 0)
+    p = kernels.of("fwd").kwargs
+    assert p["o"] is out and p["lse"] is lse and p["q"] is q and p["GROUP"] == 2
+
+
+def test_forward_compile_failure_warns_once_and_falls_back(kernels):
+    kernels.failing.add("fwd_sm90")
+    q, k, v, kw = _dense()
+    with pytest.warns(RuntimeWarning, match="Hopper forward kernel failed") as rec:
+        out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    assert rec[0].filename == __file__  # as from the dispatcher's caller
+    assert kernels.names() == ["fwd_sm90", "fwd"]
+    # The portable kernel fills the buffers the failed launch was given.
+    assert kernels.of("fwd").kwargs["o"] is out is kernels.of("fwd_sm90").args[3]
+    assert [key[0] for key in FAILURES] == ["fwd_sm90"]
+    kernels.log.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["fwd"]
+    # Another signature (no mask) is another compilation: tried again.
+    kernels.log.clear()
+    with pytest.warns(RuntimeWarning):
+        dispatch.attn_fwd(q, k, v, **dict(kw, right=None))
+    assert kernels.names() == ["fwd_sm90", "fwd"] and len(FAILURES) == 2
+
+
+@pytest.mark.skipif(fwd.interpreting(), reason="no warp specialisation in the interpreter")
+def test_forward_warp_specialisation_failure_falls_back_silently(kernels, monkeypatch):
+    monkeypatch.setattr(fwd, "tma_ok", lambda *t: True)
+    kernels.failing.add("fwd_ws")
+    q, k, v, kw = _dense()
+    with warnings.catch_warnings(), kernel_options(
+            sm90_fwd=False, fwd_config={"WARP_SPECIALIZE": True, "num_warps": 8}):
+        warnings.simplefilter("error")
+        dispatch.attn_fwd(q, k, v, **kw)
+        assert [launch.kwargs["WARP_SPECIALIZE"] for launch in kernels.log] == [True, False]
+        assert [key[0] for key in FAILURES] == ["fwd warp_specialize"]
+        kernels.log.clear()
+        dispatch.attn_fwd(q, k, v, **kw)
+        assert [launch.kwargs["WARP_SPECIALIZE"] for launch in kernels.log] == [False]
+
+
+def test_forward_empty_launches_nothing(kernels):
+    q, k, v, kw = _dense(sq=0)
+    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == [] and out.shape == (2, 0, 4, 128) and lse.shape == (2, 4, 0)
+
+
+def test_public_function_reaches_the_dispatcher(kernels, monkeypatch):
+    monkeypatch.setattr(attention_ops, "use_triton", lambda t: True)
+    q, k, v, kw = _dense()
+    attention_ops.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["fwd_sm90"]
+
+
+def test_portable_launchers_know_no_hopper_kernel():
+    for mod in (fwd, bwd):
+        assert not any(name.endswith("_sm90") or "FAILED" in name for name in vars(mod)), mod
+
+
+# --- backward --------------------------------------------------------------------------------
+
+
+def _backward(q, k, v, kw, **opts):
+    out, lse = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype), torch.zeros(
+        (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0]))
+    dout = torch.ones_like(out)
+    with kernel_options(**opts):
+        return dout, dispatch.attn_bwd(dout, None, q, k, v, out, lse, **kw)
+
+
+def test_backward_takes_both_hopper_kernels_with_their_arguments(kernels):
+    q, k, v, kw = _dense()
+    dout, (dq, dk, dv, dsink) = _backward(q, k, v, kw)
+    assert kernels.names() == ["bwd_pre", "dkdv_sm90", "dq_sm90"]
+    assert [(part, args) for part, args, _ in kernels.asked] == [
+        ("dkdv", (q, k, v, dout, dk, dv)), ("dq", (q, k, v, dout, dq, dq))]
+    assert kernels.asked[1][2] == dict(softcap=0.0, dims=bwd_sm90.DQ_DIMS)
+    pre = kernels.of("bwd_pre").kwargs
+    dkdv, dqk = kernels.of("dkdv_sm90"), kernels.of("dq_sm90")
+    assert dkdv.grid == (3, 2, 2) and dqk.grid == (3, 4, 2)  # (blocks of 128, heads, B)
+    cfg = configs.BWD_SM90_DKDV
+    for name in ("lse_log2", "delta"):
+        assert dkdv.kwargs[name] is pre[name] and dqk.kwargs[name] is pre[name]
+    assert dkdv.kwargs["dk"] is dk and dkdv.kwargs["dv"] is dv and dqk.kwargs["dq"] is dq
+    assert dkdv.kwargs["q"] is q and dkdv.kwargs["dout"] is dout
+    common = dict(seqlen_q=300, seqlen_k=333, total_q=0, total_k=0, left=0, right=0,
+                  scale=kw["scale"], GROUP=2, D=128, HAS_LEFT=False, HAS_RIGHT=True,
+                  IS_VARLEN=False, HAS_SEQUSED_K=False)
+    for g in (dkdv, dqk):
+        assert {n: g.kwargs[n] for n in common} == common
+    assert {n: dkdv.kwargs[n] for n in ("BLOCK_M", "STAGES", "EARLY_DP", "CONSUMER_REGS",
+                                        "num_warps")} == dict(
+        BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
+        CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
+    assert dqk.kwargs["BLOCK_N"] == configs.BWD_SM90_DQ[128].block_n
+    assert set(dkdv.kwargs) <= set(bwd_sm90._dkdv_sm90_kernel.arg_names) | {"num_warps"}
+    assert dsink.shape == (4,)
+
+
+def test_backward_head_dim_256_runs_only_the_hopper_dq(kernels):
+    q, k, v, kw = _dense(d=256, sq=100, sk=90)
+    _backward(q, k, v, kw)
+    assert kernels.names() == ["bwd_pre", "dkdv", "dq_sm90"]
+    assert kernels.of("dkdv").grid[1:] == (2, 2)
+
+
+def test_backward_without_keys_runs_no_dkdv(kernels):
+    q, k, v, kw = _dense(sk=0)
+    _, (dq, dk, dv, _) = _backward(q, k, v, kw)
+    assert kernels.names() == ["bwd_pre", "dq_sm90"]
+    assert [part for part, _, _ in kernels.asked] == ["dq"]
+
+
+@pytest.mark.parametrize("off, expected", [
+    ("sm90_dkdv", ["bwd_pre", "dkdv", "dq_sm90"]),
+    ("sm90_dq", ["bwd_pre", "dkdv_sm90", "dq"]),
+])
+def test_backward_options_switch_each_pass(kernels, off, expected):
+    q, k, v, kw = _dense()
+    _backward(q, k, v, kw, **{off: False})
+    assert kernels.names() == expected
+    portable = kernels.of(expected[1] if off == "sm90_dkdv" else expected[2])
+    assert portable.grid[1:] == ((2, 2) if off == "sm90_dkdv" else (4, 2))
+
+
+def test_backward_varlen_hopper_grids(kernels):
+    q, k, v, kw = _varlen()
+    _backward(q, k, v, kw)
+    assert kernels.names() == ["bwd_pre", "dkdv_sm90", "dq_sm90"]
+    assert kernels.of("dkdv_sm90").grid == (4, 1, 3) and kernels.of("dq_sm90").grid == (2, 4, 3)
+    g = kernels.of("dq_sm90").kwargs
+    assert (g["IS_VARLEN"], g["HAS_SEQUSED_K"], g["left"], g["seqused_k"]) == (
+        True, True, 31, kw["seqused_k"])
+
+
+def test_backward_compile_failure_falls_back_per_pass(kernels):
+    kernels.failing.add("dkdv_sm90")
+    q, k, v, kw = _dense()
+    with pytest.warns(RuntimeWarning, match="Hopper backward dK/dV kernel failed") as rec:
+        _, (dq, dk, dv, _) = _backward(q, k, v, kw)
+    assert len(rec) == 1 and rec[0].filename == __file__
+    assert kernels.names() == ["bwd_pre", "dkdv_sm90", "dkdv", "dq_sm90"]
+    gluon, portable = kernels.of("dkdv_sm90").kwargs, kernels.of("dkdv").kwargs
+    # The portable dK/dV gets the arguments the Gluon one was given (the same dict's values).
+    assert all(portable[n] is gluon[n] for n in gluon
+               if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
+                            "num_warps"))
+    assert portable["dk"] is dk and portable["HEAD_LOOP"] == bool(
+        configs.BWD_DKDV[128].head_loop)
+    assert [key[0] for key in FAILURES] == ["bwd_sm90 dK/dV"]
+    kernels.log.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _backward(q, k, v, kw)
+    assert kernels.names() == ["bwd_pre", "dkdv", "dq_sm90"]
+
+
+def test_backward_empty_launches_nothing(kernels):
+    q, k, v, kw = _dense(sq=0)
+    _, (dq, dk, dv, dsink) = _backward(q, k, v, kw)
+    assert kernels.names() == []
+    assert not dk.any() and not dv.any() and torch.equal(dsink, torch.zeros(4))
+
+
+def test_backward_scale_log2_reaches_both_families(kernels):
+    q, k, v, kw = _dense()
+    _backward(q, k, v, kw, sm90_dq=False)
+    expected = kw["scale"] * math.log2(math.e)
+    assert kernels.of("dkdv_sm90").kwargs["scale_log2"] == pytest.approx(expected)
+    assert kernels.of("dq").kwargs["scale_log2"] == pytest.approx(expected)
