@@ -80,8 +80,14 @@ def meta_key(tag, *tensors) -> tuple | None:
 
 
 def passed(key) -> bool:
-    """Whether the checks passed for this key before (a None key never did)."""
-    return key is not None and key in _PASSED
+    """Whether the checks passed for this key before (a None key never did, nor one that
+    does not hash: symbolic sizes outside torch.compile)."""
+    if key is None:
+        return False
+    try:
+        return key in _PASSED
+    except TypeError:
+        return False
 
 
 def remember(key) -> None:
@@ -90,7 +96,10 @@ def remember(key) -> None:
         return
     if len(_PASSED) >= _MAX_PASSED:
         _PASSED.clear()
-    _PASSED.add(key)
+    try:
+        _PASSED.add(key)
+    except TypeError:
+        pass
 
 
 # Head dims the CUDA kernels compile for: prefill (forward/backward) and decode (MLA's 576).
