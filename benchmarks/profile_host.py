@@ -4,9 +4,17 @@ launched through ``JITFunction.run`` with 1 and with 32 arguments (flashlse's ke
 30-60) and through the compiled kernel's own launcher.
 
     python benchmarks/profile_host.py [--top 18]
+    python benchmarks/profile_host.py --cpu-stubbed [--profile NAME] [--n 5000]
 
 Prints the floor, then per call kind microseconds a call and the functions with the most
 own time.
+
+``--cpu-stubbed`` needs no GPU: CPU tensors under ``TRITON_INTERPRET=1`` with the
+interpreter's launch replaced by a no-op, so what it times is flashlse's own Python around
+the launches (validation, launchers, allocations), per public function, beside a bare
+``x.add_(1)`` for the host's scale. Value checks are off (``value_checks(False)``), as on a
+GPU by default (CPU tensors would otherwise read their values). ``--profile NAME`` adds
+cProfile's table for the call of that name.
 """
 
 from __future__ import annotations
@@ -18,9 +26,13 @@ import pstats
 import sys
 import time
 
-import torch
-import triton
-import triton.language as tl
+# The interpreter is chosen when Triton is imported: the stubbed mode sets it first.
+if "--cpu-stubbed" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -84,8 +96,8 @@ def floor(n):
     }
 
 
-def calls():
-    dev, dt = "cuda", torch.bfloat16
+def calls(dev="cuda"):
+    dt = torch.bfloat16
     q = torch.randn(1, 128, 2, 128, device=dev, dtype=dt)
     k, v = torch.randn_like(q), torch.randn_like(q)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
@@ -108,11 +120,74 @@ def calls():
     }
 
 
+def stubbed_calls():
+    """The public calls of ``calls()`` and a few more, on CPU tensors (launches stubbed)."""
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    rows = calls("cpu")
+    q = torch.randn(128, 2, 128, dtype=dt)
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+    kc = torch.randn(8, 4096, 8, 128, dtype=dt)
+    qd = torch.randn(8, 1, 32, 128, dtype=dt)
+    lens = torch.full((8,), 4000, dtype=torch.int32)
+    pages = torch.randn(8 * 256, 16, 8, 128, dtype=dt)
+    table = torch.arange(8 * 256, dtype=torch.int32).view(8, 256)
+    kn = torch.randn(8, 1, 8, 128, dtype=dt)
+    # Small: merge stacks its two states (a copy, on the CPU here).
+    oa, la = torch.randn(2, 1, 4, 2, 64, dtype=dt), torch.randn(2, 1, 2, 4)
+    rows.update({
+        "attention_varlen fwd": lambda: fl.attention_varlen(q, q, q, cu, cu, 64, 64, causal=True),
+        "kvcache decode paged": lambda: fl.attention_with_kvcache(
+            qd, pages, pages, cache_seqlens=lens, block_table=table),
+        "kvcache decode + append": lambda: fl.attention_with_kvcache(
+            qd, kc, kc, cache_seqlens=lens, k_new=kn, v_new=kn),
+        "merge (flash layout)": lambda: fl.merge(oa[0], la[0], oa[1], la[1]),
+    })
+    return rows
+
+
+def cpu_stubbed(n, profile, top):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # kernel[grid](...) returns a no-op: what remains is flashlse's Python around it.
+    InterpretedFunction.__getitem__ = lambda self, grid: (lambda *a, **k: None)
+    x = torch.zeros(16)
+    rows = {"x.add_(1)": lambda: x.add_(1)}
+    rows.update(stubbed_calls())
+    print(f"=== CPU, launches stubbed, value checks off: us a call (median of 5 x {n}) ===")
+    with fl.value_checks(False):
+        for name, fn in rows.items():
+            for _ in range(100):
+                fn()
+            runs = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                runs.append((time.perf_counter() - t0) / n * 1e6)
+            print(f"{name:<32} {sorted(runs)[2]:7.2f}")
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(n):
+                rows[profile]()
+            prof.disable()
+            print(f"\n=== cProfile: {profile} ===")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--top", type=int, default=18)
-    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--n", type=int, default=None, help="calls a row (300; 5000 stubbed)")
+    ap.add_argument("--cpu-stubbed", action="store_true",
+                    help="CPU, interpreter launches stubbed: flashlse's own Python a call")
+    ap.add_argument("--profile", default=None, help="with --cpu-stubbed: cProfile this row")
     args = ap.parse_args()
+    if args.cpu_stubbed:
+        cpu_stubbed(args.n or 5000, args.profile, args.top)
+        return
+    args.n = args.n or 300
     print("=== floor of this host, us a call ===")
     for name, us in floor(args.n).items():
         print(f"=== {name:<42} {us:7.1f}")

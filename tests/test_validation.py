@@ -345,3 +345,45 @@ def test_valid_edge_inputs_pass_validation(call):
     with pytest.raises(AssertionError, match="before validation finished"):
         call()
 
+
+
+@pytest.mark.parametrize("call,exc,match", ATTENTION + VARLEN + KVCACHE + SPARSE + MERGE)
+def test_errors_unchanged_after_valid_calls(call, exc, match):
+    # The metadata checks are skipped for metadata that passed them before (ops/_validate.py
+    # remembers it): after valid calls of every function, and a second time, each bad call
+    # still raises its own error.
+    for valid in (attn(), kvcache(), kvcache(paged=True), ms(), mg()):
+        with pytest.raises(AssertionError, match="before validation finished"):
+            valid()
+    for _ in range(2):
+        with pytest.raises(exc, match=match):
+            call()
+
+
+def test_remembered_metadata_still_checks_the_rest():
+    # Same tensors as a valid call: what is not metadata (num_splits, flags, scalars, values
+    # on CPU) is checked every call.
+    q, kc, vc = torch.randn(2, 1, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    lens = torch.tensor([3, 5], dtype=I32)
+    call = lambda **kw: fl.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, **kw)
+    with pytest.raises(AssertionError, match="before validation finished"):
+        call()
+    with pytest.raises(ValueError, match="num_splits"):
+        call(num_splits=-1)
+    with pytest.raises(ValueError, match="num_splits"):
+        call(num_splits=True)
+    with pytest.raises(TypeError, match="causal"):
+        call(causal=1)
+    with pytest.raises(ValueError, match="cache capacity"):
+        fl.attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([3, 9], dtype=I32))
+    # Another stride of the same shapes is other metadata: checked again.
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        fl.attention_with_kvcache(q, kc.transpose(-1, -2).contiguous().transpose(-1, -2), vc,
+                                  cache_seqlens=lens)
+    q2, k2, v2 = qkv()
+    with pytest.raises(AssertionError, match="before validation finished"):
+        fl.attention(q2, k2, v2)
+    with pytest.raises(ValueError, match="window"):
+        fl.attention(q2, k2, v2, window=(-2, 0))
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        fl.attention(q2, k2.transpose(-1, -2).contiguous().transpose(-1, -2), v2)

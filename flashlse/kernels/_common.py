@@ -54,6 +54,15 @@ def stride_args(dims: str, varlen: bool = False, **tensors: torch.Tensor) -> dic
     return args
 
 
+def positional(kernel, n_tensors: int, kw: dict) -> tuple[tuple, dict]:
+    """A launch's keywords as the kernel's arguments after its first ``n_tensors``, in the
+    kernel's order (positional arguments are cheaper to pass and for Triton to bind), and
+    the rest: the launch options (``num_warps``, ...). For launch plans built once and
+    reused; a missing argument is a KeyError here, not a wrong launch."""
+    rest = dict(kw)
+    return tuple(rest.pop(name) for name in kernel.arg_names[n_tensors:]), rest
+
+
 @functools.cache
 def _stride_keys(dims: str, names: tuple) -> tuple:
     # Cached: the launchers of the decode step call stride_args every step.

@@ -39,6 +39,7 @@ D, so no other program still reads the lses it overwrites.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -47,7 +48,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from . import configs
-from ._common import LOG2E, cdiv, next_pow2
+from ._common import LOG2E, cdiv, next_pow2, positional
 
 # constexpr globals: jit functions may read only those.
 
@@ -219,71 +220,133 @@ def merge_states_fwd(outs, lses, *, sink=None, out=None, lse_out=None):
     """
     d = outs.shape[-1]
     lead = tuple(outs.shape[1:-1])
-    if out is None:
+    if out is None and lse_out is None:
+        # Fresh contiguous outputs: the launch plan is a function of the inputs' metadata,
+        # found in _PLANS on a repeated call (the sink's view broadcast to the rows has the
+        # sink's address: the kernel takes the sink itself).
+        key = (outs.shape, outs.stride(), outs.dtype, outs.device, lses.shape, lses.stride(),
+               None if sink is None else (sink.shape, sink.stride()))
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _states_plan(outs, lses, sink, lead, _contiguous_strides(lead + (d,)),
+                                _contiguous_strides(lead), False)
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
         out = torch.empty(lead + (d,), dtype=outs.dtype, device=outs.device)
-    if lse_out is None:
         lse_out = torch.empty(lead, dtype=torch.float32, device=outs.device)
+        if plan is _EMPTY:
+            return out, lse_out
+        if plan is not _COPY:
+            merge_run(plan, outs, lses, sink, out, lse_out)
+            return out, lse_out
+    else:
+        if out is None:
+            out = torch.empty(lead + (d,), dtype=outs.dtype, device=outs.device)
+        if lse_out is None:
+            lse_out = torch.empty(lead, dtype=torch.float32, device=outs.device)
+        plan = _states_plan(outs, lses, sink, lead, out.stride(), lse_out.stride(),
+                            _shares_memory(lse_out, lses))
+        if plan is _EMPTY:
+            return out, lse_out
+        if plan is not _COPY:
+            merge_run(plan, outs, lses, sink, out, lse_out)
+            return out, lse_out
+    # No index math for this layout: merge contiguous copies and copy the result back.
+    out_c, lse_c = merge_states_fwd(
+        outs.contiguous(),
+        lses.contiguous(),
+        sink=None if sink is None else torch.broadcast_to(sink, lead).contiguous(),
+    )
+    out.copy_(out_c)
+    lse_out.copy_(lse_c)
+    return out, lse_out
+
+
+# Launch plans of merge_states_fwd by input metadata; cleared when full.
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+# Plans that launch nothing: no rows, or a layout that does not coalesce to three dims.
+_EMPTY, _COPY = object(), object()
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    """torch's strides of a contiguous tensor of ``shape`` (a dim of size 0 counts as 1)."""
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(st))
+
+
+def _states_plan(outs, lses, sink, lead, st_out, st_lse, alias):
+    """merge_states_fwd's launch plan for outputs of strides ``st_out`` / ``st_lse``, or
+    ``_EMPTY`` (no rows) / ``_COPY`` (the layout does not coalesce to three dims)."""
     r = 1
     for size in lead:
         r *= size
     if r == 0:
-        return out, lse_out
+        return _EMPTY
     sink_b = None if sink is None else torch.broadcast_to(sink, lead)
-    tensors = [outs.stride()[1:-1], lses.stride()[1:], out.stride()[:-1], lse_out.stride()]
+    tensors = [outs.stride()[1:-1], lses.stride()[1:], tuple(st_out)[:-1], tuple(st_lse)]
     if sink_b is not None:
         tensors.append(sink_b.stride())
     sizes, strides = _coalesce(lead, tensors)
     if len(sizes) > 3:
-        # No index math for this layout: merge contiguous copies and copy the result back.
-        out_c, lse_c = merge_states_fwd(
-            outs.contiguous(),
-            lses.contiguous(),
-            sink=None if sink_b is None else sink_b.contiguous(),
-        )
-        out.copy_(out_c)
-        lse_out.copy_(lse_c)
-        return out, lse_out
+        return _COPY
     pad = 3 - len(sizes)
     sizes = [1] * pad + sizes
     strides = [[0] * pad + st for st in strides]
     st_k = strides[4] if sink_b is not None else [0, 0, 0]
-    merge_launch(outs, lses, sink_b, out, lse_out, r=r, r1=sizes[1], r2=sizes[2], st_o=strides[0],
-                 st_l=strides[1], st_k=st_k, st_y=strides[2], st_z=strides[3],
-                 alias=_shares_memory(lse_out, lses))
-    return out, lse_out
+    return merge_plan(outs.shape[0], outs.shape[-1], outs.device, sink is not None, r=r,
+                      r1=sizes[1], r2=sizes[2], st_os=outs.stride(0), st_o=strides[0],
+                      st_od=outs.stride(-1), st_ls=lses.stride(0), st_l=strides[1], st_k=st_k,
+                      st_y=strides[2], st_yd=st_out[-1], st_z=strides[3], alias=alias)
 
 
-def merge_launch(outs, lses, sink, out, lse_out, *, r, r1, r2, st_o, st_l, st_k, st_y, st_z,
-                 alias=False, pdl=False):
-    """Launches the merge over ``r`` rows indexed ``(r0, r1, r2)``, one stride per index and
-    tensor (``st_*``, three each) for outs, lses, sink, out and lse_out; no checks.
-    ``kernels.decode`` calls it directly with the layout of its split partials, with
-    ``pdl=True`` (sm90+, not the interpreter) to launch it while the decode kernel runs."""
-    extra = dict(launch_pdl=True) if pdl else {}
-    n, d = outs.shape[0], outs.shape[-1]
-    cfg = configs.merge_config(n, r, d, alias, _num_sms(outs.device))
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+    """One merge launch but its tensors: the grid and the kernel's other arguments."""
+
+    grid: tuple
+    # The kernel's arguments after its five tensors, and the launch options.
+    args: tuple
+    launch: dict
+
+
+def merge_plan(n, d, device, has_sink, *, r, r1, r2, st_os, st_o, st_od, st_ls, st_l, st_k,
+               st_y, st_yd, st_z, alias=False, pdl=False) -> MergePlan:
+    """The merge of ``n`` states of ``d`` columns over ``r`` rows indexed ``(r0, r1, r2)``,
+    one stride per index and tensor (``st_*``, three each) for outs, lses, sink, out and
+    lse_out (``st_os`` / ``st_ls`` the state strides, ``st_od`` / ``st_yd`` the columns').
+    ``kernels.decode`` plans it with the layout of its split partials, with ``pdl=True``
+    (sm90+, not the interpreter) to launch it while the decode kernel runs."""
+    cfg = configs.merge_config(n, r, d, alias, _num_sms(device))
     grid = (_cdiv(r, cfg.block_m), _cdiv(max(d, 1), cfg.block_d))
-    _merge_states_fwd_kernel[grid](
-        outs=outs,
-        lses=lses,
-        sink=sink if sink is not None else lses,
-        out=out,
-        lse=lse_out,
+    kw = dict(
         N=n,
         R=r,
         R1=r1,
         R2=r2,
-        stride_os=outs.stride(0), stride_o0=st_o[0], stride_o1=st_o[1], stride_o2=st_o[2], stride_od=outs.stride(-1),
-        stride_ls=lses.stride(0), stride_l0=st_l[0], stride_l1=st_l[1], stride_l2=st_l[2],
+        stride_os=st_os, stride_o0=st_o[0], stride_o1=st_o[1], stride_o2=st_o[2], stride_od=st_od,
+        stride_ls=st_ls, stride_l0=st_l[0], stride_l1=st_l[1], stride_l2=st_l[2],
         stride_k0=st_k[0], stride_k1=st_k[1], stride_k2=st_k[2],
-        stride_y0=st_y[0], stride_y1=st_y[1], stride_y2=st_y[2], stride_yd=out.stride(-1),
+        stride_y0=st_y[0], stride_y1=st_y[1], stride_y2=st_y[2], stride_yd=st_yd,
         stride_z0=st_z[0], stride_z1=st_z[1], stride_z2=st_z[2],
         D=d,
-        HAS_SINK=sink is not None,
+        HAS_SINK=has_sink,
         BLOCK_S=cfg.block_n,
         BLOCK_R=cfg.block_m,
         BLOCK_D=cfg.block_d,
         PDL=pdl,
         **cfg.launch(),
-        **extra,
     )
+    if pdl:
+        kw["launch_pdl"] = True
+    return MergePlan(grid, *positional(_merge_states_fwd_kernel, 5, kw))
+
+
+def merge_run(plan: MergePlan, outs, lses, sink, out, lse_out) -> None:
+    """Launches a :func:`merge_plan` on these tensors; no checks."""
+    _merge_states_fwd_kernel[plan.grid](outs, lses, lses if sink is None else sink, out,
+                                        lse_out, *plan.args, **plan.launch)

@@ -53,6 +53,7 @@ latent cache is read once per split, not twice.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -61,8 +62,16 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import configs, options
-from ._common import LN2, LOG2E, capability, exp2_constants, interpreting, stride_args
-from .combine import _cdiv, _next_pow2, _num_sms, merge_launch
+from ._common import (
+    LN2,
+    LOG2E,
+    capability,
+    exp2_constants,
+    interpreting,
+    positional,
+    stride_args,
+)
+from .combine import _cdiv, _contiguous_strides, _next_pow2, _num_sms, merge_plan, merge_run
 
 
 def _pdl_ok(t: torch.Tensor) -> bool:
@@ -327,17 +336,83 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         empty rows give ``out = 0``, ``lse = -inf`` (or the sink).
     """
     # Host time matters here: at B = 1 the kernel reads 0.5 GB in ~130 us, about what two
-    # launches plus Python took before (on the host alone); hence plain ints, cached configs,
-    # one stride call a tensor and the merge launched without its layout analysis.
+    # launches plus Python took before (on the host alone). Everything but the tensors'
+    # addresses is a function of the call's metadata, so a repeated call finds its launch
+    # plan (tiles, split count, grids, the scalar and constexpr arguments of both kernels)
+    # in _PLANS and only allocates and launches.
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    opts = options.current()
+    empty = options.allocator(opts)
+    plan = None
+    if not config:
+        # What the plan reads: shapes, strides, dtypes and device of the tensors, whether v is
+        # k's storage (MLA), which optional tensors are there, the scalars, the options.
+        key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+               v_cache.shape, v_cache.stride(), v_cache.data_ptr() == k_cache.data_ptr(),
+               None if block_table is None else (block_table.shape, block_table.stride()),
+               cache_seqlens is None, sink is None, left, right, softcap, scale, num_splits,
+               seqlen_add, out_dtype, opts.pdl)
+        plan = _PLANS.get(key)
+    if plan is None:
+        plan = _decode_plan(q, k_cache, v_cache, block_table, cache_seqlens is not None, sink,
+                            left, right, softcap, scale, num_splits, seqlen_add, config,
+                            out_dtype, opts.pdl)
+        if not config:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    dev = q.device
+    out = empty(plan.out_shape, dtype=plan.out_dtype, device=dev)
+    lse = empty(plan.lse_shape, dtype=torch.float32, device=dev)
+    if plan.grid is None:
+        return out, lse
+    if plan.merge is None:
+        o_buf, lse_buf = out, lse
+    else:
+        # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set.
+        o_buf = empty(plan.o_buf_shape, dtype=torch.float32, device=dev)
+        lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=dev)
+    _decode_fwd_kernel[plan.grid](q, k_cache, v_cache, cache_seqlens, block_table,
+                                  lse_buf if sink is None else sink, o_buf, lse_buf, *plan.args,
+                                  **plan.launch)
+    if plan.merge is not None:
+        # Rows (b, i, h) of the partials, of out (B, Sq, Hq, Dv) and of lse (B, Hq, Sq): the
+        # layout is known, so the merge launches without merge_states_fwd's layout analysis.
+        merge_run(plan.merge, o_buf, lse_buf, sink, out, lse)
+    return out, lse
+
+
+# Launch plans of decode_fwd by call metadata; cleared when full (a server's shapes repeat).
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodePlan:
+    out_shape: tuple
+    out_dtype: torch.dtype
+    lse_shape: tuple
+    # None: nothing to compute (empty outputs).
+    grid: tuple | None = None
+    o_buf_shape: tuple | None = None
+    # The kernel's arguments after its eight tensors, and the launch options.
+    args: tuple = ()
+    launch: dict | None = None
+    # The split-KV merge's plan (combine.merge_plan), None with one split.
+    merge: object = None
+
+
+def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, right, softcap,
+                 scale, num_splits, seqlen_add, config, out_dtype, pdl_opt):
+    """Everything decode_fwd passes the kernels but the tensors, from the call's metadata."""
     batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
-    out = options.empty((batch, sq, hq, dv), dtype=out_dtype or q.dtype, device=q.device)
-    lse = options.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
-    if out.numel() == 0 and lse.numel() == 0:
-        return out, lse
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    out_shape, lse_shape = (batch, sq, hq, dv), (batch, hq, sq)
+    out_dtype = out_dtype or q.dtype
+    if batch * sq * hq * dv == 0 and batch * hq * sq == 0:
+        return _DecodePlan(out_shape, out_dtype, lse_shape)
     st_q, st_k, st_v = q.stride(), k_cache.stride(), v_cache.stride()
     paged = block_table is not None
     shared_kv = dv <= d and st_v == st_k and v_cache.data_ptr() == k_cache.data_ptr()
@@ -363,31 +438,22 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     else:
         splits = min(4, max(1, n_tiles))
 
+    # out and lse are fresh contiguous tensors: their strides follow from their shapes.
+    st_out, st_lse = _contiguous_strides(out_shape), _contiguous_strides(lse_shape)
+    o_buf_shape = None
     if splits == 1:
-        o_buf, lse_buf = out, lse
-        st_o = (0, out.stride(0), out.stride(1), out.stride(2))
-        st_l = (0, lse.stride(0), lse.stride(2), lse.stride(1))
+        st_o = (0, st_out[0], st_out[1], st_out[2])
+        st_l = (0, st_lse[0], st_lse[2], st_lse[1])
     else:
-        # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set.
-        o_buf = options.empty((splits, batch, sq, hq, dv), dtype=torch.float32, device=q.device)
-        lse_buf = options.empty((splits, batch, sq, hq), dtype=torch.float32, device=q.device)
+        o_buf_shape = (splits, batch, sq, hq, dv)
         st_o = (batch * sq * hq * dv, sq * hq * dv, hq * dv, dv)
         st_l = (batch * sq * hq, sq * hq, hq, 1)
     softcap = float(softcap or 0.0)
     scale = float(scale)
-    grid = (programs, splits)
     # Programmatic dependent launch of the merge behind the split kernel (sm90+);
     # KernelOptions.pdl=False measures what it saves.
-    pdl = splits > 1 and options.current().pdl and not interpret and _pdl_ok(q)
-    _decode_fwd_kernel[grid](
-        q=q,
-        k=k_cache,
-        v=v_cache,
-        cache_seqlens=cache_seqlens,
-        block_table=block_table,
-        sink=sink if sink is not None else lse_buf,
-        o=o_buf,
-        lse=lse_buf,
+    pdl = splits > 1 and pdl_opt and not interpret and _pdl_ok(q)
+    kw = dict(
         stride_qb=st_q[0], stride_qs=st_q[1], stride_qh=st_q[2],
         stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],
         stride_vb=st_v[0], stride_vn=st_v[1], stride_vh=st_v[2],
@@ -416,7 +482,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         PAGE_SIZE=page_size if paged else 1,
         PAGED=paged,
         SHARED_KV=shared_kv,
-        HAS_SEQLENS=cache_seqlens is not None,
+        HAS_SEQLENS=has_seqlens,
         HAS_LEFT=left is not None,
         HAS_RIGHT=right is not None,
         HAS_SOFTCAP=softcap > 0,
@@ -425,13 +491,14 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages_paged if paged else cfg.num_stages,
     )
+    merge = None
     if splits > 1:
-        # Rows (b, i, h) of the partials, of out (B, Sq, Hq, Dv) and of lse (B, Hq, Sq): the
-        # layout is known, so the merge launches without merge_states_fwd's layout analysis.
-        merge_launch(o_buf, lse_buf, sink, out, lse, r=batch * sq * hq, r1=sq, r2=hq,
-                     st_o=st_o[1:], st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:],
-                     st_z=(hq * sq, 1, sq), pdl=pdl)
-    return out, lse
+        merge = merge_plan(splits, dv, q.device, sink is not None, r=batch * sq * hq, r1=sq,
+                           r2=hq, st_os=st_o[0], st_o=st_o[1:], st_od=1, st_ls=st_l[0],
+                           st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:], st_yd=1,
+                           st_z=(hq * sq, 1, sq), pdl=pdl)
+    return _DecodePlan(out_shape, out_dtype, lse_shape, (programs, splits), o_buf_shape,
+                       *positional(_decode_fwd_kernel, 8, kw), merge)
 
 
 @triton.jit
@@ -483,20 +550,37 @@ def append_kv(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table):
     ``cache_seqlens[b] + t``, in place, one launch. Positions past the cache, and pages
     outside ``[0, num_pages)``, are dropped (value checks are opt-in); the last dims of all
     four tensors must have stride 1."""
+    # Plans by metadata, as decode_fwd's: the append runs before every decode step that adds keys.
+    key = (k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), k_new.shape,
+           k_new.stride(), v_new.shape, v_new.stride(),
+           None if block_table is None else (block_table.shape, block_table.stride()))
+    plan = _APPEND_PLANS.get(key)
+    if plan is None:
+        plan = _append_plan(k_cache, v_cache, k_new, v_new, block_table)
+        if len(_APPEND_PLANS) >= _MAX_PLANS:
+            _APPEND_PLANS.clear()
+        _APPEND_PLANS[key] = plan
+    if plan is not _NOTHING:
+        grid, args, launch = plan
+        _append_kv_kernel[grid](k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                                *args, **launch)
+
+
+_APPEND_PLANS: dict = {}
+_NOTHING = ()
+
+
+def _append_plan(k_cache, v_cache, k_new, v_new, block_table):
+    """``(grid, arguments after the six tensors, launch options)`` of an append, or
+    ``_NOTHING`` when there is nothing to write."""
     batch, s_new, hkv, d = k_new.shape
     dv = v_new.shape[-1]
     if batch == 0 or s_new == 0 or hkv == 0:
-        return
+        return _NOTHING
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = configs.append_kv_config(s_new)
-    _append_kv_kernel[(_cdiv(s_new, cfg.block_m), hkv, batch)](
-        k_cache=k_cache,
-        v_cache=v_cache,
-        k_new=k_new,
-        v_new=v_new,
-        cache_seqlens=cache_seqlens,
-        block_table=block_table,
+    kw = dict(
         **stride_args("bnh", k=k_cache, v=v_cache),
         **stride_args("bsh", kn=k_new, vn=v_new),
         stride_tb=block_table.stride(0) if paged else 0,
@@ -512,3 +596,4 @@ def append_kv(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table):
         PAGED=paged,
         **cfg.launch(),
     )
+    return ((_cdiv(s_new, cfg.block_m), hkv, batch),) + positional(_append_kv_kernel, 6, kw)

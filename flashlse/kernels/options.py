@@ -86,6 +86,14 @@ def kernel_options(options: KernelOptions | None = None, **changes):
 
 def empty(shape, *, dtype, device) -> torch.Tensor:
     """The launchers' allocator: ``torch.empty``, or NaN-filled under ``poison_outputs``."""
-    if current().poison_outputs:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
+    return allocator()(shape, dtype=dtype, device=device)
+
+
+def allocator(options: KernelOptions | None = None):
+    """:func:`empty` as one function for a launcher's several buffers, the options read once:
+    ``torch.empty``, or the NaN fill under ``poison_outputs``."""
+    return _poisoned if (options or current()).poison_outputs else torch.empty
+
+
+def _poisoned(shape, *, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)

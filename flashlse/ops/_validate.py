@@ -49,6 +49,59 @@ def values_checkable(t: torch.Tensor) -> bool:
     return asked is True and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+# Metadata checks (types, dims, dtypes, devices, shapes, strides) are a function of the
+# tensors' metadata: a call whose metadata passed them before passes again, so the public
+# functions remember the keys that passed and skip the checks for them. Only passes are
+# remembered: a failing call runs the checks and raises as before. Value checks are not
+# metadata and run every call.
+_PASSED: set = set()
+_MAX_PASSED = 4096
+
+
+def meta_key(tag, *tensors) -> tuple | None:
+    """What the metadata checks of call site ``tag`` read of ``tensors`` (each a tensor or
+    None): shape, strides, dtype and device; None when one is neither (the checks then say
+    what is wrong) or has no strides (a sparse tensor), and while torch.compile traces (no
+    cache there)."""
+    if torch.compiler.is_compiling():
+        return None
+    key = [tag]
+    try:
+        for t in tensors:
+            if t is None:
+                key.append(None)
+            elif isinstance(t, torch.Tensor):
+                key.append((t.shape, t.stride(), t.dtype, t.device))
+            else:
+                return None
+    except RuntimeError:
+        return None
+    return tuple(key)
+
+
+def passed(key) -> bool:
+    """Whether the checks passed for this key before (a None key never did, nor one that
+    does not hash: symbolic sizes outside torch.compile)."""
+    if key is None:
+        return False
+    try:
+        return key in _PASSED
+    except TypeError:
+        return False
+
+
+def remember(key) -> None:
+    """Records that the checks passed for ``key`` (None: not recorded)."""
+    if key is None:
+        return
+    if len(_PASSED) >= _MAX_PASSED:
+        _PASSED.clear()
+    try:
+        _PASSED.add(key)
+    except TypeError:
+        pass
+
+
 # Head dims the CUDA kernels compile for: prefill (forward/backward) and decode (MLA's 576).
 MAX_HEAD_DIM_PREFILL = 256
 MAX_HEAD_DIM_DECODE = 576
@@ -145,7 +198,8 @@ WINDOW_UNBOUNDED = 2**31
 def check_window(window) -> tuple[int | None, int | None]:
     """``(left, right)`` with None for unbounded: None, flash-attn's -1, or a side of at
     least 2^31 (more keys than any sequence has). Other negative values are errors."""
-    if window is None:
+    if window is None or (window.__class__ is tuple and len(window) == 2
+                          and window[0] is None and window[1] is None):
         return (None, None)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(

@@ -128,6 +128,50 @@ def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_
 
 
 def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits):
+    """Checks the call (metadata checks skipped for metadata that passed them before: only
+    ``num_splits`` is not metadata); returns ``(lens, s_new)``."""
+    key = V.meta_key("kvcache", q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    if V.passed(key):
+        _check_num_splits(num_splits)
+    else:
+        _validate_meta(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
+        V.remember(key)
+    if cache_seqlens is None:
+        return None, 0
+    lens = cache_seqlens
+    s_new = 0 if k_new is None else k_new.shape[1]
+    bsz = q.shape[0]
+    if not bsz or not V.values_checkable(lens):
+        # Values not read (a GPU without value_checks, compile, CUDA graph capture): the
+        # kernels clamp lengths to the cache and treat pages out of range as holding no key.
+        return lens, s_new
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    lo, hi = int(lens.min()), int(lens.max())
+    if lo < 0 or hi + s_new > capacity:
+        raise ValueError(
+            f"cache_seqlens + Snew must lie in [0, {capacity}] (the cache capacity), got "
+            f"cache_seqlens in [{lo}, {hi}] with Snew = {s_new}; grow the cache or the block table")
+    if paged:
+        page = k_cache.shape[1]
+        need = (lens.long() + s_new + page - 1) // page  # pages each sequence uses
+        cols = torch.arange(block_table.shape[1], device=q.device)[None]
+        used = cols < need[:, None]
+        bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(
+                f"block_table entries for the pages in use must lie in [0, {k_cache.shape[0]}) "
+                f"(the number of pages), found {block_table[bad][:4].tolist()}")
+    return lens, s_new
+
+
+def _check_num_splits(num_splits):
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose), got {num_splits!r}")
+
+
+def _validate_meta(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits):
+    """The checks of types, dims, dtypes, devices and shapes (and ``num_splits``), in order."""
     V.check_tensor("q", q, 4, "(B, Sq, Hq, D)")
     paged = block_table is not None
     layout = "(num_pages, page_size, Hkv, D)" if paged else "(B, Smax, Hkv, D)"
@@ -147,19 +191,16 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
     # Longer queries with head dims above the prefill kernel's run the PyTorch path.
     V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda and q.shape[1] <= DECODE_MAX_SQ,
                      V.MAX_HEAD_DIM_DECODE)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = choose), got {num_splits!r}")
+    _check_num_splits(num_splits)
     bsz = q.shape[0]
     if paged:
         V.check_int_tensor("block_table", block_table, "(B, max_pages)", q.device, 2)
         if block_table.shape[0] != bsz:
             raise ValueError(f"block_table must have B = {bsz} rows, got {block_table.shape[0]}")
-        capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         if k_cache.shape[0] != bsz:
             raise ValueError(f"a contiguous k_cache must have B = {bsz} rows, got "
                              f"{k_cache.shape[0]}; for a paged cache pass block_table")
-        capacity = k_cache.shape[1]
     if (k_new is None) != (v_new is None):
         raise ValueError("pass both k_new and v_new, or neither")
     s_new = 0
@@ -180,33 +221,11 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
                              "of each sequence")
         if s_new:
             raise ValueError("k_new needs cache_seqlens (B,) int32: where to append")
-        return None, 0
     else:
         V.check_int_tensor("cache_seqlens", cache_seqlens, "(B,)", q.device, 1)
         if cache_seqlens.shape[0] != bsz:
             raise ValueError(f"cache_seqlens must be (B,) = ({bsz},), got "
                              f"{tuple(cache_seqlens.shape)}")
-        lens = cache_seqlens
-    if not bsz or not V.values_checkable(lens):
-        # Values not read (a GPU without value_checks, compile, CUDA graph capture): the
-        # kernels clamp lengths to the cache and treat pages out of range as holding no key.
-        return lens, s_new
-    lo, hi = int(lens.min()), int(lens.max())
-    if lo < 0 or hi + s_new > capacity:
-        raise ValueError(
-            f"cache_seqlens + Snew must lie in [0, {capacity}] (the cache capacity), got "
-            f"cache_seqlens in [{lo}, {hi}] with Snew = {s_new}; grow the cache or the block table")
-    if paged:
-        page = k_cache.shape[1]
-        need = (lens.long() + s_new + page - 1) // page  # pages each sequence uses
-        cols = torch.arange(block_table.shape[1], device=q.device)[None]
-        used = cols < need[:, None]
-        bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
-        if bool(bad.any()):
-            raise ValueError(
-                f"block_table entries for the pages in use must lie in [0, {k_cache.shape[0]}) "
-                f"(the number of pages), found {block_table[bad][:4].tolist()}")
-    return lens, s_new
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None,
@@ -239,8 +258,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     softcap = V.check_softcap(softcap)
     scale = V.check_scale(scale, q.shape[-1])
     sink = V.check_sink(sink, q.shape[2], q.device)
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
+                                    v_cache.requires_grad or
+                                    (sink is not None and sink.requires_grad)):
         raise ValueError("attention_with_kvcache is not differentiable (serving); call it under "
                          "torch.no_grad(), or use flashlse.attention for gradients")
     if torch.compiler.is_compiling():
@@ -260,20 +280,34 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
     """Appends ``k_new``/``v_new`` (when given) and attends, on the path the call belongs to."""
     if use_triton(q) and (q.shape[1] <= DECODE_MAX_SQ or max(
             q.shape[-1], v_cache.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
-        from ..kernels.decode import append_kv, decode_fwd
-
+        decode = _decode_module()
         if k_new is not None:
-            append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-                      block_table=block_table)
+            decode.append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                             block_table=block_table)
         if q.shape[1] <= DECODE_MAX_SQ:
-            out, lse = decode_fwd(q, k_cache, v_cache, cache_seqlens=lens, seqlen_add=s_new,
-                                  block_table=block_table, num_splits=num_splits, **kw)
+            out, lse = decode.decode_fwd(q, k_cache, v_cache, cache_seqlens=lens,
+                                         seqlen_add=s_new, block_table=block_table,
+                                         num_splits=num_splits, **kw)
         else:
             out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw)
     else:
         out, lse = _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
                               num_splits, kw)
     return out, lse
+
+
+_DECODE = None
+
+
+def _decode_module():
+    # kernels.decode imports Triton: loaded on first use, then held (an import statement in
+    # the call costs the import machinery's lookups every decode step).
+    global _DECODE
+    if _DECODE is None:
+        from ..kernels import decode
+
+        _DECODE = decode
+    return _DECODE
 
 
 @torch.library.custom_op("flashlse::kvcache_append", mutates_args=("k_cache", "v_cache"))

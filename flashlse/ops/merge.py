@@ -51,6 +51,14 @@ def merge_math(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None
 
 
 def _validate_states(outs, lses, sink):
+    # Metadata only: skipped for metadata that passed before.
+    key = V.meta_key("merge_states", outs, lses, sink)
+    if not V.passed(key):
+        _validate_states_meta(outs, lses, sink)
+        V.remember(key)
+
+
+def _validate_states_meta(outs, lses, sink):
     V.check_tensor("outs", outs, outs.dim() if isinstance(outs, torch.Tensor) else 2,
                    "(N, ..., D)")
     V.check_tensor("lses", lses, lses.dim() if isinstance(lses, torch.Tensor) else 1, "(N, ...)")
@@ -163,11 +171,23 @@ def merge_states_unchecked(outs, lses, *, sink=None):
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (outs, lses, sink))
     if use_triton(outs) and not needs_grad:
-        from ..kernels.combine import merge_states_fwd
-
-        return merge_states_fwd(outs, lses.float(), sink=None if sink is None else sink.float())
+        return _combine_module().merge_states_fwd(
+            outs, lses.float(), sink=None if sink is None else sink.float())
     out, lse = merge_math(outs, lses, sink)
     return out.to(outs.dtype), lse if outs.dtype == torch.float64 else lse.float()
+
+
+_COMBINE = None
+
+
+def _combine_module():
+    # kernels.combine imports Triton: loaded on first use, then held.
+    global _COMBINE
+    if _COMBINE is None:
+        from ..kernels import combine
+
+        _COMBINE = combine
+    return _COMBINE
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashlse import reference
-from flashlse.kernels.combine import merge_states_fwd
+from flashlse.kernels.combine import _contiguous_strides, merge_states_fwd
 from flashlse.kernels.configs import merge_config
 
 HAS_CUDA = torch.cuda.is_available()
@@ -187,6 +187,22 @@ def test_merge_preallocated_lowp_out(device):
     outs, lses = _states(4, (3, 8), 64, torch.float32, device)
     out = torch.full((3, 8, 64), float("nan"), device=device, dtype=torch.float16)
     _check(outs, lses, out=out, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (1, 5), (2, 1, 4), (0, 3), (3, 0, 2), (1, 1, 1),
+                                   (4, 3, 2, 8)])
+def test_contiguous_strides(shape):
+    # The launch plans take the strides of fresh outputs from their shapes.
+    assert _contiguous_strides(shape) == torch.empty(shape).stride()
+
+
+def test_merge_plan_repeated_calls(device):
+    # Same outs / lses metadata (fresh values each call: _check poisons outs), the sink's
+    # layout changed between calls (a plan key part): each call matches the reference.
+    for sink_shape in [(4,), (3, 1), None, (4,)]:
+        outs, lses = _states(5, (2, 3, 4), 32, _dtypes()[0], device)
+        sink = None if sink_shape is None else torch.randn(sink_shape, device=device)
+        _check(outs, lses, sink=sink)
 
 
 @pytest.mark.gpu

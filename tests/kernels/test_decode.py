@@ -197,6 +197,29 @@ def test_decode_split_count_does_not_change_result(device):
     torch.testing.assert_close(lse5, lse1, atol=1e-5, rtol=0)
 
 
+def test_decode_plan_keyed_on_storage_sharing(device):
+    # The launch plan is cached by metadata: a v with k's strides but its own storage after
+    # the MLA view (v = k[..., :Dv], read once) must not reuse the view's plan.
+    dtype = _dtypes()[0]
+    q, k, v, lens, table, _, _ = _make(device, dtype, hq=8, hkv=1, d=64, dv=32, mla=True)
+    _check(q, k, v, lens, table, k, v, num_splits=2)
+    v_own = torch.empty_strided(v.shape, v.stride(), dtype=dtype, device=device)
+    v_own.copy_(torch.randn(v.shape, device=device).to(dtype))
+    assert v_own.stride() == v.stride() and v_own.data_ptr() != k.data_ptr()
+    _check(q, k, v_own, lens, table, k, v_own, num_splits=2)
+
+
+def test_decode_plan_repeated_calls(device):
+    # Same metadata, other values (lengths, data) and a sink toggled: nothing but metadata
+    # may come from the cached plan.
+    dtype = _dtypes()[0]
+    for lens, sink in (((37, 100), None), ((5, 64), None), ((5, 64), True), ((0, 100), None)):
+        q, k, v, lens_t, table, _, _ = _make(device, dtype, lens=lens)
+        s = torch.randn(q.shape[2], device=device) if sink else None
+        for num_splits in (0, 3):
+            _check(q, k, v, lens_t, table, k, v, sink=s, num_splits=num_splits, causal=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [0, 1, 7])
 @pytest.mark.parametrize("paged", [None, 16, 256])
