@@ -264,6 +264,7 @@ BWD_DQ_TUNE = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3
 BWD_PREPROCESS = TileConfig(block_m=32, num_warps=4)
 
 
+@functools.lru_cache(maxsize=64)
 def bwd_configs(key_d: int, varlen: bool, interpret: bool) -> tuple[TileConfig, TileConfig]:
     """``(dK/dV, dQ)`` tiles of the portable backward at padded head dim ``key_d`` (the
     wider of D and Dv), with EARLY_DP and HEAD_LOOP by the head dim (the rules above)."""
