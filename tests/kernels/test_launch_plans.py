@@ -127,10 +127,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DIMS = (32, 59, 64, 128, 256)
 
 
-def _tensor(rng, shape, dtype, *, odd):
+def _tensor(rng, shape, dtype, *, kind):
     """A tensor of ``shape``, contiguous or not: padded last dim, permuted rows/heads, or an
-    offset base (alignment below 16 bytes)."""
-    kind = rng.choice(("plain", "pad", "perm", "offset")) if odd else "plain"
+    offset base (the offset drawn each call: the same strides at other alignments)."""
     if kind == "pad":
         big = torch.randn(*shape[:-1], shape[-1] + rng.choice((1, 8)), dtype=dtype)
         return big[..., :shape[-1]]
@@ -141,7 +140,7 @@ def _tensor(rng, shape, dtype, *, odd):
         n = 1
         for x in shape:
             n *= x
-        off = rng.choice((1, 2, 4, 8))
+        off = rng.choice((0, 1, 2, 4, 8))
         return torch.randn(n + off, dtype=dtype)[off:].view(shape)
     return torch.randn(*shape, dtype=dtype)
 
@@ -166,7 +165,8 @@ def _template(rng):
         scale=rng.choice((None, None, 0.3, -0.2, 1.0)),
         sink=rng.random() < 0.25,
         seqused=rng.random() < 0.3,
-        odd=rng.random() < 0.4,
+        kinds=tuple(rng.choice(("plain", "pad", "perm", "offset", "offset"))
+                    if rng.random() < 0.4 else "plain" for _ in range(4)),
         lse=rng.random() < 0.3,
         bwd=rng.random() < 0.85,
         sm90=rng.choice(("domain", "domain", "never")),
@@ -201,7 +201,7 @@ def _options(rng):
 def _call(rng, t):
     dt, d, dv = t["dtype"], t["d"], t["dv"]
     hq, hkv, b, sq, sk = t["hq"], t["hkv"], t["b"], t["sq"], t["sk"]
-    odd = t["odd"]
+    kq, kk, kv, kd = t["kinds"]
     kw = dict(causal=t["causal"], window=t["window"], softcap=t["softcap"], scale=t["scale"],
               return_lse=t["lse"])
     if t["sink"]:
@@ -211,17 +211,17 @@ def _call(rng, t):
         lk = [rng.randint(0, max(sk, 1)) for _ in range(b)]
         cq = torch.tensor([0] + list(_cumsum(lq)), dtype=torch.int32)
         ck = torch.tensor([0] + list(_cumsum(lk)), dtype=torch.int32)
-        q = _tensor(rng, (sum(lq), hq, d), dt, odd=odd)
-        k = _tensor(rng, (sum(lk), hkv, d), dt, odd=odd)
-        v = _tensor(rng, (sum(lk), hkv, dv), dt, odd=odd)
+        q = _tensor(rng, (sum(lq), hq, d), dt, kind=kq)
+        k = _tensor(rng, (sum(lk), hkv, d), dt, kind=kk)
+        v = _tensor(rng, (sum(lk), hkv, dv), dt, kind=kv)
         if t["seqused"]:
             kw["seqused_k"] = torch.tensor(lk, dtype=torch.int32)
         args = (q, k, v, cq, ck, max(lq + [0]), max(lk + [0]))
         fn = fl.attention_varlen
     else:
-        q = _tensor(rng, (b, sq, hq, d), dt, odd=odd)
-        k = _tensor(rng, (b, sk, hkv, d), dt, odd=odd)
-        v = _tensor(rng, (b, sk, hkv, dv), dt, odd=odd)
+        q = _tensor(rng, (b, sq, hq, d), dt, kind=kq)
+        k = _tensor(rng, (b, sk, hkv, d), dt, kind=kk)
+        v = _tensor(rng, (b, sk, hkv, dv), dt, kind=kv)
         args = (q, k, v)
         fn = fl.attention
     for x in (q, k, v):
@@ -229,7 +229,7 @@ def _call(rng, t):
     res = fn(*args, **kw)
     if t["bwd"]:
         outs = res if isinstance(res, tuple) else (res,)
-        grads = [_tensor(rng, tuple(o.shape), o.dtype, odd=odd) for o in outs]
+        grads = [_tensor(rng, tuple(o.shape), o.dtype, kind=kd) for o in outs]
         torch.autograd.backward(outs, grads)
 
 
