@@ -34,6 +34,7 @@ class Launch:
     grid: tuple
     args: tuple
     kwargs: dict
+    named: dict
 
 
 class _Kernel:
@@ -46,8 +47,10 @@ class _Kernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.log.append(Launch(self.name, grid, args, kwargs))
-            if self.fails is not None and self.fails(kwargs):
+            # Launch plans pass most arguments by position: named names them all.
+            named = {**dict(zip(self.arg_names, args)), **kwargs}
+            self.log.append(Launch(self.name, grid, args, kwargs, named))
+            if self.fails is not None and self.fails(named):
                 raise RuntimeError(f"{self.name} does not compile here")
         return launch
 
@@ -155,7 +158,7 @@ def test_forward_varlen_asks_with_the_sequence_count(kernels):
     assert g.args[6:9] == (kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_k"])
     assert g.args[9:12] == _strides(q, True) and g.args[21:23] == (0, lse.stride(0))
     assert g.args[23:29] == (250, 400, 350, 700, 31, 0)
-    assert g.kwargs["GROUP"] == 4 and g.kwargs["IS_VARLEN"] and g.kwargs["HAS_SEQUSED_K"]
+    assert g.named["GROUP"] == 4 and g.named["IS_VARLEN"] and g.named["HAS_SEQUSED_K"]
     assert out.shape == (350, 4, 128) and lse.shape == (4, 350)
 
 
@@ -168,7 +171,7 @@ def test_forward_portable_outside_the_domain_or_switched_off(kernels, supported,
         out, lse = dispatch.attn_fwd(q, k, v, **kw)
     assert kernels.names() == ["fwd"]
     assert len(kernels.asked) == (1 if on else 0)
-    p = kernels.of("fwd").kwargs
+    p = kernels.of("fwd").named
     assert p["o"] is out and p["lse"] is lse and p["q"] is q and p["GROUP"] == 2
 
 
@@ -180,7 +183,7 @@ def test_forward_compile_failure_warns_once_and_falls_back(kernels):
     assert rec[0].filename == __file__  # as from the dispatcher's caller
     assert kernels.names() == ["fwd_sm90", "fwd"]
     # The portable kernel fills the buffers the failed launch was given.
-    assert kernels.of("fwd").kwargs["o"] is out is kernels.of("fwd_sm90").args[3]
+    assert kernels.of("fwd").named["o"] is out is kernels.of("fwd_sm90").args[3]
     assert [key[0] for key in FAILURES] == ["fwd_sm90"]
     kernels.log.clear()
     with warnings.catch_warnings():
@@ -203,11 +206,11 @@ def test_forward_warp_specialisation_failure_falls_back_silently(kernels, monkey
             sm90_fwd=False, fwd_config={"WARP_SPECIALIZE": True, "num_warps": 8}):
         warnings.simplefilter("error")
         dispatch.attn_fwd(q, k, v, **kw)
-        assert [launch.kwargs["WARP_SPECIALIZE"] for launch in kernels.log] == [True, False]
+        assert [launch.named["WARP_SPECIALIZE"] for launch in kernels.log] == [True, False]
         assert [key[0] for key in FAILURES] == ["fwd warp_specialize"]
         kernels.log.clear()
         dispatch.attn_fwd(q, k, v, **kw)
-        assert [launch.kwargs["WARP_SPECIALIZE"] for launch in kernels.log] == [False]
+        assert [launch.named["WARP_SPECIALIZE"] for launch in kernels.log] == [False]
 
 
 def test_forward_empty_launches_nothing(kernels):
@@ -246,24 +249,24 @@ def test_backward_takes_both_hopper_kernels_with_their_arguments(kernels):
     assert [(part, args) for part, args, _ in kernels.asked] == [
         ("dkdv", (q, k, v, dout, dk, dv)), ("dq", (q, k, v, dout, dq, dq))]
     assert kernels.asked[1][2] == dict(softcap=0.0, dims=bwd_sm90.DQ_DIMS)
-    pre = kernels.of("bwd_pre").kwargs
+    pre = kernels.of("bwd_pre").named
     dkdv, dqk = kernels.of("dkdv_sm90"), kernels.of("dq_sm90")
     assert dkdv.grid == (3, 2, 2) and dqk.grid == (3, 4, 2)  # (blocks of 128, heads, B)
     cfg = configs.BWD_SM90_DKDV
     for name in ("lse_log2", "delta"):
-        assert dkdv.kwargs[name] is pre[name] and dqk.kwargs[name] is pre[name]
-    assert dkdv.kwargs["dk"] is dk and dkdv.kwargs["dv"] is dv and dqk.kwargs["dq"] is dq
-    assert dkdv.kwargs["q"] is q and dkdv.kwargs["dout"] is dout
+        assert dkdv.named[name] is pre[name] and dqk.named[name] is pre[name]
+    assert dkdv.named["dk"] is dk and dkdv.named["dv"] is dv and dqk.named["dq"] is dq
+    assert dkdv.named["q"] is q and dkdv.named["dout"] is dout
     common = dict(seqlen_q=300, seqlen_k=333, total_q=0, total_k=0, left=0, right=0,
                   scale=kw["scale"], GROUP=2, D=128, HAS_LEFT=False, HAS_RIGHT=True,
                   IS_VARLEN=False, HAS_SEQUSED_K=False)
     for g in (dkdv, dqk):
-        assert {n: g.kwargs[n] for n in common} == common
-    assert {n: dkdv.kwargs[n] for n in ("BLOCK_M", "STAGES", "EARLY_DP", "CONSUMER_REGS",
+        assert {n: g.named[n] for n in common} == common
+    assert {n: dkdv.named[n] for n in ("BLOCK_M", "STAGES", "EARLY_DP", "CONSUMER_REGS",
                                         "num_warps")} == dict(
         BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
         CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
-    assert dqk.kwargs["BLOCK_N"] == configs.BWD_SM90_DQ[128].block_n
+    assert dqk.named["BLOCK_N"] == configs.BWD_SM90_DQ[128].block_n
     assert set(dkdv.kwargs) <= set(bwd_sm90._dkdv_sm90_kernel.arg_names) | {"num_warps"}
     assert dsink.shape == (4,)
 
@@ -299,7 +302,7 @@ def test_backward_varlen_hopper_grids(kernels):
     _backward(q, k, v, kw)
     assert kernels.names() == ["bwd_pre", "dkdv_sm90", "dq_sm90"]
     assert kernels.of("dkdv_sm90").grid == (4, 1, 3) and kernels.of("dq_sm90").grid == (2, 4, 3)
-    g = kernels.of("dq_sm90").kwargs
+    g = kernels.of("dq_sm90").named
     assert (g["IS_VARLEN"], g["HAS_SEQUSED_K"], g["left"], g["seqused_k"]) == (
         True, True, 31, kw["seqused_k"])
 
@@ -311,7 +314,7 @@ def test_backward_compile_failure_falls_back_per_pass(kernels):
         _, (dq, dk, dv, _) = _backward(q, k, v, kw)
     assert len(rec) == 1 and rec[0].filename == __file__
     assert kernels.names() == ["bwd_pre", "dkdv_sm90", "dkdv", "dq_sm90"]
-    gluon, portable = kernels.of("dkdv_sm90").kwargs, kernels.of("dkdv").kwargs
+    gluon, portable = kernels.of("dkdv_sm90").named, kernels.of("dkdv").named
     # The portable dK/dV gets the arguments the Gluon one was given (the same dict's values).
     assert all(portable[n] is gluon[n] for n in gluon
                if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
@@ -337,5 +340,5 @@ def test_backward_scale_log2_reaches_both_families(kernels):
     q, k, v, kw = _dense()
     _backward(q, k, v, kw, sm90_dq=False)
     expected = kw["scale"] * math.log2(math.e)
-    assert kernels.of("dkdv_sm90").kwargs["scale_log2"] == pytest.approx(expected)
-    assert kernels.of("dq").kwargs["scale_log2"] == pytest.approx(expected)
+    assert kernels.of("dkdv_sm90").named["scale_log2"] == pytest.approx(expected)
+    assert kernels.of("dq").named["scale_log2"] == pytest.approx(expected)

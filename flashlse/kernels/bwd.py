@@ -71,6 +71,7 @@ loads. Gradients are stored with masked pointer stores (once per program).
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import triton
@@ -86,10 +87,10 @@ from ._common import (
     key_ranges,
     load_rows,
     next_pow2,
+    positional,
     row_ranges,
     seq_bounds,
     stride_args,
-    strides,
     tma_ok,
 )
 
@@ -648,13 +649,14 @@ def _launch(kernel, tuned, cfg, n, block, n_heads, batch, args):
 @dataclasses.dataclass(slots=True)
 class BwdPass:
     """One backward call after :func:`prepare`: the gradients' buffers, ``delta`` and
-    ``lse_log2`` written by the preprocess kernel, and the launch arguments that every dK/dV
-    and dQ launcher takes (this module's and ``bwd_sm90``'s; ``dispatch.attn_bwd`` picks).
+    ``lse_log2`` written by the preprocess kernel, the tensors every dK/dV and dQ launcher
+    takes (this module's and ``bwd_sm90``'s; ``dispatch.attn_bwd`` picks) and the call's
+    launch plan (:class:`BwdPlan`: everything else, from the call's metadata).
 
-    ``empty``: no row to compute (the gradients are zeros, nothing else is set). ``dkdv_args``
-    / ``dq_args``: the kernels' keyword arguments (``dkdv_args`` None when there is no key).
-    ``signature``: the values the kernels' constexpr flags come from (dtype, masks, varlen,
-    seqused_k, GQA group), which names a compilation."""
+    ``empty``: no row to compute (the gradients are zeros, nothing else is set).
+    ``dkdv_args`` / ``dq_args``: the kernels' keyword arguments (``dkdv_args`` None when
+    there is no key). ``signature``: the values the kernels' constexpr flags come from
+    (dtype, masks, varlen, seqused_k, GQA group), which names a compilation."""
 
     dq: torch.Tensor
     dk: torch.Tensor
@@ -667,18 +669,12 @@ class BwdPass:
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     dout: torch.Tensor | None = None
-    softcap: float = 0.0
-    batch: int = 0
-    seqlen_q: int = 0
-    seqlen_k: int = 0
-    hq: int = 0
-    hkv: int = 0
-    signature: tuple = ()
-    dkdv_cfg: configs.TileConfig | None = None
-    dq_cfg: configs.TileConfig | None = None
-    tune: bool = False
-    dkdv_args: dict | None = None
-    dq_args: dict | None = None
+    lse_log2: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
+    plan: BwdPlan | None = None
 
     def grads(self):
         """``dq, dk, dv, dsink`` once the dK/dV and dQ launchers have run (dsink: the
@@ -689,13 +685,132 @@ class BwdPass:
             return self.dq, self.dk, self.dv, torch.zeros_like(self.sink, dtype=torch.float32)
         return self.dq, self.dk, self.dv, self.dsink_part.sum(1)
 
+    def _tensors(self):
+        return dict(q=self.q, k=self.k, v=self.v, dout=self.dout, lse_log2=self.lse_log2,
+                    delta=self.delta, cu_seqlens_q=self.cu_seqlens_q,
+                    cu_seqlens_k=self.cu_seqlens_k, seqused_k=self.seqused_k)
+
+    @property
+    def dkdv_args(self) -> dict | None:
+        if self.plan.dkdv_kw is None:
+            return None
+        return {**self._tensors(), "dk": self.dk, "dv": self.dv, **self.plan.dkdv_kw}
+
+    @property
+    def dq_args(self) -> dict:
+        return {**self._tensors(), "dq": self.dq, **self.plan.dq_kw}
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPlan:
+    """Everything of a backward call but its tensors, from the call's metadata."""
+
+    empty: bool
+    padded: tuple
+    n_last: int
+    n_part: int
+    softcap: float = 0.0
+    batch: int = 0
+    seqlen_q: int = 0
+    seqlen_k: int = 0
+    hq: int = 0
+    hkv: int = 0
+    signature: tuple = ()
+    dkdv_cfg: configs.TileConfig | None = None
+    dq_cfg: configs.TileConfig | None = None
+    tune: bool = False
+    set_allocator: bool = False
+    # The preprocess kernel's grid, arguments after its nine tensors, launch options.
+    pre_grid: tuple = ()
+    pre_args: tuple = ()
+    pre_launch: dict | None = None
+    # The dK/dV and dQ kernels' non-tensor keywords (dkdv_kw None: no key), and their
+    # portable launches: grid, arguments after the tensors, launch options (None: autotuned).
+    dkdv_kw: dict | None = None
+    dq_kw: dict | None = None
+    dkdv_launch: tuple | None = None
+    dq_launch: tuple | None = None
+
+
+# The properties of a prepared call that its plan holds.
+for _name in ("softcap", "batch", "seqlen_q", "seqlen_k", "hq", "hkv", "signature", "dkdv_cfg",
+              "dq_cfg", "tune"):
+    setattr(BwdPass, _name, property(operator.attrgetter(f"plan.{_name}")))
+
+# Launch plans of prepare by call metadata; cleared when full.
+_BWD_PLANS: dict = {}
+_MAX_PLANS = 4096
+
 
 def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
             seqused_k=None) -> BwdPass:
     """The backward up to dK/dV and dQ: the gradients' buffers, the preprocess kernel (``D``,
     ``lse_log2``, dsink's partial sums) and the arguments of the two passes, with their tiles
-    (configs.py and ``KernelOptions.bwd_config``). Arguments as :func:`attn_bwd`."""
+    (configs.py and ``KernelOptions.bwd_config``). Arguments as :func:`attn_bwd`.
+
+    Everything but the tensors' addresses is a function of the call's metadata: a repeated
+    call finds its :class:`BwdPlan` in ``_BWD_PLANS`` and only allocates and launches."""
+    is_varlen = cu_seqlens_q is not None
+    device = q.device
+    # Autograd may hand over an expanded gradient (stride 0), which TMA cannot describe.
+    if dout.stride(-1) != 1 or 0 in dout.stride():
+        dout = dout.contiguous()
+    if dlse is None:
+        dlse = torch.zeros_like(lse, dtype=torch.float32)
+    opts = options.current()
+    plan = key = None
+    if not opts.bwd_config:
+        # Shapes, strides, dtypes, device; whether the TMA operands are 16-byte aligned; which
+        # optional tensors there are; the scalars and the options the plan reads.
+        key = (q.shape, q.stride(), q.dtype, device, k.shape, k.stride(), k.dtype,
+               v.shape, v.stride(), v.dtype, dout.shape, dout.stride(), dout.dtype,
+               out.stride(), lse.shape, lse.stride(), dlse.stride(),
+               (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) % 16 == 0,
+               None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
+                                                  max_seqlen_k),
+               seqused_k is None, sink is None, left, right, softcap, scale, opts.autotune_bwd)
+        plan = _BWD_PLANS.get(key)
+    if plan is None:
+        plan = _bwd_plan(dout, dlse, q, k, v, out, lse, left=left, right=right,
+                         softcap=softcap, scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         seqused_k=seqused_k, opts=opts)
+        if key is not None:
+            if len(_BWD_PLANS) >= _MAX_PLANS:
+                _BWD_PLANS.clear()
+            _BWD_PLANS[key] = plan
+    # Varlen: rows outside every sequence (and keys past seqused_k) get zero gradients.
+    alloc = torch.zeros if is_varlen else options.allocator(opts)
+    dq = alloc(q.shape, dtype=q.dtype, device=device)
+    dk = alloc(k.shape, dtype=k.dtype, device=device)
+    dv = alloc(v.shape, dtype=v.dtype, device=device)
+    # D and lse_log2 in the layout of a contiguous lse, each row padded to 16 bytes so
+    # that the dK/dV kernel can fetch a row block of them by TMA.
+    n_last = plan.n_last
+    delta = torch.empty(plan.padded, dtype=torch.float32, device=device)[..., :n_last]
+    lse_log2 = torch.empty(plan.padded, dtype=torch.float32, device=device)[..., :n_last]
+    dsink_part = (torch.zeros((q.shape[-2], plan.n_part), dtype=torch.float32, device=device)
+                  if sink is not None else None)
+    if plan.empty:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return BwdPass(dq, dk, dv, sink, dsink_part, empty=True)
+    if plan.set_allocator:
+        triton.set_allocator(alloc_scratch)
+    _attn_bwd_preprocess_kernel[plan.pre_grid](out, dout, lse, dlse, delta, lse_log2, sink,
+                                               dsink_part, cu_seqlens_q, *plan.pre_args,
+                                               **plan.pre_launch)
+    return BwdPass(dq, dk, dv, sink, dsink_part, False, opts, q, k, v, dout, lse_log2, delta,
+                   cu_seqlens_q, cu_seqlens_k, seqused_k, plan)
+
+
+def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
+              cu_seqlens_q, max_seqlen_q, max_seqlen_k, seqused_k, opts) -> BwdPlan:
+    """:func:`prepare`'s plan: everything it and the two passes' launchers pass the kernels
+    but the tensors (whose strides it reads: dq, dk, dv are fresh contiguous tensors shaped
+    as q, k, v; delta and lse_log2 as planned here)."""
     is_varlen = cu_seqlens_q is not None
     n_seq = cu_seqlens_q.numel() - 1 if is_varlen else q.shape[0]
     if max(n_seq, q.shape[-2]) > 65535:
@@ -705,19 +820,7 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
                          f"batch into several calls")
     d, dv_dim = q.shape[-1], v.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
-    device = q.device
-    # Autograd may hand over an expanded gradient (stride 0), which TMA cannot describe.
-    if dout.stride(-1) != 1 or 0 in dout.stride():
-        dout = dout.contiguous()
-    if dlse is None:
-        dlse = torch.zeros_like(lse, dtype=torch.float32)
-    opts = options.current()
     override = opts.bwd_config or {}
-    # Varlen: rows outside every sequence (and keys past seqused_k) get zero gradients.
-    alloc = torch.zeros if is_varlen else options.empty
-    dq = alloc(q.shape, dtype=q.dtype, device=device)
-    dk = alloc(k.shape, dtype=k.dtype, device=device)
-    dv = alloc(v.shape, dtype=v.dtype, device=device)
     if is_varlen:
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
@@ -725,23 +828,16 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         n_rows = batch * seqlen_q
-    # D and lse_log2 in the layout of a contiguous lse, each row padded to 16 bytes so
-    # that the dK/dV kernel can fetch a row block of them by TMA.
     n_last = lse.shape[-1]
     padded = (*lse.shape[:-1], (n_last + 3) // 4 * 4)
-    delta = torch.empty(padded, dtype=torch.float32, device=device)[..., :n_last]
-    lse_log2 = torch.empty(padded, dtype=torch.float32, device=device)[..., :n_last]
-    st_b, st_h = strides(delta, is_varlen)[:2]
+    # delta's (and lse_log2's) strides: those of the padded contiguous tensor.
+    st_pad = _contiguous_strides(padded)
+    st_b, st_h = (0, st_pad[0]) if is_varlen else (st_pad[0], st_pad[1])
 
     n_m_pre = cdiv(max(seqlen_q, 1), configs.BWD_PREPROCESS.block_m)
     n_part = batch * n_m_pre
-    dsink_part = (torch.zeros((hq, n_part), dtype=torch.float32, device=device)
-                  if sink is not None else None)
     if n_rows == 0 or batch == 0 or seqlen_q == 0:
-        dq.zero_()
-        dk.zero_()
-        dv.zero_()
-        return BwdPass(dq, dk, dv, sink, dsink_part, empty=True)
+        return BwdPlan(True, padded, n_last, n_part)
 
     scale = float(scale)
     softcap = float(softcap or 0.0)
@@ -757,19 +853,8 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
     # No descriptor over an empty tensor (its base address may be null).
     use_tma = (dq_cfg.use_tma and min(q.numel(), k.numel(), v.numel()) > 0
                and tma_ok(q, k, v, dout))
-    if use_tma and not interpret:
-        triton.set_allocator(alloc_scratch)
 
-    _attn_bwd_preprocess_kernel[(n_m_pre, hq, batch)](
-        out=out,
-        dout=dout,
-        lse=lse,
-        dlse=dlse,
-        delta=delta,
-        lse_log2=lse_log2,
-        sink=sink,
-        dsink_part=dsink_part,
-        cu_seqlens_q=cu_seqlens_q,
+    pre_args, pre_launch = positional(_attn_bwd_preprocess_kernel, 9, dict(
         **stride_args("bsh", is_varlen, o=out, do=dout),
         **stride_args("bhs", is_varlen, l=lse, dl=dlse),
         stride_tb=st_b,
@@ -784,12 +869,12 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
         HAS_SINK=sink is not None,
         IS_VARLEN=is_varlen,
         **configs.BWD_PREPROCESS.launch(),
-    )
+    ))
 
+    # dq, dk, dv: fresh tensors shaped as q, k, v (contiguous strides).
+    st_dq, st_dk, st_dv = (_contiguous_strides(t.shape) for t in (q, k, v))
+    lead = (lambda st: (0, st[0], st[1])) if is_varlen else (lambda st: st[:3])
     common = dict(
-        cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k,
-        seqused_k=seqused_k,
         **stride_args("bsh", is_varlen, q=q, k=k, v=v, do=dout),
         stride_tb=st_b,
         stride_th=st_h,
@@ -814,56 +899,75 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
         USE_TMA=use_tma,
         EARLY_DP=bool(dq_cfg.early_dp),
     )
-    dkdv_args = None
+    tune = (opts.autotune_bwd and not interpret and "dkdv" not in override
+            and "dq" not in override)
+    dkdv_kw = dkdv_launch = None
     if seqlen_k > 0:
-        dkdv_args = dict(
-            q=q,
-            k=k,
-            v=v,
-            dout=dout,
-            lse_log2=lse_log2,
-            delta=delta,
-            dk=dk,
-            dv=dv,
-            **stride_args("bsh", is_varlen, dk=dk, dv=dv),
+        dkdv_kw = dict(
+            **dict(zip(("stride_dkb", "stride_dks", "stride_dkh"), lead(st_dk))),
+            **dict(zip(("stride_dvb", "stride_dvs", "stride_dvh"), lead(st_dv))),
             # lse_log2 and delta by TMA: dense only (see the kernel).
             STATS_TMA=bool(use_tma and not is_varlen and dkdv_cfg.stats_tma),
             # One loop per range over the whole group up to head dim 128; a head loop above.
             HEAD_LOOP=bool(dkdv_cfg.head_loop),
             **common,
         )
-    dq_args = dict(
-        q=q,
-        k=k,
-        v=v,
-        dout=dout,
-        lse_log2=lse_log2,
-        delta=delta,
-        dq=dq,
-        **stride_args("bsh", is_varlen, dq=dq),
-        **common,
-    )
-    return BwdPass(
-        dq, dk, dv, sink, dsink_part, opts=opts, q=q, k=k, v=v, dout=dout, softcap=softcap,
-        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, hq=hq, hkv=hkv,
+        if not tune:
+            dkdv_launch = _portable(_attn_bwd_dkdv_kernel, 11, dkdv_kw, dkdv_cfg,
+                                    (cdiv(seqlen_k, dkdv_cfg.block_n), hkv, batch))
+    dq_kw = dict(**dict(zip(("stride_dqb", "stride_dqs", "stride_dqh"), lead(st_dq))),
+                 **common)
+    dq_launch = None
+    if not tune:
+        dq_launch = _portable(_attn_bwd_dq_kernel, 10, dq_kw, dq_cfg,
+                              (cdiv(seqlen_q, dq_cfg.block_m), hq, batch))
+    return BwdPlan(
+        False, padded, n_last, n_part, softcap=softcap, batch=batch, seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k, hq=hq, hkv=hkv,
         signature=(q.dtype, left is None, right is None, is_varlen, seqused_k is None,
                    hq // hkv),
-        dkdv_cfg=dkdv_cfg, dq_cfg=dq_cfg,
-        tune=(opts.autotune_bwd and not interpret and "dkdv" not in override
-              and "dq" not in override),
-        dkdv_args=dkdv_args, dq_args=dq_args)
+        dkdv_cfg=dkdv_cfg, dq_cfg=dq_cfg, tune=tune,
+        set_allocator=use_tma and not interpret,
+        pre_grid=(n_m_pre, hq, batch), pre_args=pre_args, pre_launch=pre_launch,
+        dkdv_kw=dkdv_kw, dq_kw=dq_kw, dkdv_launch=dkdv_launch, dq_launch=dq_launch)
+
+
+def _portable(kernel, n_tensors, kw, cfg, grid):
+    """``(grid, arguments after the tensors, launch options)`` of a portable pass with the
+    tiles of ``cfg`` (as :func:`_launch` launches it)."""
+    args, launch = positional(kernel, n_tensors, dict(**kw, BLOCK_M=cfg.block_m,
+                                                      BLOCK_N=cfg.block_n, **cfg.launch()))
+    return grid, args, launch
+
+
+def _contiguous_strides(shape) -> tuple:
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(st))
 
 
 def attn_bwd_dkdv(p: BwdPass) -> None:
     """dK and dV by this module's kernel (``p.dkdv_args`` not None: there are keys)."""
-    _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None if p.tune else p.dkdv_cfg,
-            p.seqlen_k, "BLOCK_N", p.hkv, p.batch, p.dkdv_args)
+    if p.plan.dkdv_launch is None:
+        _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None, p.seqlen_k, "BLOCK_N",
+                p.hkv, p.batch, p.dkdv_args)
+        return
+    grid, args, launch = p.plan.dkdv_launch
+    _attn_bwd_dkdv_kernel[grid](p.q, p.k, p.v, p.dout, p.lse_log2, p.delta, p.dk, p.dv,
+                                p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k, *args, **launch)
 
 
 def attn_bwd_dq(p: BwdPass) -> None:
     """dQ by this module's kernel."""
-    _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None if p.tune else p.dq_cfg, p.seqlen_q,
-            "BLOCK_M", p.hq, p.batch, p.dq_args)
+    if p.plan.dq_launch is None:
+        _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None, p.seqlen_q, "BLOCK_M", p.hq,
+                p.batch, p.dq_args)
+        return
+    grid, args, launch = p.plan.dq_launch
+    _attn_bwd_dq_kernel[grid](p.q, p.k, p.v, p.dout, p.lse_log2, p.delta, p.dq,
+                              p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k, *args, **launch)
 
 
 def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,

@@ -74,6 +74,8 @@ with the two warpgroups of a block freed from the per-tile barrier this kernel c
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -89,6 +91,7 @@ from ._common import (
     key_ranges,
     load_rows,
     next_pow2,
+    positional,
     seq_bounds,
     seq_span,
     tma_ok,
@@ -606,14 +609,76 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
         ``out (B, Sq, Hq, Dv)`` in ``q.dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
         varlen: ``out (total_q, Hq, Dv)``, ``lse (Hq, total_q)``.
     """
+    if out is None:
+        out, lse = new_outputs(q, v, cu_seqlens_q)
+    # Everything but the tensors' addresses is a function of the call's metadata: a repeated
+    # call finds its launch plan (tiles, grid, scalar and constexpr arguments) in _PLANS and
+    # only launches (as kernels.decode). The key: shapes, strides, dtypes and device of the
+    # tensors, whether their addresses are 16-byte aligned (TMA), which optional tensors are
+    # there, the scalars and the options; a fwd_config override is planned afresh each call.
+    opts = options.current()
+    plan = key = None
+    if not opts.fwd_config:
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
+               v.shape, v.stride(), v.dtype, out.stride(), lse.stride(),
+               (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0,
+               None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
+                                                  max_seqlen_k),
+               seqused_k is None, sink is None, left, right, softcap, scale)
+        plan = _PLANS.get(key)
+    if plan is None:
+        plan = _fwd_plan(q, k, v, out, lse, left=left, right=right, softcap=softcap,
+                         scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         seqused_k=seqused_k, fwd_config=opts.fwd_config)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    if plan.grid is None:
+        return out, lse
+    if plan.set_allocator:
+        triton.set_allocator(alloc_scratch)
+    if plan.ws_args is not None and plan.ws_key not in FAILURES:
+        try:
+            _attn_fwd_kernel[plan.grid](q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k,
+                                        seqused_k, *plan.ws_args, **plan.launch)
+            return out, lse
+        except Exception:  # noqa: BLE001 - compiler failure: the plain kernel is the fallback
+            # Warp specialisation is young in Triton 3.6: if its passes reject a kernel,
+            # run the same kernel without it rather than fail the call (no warning, as before).
+            FAILURES.add(plan.ws_key)
+    _attn_fwd_kernel[plan.grid](q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                *plan.args, **plan.launch)
+    return out, lse
+
+
+# Launch plans of attn_fwd by call metadata; cleared when full (a model's shapes repeat).
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class _FwdPlan:
+    # None: no row, nothing to launch.
+    grid: tuple | None = None
+    # The kernel's arguments after its nine tensors without and with warp specialisation
+    # (ws_args None: not tried), and the launch options.
+    args: tuple = ()
+    ws_args: tuple | None = None
+    ws_key: tuple = ()
+    launch: dict | None = None
+    set_allocator: bool = False
+
+
+def _fwd_plan(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlens_q,
+              max_seqlen_q, max_seqlen_k, seqused_k, fwd_config):
+    """Everything attn_fwd passes the kernel but the tensors, from the call's metadata."""
     is_varlen = cu_seqlens_q is not None
     d, dv = q.shape[-1], v.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
-    if out is None:
-        out, lse = new_outputs(q, v, cu_seqlens_q)
     if is_varlen:
         batch = cu_seqlens_q.numel() - 1
-        total_q = q.shape[0]
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
         # Varlen tensors have no batch stride: the sequence offset moves along the rows.
         sq_b = sk_b = sv_b = so_b = 0
@@ -622,7 +687,7 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
         sv_s, sv_h = v.stride(0), v.stride(1)
         so_s, so_h = out.stride(0), out.stride(1)
         sl_b, sl_h = 0, lse.stride(0)
-        n_rows = total_q
+        n_rows = q.shape[0]
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]
         seqlen_k = k.shape[1]
@@ -633,91 +698,74 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
         sl_b, sl_h = lse.stride(0), lse.stride(1)
         n_rows = batch * seqlen_q
     if n_rows == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
-        return out, lse
+        return _FwdPlan()
 
     block_d = max(next_pow2(d), 16)
     block_dv = max(next_pow2(dv), 16)
-    cfg = _pick_config(block_d, block_dv, right is not None or left is not None)
+    masked = right is not None or left is not None
+    cfg = configs.override(configs.fwd_config(block_d, block_dv, masked, interpreting()),
+                           fwd_config, configs.FWD_KEYS, what="fwd_config")
     use_tma = cfg.use_tma and tma_ok(q, k, v, out)
     # Triton 3.6's Hopper warp specialisation compiled here only with TMA loads and 8 warps
     # (4 warps hit an assertion in its TaskIdPropagation pass).
     ws = cfg.warp_specialize and use_tma and cfg.num_warps >= 8 and not interpreting()
-    if use_tma and not interpreting():
-        triton.set_allocator(alloc_scratch)
-    num_warps, num_stages = cfg.num_warps, cfg.num_stages
     scale = float(scale)
     softcap = float(softcap or 0.0)
     n_bh = batch * hq
     group_heads = cfg.group_heads or configs.fwd_group_heads(seqlen_k, d + dv, q.element_size())
-    grid = (n_bh * cdiv(seqlen_q, cfg.block_m),)
-
-    def launch(ws):
-        _attn_fwd_kernel[grid](
-            q=q,
-            k=k,
-            v=v,
-            o=out,
-            lse=lse,
-            sink=sink,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k,
-            seqused_k=seqused_k,
-            stride_qb=sq_b,
-            stride_qs=sq_s,
-            stride_qh=sq_h,
-            stride_kb=sk_b,
-            stride_ks=sk_s,
-            stride_kh=sk_h,
-            stride_vb=sv_b,
-            stride_vs=sv_s,
-            stride_vh=sv_h,
-            stride_ob=so_b,
-            stride_os=so_s,
-            stride_oh=so_h,
-            stride_lb=sl_b,
-            stride_lh=sl_h,
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            total_q=q.shape[0] if is_varlen else 0,
-            total_k=k.shape[0] if is_varlen else 0,
-            n_bh=n_bh,
-            group_heads=min(group_heads, n_bh),
-            left=0 if left is None else int(left),
-            right=0 if right is None else int(right),
-            **exp2_constants(scale, softcap),
-            HQ=hq,
-            GROUP=hq // hkv,
-            D=d,
-            DV=dv,
-            BLOCK_D=block_d,
-            BLOCK_DV=block_dv,
-            HAS_LEFT=left is not None,
-            HAS_RIGHT=right is not None,
-            HAS_SOFTCAP=softcap > 0,
-            HAS_SINK=sink is not None,
-            NEG_SCALE=scale < 0,
-            IS_VARLEN=is_varlen,
-            HAS_SEQUSED_K=seqused_k is not None,
-            USE_TMA=use_tma,
-            WARP_SPECIALIZE=ws,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
-
-    key = ("fwd warp_specialize", block_d, block_dv, cfg.block_m, cfg.block_n, num_warps,
-           q.dtype)
-    if ws and key not in FAILURES:
-        try:
-            launch(True)
-            return out, lse
-        except Exception:  # noqa: BLE001 - compiler failure: the plain kernel is the fallback
-            # Warp specialisation is young in Triton 3.6: if its passes reject a kernel,
-            # run the same kernel without it rather than fail the call (no warning, as before).
-            FAILURES.add(key)
-    launch(False)
-    return out, lse
+    kw = dict(
+        stride_qb=sq_b,
+        stride_qs=sq_s,
+        stride_qh=sq_h,
+        stride_kb=sk_b,
+        stride_ks=sk_s,
+        stride_kh=sk_h,
+        stride_vb=sv_b,
+        stride_vs=sv_s,
+        stride_vh=sv_h,
+        stride_ob=so_b,
+        stride_os=so_s,
+        stride_oh=so_h,
+        stride_lb=sl_b,
+        stride_lh=sl_h,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        total_q=q.shape[0] if is_varlen else 0,
+        total_k=k.shape[0] if is_varlen else 0,
+        n_bh=n_bh,
+        group_heads=min(group_heads, n_bh),
+        left=0 if left is None else int(left),
+        right=0 if right is None else int(right),
+        **exp2_constants(scale, softcap),
+        HQ=hq,
+        GROUP=hq // hkv,
+        D=d,
+        DV=dv,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        HAS_LEFT=left is not None,
+        HAS_RIGHT=right is not None,
+        HAS_SOFTCAP=softcap > 0,
+        HAS_SINK=sink is not None,
+        NEG_SCALE=scale < 0,
+        IS_VARLEN=is_varlen,
+        HAS_SEQUSED_K=seqused_k is not None,
+        USE_TMA=use_tma,
+        WARP_SPECIALIZE=False,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    args, launch = positional(_attn_fwd_kernel, 9, kw)
+    ws_args = None
+    if ws:
+        ws_args, _ = positional(_attn_fwd_kernel, 9, {**kw, "WARP_SPECIALIZE": True})
+    return _FwdPlan(
+        grid=(n_bh * cdiv(seqlen_q, cfg.block_m),), args=args, ws_args=ws_args,
+        ws_key=("fwd warp_specialize", block_d, block_dv, cfg.block_m, cfg.block_n,
+                cfg.num_warps, q.dtype),
+        launch=launch, set_allocator=use_tma and not interpreting())
 
 
 # Packed rows up to which a sequence runs on 16-row tiles (a decode of up to 16 heads a group).
