@@ -27,6 +27,14 @@ def exp2_constants(scale: float, softcap: float) -> dict:
                 softcap_c2=softcap * log2e)
 
 
+def mask_args(left, right, scale: float, softcap: float) -> dict:
+    """The attention kernels' mask and score arguments: window bounds as ints (None = 0 with
+    its ``HAS_*`` flag off), the base-2 scalars of :func:`exp2_constants`, and the flags."""
+    return dict(left=0 if left is None else int(left), right=0 if right is None else int(right),
+                **exp2_constants(scale, softcap), HAS_LEFT=left is not None,
+                HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0)
+
+
 def cdiv(a: int, b: int) -> int:
     # Plain ints: triton.cdiv on the host goes through the JIT's call path (~6 us a call).
     return -(-a // b)
