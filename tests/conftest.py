@@ -9,6 +9,7 @@ small atol.
 
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 
@@ -24,6 +25,15 @@ sys.modules["_flashlse_testing"] = sys.modules[__name__]
 REL_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 LOWP_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 LOWP = (torch.float16, torch.bfloat16)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``FLASHLSE_TEST_SHARD=i/n`` keeps every n-th test from the i-th: GPU runs split a suite
+    over processes (compute-sanitizer, within one device call)."""
+    shard = os.environ.get("FLASHLSE_TEST_SHARD")
+    if shard:
+        i, n = (int(x) for x in shard.split("/"))
+        items[:] = [item for j, item in enumerate(items) if j % n == i]
 
 
 @pytest.fixture(autouse=True)
