@@ -269,31 +269,22 @@ def _attn_fwd_ranges(
 ):
     """The key tiles of a row block (``key_ranges``): masked left edge (only with a left
     window), full middle, masked right edge (causal diagonal, ragged end of the keys)."""
-    if HAS_LEFT:
-        b_acc, b_m, b_l = _attn_fwd_inner(
-            b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs, p_bt, stride_kp, stride_vp,
-            n_lo, n_full_lo, o_m, T_k, shift, left, right,
-            scale_log2, softcap_a2, softcap_c2,
-            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-            WARP_SPECIALIZE, PAGE_SIZE,
-        )
-    b_acc, b_m, b_l = _attn_fwd_inner(
-        b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs, p_bt, stride_kp, stride_vp,
-        n_full_lo, n_full_hi, o_m, T_k, shift, left, right,
-        scale_log2, softcap_a2, softcap_c2,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-        False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-        WARP_SPECIALIZE, PAGE_SIZE,
-    )
-    b_acc, b_m, b_l = _attn_fwd_inner(
-        b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs, p_bt, stride_kp, stride_vp,
-        n_full_hi, n_hi, o_m, T_k, shift, left, right,
-        scale_log2, softcap_a2, softcap_c2,
-        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-        True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-        WARP_SPECIALIZE, PAGE_SIZE,
-    )
+    for part in tl.static_range(3):
+        if part == 0:
+            lo, hi = n_lo, n_full_lo
+        elif part == 1:
+            lo, hi = n_full_lo, n_full_hi
+        else:
+            lo, hi = n_full_hi, n_hi
+        if part != 0 or HAS_LEFT:
+            b_acc, b_m, b_l = _attn_fwd_inner(
+                b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs, p_bt, stride_kp,
+                stride_vp, lo, hi, o_m, T_k, shift, left, right,
+                scale_log2, softcap_a2, softcap_c2,
+                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+                part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
+                WARP_SPECIALIZE, PAGE_SIZE,
+            )
     return b_acc, b_m, b_l
 
 
@@ -326,6 +317,23 @@ def _attn_fwd_finish(b_acc, b_m, b_l, b_sink_nat, HAS_SINK: tl.constexpr):
         # An empty row's lse is the sink itself, not its round trip through base 2.
         b_lse = tl.where(b_l_keys == 0.0, b_sink_nat, b_lse)
     return b_o, b_lse
+
+
+@triton.jit
+def _attn_fwd_start(m0, m_last, T_k, shift, left, right, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr):
+    """A row block's empty softmax state (running max -inf, sum 0, accumulator 0) and its key
+    tiles (``key_ranges``): those some row sees (the rest are skipped entirely) and the full
+    middle, where no mask is applied."""
+    # [BLOCK_M]
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # [BLOCK_M, BLOCK_DV]
+    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    n_lo, n_full_lo, n_full_hi, n_hi = key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
+                                                  HAS_LEFT, HAS_RIGHT)
+    return b_acc, b_m, b_l, n_lo, n_full_lo, n_full_hi, n_hi
 
 
 @triton.jit
@@ -400,16 +408,8 @@ def _attn_fwd_kernel(
     o_m = m0 + tl.arange(0, BLOCK_M)
     p_o = o + i_b.to(tl.int64) * stride_ob + bos * stride_os + i_h.to(tl.int64) * stride_oh
     p_lse = lse + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + bos
-    # [BLOCK_M]
-    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # [BLOCK_M, BLOCK_DV]
-    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-
-    # Key tiles seen by some row of the block (the rest are skipped entirely), and the full
-    # middle, where no mask is applied.
-    n_lo, n_full_lo, n_full_hi, n_hi = key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
-                                                  HAS_LEFT, HAS_RIGHT)
+    b_acc, b_m, b_l, n_lo, n_full_lo, n_full_hi, n_hi = _attn_fwd_start(
+        m0, m_last, T_k, shift, left, right, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT)
     if n_hi == n_lo:
         # No row of the block sees a key: write the empty state, load nothing.
         _attn_fwd_store(b_acc, b_m, b_l, o_m, m0, T_q, p_o, stride_os, p_lse, sink, i_h,
@@ -526,12 +526,8 @@ def _attn_fwd_paged_kernel(
     # [BLOCK_M] query position and head of each row
     o_i = o_r // GROUP
     o_h = i_hk * GROUP + o_r % GROUP
-    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # [BLOCK_M, BLOCK_DV]
-    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    n_lo, n_full_lo, n_full_hi, n_hi = key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
-                                                  HAS_LEFT, HAS_RIGHT)
+    b_acc, b_m, b_l, n_lo, n_full_lo, n_full_hi, n_hi = _attn_fwd_start(
+        m0, m_last, T_k, shift, left, right, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT)
     if n_hi == n_lo:
         # No row of the tile sees a key: write the empty state, load nothing.
         _attn_fwd_paged_store(b_acc, b_m, b_l, o_i, o_h, m_r, bos, o, lse, sink,
