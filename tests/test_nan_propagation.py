@@ -79,9 +79,25 @@ def _call(path, q, k, v, sink, num_splits):
                                            return_lse=True)
         return out[None], lse[None]
     lens = torch.full((1,), SK, dtype=torch.int32, device=q.device)
+    if path in LONG_ROWS:
+        # A paged chunk of LONG_ROWS[path] queries: the paged kernel below 128 rows, pages
+        # gathered for the varlen kernel from 128. Causal is bottom-right aligned, so the last
+        # Sq rows are the same attention as the other paths'; the first n - Sk see no key.
+        sq = q.shape[1]
+        front = torch.ones(1, LONG_ROWS[path] - sq, *q.shape[2:], dtype=q.dtype, device=q.device)
+        (kp, table), (vp, _) = _paged(k, 3), _paged(v, 3)
+        with torch.no_grad(), fl.value_checks(False):
+            out, lse = fl.attention_with_kvcache(torch.cat([front, q], 1), kp, vp,
+                                                 cache_seqlens=lens, block_table=table,
+                                                 causal=True, sink=sink, return_lse=True)
+        return out[:, -sq:], lse[..., -sq:]
     with torch.no_grad(), fl.value_checks(False):
         return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, sink=sink,
                                          num_splits=num_splits, return_lse=True)
+
+
+# attention_with_kvcache over a paged cache with long queries: the rows of each call.
+LONG_ROWS = {"kvcache_paged_chunk": 40, "kvcache_paged_long": 130}
 
 
 def run_case(device, dtype, path, what, num_splits=1, d=D):
@@ -136,9 +152,10 @@ def run_neg_inf_sink(device, dtype, path, num_splits=1, d=D):
 
 # Every path, (path, num_splits) with its test id.
 PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3), ("sparse", 1),
-         ("sparse_paged", 1), ("varlen_paged", 1)]
+         ("sparse_paged", 1), ("varlen_paged", 1), ("kvcache_paged_chunk", 1),
+         ("kvcache_paged_long", 1)]
 IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3", "sparse", "sparse_paged",
-       "varlen_paged"]
+       "varlen_paged", "kv_paged_chunk", "kv_paged_long"]
 
 
 @pytest.mark.parametrize("what", ["k", "q", "sink", "sink_inf"])

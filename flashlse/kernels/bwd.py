@@ -691,6 +691,11 @@ class BwdPass:
                     cu_seqlens_k=self.cu_seqlens_k, seqused_k=self.seqused_k)
 
     @property
+    def has_keys(self) -> bool:
+        """A dK/dV pass to run (some sequence has keys): ``dkdv_args`` without building it."""
+        return self.plan.dkdv_kw is not None
+
+    @property
     def dkdv_args(self) -> dict | None:
         if self.plan.dkdv_kw is None:
             return None
@@ -944,7 +949,7 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def attn_bwd_dkdv(p: BwdPass) -> None:
-    """dK and dV by this module's kernel (``p.dkdv_args`` not None: there are keys)."""
+    """dK and dV by this module's kernel (``p.has_keys``: there are keys)."""
     if p.plan.dkdv_launch is None:
         _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None, p.seqlen_k, "BLOCK_N",
                 p.hkv, p.batch, p.dkdv_args)
@@ -995,7 +1000,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
                 scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
     if not p.empty:
-        if p.dkdv_args is not None:
+        if p.has_keys:
             attn_bwd_dkdv(p)
         attn_bwd_dq(p)
     return p.grads()

@@ -75,7 +75,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     if p.empty:
         return p.grads()
     opts = p.opts
-    if p.dkdv_args is not None and not (
+    if p.has_keys and not (
             opts.sm90_dkdv and bwd_sm90 is not None
             and bwd_sm90.supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap)
             and _gluon(("bwd_sm90 dK/dV", p.signature), "the Hopper backward dK/dV kernel",

@@ -3,9 +3,10 @@
 Gluon and Triton's Hopper warp specialisation are young: a triton release may reject a kernel
 that another compiles. The launchers then warn once and take the fallback (the portable kernel
 for a Gluon one, the same kernel without warp specialisation), and remember the signature in
-:data:`FAILURES`, so that later calls of that signature go to the fallback at once. This is
-the only state the kernels keep between calls; nothing else in ``flashlse`` is a module-level
-switch (choices are ``KernelOptions``).
+:data:`FAILURES`, so that later calls of that signature go to the fallback at once. Besides the
+launch plans (caches of what a call's metadata determines, docs/design.md §3), it is the only
+state the kernels keep between calls; no module-level switch steers a kernel (choices are
+``KernelOptions``).
 
 Keys are tuples whose first item names the kernel (``"fwd_sm90"``, ``"bwd_sm90 dK/dV"``,
 ``"bwd_sm90 dQ"``, ``"fwd warp_specialize"``), the rest its compile signature (the values

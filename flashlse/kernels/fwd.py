@@ -94,6 +94,8 @@ from ._common import (
     positional,
     seq_bounds,
     seq_span,
+    stride_args,
+    strides,
     tma_ok,
 )
 from .failures import FAILURES
@@ -676,22 +678,10 @@ def _fwd_plan(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlen
     if is_varlen:
         batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        # Varlen tensors have no batch stride: the sequence offset moves along the rows.
-        sq_b = sk_b = sv_b = so_b = 0
-        sq_s, sq_h = q.stride(0), q.stride(1)
-        sk_s, sk_h = k.stride(0), k.stride(1)
-        sv_s, sv_h = v.stride(0), v.stride(1)
-        so_s, so_h = out.stride(0), out.stride(1)
-        sl_b, sl_h = 0, lse.stride(0)
         n_rows = q.shape[0]
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]
         seqlen_k = k.shape[1]
-        sq_b, sq_s, sq_h = q.stride(0), q.stride(1), q.stride(2)
-        sk_b, sk_s, sk_h = k.stride(0), k.stride(1), k.stride(2)
-        sv_b, sv_s, sv_h = v.stride(0), v.stride(1), v.stride(2)
-        so_b, so_s, so_h = out.stride(0), out.stride(1), out.stride(2)
-        sl_b, sl_h = lse.stride(0), lse.stride(1)
         n_rows = batch * seqlen_q
     if n_rows == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
         return _FwdPlan()
@@ -709,21 +699,12 @@ def _fwd_plan(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlen
     softcap = float(softcap or 0.0)
     n_bh = batch * hq
     group_heads = cfg.group_heads or configs.fwd_group_heads(seqlen_k, d + dv, q.element_size())
+    # lse is (B, H, S) or varlen (H, total): its batch and head strides.
+    stride_lb, stride_lh = strides(lse, is_varlen)[:2]
     kw = dict(
-        stride_qb=sq_b,
-        stride_qs=sq_s,
-        stride_qh=sq_h,
-        stride_kb=sk_b,
-        stride_ks=sk_s,
-        stride_kh=sk_h,
-        stride_vb=sv_b,
-        stride_vs=sv_s,
-        stride_vh=sv_h,
-        stride_ob=so_b,
-        stride_os=so_s,
-        stride_oh=so_h,
-        stride_lb=sl_b,
-        stride_lh=sl_h,
+        **stride_args("bsh", is_varlen, q=q, k=k, v=v, o=out),
+        stride_lb=stride_lb,
+        stride_lh=stride_lh,
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
         total_q=q.shape[0] if is_varlen else 0,
@@ -815,12 +796,7 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
             block_table=block_table,
             stride_qs=q.stride(0),
             stride_qh=q.stride(1),
-            stride_kp=k_cache.stride(0),
-            stride_ks=k_cache.stride(1),
-            stride_kh=k_cache.stride(2),
-            stride_vp=v_cache.stride(0),
-            stride_vs=v_cache.stride(1),
-            stride_vh=v_cache.stride(2),
+            **stride_args("psh", k=k_cache, v=v_cache),
             stride_os=out.stride(0),
             stride_oh=out.stride(1),
             stride_lh=lse.stride(0),

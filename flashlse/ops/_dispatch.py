@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 
 from .._env import interpreting
@@ -17,3 +20,10 @@ def use_triton(t: torch.Tensor) -> bool:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype of the PyTorch path: float64 stays float64, the rest use float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@functools.cache
+def kernel_module(name: str):
+    """``flashlse.kernels.<name>``, imported on first use (the kernel modules import Triton)
+    and then held: a per-step call pays one cache lookup, not the import machinery."""
+    return importlib.import_module(f"flashlse.kernels.{name}")

@@ -12,7 +12,7 @@ import torch
 
 from .. import masks
 from . import _validate as V
-from ._dispatch import compute_dtype, use_triton
+from ._dispatch import compute_dtype, kernel_module, use_triton
 from ._paged import gather_pages
 from .attention import attn_fwd_torch
 from .merge import merge_math
@@ -280,7 +280,7 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
     """Appends ``k_new``/``v_new`` (when given) and attends, on the path the call belongs to."""
     if use_triton(q) and (q.shape[1] <= DECODE_MAX_SQ or max(
             q.shape[-1], v_cache.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
-        decode = _decode_module()
+        decode = kernel_module("decode")
         if k_new is not None:
             decode.append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
                              block_table=block_table)
@@ -294,20 +294,6 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
         out, lse = _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
                               num_splits, kw)
     return out, lse
-
-
-_DECODE = None
-
-
-def _decode_module():
-    # kernels.decode imports Triton: loaded on first use, then held (an import statement in
-    # the call costs the import machinery's lookups every decode step).
-    global _DECODE
-    if _DECODE is None:
-        from ..kernels import decode
-
-        _DECODE = decode
-    return _DECODE
 
 
 @torch.library.custom_op("flashlse::kvcache_append", mutates_args=("k_cache", "v_cache"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate as V
-from ._dispatch import compute_dtype, use_triton
+from ._dispatch import compute_dtype, kernel_module, use_triton
 
 
 def merge_math(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None = None):
@@ -171,23 +171,10 @@ def merge_states_unchecked(outs, lses, *, sink=None):
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (outs, lses, sink))
     if use_triton(outs) and not needs_grad:
-        return _combine_module().merge_states_fwd(
+        return kernel_module("combine").merge_states_fwd(
             outs, lses.float(), sink=None if sink is None else sink.float())
     out, lse = merge_math(outs, lses, sink)
     return out.to(outs.dtype), lse if outs.dtype == torch.float64 else lse.float()
-
-
-_COMBINE = None
-
-
-def _combine_module():
-    # kernels.combine imports Triton: loaded on first use, then held.
-    global _COMBINE
-    if _COMBINE is None:
-        from ..kernels import combine
-
-        _COMBINE = combine
-    return _COMBINE
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
