@@ -52,6 +52,26 @@ if [ "$1" = pending ]; then
     timeout 60 python3 benchmarks/bench_sdpa.py 2>&1 | tail -3
     exit 0
 fi
+if [ "$1" = verify ]; then
+    # Session 9: the tests the default run's time cut (backward beyond dense/paths) and the
+    # pending paths' tests in four processes, then the paged kernel and host-time benchmarks.
+    K=tests/kernels
+    FLASHLSE_TEST_SHARD=0/2 timeout 270 python3 -m pytest -q $K/test_bwd.py -k "not dense and not paths" \
+        -p no:cacheprovider > "$OUT/test_gpu_bwd2a.log" 2>&1 &
+    FLASHLSE_TEST_SHARD=1/2 timeout 270 python3 -m pytest -q $K/test_bwd.py -k "not dense and not paths" \
+        -p no:cacheprovider > "$OUT/test_gpu_bwd2b.log" 2>&1 &
+    timeout 270 python3 -m pytest -q $K/test_sparse_kernels.py $K/test_nan_kernels.py \
+        -p no:cacheprovider > "$OUT/test_gpu_sparse.log" 2>&1 &
+    timeout 270 python3 -m pytest -q $K/test_kvcache_kernels.py $K/test_sdpa_impl.py \
+        $K/test_integrations_gpu.py -p no:cacheprovider > "$OUT/test_gpu_serving.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/test_gpu_*.log | head -20
+    timeout 100 python3 benchmarks/sweep_paged.py 2>&1 | tail -14
+    timeout 70 python3 benchmarks/bench_serving.py 2>&1 | tail -7
+    timeout 90 python3 benchmarks/bench_overhead.py --out "$OUT" 2>&1 | tail -16
+    exit 0
+fi
 if [ "$1" = serving ]; then
     # Session 8's unmeasured changes: the paged forward's pipelined loads (sweep_paged,
     # bench_serving), then host time a call (bench_overhead) after the Python cuts.

@@ -183,6 +183,7 @@ def main():
     ap.add_argument("--cpu-stubbed", action="store_true",
                     help="CPU, interpreter launches stubbed: flashlse's own Python a call")
     ap.add_argument("--profile", default=None, help="with --cpu-stubbed: cProfile this row")
+    ap.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
     args = ap.parse_args()
     if args.cpu_stubbed:
         cpu_stubbed(args.n or 5000, args.profile, args.top)
@@ -208,7 +209,7 @@ def main():
         prof.disable()
         torch.cuda.synchronize()
         print(f"\n=== {name}: {host:.1f} us a call (host loop, small shape) ===")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ import triton.language as tl
 from . import configs, options
 from ._common import (
     LOG2E,
+    Launch,
     alloc_scratch,
     cdiv,
     interpreting,
@@ -690,6 +691,16 @@ class BwdPass:
                     delta=self.delta, cu_seqlens_q=self.cu_seqlens_q,
                     cu_seqlens_k=self.cu_seqlens_k, seqused_k=self.seqused_k)
 
+    def dkdv_tensors(self) -> tuple:
+        """The dK/dV kernels' tensor arguments, in their order (this module's and bwd_sm90's)."""
+        return (self.q, self.k, self.v, self.dout, self.lse_log2, self.delta, self.dk, self.dv,
+                self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k)
+
+    def dq_tensors(self) -> tuple:
+        """The dQ kernels' tensor arguments, in their order."""
+        return (self.q, self.k, self.v, self.dout, self.lse_log2, self.delta, self.dq,
+                self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k)
+
     @property
     def has_keys(self) -> bool:
         """A dK/dV pass to run (some sequence has keys): ``dkdv_args`` without building it."""
@@ -725,16 +736,16 @@ class BwdPlan:
     dq_cfg: configs.TileConfig | None = None
     tune: bool = False
     set_allocator: bool = False
-    # The preprocess kernel's grid, arguments after its nine tensors, launch options.
-    pre_grid: tuple = ()
-    pre_args: tuple = ()
-    pre_launch: dict | None = None
+    # The preprocess kernel's launch.
+    pre_run: Launch | None = None
     # The dK/dV and dQ kernels' non-tensor keywords (dkdv_kw None: no key), and their
-    # portable launches: grid, arguments after the tensors, launch options (None: autotuned).
+    # portable launches (None: autotuned).
     dkdv_kw: dict | None = None
     dq_kw: dict | None = None
-    dkdv_launch: tuple | None = None
-    dq_launch: tuple | None = None
+    dkdv_run: Launch | None = None
+    dq_run: Launch | None = None
+    # Launches other kernel modules plan for this call (bwd_sm90's), by name, kept with it.
+    launches: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 # The properties of a prepared call that its plan holds.
@@ -804,9 +815,7 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
         return BwdPass(dq, dk, dv, sink, dsink_part, empty=True)
     if plan.set_allocator:
         triton.set_allocator(alloc_scratch)
-    _attn_bwd_preprocess_kernel[plan.pre_grid](out, dout, lse, dlse, delta, lse_log2, sink,
-                                               dsink_part, cu_seqlens_q, *plan.pre_args,
-                                               **plan.pre_launch)
+    plan.pre_run(out, dout, lse, dlse, delta, lse_log2, sink, dsink_part, cu_seqlens_q)
     return BwdPass(dq, dk, dv, sink, dsink_part, False, opts, q, k, v, dout, lse_log2, delta,
                    cu_seqlens_q, cu_seqlens_k, seqused_k, plan)
 
@@ -859,7 +868,8 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
     use_tma = (dq_cfg.use_tma and min(q.numel(), k.numel(), v.numel()) > 0
                and tma_ok(q, k, v, dout))
 
-    pre_args, pre_launch = positional(_attn_bwd_preprocess_kernel, 9, dict(
+    pre_run = Launch(_attn_bwd_preprocess_kernel, (n_m_pre, hq, batch),
+                     *positional(_attn_bwd_preprocess_kernel, 9, dict(
         **stride_args("bsh", is_varlen, o=out, do=dout),
         **stride_args("bhs", is_varlen, l=lse, dl=dlse),
         stride_tb=st_b,
@@ -874,7 +884,7 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
         HAS_SINK=sink is not None,
         IS_VARLEN=is_varlen,
         **configs.BWD_PREPROCESS.launch(),
-    ))
+    )))
 
     # dq, dk, dv: fresh tensors shaped as q, k, v (contiguous strides).
     st_dq, st_dk, st_dv = (_contiguous_strides(t.shape) for t in (q, k, v))
@@ -901,7 +911,7 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
     )
     tune = (opts.autotune_bwd and not interpret and "dkdv" not in override
             and "dq" not in override)
-    dkdv_kw = dkdv_launch = None
+    dkdv_kw = dkdv_run = None
     if seqlen_k > 0:
         dkdv_kw = dict(
             **dict(zip(("stride_dkb", "stride_dks", "stride_dkh"), lead(st_dk))),
@@ -913,13 +923,13 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
             **common,
         )
         if not tune:
-            dkdv_launch = _portable(_attn_bwd_dkdv_kernel, 11, dkdv_kw, dkdv_cfg,
+            dkdv_run = _portable(_attn_bwd_dkdv_kernel, 11, dkdv_kw, dkdv_cfg,
                                     (cdiv(seqlen_k, dkdv_cfg.block_n), hkv, batch))
     dq_kw = dict(**dict(zip(("stride_dqb", "stride_dqs", "stride_dqh"), lead(st_dq))),
                  **common)
-    dq_launch = None
+    dq_run = None
     if not tune:
-        dq_launch = _portable(_attn_bwd_dq_kernel, 10, dq_kw, dq_cfg,
+        dq_run = _portable(_attn_bwd_dq_kernel, 10, dq_kw, dq_cfg,
                               (cdiv(seqlen_q, dq_cfg.block_m), hq, batch))
     return BwdPlan(
         False, padded, n_last, n_part, softcap=softcap, batch=batch, seqlen_q=seqlen_q,
@@ -928,16 +938,13 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
                    hq // hkv),
         dkdv_cfg=dkdv_cfg, dq_cfg=dq_cfg, tune=tune,
         set_allocator=use_tma and not interpret,
-        pre_grid=(n_m_pre, hq, batch), pre_args=pre_args, pre_launch=pre_launch,
-        dkdv_kw=dkdv_kw, dq_kw=dq_kw, dkdv_launch=dkdv_launch, dq_launch=dq_launch)
+        pre_run=pre_run, dkdv_kw=dkdv_kw, dq_kw=dq_kw, dkdv_run=dkdv_run, dq_run=dq_run)
 
 
-def _portable(kernel, n_tensors, kw, cfg, grid):
-    """``(grid, arguments after the tensors, launch options)`` of a portable pass with the
-    tiles of ``cfg`` (as :func:`_launch` launches it)."""
-    args, launch = positional(kernel, n_tensors, dict(**kw, BLOCK_M=cfg.block_m,
-                                                      BLOCK_N=cfg.block_n, **cfg.launch()))
-    return grid, args, launch
+def _portable(kernel, n_tensors, kw, cfg, grid) -> Launch:
+    """The launch of a portable pass with the tiles of ``cfg`` (as :func:`_launch` runs it)."""
+    return Launch(kernel, grid, *positional(kernel, n_tensors, dict(
+        **kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch())))
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -950,24 +957,20 @@ def _contiguous_strides(shape) -> tuple:
 
 def attn_bwd_dkdv(p: BwdPass) -> None:
     """dK and dV by this module's kernel (``p.has_keys``: there are keys)."""
-    if p.plan.dkdv_launch is None:
+    if p.plan.dkdv_run is None:
         _launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, None, p.seqlen_k, "BLOCK_N",
                 p.hkv, p.batch, p.dkdv_args)
         return
-    grid, args, launch = p.plan.dkdv_launch
-    _attn_bwd_dkdv_kernel[grid](p.q, p.k, p.v, p.dout, p.lse_log2, p.delta, p.dk, p.dv,
-                                p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k, *args, **launch)
+    p.plan.dkdv_run(*p.dkdv_tensors())
 
 
 def attn_bwd_dq(p: BwdPass) -> None:
     """dQ by this module's kernel."""
-    if p.plan.dq_launch is None:
+    if p.plan.dq_run is None:
         _launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, None, p.seqlen_q, "BLOCK_M", p.hq,
                 p.batch, p.dq_args)
         return
-    grid, args, launch = p.plan.dq_launch
-    _attn_bwd_dq_kernel[grid](p.q, p.k, p.v, p.dout, p.lse_log2, p.delta, p.dq,
-                              p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k, *args, **launch)
+    p.plan.dq_run(*p.dq_tensors())
 
 
 def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,

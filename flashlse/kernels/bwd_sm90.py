@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs
-from ._common import alloc_scratch, capability, cdiv, row_ranges, tma_ok
+from ._common import Launch, alloc_scratch, capability, cdiv, positional, row_ranges, tma_ok
 from .fwd_sm90 import HALF_M, _key_ranges, _seq_bounds
 from .fwd_sm90 import _producer as _fwd_producer
 
@@ -330,19 +330,41 @@ def supported(q, k, v, dout, dk, dv, *, softcap, dims=(128, )) -> bool:
     return tma_ok(q, k, v, dout, dk, dv)
 
 
+def dkdv_plan(p: BwdPass) -> Launch | None:
+    """The dK/dV launch of a prepared backward (``bwd.prepare``), or None outside
+    :func:`supported`'s domain: ``bwd.attn_bwd_dkdv``'s peer (``dispatch.attn_bwd`` picks).
+    Planned once per call metadata and kept in the call's plan (``BwdPlan.launches``)."""
+    run = p.plan.launches.get("sm90 dK/dV", _MISSING)
+    if run is _MISSING:
+        run = None
+        if supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap):
+            args = p.plan.dkdv_kw
+            cfg = configs.BWD_SM90_DKDV
+            tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
+                         STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
+                         CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
+            grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
+            run = Launch(_dkdv_sm90_kernel, grid,
+                         *positional(_dkdv_sm90_kernel, 11, _kernel_args(_dkdv_sm90_kernel,
+                                                                         args, tiles)))
+        p.plan.launches["sm90 dK/dV"] = run
+    return run
+
+
 def attn_bwd_dkdv_sm90(p: BwdPass) -> None:
-    """dK and dV of a prepared backward (``bwd.prepare``; its ``dkdv_args``) inside
-    :func:`supported`'s domain: ``bwd.attn_bwd_dkdv``'s peer (``dispatch.attn_bwd`` picks)."""
-    args = p.dkdv_args
+    """dK and dV of a prepared backward inside :func:`supported`'s domain (tests and
+    benchmarks; ``dispatch.attn_bwd`` goes through :func:`dkdv_plan`)."""
     triton.set_allocator(alloc_scratch)
-    cfg = configs.BWD_SM90_DKDV
-    tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
-                 STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
-                 CONSUMER_REGS=cfg.consumer_regs)
-    grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
-    names = _dkdv_sm90_kernel.arg_names
-    kwargs = {n: args[n] for n in names if n in args and n not in tiles}
-    _dkdv_sm90_kernel[grid](**kwargs, **tiles, num_warps=cfg.num_warps)
+    dkdv_plan(p)(*p.dkdv_tensors())
+
+
+def _kernel_args(kernel, args: dict, tiles: dict) -> dict:
+    """The keywords of ``kernel`` among a portable pass's non-tensor ones (``BwdPlan``'s
+    ``dkdv_kw`` / ``dq_kw``), the Hopper kernel's ``tiles`` in place of the portable ones."""
+    return {**{n: args[n] for n in kernel.arg_names if n in args and n not in tiles}, **tiles}
+
+
+_MISSING = object()
 
 
 # --- dQ: the forward's program (fwd_sm90.py, its producer too) with the backward's row math
@@ -507,14 +529,27 @@ def _dq_sm90_kernel(
 DQ_DIMS = tuple(configs.BWD_SM90_DQ)
 
 
+def dq_plan(p: BwdPass) -> Launch | None:
+    """The dQ launch of a prepared backward, or None outside :func:`supported`'s domain with
+    ``dims=DQ_DIMS``: ``bwd.attn_bwd_dq``'s peer, kept in the call's plan as :func:`dkdv_plan`."""
+    run = p.plan.launches.get("sm90 dQ", _MISSING)
+    if run is _MISSING:
+        run = None
+        if supported(p.q, p.k, p.v, p.dout, p.dq, p.dq, softcap=p.softcap, dims=DQ_DIMS):
+            args = p.plan.dq_kw
+            cfg = configs.BWD_SM90_DQ[p.q.shape[-1]]
+            tiles = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+                         CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
+            grid = (cdiv(p.seqlen_q, 2 * HALF_N), p.hq, p.batch)
+            run = Launch(_dq_sm90_kernel, grid,
+                         *positional(_dq_sm90_kernel, 10, _kernel_args(_dq_sm90_kernel, args,
+                                                                       tiles)))
+        p.plan.launches["sm90 dQ"] = run
+    return run
+
+
 def attn_bwd_dq_sm90(p: BwdPass) -> None:
-    """dQ of a prepared backward (``bwd.prepare``; its ``dq_args``) inside :func:`supported`'s
-    domain with ``dims=DQ_DIMS``: ``bwd.attn_bwd_dq``'s peer (``dispatch.attn_bwd`` picks)."""
-    args = p.dq_args
+    """dQ of a prepared backward inside :func:`supported`'s domain (tests and benchmarks;
+    ``dispatch.attn_bwd`` goes through :func:`dq_plan`)."""
     triton.set_allocator(alloc_scratch)
-    cfg = configs.BWD_SM90_DQ[args["q"].shape[-1]]
-    tiles = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs)
-    grid = (cdiv(p.seqlen_q, 2 * HALF_N), p.hq, p.batch)
-    names = _dq_sm90_kernel.arg_names
-    kwargs = {n: args[n] for n in names if n in args and n not in tiles}
-    _dq_sm90_kernel[grid](**kwargs, **tiles, num_warps=cfg.num_warps)
+    dq_plan(p)(*p.dq_tensors())

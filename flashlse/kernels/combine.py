@@ -39,7 +39,6 @@ D, so no other program still reads the lses it overwrites.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -48,7 +47,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from . import configs
-from ._common import LOG2E, cdiv, next_pow2, positional
+from ._common import LOG2E, Launch, cdiv, next_pow2, positional
 
 # constexpr globals: jit functions may read only those.
 
@@ -304,18 +303,8 @@ def _states_plan(outs, lses, sink, lead, st_out, st_lse, alias):
                       st_y=strides[2], st_yd=st_out[-1], st_z=strides[3], alias=alias)
 
 
-@dataclasses.dataclass(frozen=True)
-class MergePlan:
-    """One merge launch but its tensors: the grid and the kernel's other arguments."""
-
-    grid: tuple
-    # The kernel's arguments after its five tensors, and the launch options.
-    args: tuple
-    launch: dict
-
-
 def merge_plan(n, d, device, has_sink, *, r, r1, r2, st_os, st_o, st_od, st_ls, st_l, st_k,
-               st_y, st_yd, st_z, alias=False, pdl=False) -> MergePlan:
+               st_y, st_yd, st_z, alias=False, pdl=False) -> Launch:
     """The merge of ``n`` states of ``d`` columns over ``r`` rows indexed ``(r0, r1, r2)``,
     one stride per index and tensor (``st_*``, three each) for outs, lses, sink, out and
     lse_out (``st_os`` / ``st_ls`` the state strides, ``st_od`` / ``st_yd`` the columns').
@@ -343,10 +332,9 @@ def merge_plan(n, d, device, has_sink, *, r, r1, r2, st_os, st_o, st_od, st_ls, 
     )
     if pdl:
         kw["launch_pdl"] = True
-    return MergePlan(grid, *positional(_merge_states_fwd_kernel, 5, kw))
+    return Launch(_merge_states_fwd_kernel, grid, *positional(_merge_states_fwd_kernel, 5, kw))
 
 
-def merge_run(plan: MergePlan, outs, lses, sink, out, lse_out) -> None:
+def merge_run(plan: Launch, outs, lses, sink, out, lse_out) -> None:
     """Launches a :func:`merge_plan` on these tensors; no checks."""
-    _merge_states_fwd_kernel[plan.grid](outs, lses, lses if sink is None else sink, out,
-                                        lse_out, *plan.args, **plan.launch)
+    plan(outs, lses, lses if sink is None else sink, out, lse_out)

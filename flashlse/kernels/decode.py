@@ -65,6 +65,7 @@ from . import configs, options
 from ._common import (
     LN2,
     LOG2E,
+    Launch,
     capability,
     interpreting,
     mask_args,
@@ -373,9 +374,8 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set.
         o_buf = empty(plan.o_buf_shape, dtype=torch.float32, device=dev)
         lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=dev)
-    _decode_fwd_kernel[plan.grid](q, k_cache, v_cache, cache_seqlens, block_table,
-                                  lse_buf if sink is None else sink, o_buf, lse_buf, *plan.args,
-                                  **plan.launch)
+    plan.run(q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
+             o_buf, lse_buf)
     if plan.merge is not None:
         # Rows (b, i, h) of the partials, of out (B, Sq, Hq, Dv) and of lse (B, Hq, Sq): the
         # layout is known, so the merge launches without merge_states_fwd's layout analysis.
@@ -396,9 +396,8 @@ class _DecodePlan:
     # None: nothing to compute (empty outputs).
     grid: tuple | None = None
     o_buf_shape: tuple | None = None
-    # The kernel's arguments after its eight tensors, and the launch options.
-    args: tuple = ()
-    launch: dict | None = None
+    # The decode kernel's launch.
+    run: Launch | None = None
     # The split-KV merge's plan (combine.merge_plan), None with one split.
     merge: object = None
 
@@ -492,8 +491,10 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
                            r2=hq, st_os=st_o[0], st_o=st_o[1:], st_od=1, st_ls=st_l[0],
                            st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:], st_yd=1,
                            st_z=(hq * sq, 1, sq), pdl=pdl)
-    return _DecodePlan(out_shape, out_dtype, lse_shape, (programs, splits), o_buf_shape,
-                       *positional(_decode_fwd_kernel, 8, kw), merge)
+    grid = (programs, splits)
+    return _DecodePlan(out_shape, out_dtype, lse_shape, grid, o_buf_shape,
+                       Launch(_decode_fwd_kernel, grid, *positional(_decode_fwd_kernel, 8, kw)),
+                       merge)
 
 
 @triton.jit
@@ -556,9 +557,7 @@ def append_kv(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table):
             _APPEND_PLANS.clear()
         _APPEND_PLANS[key] = plan
     if plan is not _NOTHING:
-        grid, args, launch = plan
-        _append_kv_kernel[grid](k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
-                                *args, **launch)
+        plan(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
 
 
 _APPEND_PLANS: dict = {}
@@ -566,8 +565,7 @@ _NOTHING = ()
 
 
 def _append_plan(k_cache, v_cache, k_new, v_new, block_table):
-    """``(grid, arguments after the six tensors, launch options)`` of an append, or
-    ``_NOTHING`` when there is nothing to write."""
+    """The launch of an append, or ``_NOTHING`` when there is nothing to write."""
     batch, s_new, hkv, d = k_new.shape
     dv = v_new.shape[-1]
     if batch == 0 or s_new == 0 or hkv == 0:
@@ -591,4 +589,5 @@ def _append_plan(k_cache, v_cache, k_new, v_new, block_table):
         PAGED=paged,
         **cfg.launch(),
     )
-    return ((_cdiv(s_new, cfg.block_m), hkv, batch),) + positional(_append_kv_kernel, 6, kw)
+    return Launch(_append_kv_kernel, (_cdiv(s_new, cfg.block_m), hkv, batch),
+                  *positional(_append_kv_kernel, 6, kw))

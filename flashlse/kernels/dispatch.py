@@ -22,7 +22,10 @@ Per call this costs a few attribute lookups and calls (the eager path is timed i
 
 from __future__ import annotations
 
+import triton
+
 from . import bwd, fwd, options
+from ._common import alloc_scratch
 from .failures import FAILURES
 
 try:  # Gluon's Hopper API as of triton 3.6; without it every call takes the portable kernels.
@@ -41,21 +44,21 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink, cu_seqlens_q=None,
     Arguments and results as ``fwd.attn_fwd`` (which documents them)."""
     out, lse = fwd.new_outputs(q, v, cu_seqlens_q)
     if options.current().sm90_fwd and fwd_sm90 is not None:
-        # A compilation is named by the values of the kernel's constexpr flags.
-        key = ("fwd_sm90", q.dtype, left is None, right is None, sink is None,
-               cu_seqlens_q is not None, seqused_k is None, q.shape[-2] // k.shape[-2])
-        if key not in FAILURES and fwd_sm90.supported(
-                q, k, v, softcap=softcap, scale=scale,
-                batch=q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1):
+        plan = fwd_sm90.plan(q, k, v, out, lse, softcap=softcap, left=left, right=right,
+                             scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q,
+                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+        if plan is not None and plan.signature not in FAILURES:
+            if plan.run is None:
+                return out, lse
             try:
-                return fwd_sm90.attn_fwd_sm90(
-                    q, k, v, out, lse, left=left, right=right, scale=scale, sink=sink,
-                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+                triton.set_allocator(alloc_scratch)
+                plan.run(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
+                return out, lse
             except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
                 # Gluon is experimental in triton: if this triton cannot compile the Hopper
                 # kernel, say so once and run the portable kernel for this signature from now on.
-                FAILURES.add(key, e, "the Hopper forward kernel", stacklevel=2)
+                FAILURES.add(plan.signature, e, "the Hopper forward kernel", stacklevel=2)
     return fwd.attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
                         sink=sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -75,28 +78,29 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     if p.empty:
         return p.grads()
     opts = p.opts
-    if p.has_keys and not (
-            opts.sm90_dkdv and bwd_sm90 is not None
-            and bwd_sm90.supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap)
-            and _gluon(("bwd_sm90 dK/dV", p.signature), "the Hopper backward dK/dV kernel",
-                       bwd_sm90.attn_bwd_dkdv_sm90, p)):
+    if p.has_keys and not (opts.sm90_dkdv and bwd_sm90 is not None and _gluon(
+            ("bwd_sm90 dK/dV", p.signature), "the Hopper backward dK/dV kernel",
+            bwd_sm90.dkdv_plan, p, p.dkdv_tensors)):
         bwd.attn_bwd_dkdv(p)
-    if not (opts.sm90_dq and bwd_sm90 is not None
-            and bwd_sm90.supported(p.q, p.k, p.v, p.dout, p.dq, p.dq, softcap=p.softcap,
-                                   dims=bwd_sm90.DQ_DIMS)
-            and _gluon(("bwd_sm90 dQ", p.signature), "the Hopper backward dQ kernel",
-                       bwd_sm90.attn_bwd_dq_sm90, p)):
+    if not (opts.sm90_dq and bwd_sm90 is not None and _gluon(
+            ("bwd_sm90 dQ", p.signature), "the Hopper backward dQ kernel", bwd_sm90.dq_plan, p,
+            p.dq_tensors)):
         bwd.attn_bwd_dq(p)
     return p.grads()
 
 
-def _gluon(key: tuple, what: str, launch, p) -> bool:
-    """Runs the Gluon launcher ``launch(p)``; False if that signature failed to compile, now
-    (warned once, as from ``attn_bwd``'s caller) or before: the caller runs the portable one."""
+def _gluon(key: tuple, what: str, plan, p, tensors) -> bool:
+    """Runs the Gluon launch ``plan(p)`` (None outside its kernel's domain) on ``tensors()``;
+    False if there is none or that signature failed to compile, now (warned once, as from
+    ``attn_bwd``'s caller) or before: the caller runs the portable kernel."""
     if key in FAILURES:
         return False
     try:
-        launch(p)
+        run = plan(p)
+        if run is None:
+            return False
+        triton.set_allocator(alloc_scratch)
+        run(*tensors())
         return True
     except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
         FAILURES.add(key, e, what, stacklevel=3)

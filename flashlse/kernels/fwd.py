@@ -84,6 +84,7 @@ from . import configs, options
 from ._common import (
     LN2,
     LOG2E,
+    Launch,
     alloc_scratch,
     cdiv,
     interpreting,
@@ -637,17 +638,15 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
         return out, lse
     if plan.set_allocator:
         triton.set_allocator(alloc_scratch)
-    if plan.ws_args is not None and plan.ws_key not in FAILURES:
+    if plan.ws_run is not None and plan.ws_key not in FAILURES:
         try:
-            _attn_fwd_kernel[plan.grid](q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k,
-                                        seqused_k, *plan.ws_args, **plan.launch)
+            plan.ws_run(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
             return out, lse
         except Exception:  # noqa: BLE001 - compiler failure: the plain kernel is the fallback
             # Warp specialisation is young in Triton 3.6: if its passes reject a kernel,
             # run the same kernel without it rather than fail the call (no warning, as before).
             FAILURES.add(plan.ws_key)
-    _attn_fwd_kernel[plan.grid](q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                *plan.args, **plan.launch)
+    plan.run(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
     return out, lse
 
 
@@ -660,12 +659,10 @@ _MAX_PLANS = 4096
 class _FwdPlan:
     # None: no row, nothing to launch.
     grid: tuple | None = None
-    # The kernel's arguments after its nine tensors without and with warp specialisation
-    # (ws_args None: not tried), and the launch options.
-    args: tuple = ()
-    ws_args: tuple | None = None
+    # The kernel's launch without and with warp specialisation (ws_run None: not tried).
+    run: Launch | None = None
+    ws_run: Launch | None = None
     ws_key: tuple = ()
-    launch: dict | None = None
     set_allocator: bool = False
 
 
@@ -729,15 +726,17 @@ def _fwd_plan(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlen
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    args, launch = positional(_attn_fwd_kernel, 9, kw)
-    ws_args = None
+    grid = (n_bh * cdiv(seqlen_q, cfg.block_m),)
+    ws_run = None
     if ws:
-        ws_args, _ = positional(_attn_fwd_kernel, 9, {**kw, "WARP_SPECIALIZE": True})
+        ws_run = Launch(_attn_fwd_kernel, grid,
+                        *positional(_attn_fwd_kernel, 9, {**kw, "WARP_SPECIALIZE": True}))
     return _FwdPlan(
-        grid=(n_bh * cdiv(seqlen_q, cfg.block_m),), args=args, ws_args=ws_args,
+        grid=grid, run=Launch(_attn_fwd_kernel, grid, *positional(_attn_fwd_kernel, 9, kw)),
+        ws_run=ws_run,
         ws_key=("fwd warp_specialize", block_d, block_dv, cfg.block_m, cfg.block_n,
                 cfg.num_warps, q.dtype),
-        launch=launch, set_allocator=use_tma and not interpreting())
+        set_allocator=use_tma and not interpreting())
 
 
 # Packed rows up to which a sequence runs on 16-row tiles (a decode of up to 16 heads a group).

@@ -31,6 +31,8 @@ tests/kernels/test_fwd.py's ``sm90`` cases.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -47,10 +49,12 @@ from . import configs, options
 from ._common import (
     LN2,
     LOG2E,
+    Launch,
     alloc_scratch,
     capability,
     cdiv,
     key_ranges,
+    positional,
     seq_bounds,
     strides,
     tma_ok,
@@ -414,41 +418,100 @@ def supported(q, k, v, *, softcap, scale, batch) -> bool:
     return tma_ok(q, k, v)
 
 
-def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink,
-                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                  seqused_k=None):
-    """Fill and return ``out`` and ``lse`` (``fwd.new_outputs``'s, the shapes and meaning of
-    ``fwd.attn_fwd``'s) for a call inside :func:`supported`'s domain (``dispatch.attn_fwd``)."""
+def plan(q, k, v, out, lse, *, softcap, left, right, scale, sink, cu_seqlens_q=None,
+         cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None):
+    """The Hopper forward's :class:`Plan` of a call (``fwd.new_outputs``'s ``out`` and
+    ``lse``, arguments as ``fwd.attn_fwd``'s), or None outside :func:`supported`'s domain.
+
+    A function of the call's metadata (shapes, strides, dtypes, device, whether the TMA
+    operands are 16-byte aligned, which optional tensors there are, the scalars): a repeated
+    call finds it in ``_PLANS``, and its :class:`~flashlse.kernels._common.Launch` calls the
+    compiled kernel directly (``dispatch.attn_fwd`` times it in µs)."""
+    override = options.current().fwd_sm90_config
+    key = None
+    if not override:
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape,
+               v.stride(), out.stride(), lse.stride(),
+               (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0,
+               None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
+                                                  max_seqlen_k),
+               seqused_k is None, sink is None, left, right, softcap, scale)
+        found = _PLANS.get(key, _MISSING)
+        if found is not _MISSING:
+            return found
     is_varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.numel() - 1 if is_varlen else q.shape[0]
+    result = None
+    if supported(q, k, v, softcap=softcap, scale=scale, batch=batch):
+        result = _plan(q, k, v, out, lse, left=left, right=right, scale=scale, sink=sink,
+                       is_varlen=is_varlen, batch=batch, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, override=override)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = result
+    return result
+
+
+class Plan(NamedTuple):
+    """A supported call's launch (None: no row, nothing to launch) and the compilation's name
+    for ``failures.FAILURES`` (the values of the kernel's constexpr flags)."""
+
+    run: Launch | None
+    signature: tuple
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+_MISSING = object()
+
+
+def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, max_seqlen_q,
+          max_seqlen_k, seqused_k, override) -> Plan:
     d = q.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
+    signature = ("fwd_sm90", q.dtype, left is None, right is None, sink is None, is_varlen,
+                 seqused_k is None, hq // hkv)
     if is_varlen:
-        batch = cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     if q.shape[0] == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
-        return out, lse  # no row (fwd.attn_fwd's test: q.shape[0] is B or total_q)
+        return Plan(None, signature)  # no row (q.shape[0] is B or total_q)
     # (batch, row, head) strides; lse: (batch, head).
     sq, sk, sv, so = (strides(t, is_varlen) for t in (q, k, v, out))
     sl = strides(lse, is_varlen)[:2]
-    cfg = configs.override(configs.FWD_SM90[d], options.current().fwd_sm90_config,
-                           configs.FWD_SM90_KEYS, what="fwd_sm90_config")
-    triton.set_allocator(alloc_scratch)
+    cfg = configs.override(configs.FWD_SM90[d], override, configs.FWD_SM90_KEYS,
+                           what="fwd_sm90_config")
+    kw = dict(zip(_STRIDE_NAMES, (*sq, *sk, *sv, *so, *sl)),
+              seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+              total_q=q.shape[0] if is_varlen else 0, total_k=k.shape[0] if is_varlen else 0,
+              left=0 if left is None else int(left), right=0 if right is None else int(right),
+              scale_log2=float(scale) * LOG2E.value, GROUP=hq // hkv, D=d,
+              BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_LEFT=left is not None,
+              HAS_RIGHT=right is not None, HAS_SINK=sink is not None, IS_VARLEN=is_varlen,
+              HAS_SEQUSED_K=seqused_k is not None, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
+              CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
     grid = (cdiv(seqlen_q, 2 * HALF_M), hq, batch)
-    _fwd_sm90_kernel[grid](
-        q, k, v, out, lse, sink,
-        cu_seqlens_q, cu_seqlens_k, seqused_k,
-        *sq, *sk, *sv, *so, *sl,
-        seqlen_q, seqlen_k,
-        q.shape[0] if is_varlen else 0, k.shape[0] if is_varlen else 0,
-        0 if left is None else int(left), 0 if right is None else int(right),
-        float(scale) * LOG2E.value,
-        GROUP=hq // hkv, D=d,
-        BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
-        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SINK=sink is not None,
-        IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None,
-        PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs,
-        num_warps=cfg.num_warps,
-    )
+    return Plan(Launch(_fwd_sm90_kernel, grid, *positional(_fwd_sm90_kernel, 9, kw)), signature)
+
+
+_STRIDE_NAMES = tuple(f"stride_{t}{d}" for t in ("q", "k", "v", "o") for d in "bsh") + (
+    "stride_lb", "stride_lh")
+
+
+def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink, cu_seqlens_q=None,
+                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None):
+    """Fill and return ``out`` and ``lse`` (``fwd.new_outputs``'s, the shapes and meaning of
+    ``fwd.attn_fwd``'s) for a call inside :func:`supported`'s domain (tests and benchmarks
+    call it directly; ``dispatch.attn_fwd`` goes through :func:`plan`)."""
+    p = plan(q, k, v, out, lse, softcap=0.0, left=left, right=right, scale=scale, sink=sink,
+             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+             max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+    if p is None:
+        raise ValueError("attn_fwd_sm90: the call is outside the Hopper forward's domain "
+                         "(fwd_sm90.supported); call dispatch.attn_fwd")
+    if p.run is not None:
+        triton.set_allocator(alloc_scratch)
+        p.run(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
     return out, lse

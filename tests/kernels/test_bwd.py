@@ -400,14 +400,13 @@ def test_attn_bwd_gpu_sm90_dq_d256(device, kernel_opts, monkeypatch, case, path)
     from flashlse.kernels import bwd_sm90
 
     calls = []
-    real = bwd_sm90.attn_bwd_dq_sm90
+    real = bwd_sm90.dq_plan
     kernel_opts(sm90_dq=path == "sm90")
-    monkeypatch.setattr(bwd_sm90, "attn_bwd_dq_sm90",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(bwd_sm90, "dq_plan", lambda p: calls.append(real(p)) or calls[-1])
     case = dict(case)
     b, sq, sk, hq, hkv = (case.pop(n) for n in ("b", "sq", "sk", "hq", "hkv"))
     _run_dense(device, torch.bfloat16, b, sq, sk, hq, hkv, 256, 256, seed=6, **case)
-    assert len(calls) == (1 if path == "sm90" else 0)
+    assert len(calls) == (1 if path == "sm90" else 0) and all(calls)
 
 
 def test_attn_bwd_sm90_failure_falls_back(device, kernel_opts, monkeypatch, compile_failures):
@@ -421,9 +420,8 @@ def test_attn_bwd_sm90_failure_falls_back(device, kernel_opts, monkeypatch, comp
         calls.append(1)
         raise RuntimeError("no Gluon here")
 
-    monkeypatch.setattr(bwd_sm90, "supported", lambda *a, **k: True)
-    monkeypatch.setattr(bwd_sm90, "attn_bwd_dkdv_sm90", broken)
-    monkeypatch.setattr(bwd_sm90, "attn_bwd_dq_sm90", broken)
+    monkeypatch.setattr(bwd_sm90, "dkdv_plan", lambda p: broken)
+    monkeypatch.setattr(bwd_sm90, "dq_plan", lambda p: broken)
     kernel_opts(sm90_dkdv=True)
     kernel_opts(sm90_dq=True)
     dtype = torch.float16

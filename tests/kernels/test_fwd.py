@@ -229,8 +229,8 @@ def test_attn_fwd_sm90_failure_falls_back(device, monkeypatch, compile_failures)
         calls.append(1)
         raise RuntimeError("no Gluon here")
 
-    monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
-    monkeypatch.setattr(fwd_sm90, "attn_fwd_sm90", broken)
+    monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **k: fwd_sm90.Plan(
+        broken, ("fwd_sm90", "a signature")))
     dtype = torch.float16
     with pytest.warns(RuntimeWarning, match="Hopper forward kernel failed"):
         _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=12)
@@ -274,10 +274,16 @@ def test_attn_fwd_gpu_sm90(device, monkeypatch, dtype, b, sq, sk, hq, hkv, d, kw
     from flashlse.kernels import fwd_sm90
 
     calls = []
-    real = fwd_sm90.attn_fwd_sm90
-    monkeypatch.setattr(fwd_sm90, "attn_fwd_sm90", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fwd_sm90.plan
+
+    def plan(*a, **k):
+        p = real(*a, **k)
+        calls.append(p is not None)
+        return p
+
+    monkeypatch.setattr(fwd_sm90, "plan", plan)
     _run_dense(device, dtype, b, sq, sk, hq, hkv, d, d, seed=7, **kw)
-    assert calls, "the call did not take the Hopper kernel"
+    assert calls and all(calls), "the call did not take the Hopper kernel"
 
 
 @pytest.mark.gpu

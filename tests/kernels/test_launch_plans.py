@@ -61,8 +61,8 @@ def _recorder(kernel, grid):
         bound = dict(zip(names, args))
         assert not set(bound) & set(kwargs), name
         bound.update(kwargs)
-        g = grid(bound) if callable(grid) else grid
-        _LOG.append(("launch", name, _norm(tuple(g)),
+        g = tuple(grid(bound) if callable(grid) else grid)
+        _LOG.append(("launch", name, _norm(g + (1,) * (3 - len(g))),
                      tuple(sorted((k, _norm(v)) for k, v in bound.items()))))
         return None
 
@@ -117,7 +117,15 @@ class _Stubs:
                 setattr(obj, name, val)
 
 
+_MODE = [None]
+
+
 def set_sm90(mode):
+    # The Hopper domains are functions of the call's metadata on one device, kept in the
+    # plans: a change of the forced domain is a change of device.
+    if mode != _MODE[0]:
+        clear_plans()
+        _MODE[0] = mode
     for mod, fn in ((dispatch.fwd_sm90, _fwd_domain), (dispatch.bwd_sm90, _bwd_domain)):
         if mod is not None:
             mod.supported = fn if mode == "domain" else (lambda *a, **k: False)

@@ -1,0 +1,95 @@
+"""Repeated public calls launch through the compiled kernels' own launchers (``_common.Launch``)
+and stay right when a later call differs in what Triton specialises on: a misaligned tensor,
+another sink dtype. Counted by wrapping Triton's JIT entry (``JITFunction.run``). GPU only: the
+interpreter has no compiled kernel to keep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _flashlse_testing import check_against_reference
+from triton.runtime.jit import JITFunction
+
+import flashlse as fl
+import flashlse.reference as R
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture
+def jit_calls(monkeypatch):
+    calls = []
+    real = JITFunction.run
+
+    def run(self, *args, **kwargs):
+        calls.append(getattr(self, "fn", self).__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    return calls
+
+
+def _rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+def _offset(x, elems):
+    """``x``'s values in a tensor whose address is ``elems`` elements past an aligned one."""
+    buf = torch.empty(x.numel() + elems, device=x.device, dtype=x.dtype)
+    out = buf[elems:].view(x.shape)
+    out.copy_(x)
+    return out
+
+
+def _check_attention(q, k, v, **kw):
+    # grad=False: fl.attention gets these very tensors (their addresses), the reference copies.
+    check_against_reference(lambda q, k, v: fl.attention(q, k, v, return_lse=True, **kw),
+                            lambda q, k, v: R.attention(q, k, v, return_lse=True, **kw),
+                            dict(q=q, k=k, v=v), grad=False)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd_bwd"])
+def test_repeated_attention_skips_the_jit_path(jit_calls, grad):
+    q, k, v = (_rand(2, 300, 4, 128) for _ in range(3))
+    do = _rand(2, 300, 4, 128)
+
+    def call():
+        qg, kg, vg = (x.detach().requires_grad_(grad) for x in (q, k, v))
+        out = fl.attention(qg, kg, vg, causal=True)
+        if grad:
+            out.backward(do)
+            return out, qg.grad, kg.grad, vg.grad
+        return (out,)
+
+    first = call()
+    n_first = len(jit_calls)
+    assert n_first >= (4 if grad else 1)
+    again = call()
+    assert len(jit_calls) == n_first, f"JIT path taken again: {jit_calls[n_first:]}"
+    for a, b in zip(first, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_misaligned_then_aligned_inputs(jit_calls):
+    q, k, v = (_rand(1, 257, 4, 64) for _ in range(3))
+    _check_attention(q, k, v, causal=True)
+    _check_attention(q, _offset(k, 1), v, causal=True)   # 2 bytes off: JIT path, no TMA
+    _check_attention(q, k, _offset(v, 8), causal=True)   # 16 bytes off: aligned
+    n = len(jit_calls)
+    _check_attention(q, k, v, causal=True)
+    assert len(jit_calls) == n
+
+
+def test_decode_sink_dtype_change_recompiles():
+    # Same plan key but another sink dtype: the kernel compiled for a float32 sink must not
+    # read a bfloat16 one.
+    q, kc = _rand(4, 1, 8, 128), _rand(4, 1000, 2, 128)
+    lens = torch.tensor([1000, 3, 0, 517], dtype=torch.int32, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        sink = torch.randn(8, device="cuda").to(dtype)
+        kw = dict(cache_seqlens=lens, sink=sink, return_lse=True)
+        check_against_reference(
+            lambda q, kc, kw=kw: fl.attention_with_kvcache(q, kc, kc, **kw),
+            lambda q, kc, kw=kw: R.attention_with_kvcache(q, kc, kc, **kw),
+            dict(q=q, kc=kc), grad=False)

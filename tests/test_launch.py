@@ -1,0 +1,108 @@
+"""``kernels._common.Launch``: a planned launch calls the compiled kernel's own launcher only
+for tensors of the dtypes and alignment the kernel was compiled for, and Triton's JIT path
+otherwise. Fakes stand in for the kernel, the device and the stream (no GPU here); the GPU
+tests (tests/kernels/test_launch_fast_path.py) run the real thing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlse.kernels import _common
+
+
+class _Compiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *args):
+        self.log.append(("fast", args))
+
+
+class _Kernel:
+    """``kernel[grid](*args, **options)`` as Triton's JIT path: logs, returns its kernel."""
+
+    def __init__(self):
+        self.log = []
+        self.compiled = _Compiled(self.log)
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.log.append(("jit", grid, args, options))
+            return self.compiled
+        return launch
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    dev = {"index": 0}
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: dev["index"])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1000 + i, raising=False)
+    return dev
+
+
+def _aligned(n, dtype=torch.float32, offset=0):
+    return torch.zeros(n + 8, dtype=dtype)[offset:offset + n]
+
+
+def test_first_call_jit_then_compiled_launcher(fake_device):
+    k = _Kernel()
+    run = _common.Launch(k, (4, 2), (7, 3.5, True), {"num_warps": 4})
+    a, b = _aligned(16), _aligned(16, torch.int32)
+    run(a, None, b)
+    run(a, None, b)
+    assert k.log[0] == ("jit", (4, 2, 1), (a, None, b, 7, 3.5, True), {"num_warps": 4})
+    assert k.log[1] == ("fast", (4, 2, 1, 1000, "fn", "meta", None, None, None,
+                                 a, None, b, 7, 3.5, True))
+    assert len(k.log) == 2
+
+
+@pytest.mark.parametrize("change", ["dtype", "misaligned", "none_slot", "device", "hook",
+                                    "hook_chain"])
+def test_other_specialisations_take_the_jit_path(fake_device, monkeypatch, change):
+    k = _Kernel()
+    run = _common.Launch(k, (1,), (), {})
+    a, b = _aligned(16), _aligned(16)
+    run(a, b)
+    if change == "dtype":
+        b = _aligned(16, torch.bfloat16)
+    elif change == "misaligned":
+        b = _aligned(16, offset=1)  # 4 bytes off
+    elif change == "none_slot":
+        b = None
+    elif change == "device":
+        fake_device["index"] = 1
+    elif change == "hook":  # a plain function set as the hook
+        monkeypatch.setattr(_common._HOOKS, "launch_exit_hook", lambda *a: None)
+    else:  # a profiler's hook (proton adds to the chain)
+        chain = _common._HOOKS.launch_enter_hook
+        chain.add(print)
+        try:
+            run(a, b)
+        finally:
+            chain.remove(print)
+        assert [e[0] for e in k.log] == ["jit", "jit"]
+        return
+    run(a, b)
+    assert [e[0] for e in k.log] == ["jit", "jit"]
+
+
+def test_a_misaligned_first_call_compiles_nothing_to_reuse(fake_device):
+    k = _Kernel()
+    run = _common.Launch(k, (1,), (), {})
+    run(_aligned(16, offset=1))
+    run(_aligned(16))  # the first aligned call compiles (JIT), the next one reuses
+    run(_aligned(16))
+    assert [e[0] for e in k.log] == ["jit", "jit", "fast"]
+
+
+def test_interpreter_never_keeps_a_kernel(fake_device, monkeypatch):
+    monkeypatch.setattr(_common, "interpreting", lambda: True)
+    k = _Kernel()
+    run = _common.Launch(k, (1,), (), {})
+    run(_aligned(16))
+    run(_aligned(16))
+    assert [e[0] for e in k.log] == ["jit", "jit"]
