@@ -52,6 +52,24 @@ if [ "$1" = pending ]; then
     timeout 60 python3 benchmarks/bench_sdpa.py 2>&1 | tail -3
     exit 0
 fi
+if [ "$1" = launch ]; then
+    # Session 9: the compiled-kernel launches (_common.Launch): their GPU tests and a share
+    # of every kernel suite in three processes, then host time (bench_overhead, profile).
+    K=tests/kernels
+    timeout 200 python3 -m pytest -q $K/test_launch_fast_path.py $K/test_decode.py \
+        $K/test_combine.py $K/test_cuda_graphs.py -p no:cacheprovider > "$OUT/test_gpu_a.log" 2>&1 &
+    FLASHLSE_TEST_SHARD=0/3 timeout 200 python3 -m pytest -q $K/test_fwd.py $K/test_bwd.py \
+        $K/test_kvcache_kernels.py -p no:cacheprovider > "$OUT/test_gpu_b.log" 2>&1 &
+    FLASHLSE_TEST_SHARD=1/3 timeout 200 python3 -m pytest -q $K/test_fwd.py $K/test_bwd.py \
+        $K/test_kvcache_kernels.py -p no:cacheprovider > "$OUT/test_gpu_c.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/test_gpu_*.log | head -20
+    timeout 100 python3 benchmarks/bench_overhead.py --out "$OUT" 2>&1 | tail -16
+    timeout 100 python3 benchmarks/profile_host.py --top 30 > "$OUT/profile_host.txt" 2>&1
+    grep "===" "$OUT/profile_host.txt"
+    exit 0
+fi
 if [ "$1" = verify ]; then
     # Session 9: the tests the default run's time cut (backward beyond dense/paths) and the
     # pending paths' tests in four processes, then the paged kernel and host-time benchmarks.
