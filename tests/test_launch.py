@@ -60,6 +60,12 @@ def test_first_call_jit_then_compiled_launcher(fake_device):
     assert len(k.log) == 2
 
 
+def test_grid_of_constexprs_becomes_ints():
+    import triton.language as tl
+    run = _common.Launch(_Kernel(), (tl.constexpr(3), 2 * tl.constexpr(4)), (), {})
+    assert run.grid == (3, 8, 1) and all(type(g) is int for g in run.grid)
+
+
 @pytest.mark.parametrize("change", ["dtype", "misaligned", "none_slot", "device", "hook",
                                     "hook_chain"])
 def test_other_specialisations_take_the_jit_path(fake_device, monkeypatch, change):

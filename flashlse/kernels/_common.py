@@ -89,7 +89,9 @@ class Launch:
 
     def __init__(self, kernel, grid: tuple, args: tuple, options: dict):
         self.kernel = kernel
-        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        # Plain ints: a grid of tl.constexpr (``cdiv(n, 2 * HALF_M)``) would make Triton's
+        # launcher multiply constexpr objects in Python on every launch.
+        self.grid = tuple(int(getattr(g, "value", g)) for g in grid) + (1,) * (3 - len(grid))
         self.args = tuple(args)
         self.options = options
         # (device index, tensor dtypes, compiled kernel), from the first aligned call.

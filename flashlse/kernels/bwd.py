@@ -146,9 +146,10 @@ def _attn_bwd_preprocess_kernel(
     # [BLOCK_M]
     b_lse = tl.load(lse + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh
                     + o_tok * stride_ls, mask=m_m, other=0.0)
-    b_dlse = tl.load(dlse + i_b.to(tl.int64) * stride_dlb + i_h.to(tl.int64) * stride_dlh
-                     + o_tok * stride_dls, mask=m_m, other=0.0)
-    b_delta = tl.sum(b_o * b_do, 1) - b_dlse
+    b_delta = tl.sum(b_o * b_do, 1)
+    if dlse is not None:  # None: lse has no gradient (unused, so autograd passes none)
+        b_delta -= tl.load(dlse + i_b.to(tl.int64) * stride_dlb + i_h.to(tl.int64) * stride_dlh
+                           + o_tok * stride_dls, mask=m_m, other=0.0)
     # The once-per-row fix: an empty row's -inf becomes 0, so 2^(-inf - 0) = 0 downstream.
     b_lse_log2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E)
     o_t = i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + bos + o_m
@@ -772,8 +773,6 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
     # Autograd may hand over an expanded gradient (stride 0), which TMA cannot describe.
     if dout.stride(-1) != 1 or 0 in dout.stride():
         dout = dout.contiguous()
-    if dlse is None:
-        dlse = torch.zeros_like(lse, dtype=torch.float32)
     opts = options.current()
     plan = key = None
     if not opts.bwd_config:
@@ -781,7 +780,7 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
         # optional tensors there are; the scalars and the options the plan reads.
         key = (q.shape, q.stride(), q.dtype, device, k.shape, k.stride(), k.dtype,
                v.shape, v.stride(), v.dtype, dout.shape, dout.stride(), dout.dtype,
-               out.stride(), lse.shape, lse.stride(), dlse.stride(),
+               out.stride(), lse.shape, lse.stride(), None if dlse is None else dlse.stride(),
                (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) % 16 == 0,
                None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
                                                   max_seqlen_k),
@@ -871,7 +870,8 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
     pre_run = Launch(_attn_bwd_preprocess_kernel, (n_m_pre, hq, batch),
                      *positional(_attn_bwd_preprocess_kernel, 9, dict(
         **stride_args("bsh", is_varlen, o=out, do=dout),
-        **stride_args("bhs", is_varlen, l=lse, dl=dlse),
+        # No dlse: its strides are not read (lse's stand in).
+        **stride_args("bhs", is_varlen, l=lse, dl=lse if dlse is None else dlse),
         stride_tb=st_b,
         stride_th=st_h,
         seqlen_q=seqlen_q,
