@@ -194,6 +194,14 @@ def seq_span(cu_seqlens, i_b, total, max_len):
 
 
 @triton.jit
+def slice_ptr(x, i_b, bos, i_h, stride_b, stride_s, stride_h):
+    """Row 0 of head ``i_h`` of sequence ``i_b`` in ``x`` (``strides``: a varlen tensor has
+    batch stride 0 and its sequence starts at packed row ``bos``; 0 when dense). Batch and
+    head indices in int64, so the offsets of multi-gigabyte tensors do not wrap."""
+    return x + i_b.to(tl.int64) * stride_b + bos * stride_s + i_h.to(tl.int64) * stride_h
+
+
+@triton.jit
 def seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
                IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
     """``(bos, bos_k, T_q, T_k)`` of sequence ``i_b``: its first query / key row in the
@@ -213,6 +221,36 @@ def seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqle
         T_q = seqlen_q
         T_k = seqlen_k
     return bos, bos_k, T_q, T_k
+
+
+@triton.jit
+def stats_offset(i_b, bos, i_h, stride_b, stride_h):
+    """Offset of row ``bos`` of head ``i_h`` of sequence ``i_b`` in a per-row statistic (lse,
+    delta): ``(B, H, S)`` dense, ``(H, total)`` varlen (batch stride 0, ``bos`` the packed
+    row), rows contiguous. In int64, as ``slice_ptr``."""
+    return i_b.to(tl.int64) * stride_b + i_h.to(tl.int64) * stride_h + bos
+
+
+@triton.jit
+def seq_block(i_b, i_x, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
+              seqused_k, BLOCK: tl.constexpr, KEYS: tl.constexpr, LAST_FIRST: tl.constexpr,
+              IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
+    """A program's block: sequence ``i_b``'s ``seq_bounds``, then block ``i_x`` of its query
+    rows (``KEYS``: of its keys), its first and last index ``[x0, x_last]`` and the masks'
+    ``shift = T_k - T_q`` (bottom-right aligned). ``LAST_FIRST`` counts the block back from
+    the sequence's own last one and returns that index: negative for the programs of a grid
+    sized for a longer sequence. Otherwise such a program has ``x0`` past the end. Either way
+    it has no rows (keys) and returns before it loads anything; the caller tests the index
+    itself (the sm_90 compile of a test of ``x0 < 0`` had 9 more instructions a loop)."""
+    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q,
+                                      cu_seqlens_k, seqused_k, IS_VARLEN, HAS_SEQUSED_K)
+    n = T_k if KEYS else T_q
+    if LAST_FIRST:
+        i_x = (n + BLOCK - 1) // BLOCK - 1 - i_x
+    x0 = i_x * BLOCK
+    x_last = tl.minimum(x0 + BLOCK, n) - 1
+    shift = T_k - T_q
+    return bos, bos_k, T_q, T_k, i_x, x0, x_last, shift
 
 
 @triton.jit

@@ -90,7 +90,10 @@ from ._common import (
     next_pow2,
     positional,
     row_ranges,
+    seq_block,
     seq_bounds,
+    slice_ptr,
+    stats_offset,
     stride_args,
     tma_ok,
 )
@@ -152,7 +155,7 @@ def _attn_bwd_preprocess_kernel(
                            + o_tok * stride_dls, mask=m_m, other=0.0)
     # The once-per-row fix: an empty row's -inf becomes 0, so 2^(-inf - 0) = 0 downstream.
     b_lse_log2 = tl.where(b_lse == float("-inf"), 0.0, b_lse * LOG2E)
-    o_t = i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + bos + o_m
+    o_t = stats_offset(i_b, bos, i_h, stride_tb, stride_th) + o_m
     tl.store(delta + o_t, b_delta, mask=m_m)
     tl.store(lse_log2 + o_t, b_lse_log2, mask=m_m)
     if HAS_SINK:
@@ -356,6 +359,8 @@ def _attn_bwd_dkdv_kernel(
     i_n = tl.program_id(0)
     i_hk = tl.program_id(1)
     i_b = tl.program_id(2)
+    # seq_block's order (n_last and shift before the return) spilled more here in the sm_90
+    # compile (96 -> 104 bytes at D = 128, 40 -> 96 at D = 256): the same steps, after it.
     bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
                                        seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     n0 = i_n * BLOCK_N
@@ -365,8 +370,8 @@ def _attn_bwd_dkdv_kernel(
     shift = T_k - T_q
     o_n = n0 + tl.arange(0, BLOCK_N)
 
-    p_k = k + i_b.to(tl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(tl.int64) * stride_kh
-    p_v = v + i_b.to(tl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(tl.int64) * stride_vh
+    p_k = slice_ptr(k, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh)
+    p_v = slice_ptr(v, i_b, bos_k, i_hk, stride_vb, stride_vs, stride_vh)
     if USE_TMA:
         k_ref = tl.make_tensor_descriptor(p_k, shape=[tl.maximum(T_k, 1), D], strides=[stride_ks, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
@@ -390,10 +395,9 @@ def _attn_bwd_dkdv_kernel(
     # is one loop over (head, row block): a loop over the heads around the three row loops
     # carried the accumulators across them and spilled (sm_90 compile, benchmarks/NOTES.md).
     i_h0 = i_hk * GROUP
-    p_q = q + i_b.to(tl.int64) * stride_qb + bos * stride_qs + i_h0.to(tl.int64) * stride_qh
-    p_do = (dout + i_b.to(tl.int64) * stride_dob + bos * stride_dos
-            + i_h0.to(tl.int64) * stride_doh)
-    o_t = i_b.to(tl.int64) * stride_tb + i_h0.to(tl.int64) * stride_th + bos
+    p_q = slice_ptr(q, i_b, bos, i_h0, stride_qb, stride_qs, stride_qh)
+    p_do = slice_ptr(dout, i_b, bos, i_h0, stride_dob, stride_dos, stride_doh)
+    o_t = stats_offset(i_b, bos, i_h0, stride_tb, stride_th)
     p_lse = lse_log2 + o_t
     p_delta = delta + o_t
     if STATS_TMA:
@@ -434,8 +438,8 @@ def _attn_bwd_dkdv_kernel(
             USE_TMA, EARLY_DP, STATS_TMA, GROUP,
         )
 
-    p_dk = dk + i_b.to(tl.int64) * stride_dkb + bos_k * stride_dks + i_hk.to(tl.int64) * stride_dkh
-    p_dv = dv + i_b.to(tl.int64) * stride_dvb + bos_k * stride_dvs + i_hk.to(tl.int64) * stride_dvh
+    p_dk = slice_ptr(dk, i_b, bos_k, i_hk, stride_dkb, stride_dks, stride_dkh)
+    p_dv = slice_ptr(dv, i_b, bos_k, i_hk, stride_dvb, stride_dvs, stride_dvh)
     _store_rows(p_dk, b_dk * scale, o_n, stride_dks, T_k, BLOCK_D, D)
     _store_rows(p_dv, b_dv, o_n, stride_dvs, T_k, BLOCK_DV, DV)
 
@@ -540,20 +544,18 @@ def _attn_bwd_dq_kernel(
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
     i_hk = i_h // GROUP
-    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
-    m0 = i_m * BLOCK_M
+    bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = seq_block(
+        i_b, i_m, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        BLOCK_M, False, False, IS_VARLEN, HAS_SEQUSED_K)
     if m0 >= T_q:
         return
-    m_last = tl.minimum(m0 + BLOCK_M, T_q) - 1
-    shift = T_k - T_q
     o_m = m0 + tl.arange(0, BLOCK_M)
     m_m = o_m < T_q
 
-    p_q = q + i_b.to(tl.int64) * stride_qb + bos * stride_qs + i_h.to(tl.int64) * stride_qh
-    p_do = dout + i_b.to(tl.int64) * stride_dob + bos * stride_dos + i_h.to(tl.int64) * stride_doh
-    p_k = k + i_b.to(tl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(tl.int64) * stride_kh
-    p_v = v + i_b.to(tl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(tl.int64) * stride_vh
+    p_q = slice_ptr(q, i_b, bos, i_h, stride_qb, stride_qs, stride_qh)
+    p_do = slice_ptr(dout, i_b, bos, i_h, stride_dob, stride_dos, stride_doh)
+    p_k = slice_ptr(k, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh)
+    p_v = slice_ptr(v, i_b, bos_k, i_hk, stride_vb, stride_vs, stride_vh)
     if USE_TMA:
         q_ref = tl.make_tensor_descriptor(p_q, shape=[tl.maximum(T_q, 1), D], strides=[stride_qs, 1],
                                           block_shape=[BLOCK_M, BLOCK_D])
@@ -576,7 +578,7 @@ def _attn_bwd_dq_kernel(
     # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
     b_q = load_rows(q_ref, o_m, m0, stride_qs, T_q, BLOCK_M, BLOCK_D, D, USE_TMA)
     b_do = load_rows(do_ref, o_m, m0, stride_dos, T_q, BLOCK_M, BLOCK_DV, DV, USE_TMA)
-    o_t = i_b.to(tl.int64) * stride_tb + i_h.to(tl.int64) * stride_th + bos + o_m
+    o_t = stats_offset(i_b, bos, i_h, stride_tb, stride_th) + o_m
     # [BLOCK_M]; rows past the end get +inf, so their P is 0.
     b_lse = tl.load(lse_log2 + o_t, mask=m_m, other=float("inf"))
     b_delta = tl.load(delta + o_t, mask=m_m, other=0.0)
@@ -601,7 +603,7 @@ def _attn_bwd_dq_kernel(
         D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, USE_TMA,
         EARLY_DP,
     )
-    p_dq = dq + i_b.to(tl.int64) * stride_dqb + bos * stride_dqs + i_h.to(tl.int64) * stride_dqh
+    p_dq = slice_ptr(dq, i_b, bos, i_h, stride_dqb, stride_dqs, stride_dqh)
     _store_rows(p_dq, b_dq * scale, o_m, stride_dqs, T_q, BLOCK_D, D)
 
 

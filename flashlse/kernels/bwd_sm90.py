@@ -51,14 +51,34 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs
-from ._common import Launch, alloc_scratch, capability, cdiv, positional, row_ranges, tma_ok
-from .fwd_sm90 import HALF_M, _key_ranges, _seq_bounds
+from ._common import (
+    Launch,
+    alloc_scratch,
+    capability,
+    cdiv,
+    positional,
+    row_ranges,
+    stats_offset,
+    tma_ok,
+)
+from .fwd_sm90 import HALF_M, _key_ranges, _seq_block, _slice_ptr
 from .fwd_sm90 import _producer as _fwd_producer
 
 if TYPE_CHECKING:
     from .bwd import BwdPass
 
 _row_ranges = gluon.jit(row_ranges.fn)
+_stats_offset = gluon.jit(stats_offset.fn)
+
+
+@gluon.jit
+def _kv_ptrs(k, v, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+             stride_vh):
+    """K and V (or dK and dV: shaped as the keys) of kv head ``i_hk`` of sequence ``i_b``,
+    as ``_slice_ptr`` gives them."""
+    p_k = _slice_ptr(k, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh)
+    p_v = _slice_ptr(v, i_b, bos_k, i_hk, stride_vb, stride_vs, stride_vh)
+    return p_k, p_v
 
 HALF_N = HALF_M  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: one wgmma M
 
@@ -229,29 +249,24 @@ def _dkdv_sm90_kernel(
     i_n = gl.program_id(0)
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
-    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
-    n0 = i_n * BLOCK_N
+    bos, bos_k, T_q, T_k, i_n, n0, n_last, shift = _seq_block(
+        i_b, i_n, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        BLOCK_N, True, False, IS_VARLEN, HAS_SEQUSED_K)
     if n0 >= T_k:
         return
-    n_last = gl.minimum(n0 + BLOCK_N, T_k) - 1
-    shift = T_k - T_q
     m_lo, m_full_lo, m_full_hi, m_hi = _row_ranges(n0, n_last, T_q, T_k, shift, left, right,
                                                    BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     # The flat loop over (head, row block) of the group: one trip per tile.
     n_tiles = GROUP * ((m_hi - m_lo + BLOCK_M - 1) // BLOCK_M)
 
     i_h0 = i_hk * GROUP
-    p_q = q + i_b.to(gl.int64) * stride_qb + bos * stride_qs + i_h0.to(gl.int64) * stride_qh
-    p_do = (dout + i_b.to(gl.int64) * stride_dob + bos * stride_dos
-            + i_h0.to(gl.int64) * stride_doh)
-    p_k = k + i_b.to(gl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(gl.int64) * stride_kh
-    p_v = v + i_b.to(gl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(gl.int64) * stride_vh
-    p_dk = (dk + i_b.to(gl.int64) * stride_dkb + bos_k * stride_dks
-            + i_hk.to(gl.int64) * stride_dkh)
-    p_dv = (dv + i_b.to(gl.int64) * stride_dvb + bos_k * stride_dvs
-            + i_hk.to(gl.int64) * stride_dvh)
-    o_t = i_b.to(gl.int64) * stride_tb + i_h0.to(gl.int64) * stride_th + bos
+    p_q = _slice_ptr(q, i_b, bos, i_h0, stride_qb, stride_qs, stride_qh)
+    p_do = _slice_ptr(dout, i_b, bos, i_h0, stride_dob, stride_dos, stride_doh)
+    p_k, p_v = _kv_ptrs(k, v, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh, stride_vb,
+                        stride_vs, stride_vh)
+    p_dk, p_dv = _kv_ptrs(dk, dv, i_b, bos_k, i_hk, stride_dkb, stride_dks, stride_dkh,
+                          stride_dvb, stride_dvs, stride_dvh)
+    o_t = _stats_offset(i_b, bos, i_h0, stride_tb, stride_th)
     p_lse = lse_log2 + o_t
     p_delta = delta + o_t
 
@@ -454,27 +469,23 @@ def _dq_sm90_kernel(
     i_h = gl.program_id(1)
     i_b = gl.program_id(2)
     i_hk = i_h // GROUP
-    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     # Last row block first: under a causal mask it has the most keys.
-    i_m = (T_q + BLOCK_M - 1) // BLOCK_M - 1 - i_m_rev
+    bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _seq_block(
+        i_b, i_m_rev, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
+        seqused_k, BLOCK_M, False, True, IS_VARLEN, HAS_SEQUSED_K)
     if i_m < 0:
         return
-    m0 = i_m * BLOCK_M
-    m_last = gl.minimum(m0 + BLOCK_M, T_q) - 1
-    shift = T_k - T_q
     n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
                                                    HAS_LEFT, HAS_RIGHT)
     # A block that sees no key still stores its dQ = 0 (the launcher does not zero dq).
     n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
 
-    p_q = q + i_b.to(gl.int64) * stride_qb + bos * stride_qs + i_h.to(gl.int64) * stride_qh
-    p_do = (dout + i_b.to(gl.int64) * stride_dob + bos * stride_dos
-            + i_h.to(gl.int64) * stride_doh)
-    p_dq = dq + i_b.to(gl.int64) * stride_dqb + bos * stride_dqs + i_h.to(gl.int64) * stride_dqh
-    p_k = k + i_b.to(gl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(gl.int64) * stride_kh
-    p_v = v + i_b.to(gl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(gl.int64) * stride_vh
-    o_t = i_b.to(gl.int64) * stride_tb + i_h.to(gl.int64) * stride_th + bos
+    p_q = _slice_ptr(q, i_b, bos, i_h, stride_qb, stride_qs, stride_qh)
+    p_do = _slice_ptr(dout, i_b, bos, i_h, stride_dob, stride_dos, stride_doh)
+    p_dq = _slice_ptr(dq, i_b, bos, i_h, stride_dqb, stride_dqs, stride_dqh)
+    p_k, p_v = _kv_ptrs(k, v, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh, stride_vb,
+                        stride_vs, stride_vh)
+    o_t = _stats_offset(i_b, bos, i_h, stride_tb, stride_th)
     p_lse = lse_log2 + o_t
     p_delta = delta + o_t
 

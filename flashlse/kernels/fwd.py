@@ -93,8 +93,9 @@ from ._common import (
     mask_args,
     next_pow2,
     positional,
-    seq_bounds,
+    seq_block,
     seq_span,
+    slice_ptr,
     stride_args,
     strides,
     tma_ok,
@@ -400,16 +401,14 @@ def _attn_fwd_kernel(
     i_b = i_bh // HQ
     i_h = i_bh % HQ
     i_hk = i_h // GROUP
-    bos, bos_k, T_q, T_k = seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
-    m0 = i_m * BLOCK_M
+    bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = seq_block(
+        i_b, i_m, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        BLOCK_M, False, False, IS_VARLEN, HAS_SEQUSED_K)
     if m0 >= T_q:
         return
-    m_last = tl.minimum(m0 + BLOCK_M, T_q) - 1
-    shift = T_k - T_q
 
     o_m = m0 + tl.arange(0, BLOCK_M)
-    p_o = o + i_b.to(tl.int64) * stride_ob + bos * stride_os + i_h.to(tl.int64) * stride_oh
+    p_o = slice_ptr(o, i_b, bos, i_h, stride_ob, stride_os, stride_oh)
     p_lse = lse + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + bos
     b_acc, b_m, b_l, n_lo, n_full_lo, n_full_hi, n_hi = _attn_fwd_start(
         m0, m_last, T_k, shift, left, right, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_LEFT, HAS_RIGHT)
@@ -419,9 +418,9 @@ def _attn_fwd_kernel(
                         DV, BLOCK_M, BLOCK_DV, HAS_SINK, USE_TMA)
         return
 
-    p_q = q + i_b.to(tl.int64) * stride_qb + bos * stride_qs + i_h.to(tl.int64) * stride_qh
-    p_k = k + i_b.to(tl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(tl.int64) * stride_kh
-    p_v = v + i_b.to(tl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(tl.int64) * stride_vh
+    p_q = slice_ptr(q, i_b, bos, i_h, stride_qb, stride_qs, stride_qh)
+    p_k = slice_ptr(k, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh)
+    p_v = slice_ptr(v, i_b, bos_k, i_hk, stride_vb, stride_vs, stride_vh)
     if USE_TMA:
         # One descriptor per (sequence, head) slice: rows past its end read as zeros and
         # the store of out is clipped there, so neighbours in a varlen batch stay untouched.

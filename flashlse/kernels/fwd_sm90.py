@@ -55,14 +55,17 @@ from ._common import (
     cdiv,
     key_ranges,
     positional,
-    seq_bounds,
+    seq_block,
+    slice_ptr,
     strides,
     tma_ok,
 )
 
-# fwd.py's scalar helpers (sequence bounds, key-tile ranges), compiled as Gluon functions.
-_seq_bounds = gluon.jit(seq_bounds.fn)
+# The shared scalar helpers (_common: sequence block, key-tile ranges, slice pointers),
+# compiled as Gluon functions.
+_seq_block = gluon.jit(seq_block.fn)
 _key_ranges = gluon.jit(key_ranges.fn)
+_slice_ptr = gluon.jit(slice_ptr.fn)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
@@ -328,26 +331,22 @@ def _fwd_sm90_kernel(
     i_h = gl.program_id(1)
     i_b = gl.program_id(2)
     i_hk = i_h // GROUP
-    bos, bos_k, T_q, T_k = _seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-                                       seqused_k, IS_VARLEN, HAS_SEQUSED_K)
     # Last row block first: under a causal mask it has the most keys.
-    n_m = (T_q + BLOCK_M - 1) // BLOCK_M
-    i_m = n_m - 1 - i_m_rev
+    bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _seq_block(
+        i_b, i_m_rev, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
+        seqused_k, BLOCK_M, False, True, IS_VARLEN, HAS_SEQUSED_K)
     if i_m < 0:
         return
-    m0 = i_m * BLOCK_M
-    m_last = gl.minimum(m0 + BLOCK_M, T_q) - 1
-    shift = T_k - T_q
 
     # Key tiles some row sees [n_lo, n_hi), and the full middle [n_full_lo, n_full_hi).
     n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
                                                    HAS_LEFT, HAS_RIGHT)
     n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
 
-    p_q = q + i_b.to(gl.int64) * stride_qb + bos * stride_qs + i_h.to(gl.int64) * stride_qh
-    p_k = k + i_b.to(gl.int64) * stride_kb + bos_k * stride_ks + i_hk.to(gl.int64) * stride_kh
-    p_v = v + i_b.to(gl.int64) * stride_vb + bos_k * stride_vs + i_hk.to(gl.int64) * stride_vh
-    p_o = o + i_b.to(gl.int64) * stride_ob + bos * stride_os + i_h.to(gl.int64) * stride_oh
+    p_q = _slice_ptr(q, i_b, bos, i_h, stride_qb, stride_qs, stride_qh)
+    p_k = _slice_ptr(k, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh)
+    p_v = _slice_ptr(v, i_b, bos_k, i_hk, stride_vb, stride_vs, stride_vh)
+    p_o = _slice_ptr(o, i_b, bos, i_h, stride_ob, stride_os, stride_oh)
     p_lse = lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + bos
 
     dtype: gl.constexpr = q.dtype.element_ty
