@@ -79,6 +79,34 @@ def back_to_back():
               f"{pub / gr:.2f}x")
 
 
+class _Identity(torch.autograd.Function):
+    """The cheapest attention-shaped autograd op: out = q's storage reused, grads = the
+    incoming gradient for q and fresh buffers for k, v; no kernel. Its fwd+bwd host time is
+    what torch's autograd (Function.apply, the engine, the gradient checks) costs any
+    attention op called eagerly with ``.backward``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, torch.empty_like(dout), torch.empty_like(dout)
+
+
+def autograd_floor(dev, n):
+    """Host us a call of a no-kernel autograd op's forward + backward, as ``calls()``'s
+    fwd+bwd (fresh .grad each call, ``out.backward(dout)``)."""
+    q, k, v = (torch.randn(1, 128, 2, 128, device=dev, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 128, 2, 128, device=dev)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        _Identity.apply(q, k, v).backward(do)
+
+    return per_call_us(step, n) if dev == "cuda" else step
+
+
 def floor(n):
     x = torch.zeros(16, device="cuda")
     ts = [torch.zeros(16, device="cuda") for _ in range(8)]
@@ -93,6 +121,7 @@ def floor(n):
         "empty kernel, 32 args, JIT path": per_call_us(k32, n),
         "empty kernel, 32 args, compiled launcher": per_call_us(
             lambda: runner(*ts, *ints, 16, 32, 64, 128, True, False), n),
+        "autograd op fwd+bwd, no kernel": autograd_floor("cuda", n),
     }
 
 
@@ -152,7 +181,8 @@ def cpu_stubbed(n, profile, top):
     # kernel[grid](...) returns a no-op: what remains is flashlse's Python around it.
     InterpretedFunction.__getitem__ = lambda self, grid: (lambda *a, **k: None)
     x = torch.zeros(16)
-    rows = {"x.add_(1)": lambda: x.add_(1)}
+    rows = {"x.add_(1)": lambda: x.add_(1), "autograd op fwd+bwd, no kernel":
+            autograd_floor("cpu", n)}
     rows.update(stubbed_calls())
     print(f"=== CPU, launches stubbed, value checks off: us a call (median of 5 x {n}) ===")
     with fl.value_checks(False):
