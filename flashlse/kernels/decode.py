@@ -372,11 +372,8 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         o_buf, lse_buf = out, lse
     else:
         # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set.
-        # Both partials in one float32 allocation (one allocator call less a step), the lses
-        # after the outs at a 16-byte aligned offset.
-        buf = empty((plan.buf_numel,), dtype=torch.float32, device=dev)
-        o_buf = buf[:plan.o_numel].view(plan.o_buf_shape)
-        lse_buf = buf[plan.lse_offset:].view(plan.o_buf_shape[:-1])
+        o_buf = empty(plan.o_buf_shape, dtype=torch.float32, device=dev)
+        lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=dev)
     plan.run(q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
              o_buf, lse_buf)
     if plan.merge is not None:
@@ -399,10 +396,6 @@ class _DecodePlan:
     # None: nothing to compute (empty outputs).
     grid: tuple | None = None
     o_buf_shape: tuple | None = None
-    # The partials' one buffer: its float32 elements, the outs' and where the lses start.
-    buf_numel: int = 0
-    o_numel: int = 0
-    lse_offset: int = 0
     # The decode kernel's launch.
     run: Launch | None = None
     # The split-KV merge's plan (combine.merge_plan), None with one split.
@@ -499,10 +492,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
                            st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:], st_yd=1,
                            st_z=(hq * sq, 1, sq), pdl=pdl)
     grid = (programs, splits)
-    n_lse = splits * batch * sq * hq
-    lse_offset = -(-n_lse * dv // 4) * 4  # 16-byte aligned lses (the launches reuse kernels)
-    return _DecodePlan(out_shape, out_dtype, lse_shape, grid, o_buf_shape, lse_offset + n_lse,
-                       n_lse * dv, lse_offset,
+    return _DecodePlan(out_shape, out_dtype, lse_shape, grid, o_buf_shape,
                        Launch(_decode_fwd_kernel, grid, *positional(_decode_fwd_kernel, 8, kw)),
                        merge)
 
