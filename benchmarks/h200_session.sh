@@ -52,6 +52,24 @@ if [ "$1" = pending ]; then
     timeout 60 python3 benchmarks/bench_sdpa.py 2>&1 | tail -3
     exit 0
 fi
+if [ "$1" = final ]; then
+    # Session 9's last call: the fast-path, decode and kvcache tests, the Hopper and real-size
+    # forward/backward tests in three shards (kernel prologues refactored), then host time.
+    K=tests/kernels
+    timeout 240 python3 -m pytest -q $K/test_launch_fast_path.py $K/test_decode.py \
+        $K/test_combine.py $K/test_kvcache_kernels.py -p no:cacheprovider > "$OUT/test_gpu_a.log" 2>&1 &
+    for i in 0 1 2; do
+        FLASHLSE_TEST_SHARD=$i/3 timeout 240 python3 -m pytest -q $K/test_fwd.py $K/test_bwd.py \
+            -k "sm90 or gpu" -p no:cacheprovider > "$OUT/test_gpu_s$i.log" 2>&1 &
+    done
+    wait
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/test_gpu_*.log | head -20
+    timeout 110 python3 benchmarks/bench_overhead.py --out "$OUT" 2>&1 | tail -16
+    timeout 60 python3 benchmarks/profile_host.py --top 25 > "$OUT/profile_host.txt" 2>&1
+    grep "===" "$OUT/profile_host.txt"
+    exit 0
+fi
 if [ "$1" = launch ]; then
     # Session 9: the compiled-kernel launches (_common.Launch): their GPU tests and a share
     # of the forward/backward suites in three processes, then host time (bench_overhead, profile).
