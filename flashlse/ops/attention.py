@@ -20,7 +20,7 @@ import torch
 from .. import masks
 from ..lse import safe_pivot
 from . import _validate as V
-from ._dispatch import compute_dtype, use_triton
+from ._dispatch import compute_dtype, kernel_module, use_triton
 from ._paged import gather_pages
 from .merge import merge_math
 
@@ -201,9 +201,7 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink, **varlen):
     ``cu_seqlens_q/k``, ``max_seqlen_q/k`` and ``seqused_k`` keywords of packed input."""
     kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
     if use_triton(q):
-        from ..kernels.dispatch import attn_fwd as attn_fwd_kernel
-
-        return attn_fwd_kernel(q, k, v, **kw, **varlen)
+        return kernel_module("dispatch").attn_fwd(q, k, v, **kw, **varlen)
     if not varlen:
         return attn_fwd_torch(q, k, v, **kw)
     cu_q, cu_k, seqused_k = varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], varlen["seqused_k"]
@@ -223,10 +221,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     ``varlen`` as in :func:`attn_fwd`."""
     kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
     if use_triton(q):
-        from ..kernels.dispatch import attn_bwd as attn_bwd_kernel
-
-        return attn_bwd_kernel(dout, dlse, q, k, v, out, lse, deterministic=deterministic,
-                               **kw, **varlen)
+        return kernel_module("dispatch").attn_bwd(dout, dlse, q, k, v, out, lse,
+                                                  deterministic=deterministic, **kw, **varlen)
     if dlse is None:
         dlse = torch.zeros_like(lse)
     if not varlen:
