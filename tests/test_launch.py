@@ -112,3 +112,33 @@ def test_interpreter_never_keeps_a_kernel(fake_device, monkeypatch):
     run(_aligned(16))
     run(_aligned(16))
     assert [e[0] for e in k.log] == ["jit", "jit"]
+
+
+def test_triton_specialises_tensors_on_dtype_and_alignment_only():
+    """Launch reuses a compiled kernel for tensors of the same dtypes and 16-byte alignment:
+    Triton's own specialisation of a tensor argument (what its JIT path keys the compiled
+    kernel on) must be a function of exactly those two, whatever the shape, strides or
+    address. A Triton that specialises on more fails here before a kernel meets a tensor it
+    was not compiled for."""
+    specialize = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    cuda = pytest.importorskip("triton.backends.nvidia.compiler").CUDABackend
+    gen = torch.Generator().manual_seed(0)
+    seen, back = {}, {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int32):
+        for _ in range(50):
+            shape = tuple(int(x) for x in torch.randint(1, 9, (3,), generator=gen))
+            base = torch.empty(2000, dtype=dtype)
+            offset = int(torch.randint(0, 40, (), generator=gen))
+            n = shape[0] * shape[1] * shape[2]
+            t = base[offset:offset + n].view(shape)
+            if torch.rand((), generator=gen) < 0.5:
+                t = t.transpose(0, 2)
+            for tensors in ((t,), (t, None)):
+                ours = _common._signature(tensors)
+                theirs = tuple(specialize(cuda, x, False, True, True) for x in tensors)
+                key = None if ours is None else tuple(ours)
+                # Same dtypes and alignment: the same compiled kernel (and back).
+                assert seen.setdefault(key, theirs) == theirs, (key, theirs)
+                assert back.setdefault(theirs, key) == key, (theirs, key)
+    # Aligned and misaligned met for each dtype, with and without the None slot.
+    assert len(seen) == 4 * 2 * 2
