@@ -187,10 +187,16 @@ def cases():
     for paged in (False, True):
         consts = dict(SQ=1, GROUP=4, M_TILES=1, D1=128, D2=0, DV=128, BLOCK_M=16, BLOCK_N=64,
                       BLOCK_D1=128, BLOCK_D2=16, BLOCK_DV=128, PAGE_SIZE=16 if paged else 1,
-                      PAGED=paged, SHARED_KV=False, HAS_LEFT=False, HAS_RIGHT=True,
-                      HAS_SOFTCAP=False, HAS_SINK=True, HAS_SEQLENS=True, PDL=True)
+                      PAGED=paged, TOKEN_TABLE=False, SHARED_KV=False, HAS_LEFT=False,
+                      HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_SINK=True, HAS_SEQLENS=True,
+                      PDL=True)
         yield "decode", f"decode GQA paged={paged}", decode._decode_fwd_kernel, dec_types, \
             consts, 4, 3
+    # sparse_attention's forward: the top-k lists read as the table (one-row pages).
+    consts = dict(consts, GROUP=8, BLOCK_M=16, PAGE_SIZE=1, PAGED=True, TOKEN_TABLE=True,
+                  HAS_RIGHT=False, HAS_SINK=False, HAS_SEQLENS=False)
+    yield "decode", "decode sparse token table G=8", decode._decode_fwd_kernel, dec_types, \
+        consts, 4, 3
     consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, PDL=True)
     yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
         dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32), consts, 1, 3

@@ -83,20 +83,30 @@ def _pdl_ok(t: torch.Tensor) -> bool:
 def _decode_fwd_tile(
     b_acc, b_m, b_l, b_q1, b_q2,
     k, v, block_table,
-    n0, n_end, i_b, i_hkv, o_diag, num_pages,
+    n0, n_end, i_b, i_hkv, o_diag, num_pages, table_sk, table_per_batch, table_hkv,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_tb,
     left, right, scale_log2, softcap_a2, softcap_c2,
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, SHARED_KV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, TOKEN_TABLE: tl.constexpr, SHARED_KV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax; keys ``>= n_end`` are masked."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     m_n = o_n < n_end
-    if PAGED:
+    if TOKEN_TABLE:
+        # The table lists token positions j (sparse attention's top-k; pages are single
+        # (token, kv head) rows): sequence i_b is kv head h = i_b % table_hkv of batch
+        # b = i_b // table_per_batch, and key j its page (b * Sk + j) * Hkv + h. A position
+        # outside [0, Sk) (-1: no key) is masked, never read.
+        b_j = tl.load(block_table + i_b.to(tl.int64) * stride_tb + o_n, mask=m_n, other=-1)
+        m_n = m_n & (b_j >= 0) & (b_j < table_sk)
+        b_page = ((i_b // table_per_batch).to(tl.int64) * table_sk + b_j) * table_hkv + i_b % table_hkv
+        o_k = b_page * stride_kb + i_hkv.to(tl.int64) * stride_kh
+        o_v = b_page * stride_vb + i_hkv.to(tl.int64) * stride_vh
+    elif PAGED:
         # One page lookup per key row: any page size, pages smaller than a tile included.
         b_page = tl.load(block_table + i_b.to(tl.int64) * stride_tb + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
         # A page index outside the cache (value checks are opt-in) is no key, never read.
@@ -169,6 +179,9 @@ def _decode_fwd_kernel(
     num_splits,
     capacity,
     num_pages,
+    table_sk,
+    table_per_batch,
+    table_hkv,
     seqlen_add,
     left,
     right,
@@ -188,6 +201,7 @@ def _decode_fwd_kernel(
     BLOCK_DV: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
+    TOKEN_TABLE: tl.constexpr,
     SHARED_KV: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr,
@@ -249,10 +263,11 @@ def _decode_fwd_kernel(
     for n0 in range(n_start, n_end, BLOCK_N):
         b_acc, b_m, b_l = _decode_fwd_tile(
             b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag, num_pages,
+            table_sk, table_per_batch, table_hkv,
             stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
             left, right, scale_log2, softcap_a2, softcap_c2,
             D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
-            PAGE_SIZE, PAGED, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            PAGE_SIZE, PAGED, TOKEN_TABLE, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
         )
 
     b_l_keys = b_l
@@ -307,7 +322,7 @@ def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
 
 
 def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
-               sink, num_splits, seqlen_add=0, config=None, out_dtype=None):
+               sink, num_splits, seqlen_add=0, config=None, out_dtype=None, token_table=None):
     """``out = softmax(scale * q k^T [masked]) v`` over each sequence's cache, split over keys.
 
     Inputs are assumed valid (ops/ validates, and appends k_new/v_new before this runs).
@@ -331,6 +346,11 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         config: optional dict overriding ``configs.decode_config``'s tiles (benchmarks sweep
             tiles with it), or a ``TileConfig`` replacing them.
         out_dtype: ``out``'s dtype (default q's); float32 for a caller that merges further.
+        token_table: ``(Sk, per_batch, Hkv)`` when the caches are single-row pages of a
+            ``(B, Sk, Hkv, *)`` cache (page ``(b * Sk + j) * Hkv + h``) and ``block_table``
+            lists token positions ``j`` instead of pages: sequence ``i`` is kv head
+            ``i % Hkv`` of batch ``i // per_batch``; a position outside ``[0, Sk)`` is no
+            key (sparse attention's top-k lists, read without building a page table).
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` in ``out_dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
@@ -353,12 +373,12 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
                v_cache.shape, v_cache.stride(), v_cache.data_ptr() == k_cache.data_ptr(),
                None if block_table is None else (block_table.shape, block_table.stride()),
                cache_seqlens is None, sink is None, left, right, softcap, scale, num_splits,
-               seqlen_add, out_dtype, opts.pdl)
+               seqlen_add, out_dtype, opts.pdl, token_table)
         plan = _PLANS.get(key)
     if plan is None:
         plan = _decode_plan(q, k_cache, v_cache, block_table, cache_seqlens is not None, sink,
                             left, right, softcap, scale, num_splits, seqlen_add, config,
-                            out_dtype, opts.pdl)
+                            out_dtype, opts.pdl, token_table)
         if not config:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -403,7 +423,7 @@ class _DecodePlan:
 
 
 def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, right, softcap,
-                 scale, num_splits, seqlen_add, config, out_dtype, pdl_opt):
+                 scale, num_splits, seqlen_add, config, out_dtype, pdl_opt, token_table=None):
     """Everything decode_fwd passes the kernels but the tensors, from the call's metadata."""
     batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -463,6 +483,9 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         num_splits=splits,
         capacity=capacity,
         num_pages=k_cache.shape[0],
+        table_sk=token_table[0] if token_table else 0,
+        table_per_batch=token_table[1] if token_table else 1,
+        table_hkv=token_table[2] if token_table else 1,
         seqlen_add=int(seqlen_add),
         **mask_args(left, right, scale, softcap),
         SQ=sq,
@@ -478,6 +501,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         BLOCK_DV=max(16, _next_pow2(dv)),
         PAGE_SIZE=page_size if paged else 1,
         PAGED=paged,
+        TOKEN_TABLE=token_table is not None,
         SHARED_KV=shared_kv,
         HAS_SEQLENS=has_seqlens,
         HAS_SINK=sink is not None and splits == 1,

@@ -114,16 +114,11 @@ def sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
 
 
 def _listed_rows(indices, k, block_table):
-    """Where each listed key lives: ``(row, ok)``, ``row`` the key's row in the cache viewed
-    as ``(rows, Hkv, D)`` (``b * Sk + j`` contiguous, ``page * page_size + j % page_size``
-    paged), ``ok`` False for -1, an index past the sequence's keys, or a page outside
-    ``[0, num_pages)``."""
+    """Where each listed key of a paged cache lives: ``(row, ok)``, ``row`` the key's row in
+    the cache viewed as ``(rows, Hkv, D)`` (``page * page_size + j % page_size``), ``ok``
+    False for -1, an index past the sequence's pages, or a page outside ``[0, num_pages)``.
+    (A contiguous cache needs no such table: the decode kernel reads the indices.)"""
     idx = indices.long()
-    if block_table is None:
-        sk = k.shape[1]
-        b = indices.shape[0]
-        return (torch.arange(b, device=idx.device).view(b, 1, 1, 1) * sk + idx,
-                (idx >= 0) & (idx < sk))
     page_size = k.shape[1]
     ok = (idx >= 0) & (idx < block_table.shape[1] * page_size)
     slot = torch.where(ok, idx, 0)
@@ -158,16 +153,26 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, listed=None):
     # row once; a reshape would give the size-1 dims other strides and hide that.
     shared = v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and dv <= d
     pages_v = pages_k[..., :dv] if shared else v.reshape(n_rows * hkv, 1, 1, dv)
-    heads = torch.arange(hkv, device=q.device).view(1, 1, hkv, 1)
-    # An unlisted key (-1, out of range, or on a page outside the cache) is a page the
-    # kernel never reads: no key.
-    # listed: _listed_rows of a paged cache; a contiguous one is computed here.
-    row, ok = listed if listed is not None else _listed_rows(indices, k, None)
-    table = torch.where(ok, row * hkv + heads, -1).to(torch.int32)
-    lens = torch.full((rows,), topk, dtype=torch.int32, device=q.device)
-    out, lse = decode_fwd(q.reshape(rows, 1, g, d), pages_k, pages_v, cache_seqlens=lens,
-                          block_table=table.view(rows, topk), left=None, right=None,
-                          softcap=0.0, scale=scale, sink=None, num_splits=0,
+    if listed is None:
+        # A contiguous cache: the kernel reads the indices themselves as the table (sequence
+        # (b, i, h) of the rows is kv head h of batch b; key j is page (b * Sk + j) * Hkv + h,
+        # a position outside [0, Sk) or -1 no key): no table is built, no length either
+        # (each list is topk long).
+        table = indices.reshape(rows, topk)
+        if table.stride(-1) != 1:
+            table = table.contiguous()
+        kw = dict(cache_seqlens=None, block_table=table,
+                  token_table=(k.shape[1], sq * hkv, hkv))
+    else:
+        # listed: _listed_rows of a paged cache. An unlisted key (-1, out of range, or on a
+        # page outside the cache) is a page the kernel never reads: no key.
+        row, ok = listed
+        heads = torch.arange(hkv, device=q.device).view(1, 1, hkv, 1)
+        table = torch.where(ok, row * hkv + heads, -1).to(torch.int32)
+        kw = dict(cache_seqlens=torch.full((rows,), topk, dtype=torch.int32, device=q.device),
+                  block_table=table.view(rows, topk))
+    out, lse = decode_fwd(q.reshape(rows, 1, g, d), pages_k, pages_v, **kw, left=None,
+                          right=None, softcap=0.0, scale=scale, sink=None, num_splits=0,
                           out_dtype=torch.float32 if sink is not None else None)
     out = out.view(b, sq, hq, dv)
     lse = lse.view(b, sq, hq)

@@ -42,14 +42,18 @@ def test_sparse_attention_on_kernels(device, b, sq, sk, hq, hkv, d, dv, topk, kw
     assert calls or topk == 0 or sq == 0 or sk == 0
 
 
-def test_out_of_range_indices_are_no_key(device):
+@pytest.mark.parametrize("b,hkv", [(1, 1), (2, 3)])
+def test_out_of_range_indices_are_no_key(device, b, hkv):
+    # The kernel reads the indices themselves (sequence (b, i, h) -> row (b * Sk + j) * Hkv
+    # + h): out-of-range positions are masked per batch and head, never read elsewhere.
     g = torch.Generator().manual_seed(2)
     dt = torch.float16 if device == "cuda" else torch.float32
-    q, k, v = (torch.randn(1, 3, 2, 16, generator=g).to(device, dt),
-               torch.randn(1, 5, 1, 16, generator=g).to(device, dt),
-               torch.randn(1, 5, 1, 16, generator=g).to(device, dt))
-    idx = torch.tensor([[[[0, 4, 9]], [[7, -3, 2]], [[1, 1, 1]]]], dtype=torch.int32,
-                       device=device)
+    q, k, v = (torch.randn(b, 3, 2 * hkv, 16, generator=g).to(device, dt),
+               torch.randn(b, 5, hkv, 16, generator=g).to(device, dt),
+               torch.randn(b, 5, hkv, 16, generator=g).to(device, dt))
+    idx = torch.randint(-3, 9, (b, 3, hkv, 4), generator=g, dtype=torch.int32)
+    idx[0, 0, 0] = torch.tensor([0, 4, 9, 5])
+    idx = idx.to(device)
     with fl.value_checks(False):
         out, lse = fl.sparse_attention(q, k, v, idx, return_lse=True)
     clean = torch.where((idx >= 0) & (idx < 5), idx, -1)
