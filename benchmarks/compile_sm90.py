@@ -183,11 +183,13 @@ def cases():
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3
     dec_types = dict(q=BF16, k=BF16, v=BF16, cache_seqlens=I32, block_table=I32, sink=F32,
-                     o=F32, lse=F32, scale_log2="fp32", softcap_a2="fp32", softcap_c2="fp32")
+                     o=F32, lse=F32, token_pages=I32, scale_log2="fp32", softcap_a2="fp32",
+                     softcap_c2="fp32")
     for paged in (False, True):
         consts = dict(SQ=1, GROUP=4, M_TILES=1, D1=128, D2=0, DV=128, BLOCK_M=16, BLOCK_N=64,
                       BLOCK_D1=128, BLOCK_D2=16, BLOCK_DV=128, PAGE_SIZE=16 if paged else 1,
-                      PAGED=paged, TOKEN_TABLE=False, SHARED_KV=False, HAS_LEFT=False,
+                      PAGED=paged, TOKEN_TABLE=False, TOKEN_PAGE=0, SHARED_KV=False,
+                      HAS_LEFT=False,
                       HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_SINK=True, HAS_SEQLENS=True,
                       PDL=True)
         yield "decode", f"decode GQA paged={paged}", decode._decode_fwd_kernel, dec_types, \
@@ -197,6 +199,8 @@ def cases():
                   HAS_RIGHT=False, HAS_SINK=False, HAS_SEQLENS=False)
     yield "decode", "decode sparse token table G=8", decode._decode_fwd_kernel, dec_types, \
         consts, 4, 3
+    yield "decode", "decode sparse token table G=8 paged 64", decode._decode_fwd_kernel, \
+        dec_types, dict(consts, TOKEN_PAGE=64), 4, 3
     consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, PDL=True)
     yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
         dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32), consts, 1, 3

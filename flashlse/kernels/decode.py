@@ -82,15 +82,17 @@ def _pdl_ok(t: torch.Tensor) -> bool:
 @triton.jit
 def _decode_fwd_tile(
     b_acc, b_m, b_l, b_q1, b_q2,
-    k, v, block_table,
+    k, v, block_table, token_pages,
     n0, n_end, i_b, i_hkv, o_diag, num_pages, table_sk, table_per_batch, table_hkv,
+    table_num_pages,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
-    stride_tb,
+    stride_tb, stride_pb,
     left, right, scale_log2, softcap_a2, softcap_c2,
     D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, TOKEN_TABLE: tl.constexpr, SHARED_KV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, TOKEN_TABLE: tl.constexpr,
+    TOKEN_PAGE: tl.constexpr, SHARED_KV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax; keys ``>= n_end`` are masked."""
@@ -99,11 +101,21 @@ def _decode_fwd_tile(
     if TOKEN_TABLE:
         # The table lists token positions j (sparse attention's top-k; pages are single
         # (token, kv head) rows): sequence i_b is kv head h = i_b % table_hkv of batch
-        # b = i_b // table_per_batch, and key j its page (b * Sk + j) * Hkv + h. A position
-        # outside [0, Sk) (-1: no key) is masked, never read.
+        # b = i_b // table_per_batch, and key j its row r in the cache, page r * Hkv + h:
+        # r = b * Sk + j contiguous, or, through the cache's own block table (token_pages,
+        # pages of TOKEN_PAGE rows), token_pages[b, j // TOKEN_PAGE] * TOKEN_PAGE
+        # + j % TOKEN_PAGE. A position outside [0, Sk) (-1: no key) or on a page outside
+        # [0, table_num_pages) is masked, never read.
         b_j = tl.load(block_table + i_b.to(tl.int64) * stride_tb + o_n, mask=m_n, other=-1)
         m_n = m_n & (b_j >= 0) & (b_j < table_sk)
-        b_page = ((i_b // table_per_batch).to(tl.int64) * table_sk + b_j) * table_hkv + i_b % table_hkv
+        i_bb = (i_b // table_per_batch).to(tl.int64)
+        if TOKEN_PAGE > 0:
+            b_pg = tl.load(token_pages + i_bb * stride_pb + b_j // TOKEN_PAGE, mask=m_n, other=0).to(tl.int64)
+            m_n = m_n & (b_pg >= 0) & (b_pg < table_num_pages)
+            b_row = b_pg * TOKEN_PAGE + b_j % TOKEN_PAGE
+        else:
+            b_row = i_bb * table_sk + b_j
+        b_page = b_row * table_hkv + i_b % table_hkv
         o_k = b_page * stride_kb + i_hkv.to(tl.int64) * stride_kh
         o_v = b_page * stride_vb + i_hkv.to(tl.int64) * stride_vh
     elif PAGED:
@@ -169,10 +181,12 @@ def _decode_fwd_kernel(
     sink,
     o,
     lse,
+    token_pages,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_tb,
+    stride_pb,
     stride_os, stride_ob, stride_oq, stride_oh,
     stride_ls, stride_lb, stride_lq, stride_lh,
     HKV,
@@ -182,6 +196,7 @@ def _decode_fwd_kernel(
     table_sk,
     table_per_batch,
     table_hkv,
+    table_num_pages,
     seqlen_add,
     left,
     right,
@@ -202,6 +217,7 @@ def _decode_fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
     TOKEN_TABLE: tl.constexpr,
+    TOKEN_PAGE: tl.constexpr,
     SHARED_KV: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr,
@@ -262,12 +278,13 @@ def _decode_fwd_kernel(
     b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for n0 in range(n_start, n_end, BLOCK_N):
         b_acc, b_m, b_l = _decode_fwd_tile(
-            b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, n0, n_end, i_b, i_hkv, o_diag, num_pages,
-            table_sk, table_per_batch, table_hkv,
+            b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, token_pages, n0, n_end, i_b, i_hkv,
+            o_diag, num_pages, table_sk, table_per_batch, table_hkv, table_num_pages,
             stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
-            left, right, scale_log2, softcap_a2, softcap_c2,
+            stride_pb, left, right, scale_log2, softcap_a2, softcap_c2,
             D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
-            PAGE_SIZE, PAGED, TOKEN_TABLE, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, SHARED_KV, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP,
         )
 
     b_l_keys = b_l
@@ -322,7 +339,8 @@ def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
 
 
 def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
-               sink, num_splits, seqlen_add=0, config=None, out_dtype=None, token_table=None):
+               sink, num_splits, seqlen_add=0, config=None, out_dtype=None, token_table=None,
+               token_pages=None):
     """``out = softmax(scale * q k^T [masked]) v`` over each sequence's cache, split over keys.
 
     Inputs are assumed valid (ops/ validates, and appends k_new/v_new before this runs).
@@ -351,6 +369,11 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
             lists token positions ``j`` instead of pages: sequence ``i`` is kv head
             ``i % Hkv`` of batch ``i // per_batch``; a position outside ``[0, Sk)`` is no
             key (sparse attention's top-k lists, read without building a page table).
+        token_pages: with ``token_table``, the block table ``(B, max_pages)`` of a paged
+            cache ``(num_pages, page_size, Hkv, *)`` whose rows are the single-row pages:
+            position j of batch b is row ``token_pages[b, j // page_size] * page_size
+            + j % page_size``, ``Sk = max_pages * page_size``; a page outside the cache is
+            no key.
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` in ``out_dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
@@ -373,12 +396,13 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
                v_cache.shape, v_cache.stride(), v_cache.data_ptr() == k_cache.data_ptr(),
                None if block_table is None else (block_table.shape, block_table.stride()),
                cache_seqlens is None, sink is None, left, right, softcap, scale, num_splits,
-               seqlen_add, out_dtype, opts.pdl, token_table)
+               seqlen_add, out_dtype, opts.pdl, token_table,
+               None if token_pages is None else (token_pages.shape, token_pages.stride()))
         plan = _PLANS.get(key)
     if plan is None:
         plan = _decode_plan(q, k_cache, v_cache, block_table, cache_seqlens is not None, sink,
                             left, right, softcap, scale, num_splits, seqlen_add, config,
-                            out_dtype, opts.pdl, token_table)
+                            out_dtype, opts.pdl, token_table, token_pages)
         if not config:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -395,7 +419,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         o_buf = empty(plan.o_buf_shape, dtype=torch.float32, device=dev)
         lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=dev)
     plan.run(q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
-             o_buf, lse_buf)
+             o_buf, lse_buf, token_pages)
     if plan.merge is not None:
         # Rows (b, i, h) of the partials, of out (B, Sq, Hq, Dv) and of lse (B, Hq, Sq): the
         # layout is known, so the merge launches without merge_states_fwd's layout analysis.
@@ -423,7 +447,8 @@ class _DecodePlan:
 
 
 def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, right, softcap,
-                 scale, num_splits, seqlen_add, config, out_dtype, pdl_opt, token_table=None):
+                 scale, num_splits, seqlen_add, config, out_dtype, pdl_opt, token_table=None,
+                 token_pages=None):
     """Everything decode_fwd passes the kernels but the tensors, from the call's metadata."""
     batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -477,6 +502,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],
         stride_vb=st_v[0], stride_vn=st_v[1], stride_vh=st_v[2],
         stride_tb=block_table.stride(0) if paged else 0,
+        stride_pb=0 if token_pages is None else token_pages.stride(0),
         stride_os=st_o[0], stride_ob=st_o[1], stride_oq=st_o[2], stride_oh=st_o[3],
         stride_ls=st_l[0], stride_lb=st_l[1], stride_lq=st_l[2], stride_lh=st_l[3],
         HKV=hkv,
@@ -486,6 +512,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         table_sk=token_table[0] if token_table else 0,
         table_per_batch=token_table[1] if token_table else 1,
         table_hkv=token_table[2] if token_table else 1,
+        table_num_pages=token_table[3] if token_pages is not None else 0,
         seqlen_add=int(seqlen_add),
         **mask_args(left, right, scale, softcap),
         SQ=sq,
@@ -502,6 +529,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         PAGE_SIZE=page_size if paged else 1,
         PAGED=paged,
         TOKEN_TABLE=token_table is not None,
+        TOKEN_PAGE=token_table[4] if token_pages is not None else 0,
         SHARED_KV=shared_kv,
         HAS_SEQLENS=has_seqlens,
         HAS_SINK=sink is not None and splits == 1,
@@ -517,7 +545,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
                            st_z=(hq * sq, 1, sq), pdl=pdl)
     grid = (programs, splits)
     return _DecodePlan(out_shape, out_dtype, lse_shape, grid, o_buf_shape,
-                       Launch(_decode_fwd_kernel, grid, *positional(_decode_fwd_kernel, 8, kw)),
+                       Launch(_decode_fwd_kernel, grid, *positional(_decode_fwd_kernel, 9, kw)),
                        merge)
 
 

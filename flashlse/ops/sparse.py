@@ -127,13 +127,14 @@ def _listed_rows(indices, k, block_table):
     return page * page_size + slot % page_size, ok
 
 
-def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, listed=None):
+def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None):
     """The forward on the split-KV decode kernel (``kernels/decode.py``), no new kernel: each
-    (batch, query row, kv head) is one "sequence" whose key list is a block table of pages of
-    one (token, kv head) row, and its query heads are the decode kernel's head group, so each
-    gathered K/V row is read once for the whole group (MLA: 128 heads on one latent row, and
-    ``v = k[..., :Dv]`` read once). An index outside ``[0, Sk)`` or -1 is a page outside the
-    cache: no key. The sink is merged once afterwards.
+    (batch, query row, kv head) is one "sequence" whose keys are its top-k list, read by the
+    kernel as a table of one-row pages (``decode_fwd(token_table=...)``; through the cache's
+    ``block_table`` when paged), and its query heads are the decode kernel's head group, so
+    each gathered K/V row is read once for the whole group (MLA: 128 heads on one latent row,
+    and ``v = k[..., :Dv]`` read once). An index outside the sequence's keys, -1, or on a
+    page outside the cache is no key, never read. The sink is merged once afterwards.
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` in q's dtype and ``lse (B, Hq, Sq)`` float32.
@@ -153,26 +154,25 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, listed=None):
     # row once; a reshape would give the size-1 dims other strides and hide that.
     shared = v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and dv <= d
     pages_v = pages_k[..., :dv] if shared else v.reshape(n_rows * hkv, 1, 1, dv)
-    if listed is None:
-        # A contiguous cache: the kernel reads the indices themselves as the table (sequence
-        # (b, i, h) of the rows is kv head h of batch b; key j is page (b * Sk + j) * Hkv + h,
-        # a position outside [0, Sk) or -1 no key): no table is built, no length either
-        # (each list is topk long).
-        table = indices.reshape(rows, topk)
-        if table.stride(-1) != 1:
-            table = table.contiguous()
-        kw = dict(cache_seqlens=None, block_table=table,
-                  token_table=(k.shape[1], sq * hkv, hkv))
+    # The kernel reads the indices themselves as its table: sequence (b, i, h) of the rows is
+    # kv head h of batch b, key j its cache row r (b * Sk + j contiguous; through the block
+    # table when paged), page r * Hkv + h; a position outside the sequence's keys, or on a
+    # page outside the cache, is no key. No table is built, no length either (each list is
+    # topk long).
+    table = indices.reshape(rows, topk)
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    if block_table is None:
+        kw = dict(token_table=(k.shape[1], sq * hkv, hkv))
     else:
-        # listed: _listed_rows of a paged cache. An unlisted key (-1, out of range, or on a
-        # page outside the cache) is a page the kernel never reads: no key.
-        row, ok = listed
-        heads = torch.arange(hkv, device=q.device).view(1, 1, hkv, 1)
-        table = torch.where(ok, row * hkv + heads, -1).to(torch.int32)
-        kw = dict(cache_seqlens=torch.full((rows,), topk, dtype=torch.int32, device=q.device),
-                  block_table=table.view(rows, topk))
-    out, lse = decode_fwd(q.reshape(rows, 1, g, d), pages_k, pages_v, **kw, left=None,
-                          right=None, softcap=0.0, scale=scale, sink=None, num_splits=0,
+        page_size = k.shape[1]
+        if block_table.stride(-1) != 1:
+            block_table = block_table.contiguous()
+        kw = dict(token_table=(block_table.shape[1] * page_size, sq * hkv, hkv, k.shape[0],
+                               page_size), token_pages=block_table)
+    out, lse = decode_fwd(q.reshape(rows, 1, g, d), pages_k, pages_v, cache_seqlens=None,
+                          block_table=table, **kw, left=None, right=None, softcap=0.0,
+                          scale=scale, sink=None, num_splits=0,
                           out_dtype=torch.float32 if sink is not None else None)
     out = out.view(b, sq, hq, dv)
     lse = lse.view(b, sq, hq)
@@ -289,9 +289,11 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
             t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
         raise ValueError("sparse_attention with a block_table is forward only (serving); call "
                          "it under torch.no_grad()")
-    listed = _listed_rows(indices, k_cache, block_table)
-    ok = listed[1]
-    if V.values_checkable(block_table) and indices.numel():
+    checked = V.values_checkable(block_table) and indices.numel()
+    kernel = _kernel_ok(q, k_cache, v_cache, indices)
+    if checked or not kernel:
+        _, ok = _listed_rows(indices, k_cache, block_table)
+    if checked:
         # The indices lie in [0, capacity) or are -1 (checked): a listed key that is not ok
         # sits on a page outside the cache.
         bad = (indices >= 0) & ~ok
@@ -302,9 +304,9 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
             raise ValueError(f"block_table entries of listed keys must lie in "
                              f"[0, {k_cache.shape[0]}) (the number of pages), found "
                              f"{block_table[rows_b, cols][:4].tolist()}")
-    if _kernel_ok(q, k_cache, v_cache, indices):
+    if kernel:
         out, lse = sparse_fwd_kernel(q, k_cache, v_cache, indices, scale=scale, sink=sink,
-                                     listed=listed)
+                                     block_table=block_table)
     else:
         from ._paged import gather_pages
 

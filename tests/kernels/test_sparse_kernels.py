@@ -115,3 +115,32 @@ def test_sparse_attention_paged_on_kernels(device, mla, page, monkeypatch):
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     run_sparse_paged(device, DTYPES[0], mla=mla, page=page)
     assert calls
+
+
+@pytest.mark.parametrize("page", [1, 4], ids=lambda p: f"page{p}")
+def test_sparse_paged_pages_outside_the_cache_are_no_key(device, page):
+    # With the value checks off, a block-table entry outside [0, num_pages) holds no key:
+    # the kernel masks it (never reads it); the answer is the reference without those keys.
+    g = torch.Generator().manual_seed(3)
+    dt = torch.float16 if device == "cuda" else torch.float32
+    b, sq, hq, hkv, d, n_pages = 2, 3, 4, 2, 16, 3
+    total = b * n_pages
+    k_cache = torch.randn(total, page, hkv, d, generator=g)
+    v_cache = torch.randn(total, page, hkv, d, generator=g)
+    table = torch.randperm(total, generator=g).view(b, n_pages).to(torch.int32)
+    table[0, 1], table[1, 2] = total + 5, -7
+    idx = torch.randint(-1, n_pages * page, (b, sq, hkv, 6), generator=g, dtype=torch.int32)
+    q = torch.randn(b, sq, hq, d, generator=g)
+    with torch.no_grad(), fl.value_checks(False):
+        out, lse = fl.sparse_attention(q.to(device, dt), k_cache.to(device, dt),
+                                       v_cache.to(device, dt), idx.to(device),
+                                       block_table=table.to(device), return_lse=True)
+    bad = (table[torch.arange(b).view(b, 1, 1, 1), (idx.clamp(min=0) // page).long()] < 0) | (
+        table[torch.arange(b).view(b, 1, 1, 1), (idx.clamp(min=0) // page).long()] >= total)
+    clean = torch.where(bad, -1, idx)
+    good_table = torch.where((table >= 0) & (table < total), table, 0)
+    want_out, want_lse = R.sparse_attention(q.double(), k_cache.double(), v_cache.double(),
+                                            clean, block_table=good_table, return_lse=True)
+    tol = 2e-3 if dt == torch.float16 else 1e-5
+    torch.testing.assert_close(out.double().cpu(), want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)
