@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_session.sh fuzz       # bf16 fuzz, NaN/sink tests, memcheck
 #   bash benchmarks/h200_session.sh pending    # the GPU tests and benchmarks not yet run
 #   bash benchmarks/h200_session.sh serving    # paged kernel tests, sweep, serving, host time
+#   bash benchmarks/h200_session.sh verify|launch|final|sparse   # session 9's checks
 #   (issue 20's figures: benchmarks/h200_fuzz_memcheck.sh, fuzz beside memcheck)
 # Note: `-m gpu` alone selects only the real-size tests; the parametrized kernel tests
 # (the same ones CI runs under the interpreter) run on CUDA too when no marker is given.
@@ -50,6 +51,17 @@ if [ "$1" = pending ]; then
     timeout 100 python3 benchmarks/bench_sparse.py --backward 2>&1 | tail -4
     timeout 80 python3 benchmarks/bench_serving.py 2>&1 | tail -7
     timeout 60 python3 benchmarks/bench_sdpa.py 2>&1 | tail -3
+    exit 0
+fi
+if [ "$1" = sparse ]; then
+    # Session 9's unmeasured sparse forward (the decode kernel reading the top-k lists as its
+    # table, contiguous and paged): GPU tests, then bench_sparse and the host-time row.
+    timeout 200 python3 -m pytest -q tests/kernels/test_sparse_kernels.py \
+        tests/test_sparse_attention.py -p no:cacheprovider > "$OUT/test_gpu_sparse.log" 2>&1
+    tail -1 "$OUT/test_gpu_sparse.log"; grep -h "^FAILED" "$OUT/test_gpu_sparse.log" | head
+    timeout 150 python3 benchmarks/bench_sparse.py --backward 2>&1 | tail -4
+    timeout 100 python3 benchmarks/bench_overhead.py --functions sparse,kvcache --out "$OUT" \
+        2>&1 | tail -8
     exit 0
 fi
 if [ "$1" = final ]; then
