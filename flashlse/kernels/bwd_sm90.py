@@ -61,7 +61,7 @@ from ._common import (
     stats_offset,
     tma_ok,
 )
-from .fwd_sm90 import HALF_M, _key_ranges, _seq_block, _slice_ptr
+from .fwd_sm90 import HALF_M, _key_ranges, _kv_ring, _seq_block, _slice_ptr
 from .fwd_sm90 import _producer as _fwd_producer
 
 if TYPE_CHECKING:
@@ -505,21 +505,11 @@ def _dq_sm90_kernel(
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=1)
-        mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES)
 
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_desc, q_bar, k_full, k_empty,

@@ -124,7 +124,7 @@ def _attn_fwd_load_kv(ref, o_n, n0, stride_s, T_k, b_page, stride_p,
     """K or V tile ``[BLOCK_N, BLOCK_C]`` of keys ``o_n = n0 + arange``, zeros from ``T_k`` on:
     rows of one contiguous slice (``PAGE_SIZE == 0``), or of a paged cache, key j at row
     ``j % PAGE_SIZE`` of its page (pages ``stride_p`` apart), the tile's page ids ``b_page``
-    given (``_paged_tile_pages``, loaded a tile ahead by ``_attn_fwd_inner``)."""
+    given (``_paged_tile_pages``, loaded a tile ahead by ``_attn_fwd_ranges``)."""
     if PAGE_SIZE == 0:
         b_x = load_rows(ref, o_n, n0, stride_s, T_k, BLOCK_N, BLOCK_C, N_COLS, USE_TMA)
     else:
@@ -216,47 +216,6 @@ def _attn_fwd_softmax_pv(
 
 
 @triton.jit
-def _attn_fwd_inner(
-    b_acc, b_m, b_l, b_q,
-    k_ref, v_ref,
-    stride_ks, stride_vs,
-    p_bt, stride_kp, stride_vp,
-    n_lo, n_hi,
-    o_m, T_k, shift, left, right,
-    scale_log2, softcap_a2, softcap_c2,
-    D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-):
-    """Key tiles ``[n_lo, n_hi)`` (``n_lo`` a multiple of BLOCK_N), masked or all full; K/V
-    contiguous (``PAGE_SIZE == 0``) or paged through the block-table row ``p_bt``."""
-    # Paged: a tile's page ids are loaded one iteration ahead and carried, so the K/V
-    # addresses depend on no load of their own iteration and the software pipeliner issues
-    # the K/V copies num_stages - 1 tiles ahead as in the contiguous loop (loaded in the same
-    # iteration, the ids made it wait for every copy at each tile: NOTES.md, session 8).
-    b_page = 0
-    if PAGE_SIZE != 0:
-        b_page = _paged_tile_pages(p_bt, n_lo, T_k, BLOCK_N, PAGE_SIZE)
-    for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        n0 = tl.multiple_of(n0, BLOCK_N)
-        b_page_next = b_page
-        if PAGE_SIZE != 0:
-            b_page_next = _paged_tile_pages(p_bt, n0 + BLOCK_N, T_k, BLOCK_N, PAGE_SIZE)
-        b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, b_page, stride_kp,
-                           BLOCK_N, BLOCK_D, D, USE_TMA, PAGE_SIZE)
-        b_acc, b_m, b_l = _attn_fwd_softmax_pv(
-            b_acc, b_m, b_l, b_s, v_ref, stride_vs, b_page, stride_vp,
-            n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
-            DV, BLOCK_N, BLOCK_DV,
-            MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA, PAGE_SIZE,
-        )
-        b_page = b_page_next
-    return b_acc, b_m, b_l
-
-
-@triton.jit
 def _attn_fwd_ranges(
     b_acc, b_m, b_l, b_q,
     k_ref, v_ref,
@@ -271,8 +230,10 @@ def _attn_fwd_ranges(
     HAS_SOFTCAP: tl.constexpr, NEG_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    """The key tiles of a row block (``key_ranges``): masked left edge (only with a left
-    window), full middle, masked right edge (causal diagonal, ragged end of the keys)."""
+    """The key tiles of a row block (``key_ranges``) as three loops: masked left edge (only
+    with a left window), full middle, masked right edge (causal diagonal, ragged end of the
+    keys); each range starts at a multiple of BLOCK_N. K/V contiguous (``PAGE_SIZE == 0``) or
+    paged through the block-table row ``p_bt``."""
     for part in tl.static_range(3):
         if part == 0:
             lo, hi = n_lo, n_full_lo
@@ -281,14 +242,29 @@ def _attn_fwd_ranges(
         else:
             lo, hi = n_full_hi, n_hi
         if part != 0 or HAS_LEFT:
-            b_acc, b_m, b_l = _attn_fwd_inner(
-                b_acc, b_m, b_l, b_q, k_ref, v_ref, stride_ks, stride_vs, p_bt, stride_kp,
-                stride_vp, lo, hi, o_m, T_k, shift, left, right,
-                scale_log2, softcap_a2, softcap_c2,
-                D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-                part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA,
-                WARP_SPECIALIZE, PAGE_SIZE,
-            )
+            # Paged: a tile's page ids are loaded one iteration ahead and carried, so the K/V
+            # addresses depend on no load of their own iteration and the software pipeliner
+            # issues the K/V copies num_stages - 1 tiles ahead as in the contiguous loop
+            # (loaded in the same iteration, the ids made it wait for every copy at each
+            # tile: NOTES.md, session 8).
+            b_page = 0
+            if PAGE_SIZE != 0:
+                b_page = _paged_tile_pages(p_bt, lo, T_k, BLOCK_N, PAGE_SIZE)
+            for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+                n0 = tl.multiple_of(n0, BLOCK_N)
+                b_page_next = b_page
+                if PAGE_SIZE != 0:
+                    b_page_next = _paged_tile_pages(p_bt, n0 + BLOCK_N, T_k, BLOCK_N, PAGE_SIZE)
+                b_s = _attn_fwd_qk(b_q, k_ref, stride_ks, n0, T_k, b_page, stride_kp,
+                                   BLOCK_N, BLOCK_D, D, USE_TMA, PAGE_SIZE)
+                # The edges mask, the full middle does not.
+                b_acc, b_m, b_l = _attn_fwd_softmax_pv(
+                    b_acc, b_m, b_l, b_s, v_ref, stride_vs, b_page, stride_vp,
+                    n0, o_m, T_k, shift, left, right, scale_log2, softcap_a2, softcap_c2,
+                    DV, BLOCK_N, BLOCK_DV,
+                    part != 1, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, NEG_SCALE, USE_TMA, PAGE_SIZE,
+                )
+                b_page = b_page_next
     return b_acc, b_m, b_l
 
 

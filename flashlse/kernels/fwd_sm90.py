@@ -102,6 +102,28 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 
 
 @gluon.jit
+def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr):
+    """The ring ``_producer`` loads K and V tiles into (the forward's and the backward dQ's):
+    STAGES buffers of each, a *full* barrier a buffer (the producer's expect, completed by
+    the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup)."""
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    return k_smem, v_smem, k_full, k_empty, v_full, v_empty
+
+
+@gluon.jit
 def _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2,
                   MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                   BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
@@ -368,23 +390,13 @@ def _fwd_sm90_kernel(
                                         kv_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=1)
-        mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES)
     # Warpgroup 0 issues first.
     mbarrier.arrive(turn.index(0))
 
