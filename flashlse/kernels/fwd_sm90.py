@@ -71,6 +71,26 @@ HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
 
 @gluon.jit
+def _row_block(seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, IS_VARLEN: gl.constexpr,
+               HAS_SEQUSED_K: gl.constexpr):
+    """The program's query head ``i_h`` (kv head ``i_hk``), sequence ``i_b`` and its
+    ``_seq_block`` (the forward's and the backward dQ's grid: row block, head, sequence). The
+    last row block runs first: under a causal mask it has the most keys. ``i_m < 0``: the
+    block is past its sequence's end and the caller returns. The caller computes the key
+    tiles after that test: computed in here, before it, they moved in the sm_90 PTX and changed
+    the SASS of the every-flag forward."""
+    i_m_rev = gl.program_id(0)
+    i_h = gl.program_id(1)
+    i_b = gl.program_id(2)
+    i_hk = i_h // GROUP
+    bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _seq_block(
+        i_b, i_m_rev, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
+        seqused_k, BLOCK_M, False, True, IS_VARLEN, HAS_SEQUSED_K)
+    return i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift
+
+
+@gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               q_bar, k_full, k_empty, v_full, v_empty,
               m0, n_lo, n_tiles,
@@ -349,14 +369,9 @@ def _fwd_sm90_kernel(
     OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 2 * HALF_M
-    i_m_rev = gl.program_id(0)
-    i_h = gl.program_id(1)
-    i_b = gl.program_id(2)
-    i_hk = i_h // GROUP
-    # Last row block first: under a causal mask it has the most keys.
-    bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _seq_block(
-        i_b, i_m_rev, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-        seqused_k, BLOCK_M, False, True, IS_VARLEN, HAS_SEQUSED_K)
+    i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _row_block(
+        seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k, GROUP,
+        BLOCK_M, IS_VARLEN, HAS_SEQUSED_K)
     if i_m < 0:
         return
 
