@@ -504,7 +504,8 @@ def _dq_sm90_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
-    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
+                                                                kv_layout)
 
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_desc, q_bar, k_full, k_empty,

@@ -123,11 +123,11 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 
 @gluon.jit
 def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr):
+             STAGES: gl.constexpr, kv_layout: gl.constexpr):
     """The ring ``_producer`` loads K and V tiles into (the forward's and the backward dQ's):
     STAGES buffers of each, a *full* barrier a buffer (the producer's expect, completed by
-    the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup)."""
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup).
+    ``kv_layout`` is the caller's, that of its K/V descriptors: TMA copies need the same."""
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -411,7 +411,8 @@ def _fwd_sm90_kernel(
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
-    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
+                                                                kv_layout)
     # Warpgroup 0 issues first.
     mbarrier.arrive(turn.index(0))
 
