@@ -61,7 +61,7 @@ from ._common import (
     stats_offset,
     tma_ok,
 )
-from .fwd_sm90 import HALF_M, _key_ranges, _kv_ring, _seq_block, _slice_ptr
+from .fwd_sm90 import HALF_M, _key_ranges, _kv_ring, _row_block, _seq_block, _slice_ptr
 from .fwd_sm90 import _producer as _fwd_producer
 
 if TYPE_CHECKING:
@@ -465,14 +465,9 @@ def _dq_sm90_kernel(
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 2 * HALF_N
-    i_m_rev = gl.program_id(0)
-    i_h = gl.program_id(1)
-    i_b = gl.program_id(2)
-    i_hk = i_h // GROUP
-    # Last row block first: under a causal mask it has the most keys.
-    bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _seq_block(
-        i_b, i_m_rev, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-        seqused_k, BLOCK_M, False, True, IS_VARLEN, HAS_SEQUSED_K)
+    i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _row_block(
+        seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k, GROUP,
+        BLOCK_M, IS_VARLEN, HAS_SEQUSED_K)
     if i_m < 0:
         return
     n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
@@ -509,7 +504,8 @@ def _dq_sm90_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
-    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
+                                                                kv_layout)
 
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_desc, q_bar, k_full, k_empty,

@@ -71,6 +71,26 @@ HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
 
 @gluon.jit
+def _row_block(seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, IS_VARLEN: gl.constexpr,
+               HAS_SEQUSED_K: gl.constexpr):
+    """The program's query head ``i_h`` (kv head ``i_hk``), sequence ``i_b`` and its
+    ``_seq_block`` (the forward's and the backward dQ's grid: row block, head, sequence). The
+    last row block runs first: under a causal mask it has the most keys. ``i_m < 0``: the
+    block is past its sequence's end and the caller returns. The caller computes the key
+    tiles after that test: computed in here, before it, they moved in the sm_90 PTX and changed
+    the SASS of the every-flag forward."""
+    i_m_rev = gl.program_id(0)
+    i_h = gl.program_id(1)
+    i_b = gl.program_id(2)
+    i_hk = i_h // GROUP
+    bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _seq_block(
+        i_b, i_m_rev, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
+        seqused_k, BLOCK_M, False, True, IS_VARLEN, HAS_SEQUSED_K)
+    return i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift
+
+
+@gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               q_bar, k_full, k_empty, v_full, v_empty,
               m0, n_lo, n_tiles,
@@ -103,11 +123,11 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 
 @gluon.jit
 def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr):
+             STAGES: gl.constexpr, kv_layout: gl.constexpr):
     """The ring ``_producer`` loads K and V tiles into (the forward's and the backward dQ's):
     STAGES buffers of each, a *full* barrier a buffer (the producer's expect, completed by
-    the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup)."""
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup).
+    ``kv_layout`` is the caller's, that of its K/V descriptors: TMA copies need the same."""
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -349,14 +369,9 @@ def _fwd_sm90_kernel(
     OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 2 * HALF_M
-    i_m_rev = gl.program_id(0)
-    i_h = gl.program_id(1)
-    i_b = gl.program_id(2)
-    i_hk = i_h // GROUP
-    # Last row block first: under a causal mask it has the most keys.
-    bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _seq_block(
-        i_b, i_m_rev, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-        seqused_k, BLOCK_M, False, True, IS_VARLEN, HAS_SEQUSED_K)
+    i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _row_block(
+        seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k, GROUP,
+        BLOCK_M, IS_VARLEN, HAS_SEQUSED_K)
     if i_m < 0:
         return
 
@@ -396,7 +411,8 @@ def _fwd_sm90_kernel(
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
-    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
+                                                                kv_layout)
     # Warpgroup 0 issues first.
     mbarrier.arrive(turn.index(0))
 
