@@ -35,9 +35,30 @@ def mask_args(left, right, scale: float, softcap: float) -> dict:
                 HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap > 0)
 
 
+def seq_args(q, k, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None) -> tuple:
+    """``(batch, args)`` of an attention launch: the sequence count, and the kernels' length
+    arguments ``seqlen_q`` / ``seqlen_k`` (what the grid covers: the longest sequences when
+    varlen) and ``total_q`` / ``total_k`` (the packed rows varlen offsets are clamped to; 0
+    when dense)."""
+    if cu_seqlens_q is None:
+        return q.shape[0], dict(seqlen_q=q.shape[1], seqlen_k=k.shape[1], total_q=0, total_k=0)
+    return cu_seqlens_q.numel() - 1, dict(seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k),
+                                          total_q=q.shape[0], total_k=k.shape[0])
+
+
 def cdiv(a: int, b: int) -> int:
     # Plain ints: triton.cdiv on the host goes through the JIT's call path (~6 us a call).
     return -(-a // b)
+
+
+def contiguous_strides(shape) -> tuple:
+    """torch's strides of a contiguous tensor of ``shape`` (a dim of size 0 counts as 1): the
+    strides of a buffer a launcher will allocate, known when its launch is planned."""
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(st))
 
 
 def next_pow2(n: int) -> int:

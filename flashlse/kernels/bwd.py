@@ -83,6 +83,7 @@ from ._common import (
     Launch,
     alloc_scratch,
     cdiv,
+    contiguous_strides,
     interpreting,
     key_ranges,
     load_rows,
@@ -90,6 +91,7 @@ from ._common import (
     next_pow2,
     positional,
     row_ranges,
+    seq_args,
     seq_block,
     seq_bounds,
     slice_ptr,
@@ -837,23 +839,18 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
     d, dv_dim = q.shape[-1], v.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
     override = opts.bwd_config or {}
-    if is_varlen:
-        batch = cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        n_rows = q.shape[0]
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        n_rows = batch * seqlen_q
+    batch, lens = seq_args(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    seqlen_q, seqlen_k = lens["seqlen_q"], lens["seqlen_k"]
     n_last = lse.shape[-1]
     padded = (*lse.shape[:-1], (n_last + 3) // 4 * 4)
     # delta's (and lse_log2's) strides: those of the padded contiguous tensor.
-    st_pad = _contiguous_strides(padded)
+    st_pad = contiguous_strides(padded)
     st_b, st_h = (0, st_pad[0]) if is_varlen else (st_pad[0], st_pad[1])
 
     n_m_pre = cdiv(max(seqlen_q, 1), configs.BWD_PREPROCESS.block_m)
     n_part = batch * n_m_pre
-    if n_rows == 0 or batch == 0 or seqlen_q == 0:
-        return BwdPlan(True, padded, n_last, n_part)
+    if q.shape[0] == 0 or batch == 0 or seqlen_q == 0:
+        return BwdPlan(True, padded, n_last, n_part)  # no row (q.shape[0] is B or total_q)
 
     scale = float(scale)
     softcap = float(softcap or 0.0)
@@ -878,7 +875,7 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
         stride_tb=st_b,
         stride_th=st_h,
         seqlen_q=seqlen_q,
-        total_q=q.shape[0] if is_varlen else 0,
+        total_q=lens["total_q"],
         n_m=n_m_pre,
         n_part=n_part,
         DV=dv_dim,
@@ -890,16 +887,13 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
     )))
 
     # dq, dk, dv: fresh tensors shaped as q, k, v (contiguous strides).
-    st_dq, st_dk, st_dv = (_contiguous_strides(t.shape) for t in (q, k, v))
+    st_dq, st_dk, st_dv = (contiguous_strides(t.shape) for t in (q, k, v))
     lead = (lambda st: (0, st[0], st[1])) if is_varlen else (lambda st: st[:3])
     common = dict(
         **stride_args("bsh", is_varlen, q=q, k=k, v=v, do=dout),
         stride_tb=st_b,
         stride_th=st_h,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        total_q=q.shape[0] if is_varlen else 0,
-        total_k=k.shape[0] if is_varlen else 0,
+        **lens,
         scale=scale,
         **mask_args(left, right, scale, softcap),
         GROUP=hq // hkv,
@@ -948,14 +942,6 @@ def _portable(kernel, n_tensors, kw, cfg, grid) -> Launch:
     """The launch of a portable pass with the tiles of ``cfg`` (as :func:`_launch` runs it)."""
     return Launch(kernel, grid, *positional(kernel, n_tensors, dict(
         **kw, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **cfg.launch())))
-
-
-def _contiguous_strides(shape) -> tuple:
-    st, acc = [], 1
-    for n in reversed(shape):
-        st.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(st))
 
 
 def attn_bwd_dkdv(p: BwdPass) -> None:

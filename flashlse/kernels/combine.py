@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from . import configs
-from ._common import LOG2E, Launch, cdiv, next_pow2, positional
+from ._common import LOG2E, Launch, cdiv, contiguous_strides, positional
 
 # constexpr globals: jit functions may read only those.
 
@@ -156,9 +156,6 @@ def _merge_states_fwd_kernel(
         tl.store(lse + o_r0 * stride_z0 + o_r1 * stride_z1 + o_r2 * stride_z2, b_lse, mask=m_r)
 
 
-_cdiv, _next_pow2 = cdiv, next_pow2
-
-
 def _coalesce(shape, strides_list):
     """Merges adjacent leading dims that every tensor walks with one stride.
 
@@ -227,8 +224,8 @@ def merge_states_fwd(outs, lses, *, sink=None, out=None, lse_out=None):
                None if sink is None else (sink.shape, sink.stride()))
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _states_plan(outs, lses, sink, lead, _contiguous_strides(lead + (d,)),
-                                _contiguous_strides(lead), False)
+            plan = _states_plan(outs, lses, sink, lead, contiguous_strides(lead + (d,)),
+                                contiguous_strides(lead), False)
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
@@ -269,15 +266,6 @@ _MAX_PLANS = 4096
 _EMPTY, _COPY = object(), object()
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    """torch's strides of a contiguous tensor of ``shape`` (a dim of size 0 counts as 1)."""
-    st, acc = [], 1
-    for n in reversed(shape):
-        st.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(st))
-
-
 def _states_plan(outs, lses, sink, lead, st_out, st_lse, alias):
     """merge_states_fwd's launch plan for outputs of strides ``st_out`` / ``st_lse``, or
     ``_EMPTY`` (no rows) / ``_COPY`` (the layout does not coalesce to three dims)."""
@@ -311,7 +299,7 @@ def merge_plan(n, d, device, has_sink, *, r, r1, r2, st_os, st_o, st_od, st_ls, 
     ``kernels.decode`` plans it with the layout of its split partials, with ``pdl=True``
     (sm90+, not the interpreter) to launch it while the decode kernel runs."""
     cfg = configs.merge_config(n, r, d, alias, _num_sms(device))
-    grid = (_cdiv(r, cfg.block_m), _cdiv(max(d, 1), cfg.block_d))
+    grid = (cdiv(r, cfg.block_m), cdiv(max(d, 1), cfg.block_d))
     kw = dict(
         N=n,
         R=r,

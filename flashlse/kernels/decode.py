@@ -67,12 +67,15 @@ from ._common import (
     LOG2E,
     Launch,
     capability,
+    cdiv,
+    contiguous_strides,
     interpreting,
     mask_args,
+    next_pow2,
     positional,
     stride_args,
 )
-from .combine import _cdiv, _contiguous_strides, _next_pow2, _num_sms, merge_plan, merge_run
+from .combine import _num_sms, merge_plan, merge_run
 
 
 def _pdl_ok(t: torch.Tensor) -> bool:
@@ -329,7 +332,7 @@ def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
     max_splits = min(n_tiles, 128)
     effs = []
     for s in range(1, max_splits + 1):
-        waves = _cdiv(programs * s, slots)
+        waves = cdiv(programs * s, slots)
         effs.append(programs * s / (waves * slots))
     best = max(effs)
     for s, eff in enumerate(effs, start=1):
@@ -470,10 +473,10 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     if config:
         cfg = configs.override(cfg, config, configs.DECODE_KEYS, what="decode config")
     block_m, block_n = cfg.block_m, cfg.block_n
-    m_tiles = _cdiv(rows, block_m)
+    m_tiles = cdiv(rows, block_m)
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    n_tiles = _cdiv(capacity, block_n)
+    n_tiles = cdiv(capacity, block_n)
     programs = batch * hkv * m_tiles
     if num_splits > 0:
         splits = int(num_splits)
@@ -483,7 +486,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         splits = min(4, max(1, n_tiles))
 
     # out and lse are fresh contiguous tensors: their strides follow from their shapes.
-    st_out, st_lse = _contiguous_strides(out_shape), _contiguous_strides(lse_shape)
+    st_out, st_lse = contiguous_strides(out_shape), contiguous_strides(lse_shape)
     o_buf_shape = None
     if splits == 1:
         st_o = (0, st_out[0], st_out[1], st_out[2])
@@ -523,9 +526,9 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         DV=dv,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D1=max(16, _next_pow2(d1)),
-        BLOCK_D2=max(16, _next_pow2(max(d2, 1))),
-        BLOCK_DV=max(16, _next_pow2(dv)),
+        BLOCK_D1=max(16, next_pow2(d1)),
+        BLOCK_D2=max(16, next_pow2(max(d2, 1))),
+        BLOCK_DV=max(16, next_pow2(dv)),
         PAGE_SIZE=page_size if paged else 1,
         PAGED=paged,
         TOKEN_TABLE=token_table is not None,
@@ -635,11 +638,11 @@ def _append_plan(k_cache, v_cache, k_new, v_new, block_table):
         D=d,
         DV=dv,
         BLOCK_S=cfg.block_m,
-        BLOCK_D=max(16, _next_pow2(d)),
-        BLOCK_DV=max(16, _next_pow2(dv)),
+        BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_DV=max(16, next_pow2(dv)),
         PAGE_SIZE=k_cache.shape[1] if paged else 1,
         PAGED=paged,
         **cfg.launch(),
     )
-    return Launch(_append_kv_kernel, (_cdiv(s_new, cfg.block_m), hkv, batch),
+    return Launch(_append_kv_kernel, (cdiv(s_new, cfg.block_m), hkv, batch),
                   *positional(_append_kv_kernel, 6, kw))

@@ -93,6 +93,7 @@ from ._common import (
     mask_args,
     next_pow2,
     positional,
+    seq_args,
     seq_block,
     seq_span,
     slice_ptr,
@@ -528,14 +529,6 @@ def _attn_fwd_paged_kernel(
                           stride_os, stride_oh, stride_lh, DV, BLOCK_DV, HAS_SINK)
 
 
-def _pick_config(block_d: int, block_dv: int, masked: bool) -> configs.TileConfig:
-    """``configs.fwd_config``'s tiles for these head dims and mask, with
-    ``KernelOptions.fwd_config``'s overrides (``USE_TMA=False`` forces pointer loads)."""
-    cfg = configs.fwd_config(block_d, block_dv, masked, interpreting())
-    return configs.override(cfg, options.current().fwd_config, configs.FWD_KEYS,
-                            what="fwd_config")
-
-
 def _pick_paged_config(block_d: int, block_dv: int, rows: int) -> configs.TileConfig:
     """``configs.fwd_paged_config``'s tiles for sequences of at most ``rows`` packed rows, with
     ``KernelOptions.fwd_config``'s overrides."""
@@ -647,16 +640,10 @@ def _fwd_plan(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlen
     is_varlen = cu_seqlens_q is not None
     d, dv = q.shape[-1], v.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
-    if is_varlen:
-        batch = cu_seqlens_q.numel() - 1
-        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        n_rows = q.shape[0]
-    else:
-        batch, seqlen_q = q.shape[0], q.shape[1]
-        seqlen_k = k.shape[1]
-        n_rows = batch * seqlen_q
-    if n_rows == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
-        return _FwdPlan()
+    batch, lens = seq_args(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    seqlen_q, seqlen_k = lens["seqlen_q"], lens["seqlen_k"]
+    if q.shape[0] == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
+        return _FwdPlan()  # no row (q.shape[0] is B or total_q)
 
     block_d = max(next_pow2(d), 16)
     block_dv = max(next_pow2(dv), 16)
@@ -677,10 +664,7 @@ def _fwd_plan(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlen
         **stride_args("bsh", is_varlen, q=q, k=k, v=v, o=out),
         stride_lb=stride_lb,
         stride_lh=stride_lh,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        total_q=q.shape[0] if is_varlen else 0,
-        total_k=k.shape[0] if is_varlen else 0,
+        **lens,
         n_bh=n_bh,
         group_heads=min(group_heads, n_bh),
         **mask_args(left, right, scale, softcap),

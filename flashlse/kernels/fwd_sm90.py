@@ -55,6 +55,7 @@ from ._common import (
     cdiv,
     key_ranges,
     positional,
+    seq_args,
     seq_block,
     slice_ptr,
     strides,
@@ -466,13 +467,12 @@ def plan(q, k, v, out, lse, *, softcap, left, right, scale, sink, cu_seqlens_q=N
         found = _PLANS.get(key, _MISSING)
         if found is not _MISSING:
             return found
-    is_varlen = cu_seqlens_q is not None
-    batch = cu_seqlens_q.numel() - 1 if is_varlen else q.shape[0]
+    batch, lens = seq_args(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     result = None
     if supported(q, k, v, softcap=softcap, scale=scale, batch=batch):
         result = _plan(q, k, v, out, lse, left=left, right=right, scale=scale, sink=sink,
-                       is_varlen=is_varlen, batch=batch, max_seqlen_q=max_seqlen_q,
-                       max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, override=override)
+                       is_varlen=cu_seqlens_q is not None, batch=batch, lens=lens,
+                       seqused_k=seqused_k, override=override)
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
@@ -493,16 +493,13 @@ _MAX_PLANS = 4096
 _MISSING = object()
 
 
-def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, max_seqlen_q,
-          max_seqlen_k, seqused_k, override) -> Plan:
+def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens, seqused_k,
+          override) -> Plan:
     d = q.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
     signature = ("fwd_sm90", q.dtype, left is None, right is None, sink is None, is_varlen,
                  seqused_k is None, hq // hkv)
-    if is_varlen:
-        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-    else:
-        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    seqlen_q = lens["seqlen_q"]
     if q.shape[0] == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
         return Plan(None, signature)  # no row (q.shape[0] is B or total_q)
     # (batch, row, head) strides; lse: (batch, head).
@@ -511,9 +508,7 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, max_
     cfg = configs.override(configs.FWD_SM90[d], override, configs.FWD_SM90_KEYS,
                            what="fwd_sm90_config")
     kw = dict(zip(_STRIDE_NAMES, (*sq, *sk, *sv, *so, *sl)),
-              seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-              total_q=q.shape[0] if is_varlen else 0, total_k=k.shape[0] if is_varlen else 0,
-              left=0 if left is None else int(left), right=0 if right is None else int(right),
+              **lens, left=0 if left is None else int(left), right=0 if right is None else int(right),
               scale_log2=float(scale) * LOG2E.value, GROUP=hq // hkv, D=d,
               BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_LEFT=left is not None,
               HAS_RIGHT=right is not None, HAS_SINK=sink is not None, IS_VARLEN=is_varlen,

@@ -548,11 +548,9 @@ def _paged_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, len
     PyTorch path first copies the pages in use into packed rows."""
     kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
     if use_triton(q):
-        from ..kernels.fwd import attn_fwd_paged
-
-        return attn_fwd_paged(q, k_cache, v_cache, block_table, cu_seqlens_q=cu_seqlens_q,
-                              max_seqlen_q=max_seqlen_q, seqused_k=lens,
-                              max_seqlen_k=max_seqlen_k, **kw)
+        return kernel_module("fwd").attn_fwd_paged(
+            q, k_cache, v_cache, block_table, cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q, seqused_k=lens, max_seqlen_k=max_seqlen_k, **kw)
     # Only the pages that can hold one of the first max_seqlen_k keys are copied: a serving
     # block table is often as wide as the longest sequence the engine allows.
     page = k_cache.shape[1]

@@ -80,9 +80,8 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     paged cache is gathered into rows first for long chunks, read in place by the paged
     kernel for short ones. A page out of range ends its sequence there: it and later pages
     hold no key."""
-    from ..kernels.dispatch import attn_fwd as attn_fwd_kernel
-    from ..kernels.fwd import attn_fwd_paged
-
+    attn_fwd_kernel = kernel_module("dispatch").attn_fwd
+    attn_fwd_paged = kernel_module("fwd").attn_fwd_paged
     b, sq, hq, d = q.shape
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
     used = None if lens is None else (lens + s_new if s_new else lens)

@@ -113,18 +113,16 @@ def sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse, *, scale, sink):
             dv_.view(b, sk, hkv, dv).to(v.dtype), dsink)
 
 
-def _listed_rows(indices, k, block_table):
-    """Where each listed key of a paged cache lives: ``(row, ok)``, ``row`` the key's row in
-    the cache viewed as ``(rows, Hkv, D)`` (``page * page_size + j % page_size``), ``ok``
-    False for -1, an index past the sequence's pages, or a page outside ``[0, num_pages)``.
-    (A contiguous cache needs no such table: the decode kernel reads the indices.)"""
+def _listed_ok(indices, k, block_table):
+    """Which listed keys of a paged cache hold a key: False for -1, an index past the
+    sequence's pages, or one on a page outside ``[0, num_pages)`` -- the rule the decode
+    kernel applies in place (``token_pages``), for the value check and the PyTorch path."""
     idx = indices.long()
     page_size = k.shape[1]
     ok = (idx >= 0) & (idx < block_table.shape[1] * page_size)
     slot = torch.where(ok, idx, 0)
     page = torch.gather(block_table.long(), 1, (slot // page_size).flatten(1)).view_as(idx)
-    ok = ok & (page >= 0) & (page < k.shape[0])
-    return page * page_size + slot % page_size, ok
+    return ok & (page >= 0) & (page < k.shape[0])
 
 
 def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None):
@@ -292,7 +290,7 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
     checked = V.values_checkable(block_table) and indices.numel()
     kernel = _kernel_ok(q, k_cache, v_cache, indices)
     if checked or not kernel:
-        _, ok = _listed_rows(indices, k_cache, block_table)
+        ok = _listed_ok(indices, k_cache, block_table)
     if checked:
         # The indices lie in [0, capacity) or are -1 (checked): a listed key that is not ok
         # sits on a page outside the cache.

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flashlse import reference
-from flashlse.kernels.combine import _contiguous_strides, merge_states_fwd
+from flashlse.kernels._common import contiguous_strides
+from flashlse.kernels.combine import merge_states_fwd
 from flashlse.kernels.configs import merge_config
 
 HAS_CUDA = torch.cuda.is_available()
@@ -193,7 +194,7 @@ def test_merge_preallocated_lowp_out(device):
                                    (4, 3, 2, 8)])
 def test_contiguous_strides(shape):
     # The launch plans take the strides of fresh outputs from their shapes.
-    assert _contiguous_strides(shape) == torch.empty(shape).stride()
+    assert contiguous_strides(shape) == torch.empty(shape).stride()
 
 
 def test_merge_plan_repeated_calls(device):
