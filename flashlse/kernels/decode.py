@@ -83,22 +83,18 @@ def _pdl_ok(t: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _decode_fwd_tile(
-    b_acc, b_m, b_l, b_q1, b_q2,
-    k, v, block_table, token_pages,
-    n0, n_end, i_b, i_hkv, o_diag, num_pages, table_sk, table_per_batch, table_hkv,
-    table_num_pages,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_tb, stride_pb,
-    left, right, scale_log2, softcap_a2, softcap_c2,
-    D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, TOKEN_TABLE: tl.constexpr,
-    TOKEN_PAGE: tl.constexpr, SHARED_KV: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+def _decode_tile_pages(
+    block_table, token_pages, n0, n_end, i_b, num_pages, table_sk, table_per_batch, table_hkv,
+    table_num_pages, stride_tb, stride_pb,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TOKEN_TABLE: tl.constexpr,
+    TOKEN_PAGE: tl.constexpr,
 ):
-    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax; keys ``>= n_end`` are masked."""
+    """Where the keys ``[n0, n0 + BLOCK_N)`` of a paged sequence lie: ``(b_page, m_n)``, the
+    page of each key (int64 ``[BLOCK_N]``) and which keys exist (below ``n_end``, on a page
+    inside the cache). Only table entries of existing keys are read, so the kernel can look
+    one tile ahead: these loads then leave the K/V addresses of a tile depending on no load
+    of its own iteration, and the software pipeliner keeps K/V copies in flight as for a
+    contiguous cache (NOTES.md, session 10)."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     m_n = o_n < n_end
     if TOKEN_TABLE:
@@ -119,17 +115,40 @@ def _decode_fwd_tile(
         else:
             b_row = i_bb * table_sk + b_j
         b_page = b_row * table_hkv + i_b % table_hkv
-        o_k = b_page * stride_kb + i_hkv.to(tl.int64) * stride_kh
-        o_v = b_page * stride_vb + i_hkv.to(tl.int64) * stride_vh
-    elif PAGED:
+    else:
         # One page lookup per key row: any page size, pages smaller than a tile included.
         b_page = tl.load(block_table + i_b.to(tl.int64) * stride_tb + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
         # A page index outside the cache (value checks are opt-in) is no key, never read.
         m_n = m_n & (b_page >= 0) & (b_page < num_pages)
+    return b_page, m_n
+
+
+@triton.jit
+def _decode_fwd_tile(
+    b_acc, b_m, b_l, b_q1, b_q2,
+    k, v, b_page, m_n,
+    n0, n_end, i_b, i_hkv, o_diag,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    left, right, scale_log2, softcap_a2, softcap_c2,
+    D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, TOKEN_TABLE: tl.constexpr,
+    SHARED_KV: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax; keys ``>= n_end`` are masked.
+    Paged (and token tables): ``b_page`` and ``m_n`` are the tile's ``_decode_tile_pages``."""
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    if TOKEN_TABLE:
+        o_k = b_page * stride_kb + i_hkv.to(tl.int64) * stride_kh
+        o_v = b_page * stride_vb + i_hkv.to(tl.int64) * stride_vh
+    elif PAGED:
         o_row = (o_n % PAGE_SIZE).to(tl.int64)
         o_k = b_page * stride_kb + o_row * stride_kn + i_hkv.to(tl.int64) * stride_kh
         o_v = b_page * stride_vb + o_row * stride_vn + i_hkv.to(tl.int64) * stride_vh
     else:
+        m_n = o_n < n_end
         o_k = i_b.to(tl.int64) * stride_kb + o_n.to(tl.int64) * stride_kn + i_hkv.to(tl.int64) * stride_kh
         o_v = i_b.to(tl.int64) * stride_vb + o_n.to(tl.int64) * stride_vn + i_hkv.to(tl.int64) * stride_vh
 
@@ -279,16 +298,31 @@ def _decode_fwd_kernel(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     # [BLOCK_M, BLOCK_DV]
     b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # Paged: a tile's pages are looked up one iteration ahead and carried (_decode_tile_pages).
+    b_page = 0
+    m_n = 0
+    if PAGED:
+        b_page, m_n = _decode_tile_pages(
+            block_table, token_pages, n_start, n_end, i_b, num_pages, table_sk, table_per_batch,
+            table_hkv, table_num_pages, stride_tb, stride_pb,
+            BLOCK_N, PAGE_SIZE, TOKEN_TABLE, TOKEN_PAGE)
     for n0 in range(n_start, n_end, BLOCK_N):
+        b_page_next = b_page
+        m_n_next = m_n
+        if PAGED:
+            b_page_next, m_n_next = _decode_tile_pages(
+                block_table, token_pages, n0 + BLOCK_N, n_end, i_b, num_pages, table_sk,
+                table_per_batch, table_hkv, table_num_pages, stride_tb, stride_pb,
+                BLOCK_N, PAGE_SIZE, TOKEN_TABLE, TOKEN_PAGE)
         b_acc, b_m, b_l = _decode_fwd_tile(
-            b_acc, b_m, b_l, b_q1, b_q2, k, v, block_table, token_pages, n0, n_end, i_b, i_hkv,
-            o_diag, num_pages, table_sk, table_per_batch, table_hkv, table_num_pages,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_tb,
-            stride_pb, left, right, scale_log2, softcap_a2, softcap_c2,
+            b_acc, b_m, b_l, b_q1, b_q2, k, v, b_page, m_n, n0, n_end, i_b, i_hkv, o_diag,
+            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            left, right, scale_log2, softcap_a2, softcap_c2,
             D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
-            PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, SHARED_KV, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP,
+            PAGE_SIZE, PAGED, TOKEN_TABLE, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
         )
+        b_page = b_page_next
+        m_n = m_n_next
 
     b_l_keys = b_l
     if HAS_SINK:
