@@ -34,7 +34,7 @@ class TileConfig:
             (combine); None where the kernel has none (whole rows).
         num_warps: warps per program.
         num_stages: software-pipeline depth; None leaves Triton's default (not passed).
-        num_stages_paged: decode over a paged cache (the page-table load takes stages too).
+        num_stages_paged: decode over a paged cache, when it should differ (None: num_stages).
         programs_per_sm: decode: what ``num_splits=0`` fills.
         block_d: combine: output columns per program (elsewhere the head dim decides).
         use_tma: fwd, bwd: False takes masked pointer loads even where TMA would work.
@@ -307,32 +307,31 @@ BWD_SM90_DQ = {
 @functools.lru_cache(maxsize=256)
 def decode_config(d1: int, d2: int, dv: int, rows: int, interpret: bool) -> TileConfig:
     """The split-KV decode kernel's tiles; they depend on head dims and rows only (never on
-    paging), so that paged and contiguous caches run the same arithmetic. Pipeline depths
-    (which change no arithmetic) differ: the page-table load takes stages of its own, and
-    ``num_stages_paged`` keeps as many K/V tiles in flight as the contiguous depth does.
+    paging), so that paged and contiguous caches run the same arithmetic; so do their
+    pipelines since the kernel looks a paged tile's pages up one tile ahead (the sm_90 compile
+    of both keeps num_stages - 1 K/V tiles in flight, NOTES.md session 10; before, the
+    page-table load took stages of its own and ``num_stages_paged`` was 7 here, 3 for MLA).
     Cached: the decode step asks every call."""
     block_m = max(16, min(64, next_pow2(rows)))
     if interpret:
         return TileConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=1,
-                          num_stages_paged=1, programs_per_sm=1)
+                          programs_per_sm=1)
     if d1 + d2 > 256:
         # MLA-sized rows: a [64, 576] bf16 K tile is 72 KB; two stages and Q fill shared
         # memory (one program per SM), and the group's [64, 512] fp32 accumulator takes
         # 128 registers a thread over 8 warps. RESULTS.md 2026-11-29, first table, "decode
         # bf16 GB/s (latent bytes / time)" MLA B=64 Skv=8192 Hq=128 D=576 Dv=512 (1134).
-        return TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2,
-                          num_stages_paged=3, programs_per_sm=1)
+        return TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, programs_per_sm=1)
     if d1 + d2 + dv > 256:
         # Head dims above 128 (K and V over 256 wide): 32-key tiles, four programs per SM.
         # Not measured: no RESULTS.md row has a decode at D > 128 other than MLA.
         return TileConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=4,
-                          num_stages_paged=7, programs_per_sm=4)
+                          programs_per_sm=4)
     # Three [64, D] K and V tiles in flight (104 KB for D = 128), two programs resident per
     # SM, and the split count fills exactly those: one full wave. RESULTS.md 2026-11-29,
     # session 2, "decode split sweep, graph-replayed GB/s" B=1 Skv=131072 (33 splits 3714,
     # 57 3397; 3 stages 33: 3744; BLOCK_N 128 33: 3719) and B=8 Skv=32768 (4: 4173, 8: 4168).
-    return TileConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=4, num_stages_paged=7,
-                      programs_per_sm=2)
+    return TileConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=4, programs_per_sm=2)
 
 
 def append_kv_config(s_new: int) -> TileConfig:

@@ -572,7 +572,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         HAS_SINK=sink is not None and splits == 1,
         PDL=pdl,
         num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages_paged if paged else cfg.num_stages,
+        num_stages=cfg.num_stages_paged if paged and cfg.num_stages_paged else cfg.num_stages,
     )
     merge = None
     if splits > 1:
