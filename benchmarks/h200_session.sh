@@ -10,6 +10,8 @@
 #   bash benchmarks/h200_session.sh pending    # the GPU tests and benchmarks not yet run
 #   bash benchmarks/h200_session.sh serving    # paged kernel tests, sweep, serving, host time
 #   bash benchmarks/h200_session.sh verify|final|sparse   # session 9's checks
+#   bash benchmarks/h200_session.sh decode     # session 10: decode-kernel tests, decode and
+#                                                sparse tables before (.before) and after
 #   (issue 20's figures: benchmarks/h200_fuzz_memcheck.sh, fuzz beside memcheck)
 # Note: `-m gpu` alone selects only the real-size tests; the parametrized kernel tests
 # (the same ones CI runs under the interpreter) run on CUDA too when no marker is given.
@@ -62,6 +64,35 @@ if [ "$1" = sparse ]; then
     timeout 150 python3 benchmarks/bench_sparse.py --backward 2>&1 | tail -4
     timeout 100 python3 benchmarks/bench_overhead.py --functions sparse,kvcache --out "$OUT" \
         2>&1 | tail -8
+    exit 0
+fi
+if [ "$1" = decode ]; then
+    # Session 10: the decode kernel looks a paged tile's pages up one tile ahead. The GPU
+    # tests of every path through that kernel (decode, kvcache, sparse forward, NaN and fuzz
+    # cases, CUDA graphs, sync-free), then the decode and sparse tables of the tree before
+    # (.before: `bash benchmarks/before_after.sh prep REV`, carried) and of this one.
+    K=tests/kernels
+    mkdir -p "$OUT/tests"
+    timeout 230 python3 -m pytest -q $K/test_decode.py $K/test_combine.py $K/test_cuda_graphs.py \
+        $K/test_sync_free.py -p no:cacheprovider > "$OUT/tests/gpu_a.log" 2>&1 &
+    for i in 0 1; do
+        FLASHLSE_TEST_SHARD=$i/2 timeout 230 python3 -m pytest -q $K/test_kvcache_kernels.py \
+            -p no:cacheprovider > "$OUT/tests/gpu_kv$i.log" 2>&1 &
+    done
+    timeout 230 python3 -m pytest -q $K/test_sparse_kernels.py $K/test_nan_kernels.py \
+        $K/test_fuzz_kernels.py -p no:cacheprovider > "$OUT/tests/gpu_b.log" 2>&1 &
+    wait
+    for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
+    (cd "$OUT" && tar czf tests.tgz tests && rm -rf tests)
+    for tree in before after; do
+        root=$PWD; [ $tree = before ] && root=$PWD/.before
+        echo "== $tree ($(cat .before/REV) / this tree)"
+        PYTHONPATH=$root timeout 120 python3 "$root/benchmarks/bench_decode.py" --quick \
+            --out "/tmp/bd_$tree" > "$OUT/decode_$tree.txt" 2>&1; tail -8 "$OUT/decode_$tree.txt"
+        PYTHONPATH=$root timeout 120 python3 "$root/benchmarks/bench_sparse.py" \
+            > "$OUT/sparse_$tree.txt" 2>&1; tail -4 "$OUT/sparse_$tree.txt"
+    done
     exit 0
 fi
 if [ "$1" = final ]; then
