@@ -17,10 +17,10 @@ fi
 shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-declare -A ARGS=([fwd]="--flex-budget 0" [bwd]="--quick --flex-budget 0" [decode]="--quick"
+declare -A ARGS=([fwd]="--full --flex-budget 0 ${FWD_ARGS:-}" [bwd]="--quick --flex-budget 0" [decode]="--quick"
                  [merge]="")
 for bench in ${@:-fwd bwd decode merge}; do
-    for pass in 1 2; do
+    for pass in $(seq 1 ${PASSES:-2}); do
         for tree in before after; do
             root=$PWD; [ $tree = before ] && root=$PWD/.before
             log="$OUT/${bench}_${tree}${pass}.txt"

@@ -43,7 +43,11 @@ Paged caches. ``block_table[b, j // page_size]`` is the page of key j, and key j
 row ``j % page_size`` of that page. The kernel computes one address per key row (a K
 row is ``D`` contiguous elements, loaded as 16-byte vectors either way), so any page
 size works, pages smaller than a tile included, and the tile arithmetic is the same as
-for a contiguous cache: paged and contiguous results are equal bit for bit.
+for a contiguous cache: paged and contiguous results are equal bit for bit. A tile's pages
+(and sparse attention's top-k rows, which are read the same way) are looked up one tile
+ahead and carried through the loop, so its K/V addresses depend on no load of its own
+iteration and the software pipeliner keeps as many K/V tiles in flight as for a contiguous
+cache (looked up in the same iteration, the page ids serialised every tile's copies).
 
 MLA (one latent head, ``v = k[..., :Dv]``). When ``v_cache`` is a view of ``k_cache``
 (same storage and strides, ``Dv <= D``), K is loaded as two column blocks ``[0, Dv)``
