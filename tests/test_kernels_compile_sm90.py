@@ -45,3 +45,19 @@ def test_paged_forward_pipelines_like_the_contiguous_one():
         waits, bufs = compile_sm90.pipeline(paged)
         assert (waits, bufs) == compile_sm90.pipeline(ref), name
         assert max(waits) > 0, name
+
+
+def test_paged_decode_pipelines_like_the_contiguous_one():
+    """The decode kernel over a paged cache, over sparse's top-k lists and over top-k lists on
+    a paged cache keeps as many K/V copies in flight as over a contiguous cache (same cp.async
+    wait depths and buffers). A tile's pages are looked up a tile ahead: looked up in its own
+    iteration they left one buffer and waits of 0 (benchmarks/NOTES.md, session 10)."""
+    by_name = {c[1]: c for c in CASES}
+    _, _, fn, types, consts, warps, stages = by_name["decode GQA paged=False"]
+    ref = compile_sm90.pipeline(compile_sm90.compile_kernel(fn, types, consts, warps, stages))
+    assert max(ref[0]) > 0
+    for name in ("decode GQA paged=True", "decode sparse token table G=8",
+                 "decode sparse token table G=8 paged 64"):
+        _, _, fn, types, consts, warps, stages = by_name[name]
+        kernel = compile_sm90.compile_kernel(fn, types, consts, warps, stages)
+        assert compile_sm90.pipeline(kernel) == ref, name
