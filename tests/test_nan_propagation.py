@@ -91,9 +91,16 @@ def _call(path, q, k, v, sink, num_splits):
                                                  cache_seqlens=lens, block_table=table,
                                                  causal=True, sink=sink, return_lse=True)
         return out[:, -sq:], lse[..., -sq:]
+    if path == "kvcache_paged":
+        # The split-KV decode kernel over pages of 3 rows: a tile spans several pages, and
+        # at 3 splits some split has no tile.
+        (k, table), (v, _) = _paged(k, 3), _paged(v, 3)
+    else:
+        table = None
     with torch.no_grad(), fl.value_checks(False):
-        return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, sink=sink,
-                                         num_splits=num_splits, return_lse=True)
+        return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                         causal=True, sink=sink, num_splits=num_splits,
+                                         return_lse=True)
 
 
 # attention_with_kvcache over a paged cache with long queries: the rows of each call.
@@ -151,10 +158,12 @@ def run_neg_inf_sink(device, dtype, path, num_splits=1, d=D):
 
 
 # Every path, (path, num_splits) with its test id.
-PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3), ("sparse", 1),
+PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3),
+         ("kvcache_paged", 1), ("kvcache_paged", 3), ("sparse", 1),
          ("sparse_paged", 1), ("varlen_paged", 1), ("kvcache_paged_chunk", 1),
          ("kvcache_paged_long", 1)]
-IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3", "sparse", "sparse_paged",
+IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3", "kv_paged_splits1",
+       "kv_paged_splits3", "sparse", "sparse_paged",
        "varlen_paged", "kv_paged_chunk", "kv_paged_long"]
 
 
