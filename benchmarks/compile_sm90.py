@@ -38,7 +38,17 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flashlse.kernels import bwd, bwd_sm90, combine, configs, decode, fwd, fwd_sm90, sparse  # noqa: E402
+from flashlse.kernels import (  # noqa: E402
+    bwd,
+    bwd_sm90,
+    combine,
+    configs,
+    decode,
+    decode_mla_sm90,
+    fwd,
+    fwd_sm90,
+    sparse,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"
@@ -201,6 +211,19 @@ def cases():
         consts, 4, 3
     yield "decode", "decode sparse token table G=8 paged 64", decode._decode_fwd_kernel, \
         dec_types, dict(consts, TOKEN_PAGE=64), 4, 3
+    # The Hopper MLA decode (decode_mla_sm90.py): contiguous one-split with a sink, paged
+    # split-KV, and two query rows (multi-token prediction) under a causal mask.
+    mla_types = dict(dec_types, o=F32)
+    for label, paged, page, sq, flags_ in (
+            ("contiguous sink", False, 1, 1, dict(HAS_SINK=True)),
+            ("paged 64 splits", True, 64, 1, dict(PDL=True)),
+            ("Sq=2 causal paged 256", True, 256, 2, dict(HAS_RIGHT=True))):
+        consts = dict(SQ=sq, GROUP=128, M_TILES=2 * sq, PAGE_SIZE=page, PAGED=paged,
+                      HAS_SEQLENS=True, HAS_LEFT=False, HAS_RIGHT=False, HAS_SINK=False,
+                      PDL=False, CONSUMER_REGS=240)
+        consts.update(flags_)
+        yield "mla", f"decode MLA sm90 (Gluon) {label}", decode_mla_sm90._mla_decode_kernel, \
+            mla_types, consts, 4, 1
     consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, PDL=True)
     yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
         dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32), consts, 1, 3

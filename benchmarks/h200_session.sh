@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_session.sh verify|final|sparse   # session 9's checks
 #   bash benchmarks/h200_session.sh decode     # session 10: decode-kernel tests, decode and
 #                                                sparse tables before (.before) and after
+#   bash benchmarks/h200_session.sh mla        # the Hopper MLA decode: GPU tests, bench_mla.py
 #   (issue 20's figures: benchmarks/h200_fuzz_memcheck.sh, fuzz beside memcheck)
 # Note: `-m gpu` alone selects only the real-size tests; the parametrized kernel tests
 # (the same ones CI runs under the interpreter) run on CUDA too when no marker is given.
@@ -35,6 +36,19 @@ if [ "$1" = sm90 ]; then
     grep -h "^FAILED" "$OUT"/test_sm90_*.log | head
     timeout 280 python3 benchmarks/bench_bwd.py --quick --sm90 none --flex-budget 0 \
         --out "$OUT" 2>&1 | tail -22
+    exit 0
+fi
+if [ "$1" = mla ]; then
+    # Issue 18: the Hopper MLA decode's GPU tests (one case first: a hang shows in 2 minutes),
+    # then benchmarks/bench_mla.py (Gluon and portable kernels through the public call).
+    T=tests/kernels/test_decode_mla_sm90.py
+    timeout 120 python3 -m pytest -q -x "$T::test_mla_sm90_matches_reference[contiguous]" \
+        -p no:cacheprovider > "$OUT/test_mla0.log" 2>&1 || { tail -25 "$OUT/test_mla0.log"; exit 1; }
+    timeout 240 python3 -m pytest -q $T tests/kernels/test_decode.py -p no:cacheprovider \
+        > "$OUT/test_mla.log" 2>&1
+    tail -1 "$OUT/test_mla.log"; grep -h "^FAILED" "$OUT/test_mla.log" | head
+    timeout 200 python3 benchmarks/bench_mla.py --out "$OUT" > "$OUT/bench_mla.log" 2>&1
+    tail -9 "$OUT/bench_mla.log"
     exit 0
 fi
 if [ "$1" = pending ]; then

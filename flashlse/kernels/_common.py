@@ -332,3 +332,53 @@ def row_ranges(n0, n_last, T_q, T_k, shift, left, right, BLOCK_M: tl.constexpr,
     m_full_lo = tl.minimum(m_full_lo, m_hi)
     m_full_hi = tl.minimum(tl.maximum(m_full_hi, m_full_lo), m_hi)
     return m_lo, m_full_lo, m_full_hi, m_hi
+
+
+@triton.jit
+def final_stats(m_i, l_i, sink_nat, HAS_SINK: tl.constexpr):
+    """A row's ``(o_scale, lse)`` from its base-2 online-softmax state (running max ``m_i``,
+    sum ``l_i``) and, with HAS_SINK, its sink logit (natural log): out = acc * o_scale.
+    ``l == 0`` exactly for a row with no visible key: out = 0 and lse = -inf, or the sink
+    itself (not its round trip through base 2); a NaN propagates; a -inf sink pivots on 0."""
+    if HAS_SINK:
+        sink2 = sink_nat * LOG2E
+        m_f = tl.maximum(m_i, sink2)
+        piv = tl.where(m_f == float("-inf"), 0.0, m_f)
+        w = tl.exp2(m_i - piv)
+        l_f = l_i * w + tl.exp2(sink2 - piv)
+        nonempty = l_f != 0.0
+        l_safe = tl.where(nonempty, l_f, 1.0)
+        o_scale = tl.where(nonempty, w / l_safe, 0.0)
+        lse = tl.where(nonempty, (piv + tl.log2(l_safe)) * LN2, float("-inf"))
+        lse = tl.where(l_i == 0.0, sink_nat, lse)
+    else:
+        nonempty = l_i != 0.0
+        l_safe = tl.where(nonempty, l_i, 1.0)
+        o_scale = tl.where(nonempty, 1.0 / l_safe, 0.0)
+        lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    return o_scale, lse
+
+
+@triton.jit
+def decode_split(cache_seqlens, i_b, i_s, seqlen_add, capacity, num_splits, left,
+                 SQ: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+                 HAS_SEQLENS: tl.constexpr, HAS_LEFT: tl.constexpr):
+    """Split ``i_s`` of sequence ``i_b``'s keys in a split-KV decode: ``(sk, n_start, n_end)``.
+
+    ``sk`` is the cache length plus the tokens just appended, clamped to the cache (value
+    checks are opt-in: a length out of range reads no memory outside it). Keys before row 0's
+    window start are seen by no row; the range starts on a tile boundary so that paged and
+    contiguous caches walk the same tiles, and each split takes a multiple of TILES tiles."""
+    if HAS_SEQLENS:
+        sk = tl.minimum(tl.maximum(tl.load(cache_seqlens + i_b) + seqlen_add, 0), capacity)
+    else:
+        sk = capacity
+    n_lo = 0
+    if HAS_LEFT:
+        n_lo = tl.maximum(sk - SQ - left, 0)
+    n_lo = (n_lo // BLOCK_N) * BLOCK_N
+    n_tiles = (tl.maximum(sk - n_lo, 0) + BLOCK_N - 1) // BLOCK_N
+    per_split = TILES * ((n_tiles + TILES * num_splits - 1) // (TILES * num_splits))
+    n_start = n_lo + i_s * per_split * BLOCK_N
+    n_end = tl.minimum(sk, n_start + per_split * BLOCK_N)
+    return sk, n_start, n_end

@@ -334,6 +334,13 @@ def decode_config(d1: int, d2: int, dv: int, rows: int, interpret: bool) -> Tile
     return TileConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=4, programs_per_sm=2)
 
 
+# decode_mla_sm90.py, the Hopper MLA decode: its tiles are the kernel's own (64 rows, 64 keys,
+# two warpgroups); programs_per_sm sizes the split count (222 KB of shared memory a program).
+# Not yet measured against other schedules.
+DECODE_MLA_SM90 = TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=1,
+                             programs_per_sm=1)
+
+
 def append_kv_config(s_new: int) -> TileConfig:
     """The k_new append: up to 16 new keys a program (a copy; no RESULTS.md row measured it)."""
     return TileConfig(block_m=min(16, next_pow2(s_new)), num_warps=4)

@@ -70,9 +70,11 @@ from ._common import (
     LN2,
     LOG2E,
     Launch,
+    alloc_scratch,
     capability,
     cdiv,
     contiguous_strides,
+    decode_split,
     interpreting,
     mask_args,
     next_pow2,
@@ -80,6 +82,12 @@ from ._common import (
     stride_args,
 )
 from .combine import _num_sms, merge_plan, merge_run
+from .failures import FAILURES
+
+try:  # Gluon's Hopper API as of triton 3.6; without it MLA decodes run the kernel below.
+    from . import decode_mla_sm90
+except ImportError:  # pragma: no cover - older or newer triton
+    decode_mla_sm90 = None
 
 
 def _pdl_ok(t: torch.Tensor) -> bool:
@@ -262,22 +270,8 @@ def _decode_fwd_kernel(
     i_bh = i_bhm // M_TILES
     i_b, i_hkv = i_bh // HKV, i_bh % HKV
 
-    # Keys of the sequence: its cache length plus the tokens just appended, clamped to the
-    # cache (value checks are opt-in: a length out of range reads no memory outside it).
-    if HAS_SEQLENS:
-        sk = tl.minimum(tl.maximum(tl.load(cache_seqlens + i_b) + seqlen_add, 0), capacity)
-    else:
-        sk = capacity
-    # Keys before row 0's window start are seen by no row; the range starts on a tile
-    # boundary so that paged and contiguous caches walk the same tiles.
-    n_lo = 0
-    if HAS_LEFT:
-        n_lo = tl.maximum(sk - SQ - left, 0)
-    n_lo = (n_lo // BLOCK_N) * BLOCK_N
-    n_tiles = tl.cdiv(tl.maximum(sk - n_lo, 0), BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, num_splits)
-    n_start = n_lo + i_s * tiles_per_split * BLOCK_N
-    n_end = tl.minimum(sk, n_start + tiles_per_split * BLOCK_N)
+    sk, n_start, n_end = decode_split(cache_seqlens, i_b, i_s, seqlen_add, capacity, num_splits,
+                                      left, SQ, BLOCK_N, 1, HAS_SEQLENS, HAS_LEFT)
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < SQ * GROUP
@@ -437,13 +431,15 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
                v_cache.shape, v_cache.stride(), v_cache.data_ptr() == k_cache.data_ptr(),
                None if block_table is None else (block_table.shape, block_table.stride()),
                cache_seqlens is None, sink is None, left, right, softcap, scale, num_splits,
-               seqlen_add, out_dtype, opts.pdl, token_table,
-               None if token_pages is None else (token_pages.shape, token_pages.stride()))
+               seqlen_add, out_dtype, opts.pdl, opts.sm90_mla_decode, token_table,
+               None if token_pages is None else (token_pages.shape, token_pages.stride()),
+               (q.data_ptr() | k_cache.data_ptr()) % 16 == 0)
         plan = _PLANS.get(key)
     if plan is None:
         plan = _decode_plan(q, k_cache, v_cache, block_table, cache_seqlens is not None, sink,
                             left, right, softcap, scale, num_splits, seqlen_add, config,
-                            out_dtype, opts.pdl, token_table, token_pages)
+                            out_dtype, opts.pdl, token_table, token_pages,
+                            mla=opts.sm90_mla_decode)
         if not config:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -459,8 +455,24 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set.
         o_buf = empty(plan.o_buf_shape, dtype=torch.float32, device=dev)
         lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=dev)
-    plan.run(q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
-             o_buf, lse_buf, token_pages)
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
+               o_buf, lse_buf, token_pages)
+    if plan.gluon is None:
+        plan.run(*tensors)
+    else:
+        try:
+            triton.set_allocator(alloc_scratch)  # the kernel's in-kernel TMA descriptors
+            plan.run(*tensors)
+        except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
+            # Gluon is experimental in triton: if this triton cannot compile the MLA kernel,
+            # say so once and plan this signature on the portable kernel from now on.
+            FAILURES.add(plan.gluon, e, "the Hopper MLA decode kernel", stacklevel=2)
+            _PLANS.clear()
+            return decode_fwd(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                              block_table=block_table, left=left, right=right, softcap=softcap,
+                              scale=scale, sink=sink, num_splits=num_splits,
+                              seqlen_add=seqlen_add, config=config, out_dtype=out_dtype,
+                              token_table=token_table, token_pages=token_pages)
     if plan.merge is not None:
         # Rows (b, i, h) of the partials, of out (B, Sq, Hq, Dv) and of lse (B, Hq, Sq): the
         # layout is known, so the merge launches without merge_states_fwd's layout analysis.
@@ -485,12 +497,15 @@ class _DecodePlan:
     run: Launch | None = None
     # The split-KV merge's plan (combine.merge_plan), None with one split.
     merge: object = None
+    # The Hopper MLA kernel's FAILURES key when it runs the split kernel, else None.
+    gluon: tuple | None = None
 
 
 def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, right, softcap,
                  scale, num_splits, seqlen_add, config, out_dtype, pdl_opt, token_table=None,
-                 token_pages=None):
-    """Everything decode_fwd passes the kernels but the tensors, from the call's metadata."""
+                 token_pages=None, mla=False):
+    """Everything decode_fwd passes the kernels but the tensors, from the call's metadata;
+    ``mla``: the Hopper MLA kernel (``decode_mla_sm90``) inside its domain."""
     batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
@@ -507,7 +522,17 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     d2 = d - d1
     rows = sq * group
     interpret = interpreting()
+    gluon = None
+    if mla and not config and not interpret and decode_mla_sm90 is not None and \
+            decode_mla_sm90.supported(q, k_cache, v_cache, paged=paged, softcap=softcap,
+                                      token_table=token_table):
+        gluon = ("decode_mla_sm90", q.dtype, paged, has_seqlens, left is None, right is None,
+                 sink is None, sq * hq)
+        if gluon in FAILURES:
+            gluon = None
     cfg = configs.decode_config(d1, d2, dv, rows, interpret)
+    if gluon is not None:
+        cfg = configs.DECODE_MLA_SM90
     if config:
         cfg = configs.override(cfg, config, configs.DECODE_KEYS, what="decode config")
     block_m, block_n = cfg.block_m, cfg.block_n
@@ -585,9 +610,16 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
                            st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:], st_yd=1,
                            st_z=(hq * sq, 1, sq), pdl=pdl)
     grid = (programs, splits)
+    kernel = _decode_fwd_kernel
+    if gluon is not None:
+        kernel = decode_mla_sm90._mla_decode_kernel
+        kw = decode_mla_sm90.kernel_args(
+            q, k_cache, paged=paged, block_table=block_table, capacity=capacity, st_o=st_o,
+            st_l=st_l, splits=splits, seqlen_add=seqlen_add, left=left, right=right,
+            scale=scale, has_seqlens=has_seqlens, has_sink=sink is not None and splits == 1,
+            pdl=pdl)
     return _DecodePlan(out_shape, out_dtype, lse_shape, grid, o_buf_shape,
-                       Launch(_decode_fwd_kernel, grid, *positional(_decode_fwd_kernel, 9, kw)),
-                       merge)
+                       Launch(kernel, grid, *positional(kernel, 9, kw)), merge, gluon)
 
 
 @triton.jit

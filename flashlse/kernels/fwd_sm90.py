@@ -47,12 +47,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import configs, options
 from ._common import (
-    LN2,
     LOG2E,
     Launch,
     alloc_scratch,
     capability,
     cdiv,
+    final_stats,
     key_ranges,
     positional,
     seq_args,
@@ -67,6 +67,7 @@ from ._common import (
 _seq_block = gluon.jit(seq_block.fn)
 _key_ranges = gluon.jit(key_ranges.fn)
 _slice_ptr = gluon.jit(slice_ptr.fn)
+_final_stats = gluon.jit(final_stats.fn)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
@@ -308,25 +309,12 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(v_empty.index(s))
 
-    # Epilogue (fwd.py's _attn_fwd_store): l == 0 exactly for a row with no visible key; a
-    # NaN l propagates; a -inf sink pivots on 0.
+    # Epilogue (fwd.py's _attn_fwd_store): out = 0 and lse = -inf (or the sink) for a row
+    # with no visible key, a NaN propagates.
+    sink_nat = 0.0
     if HAS_SINK:
         sink_nat = gl.load(sink + i_h).to(gl.float32)
-        sink2 = sink_nat * LOG2E
-        m_f = gl.maximum(m_i, sink2)
-        piv = gl.where(m_f == float("-inf"), 0.0, m_f)
-        w = gl.exp2(m_i - piv)
-        l_f = l_i * w + gl.exp2(sink2 - piv)
-        nonempty = l_f != 0.0
-        l_safe = gl.where(nonempty, l_f, 1.0)
-        o_scale = gl.where(nonempty, w / l_safe, 0.0)
-        lse = gl.where(nonempty, (piv + gl.log2(l_safe)) * LN2, float("-inf"))
-        lse = gl.where(l_i == 0.0, sink_nat, lse)
-    else:
-        nonempty = l_i != 0.0
-        l_safe = gl.where(nonempty, l_i, 1.0)
-        o_scale = gl.where(nonempty, 1.0 / l_safe, 0.0)
-        lse = gl.where(nonempty, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    o_scale, lse = _final_stats(m_i, l_i, sink_nat, HAS_SINK)
     gl.store(p_lse + rows, lse, mask=rows < T_q)
     out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
     # Q's buffer is free now: stage out there for one TMA store, clipped at the sequence end.

@@ -29,6 +29,8 @@ class KernelOptions:
     Attributes:
         sm90_fwd: the Hopper Gluon forward (``fwd_sm90.py``) inside its domain.
         sm90_dkdv / sm90_dq: the Hopper Gluon backward kernels inside their domains.
+        sm90_mla_decode: the Hopper Gluon MLA decode (``decode_mla_sm90.py``) inside its
+            domain (576 / 512 latent caches on one head).
         fwd_config: overrides of the portable forward's tiles (``configs.FWD``): a mapping
             of ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``USE_TMA``,
             ``WARP_SPECIALIZE``, ``GROUP_HEADS``, or a ``configs.TileConfig`` replacing them.
@@ -48,6 +50,7 @@ class KernelOptions:
     sm90_fwd: bool = True
     sm90_dkdv: bool = True
     sm90_dq: bool = True
+    sm90_mla_decode: bool = True
     fwd_config: Mapping | None = None
     fwd_sm90_config: Mapping | None = None
     bwd_config: Mapping | None = None

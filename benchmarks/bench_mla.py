@@ -1,0 +1,126 @@
+"""MLA decode (issue 18): the public ``attention_with_kvcache`` on a latent cache, TFLOP/s.
+
+``q (B, Sq, Hq, 576)`` against one latent head ``lat (.., 1, 576)`` with ``v = lat[..., :512]``,
+contiguous and paged (page 64, FlashMLA's), every sequence at ``Skv`` keys. FLOPs are
+``2 B Sq Hq Skv (576 + 512)`` (the two products; Sq = 2 under a causal mask counts the full
+square, as FlashMLA's numbers do); bytes are the latent cache read once. Timed in one
+process: the Hopper Gluon kernel (``decode_mla_sm90``, the default) and the portable one
+(``kernel_options(sm90_mla_decode=False)``), both through the public call, a CUDA-graph
+replay of the public call, and the device copy as the bandwidth ceiling. The check column is
+the largest difference from a float32 SDPA of four sequences.
+
+    python benchmarks/bench_mla.py [--out DIR]
+
+Prints a table last and writes ``mla_rows.md`` (rows for RESULTS.md) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from _common import graph_replay, median_ms  # noqa: E402
+
+import flashlse as fl  # noqa: E402
+
+# (B, Skv, Hq, Sq, page size): issue 18's bar shapes.
+SHAPES = [(64, 8192, 128, 1, None), (64, 8192, 128, 1, 64), (128, 4096, 128, 1, 64),
+          (64, 8192, 128, 2, 64), (64, 8192, 16, 1, 64), (1, 65536, 128, 1, 64)]
+
+
+def copy_gbs() -> float:
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * 2 * x.numel() / median_ms(lambda: y.copy_(x)) / 1e6
+
+
+def inputs(b, skv, hq, sq, page):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, sq, hq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    lat = torch.randn(b, skv, 1, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.full((b,), skv, dtype=torch.int32, device="cuda")
+    table = None
+    if page:
+        pages = skv // page
+        table = torch.randperm(b * pages, device="cuda").view(b, pages).to(torch.int32)
+        cache = torch.empty(b * pages, page, 1, 576, device="cuda", dtype=torch.bfloat16)
+        cache[table.view(-1).long()] = lat.view(b * pages, page, 1, 576)
+        lat_ref, lat = lat, cache
+    else:
+        lat_ref = lat
+    return q, lat, lat_ref, lens, table
+
+
+def check(q, lat_ref, out, scale, causal):
+    n = min(4, q.shape[0])
+    qt = q[:n].transpose(1, 2).float()
+    kt = lat_ref[:n].transpose(1, 2).float()
+    sq, sk = q.shape[1], kt.shape[2]
+    mask = None
+    if causal and sq > 1:
+        rows, cols = torch.arange(sq, device="cuda"), torch.arange(sk, device="cuda")
+        mask = cols[None, :] <= rows[:, None] + sk - sq
+    ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, kt[..., :512], attn_mask=mask,
+                                                           scale=scale, enable_gqa=True)
+    return float((ref.transpose(1, 2) - out[:n].float()).abs().max())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    date = time.strftime("%Y-%m-%d")
+    dev = torch.cuda.get_device_name()
+    copy = copy_gbs()
+    rows = []
+    for b, skv, hq, sq, page in SHAPES:
+        q, lat, lat_ref, lens, table = inputs(b, skv, hq, sq, page)
+        scale = 1 / math.sqrt(576)
+        causal = sq > 1
+
+        def call(q=q, lat=lat, lens=lens, table=table, scale=scale, causal=causal):
+            return fl.attention_with_kvcache(q, lat, lat[..., :512], cache_seqlens=lens,
+                                             block_table=table, scale=scale, causal=causal)
+
+        flops = 2 * b * sq * hq * skv * (576 + 512)
+        nbytes = lat_ref.numel() * 2
+        res = {}
+        for name, on in (("gluon", True), ("portable", False)):
+            with fl.kernel_options(sm90_mla_decode=on):
+                out = call()
+                err = check(q, lat_ref, out, scale, causal)
+                ms = median_ms(call)
+                gms = median_ms(graph_replay(call))
+            res[name] = (ms, gms, err)
+        label = f"B={b} Skv={skv} Hq={hq} Sq={sq} {'paged' + str(page) if page else 'contiguous'}"
+        g, p = res["gluon"], res["portable"]
+        rows.append((label, flops / g[0] / 1e9, flops / g[1] / 1e9, nbytes / g[0] / 1e6 / copy,
+                     flops / p[0] / 1e9, g[2], p[2], g[0], p[0]))
+        del q, lat, lat_ref
+        torch.cuda.empty_cache()
+    md = []
+    for label, tf, tfg, frac, tfp, eg, ep, ms, pms in rows:
+        md.append(f"| {date} | MLA decode | {label} | {dev} | torch {torch.__version__}, triton "
+                  f"{triton.__version__} | Gluon {tf:.0f} TFLOP/s ({ms:.3f} ms; graph {tfg:.0f}; "
+                  f"{frac:.2f}x copy {copy:.0f} GB/s), portable {tfp:.0f} ({pms:.3f} ms); "
+                  f"max diff vs fp32 SDPA {eg:.2g} / {ep:.2g} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "mla_rows.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print(f"\ncopy {copy:.0f} GB/s")
+    print(f"{'shape':44s} {'gluon TF':>9s} {'graph':>7s} {'xcopy':>6s} {'portable':>9s} "
+          f"{'err g':>8s} {'err p':>8s}")
+    for label, tf, tfg, frac, tfp, eg, ep, _, _ in rows:
+        print(f"{label:44s} {tf:9.0f} {tfg:7.0f} {frac:6.2f} {tfp:9.0f} {eg:8.2g} {ep:8.2g}")
+
+
+if __name__ == "__main__":
+    main()

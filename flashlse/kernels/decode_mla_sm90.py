@@ -1,0 +1,421 @@
+"""Hopper MLA decode: 64 query heads a program against one latent head (Gluon, warp-specialised).
+
+MLA (DeepSeek, Kimi) decodes 16-128 query heads (x 1-2 query rows) against one latent head of
+``D = 576`` columns whose first ``Dv = 512`` are also V. At serving batch sizes that is
+compute-bound (B=64, Skv=8k, Hq=128: 146 GFLOP a step against 0.6 GB of cache), and the
+portable split-KV kernel (``decode.py``) runs its products as ``tl.dot`` with both warpgroups
+meeting every key tile. Same math and contract as ``decode.py`` (its docstring derives them):
+base-2 online softmax, partial states ``(O_s, L_s)`` per split merged by ``combine.py``, an
+empty row gives out = 0 and lse = -inf, the sink counted once (here with one split, else in
+the merge).
+
+Schedule (FlashMLA's published design). A program owns 64 rows (query position x head) of
+one sequence and split; its accumulator ``[64, 512]`` float32 does not fit one warpgroup, so
+
+- warpgroup w owns output columns ``[256 w, 256 w + 256)``;
+- one producer warp loads Q ``[64, 576]`` once and the key tiles ``[64, 576]`` into two
+  buffers, each as nine 64-column TMA pieces with a barrier each, so ``S = Q K^T`` starts as
+  the first piece lands;
+- the tiles come in pairs: warpgroup 0 computes S of the pair's first tile, warpgroup 1 of the
+  second, at the same time. They swap their row maxima through shared memory, so both
+  rescale by one running max ``m`` (the two halves of a row must share it), and each writes
+  its probabilities P (bf16, ``[64, 64]``) over its tile's last piece (the rope columns
+  ``[512, 576)``, no longer needed once S is computed). Each warpgroup then adds
+  ``P_own V_own`` (P from registers) and ``P_other V_other`` (P from shared memory) to its
+  half of the accumulator; its partial row sum ``l_w`` covers its own tiles, and
+  ``l = l_0 + l_1`` at the end (both were rescaled by the same factors).
+- shared memory: Q 72 KB + two tiles 144 KB; one program per SM.
+
+Tiles past a sequence's end. A contiguous cache is read through one descriptor over its
+``B * Smax`` rows, a paged one over its ``num_pages * page_size`` rows (page sizes multiple
+of 64: a tile is one page's rows). The rows of the last tile past the sequence's length are
+cache memory (any bits, NaN included), so the owning warpgroup overwrites them with zeros
+before S is computed: a masked key then has P = 0 and V = 0, never ``0 * NaN``. A page
+outside ``[0, num_pages)`` is no key: its tile is read from past the descriptor's end (zeros)
+and masked.
+
+Domain (``supported``): sm_90, fp16/bf16, ``v`` the view ``k[..., :512]`` of a ``(.., 1, 576)``
+cache, Sq * Hq rows of one latent head, no softcap, contiguous or paged (page size a multiple
+of 64) caches, windows and sink. Everything else runs ``decode.py``. Gluon does not run under
+TRITON_INTERPRET: CI compiles this kernel for sm_90 (tests/test_kernels_compile_sm90.py); the
+H200 runs tests/kernels/test_decode.py's MLA cases.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ._common import LOG2E, capability, decode_split, final_stats
+
+ROWS = gl.constexpr(64)  # query rows (position x head) a program: one wgmma M
+KEYS = gl.constexpr(64)  # keys a tile
+PIECE = gl.constexpr(64)  # columns a TMA piece (128-byte swizzle)
+D_K = gl.constexpr(576)
+D_V = gl.constexpr(512)
+NP = gl.constexpr(9)  # pieces of a K row: eight of V's columns, one of the rope's
+HALF = gl.constexpr(256)  # output columns a warpgroup
+# The shared scalar helpers (_common), compiled as Gluon functions.
+_decode_split = gluon.jit(decode_split.fn)
+_final_stats = gluon.jit(final_stats.fn)
+
+
+@gluon.jit
+def _piece(nope, rope, p: gl.constexpr):
+    """Columns ``[64 p, 64 p + 64)`` of a row block held as V's 512 columns and the rope's 64."""
+    if p < NP - 1:
+        return nope.slice(p * PIECE, PIECE, 1)
+    else:
+        return rope
+
+
+@gluon.jit
+def _tile_row(block_table, i_b, stride_tb, n0, num_pages, capacity,
+              PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
+    """``(row, ok)``: the cache row of key ``n0`` (a tile's first) in the K descriptor, and
+    whether the tile's page is inside the cache (a page outside is read past the descriptor's
+    end, which gives zeros, and its keys are masked)."""
+    if PAGED:
+        page = gl.load(block_table + i_b.to(gl.int64) * stride_tb + n0 // PAGE_SIZE)
+        ok = (page >= 0) & (page < num_pages)
+        row = gl.where(ok, page, num_pages) * PAGE_SIZE + n0 % PAGE_SIZE
+    else:
+        ok = n0 >= 0
+        row = i_b * capacity + n0
+    return row, ok
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, block_table, i_b,
+              stride_tb, q_row0, n_start, n_tiles, num_pages, capacity,
+              PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
+    """One warp: Q's nine pieces once, then tile t into buffer ``t % 2`` piece by piece, each
+    buffer when both warpgroups are done with its previous tile."""
+    mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
+    for p in gl.static_range(NP):
+        tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
+                                        _piece(q_smem, q_rope, p))
+    for t in range(n_tiles):
+        s = t % 2
+        # A fresh barrier counts as having completed the phase before 0.
+        mbarrier.wait(k_empty.index(s), ((t // 2) & 1) ^ 1)
+        row, ok = _tile_row(block_table, i_b, stride_tb, n_start + t * KEYS, num_pages,
+                            capacity, PAGE_SIZE, PAGED)
+        for p in gl.static_range(NP):
+            bar = k_full.index(s * NP + p)
+            mbarrier.expect(bar, k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row, p * PIECE], bar,
+                                            _piece(k_smem.index(s), k_rope.index(s), p))
+
+
+@gluon.jit
+def _zero_tail(buf, rope, n_valid):
+    """Zeros rows ``[n_valid, KEYS)`` of a landed tile (cache memory past the sequence)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, KEYS, layout=gl.SliceLayout(1, layout))
+    for p in gl.static_range(NP):
+        piece = _piece(buf, rope, p)
+        x = piece.load(layout)
+        piece.store(gl.where(rows[:, None] < n_valid, x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, tile_ok, diag,
+            left, right, scale_log2, n_safe_lo, n_safe_hi,
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr):
+    """Base-2 scores ``t = scale log2(e) Q K^T`` of the tile in ``buf`` (warpgroup w's), masked
+    keys at -inf; the product is issued piece by piece as the pieces land."""
+    if n0 + KEYS > n_end:
+        # The sequence's last tile: wait for all of it and zero the rows past the end.
+        for p in gl.static_range(NP):
+            mbarrier.wait(k_full.index(w * NP + p), ph)
+        _zero_tail(buf, rope, n_end - n0)
+    mbarrier.wait(k_full.index(w * NP), ph)
+    s_zero = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout)
+    tok = warpgroup_mma(_piece(q_smem, q_rope, 0), _piece(buf, rope, 0).permute((1, 0)),
+                        s_zero, use_acc=False, is_async=True)
+    for p in gl.static_range(1, NP):
+        mbarrier.wait(k_full.index(w * NP + p), ph)
+        tok = warpgroup_mma(_piece(q_smem, q_rope, p), _piece(buf, rope, p).permute((1, 0)),
+                            tok, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(tok, ))
+    t = s * scale_log2
+    masked = (n0 + KEYS > n_safe_hi) | (not tile_ok)
+    if HAS_LEFT:
+        masked = masked | (n0 < n_safe_lo)
+    if masked:
+        cols = n0 + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+        vis = (cols[None, :] < n_end) & tile_ok
+        if HAS_RIGHT:
+            vis = vis & (cols[None, :] <= diag[:, None] + right)
+        if HAS_LEFT:
+            vis = vis & (cols[None, :] >= diag[:, None] - left)
+        t = gl.where(vis, t, float("-inf"))
+    return t
+
+
+@gluon.jit
+def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, block_table, i_b, stride_tb,
+          num_pages, capacity, j, n_start, n_end, acc, m_i, l_i, diag,
+          left, right, scale_log2, n_safe_lo, n_safe_hi,
+          w: gl.constexpr, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr,
+          o_layout: gl.constexpr):
+    """Tiles ``2j`` (warpgroup 0's) and ``2j + 1`` (warpgroup 1's; absent unless HAS1) for
+    warpgroup w: its scores, the shared max, its P to the other, both products on its half."""
+    dtype: gl.constexpr = q_smem.dtype
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    OWN: gl.constexpr = (w == 0) or HAS1
+    OTHER: gl.constexpr = (w == 1) or HAS1
+    ph = j & 1
+    buf = k_smem.index(w)
+    rope = k_rope.index(w)
+    if OWN:
+        n0 = n_start + (2 * j + w) * KEYS
+        _, tile_ok = _tile_row(block_table, i_b, stride_tb, n0, num_pages, capacity,
+                               PAGE_SIZE, PAGED)
+        t = _scores(q_smem, q_rope, buf, rope, k_full, w, ph, n0, n_end, tile_ok, diag, left, right,
+                    scale_log2, n_safe_lo, n_safe_hi, HAS_LEFT, HAS_RIGHT, s_layout)
+        m_own = gl.max(t, 1)
+    else:
+        m_own = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    # One running max for both halves of a row: swap the tiles' maxima.
+    mx_smem.index(w).store(m_own)
+    gl.thread_barrier()
+    mbarrier.arrive(mx_bar.index(w))
+    mbarrier.wait(mx_bar.index(1 - w), ph)
+    m_new = gl.maximum(m_i, gl.maximum(m_own, mx_smem.index(1 - w).load(row_layout)))
+    # A row with no visible key yet keeps m = -inf; pivot on 0 so 2^(-inf - 0) = 0.
+    piv = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - piv)
+    l_i = l_i * alpha
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    if OWN:
+        p = gl.exp2(t - piv[:, None])
+        l_i = l_i + gl.sum(p, 1)
+        p16 = p.to(dtype)
+        # P over the tile's rope piece (read by S only), for the other warpgroup's half
+        # (which always multiplies a tile that exists).
+        rope.store(p16)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_bar.index(w))
+        tok = warpgroup_mma(gl.convert_layout(p16, p_layout), buf.slice(w * HALF, HALF, 1), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(tok, ))
+    if OTHER:
+        other = k_smem.index(1 - w)
+        mbarrier.wait(p_bar.index(1 - w), ph)
+        tok = warpgroup_mma(k_rope.index(1 - w), other.slice(w * HALF, HALF, 1), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(tok, ))
+    if HAS1:
+        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(1))
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar, l_smem, l_bar,
+              block_table, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end, n_tiles,
+              stride_tb, stride_os, stride_ob, stride_oq, stride_oh,
+              stride_ls, stride_lb, stride_lq, stride_lh,
+              num_pages, capacity, left, right, scale_log2,
+              w: gl.constexpr, SQ: gl.constexpr, GROUP: gl.constexpr,
+              PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HAS_LEFT: gl.constexpr,
+              HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr):
+    """Warpgroup w: output columns ``[256 w, 256 w + 256)`` of the program's 64 rows."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = r0 + gl.arange(0, ROWS, layout=row_layout)
+    # Each row's diagonal key (bottom-right aligned): row r is query position r // GROUP.
+    diag = rows // GROUP + sk - SQ
+    # Tiles past n_safe_hi / before n_safe_lo have keys some row does not see.
+    n_safe_hi = sk
+    if HAS_RIGHT:
+        n_safe_hi = gl.minimum(sk, sk - SQ + 1 + right)
+    n_safe_lo = sk - 1 - left
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
+    acc = gl.zeros([ROWS, HALF], gl.float32, layout=o_layout)
+    mbarrier.wait(q_bar.index(0), 0)
+    for j in range(n_tiles // 2):
+        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar,
+                              block_table, i_b, stride_tb, num_pages, capacity, j, n_start,
+                              n_end, acc, m_i, l_i, diag, left, right, scale_log2,
+                              n_safe_lo, n_safe_hi, w, True, PAGE_SIZE, PAGED, HAS_LEFT,
+                              HAS_RIGHT, s_layout, o_layout)
+    if n_tiles % 2 == 1:
+        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar,
+                              block_table, i_b, stride_tb, num_pages, capacity, n_tiles // 2,
+                              n_start, n_end, acc, m_i, l_i, diag, left, right,
+                              scale_log2, n_safe_lo, n_safe_hi, w, False, PAGE_SIZE, PAGED,
+                              HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
+    # l = l_0 + l_1: each warpgroup summed its own tiles' probabilities.
+    l_smem.index(w).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(l_bar.index(w))
+    mbarrier.wait(l_bar.index(1 - w), 0)
+    l_i = l_i + l_smem.index(1 - w).load(row_layout)
+
+    # Epilogue: out = 0 and lse = -inf (or the sink) for a row with no visible key; a NaN
+    # propagates.
+    heads = rows % GROUP
+    m_r = rows < SQ * GROUP
+    sink_nat = 0.0
+    if HAS_SINK:
+        sink_nat = gl.load(sink + heads, mask=m_r, other=0.0).to(gl.float32)
+    o_scale, lse_v = _final_stats(m_i, l_i, sink_nat, HAS_SINK)
+    pos = rows // GROUP
+    if w == 0:
+        o_l = (i_s.to(gl.int64) * stride_ls + i_b.to(gl.int64) * stride_lb
+               + pos.to(gl.int64) * stride_lq + heads.to(gl.int64) * stride_lh)
+        gl.store(lse + o_l, lse_v, mask=m_r)
+    out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows_o = gl.convert_layout(rows, o_rows)
+    o_r = (i_s.to(gl.int64) * stride_os + i_b.to(gl.int64) * stride_ob
+           + (rows_o // GROUP).to(gl.int64) * stride_oq + (rows_o % GROUP).to(gl.int64) * stride_oh)
+    cols = w * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o + o_r[:, None] + cols[None, :], out.to(o.dtype.element_ty),
+             mask=(rows_o < SQ * GROUP)[:, None])
+
+
+# Lengths and window bounds change per call; specialising on them only recompiles.
+@gluon.jit(do_not_specialize=["num_splits", "capacity", "num_pages", "k_rows", "seqlen_add",
+                              "left", "right"])
+def _mla_decode_kernel(
+    q, k, v, cache_seqlens, block_table, sink, o, lse, token_pages,
+    stride_qb, stride_qh, stride_kn, stride_tb,
+    stride_os, stride_ob, stride_oq, stride_oh,
+    stride_ls, stride_lb, stride_lq, stride_lh,
+    num_splits, capacity, num_pages, k_rows, seqlen_add, left, right, scale_log2,
+    SQ: gl.constexpr, GROUP: gl.constexpr, M_TILES: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HAS_SEQLENS: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+    PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    if PDL:
+        # Let the merge kernel launch now (it waits for this grid before reading).
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    i_bm, i_s = gl.program_id(0), gl.program_id(1)
+    # Row tiles vary fastest: the tiles of one (sequence, split) read each K tile once from
+    # memory and again from L2.
+    i_m = i_bm % M_TILES
+    i_b = i_bm // M_TILES
+    # decode.py's key range, whole tiles a split, an even count (the warpgroups take them in
+    # pairs).
+    sk, n_start, n_end = _decode_split(cache_seqlens, i_b, i_s, seqlen_add, capacity, num_splits,
+                                       left, SQ, KEYS, 2, HAS_SEQLENS, HAS_LEFT)
+    n_tiles = (gl.maximum(n_end - n_start, 0) + KEYS - 1) // KEYS
+
+    dtype: gl.constexpr = q.dtype.element_ty
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, PIECE], dtype)
+    r0 = i_m * ROWS
+    # Q's rows (position, head) of sequence i_b are contiguous (the launcher checks):
+    # rows past Sq * Hq read as zeros.
+    q_desc = tma.make_tensor_descriptor(q + i_b.to(gl.int64) * stride_qb, [SQ * GROUP, 576],
+                                        [stride_qh, 1], [ROWS, PIECE], layout)
+    k_desc = tma.make_tensor_descriptor(k, [k_rows, 576], [stride_kn, 1], [KEYS, PIECE], layout)
+    # Shapes are powers of two: the 512 V columns and the 64 rope columns apart.
+    q_smem = gl.allocate_shared_memory(dtype, [ROWS, D_V], layout)
+    q_rope = gl.allocate_shared_memory(dtype, [ROWS, PIECE], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, KEYS, D_V], layout)
+    k_rope = gl.allocate_shared_memory(dtype, [2, KEYS, PIECE], layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
+    k_full = gl.allocate_shared_memory(gl.int64, [2 * NP, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    mx_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    mx_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS], vec_layout)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS], vec_layout)
+    mbarrier.init(q_bar.index(0), count=1)
+    for i in gl.static_range(2 * NP):
+        mbarrier.init(k_full.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(mx_bar.index(i), count=1)
+        mbarrier.init(p_bar.index(i), count=1)
+        mbarrier.init(l_bar.index(i), count=1)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar, l_smem,
+                     l_bar, block_table, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end, n_tiles,
+                     stride_tb, stride_os, stride_ob, stride_oq, stride_oh,
+                     stride_ls, stride_lb, stride_lq, stride_lh,
+                     num_pages, capacity, left, right, scale_log2,
+                     0, SQ, GROUP, PAGE_SIZE, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+        (_consumer, (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar, l_smem,
+                     l_bar, block_table, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end, n_tiles,
+                     stride_tb, stride_os, stride_ob, stride_oq, stride_oh,
+                     stride_ls, stride_lb, stride_lq, stride_lh,
+                     num_pages, capacity, left, right, scale_log2,
+                     1, SQ, GROUP, PAGE_SIZE, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+        (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, block_table, i_b,
+                     stride_tb, r0, n_start, n_tiles, num_pages, capacity, PAGE_SIZE, PAGED)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool:
+    """The Hopper MLA decode's domain (``decode._decode_plan`` asks); the rest runs decode.py.
+
+    MLA: one latent head of 576 columns, V its first 512 (the same storage), fp16/bf16, no
+    softcap, no token table; Q's (position, head) rows and the cache's rows evenly strided
+    (one TMA descriptor each), 16-byte aligned; page sizes a multiple of 64."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype):
+        return False
+    if capability(q) != (9, 0) or softcap or token_table is not None:
+        return False
+    b, sq, hq, d = q.shape
+    if d != D_K or k_cache.shape[-1] != D_K or v_cache.shape[-1] != D_V or k_cache.shape[2] != 1:
+        return False
+    if v_cache.data_ptr() != k_cache.data_ptr() or v_cache.stride() != k_cache.stride():
+        return False
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or q.stride(1) != hq * q.stride(2):
+        return False
+    n, rows = k_cache.shape[0], k_cache.shape[1]
+    if paged and rows % 64:
+        return False
+    if k_cache.stride(0) != rows * k_cache.stride(1) or n * rows >= 2 ** 31:
+        return False
+    es = q.element_size()
+    return (q.data_ptr() % 16 == 0 and k_cache.data_ptr() % 16 == 0
+            and (q.stride(0) * es) % 16 == 0 and (q.stride(2) * es) % 16 == 0
+            and (k_cache.stride(1) * es) % 16 == 0 and sq * hq < 2 ** 31)
+
+
+def kernel_args(q, k_cache, *, paged, block_table, capacity, st_o, st_l, splits, seqlen_add,
+                left, right, scale, has_seqlens, has_sink, pdl) -> dict:
+    """The launch keywords of :func:`_mla_decode_kernel` after its nine tensors (``decode``'s
+    plan supplies the output strides it computed for ``decode.py``'s kernel)."""
+    b, sq, hq, _ = q.shape
+    return dict(
+        stride_qb=q.stride(0), stride_qh=q.stride(2), stride_kn=k_cache.stride(1),
+        stride_tb=block_table.stride(0) if paged else 0,
+        stride_os=st_o[0], stride_ob=st_o[1], stride_oq=st_o[2], stride_oh=st_o[3],
+        stride_ls=st_l[0], stride_lb=st_l[1], stride_lq=st_l[2], stride_lh=st_l[3],
+        num_splits=splits, capacity=capacity, num_pages=k_cache.shape[0],
+        k_rows=k_cache.shape[0] * k_cache.shape[1], seqlen_add=int(seqlen_add),
+        left=0 if left is None else int(left), right=0 if right is None else int(right),
+        scale_log2=float(scale) * LOG2E.value, SQ=sq, GROUP=hq, M_TILES=-(-sq * hq // 64),
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, HAS_SEQLENS=has_seqlens,
+        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SINK=has_sink, PDL=pdl,
+        CONSUMER_REGS=240, num_warps=4)

@@ -1,0 +1,120 @@
+"""The Hopper MLA decode (``kernels/decode_mla_sm90.py``) against ``flashlse.reference``.
+
+Gluon does not run under TRITON_INTERPRET: these run on an sm_90 GPU only (CI compiles the
+kernel for sm_90 in tests/test_kernels_compile_sm90.py). Every case checks, through
+``test_decode._check``, out and lse against the float64 reference with the
+torch-in-bf16 yardstick, the -inf pattern, out == 0 for empty rows and no NaN anywhere
+(outputs and split partials start as NaN; cache rows past each length and spare pages are
+NaN, so a read of them shows). Each case also asserts that the Gluon kernel ran (its plan),
+and compares it with the portable kernel on the same inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_decode import _check, _make
+
+from flashlse import kernel_options, reference
+from flashlse.kernels import decode
+from flashlse.masks import normalize_window
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not SM90, reason="the Hopper MLA kernel needs an sm_90 GPU")]
+
+
+def _plan(q, k, v, lens, table, left, right, sink, num_splits):
+    return decode._decode_plan(q, k, v, table, lens is not None, sink, left, right, 0.0,
+                               1 / math.sqrt(q.shape[-1]), num_splits, 0, None, None, True,
+                               mla=True)
+
+
+CASES = [
+    # (b, sq, hq, smax, lens, page_size, causal, window, sink, num_splits)
+    pytest.param(2, 1, 128, 1024, (1024, 333), None, False, (None, None), False, 0,
+                 id="contiguous"),
+    pytest.param(2, 1, 128, 1024, (1024, 333), 64, False, (None, None), False, 0, id="paged64"),
+    pytest.param(3, 2, 128, 1024, (1024, 65, 0), 64, True, (None, None), False, 3,
+                 id="mtp_causal_paged64_splits3"),
+    pytest.param(2, 2, 64, 2048, (2047, 128), 128, True, (None, None), True, 1,
+                 id="mtp_causal_sink_one_split_paged128"),
+    pytest.param(4, 1, 16, 512, (512, 1, 63, 64), None, False, (None, None), True, 2,
+                 id="hq16_sink_short"),
+    pytest.param(2, 1, 128, 4096, (4096, 1000), 256, False, (300, 0), False, 0,
+                 id="window_paged256"),
+    pytest.param(1, 1, 128, 8192, (8192,), None, False, (None, None), False, 0,
+                 id="one_sequence_many_splits"),
+    pytest.param(2, 1, 32, 640, (0, 0), 64, False, (None, None), True, 0, id="all_empty_sink"),
+]
+
+
+@pytest.mark.parametrize("b, sq, hq, smax, lens, page, causal, window, with_sink, num_splits",
+                         CASES)
+def test_mla_sm90_matches_reference(b, sq, hq, smax, lens, page, causal, window, with_sink,
+                                    num_splits):
+    q, k, v, lens_t, table, k_ref, v_ref = _make(
+        "cuda", torch.bfloat16, b=b, sq=sq, hq=hq, hkv=1, d=576, dv=512, smax=smax, lens=lens,
+        mla=True, page_size=page)
+    sink = torch.randn(hq, device="cuda") if with_sink else None
+    left, right = normalize_window(causal, window)
+    assert _plan(q, k, v, lens_t, table, left, right, sink, num_splits).gluon is not None
+    # (A compile failure would warn and fall back: pyproject makes that warning an error.)
+    out, lse = _check(q, k, v, lens_t, table, k_ref, v_ref, causal=causal, window=window,
+                      sink=sink, num_splits=num_splits)
+    with kernel_options(sm90_mla_decode=False):
+        out_p, lse_p = decode.decode_fwd(
+            q, k, v, cache_seqlens=lens_t, block_table=table, left=left, right=right,
+            softcap=0.0, scale=1 / math.sqrt(576), sink=sink, num_splits=num_splits)
+    torch.testing.assert_close(out.float(), out_p.float(), atol=2e-2, rtol=2e-2)
+    fin = torch.isfinite(lse_p)
+    assert torch.equal(fin, torch.isfinite(lse))
+    torch.testing.assert_close(lse[fin], lse_p[fin], atol=1e-3, rtol=1e-3)
+
+
+def test_mla_sm90_nan_propagates():
+    """A NaN in q, in a visible latent row, or in the sink gives NaN rows (never a clean
+    output); a NaN cache row past the length is never read."""
+    q, k, v, lens_t, table, _, _ = _make("cuda", torch.bfloat16, b=2, sq=1, hq=128, hkv=1,
+                                         d=576, dv=512, smax=512, lens=(512, 200), mla=True,
+                                         page_size=64)
+    kw = dict(cache_seqlens=lens_t, block_table=table, left=None, right=None, softcap=0.0,
+              scale=0.05, num_splits=2)
+    q2 = q.clone()
+    q2[0, 0, 5, 17] = float("nan")
+    out, lse = decode.decode_fwd(q2, k, v, sink=None, **kw)
+    assert torch.isnan(out[0, 0, 5]).all() and torch.isnan(lse[0, 5, 0])
+    assert not torch.isnan(out[0, 0, 4]).any() and not torch.isnan(out[1]).any()
+    # Key 100 of sequence 1 (visible): every head of that sequence is NaN.
+    k2 = k.clone()
+    page = int(table[1, 100 // 64])
+    k2[page, 100 % 64, 0, 3] = float("nan")
+    out, lse = decode.decode_fwd(q, k2, k2[..., :512], sink=None, **kw)
+    assert torch.isnan(lse[1]).all() and not torch.isnan(lse[0]).any()
+    sink = torch.zeros(128, device="cuda")
+    sink[7] = float("nan")
+    out, lse = decode.decode_fwd(q, k, v, sink=sink, **kw)
+    assert torch.isnan(lse[:, 7]).all() and torch.isnan(out[:, 0, 7]).all()
+    assert not torch.isnan(lse[:, 6]).any()
+
+
+def test_mla_sm90_out_of_range_pages_are_no_keys():
+    """Value checks are opt-in: a page index outside the cache holds no key and is never
+    read (the kernel must stay memory-safe for any table)."""
+    q, k, v, lens_t, table, _, _ = _make("cuda", torch.bfloat16, b=2, sq=1, hq=64, hkv=1,
+                                         d=576, dv=512, smax=256, lens=(256, 256), mla=True,
+                                         page_size=64)
+    bad = table.clone()
+    bad[0, 1] = 10**6
+    bad[1, 2] = -5
+    out, lse = decode.decode_fwd(q, k, v, cache_seqlens=lens_t, block_table=bad, left=None,
+                                 right=None, softcap=0.0, scale=0.05, sink=None, num_splits=0)
+    # The same as dropping those pages' keys: the reference on the remaining keys.
+    for b, drop in ((0, 1), (1, 2)):
+        keep = [j for j in range(256) if j // 64 != drop]
+        kb = reference.gather_cache(k, b, 256, table)[keep]
+        s = (q[b].double().transpose(0, 1) @ kb.double().transpose(0, 1).squeeze(0).T) * 0.05
+        ref_lse = torch.logsumexp(s, -1)
+        torch.testing.assert_close(lse[b].double(), ref_lse, atol=2e-2, rtol=0)
