@@ -220,7 +220,7 @@ def cases():
             ("Sq=2 causal paged 256", True, 256, 2, dict(HAS_RIGHT=True))):
         consts = dict(SQ=sq, GROUP=128, M_TILES=2 * sq, PAGE_SIZE=page, PAGED=paged,
                       HAS_SEQLENS=True, HAS_LEFT=False, HAS_RIGHT=False, HAS_SINK=False,
-                      PDL=False, CONSUMER_REGS=240)
+                      PDL=False, PREFETCH=2, CONSUMER_REGS=240)
         consts.update(flags_)
         yield "mla", f"decode MLA sm90 (Gluon) {label}", decode_mla_sm90._mla_decode_kernel, \
             mla_types, consts, 4, 1

@@ -63,6 +63,11 @@ D_K = gl.constexpr(576)
 D_V = gl.constexpr(512)
 NP = gl.constexpr(9)  # pieces of a K row: eight of V's columns, one of the rope's
 HALF = gl.constexpr(256)  # output columns a warpgroup
+# Tiles the producer asks L2 for ahead of the tile it loads, when a sequence has two or more
+# row tiles (compute-bound); none with one (Hq = 16: memory-bound, where it cost). RESULTS.md
+# 2026-12-01 "MLA decode prefetch": 2 tiles ahead +1.8-2.9% at Hq = 128 against none, 4 and 8
+# below none; Hq = 16 0.80x copy without, 0.62x with.
+PREFETCH_TILES = 2
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
@@ -94,9 +99,26 @@ def _tile_row(block_table, i_b, stride_tb, n0, num_pages, capacity,
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, block_table, i_b,
-              stride_tb, q_row0, n_start, n_tiles, num_pages, capacity,
-              PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
+def _prefetch_l2(k, block_table, i_b, stride_tb, stride_kn, n0, n_end, num_pages, capacity,
+                 PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
+    """Asks L2 for the rows of the tile at key ``n0`` below ``n_end`` (one bulk prefetch from
+    lane 0; a page outside the cache is not touched): the tile's TMA copies, issued when a
+    buffer frees, then read L2 instead of waiting on memory."""
+    row, ok = _tile_row(block_table, i_b, stride_tb, n0, num_pages, capacity, PAGE_SIZE, PAGED)
+    if ok & (n0 < n_end):
+        nbytes = gl.minimum(n_end - n0, KEYS) * stride_kn * (k.dtype.element_ty.primitive_bitwidth // 8)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [k + row.to(gl.int64) * stride_kn, nbytes], dtype=gl.int32,
+            is_pure=False, pack=1)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k,
+              block_table, i_b, stride_tb, stride_kn, q_row0, n_start, n_end, n_tiles,
+              num_pages, capacity, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+              PREFETCH: gl.constexpr):
     """One warp: Q's nine pieces once, then tile t into buffer ``t % 2`` piece by piece, each
     buffer when both warpgroups are done with its previous tile."""
     mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
@@ -105,6 +127,10 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
                                         _piece(q_smem, q_rope, p))
     for t in range(n_tiles):
         s = t % 2
+        if PREFETCH > 0:
+            # Tile t + PREFETCH into L2 while tile t waits for its buffer.
+            _prefetch_l2(k, block_table, i_b, stride_tb, stride_kn, n_start + (t + PREFETCH) * KEYS,
+                         n_end, num_pages, capacity, PAGE_SIZE, PAGED)
         # A fresh barrier counts as having completed the phase before 0.
         mbarrier.wait(k_empty.index(s), ((t // 2) & 1) ^ 1)
         row, ok = _tile_row(block_table, i_b, stride_tb, n_start + t * KEYS, num_pages,
@@ -307,7 +333,7 @@ def _mla_decode_kernel(
     SQ: gl.constexpr, GROUP: gl.constexpr, M_TILES: gl.constexpr,
     PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PDL: gl.constexpr, PREFETCH: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     if PDL:
         # Let the merge kernel launch now (it waits for this grid before reading).
@@ -369,8 +395,9 @@ def _mla_decode_kernel(
                      stride_ls, stride_lb, stride_lq, stride_lh,
                      num_pages, capacity, left, right, scale_log2,
                      1, SQ, GROUP, PAGE_SIZE, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
-        (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, block_table, i_b,
-                     stride_tb, r0, n_start, n_tiles, num_pages, capacity, PAGE_SIZE, PAGED)),
+        (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k,
+                     block_table, i_b, stride_tb, stride_kn, r0, n_start, n_end, n_tiles,
+                     num_pages, capacity, PAGE_SIZE, PAGED, PREFETCH)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -418,4 +445,4 @@ def kernel_args(q, k_cache, *, paged, block_table, capacity, st_o, st_l, splits,
         scale_log2=float(scale) * LOG2E.value, SQ=sq, GROUP=hq, M_TILES=-(-sq * hq // 64),
         PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, HAS_SEQLENS=has_seqlens,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SINK=has_sink, PDL=pdl,
-        CONSUMER_REGS=240, num_warps=4)
+        PREFETCH=PREFETCH_TILES if sq * hq > 64 else 0, CONSUMER_REGS=240, num_warps=4)
