@@ -7,7 +7,9 @@ square, as FlashMLA's numbers do); bytes are the latent cache read once. Timed i
 process: the Hopper Gluon kernel (``decode_mla_sm90``, the default) and the portable one
 (``kernel_options(sm90_mla_decode=False)``), both through the public call, a CUDA-graph
 replay of the public call, and the device copy as the bandwidth ceiling. The check column is
-the largest difference from a float32 SDPA of four sequences.
+the largest difference from a float32 SDPA of four sequences. The top-k rows (DeepSeek-V3.2
+sparse decode through ``sparse_attention``) check the Gluon kernel against the portable one
+("err g"; "err p" is 0 there).
 
     python benchmarks/bench_mla.py [--out DIR]
 
@@ -73,6 +75,41 @@ def check(q, lat_ref, out, scale, causal):
     return float((ref.transpose(1, 2) - out[:n].float()).abs().max())
 
 
+def topk_rows():
+    """Top-k decode (DeepSeek-V3.2): each of B sequences' one query row attends to its own
+    2048 listed rows of a paged 64 latent cache of Skv rows, through ``sparse_attention``;
+    FLOPs ``2 B Hq topk (576 + 512)``. The check column compares with the portable kernel."""
+    out_rows = []
+    for b, skv, hq, topk in ((64, 8192, 128, 2048), (128, 4096, 128, 2048)):
+        q, lat, _, _, table = inputs(b, skv, hq, 1, 64)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        idx = torch.randint(0, skv, (b, 1, 1, topk), device="cuda", dtype=torch.int32,
+                            generator=g)
+
+        def call(q=q, lat=lat, idx=idx, table=table):
+            return fl.sparse_attention(q, lat, lat[..., :512], idx, block_table=table,
+                                       scale=1 / math.sqrt(576))
+
+        flops = 2 * b * hq * topk * (576 + 512)
+        res = {}
+        for name, on in (("gluon", True), ("portable", False)):
+            with fl.kernel_options(sm90_mla_decode=on):
+                res[name] = (call(), median_ms(call), median_ms(graph_replay(call)))
+        err = float((res["gluon"][0].float() - res["portable"][0].float()).abs().max())
+        g_, p_ = res["gluon"], res["portable"]
+        nbytes = b * topk * 576 * 2
+        out_rows.append((f"top-k B={b} Skv={skv} Hq={hq} topk={topk} paged64",
+                         flops / g_[1] / 1e9, flops / g_[2] / 1e9,
+                         nbytes / g_[1] / 1e6 / COPY[0], flops / p_[1] / 1e9, err, 0.0,
+                         g_[1], p_[1]))
+        del q, lat
+        torch.cuda.empty_cache()
+    return out_rows
+
+
+COPY = [1.0]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -80,6 +117,7 @@ def main():
     date = time.strftime("%Y-%m-%d")
     dev = torch.cuda.get_device_name()
     copy = copy_gbs()
+    COPY[0] = copy
     rows = []
     for b, skv, hq, sq, page in SHAPES:
         q, lat, lat_ref, lens, table = inputs(b, skv, hq, sq, page)
@@ -106,6 +144,7 @@ def main():
                      flops / p[0] / 1e9, g[2], p[2], g[0], p[0]))
         del q, lat, lat_ref
         torch.cuda.empty_cache()
+    rows += topk_rows()
     md = []
     for label, tf, tfg, frac, tfp, eg, ep, ms, pms in rows:
         md.append(f"| {date} | MLA decode | {label} | {dev} | torch {torch.__version__}, triton "

@@ -217,10 +217,15 @@ def cases():
     for label, paged, page, sq, flags_ in (
             ("contiguous sink", False, 1, 1, dict(HAS_SINK=True)),
             ("paged 64 splits", True, 64, 1, dict(PDL=True)),
-            ("Sq=2 causal paged 256", True, 256, 2, dict(HAS_RIGHT=True))):
+            ("Sq=2 causal paged 256", True, 256, 2, dict(HAS_RIGHT=True)),
+            # Sparse top-k lists (token table) over a paged cache of 64-row pages.
+            ("top-k paged 64", True, 1, 1, dict(TOKEN_TABLE=True, TOKEN_PAGE=64, HAS_SEQLENS=False,
+                                                PREFETCH=0, PRODUCER_WARPS=2,
+                                                PRODUCER_REGS=56))):
         consts = dict(SQ=sq, GROUP=128, M_TILES=2 * sq, PAGE_SIZE=page, PAGED=paged,
-                      HAS_SEQLENS=True, HAS_LEFT=False, HAS_RIGHT=False, HAS_SINK=False,
-                      PDL=False, PREFETCH=2, CONSUMER_REGS=240)
+                      TOKEN_TABLE=False, TOKEN_PAGE=0, HAS_SEQLENS=True, HAS_LEFT=False,
+                      HAS_RIGHT=False, HAS_SINK=False, PDL=False, PREFETCH=2, PRODUCER_WARPS=1,
+                      PRODUCER_REGS=24, CONSUMER_REGS=240)
         consts.update(flags_)
         yield "mla", f"decode MLA sm90 (Gluon) {label}", decode_mla_sm90._mla_decode_kernel, \
             mla_types, consts, 4, 1

@@ -525,9 +525,10 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     gluon = None
     if mla and not config and not interpret and decode_mla_sm90 is not None and \
             decode_mla_sm90.supported(q, k_cache, v_cache, paged=paged, softcap=softcap,
-                                      token_table=token_table):
+                                      token_table=token_table) and \
+            (token_table is None or left is None and right is None):
         gluon = ("decode_mla_sm90", q.dtype, paged, has_seqlens, left is None, right is None,
-                 sink is None, sq * hq)
+                 sink is None, sq * hq, token_table is None, token_pages is None)
         if gluon in FAILURES:
             gluon = None
     cfg = configs.decode_config(d1, d2, dv, rows, interpret)
@@ -614,7 +615,8 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     if gluon is not None:
         kernel = decode_mla_sm90._mla_decode_kernel
         kw = decode_mla_sm90.kernel_args(
-            q, k_cache, paged=paged, block_table=block_table, capacity=capacity, st_o=st_o,
+            q, k_cache, paged=paged, block_table=block_table, token_table=token_table,
+            token_pages=token_pages, capacity=capacity, st_o=st_o,
             st_l=st_l, splits=splits, seqlen_add=seqlen_add, left=left, right=right,
             scale=scale, has_seqlens=has_seqlens, has_sink=sink is not None and splits == 1,
             pdl=pdl)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -83,11 +84,13 @@ def _piece(nope, rope, p: gl.constexpr):
 
 
 @gluon.jit
-def _tile_row(block_table, i_b, stride_tb, n0, num_pages, capacity,
-              PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
+def _tile_row(keys, i_b, n0, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
     """``(row, ok)``: the cache row of key ``n0`` (a tile's first) in the K descriptor, and
     whether the tile's page is inside the cache (a page outside is read past the descriptor's
-    end, which gives zeros, and its keys are masked)."""
+    end, which gives zeros, and its keys are masked). ``keys``: the kernel's key-table
+    arguments (block table, token pages, their strides, page count, capacity, token-table
+    sizes)."""
+    block_table, _, stride_tb, _, num_pages, capacity, _, _, _ = keys
     if PAGED:
         page = gl.load(block_table + i_b.to(gl.int64) * stride_tb + n0 // PAGE_SIZE)
         ok = (page >= 0) & (page < num_pages)
@@ -99,12 +102,34 @@ def _tile_row(block_table, i_b, stride_tb, n0, num_pages, capacity,
 
 
 @gluon.jit
-def _prefetch_l2(k, block_table, i_b, stride_tb, stride_kn, n0, n_end, num_pages, capacity,
-                 PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
+def _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE: gl.constexpr, layout: gl.constexpr):
+    """Top-k lists (a token table, decode.py's TOKEN_TABLE): ``(row, ok)`` of keys
+    ``[n0, n0 + KEYS)``, the cache row (int64) of each listed token position and whether it
+    holds a key: a position below ``n_end``, inside ``[0, Sk)`` (-1: none) and, through the
+    cache's block table (TOKEN_PAGE rows a page), on a page inside the cache. Only entries of
+    existing keys are read; one latent head, so a row is page ``b * Sk + j`` itself."""
+    table, token_pages, stride_tb, stride_pb, _, _, table_sk, per_batch, table_pages = keys
+    o_n = n0 + gl.arange(0, KEYS, layout=layout)
+    ok = o_n < n_end
+    j = gl.load(table + i_b.to(gl.int64) * stride_tb + o_n, mask=ok, other=-1)
+    ok = ok & (j >= 0) & (j < table_sk)
+    bb = (i_b // per_batch).to(gl.int64)
+    if TOKEN_PAGE > 0:
+        pg = gl.load(token_pages + bb * stride_pb + j // TOKEN_PAGE, mask=ok, other=0).to(gl.int64)
+        ok = ok & (pg >= 0) & (pg < table_pages)
+        row = pg * TOKEN_PAGE + j % TOKEN_PAGE
+    else:
+        row = bb * table_sk + j
+    return row, ok
+
+
+@gluon.jit
+def _prefetch_l2(k, keys, i_b, stride_kn, n0, n_end, PAGE_SIZE: gl.constexpr,
+                 PAGED: gl.constexpr):
     """Asks L2 for the rows of the tile at key ``n0`` below ``n_end`` (one bulk prefetch from
     lane 0; a page outside the cache is not touched): the tile's TMA copies, issued when a
     buffer frees, then read L2 instead of waiting on memory."""
-    row, ok = _tile_row(block_table, i_b, stride_tb, n0, num_pages, capacity, PAGE_SIZE, PAGED)
+    row, ok = _tile_row(keys, i_b, n0, PAGE_SIZE, PAGED)
     if ok & (n0 < n_end):
         nbytes = gl.minimum(n_end - n0, KEYS) * stride_kn * (k.dtype.element_ty.primitive_bitwidth // 8)
         gl.inline_asm_elementwise(
@@ -115,31 +140,44 @@ def _prefetch_l2(k, block_table, i_b, stride_tb, stride_kn, n0, n_end, num_pages
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k,
-              block_table, i_b, stride_tb, stride_kn, q_row0, n_start, n_end, n_tiles,
-              num_pages, capacity, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k, keys,
+              i_b, stride_kn, q_row0, n_start, n_end, n_tiles, PAGE_SIZE: gl.constexpr,
+              PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
               PREFETCH: gl.constexpr):
-    """One warp: Q's nine pieces once, then tile t into buffer ``t % 2`` piece by piece, each
-    buffer when both warpgroups are done with its previous tile."""
+    """Q's nine pieces once, then tile t into buffer ``t % 2`` piece by piece, each buffer
+    when both warpgroups are done with its previous tile: by TMA (one warp), or, for top-k
+    lists, gathered row by row with cp.async (each thread arrives on a piece's barrier when
+    its copies of it have landed; rows of no key are zero-filled)."""
     mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
     for p in gl.static_range(NP):
         tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
                                         _piece(q_smem, q_rope, p))
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    cols = gl.arange(0, PIECE, layout=gl.SliceLayout(0, layout))
     for t in range(n_tiles):
         s = t % 2
         if PREFETCH > 0:
             # Tile t + PREFETCH into L2 while tile t waits for its buffer.
-            _prefetch_l2(k, block_table, i_b, stride_tb, stride_kn, n_start + (t + PREFETCH) * KEYS,
-                         n_end, num_pages, capacity, PAGE_SIZE, PAGED)
+            _prefetch_l2(k, keys, i_b, stride_kn, n_start + (t + PREFETCH) * KEYS, n_end,
+                         PAGE_SIZE, PAGED)
         # A fresh barrier counts as having completed the phase before 0.
         mbarrier.wait(k_empty.index(s), ((t // 2) & 1) ^ 1)
-        row, ok = _tile_row(block_table, i_b, stride_tb, n_start + t * KEYS, num_pages,
-                            capacity, PAGE_SIZE, PAGED)
-        for p in gl.static_range(NP):
-            bar = k_full.index(s * NP + p)
-            mbarrier.expect(bar, k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, p * PIECE], bar,
-                                            _piece(k_smem.index(s), k_rope.index(s), p))
+        if TOKEN_TABLE:
+            row, ok = _listed_rows(keys, i_b, n_start + t * KEYS, n_end, TOKEN_PAGE,
+                                   gl.SliceLayout(1, layout))
+            src = k + row[:, None] * stride_kn + cols[None, :]
+            for p in gl.static_range(NP):
+                async_copy.async_copy_global_to_shared(
+                    _piece(k_smem.index(s), k_rope.index(s), p), src + p * PIECE,
+                    mask=ok[:, None])
+                async_copy.mbarrier_arrive(k_full.index(s * NP + p), increment_count=False)
+        else:
+            row, ok = _tile_row(keys, i_b, n_start + t * KEYS, PAGE_SIZE, PAGED)
+            for p in gl.static_range(NP):
+                bar = k_full.index(s * NP + p)
+                mbarrier.expect(bar, k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, p * PIECE], bar,
+                                                _piece(k_smem.index(s), k_rope.index(s), p))
 
 
 @gluon.jit
@@ -158,10 +196,12 @@ def _zero_tail(buf, rope, n_valid):
 @gluon.jit
 def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, tile_ok, diag,
             left, right, scale_log2, n_safe_lo, n_safe_hi,
-            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr):
+            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, TOKEN_TABLE: gl.constexpr,
+            s_layout: gl.constexpr):
     """Base-2 scores ``t = scale log2(e) Q K^T`` of the tile in ``buf`` (warpgroup w's), masked
-    keys at -inf; the product is issued piece by piece as the pieces land."""
-    if n0 + KEYS > n_end:
+    keys at -inf; the product is issued piece by piece as the pieces land. ``tile_ok``: the
+    tile's page is in the cache, or (TOKEN_TABLE) which of its listed keys exist."""
+    if (not TOKEN_TABLE) and (n0 + KEYS > n_end):
         # The sequence's last tile: wait for all of it and zero the rows past the end.
         for p in gl.static_range(NP):
             mbarrier.wait(k_full.index(w * NP + p), ph)
@@ -176,27 +216,29 @@ def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, t
                             tok, is_async=True)
     s = warpgroup_mma_wait(0, deps=(tok, ))
     t = s * scale_log2
-    masked = (n0 + KEYS > n_safe_hi) | (not tile_ok)
-    if HAS_LEFT:
-        masked = masked | (n0 < n_safe_lo)
-    if masked:
-        cols = n0 + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-        vis = (cols[None, :] < n_end) & tile_ok
-        if HAS_RIGHT:
-            vis = vis & (cols[None, :] <= diag[:, None] + right)
+    if TOKEN_TABLE:
+        t = gl.where(tile_ok[None, :], t, float("-inf"))
+    else:
+        masked = (n0 + KEYS > n_safe_hi) | (not tile_ok)
         if HAS_LEFT:
-            vis = vis & (cols[None, :] >= diag[:, None] - left)
-        t = gl.where(vis, t, float("-inf"))
+            masked = masked | (n0 < n_safe_lo)
+        if masked:
+            cols = n0 + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+            vis = (cols[None, :] < n_end) & tile_ok
+            if HAS_RIGHT:
+                vis = vis & (cols[None, :] <= diag[:, None] + right)
+            if HAS_LEFT:
+                vis = vis & (cols[None, :] >= diag[:, None] - left)
+            t = gl.where(vis, t, float("-inf"))
     return t
 
 
 @gluon.jit
-def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, block_table, i_b, stride_tb,
-          num_pages, capacity, j, n_start, n_end, acc, m_i, l_i, diag,
-          left, right, scale_log2, n_safe_lo, n_safe_hi,
+def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, keys, i_b,
+          j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
           w: gl.constexpr, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr,
-          o_layout: gl.constexpr):
+          TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
+          HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tiles ``2j`` (warpgroup 0's) and ``2j + 1`` (warpgroup 1's; absent unless HAS1) for
     warpgroup w: its scores, the shared max, its P to the other, both products on its half."""
     dtype: gl.constexpr = q_smem.dtype
@@ -209,10 +251,14 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
     rope = k_rope.index(w)
     if OWN:
         n0 = n_start + (2 * j + w) * KEYS
-        _, tile_ok = _tile_row(block_table, i_b, stride_tb, n0, num_pages, capacity,
-                               PAGE_SIZE, PAGED)
-        t = _scores(q_smem, q_rope, buf, rope, k_full, w, ph, n0, n_end, tile_ok, diag, left, right,
-                    scale_log2, n_safe_lo, n_safe_hi, HAS_LEFT, HAS_RIGHT, s_layout)
+        if TOKEN_TABLE:
+            _, tile_ok = _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE,
+                                      gl.SliceLayout(0, s_layout))
+        else:
+            _, tile_ok = _tile_row(keys, i_b, n0, PAGE_SIZE, PAGED)
+        t = _scores(q_smem, q_rope, buf, rope, k_full, w, ph, n0, n_end, tile_ok, diag, left,
+                    right, scale_log2, n_safe_lo, n_safe_hi, HAS_LEFT, HAS_RIGHT, TOKEN_TABLE,
+                    s_layout)
         m_own = gl.max(t, 1)
     else:
         m_own = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
@@ -253,14 +299,14 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
 
 
 @gluon.jit
-def _consumer(q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar, l_smem, l_bar,
-              block_table, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end, n_tiles,
-              stride_tb, stride_os, stride_ob, stride_oq, stride_oh,
-              stride_ls, stride_lb, stride_lq, stride_lh,
-              num_pages, capacity, left, right, scale_log2,
+def _consumer(q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar,
+              l_smem, l_bar, keys, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end, n_tiles,
+              stride_os, stride_ob, stride_oq, stride_oh,
+              stride_ls, stride_lb, stride_lq, stride_lh, left, right, scale_log2,
               w: gl.constexpr, SQ: gl.constexpr, GROUP: gl.constexpr,
-              PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr):
+              PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
+              TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              HAS_SINK: gl.constexpr):
     """Warpgroup w: output columns ``[256 w, 256 w + 256)`` of the program's 64 rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
@@ -280,17 +326,16 @@ def _consumer(q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, m
     acc = gl.zeros([ROWS, HALF], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar.index(0), 0)
     for j in range(n_tiles // 2):
-        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar,
-                              block_table, i_b, stride_tb, num_pages, capacity, j, n_start,
-                              n_end, acc, m_i, l_i, diag, left, right, scale_log2,
-                              n_safe_lo, n_safe_hi, w, True, PAGE_SIZE, PAGED, HAS_LEFT,
-                              HAS_RIGHT, s_layout, o_layout)
+        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
+                              p_bar, keys, i_b, j, n_start, n_end, acc, m_i, l_i, diag, left,
+                              right, scale_log2, n_safe_lo, n_safe_hi, w, True, PAGE_SIZE, PAGED,
+                              TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
     if n_tiles % 2 == 1:
-        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar,
-                              block_table, i_b, stride_tb, num_pages, capacity, n_tiles // 2,
-                              n_start, n_end, acc, m_i, l_i, diag, left, right,
-                              scale_log2, n_safe_lo, n_safe_hi, w, False, PAGE_SIZE, PAGED,
-                              HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
+        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
+                              p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i, l_i, diag,
+                              left, right, scale_log2, n_safe_lo, n_safe_hi, w, False, PAGE_SIZE,
+                              PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout,
+                              o_layout)
     # l = l_0 + l_1: each warpgroup summed its own tiles' probabilities.
     l_smem.index(w).store(l_i)
     gl.thread_barrier()
@@ -326,14 +371,17 @@ def _consumer(q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, m
                               "left", "right"])
 def _mla_decode_kernel(
     q, k, v, cache_seqlens, block_table, sink, o, lse, token_pages,
-    stride_qb, stride_qh, stride_kn, stride_tb,
+    stride_qb, stride_qh, stride_kn, stride_tb, stride_pb,
     stride_os, stride_ob, stride_oq, stride_oh,
     stride_ls, stride_lb, stride_lq, stride_lh,
-    num_splits, capacity, num_pages, k_rows, seqlen_add, left, right, scale_log2,
+    num_splits, capacity, num_pages, k_rows, table_sk, table_per_batch, table_num_pages,
+    seqlen_add, left, right, scale_log2,
     SQ: gl.constexpr, GROUP: gl.constexpr, M_TILES: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, HAS_SEQLENS: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
+    TOKEN_PAGE: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    PDL: gl.constexpr, PREFETCH: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PDL: gl.constexpr, PREFETCH: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     if PDL:
         # Let the merge kernel launch now (it waits for this grid before reading).
@@ -375,41 +423,47 @@ def _mla_decode_kernel(
     l_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS], vec_layout)
     mbarrier.init(q_bar.index(0), count=1)
     for i in gl.static_range(2 * NP):
-        mbarrier.init(k_full.index(i), count=1)
+        # TMA: the producer's expect; gathered: one arrival from each producer thread.
+        mbarrier.init(k_full.index(i), count=32 * PRODUCER_WARPS if TOKEN_TABLE else 1)
     for i in gl.static_range(2):
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(mx_bar.index(i), count=1)
         mbarrier.init(p_bar.index(i), count=1)
         mbarrier.init(l_bar.index(i), count=1)
 
+    # The key-table arguments, passed as one tuple (_tile_row, _listed_rows).
+    keys = (block_table, token_pages, stride_tb, stride_pb, num_pages, capacity, table_sk,
+            table_per_batch, table_num_pages)
     gl.warp_specialize([
-        (_consumer, (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar, l_smem,
-                     l_bar, block_table, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end, n_tiles,
-                     stride_tb, stride_os, stride_ob, stride_oq, stride_oh,
-                     stride_ls, stride_lb, stride_lq, stride_lh,
-                     num_pages, capacity, left, right, scale_log2,
-                     0, SQ, GROUP, PAGE_SIZE, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
-        (_consumer, (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar, l_smem,
-                     l_bar, block_table, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end, n_tiles,
-                     stride_tb, stride_os, stride_ob, stride_oq, stride_oh,
-                     stride_ls, stride_lb, stride_lq, stride_lh,
-                     num_pages, capacity, left, right, scale_log2,
-                     1, SQ, GROUP, PAGE_SIZE, PAGED, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+        (_consumer, (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar,
+                     p_bar, l_smem, l_bar, keys, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end,
+                     n_tiles, stride_os, stride_ob, stride_oq, stride_oh,
+                     stride_ls, stride_lb, stride_lq, stride_lh, left, right, scale_log2,
+                     0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
+                     HAS_RIGHT, HAS_SINK)),
+        (_consumer, (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar,
+                     p_bar, l_smem, l_bar, keys, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end,
+                     n_tiles, stride_os, stride_ob, stride_oq, stride_oh,
+                     stride_ls, stride_lb, stride_lq, stride_lh, left, right, scale_log2,
+                     1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
+                     HAS_RIGHT, HAS_SINK)),
         (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k,
-                     block_table, i_b, stride_tb, stride_kn, r0, n_start, n_end, n_tiles,
-                     num_pages, capacity, PAGE_SIZE, PAGED, PREFETCH)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+                     keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
+                     TOKEN_TABLE, TOKEN_PAGE, PREFETCH)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool:
     """The Hopper MLA decode's domain (``decode._decode_plan`` asks); the rest runs decode.py.
 
     MLA: one latent head of 576 columns, V its first 512 (the same storage), fp16/bf16, no
-    softcap, no token table; Q's (position, head) rows and the cache's rows evenly strided
-    (one TMA descriptor each), 16-byte aligned; page sizes a multiple of 64."""
+    softcap; Q's (position, head) rows and the cache's rows evenly strided (one TMA
+    descriptor each), 16-byte aligned; page sizes a multiple of 64, or a token table
+    (sparse attention's top-k lists over one-row pages: ``(Sk, per_batch, 1[, pages,
+    page size])``, no window)."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype):
         return False
-    if capability(q) != (9, 0) or softcap or token_table is not None:
+    if capability(q) != (9, 0) or softcap:
         return False
     b, sq, hq, d = q.shape
     if d != D_K or k_cache.shape[-1] != D_K or v_cache.shape[-1] != D_V or k_cache.shape[2] != 1:
@@ -419,7 +473,10 @@ def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or q.stride(1) != hq * q.stride(2):
         return False
     n, rows = k_cache.shape[0], k_cache.shape[1]
-    if paged and rows % 64:
+    if token_table is not None:
+        if rows != 1 or token_table[2] != 1:
+            return False
+    elif paged and rows % 64:
         return False
     if k_cache.stride(0) != rows * k_cache.stride(1) or n * rows >= 2 ** 31:
         return False
@@ -429,20 +486,33 @@ def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool
             and (k_cache.stride(1) * es) % 16 == 0 and sq * hq < 2 ** 31)
 
 
-def kernel_args(q, k_cache, *, paged, block_table, capacity, st_o, st_l, splits, seqlen_add,
-                left, right, scale, has_seqlens, has_sink, pdl) -> dict:
+def kernel_args(q, k_cache, *, paged, block_table, token_table, token_pages, capacity, st_o,
+                st_l, splits, seqlen_add, left, right, scale, has_seqlens, has_sink,
+                pdl) -> dict:
     """The launch keywords of :func:`_mla_decode_kernel` after its nine tensors (``decode``'s
     plan supplies the output strides it computed for ``decode.py``'s kernel)."""
     b, sq, hq, _ = q.shape
     return dict(
-        stride_qb=q.stride(0), stride_qh=q.stride(2), stride_kn=k_cache.stride(1),
+        stride_qb=q.stride(0), stride_qh=q.stride(2),
+        # One-row pages of a token table: the row stride is the page stride.
+        stride_kn=k_cache.stride(0 if token_table else 1),
         stride_tb=block_table.stride(0) if paged else 0,
+        stride_pb=0 if token_pages is None else token_pages.stride(0),
         stride_os=st_o[0], stride_ob=st_o[1], stride_oq=st_o[2], stride_oh=st_o[3],
         stride_ls=st_l[0], stride_lb=st_l[1], stride_lq=st_l[2], stride_lh=st_l[3],
         num_splits=splits, capacity=capacity, num_pages=k_cache.shape[0],
-        k_rows=k_cache.shape[0] * k_cache.shape[1], seqlen_add=int(seqlen_add),
+        k_rows=k_cache.shape[0] * k_cache.shape[1],
+        table_sk=token_table[0] if token_table else 0,
+        table_per_batch=token_table[1] if token_table else 1,
+        table_num_pages=token_table[3] if token_pages is not None else 0,
+        seqlen_add=int(seqlen_add),
         left=0 if left is None else int(left), right=0 if right is None else int(right),
         scale_log2=float(scale) * LOG2E.value, SQ=sq, GROUP=hq, M_TILES=-(-sq * hq // 64),
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, HAS_SEQLENS=has_seqlens,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
+        TOKEN_TABLE=token_table is not None,
+        TOKEN_PAGE=token_table[4] if token_pages is not None else 0, HAS_SEQLENS=has_seqlens,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SINK=has_sink, PDL=pdl,
-        PREFETCH=PREFETCH_TILES if sq * hq > 64 else 0, CONSUMER_REGS=240, num_warps=4)
+        PREFETCH=PREFETCH_TILES if sq * hq > 64 and token_table is None else 0,
+        # Gathered rows: two producer warps of cp.async (pointers in registers).
+        PRODUCER_WARPS=2 if token_table else 1, PRODUCER_REGS=56 if token_table else 24,
+        CONSUMER_REGS=240, num_warps=4)

@@ -118,3 +118,64 @@ def test_mla_sm90_out_of_range_pages_are_no_keys():
         s = (q[b].double().transpose(0, 1) @ kb.double().transpose(0, 1).squeeze(0).T) * 0.05
         ref_lse = torch.logsumexp(s, -1)
         torch.testing.assert_close(lse[b].double(), ref_lse, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("paged", [None, 64], ids=["contiguous", "paged64"])
+def test_mla_sm90_topk_matches_reference(paged):
+    """DeepSeek-V3.2 sparse decode / prefill: each query row's own top-k list of latent rows
+    (``sparse_attention``, the token-table path), gathered by cp.async. Lists hold -1, repeats
+    and rows past 64-key tiles; one row's list is all -1 (empty); cache rows nobody lists are
+    NaN (a read of one would show)."""
+    import flashlse as fl
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    b, sq, hq, sk, topk = 2, 3, 128, 700, 200
+    q = torch.randn(b, sq, hq, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(b, sk, 1, 576, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(0, sk - 100, (b, sq, 1, topk), device="cuda", generator=g,
+                        dtype=torch.int32)
+    idx[0, 1, 0, ::7] = -1
+    idx[1, 0, 0, 3] = idx[1, 0, 0, 4]
+    idx[1, 2] = -1
+    kv[:, sk - 100:] = float("nan")  # never listed
+    table = None
+    cache = kv
+    if paged:
+        pages = sk // 4 // paged + 1
+        table = torch.randperm(b * pages * 2, device="cuda")[: b * pages].view(b, pages)
+        table = table.to(torch.int32)
+        cache = torch.full((b * pages * 2, paged, 1, 576), float("nan"), device="cuda",
+                           dtype=torch.bfloat16)
+        idx = idx % (pages * paged)
+        idx[0, 1, 0, ::7] = -1
+        idx[1, 2] = -1
+        for i in range(b):
+            rows = kv[i, : pages * paged].reshape(pages, paged, 1, 576)
+            cache[table[i].long()] = rows
+        kv = torch.stack([reference.gather_cache(cache, i, pages * paged, table)
+                          for i in range(b)])
+    out, lse = fl.sparse_attention(q, cache, cache[..., :512], idx, block_table=table,
+                                   return_lse=True)
+    want_out, want_lse = reference.sparse_attention(q.double(), kv.double(),
+                                                    kv[..., :512].double(), idx,
+                                                    return_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert (out[1, 2] == 0).all()
+    torch.testing.assert_close(out.double(), want_out, atol=3e-2, rtol=3e-2)
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[fin], want_lse[fin], atol=2e-2, rtol=2e-2)
+    with kernel_options(sm90_mla_decode=False):
+        out_p, lse_p = fl.sparse_attention(q, cache, cache[..., :512], idx, block_table=table,
+                                           return_lse=True)
+    torch.testing.assert_close(out.float(), out_p.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_mla_sm90_topk_takes_the_gluon_kernel():
+    """The token-table plan of an MLA top-k call is the Hopper kernel's (not decode.py's)."""
+    q = torch.randn(6, 1, 128, 576, device="cuda").bfloat16()
+    pages = torch.randn(1400, 1, 1, 576, device="cuda").bfloat16()
+    table = torch.zeros(6, 200, dtype=torch.int32, device="cuda")
+    plan = decode._decode_plan(q, pages, pages[..., :512], table, False, None, None, None, 0.0,
+                               0.05, 0, 0, None, None, True, token_table=(700, 3, 1), mla=True)
+    assert plan.gluon is not None
