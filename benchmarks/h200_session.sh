@@ -44,11 +44,11 @@ if [ "$1" = mla ]; then
     T=tests/kernels/test_decode_mla_sm90.py
     timeout 120 python3 -m pytest -q -x "$T::test_mla_sm90_matches_reference[contiguous]" \
         -p no:cacheprovider > "$OUT/test_mla0.log" 2>&1 || { tail -25 "$OUT/test_mla0.log"; exit 1; }
-    timeout 240 python3 -m pytest -q $T tests/kernels/test_decode.py -p no:cacheprovider \
-        > "$OUT/test_mla.log" 2>&1
+    timeout 240 python3 -m pytest -q $T tests/kernels/test_decode.py \
+        tests/kernels/test_sparse_kernels.py -p no:cacheprovider > "$OUT/test_mla.log" 2>&1
     tail -1 "$OUT/test_mla.log"; grep -h "^FAILED" "$OUT/test_mla.log" | head
     timeout 200 python3 benchmarks/bench_mla.py --out "$OUT" > "$OUT/bench_mla.log" 2>&1
-    tail -9 "$OUT/bench_mla.log"
+    tail -11 "$OUT/bench_mla.log"
     exit 0
 fi
 if [ "$1" = pending ]; then
