@@ -179,3 +179,34 @@ def test_mla_sm90_topk_takes_the_gluon_kernel():
     plan = decode._decode_plan(q, pages, pages[..., :512], table, False, None, None, None, 0.0,
                                0.05, 0, 0, None, None, True, token_table=(700, 3, 1), mla=True)
     assert plan.gluon is not None
+
+
+def test_mla_sm90_compile_failure_falls_back(monkeypatch, compile_failures):
+    """A Gluon kernel this triton cannot compile warns once and the signature runs the portable
+    kernel from then on (kernels/failures.py), with the same answer."""
+    from flashlse.kernels import decode_mla_sm90
+
+    real = decode_mla_sm90._mla_decode_kernel
+
+    class Broken:
+        arg_names = real.arg_names
+
+        def __getitem__(self, grid):
+            raise RuntimeError("injected compile failure")
+
+    q, k, v, lens_t, table, _, _ = _make("cuda", torch.bfloat16, b=2, sq=1, hq=128, hkv=1,
+                                         d=576, dv=512, smax=256, lens=(256, 100), mla=True,
+                                         page_size=64)
+    kw = dict(cache_seqlens=lens_t, block_table=table, left=None, right=None, softcap=0.0,
+              scale=0.05, sink=None, num_splits=0)
+    with kernel_options(sm90_mla_decode=False):
+        want, want_lse = decode.decode_fwd(q, k, v, **kw)
+    monkeypatch.setattr(decode_mla_sm90, "_mla_decode_kernel", Broken())
+    monkeypatch.setattr(decode, "_PLANS", {})
+    with pytest.warns(RuntimeWarning, match="MLA decode kernel failed"):
+        out, lse = decode.decode_fwd(q, k, v, **kw)
+    assert len(compile_failures) == 1
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    out2, _ = decode.decode_fwd(q, k, v, **kw)  # no second warning: the failure is remembered
+    torch.testing.assert_close(out2, want)
