@@ -28,15 +28,16 @@ one sequence and split; its accumulator ``[64, 512]`` float32 does not fit one w
 
 Tiles past a sequence's end. A contiguous cache is read through one descriptor over its
 ``B * Smax`` rows, a paged one over its ``num_pages * page_size`` rows (page sizes multiple
-of 64: a tile is one page's rows). The rows of the last tile past the sequence's length are
-cache memory (any bits, NaN included), so the owning warpgroup overwrites them with zeros
+of 64: a tile is one page's rows; pages of 8, 16 or 32 rows: one TMA box a page, ``SUB``
+rows). The rows of the last tile past the sequence's length are cache memory (any bits,
+NaN included), so the owning warpgroup overwrites them with zeros
 before S is computed: a masked key then has P = 0 and V = 0, never ``0 * NaN``. A page
 outside ``[0, num_pages)`` is no key: its tile is read from past the descriptor's end (zeros)
 and masked.
 
 Domain (``supported``): sm_90, fp16/bf16, ``v`` the view ``k[..., :512]`` of a ``(.., 1, 576)``
-cache, Sq * Hq rows of one latent head, no softcap, contiguous or paged (page size a multiple
-of 64) caches, windows and sink. Everything else runs ``decode.py``. Gluon does not run under
+cache, Sq * Hq rows of one latent head, no softcap, contiguous or paged (page size 8, 16, 32
+or a multiple of 64) caches, windows and sink. Everything else runs ``decode.py``. Gluon does not run under
 TRITON_INTERPRET: CI compiles this kernel for sm_90 (tests/test_kernels_compile_sm90.py); the
 H200 runs tests/kernels/test_decode.py's MLA cases.
 """
@@ -124,14 +125,28 @@ def _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE: gl.constexpr, layout: gl.cons
 
 
 @gluon.jit
+def _page_ok(keys, i_b, n0, n_end, PAGE_SIZE: gl.constexpr, layout: gl.constexpr):
+    """Pages smaller than a tile: ``(page, ok)`` of each key of ``[n0, n0 + KEYS)``, its page
+    and whether it is inside the cache (table entries read only below ``n_end``)."""
+    block_table, _, stride_tb, _, num_pages, _, _, _, _ = keys
+    o_n = n0 + gl.arange(0, KEYS, layout=layout)
+    ok = o_n < n_end
+    page = gl.load(block_table + i_b.to(gl.int64) * stride_tb + o_n // PAGE_SIZE, mask=ok,
+                   other=-1)
+    return page, ok & (page >= 0) & (page < num_pages)
+
+
+@gluon.jit
 def _prefetch_l2(k, keys, i_b, stride_kn, n0, n_end, PAGE_SIZE: gl.constexpr,
                  PAGED: gl.constexpr):
     """Asks L2 for the rows of the tile at key ``n0`` below ``n_end`` (one bulk prefetch from
     lane 0; a page outside the cache is not touched): the tile's TMA copies, issued when a
     buffer frees, then read L2 instead of waiting on memory."""
-    row, ok = _tile_row(keys, i_b, n0, PAGE_SIZE, PAGED)
+    SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
+    # (A tile past the end has no table entry to read: look up the last key's instead.)
+    row, ok = _tile_row(keys, i_b, gl.minimum(n0, n_end - 1), PAGE_SIZE, PAGED)
     if ok & (n0 < n_end):
-        nbytes = gl.minimum(n_end - n0, KEYS) * stride_kn * (k.dtype.element_ty.primitive_bitwidth // 8)
+        nbytes = gl.minimum(n_end - n0, SUB) * stride_kn * (k.dtype.element_ty.primitive_bitwidth // 8)
         gl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
@@ -154,12 +169,14 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
                                         _piece(q_smem, q_rope, p))
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     cols = gl.arange(0, PIECE, layout=gl.SliceLayout(0, layout))
+    SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
     for t in range(n_tiles):
         s = t % 2
         if PREFETCH > 0:
             # Tile t + PREFETCH into L2 while tile t waits for its buffer.
-            _prefetch_l2(k, keys, i_b, stride_kn, n_start + (t + PREFETCH) * KEYS, n_end,
-                         PAGE_SIZE, PAGED)
+            for i in gl.static_range(KEYS // SUB):
+                _prefetch_l2(k, keys, i_b, stride_kn, n_start + (t + PREFETCH) * KEYS + i * SUB,
+                             n_end, PAGE_SIZE, PAGED)
         # A fresh barrier counts as having completed the phase before 0.
         mbarrier.wait(k_empty.index(s), ((t // 2) & 1) ^ 1)
         if TOKEN_TABLE:
@@ -171,13 +188,29 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
                     _piece(k_smem.index(s), k_rope.index(s), p), src + p * PIECE,
                     mask=ok[:, None])
                 async_copy.mbarrier_arrive(k_full.index(s * NP + p), increment_count=False)
-        else:
+        elif SUB == KEYS:
             row, ok = _tile_row(keys, i_b, n_start + t * KEYS, PAGE_SIZE, PAGED)
             for p in gl.static_range(NP):
                 bar = k_full.index(s * NP + p)
                 mbarrier.expect(bar, k_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(k_desc, [row, p * PIECE], bar,
                                                 _piece(k_smem.index(s), k_rope.index(s), p))
+        else:
+            # Pages smaller than a tile: one box a page. A page past n_end has no table entry
+            # (the table ends with the cache): its box is read past the descriptor's end
+            # (zeros; the consumer zeroes every row past the end anyway).
+            n0 = n_start + t * KEYS
+            for p in gl.static_range(NP):
+                mbarrier.expect(k_full.index(s * NP + p), (KEYS // SUB) * k_desc.block_type.nbytes)
+            for i in gl.static_range(KEYS // SUB):
+                n_i = n0 + i * SUB
+                row_i, _ = _tile_row(keys, i_b, gl.where(n_i < n_end, n_i, n0), PAGE_SIZE,
+                                     PAGED)
+                row_i = gl.where(n_i < n_end, row_i, keys[4] * PAGE_SIZE)
+                for p in gl.static_range(NP):
+                    tma.async_copy_global_to_shared(
+                        k_desc, [row_i, p * PIECE], k_full.index(s * NP + p),
+                        _piece(k_smem.index(s), k_rope.index(s), p).slice(i * SUB, SUB, 0))
 
 
 @gluon.jit
@@ -197,7 +230,7 @@ def _zero_tail(buf, rope, n_valid):
 def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, tile_ok, diag,
             left, right, scale_log2, n_safe_lo, n_safe_hi,
             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, TOKEN_TABLE: gl.constexpr,
-            s_layout: gl.constexpr):
+            PAGE_OK_VEC: gl.constexpr, s_layout: gl.constexpr):
     """Base-2 scores ``t = scale log2(e) Q K^T`` of the tile in ``buf`` (warpgroup w's), masked
     keys at -inf; the product is issued piece by piece as the pieces land. ``tile_ok``: the
     tile's page is in the cache, or (TOKEN_TABLE) which of its listed keys exist."""
@@ -218,6 +251,15 @@ def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, t
     t = s * scale_log2
     if TOKEN_TABLE:
         t = gl.where(tile_ok[None, :], t, float("-inf"))
+    elif PAGE_OK_VEC:
+        # Pages smaller than a tile: each key has its page's answer; every tile is masked.
+        cols = n0 + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+        vis = (cols[None, :] < n_end) & tile_ok[None, :]
+        if HAS_RIGHT:
+            vis = vis & (cols[None, :] <= diag[:, None] + right)
+        if HAS_LEFT:
+            vis = vis & (cols[None, :] >= diag[:, None] - left)
+        t = gl.where(vis, t, float("-inf"))
     else:
         masked = (n0 + KEYS > n_safe_hi) | (not tile_ok)
         if HAS_LEFT:
@@ -245,6 +287,7 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     OWN: gl.constexpr = (w == 0) or HAS1
+    PAGE_OK_VEC: gl.constexpr = PAGED and (not TOKEN_TABLE) and PAGE_SIZE < KEYS
     OTHER: gl.constexpr = (w == 1) or HAS1
     ph = j & 1
     buf = k_smem.index(w)
@@ -254,11 +297,13 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
         if TOKEN_TABLE:
             _, tile_ok = _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE,
                                       gl.SliceLayout(0, s_layout))
+        elif PAGE_OK_VEC:
+            _, tile_ok = _page_ok(keys, i_b, n0, n_end, PAGE_SIZE, gl.SliceLayout(0, s_layout))
         else:
             _, tile_ok = _tile_row(keys, i_b, n0, PAGE_SIZE, PAGED)
         t = _scores(q_smem, q_rope, buf, rope, k_full, w, ph, n0, n_end, tile_ok, diag, left,
                     right, scale_log2, n_safe_lo, n_safe_hi, HAS_LEFT, HAS_RIGHT, TOKEN_TABLE,
-                    s_layout)
+                    PAGE_OK_VEC, s_layout)
         m_own = gl.max(t, 1)
     else:
         m_own = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
@@ -405,7 +450,8 @@ def _mla_decode_kernel(
     # rows past Sq * Hq read as zeros.
     q_desc = tma.make_tensor_descriptor(q + i_b.to(gl.int64) * stride_qb, [SQ * GROUP, 576],
                                         [stride_qh, 1], [ROWS, PIECE], layout)
-    k_desc = tma.make_tensor_descriptor(k, [k_rows, 576], [stride_kn, 1], [KEYS, PIECE], layout)
+    SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
+    k_desc = tma.make_tensor_descriptor(k, [k_rows, 576], [stride_kn, 1], [SUB, PIECE], layout)
     # Shapes are powers of two: the 512 V columns and the 64 rope columns apart.
     q_smem = gl.allocate_shared_memory(dtype, [ROWS, D_V], layout)
     q_rope = gl.allocate_shared_memory(dtype, [ROWS, PIECE], layout)
@@ -458,7 +504,7 @@ def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool
 
     MLA: one latent head of 576 columns, V its first 512 (the same storage), fp16/bf16, no
     softcap; Q's (position, head) rows and the cache's rows evenly strided (one TMA
-    descriptor each), 16-byte aligned; page sizes a multiple of 64, or a token table
+    descriptor each), 16-byte aligned; page sizes 8, 16, 32 or a multiple of 64, or a token table
     (sparse attention's top-k lists over one-row pages: ``(Sk, per_batch, 1[, pages,
     page size])``, no window)."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype):
@@ -476,7 +522,7 @@ def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool
     if token_table is not None:
         if rows != 1 or token_table[2] != 1:
             return False
-    elif paged and rows % 64:
+    elif paged and rows % 64 and rows not in (8, 16, 32):
         return False
     if k_cache.stride(0) != rows * k_cache.stride(1) or n * rows >= 2 ** 31:
         return False

@@ -48,6 +48,13 @@ CASES = [
     pytest.param(1, 1, 128, 8192, (8192,), None, False, (None, None), False, 0,
                  id="one_sequence_many_splits"),
     pytest.param(2, 1, 32, 640, (0, 0), 64, False, (None, None), True, 0, id="all_empty_sink"),
+    # Pages smaller than a tile (one TMA box a page); 1000 keys in 63 pages of 16: the last
+    # tile runs past the block table, whose entries there must not be read.
+    pytest.param(2, 1, 128, 1000, (1000, 777), 16, False, (None, None), False, 0, id="paged16"),
+    pytest.param(2, 2, 128, 1000, (999, 40), 8, True, (None, None), True, 3,
+                 id="mtp_causal_sink_paged8_splits3"),
+    pytest.param(2, 1, 64, 2048, (2048, 1500), 32, False, (200, 0), False, 2,
+                 id="window_paged32"),
 ]
 
 
@@ -100,15 +107,17 @@ def test_mla_sm90_nan_propagates():
     assert not torch.isnan(lse[:, 6]).any()
 
 
-def test_mla_sm90_out_of_range_pages_are_no_keys():
+@pytest.mark.parametrize("page", [16, 64])
+def test_mla_sm90_out_of_range_pages_are_no_keys(page):
     """Value checks are opt-in: a page index outside the cache holds no key and is never
     read (the kernel must stay memory-safe for any table)."""
     q, k, v, lens_t, table, _, _ = _make("cuda", torch.bfloat16, b=2, sq=1, hq=64, hkv=1,
                                          d=576, dv=512, smax=256, lens=(256, 256), mla=True,
-                                         page_size=64)
+                                         page_size=page)
+    per = 64 // page  # table entries a 64-key block
     bad = table.clone()
-    bad[0, 1] = 10**6
-    bad[1, 2] = -5
+    bad[0, per * 1: per * 2] = 10**6
+    bad[1, per * 2: per * 3] = -5
     out, lse = decode.decode_fwd(q, k, v, cache_seqlens=lens_t, block_table=bad, left=None,
                                  right=None, softcap=0.0, scale=0.05, sink=None, num_splits=0)
     # The same as dropping those pages' keys: the reference on the remaining keys.
