@@ -382,3 +382,27 @@ def decode_split(cache_seqlens, i_b, i_s, seqlen_add, capacity, num_splits, left
     n_start = n_lo + i_s * per_split * BLOCK_N
     n_end = tl.minimum(sk, n_start + per_split * BLOCK_N)
     return sk, n_start, n_end
+
+
+@triton.jit
+def token_rows(table, token_pages, o_n, m_n, i_b, stride_tb, stride_pb, table_sk, per_batch,
+               table_pages, TOKEN_PAGE: tl.constexpr):
+    """Top-k lists read as a token table (sparse attention; decode.py's TOKEN_TABLE): keys
+    ``o_n`` (where ``m_n``) of sequence ``i_b`` are the token positions ``j`` its row of
+    ``table`` lists; ``(row, ok)``: the cache row of each (int64), ``b * Sk + j`` of batch
+    ``b = i_b // per_batch`` contiguous, or through the cache's own block table
+    (``token_pages``, pages of TOKEN_PAGE rows) ``token_pages[b, j // TOKEN_PAGE] * TOKEN_PAGE
+    + j % TOKEN_PAGE``, and which hold a key: a position outside ``[0, Sk)`` (-1: none) or on
+    a page outside ``[0, table_pages)`` is masked, and only entries of existing keys are
+    read. Layout-agnostic (the Gluon kernels call it on their own layouts)."""
+    b_j = tl.load(table + i_b.to(tl.int64) * stride_tb + o_n, mask=m_n, other=-1)
+    m_n = m_n & (b_j >= 0) & (b_j < table_sk)
+    i_bb = (i_b // per_batch).to(tl.int64)
+    if TOKEN_PAGE > 0:
+        b_pg = tl.load(token_pages + i_bb * stride_pb + b_j // TOKEN_PAGE, mask=m_n,
+                       other=0).to(tl.int64)
+        m_n = m_n & (b_pg >= 0) & (b_pg < table_pages)
+        b_row = b_pg * TOKEN_PAGE + b_j % TOKEN_PAGE
+    else:
+        b_row = i_bb * table_sk + b_j
+    return b_row, m_n

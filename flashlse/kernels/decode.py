@@ -80,6 +80,7 @@ from ._common import (
     next_pow2,
     positional,
     stride_args,
+    token_rows,
 )
 from .combine import _num_sms, merge_plan, merge_run
 from .failures import FAILURES
@@ -112,20 +113,10 @@ def _decode_tile_pages(
     if TOKEN_TABLE:
         # The table lists token positions j (sparse attention's top-k; pages are single
         # (token, kv head) rows): sequence i_b is kv head h = i_b % table_hkv of batch
-        # b = i_b // table_per_batch, and key j its row r in the cache, page r * Hkv + h:
-        # r = b * Sk + j contiguous, or, through the cache's own block table (token_pages,
-        # pages of TOKEN_PAGE rows), token_pages[b, j // TOKEN_PAGE] * TOKEN_PAGE
-        # + j % TOKEN_PAGE. A position outside [0, Sk) (-1: no key) or on a page outside
-        # [0, table_num_pages) is masked, never read.
-        b_j = tl.load(block_table + i_b.to(tl.int64) * stride_tb + o_n, mask=m_n, other=-1)
-        m_n = m_n & (b_j >= 0) & (b_j < table_sk)
-        i_bb = (i_b // table_per_batch).to(tl.int64)
-        if TOKEN_PAGE > 0:
-            b_pg = tl.load(token_pages + i_bb * stride_pb + b_j // TOKEN_PAGE, mask=m_n, other=0).to(tl.int64)
-            m_n = m_n & (b_pg >= 0) & (b_pg < table_num_pages)
-            b_row = b_pg * TOKEN_PAGE + b_j % TOKEN_PAGE
-        else:
-            b_row = i_bb * table_sk + b_j
+        # i_b // table_per_batch, and key j its row r in the cache (token_rows), page
+        # r * Hkv + h.
+        b_row, m_n = token_rows(block_table, token_pages, o_n, m_n, i_b, stride_tb, stride_pb,
+                                table_sk, table_per_batch, table_num_pages, TOKEN_PAGE)
         b_page = b_row * table_hkv + i_b % table_hkv
     else:
         # One page lookup per key row: any page size, pages smaller than a tile included.

@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._common import LOG2E, capability, decode_split, final_stats
+from ._common import LOG2E, capability, decode_split, final_stats, token_rows
 
 ROWS = gl.constexpr(64)  # query rows (position x head) a program: one wgmma M
 KEYS = gl.constexpr(64)  # keys a tile
@@ -73,6 +73,7 @@ PREFETCH_TILES = 2
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
+_token_rows = gluon.jit(token_rows.fn)
 
 
 @gluon.jit
@@ -111,16 +112,8 @@ def _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE: gl.constexpr, layout: gl.cons
     existing keys are read; one latent head, so a row is page ``b * Sk + j`` itself."""
     table, token_pages, stride_tb, stride_pb, _, _, table_sk, per_batch, table_pages = keys
     o_n = n0 + gl.arange(0, KEYS, layout=layout)
-    ok = o_n < n_end
-    j = gl.load(table + i_b.to(gl.int64) * stride_tb + o_n, mask=ok, other=-1)
-    ok = ok & (j >= 0) & (j < table_sk)
-    bb = (i_b // per_batch).to(gl.int64)
-    if TOKEN_PAGE > 0:
-        pg = gl.load(token_pages + bb * stride_pb + j // TOKEN_PAGE, mask=ok, other=0).to(gl.int64)
-        ok = ok & (pg >= 0) & (pg < table_pages)
-        row = pg * TOKEN_PAGE + j % TOKEN_PAGE
-    else:
-        row = bb * table_sk + j
+    row, ok = _token_rows(table, token_pages, o_n, o_n < n_end, i_b, stride_tb, stride_pb,
+                          table_sk, per_batch, table_pages, TOKEN_PAGE)
     return row, ok
 
 
