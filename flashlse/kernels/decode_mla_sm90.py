@@ -337,15 +337,19 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
 
 
 @gluon.jit
-def _consumer(q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar,
-              l_smem, l_bar, keys, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end, n_tiles,
-              stride_os, stride_ob, stride_oq, stride_oh,
-              stride_ls, stride_lb, stride_lq, stride_lh, left, right, scale_log2,
-              w: gl.constexpr, SQ: gl.constexpr, GROUP: gl.constexpr,
+def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: gl.constexpr,
               PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
               TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               HAS_SINK: gl.constexpr):
-    """Warpgroup w: output columns ``[256 w, 256 w + 256)`` of the program's 64 rows."""
+    """Warpgroup w: output columns ``[256 w, 256 w + 256)`` of the program's 64 rows.
+    ``smem``: the shared buffers and barriers, ``outs``: the outputs and their strides,
+    ``span``: the program's sequence, split, rows, keys and mask scalars (the kernel's
+    tuples; the constexprs are passed one by one)."""
+    (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar, l_smem,
+     l_bar) = smem
+    sink, o, lse, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lq, \
+        stride_lh = outs
+    i_b, i_s, r0, sk, n_start, n_end, n_tiles, left, right, scale_log2 = span
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, KEYS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -473,19 +477,16 @@ def _mla_decode_kernel(
     # The key-table arguments, passed as one tuple (_tile_row, _listed_rows).
     keys = (block_table, token_pages, stride_tb, stride_pb, num_pages, capacity, table_sk,
             table_per_batch, table_num_pages)
+    smem = (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar,
+            l_smem, l_bar)
+    outs = (sink, o, lse, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
+            stride_lq, stride_lh)
+    span = (i_b, i_s, r0, sk, n_start, n_end, n_tiles, left, right, scale_log2)
     gl.warp_specialize([
-        (_consumer, (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar,
-                     p_bar, l_smem, l_bar, keys, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end,
-                     n_tiles, stride_os, stride_ob, stride_oq, stride_oh,
-                     stride_ls, stride_lb, stride_lq, stride_lh, left, right, scale_log2,
-                     0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
-                     HAS_RIGHT, HAS_SINK)),
-        (_consumer, (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar,
-                     p_bar, l_smem, l_bar, keys, sink, o, lse, i_b, i_s, r0, sk, n_start, n_end,
-                     n_tiles, stride_os, stride_ob, stride_oq, stride_oh,
-                     stride_ls, stride_lb, stride_lq, stride_lh, left, right, scale_log2,
-                     1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
-                     HAS_RIGHT, HAS_SINK)),
+        (_consumer, (smem, keys, outs, span, 0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+        (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
         (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k,
                      keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
                      TOKEN_TABLE, TOKEN_PAGE, PREFETCH)),
