@@ -30,16 +30,21 @@ Tiles past a sequence's end. A contiguous cache is read through one descriptor o
 ``B * Smax`` rows, a paged one over its ``num_pages * page_size`` rows (page sizes multiple
 of 64: a tile is one page's rows; pages of 8, 16 or 32 rows: one TMA box a page, ``SUB``
 rows). The rows of the last tile past the sequence's length are cache memory (any bits,
-NaN included), so the owning warpgroup overwrites them with zeros
-before S is computed: a masked key then has P = 0 and V = 0, never ``0 * NaN``. A page
-outside ``[0, num_pages)`` is no key: its tile is read from past the descriptor's end (zeros)
-and masked.
+NaN included), so the owning warpgroup overwrites them with zeros before S is computed: a
+masked key then has P = 0 and V = 0, never ``0 * NaN``. A page outside ``[0, num_pages)`` is
+no key: its tile is read from past the descriptor's end (zeros) and masked. With two or more
+row tiles a sequence, the producer also asks L2 for the tile two ahead of the one it loads.
+
+Top-k lists (``sparse_attention``'s token table: DeepSeek-V3.2's sparse decode and prefill).
+Hopper has no TMA gather: two producer warps copy a tile's 64 listed rows with cp.async into
+the same swizzled pieces, each thread arriving on a piece's barrier when its copies land; a
+row of no key (-1, outside the cache) is zero-filled and masked.
 
 Domain (``supported``): sm_90, fp16/bf16, ``v`` the view ``k[..., :512]`` of a ``(.., 1, 576)``
 cache, Sq * Hq rows of one latent head, no softcap, contiguous or paged (page size 8, 16, 32
-or a multiple of 64) caches, windows and sink. Everything else runs ``decode.py``. Gluon does not run under
-TRITON_INTERPRET: CI compiles this kernel for sm_90 (tests/test_kernels_compile_sm90.py); the
-H200 runs tests/kernels/test_decode.py's MLA cases.
+or a multiple of 64) caches, windows and sink, or a token table. Everything else runs
+``decode.py``. Gluon does not run under TRITON_INTERPRET: CI compiles this kernel for sm_90
+(tests/test_kernels_compile_sm90.py); the H200 runs tests/kernels/test_decode_mla_sm90.py.
 """
 
 from __future__ import annotations
@@ -67,8 +72,8 @@ NP = gl.constexpr(9)  # pieces of a K row: eight of V's columns, one of the rope
 HALF = gl.constexpr(256)  # output columns a warpgroup
 # Tiles the producer asks L2 for ahead of the tile it loads, when a sequence has two or more
 # row tiles (compute-bound); none with one (Hq = 16: memory-bound, where it cost). RESULTS.md
-# 2026-12-01 "MLA decode prefetch": 2 tiles ahead +1.8-2.9% at Hq = 128 against none, 4 and 8
-# below none; Hq = 16 0.80x copy without, 0.62x with.
+# 2026-12-01, session 11's schedules table, call 3: 2 tiles ahead +1.8-2.9% at Hq = 128
+# against none, 4 and 8 below none; Hq = 16 0.80x copy without, 0.62x with.
 PREFETCH_TILES = 2
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
