@@ -515,7 +515,8 @@ def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool
         return False
     if v_cache.data_ptr() != k_cache.data_ptr() or v_cache.stride() != k_cache.stride():
         return False
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or q.stride(1) != hq * q.stride(2):
+    # (One query row: its stride is never used, the rows are the heads.)
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or (sq > 1 and q.stride(1) != hq * q.stride(2)):
         return False
     n, rows = k_cache.shape[0], k_cache.shape[1]
     if token_table is not None:
