@@ -28,8 +28,8 @@ Online softmax inside a range keeps per row the running maximum ``m`` (base 2), 
 ``l = sum_j 2^{t_j - m}`` and ``acc = sum_j 2^{t_j - m} v_j``. A row that has seen only
 masked keys has ``m = -inf``; the exponentials then use the pivot 0
 (``tl.where(m == -inf, 0, m)``), so ``2^{-inf - 0} = 0`` and never NaN. At the end
-``l == 0`` exactly when the row saw no key, ``inv_sum = 0 if l == 0 else 1 / l`` gives
-``out = 0``, and ``lse_log2 = log2(l) + m = -inf`` with the raw ``m``.
+``l == 0`` exactly when the row saw no key: the epilogue (``_common.final_stats``, shared
+with the forward kernels) scales out by 0 and writes ``lse = -inf`` (or the sink) for it.
 
 Schedule. One program per (sequence, KV head, row tile, split). The rows of a program
 are all ``Sq * (Hq / Hkv)`` query rows that share the KV head, row ``r = i * GROUP + g``
@@ -67,14 +67,13 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import configs, options
 from ._common import (
-    LN2,
-    LOG2E,
     Launch,
     alloc_scratch,
     capability,
     cdiv,
     contiguous_strides,
     decode_split,
+    final_stats,
     interpreting,
     mask_args,
     next_pow2,
@@ -313,29 +312,17 @@ def _decode_fwd_kernel(
         b_page = b_page_next
         m_n = m_n_next
 
-    b_l_keys = b_l
+    # The epilogue (_common.final_stats): out = 0 and lse = -inf for a row with no visible key,
+    # the sink (only with one split, else the merge adds it) counted once, a NaN propagates.
+    b_sink_nat = 0.0
     if HAS_SINK:
-        # Only with one split (else the merge adds it): one more key of value 0.
         b_sink_nat = tl.load(sink + o_h, mask=m_m, other=0.0)
-        b_t_sink = b_sink_nat * LOG2E
-        b_m_f = tl.maximum(b_m, b_t_sink)
-        b_pivot = tl.where(b_m_f == float("-inf"), 0.0, b_m_f)
-        b_alpha = tl.exp2(b_m - b_pivot)
-        b_l = b_l * b_alpha + tl.exp2(b_t_sink - b_pivot)
-        b_acc = b_acc * b_alpha[:, None]
-        b_m = b_m_f
-    # l == 0 exactly for a row with no visible key (the maximum contributes 2^0 = 1).
-    b_inv_sum = tl.where(b_l == 0, 0.0, 1.0 / tl.where(b_l == 0, 1.0, b_l))
-    # Raw m: log2(0) + -inf = -inf for an empty row.
-    b_lse = (tl.log2(b_l) + b_m) * LN2
-    if HAS_SINK:
-        # An empty row's lse is the sink itself, not its round trip through base 2.
-        b_lse = tl.where(b_l_keys == 0, b_sink_nat, b_lse)
+    b_scale, b_lse = final_stats(b_m, b_l, b_sink_nat, HAS_SINK)
 
     o_dv = tl.arange(0, BLOCK_DV)
     o_o = i_s.to(tl.int64) * stride_os + i_b.to(tl.int64) * stride_ob + o_i.to(tl.int64) * stride_oq + o_h.to(tl.int64) * stride_oh
     p_o = o + o_o[:, None] + o_dv[None, :]
-    tl.store(p_o, (b_acc * b_inv_sum[:, None]).to(p_o.dtype.element_ty), mask=m_m[:, None] & (o_dv < DV)[None, :])
+    tl.store(p_o, (b_acc * b_scale[:, None]).to(p_o.dtype.element_ty), mask=m_m[:, None] & (o_dv < DV)[None, :])
     o_l = i_s.to(tl.int64) * stride_ls + i_b.to(tl.int64) * stride_lb + o_i.to(tl.int64) * stride_lq + o_h.to(tl.int64) * stride_lh
     tl.store(lse + o_l, b_lse, mask=m_m)
 

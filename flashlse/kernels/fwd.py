@@ -82,11 +82,10 @@ import triton.language as tl
 
 from . import configs, options
 from ._common import (
-    LN2,
-    LOG2E,
     Launch,
     alloc_scratch,
     cdiv,
+    final_stats,
     interpreting,
     key_ranges,
     load_rows,
@@ -272,32 +271,11 @@ def _attn_fwd_ranges(
 @triton.jit
 def _attn_fwd_finish(b_acc, b_m, b_l, b_sink_nat, HAS_SINK: tl.constexpr):
     """Epilogue math: normalise and add the sink (natural-log logit, a scalar or one per row)
-    once; returns ``out [BLOCK_M, BLOCK_DV]`` (float32) and the natural-log ``lse [BLOCK_M]``."""
-    # l == 0 exactly for a row with no visible key; a NaN l (a NaN score) is not empty and
-    # propagates to out and lse.
-    b_l_keys = b_l
-    b_piv = b_m
-    if HAS_SINK:
-        b_sink = b_sink_nat * LOG2E
-        b_m_f = tl.maximum(b_m, b_sink)
-        # A sink of -inf on an empty row leaves m_f = -inf: pivot on 0, never -inf - -inf.
-        b_piv = tl.where(b_m_f == float("-inf"), 0.0, b_m_f)
-        b_w = tl.math.exp2(b_m - b_piv)
-        b_l = b_l * b_w + tl.math.exp2(b_sink - b_piv)
-    else:
-        b_w = 1.0
-    b_nonempty = b_l != 0.0
-    # Neither branch of a where may divide by or take the log of the zero sum.
-    b_l_safe = tl.where(b_nonempty, b_l, 1.0)
-    b_scale = tl.where(b_nonempty, b_w / b_l_safe, 0.0)
-    b_lse_log2 = tl.where(b_nonempty, b_piv + tl.math.log2(b_l_safe), float("-inf"))
+    once (``_common.final_stats``, the Hopper kernels' too); returns ``out [BLOCK_M, BLOCK_DV]``
+    (float32) and the natural-log ``lse [BLOCK_M]``."""
+    b_scale, b_lse = final_stats(b_m, b_l, b_sink_nat, HAS_SINK)
     # [BLOCK_M, BLOCK_DV]
-    b_o = b_acc * b_scale[:, None]
-    b_lse = b_lse_log2 * LN2
-    if HAS_SINK:
-        # An empty row's lse is the sink itself, not its round trip through base 2.
-        b_lse = tl.where(b_l_keys == 0.0, b_sink_nat, b_lse)
-    return b_o, b_lse
+    return b_acc * b_scale[:, None], b_lse
 
 
 @triton.jit
