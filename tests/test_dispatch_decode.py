@@ -147,3 +147,45 @@ def test_mla_compile_failure_warns_once_and_falls_back(kernels):
     assert len(FAILURES) == 1
     _call(q, k, v, lens, table)  # remembered: no second warning, no second try
     assert kernels.names() == ["mla", "decode", "decode"]
+
+
+def _fits(q, k, v, paged=False, softcap=0.0, token_table=None):
+    return mla.fits(q, k, v, paged=paged, softcap=softcap, token_table=token_table)
+
+
+def test_mla_domain_is_one_latent_head_with_v_its_view():
+    q, k, v, _, _ = _mla()
+    assert _fits(q, k, v)
+    kb = k.bfloat16()
+    assert _fits(q.bfloat16(), kb, kb[..., :512])
+    assert not _fits(q, k, k[..., :512].clone())  # V its own tensor: not MLA's shared read
+    assert not _fits(q, k, v, softcap=30.0)
+    assert not _fits(q.float(), k.float(), k.float()[..., :512])
+    assert not _fits(q[..., :512], k[..., :512], k[..., :448])  # other head dims
+    two = torch.randn(2, 256, 2, 576).half()
+    assert not _fits(q, two, two[..., :512])  # two latent heads
+
+
+@pytest.mark.parametrize("page, ok", [(8, True), (16, True), (32, True), (64, True), (128, True),
+                                      (192, True), (1, False), (4, False), (48, False)])
+def test_mla_domain_page_sizes(page, ok):
+    q, k, v, _, _ = _mla(smax=384, page=page)
+    assert _fits(q, k, v, paged=True) is ok
+
+
+def test_mla_domain_strides_and_alignment():
+    q, k, v, _, _ = _mla(sq=2)
+    assert _fits(q, k, v)
+    # Two query rows whose (position, head) rows are not one stride apart: no descriptor.
+    assert not _fits(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)
+    # One query row: its stride is never read.
+    q1 = torch.randn(2, 128, 1, 576).half().transpose(1, 2)
+    assert q1.stride(1) != 128 * q1.stride(2) and _fits(q1, k, v)
+    # Rows not 16-byte aligned (an odd offset into a buffer).
+    buf = torch.randn(2 * 256 * 576 + 1).half()
+    k_odd = buf[1:].view(2, 256, 1, 576)
+    assert not _fits(q, k_odd, k_odd[..., :512])
+    # Token tables: one-row pages of one latent head only.
+    pages = torch.randn(1400, 1, 1, 576).half()
+    assert _fits(q[:, :1], pages, pages[..., :512], paged=True, token_table=(700, 3, 1))
+    assert not _fits(q[:, :1], pages, pages[..., :512], paged=True, token_table=(700, 3, 2))

@@ -506,9 +506,15 @@ def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool
     descriptor each), 16-byte aligned; page sizes 8, 16, 32 or a multiple of 64, or a token table
     (sparse attention's top-k lists over one-row pages: ``(Sk, per_batch, 1[, pages,
     page size])``, no window)."""
-    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype):
+    if not q.is_cuda or capability(q) != (9, 0):
         return False
-    if capability(q) != (9, 0) or softcap:
+    return fits(q, k_cache, v_cache, paged=paged, softcap=softcap, token_table=token_table)
+
+
+def fits(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool:
+    """:func:`supported` but the device: the call's shapes, strides, dtypes and alignment are
+    the kernel's (tests/test_dispatch_decode.py asks it on CPU tensors)."""
+    if not (q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype) or softcap:
         return False
     b, sq, hq, d = q.shape
     if d != D_K or k_cache.shape[-1] != D_K or v_cache.shape[-1] != D_V or k_cache.shape[2] != 1:
