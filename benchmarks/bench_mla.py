@@ -75,7 +75,7 @@ def check(q, lat_ref, out, scale, causal):
     return float((ref.transpose(1, 2) - out[:n].float()).abs().max())
 
 
-def topk_rows():
+def topk_rows(copy):
     """Top-k decode (DeepSeek-V3.2): each of B sequences' one query row attends to its own
     2048 listed rows of a paged 64 latent cache of Skv rows, through ``sparse_attention``;
     FLOPs ``2 B Hq topk (576 + 512)``. The check column compares with the portable kernel."""
@@ -100,14 +100,12 @@ def topk_rows():
         nbytes = b * topk * 576 * 2
         out_rows.append((f"top-k B={b} Skv={skv} Hq={hq} topk={topk} paged64",
                          flops / g_[1] / 1e9, flops / g_[2] / 1e9,
-                         nbytes / g_[1] / 1e6 / COPY[0], flops / p_[1] / 1e9, err, 0.0,
+                         nbytes / g_[1] / 1e6 / copy, flops / p_[1] / 1e9, err, 0.0,
                          g_[1], p_[1]))
         del q, lat
         torch.cuda.empty_cache()
     return out_rows
 
-
-COPY = [1.0]
 
 
 def main():
@@ -118,7 +116,6 @@ def main():
     date = time.strftime("%Y-%m-%d")
     dev = torch.cuda.get_device_name()
     copy = copy_gbs()
-    COPY[0] = copy
     rows = []
     for b, skv, hq, sq, page in [] if args.topk_only else SHAPES:
         q, lat, lat_ref, lens, table = inputs(b, skv, hq, sq, page)
@@ -145,7 +142,7 @@ def main():
                      flops / p[0] / 1e9, g[2], p[2], g[0], p[0]))
         del q, lat, lat_ref
         torch.cuda.empty_cache()
-    rows += topk_rows()
+    rows += topk_rows(copy)
     md = []
     for label, tf, tfg, frac, tfp, eg, ep, ms, pms in rows:
         md.append(f"| {date} | MLA decode | {label} | {dev} | torch {torch.__version__}, triton "

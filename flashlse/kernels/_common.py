@@ -339,7 +339,8 @@ def final_stats(m_i, l_i, sink_nat, HAS_SINK: tl.constexpr):
     """A row's ``(o_scale, lse)`` from its base-2 online-softmax state (running max ``m_i``,
     sum ``l_i``) and, with HAS_SINK, its sink logit (natural log): out = acc * o_scale.
     ``l == 0`` exactly for a row with no visible key: out = 0 and lse = -inf, or the sink
-    itself (not its round trip through base 2); a NaN propagates; a -inf sink pivots on 0."""
+    itself (not its round trip through base 2); a NaN propagates; a -inf sink pivots on 0.
+    Neither branch of a ``where`` divides by, or takes the log of, the zero sum."""
     if HAS_SINK:
         sink2 = sink_nat * LOG2E
         m_f = tl.maximum(m_i, sink2)

@@ -445,7 +445,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
             # Gluon is experimental in triton: if this triton cannot compile the MLA kernel,
             # say so once and plan this signature on the portable kernel from now on.
             FAILURES.add(plan.gluon, e, "the Hopper MLA decode kernel", stacklevel=2)
-            _PLANS.clear()
+            _PLANS.pop(key, None)  # (a Gluon plan is never a tile override's: key is set)
             return decode_fwd(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                               block_table=block_table, left=left, right=right, softcap=softcap,
                               scale=scale, sink=sink, num_splits=num_splits,
@@ -503,8 +503,8 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     gluon = None
     if mla and not config and not interpret and decode_mla_sm90 is not None and \
             decode_mla_sm90.supported(q, k_cache, v_cache, paged=paged, softcap=softcap,
-                                      token_table=token_table) and \
-            (token_table is None or left is None and right is None):
+                                      token_table=token_table,
+                                      window=left is not None or right is not None):
         gluon = ("decode_mla_sm90", q.dtype, paged, has_seqlens, left is None, right is None,
                  sink is None, sq * hq, token_table is None, token_pages is None)
         if gluon in FAILURES:
@@ -592,12 +592,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     kernel = _decode_fwd_kernel
     if gluon is not None:
         kernel = decode_mla_sm90._mla_decode_kernel
-        kw = decode_mla_sm90.kernel_args(
-            q, k_cache, paged=paged, block_table=block_table, token_table=token_table,
-            token_pages=token_pages, capacity=capacity, st_o=st_o,
-            st_l=st_l, splits=splits, seqlen_add=seqlen_add, left=left, right=right,
-            scale=scale, has_seqlens=has_seqlens, has_sink=sink is not None and splits == 1,
-            pdl=pdl)
+        kw = decode_mla_sm90.kernel_args(kw, q, k_cache, token_table=token_table)
     return _DecodePlan(out_shape, out_dtype, lse_shape, grid, o_buf_shape,
                        Launch(kernel, grid, *positional(kernel, 9, kw)), merge, gluon)
 

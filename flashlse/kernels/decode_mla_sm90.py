@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._common import LOG2E, capability, decode_split, final_stats, token_rows
+from ._common import capability, decode_split, final_stats, token_rows
 
 ROWS = gl.constexpr(64)  # query rows (position x head) a program: one wgmma M
 KEYS = gl.constexpr(64)  # keys a tile
@@ -251,26 +251,29 @@ def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, t
         t = gl.where(tile_ok[None, :], t, float("-inf"))
     elif PAGE_OK_VEC:
         # Pages smaller than a tile: each key has its page's answer; every tile is masked.
-        cols = n0 + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-        vis = (cols[None, :] < n_end) & tile_ok[None, :]
-        if HAS_RIGHT:
-            vis = vis & (cols[None, :] <= diag[:, None] + right)
-        if HAS_LEFT:
-            vis = vis & (cols[None, :] >= diag[:, None] - left)
-        t = gl.where(vis, t, float("-inf"))
+        t = _mask(t, n0, n_end, tile_ok[None, :], diag, left, right, HAS_LEFT, HAS_RIGHT,
+                  s_layout)
     else:
         masked = (n0 + KEYS > n_safe_hi) | (not tile_ok)
         if HAS_LEFT:
             masked = masked | (n0 < n_safe_lo)
         if masked:
-            cols = n0 + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-            vis = (cols[None, :] < n_end) & tile_ok
-            if HAS_RIGHT:
-                vis = vis & (cols[None, :] <= diag[:, None] + right)
-            if HAS_LEFT:
-                vis = vis & (cols[None, :] >= diag[:, None] - left)
-            t = gl.where(vis, t, float("-inf"))
+            t = _mask(t, n0, n_end, tile_ok, diag, left, right, HAS_LEFT, HAS_RIGHT, s_layout)
     return t
+
+
+@gluon.jit
+def _mask(t, n0, n_end, ok, diag, left, right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+          s_layout: gl.constexpr):
+    """``t`` with -inf at the keys of ``[n0, n0 + KEYS)`` a row does not see: past ``n_end``,
+    not ``ok`` (their page), or outside the row's window around its diagonal key."""
+    cols = n0 + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+    vis = (cols[None, :] < n_end) & ok
+    if HAS_RIGHT:
+        vis = vis & (cols[None, :] <= diag[:, None] + right)
+    if HAS_LEFT:
+        vis = vis & (cols[None, :] >= diag[:, None] - left)
+    return gl.where(vis, t, float("-inf"))
 
 
 @gluon.jit
@@ -450,10 +453,10 @@ def _mla_decode_kernel(
     r0 = i_m * ROWS
     # Q's rows (position, head) of sequence i_b are contiguous (the launcher checks):
     # rows past Sq * Hq read as zeros.
-    q_desc = tma.make_tensor_descriptor(q + i_b.to(gl.int64) * stride_qb, [SQ * GROUP, 576],
+    q_desc = tma.make_tensor_descriptor(q + i_b.to(gl.int64) * stride_qb, [SQ * GROUP, D_K],
                                         [stride_qh, 1], [ROWS, PIECE], layout)
     SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
-    k_desc = tma.make_tensor_descriptor(k, [k_rows, 576], [stride_kn, 1], [SUB, PIECE], layout)
+    k_desc = tma.make_tensor_descriptor(k, [k_rows, D_K], [stride_kn, 1], [SUB, PIECE], layout)
     # Shapes are powers of two: the 512 V columns and the 64 rope columns apart.
     q_smem = gl.allocate_shared_memory(dtype, [ROWS, D_V], layout)
     q_rope = gl.allocate_shared_memory(dtype, [ROWS, PIECE], layout)
@@ -498,20 +501,21 @@ def _mla_decode_kernel(
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool:
+def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table, window) -> bool:
     """The Hopper MLA decode's domain (``decode._decode_plan`` asks); the rest runs decode.py.
 
     MLA: one latent head of 576 columns, V its first 512 (the same storage), fp16/bf16, no
     softcap; Q's (position, head) rows and the cache's rows evenly strided (one TMA
     descriptor each), 16-byte aligned; page sizes 8, 16, 32 or a multiple of 64, or a token table
     (sparse attention's top-k lists over one-row pages: ``(Sk, per_batch, 1[, pages,
-    page size])``, no window)."""
+    page size])``, no window: ``window`` says the call has one)."""
     if not q.is_cuda or capability(q) != (9, 0):
         return False
-    return fits(q, k_cache, v_cache, paged=paged, softcap=softcap, token_table=token_table)
+    return fits(q, k_cache, v_cache, paged=paged, softcap=softcap, token_table=token_table,
+                window=window)
 
 
-def fits(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool:
+def fits(q, k_cache, v_cache, *, paged: bool, softcap, token_table, window=False) -> bool:
     """:func:`supported` but the device: the call's shapes, strides, dtypes and alignment are
     the kernel's (tests/test_dispatch_decode.py asks it on CPU tensors)."""
     if not (q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype) or softcap:
@@ -526,7 +530,8 @@ def fits(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool:
         return False
     n, rows = k_cache.shape[0], k_cache.shape[1]
     if token_table is not None:
-        if rows != 1 or token_table[2] != 1:
+        # The kernel masks no window on top-k lists (sparse attention has none).
+        if rows != 1 or token_table[2] != 1 or window:
             return False
     elif paged and rows % 64 and rows not in (8, 16, 32):
         return False
@@ -538,33 +543,18 @@ def fits(q, k_cache, v_cache, *, paged: bool, softcap, token_table) -> bool:
             and (k_cache.stride(1) * es) % 16 == 0 and sq * hq < 2 ** 31)
 
 
-def kernel_args(q, k_cache, *, paged, block_table, token_table, token_pages, capacity, st_o,
-                st_l, splits, seqlen_add, left, right, scale, has_seqlens, has_sink,
-                pdl) -> dict:
-    """The launch keywords of :func:`_mla_decode_kernel` after its nine tensors (``decode``'s
-    plan supplies the output strides it computed for ``decode.py``'s kernel)."""
-    b, sq, hq, _ = q.shape
-    return dict(
-        stride_qb=q.stride(0), stride_qh=q.stride(2),
+def kernel_args(kw: dict, q, k_cache, *, token_table) -> dict:
+    """The launch keywords of :func:`_mla_decode_kernel` after its nine tensors: those it
+    shares with ``decode.py``'s kernel taken from that kernel's keywords ``kw`` (the plan's:
+    output strides, splits, lengths, mask scalars, table sizes, flags), and its own."""
+    sq, hq = q.shape[1], q.shape[2]
+    args = {name: kw[name] for name in _mla_decode_kernel.arg_names[9:] if name in kw}
+    args.update(
         # One-row pages of a token table: the row stride is the page stride.
         stride_kn=k_cache.stride(0 if token_table else 1),
-        stride_tb=block_table.stride(0) if paged else 0,
-        stride_pb=0 if token_pages is None else token_pages.stride(0),
-        stride_os=st_o[0], stride_ob=st_o[1], stride_oq=st_o[2], stride_oh=st_o[3],
-        stride_ls=st_l[0], stride_lb=st_l[1], stride_lq=st_l[2], stride_lh=st_l[3],
-        num_splits=splits, capacity=capacity, num_pages=k_cache.shape[0],
         k_rows=k_cache.shape[0] * k_cache.shape[1],
-        table_sk=token_table[0] if token_table else 0,
-        table_per_batch=token_table[1] if token_table else 1,
-        table_num_pages=token_table[3] if token_pages is not None else 0,
-        seqlen_add=int(seqlen_add),
-        left=0 if left is None else int(left), right=0 if right is None else int(right),
-        scale_log2=float(scale) * LOG2E.value, SQ=sq, GROUP=hq, M_TILES=-(-sq * hq // 64),
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged,
-        TOKEN_TABLE=token_table is not None,
-        TOKEN_PAGE=token_table[4] if token_pages is not None else 0, HAS_SEQLENS=has_seqlens,
-        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SINK=has_sink, PDL=pdl,
-        PREFETCH=PREFETCH_TILES if sq * hq > 64 and token_table is None else 0,
+        PREFETCH=PREFETCH_TILES if sq * hq > ROWS and token_table is None else 0,
         # Gathered rows: two producer warps of cp.async (pointers in registers).
         PRODUCER_WARPS=2 if token_table else 1, PRODUCER_REGS=56 if token_table else 24,
         CONSUMER_REGS=240, num_warps=4)
+    return args
