@@ -219,3 +219,37 @@ def test_mla_sm90_compile_failure_falls_back(monkeypatch, compile_failures):
     torch.testing.assert_close(lse, want_lse)
     out2, _ = decode.decode_fwd(q, k, v, **kw)  # no second warning: the failure is remembered
     torch.testing.assert_close(out2, want)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_sm90_neg_inf_sink_is_no_sink(num_splits):
+    """A -inf sink equals no sink (bit for bit; an empty sequence stays out = 0, lse = -inf),
+    at one split (the kernel's epilogue) and three (the merge's)."""
+    q, k, v, lens_t, table, _, _ = _make("cuda", torch.bfloat16, b=3, sq=1, hq=128, hkv=1,
+                                         d=576, dv=512, smax=512, lens=(512, 0, 130), mla=True,
+                                         page_size=64)
+    kw = dict(cache_seqlens=lens_t, block_table=table, left=None, right=None, softcap=0.0,
+              scale=0.05, num_splits=num_splits)
+    none = decode.decode_fwd(q, k, v, sink=None, **kw)
+    got = decode.decode_fwd(q, k, v, sink=torch.full((128,), float("-inf"), device="cuda"), **kw)
+    for a, b in zip(got, none):
+        assert not torch.isnan(a).any()
+        assert torch.equal(a, b)
+    assert torch.isneginf(got[1][1]).all() and (got[0][1] == 0).all()
+
+
+def test_mla_sm90_topk_nan_reaches_exactly_the_rows_that_list_it():
+    """A NaN in a listed latent row gives NaN in the rows of the query rows whose lists hold
+    it, and nowhere else (never a clean-looking or empty-looking row)."""
+    import flashlse as fl
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, 4, 128, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(1, 300, 1, 576, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(0, 200, (1, 4, 1, 96), device="cuda", generator=g, dtype=torch.int32)
+    idx[0, 2, 0, 10] = 250  # only query row 2 lists key 250
+    kv[0, 250, 0, 7] = float("nan")
+    out, lse = fl.sparse_attention(q, kv, kv[..., :512], idx, return_lse=True)
+    assert torch.isnan(lse[0, :, 2]).all() and torch.isnan(out[0, 2]).all()
+    for i in (0, 1, 3):
+        assert not torch.isnan(out[0, i]).any() and torch.isfinite(lse[0, :, i]).all()
