@@ -257,7 +257,8 @@ def main(argv=None):
             if loops:
                 print("\n".join(loop_mix(k)), flush=True)
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
-            print(f"{name:44s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            msg = str(e) if os.environ.get("VERBOSE") else str(e).splitlines()[0][:120]
+            print(f"{name:44s} FAILED: {type(e).__name__}: {msg}")
             want.add("__failed__")
     return 1 if "__failed__" in want else 0
 

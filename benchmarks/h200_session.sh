@@ -13,6 +13,9 @@
 #   bash benchmarks/h200_session.sh decode     # session 10: decode-kernel tests, decode and
 #                                                sparse tables before (.before) and after
 #   bash benchmarks/h200_session.sh mla        # the Hopper MLA decode: GPU tests, bench_mla.py
+#   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
+#                                                bench_mla.py (Gluon only) of the tree in
+#                                                .before_mla (carried) and of this one, twice
 #   (issue 20's figures: benchmarks/h200_fuzz_memcheck.sh, fuzz beside memcheck)
 # Note: `-m gpu` alone selects only the real-size tests; the parametrized kernel tests
 # (the same ones CI runs under the interpreter) run on CUDA too when no marker is given.
@@ -49,6 +52,23 @@ if [ "$1" = mla ]; then
     tail -1 "$OUT/test_mla.log"; grep -h "^FAILED" "$OUT/test_mla.log" | head
     timeout 200 python3 benchmarks/bench_mla.py --out "$OUT" > "$OUT/bench_mla.log" 2>&1
     tail -11 "$OUT/bench_mla.log"
+    exit 0
+fi
+if [ "$1" = mla-ab ]; then
+    T=tests/kernels/test_decode_mla_sm90.py
+    timeout 120 python3 -m pytest -q -x "$T::test_mla_sm90_matches_reference[contiguous]" \
+        -p no:cacheprovider > "$OUT/test_mla0.log" 2>&1 || { tail -25 "$OUT/test_mla0.log"; exit 1; }
+    timeout 200 python3 -m pytest -q $T -p no:cacheprovider > "$OUT/test_mla.log" 2>&1
+    tail -1 "$OUT/test_mla.log"; grep -h "^FAILED" "$OUT/test_mla.log" | head
+    for pass in 1 2; do
+        for tree in before after; do
+            root=$PWD; [ $tree = before ] && root=$PWD/.before_mla
+            PYTHONPATH=$root timeout 150 python3 "$root/benchmarks/bench_mla.py" --gluon-only \
+                ${MLA_ARGS:-} --out "/tmp/mla_$tree" > "$OUT/mla_${tree}$pass.txt" 2>&1
+            echo "== $tree $pass"; tail -10 "$OUT/mla_${tree}$pass.txt" | cut -c1-70
+        done
+        [ "${PASSES:-1}" = 1 ] && break
+    done
     exit 0
 fi
 if [ "$1" = pending ]; then

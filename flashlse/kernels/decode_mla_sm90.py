@@ -153,62 +153,102 @@ def _prefetch_l2(k, keys, i_b, stride_kn, n0, n_end, PAGE_SIZE: gl.constexpr,
 
 
 @gluon.jit
+def _tma_piece(k_desc, k_smem, k_rope, k_full, s, p: gl.constexpr, row, i: gl.constexpr,
+               SUB: gl.constexpr):
+    """Rows ``[i SUB, i SUB + SUB)`` of piece p of buffer s from cache row ``row`` by TMA."""
+    dst = _piece(k_smem.index(s), k_rope.index(s), p)
+    if SUB < KEYS:
+        dst = dst.slice(i * SUB, SUB, 0)
+    tma.async_copy_global_to_shared(k_desc, [row, p * PIECE], k_full.index(s * NP + p), dst)
+
+
+@gluon.jit
+def _gather_piece(k_smem, k_rope, k_full, s, p: gl.constexpr, src, ok):
+    """Piece p of buffer s gathered row by row (cp.async); this thread arrives on the piece's
+    barrier when its copies have landed (rows of no key are zero-filled)."""
+    async_copy.async_copy_global_to_shared(_piece(k_smem.index(s), k_rope.index(s), p),
+                                           src + p * PIECE, mask=ok[:, None])
+    async_copy.mbarrier_arrive(k_full.index(s * NP + p), increment_count=False)
+
+
+@gluon.jit
+def _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n0, n_end, s,
+               LO: gl.constexpr, HI: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+               PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr):
+    """Pieces ``[LO, HI)`` (and the rope piece if ROPE) of the tile at key ``n0`` into buffer
+    s: by TMA (one box a piece, or a page when pages are smaller than a tile), or gathered
+    row by row for top-k lists."""
+    SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
+    if TOKEN_TABLE:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        row, ok = _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE, gl.SliceLayout(1, layout))
+        cols = gl.arange(0, PIECE, layout=gl.SliceLayout(0, layout))
+        src = k + row[:, None] * stride_kn + cols[None, :]
+        for p in gl.static_range(LO, HI):
+            _gather_piece(k_smem, k_rope, k_full, s, p, src, ok)
+        if ROPE:
+            _gather_piece(k_smem, k_rope, k_full, s, NP - 1, src, ok)
+    else:
+        nbytes: gl.constexpr = (KEYS // SUB) * k_desc.block_type.nbytes
+        for p in gl.static_range(LO, HI):
+            mbarrier.expect(k_full.index(s * NP + p), nbytes)
+        if ROPE:
+            mbarrier.expect(k_full.index(s * NP + NP - 1), nbytes)
+        for i in gl.static_range(KEYS // SUB):
+            n_i = n0 + i * SUB
+            row, _ = _tile_row(keys, i_b, gl.where(n_i < n_end, n_i, n0), PAGE_SIZE, PAGED)
+            if SUB < KEYS:
+                # A page past n_end has no table entry (the table ends with the cache): its
+                # box is read past the descriptor's end (zeros; the consumer zeroes every
+                # row past the end anyway).
+                row = gl.where(n_i < n_end, row, keys[4] * PAGE_SIZE)
+            for p in gl.static_range(LO, HI):
+                _tma_piece(k_desc, k_smem, k_rope, k_full, s, p, row, i, SUB)
+            if ROPE:
+                _tma_piece(k_desc, k_smem, k_rope, k_full, s, NP - 1, row, i, SUB)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k, keys,
               i_b, stride_kn, q_row0, n_start, n_end, n_tiles, PAGE_SIZE: gl.constexpr,
               PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
               PREFETCH: gl.constexpr):
-    """Q's nine pieces once, then tile t into buffer ``t % 2`` piece by piece, each buffer
-    when both warpgroups are done with its previous tile: by TMA (one warp), or, for top-k
-    lists, gathered row by row with cp.async (each thread arrives on a piece's barrier when
-    its copies of it have landed; rows of no key are zero-filled)."""
+    """Q's nine pieces once, then the tiles in pairs (tile 2j into buffer 0, 2j + 1 into
+    buffer 1), each buffer in two parts as the warpgroups free them: the columns of
+    warpgroup w's V half are free when w's product with them is done (``k_empty[2 s + w]``),
+    and the rope piece (holding the P of the buffer's own warpgroup) goes with the other
+    warpgroup's part. In the order they free: buffer 0's pieces 0-3, buffer 1's 4-7,
+    buffer 0's 4-8, buffer 1's 0-3 and 8 (warpgroup 1 computes its scores in that order)."""
     mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
     for p in gl.static_range(NP):
         tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
                                         _piece(q_smem, q_rope, p))
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    cols = gl.arange(0, PIECE, layout=gl.SliceLayout(0, layout))
     SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
-    for t in range(n_tiles):
-        s = t % 2
+    for j in range((n_tiles + 1) // 2):
+        n0 = n_start + 2 * j * KEYS
+        n1 = n0 + KEYS
+        has1 = 2 * j + 1 < n_tiles
         if PREFETCH > 0:
-            # Tile t + PREFETCH into L2 while tile t waits for its buffer.
-            for i in gl.static_range(KEYS // SUB):
-                _prefetch_l2(k, keys, i_b, stride_kn, n_start + (t + PREFETCH) * KEYS + i * SUB,
-                             n_end, PAGE_SIZE, PAGED)
+            # The pair PREFETCH / 2 ahead into L2 while this one waits for its buffers.
+            for i in gl.static_range(2 * KEYS // SUB):
+                _prefetch_l2(k, keys, i_b, stride_kn, n0 + PREFETCH * KEYS + i * SUB, n_end,
+                             PAGE_SIZE, PAGED)
         # A fresh barrier counts as having completed the phase before 0.
-        mbarrier.wait(k_empty.index(s), ((t // 2) & 1) ^ 1)
-        if TOKEN_TABLE:
-            row, ok = _listed_rows(keys, i_b, n_start + t * KEYS, n_end, TOKEN_PAGE,
-                                   gl.SliceLayout(1, layout))
-            src = k + row[:, None] * stride_kn + cols[None, :]
-            for p in gl.static_range(NP):
-                async_copy.async_copy_global_to_shared(
-                    _piece(k_smem.index(s), k_rope.index(s), p), src + p * PIECE,
-                    mask=ok[:, None])
-                async_copy.mbarrier_arrive(k_full.index(s * NP + p), increment_count=False)
-        elif SUB == KEYS:
-            row, ok = _tile_row(keys, i_b, n_start + t * KEYS, PAGE_SIZE, PAGED)
-            for p in gl.static_range(NP):
-                bar = k_full.index(s * NP + p)
-                mbarrier.expect(bar, k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, p * PIECE], bar,
-                                                _piece(k_smem.index(s), k_rope.index(s), p))
-        else:
-            # Pages smaller than a tile: one box a page. A page past n_end has no table entry
-            # (the table ends with the cache): its box is read past the descriptor's end
-            # (zeros; the consumer zeroes every row past the end anyway).
-            n0 = n_start + t * KEYS
-            for p in gl.static_range(NP):
-                mbarrier.expect(k_full.index(s * NP + p), (KEYS // SUB) * k_desc.block_type.nbytes)
-            for i in gl.static_range(KEYS // SUB):
-                n_i = n0 + i * SUB
-                row_i, _ = _tile_row(keys, i_b, gl.where(n_i < n_end, n_i, n0), PAGE_SIZE,
-                                     PAGED)
-                row_i = gl.where(n_i < n_end, row_i, keys[4] * PAGE_SIZE)
-                for p in gl.static_range(NP):
-                    tma.async_copy_global_to_shared(
-                        k_desc, [row_i, p * PIECE], k_full.index(s * NP + p),
-                        _piece(k_smem.index(s), k_rope.index(s), p).slice(i * SUB, SUB, 0))
+        ph = (j & 1) ^ 1
+        mbarrier.wait(k_empty.index(0), ph)
+        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n0, n_end, 0, 0, 4,
+                   False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
+        if has1:
+            mbarrier.wait(k_empty.index(3), ph)
+            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n1, n_end, 1, 4,
+                       8, False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
+        mbarrier.wait(k_empty.index(1), ph)
+        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n0, n_end, 0, 4, 9,
+                   False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
+        if has1:
+            mbarrier.wait(k_empty.index(2), ph)
+            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n1, n_end, 1, 0,
+                       4, True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
 
 
 @gluon.jit
@@ -225,6 +265,14 @@ def _zero_tail(buf, rope, n_valid):
 
 
 @gluon.jit
+def _qk_piece(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, p: gl.constexpr, tok):
+    """Adds piece p's product to the scores ``tok`` when the piece has landed."""
+    mbarrier.wait(k_full.index(w * NP + p), ph)
+    return warpgroup_mma(_piece(q_smem, q_rope, p), _piece(buf, rope, p).permute((1, 0)), tok,
+                         is_async=True)
+
+
+@gluon.jit
 def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, tile_ok, diag,
             left, right, scale_log2, n_safe_lo, n_safe_hi,
             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, TOKEN_TABLE: gl.constexpr,
@@ -237,14 +285,16 @@ def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, t
         for p in gl.static_range(NP):
             mbarrier.wait(k_full.index(w * NP + p), ph)
         _zero_tail(buf, rope, n_end - n0)
-    mbarrier.wait(k_full.index(w * NP), ph)
+    # Pieces in the order they arrive: 0-8 for warpgroup 0's buffer, 4-7, 0-3, 8 for
+    # warpgroup 1's (see _producer).
+    P0: gl.constexpr = 4 * w
+    mbarrier.wait(k_full.index(w * NP + P0), ph)
     s_zero = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout)
-    tok = warpgroup_mma(_piece(q_smem, q_rope, 0), _piece(buf, rope, 0).permute((1, 0)),
+    tok = warpgroup_mma(_piece(q_smem, q_rope, P0), _piece(buf, rope, P0).permute((1, 0)),
                         s_zero, use_acc=False, is_async=True)
-    for p in gl.static_range(1, NP):
-        mbarrier.wait(k_full.index(w * NP + p), ph)
-        tok = warpgroup_mma(_piece(q_smem, q_rope, p), _piece(buf, rope, p).permute((1, 0)),
-                            tok, is_async=True)
+    for i in gl.static_range(1, NP - 1):
+        tok = _qk_piece(q_smem, q_rope, buf, rope, k_full, w, ph, (i + P0) % (NP - 1), tok)
+    tok = _qk_piece(q_smem, q_rope, buf, rope, k_full, w, ph, NP - 1, tok)
     s = warpgroup_mma_wait(0, deps=(tok, ))
     t = s * scale_log2
     if TOKEN_TABLE:
@@ -277,71 +327,135 @@ def _mask(t, n0, n_end, ok, diag, left, right, HAS_LEFT: gl.constexpr, HAS_RIGHT
 
 
 @gluon.jit
-def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, keys, i_b,
-          j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
-          w: gl.constexpr, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-          TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
-          HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Tiles ``2j`` (warpgroup 0's) and ``2j + 1`` (warpgroup 1's; absent unless HAS1) for
-    warpgroup w: its scores, the shared max, its P to the other, both products on its half."""
-    dtype: gl.constexpr = q_smem.dtype
+def _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, keys, i_b, n0, n_end, ph, diag, left,
+                 right, scale_log2, n_safe_lo, n_safe_hi, w: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                 PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr):
+    """Warpgroup w's scores of the tile at key ``n0`` in buffer w, with its keys' mask."""
+    PAGE_OK_VEC: gl.constexpr = PAGED and (not TOKEN_TABLE) and PAGE_SIZE < KEYS
+    if TOKEN_TABLE:
+        _, tile_ok = _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE, gl.SliceLayout(0, s_layout))
+    elif PAGE_OK_VEC:
+        _, tile_ok = _page_ok(keys, i_b, n0, n_end, PAGE_SIZE, gl.SliceLayout(0, s_layout))
+    else:
+        _, tile_ok = _tile_row(keys, i_b, n0, PAGE_SIZE, PAGED)
+    return _scores(q_smem, q_rope, k_smem.index(w), k_rope.index(w), k_full, w, ph, n0, n_end,
+                   tile_ok, diag, left, right, scale_log2, n_safe_lo, n_safe_hi, HAS_LEFT,
+                   HAS_RIGHT, TOKEN_TABLE, PAGE_OK_VEC, s_layout)
+
+
+@gluon.jit
+def _pivot(m):
+    """The exponent's pivot for running max ``m``: 0 for a row with no visible key yet (m =
+    -inf), so that 2^(-inf - 0) = 0 (never -inf - -inf)."""
+    return gl.where(m == float("-inf"), 0.0, m)
+
+
+@gluon.jit
+def _rows_scale(acc, f, o_layout: gl.constexpr):
+    return acc * gl.convert_layout(f, gl.SliceLayout(1, o_layout))[:, None]
+
+
+@gluon.jit
+def _step0(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, keys, i_b,
+           j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo,
+           n_safe_hi, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+           TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
+           HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Warpgroup 0 (output columns 0-255) on tiles 2j (its own, buffer 0) and 2j + 1 (HAS1):
+    its scores; the max m0 to warpgroup 1, which answers with m1 >= m0; ``P0 V0L`` at m0 under
+    warpgroup 1's softmax; P0 at m1 over buffer 0's rope piece for warpgroup 1; ``P1 V1L``."""
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    OWN: gl.constexpr = (w == 0) or HAS1
-    PAGE_OK_VEC: gl.constexpr = PAGED and (not TOKEN_TABLE) and PAGE_SIZE < KEYS
-    OTHER: gl.constexpr = (w == 1) or HAS1
+    dtype: gl.constexpr = q_smem.dtype
     ph = j & 1
-    buf = k_smem.index(w)
-    rope = k_rope.index(w)
-    if OWN:
-        n0 = n_start + (2 * j + w) * KEYS
-        if TOKEN_TABLE:
-            _, tile_ok = _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE,
-                                      gl.SliceLayout(0, s_layout))
-        elif PAGE_OK_VEC:
-            _, tile_ok = _page_ok(keys, i_b, n0, n_end, PAGE_SIZE, gl.SliceLayout(0, s_layout))
-        else:
-            _, tile_ok = _tile_row(keys, i_b, n0, PAGE_SIZE, PAGED)
-        t = _scores(q_smem, q_rope, buf, rope, k_full, w, ph, n0, n_end, tile_ok, diag, left,
-                    right, scale_log2, n_safe_lo, n_safe_hi, HAS_LEFT, HAS_RIGHT, TOKEN_TABLE,
-                    PAGE_OK_VEC, s_layout)
-        m_own = gl.max(t, 1)
-    else:
-        m_own = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-    # One running max for both halves of a row: swap the tiles' maxima.
-    mx_smem.index(w).store(m_own)
+    t = _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, keys, i_b, n_start + 2 * j * KEYS,
+                     n_end, ph, diag, left, right, scale_log2, n_safe_lo, n_safe_hi, 0,
+                     PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout)
+    m0 = gl.maximum(m_i, gl.max(t, 1))
+    mx_smem.index(0).store(m0)
     gl.thread_barrier()
-    mbarrier.arrive(mx_bar.index(w))
-    mbarrier.wait(mx_bar.index(1 - w), ph)
-    m_new = gl.maximum(m_i, gl.maximum(m_own, mx_smem.index(1 - w).load(row_layout)))
-    # A row with no visible key yet keeps m = -inf; pivot on 0 so 2^(-inf - 0) = 0.
-    piv = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - piv)
+    mbarrier.arrive(mx_bar.index(0))
+    piv0 = _pivot(m0)
+    alpha = gl.exp2(m_i - piv0)
+    p = gl.exp2(t - piv0[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = _rows_scale(acc, alpha, o_layout)
+    tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
+                        k_smem.index(0).slice(0, HALF, 1), acc, is_async=True)
+    rope0 = k_rope.index(0)
+    if HAS1:
+        # Warpgroup 1's max: P0 joins its half at m1.
+        mbarrier.wait(mx_bar.index(1), ph)
+        m_i = mx_smem.index(1).load(row_layout)
+        beta = gl.exp2(m0 - _pivot(m_i))
+        rope0.store((p * beta[:, None]).to(dtype))
+    else:
+        m_i = m0
+        rope0.store(p.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(p_bar.index(0))
+    acc = warpgroup_mma_wait(0, deps=(tok, ))
+    mbarrier.arrive(k_empty.index(0))
+    if HAS1:
+        acc = _rows_scale(acc, beta, o_layout)
+        l_i = l_i * beta
+        mbarrier.wait(p_bar.index(1), ph)
+        tok = warpgroup_mma(k_rope.index(1), k_smem.index(1).slice(0, HALF, 1), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(tok, ))
+        mbarrier.arrive(k_empty.index(2))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _step1(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, keys, i_b,
+           j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo,
+           n_safe_hi, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+           TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
+           HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Warpgroup 1 (output columns 256-511) on tiles 2j + 1 (its own, buffer 1; HAS1) and 2j:
+    its scores; m1 = max(m0, its tile's) back to warpgroup 0; its half rescaled to m1 once;
+    P1 over buffer 1's rope piece for warpgroup 0; ``P1 V1R``, then ``P0 V0R`` (P0 at m1)."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+    ph = j & 1
+    if HAS1:
+        t = _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, keys, i_b,
+                         n_start + (2 * j + 1) * KEYS, n_end, ph, diag, left, right, scale_log2,
+                         n_safe_lo, n_safe_hi, 1, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE,
+                         HAS_LEFT, HAS_RIGHT, s_layout)
+    mbarrier.wait(mx_bar.index(0), ph)
+    m1 = mx_smem.index(0).load(row_layout)
+    if HAS1:
+        m1 = gl.maximum(m1, gl.max(t, 1))
+        mx_smem.index(1).store(m1)
+        gl.thread_barrier()
+        mbarrier.arrive(mx_bar.index(1))
+    piv1 = _pivot(m1)
+    alpha = gl.exp2(m_i - piv1)
     l_i = l_i * alpha
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    if OWN:
-        p = gl.exp2(t - piv[:, None])
+    acc = _rows_scale(acc, alpha, o_layout)
+    if HAS1:
+        p = gl.exp2(t - piv1[:, None])
         l_i = l_i + gl.sum(p, 1)
         p16 = p.to(dtype)
-        # P over the tile's rope piece (read by S only), for the other warpgroup's half
-        # (which always multiplies a tile that exists).
-        rope.store(p16)
+        k_rope.index(1).store(p16)
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(p_bar.index(w))
-        tok = warpgroup_mma(gl.convert_layout(p16, p_layout), buf.slice(w * HALF, HALF, 1), acc,
-                            is_async=True)
+        mbarrier.arrive(p_bar.index(1))
+        tok = warpgroup_mma(gl.convert_layout(p16, p_layout),
+                            k_smem.index(1).slice(HALF, HALF, 1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(tok, ))
-    if OTHER:
-        other = k_smem.index(1 - w)
-        mbarrier.wait(p_bar.index(1 - w), ph)
-        tok = warpgroup_mma(k_rope.index(1 - w), other.slice(w * HALF, HALF, 1), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(tok, ))
-    if HAS1:
-        mbarrier.arrive(k_empty.index(0))
-        mbarrier.arrive(k_empty.index(1))
-    return acc, m_new, l_i
+        mbarrier.arrive(k_empty.index(3))
+    mbarrier.wait(p_bar.index(0), ph)
+    tok = warpgroup_mma(k_rope.index(0), k_smem.index(0).slice(HALF, HALF, 1), acc,
+                        is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(tok, ))
+    mbarrier.arrive(k_empty.index(1))
+    return acc, m1, l_i
 
 
 @gluon.jit
@@ -375,17 +489,34 @@ def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: 
     l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
     acc = gl.zeros([ROWS, HALF], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar.index(0), 0)
+    # Warpgroup 0's and 1's halves of each tile pair (the seesaw of _step0 / _step1); an odd
+    # last tile is warpgroup 0's alone.
     for j in range(n_tiles // 2):
-        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
-                              p_bar, keys, i_b, j, n_start, n_end, acc, m_i, l_i, diag, left,
-                              right, scale_log2, n_safe_lo, n_safe_hi, w, True, PAGE_SIZE, PAGED,
-                              TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
+        if w == 0:
+            acc, m_i, l_i = _step0(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
+                                   mx_bar, p_bar, keys, i_b, j, n_start, n_end, acc, m_i,
+                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
+                                   True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
+                                   HAS_RIGHT, s_layout, o_layout)
+        else:
+            acc, m_i, l_i = _step1(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
+                                   mx_bar, p_bar, keys, i_b, j, n_start, n_end, acc, m_i,
+                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
+                                   True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
+                                   HAS_RIGHT, s_layout, o_layout)
     if n_tiles % 2 == 1:
-        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
-                              p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i, l_i, diag,
-                              left, right, scale_log2, n_safe_lo, n_safe_hi, w, False, PAGE_SIZE,
-                              PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout,
-                              o_layout)
+        if w == 0:
+            acc, m_i, l_i = _step0(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
+                                   mx_bar, p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i,
+                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
+                                   False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
+                                   HAS_RIGHT, s_layout, o_layout)
+        else:
+            acc, m_i, l_i = _step1(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
+                                   mx_bar, p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i,
+                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
+                                   False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
+                                   HAS_RIGHT, s_layout, o_layout)
     # l = l_0 + l_1: each warpgroup summed its own tiles' probabilities.
     l_smem.index(w).store(l_i)
     gl.thread_barrier()
@@ -465,7 +596,7 @@ def _mla_decode_kernel(
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
     k_full = gl.allocate_shared_memory(gl.int64, [2 * NP, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
     mx_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -476,8 +607,10 @@ def _mla_decode_kernel(
     for i in gl.static_range(2 * NP):
         # TMA: the producer's expect; gathered: one arrival from each producer thread.
         mbarrier.init(k_full.index(i), count=32 * PRODUCER_WARPS if TOKEN_TABLE else 1)
+    for i in gl.static_range(4):
+        # Buffer s's part freed by warpgroup w: k_empty[2 s + w] (_producer).
+        mbarrier.init(k_empty.index(i), count=1)
     for i in gl.static_range(2):
-        mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(mx_bar.index(i), count=1)
         mbarrier.init(p_bar.index(i), count=1)
         mbarrier.init(l_bar.index(i), count=1)
