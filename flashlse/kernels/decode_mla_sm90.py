@@ -172,18 +172,48 @@ def _gather_piece(k_smem, k_rope, k_full, s, p: gl.constexpr, src, ok):
 
 
 @gluon.jit
-def _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n0, n_end, s,
-               LO: gl.constexpr, HI: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-               PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr):
-    """Pieces ``[LO, HI)`` (and the rope piece if ROPE) of the tile at key ``n0`` into buffer
-    s: by TMA (one box a piece, or a page when pages are smaller than a tile), or gathered
-    row by row for top-k lists."""
+def _tile_src(keys, i_b, n0, n_end, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+              TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr):
+    """Where the producer reads the tile at key ``n0`` from, looked up once a tile (its two
+    parts are issued at different times): ``(row, ok)``, the first cache row and whether the
+    page is in the cache (a tile of one page); for pages smaller than a tile, each page's
+    first row (a page past ``n_end`` or outside the cache: the row past the descriptor's end,
+    which reads zeros); for top-k lists each key's row and whether it holds a key. Table
+    entries are read only for keys below ``n_end``."""
     SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
     if TOKEN_TABLE:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         row, ok = _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE, gl.SliceLayout(1, layout))
+        # (Rows of the descriptor's extent, below 2^31 (fits): half the registers.)
+        row = row.to(gl.int32)
+    elif SUB < KEYS:
+        block_table, _, stride_tb, _, num_pages, _, _, _, _ = keys
+        # Every thread holds every page of the tile (the TMA issue takes scalars).
+        pl: gl.constexpr = gl.BlockedLayout([KEYS // SUB], [32], [gl.num_warps()], [0])
+        o_i = n0 + gl.arange(0, KEYS // SUB, layout=pl) * SUB
+        live = o_i < n_end
+        page = gl.load(block_table + i_b.to(gl.int64) * stride_tb + o_i // PAGE_SIZE,
+                       mask=live, other=-1)
+        ok = live & (page >= 0) & (page < num_pages)
+        row = gl.where(ok, page, num_pages) * PAGE_SIZE
+    else:
+        # (A tile past the end, the odd pair's second, reads no table entry.)
+        row, ok = _tile_row(keys, i_b, gl.minimum(n0, n_end - 1), PAGE_SIZE, PAGED)
+    return row, ok
+
+
+@gluon.jit
+def _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row, ok, s, LO: gl.constexpr,
+               HI: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+               PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr):
+    """Pieces ``[LO, HI)`` (and the rope piece if ROPE) of a tile into buffer s from where
+    :func:`_tile_src` says: by TMA (one box a piece, or a page when pages are smaller than a
+    tile), or gathered row by row for top-k lists."""
+    SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
+    if TOKEN_TABLE:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         cols = gl.arange(0, PIECE, layout=gl.SliceLayout(0, layout))
-        src = k + row[:, None] * stride_kn + cols[None, :]
+        src = k + row.to(gl.int64)[:, None] * stride_kn + cols[None, :]
         for p in gl.static_range(LO, HI):
             _gather_piece(k_smem, k_rope, k_full, s, p, src, ok)
         if ROPE:
@@ -195,17 +225,14 @@ def _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n0, n_en
         if ROPE:
             mbarrier.expect(k_full.index(s * NP + NP - 1), nbytes)
         for i in gl.static_range(KEYS // SUB):
-            n_i = n0 + i * SUB
-            row, _ = _tile_row(keys, i_b, gl.where(n_i < n_end, n_i, n0), PAGE_SIZE, PAGED)
+            row_i = row
             if SUB < KEYS:
-                # A page past n_end has no table entry (the table ends with the cache): its
-                # box is read past the descriptor's end (zeros; the consumer zeroes every
-                # row past the end anyway).
-                row = gl.where(n_i < n_end, row, keys[4] * PAGE_SIZE)
+                sel = gl.arange(0, KEYS // SUB, layout=row.type.layout) == i
+                row_i = gl.sum(gl.where(sel, row, 0), 0)
             for p in gl.static_range(LO, HI):
-                _tma_piece(k_desc, k_smem, k_rope, k_full, s, p, row, i, SUB)
+                _tma_piece(k_desc, k_smem, k_rope, k_full, s, p, row_i, i, SUB)
             if ROPE:
-                _tma_piece(k_desc, k_smem, k_rope, k_full, s, NP - 1, row, i, SUB)
+                _tma_piece(k_desc, k_smem, k_rope, k_full, s, NP - 1, row_i, i, SUB)
 
 
 @gluon.jit
@@ -226,29 +253,32 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
     SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
     for j in range((n_tiles + 1) // 2):
         n0 = n_start + 2 * j * KEYS
-        n1 = n0 + KEYS
         has1 = 2 * j + 1 < n_tiles
         if PREFETCH > 0:
             # The pair PREFETCH / 2 ahead into L2 while this one waits for its buffers.
             for i in gl.static_range(2 * KEYS // SUB):
                 _prefetch_l2(k, keys, i_b, stride_kn, n0 + PREFETCH * KEYS + i * SUB, n_end,
                              PAGE_SIZE, PAGED)
+        # Both tiles' rows while the buffers are still in use.
+        row0, ok0 = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
+        row1, ok1 = _tile_src(keys, i_b, n0 + KEYS, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                              TOKEN_PAGE)
         # A fresh barrier counts as having completed the phase before 0.
         ph = (j & 1) ^ 1
         mbarrier.wait(k_empty.index(0), ph)
-        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n0, n_end, 0, 0, 4,
-                   False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
+        _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row0, ok0, 0, 0, 4, False,
+                   PAGE_SIZE, PAGED, TOKEN_TABLE)
         if has1:
             mbarrier.wait(k_empty.index(3), ph)
-            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n1, n_end, 1, 4,
-                       8, False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
+            _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row1, ok1, 1, 4, 8, False,
+                       PAGE_SIZE, PAGED, TOKEN_TABLE)
         mbarrier.wait(k_empty.index(1), ph)
-        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n0, n_end, 0, 4, 9,
-                   False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
+        _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row0, ok0, 0, 4, 9, False,
+                   PAGE_SIZE, PAGED, TOKEN_TABLE)
         if has1:
             mbarrier.wait(k_empty.index(2), ph)
-            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, stride_kn, n1, n_end, 1, 0,
-                       4, True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
+            _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row1, ok1, 1, 0, 4, True,
+                       PAGE_SIZE, PAGED, TOKEN_TABLE)
 
 
 @gluon.jit
