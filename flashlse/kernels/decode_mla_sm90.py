@@ -239,13 +239,14 @@ def _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row, ok, s, LO: gl.
 def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k, keys,
               i_b, stride_kn, q_row0, n_start, n_end, n_tiles, PAGE_SIZE: gl.constexpr,
               PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
-              PREFETCH: gl.constexpr):
+              PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr):
     """Q's nine pieces once, then the tiles in pairs (tile 2j into buffer 0, 2j + 1 into
     buffer 1), each buffer in two parts as the warpgroups free them: the columns of
     warpgroup w's V half are free when w's product with them is done (``k_empty[2 s + w]``),
     and the rope piece (holding the P of the buffer's own warpgroup) goes with the other
     warpgroup's part. In the order they free: buffer 0's pieces 0-3, buffer 1's 4-7,
-    buffer 0's 4-8, buffer 1's 0-3 and 8 (warpgroup 1 computes its scores in that order)."""
+    buffer 0's 4-8, buffer 1's 0-3 and 8 (warpgroup 1 computes its scores in that order).
+    WHOLE_TILES: a buffer is refilled only when both its parts are free."""
     mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
     for p in gl.static_range(NP):
         tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
@@ -266,19 +267,30 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
         # A fresh barrier counts as having completed the phase before 0.
         ph = (j & 1) ^ 1
         mbarrier.wait(k_empty.index(0), ph)
+        if WHOLE_TILES:
+            mbarrier.wait(k_empty.index(1), ph)
         _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row0, ok0, 0, 0, 4, False,
                    PAGE_SIZE, PAGED, TOKEN_TABLE)
+        if WHOLE_TILES:
+            _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row0, ok0, 0, 4, 9, False,
+                       PAGE_SIZE, PAGED, TOKEN_TABLE)
         if has1:
             mbarrier.wait(k_empty.index(3), ph)
+            if WHOLE_TILES:
+                mbarrier.wait(k_empty.index(2), ph)
             _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row1, ok1, 1, 4, 8, False,
                        PAGE_SIZE, PAGED, TOKEN_TABLE)
-        mbarrier.wait(k_empty.index(1), ph)
-        _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row0, ok0, 0, 4, 9, False,
-                   PAGE_SIZE, PAGED, TOKEN_TABLE)
-        if has1:
-            mbarrier.wait(k_empty.index(2), ph)
-            _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row1, ok1, 1, 0, 4, True,
+            if WHOLE_TILES:
+                _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row1, ok1, 1, 0, 4,
+                           True, PAGE_SIZE, PAGED, TOKEN_TABLE)
+        if not WHOLE_TILES:
+            mbarrier.wait(k_empty.index(1), ph)
+            _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row0, ok0, 0, 4, 9, False,
                        PAGE_SIZE, PAGED, TOKEN_TABLE)
+            if has1:
+                mbarrier.wait(k_empty.index(2), ph)
+                _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row1, ok1, 1, 0, 4,
+                           True, PAGE_SIZE, PAGED, TOKEN_TABLE)
 
 
 @gluon.jit
@@ -591,7 +603,8 @@ def _mla_decode_kernel(
     PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
     TOKEN_PAGE: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    PDL: gl.constexpr, PREFETCH: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    PDL: gl.constexpr, PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     if PDL:
@@ -660,7 +673,7 @@ def _mla_decode_kernel(
                      TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
         (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k,
                      keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
-                     TOKEN_TABLE, TOKEN_PAGE, PREFETCH)),
+                     TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -717,6 +730,7 @@ def kernel_args(kw: dict, q, k_cache, *, token_table) -> dict:
         stride_kn=k_cache.stride(0 if token_table else 1),
         k_rows=k_cache.shape[0] * k_cache.shape[1],
         PREFETCH=PREFETCH_TILES if sq * hq > ROWS and token_table is None else 0,
+        WHOLE_TILES=False,
         # Gathered rows: two producer warps of cp.async (pointers in registers).
         PRODUCER_WARPS=2 if token_table else 1, PRODUCER_REGS=56 if token_table else 24,
         CONSUMER_REGS=240, num_warps=4)
