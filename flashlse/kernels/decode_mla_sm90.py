@@ -399,6 +399,61 @@ def _rows_scale(acc, f, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, keys, i_b,
+          j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
+          w: gl.constexpr, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+          TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
+          HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Tiles ``2j`` (warpgroup 0's) and ``2j + 1`` (warpgroup 1's; absent unless HAS1) for
+    warpgroup w: its scores, the shared max (both maxima swapped), its P to the other, its
+    product with its own tile (then that part of its buffer is free), then with the other's
+    (then that part of the other buffer)."""
+    dtype: gl.constexpr = q_smem.dtype
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    OWN: gl.constexpr = (w == 0) or HAS1
+    OTHER: gl.constexpr = (w == 1) or HAS1
+    ph = j & 1
+    if OWN:
+        t = _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, keys, i_b,
+                         n_start + (2 * j + w) * KEYS, n_end, ph, diag, left, right, scale_log2,
+                         n_safe_lo, n_safe_hi, w, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE,
+                         HAS_LEFT, HAS_RIGHT, s_layout)
+        m_own = gl.max(t, 1)
+    else:
+        m_own = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    mx_smem.index(w).store(m_own)
+    gl.thread_barrier()
+    mbarrier.arrive(mx_bar.index(w))
+    mbarrier.wait(mx_bar.index(1 - w), ph)
+    m_new = gl.maximum(m_i, gl.maximum(m_own, mx_smem.index(1 - w).load(row_layout)))
+    piv = _pivot(m_new)
+    alpha = gl.exp2(m_i - piv)
+    l_i = l_i * alpha
+    acc = _rows_scale(acc, alpha, o_layout)
+    if OWN:
+        p = gl.exp2(t - piv[:, None])
+        l_i = l_i + gl.sum(p, 1)
+        p16 = p.to(dtype)
+        # P over the tile's rope piece (read by S only), for the other warpgroup's half.
+        k_rope.index(w).store(p16)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_bar.index(w))
+        tok = warpgroup_mma(gl.convert_layout(p16, p_layout),
+                            k_smem.index(w).slice(w * HALF, HALF, 1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(tok, ))
+        mbarrier.arrive(k_empty.index(2 * w + w))
+    if OTHER:
+        mbarrier.wait(p_bar.index(1 - w), ph)
+        tok = warpgroup_mma(k_rope.index(1 - w), k_smem.index(1 - w).slice(w * HALF, HALF, 1),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(tok, ))
+        mbarrier.arrive(k_empty.index(2 * (1 - w) + w))
+    return acc, m_new, l_i
+
+
+@gluon.jit
 def _step0(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, keys, i_b,
            j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo,
            n_safe_hi, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
@@ -504,7 +559,7 @@ def _step1(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_b
 def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: gl.constexpr,
               PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
               TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              HAS_SINK: gl.constexpr):
+              HAS_SINK: gl.constexpr, SEESAW: gl.constexpr):
     """Warpgroup w: output columns ``[256 w, 256 w + 256)`` of the program's 64 rows.
     ``smem``: the shared buffers and barriers, ``outs``: the outputs and their strides,
     ``span``: the program's sequence, split, rows, keys and mask scalars (the kernel's
@@ -531,10 +586,15 @@ def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: 
     l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
     acc = gl.zeros([ROWS, HALF], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar.index(0), 0)
-    # Warpgroup 0's and 1's halves of each tile pair (the seesaw of _step0 / _step1); an odd
-    # last tile is warpgroup 0's alone.
+    # Warpgroup 0's and 1's halves of each tile pair; an odd last tile is warpgroup 0's.
     for j in range(n_tiles // 2):
-        if w == 0:
+        if not SEESAW:
+            acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
+                                   mx_bar, p_bar, keys, i_b, j, n_start, n_end, acc, m_i,
+                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
+                                   w, True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
+                                   HAS_RIGHT, s_layout, o_layout)
+        elif w == 0:
             acc, m_i, l_i = _step0(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
                                    mx_bar, p_bar, keys, i_b, j, n_start, n_end, acc, m_i,
                                    l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
@@ -547,7 +607,13 @@ def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: 
                                    True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
                                    HAS_RIGHT, s_layout, o_layout)
     if n_tiles % 2 == 1:
-        if w == 0:
+        if not SEESAW:
+            acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
+                                   mx_bar, p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i,
+                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
+                                   w, False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
+                                   HAS_RIGHT, s_layout, o_layout)
+        elif w == 0:
             acc, m_i, l_i = _step0(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
                                    mx_bar, p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i,
                                    l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
@@ -603,7 +669,7 @@ def _mla_decode_kernel(
     PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
     TOKEN_PAGE: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    PDL: gl.constexpr, PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr,
+    PDL: gl.constexpr, PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr, SEESAW: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
@@ -668,9 +734,9 @@ def _mla_decode_kernel(
     span = (i_b, i_s, r0, sk, n_start, n_end, n_tiles, left, right, scale_log2)
     gl.warp_specialize([
         (_consumer, (smem, keys, outs, span, 0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
-                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, SEESAW)),
         (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
-                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, SEESAW)),
         (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k,
                      keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
                      TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES)),
@@ -730,7 +796,7 @@ def kernel_args(kw: dict, q, k_cache, *, token_table) -> dict:
         stride_kn=k_cache.stride(0 if token_table else 1),
         k_rows=k_cache.shape[0] * k_cache.shape[1],
         PREFETCH=PREFETCH_TILES if sq * hq > ROWS and token_table is None else 0,
-        WHOLE_TILES=False,
+        WHOLE_TILES=False, SEESAW=True,
         # Gathered rows: two producer warps of cp.async (pointers in registers).
         PRODUCER_WARPS=2 if token_table else 1, PRODUCER_REGS=56 if token_table else 24,
         CONSUMER_REGS=240, num_warps=4)
