@@ -24,6 +24,12 @@ one sequence and split; its accumulator ``[64, 512]`` float32 does not fit one w
   ``P_own V_own`` (P from registers) and ``P_other V_other`` (P from shared memory) to its
   half of the accumulator; its partial row sum ``l_w`` covers its own tiles, and
   ``l = l_0 + l_1`` at the end (both were rescaled by the same factors).
+- a buffer is freed in two parts, each by the warpgroup whose V half it holds, as soon as
+  that warpgroup's product with it is done (the rope piece, holding P, with the other
+  warpgroup's part), and the producer refills the parts in the order they free, so half of
+  the next pair is in flight before the pair's last product (+5 to +12% over freeing whole
+  buffers; FlashMLA's seesaw order on top of it measured 0 to -7%: benchmarks/NOTES.md,
+  session 12).
 - shared memory: Q 72 KB + two tiles 144 KB; one program per SM.
 
 Tiles past a sequence's end. A contiguous cache is read through one descriptor over its
@@ -75,6 +81,9 @@ HALF = gl.constexpr(256)  # output columns a warpgroup
 # 2026-12-01, session 11's schedules table, call 3: 2 tiles ahead +1.8-2.9% at Hq = 128
 # against none, 4 and 8 below none; Hq = 16 0.80x copy without, 0.62x with.
 PREFETCH_TILES = 2
+# Buffers are refilled in two parts as they free (below); whole, when both parts are free,
+# for pages smaller than this (many small boxes a part). RESULTS.md 2026-12-02, session 12.
+WHOLE_TILES_BELOW_PAGE = 64
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
@@ -246,7 +255,8 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
     and the rope piece (holding the P of the buffer's own warpgroup) goes with the other
     warpgroup's part. In the order they free: buffer 0's pieces 0-3, buffer 1's 4-7,
     buffer 0's 4-8, buffer 1's 0-3 and 8 (warpgroup 1 computes its scores in that order).
-    WHOLE_TILES: a buffer is refilled only when both its parts are free."""
+    WHOLE_TILES: a buffer is refilled when both its parts are free (pages smaller than a
+    tile, where that measured faster)."""
     mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
     for p in gl.static_range(NP):
         tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
@@ -454,112 +464,10 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
 
 
 @gluon.jit
-def _step0(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, keys, i_b,
-           j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo,
-           n_safe_hi, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-           TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
-           HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Warpgroup 0 (output columns 0-255) on tiles 2j (its own, buffer 0) and 2j + 1 (HAS1):
-    its scores; the max m0 to warpgroup 1, which answers with m1 >= m0; ``P0 V0L`` at m0 under
-    warpgroup 1's softmax; P0 at m1 over buffer 0's rope piece for warpgroup 1; ``P1 V1L``."""
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = q_smem.dtype
-    ph = j & 1
-    t = _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, keys, i_b, n_start + 2 * j * KEYS,
-                     n_end, ph, diag, left, right, scale_log2, n_safe_lo, n_safe_hi, 0,
-                     PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout)
-    m0 = gl.maximum(m_i, gl.max(t, 1))
-    mx_smem.index(0).store(m0)
-    gl.thread_barrier()
-    mbarrier.arrive(mx_bar.index(0))
-    piv0 = _pivot(m0)
-    alpha = gl.exp2(m_i - piv0)
-    p = gl.exp2(t - piv0[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = _rows_scale(acc, alpha, o_layout)
-    tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout),
-                        k_smem.index(0).slice(0, HALF, 1), acc, is_async=True)
-    rope0 = k_rope.index(0)
-    if HAS1:
-        # Warpgroup 1's max: P0 joins its half at m1.
-        mbarrier.wait(mx_bar.index(1), ph)
-        m_i = mx_smem.index(1).load(row_layout)
-        beta = gl.exp2(m0 - _pivot(m_i))
-        rope0.store((p * beta[:, None]).to(dtype))
-    else:
-        m_i = m0
-        rope0.store(p.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(p_bar.index(0))
-    acc = warpgroup_mma_wait(0, deps=(tok, ))
-    mbarrier.arrive(k_empty.index(0))
-    if HAS1:
-        acc = _rows_scale(acc, beta, o_layout)
-        l_i = l_i * beta
-        mbarrier.wait(p_bar.index(1), ph)
-        tok = warpgroup_mma(k_rope.index(1), k_smem.index(1).slice(0, HALF, 1), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(tok, ))
-        mbarrier.arrive(k_empty.index(2))
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _step1(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, keys, i_b,
-           j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo,
-           n_safe_hi, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-           TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
-           HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Warpgroup 1 (output columns 256-511) on tiles 2j + 1 (its own, buffer 1; HAS1) and 2j:
-    its scores; m1 = max(m0, its tile's) back to warpgroup 0; its half rescaled to m1 once;
-    P1 over buffer 1's rope piece for warpgroup 0; ``P1 V1R``, then ``P0 V0R`` (P0 at m1)."""
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = q_smem.dtype
-    ph = j & 1
-    if HAS1:
-        t = _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, keys, i_b,
-                         n_start + (2 * j + 1) * KEYS, n_end, ph, diag, left, right, scale_log2,
-                         n_safe_lo, n_safe_hi, 1, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE,
-                         HAS_LEFT, HAS_RIGHT, s_layout)
-    mbarrier.wait(mx_bar.index(0), ph)
-    m1 = mx_smem.index(0).load(row_layout)
-    if HAS1:
-        m1 = gl.maximum(m1, gl.max(t, 1))
-        mx_smem.index(1).store(m1)
-        gl.thread_barrier()
-        mbarrier.arrive(mx_bar.index(1))
-    piv1 = _pivot(m1)
-    alpha = gl.exp2(m_i - piv1)
-    l_i = l_i * alpha
-    acc = _rows_scale(acc, alpha, o_layout)
-    if HAS1:
-        p = gl.exp2(t - piv1[:, None])
-        l_i = l_i + gl.sum(p, 1)
-        p16 = p.to(dtype)
-        k_rope.index(1).store(p16)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(p_bar.index(1))
-        tok = warpgroup_mma(gl.convert_layout(p16, p_layout),
-                            k_smem.index(1).slice(HALF, HALF, 1), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(tok, ))
-        mbarrier.arrive(k_empty.index(3))
-    mbarrier.wait(p_bar.index(0), ph)
-    tok = warpgroup_mma(k_rope.index(0), k_smem.index(0).slice(HALF, HALF, 1), acc,
-                        is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(tok, ))
-    mbarrier.arrive(k_empty.index(1))
-    return acc, m1, l_i
-
-
-@gluon.jit
 def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: gl.constexpr,
               PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
               TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              HAS_SINK: gl.constexpr, SEESAW: gl.constexpr):
+              HAS_SINK: gl.constexpr):
     """Warpgroup w: output columns ``[256 w, 256 w + 256)`` of the program's 64 rows.
     ``smem``: the shared buffers and barriers, ``outs``: the outputs and their strides,
     ``span``: the program's sequence, split, rows, keys and mask scalars (the kernel's
@@ -586,45 +494,16 @@ def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: 
     l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
     acc = gl.zeros([ROWS, HALF], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar.index(0), 0)
-    # Warpgroup 0's and 1's halves of each tile pair; an odd last tile is warpgroup 0's.
     for j in range(n_tiles // 2):
-        if not SEESAW:
-            acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
-                                   mx_bar, p_bar, keys, i_b, j, n_start, n_end, acc, m_i,
-                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
-                                   w, True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
-                                   HAS_RIGHT, s_layout, o_layout)
-        elif w == 0:
-            acc, m_i, l_i = _step0(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
-                                   mx_bar, p_bar, keys, i_b, j, n_start, n_end, acc, m_i,
-                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
-                                   True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
-                                   HAS_RIGHT, s_layout, o_layout)
-        else:
-            acc, m_i, l_i = _step1(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
-                                   mx_bar, p_bar, keys, i_b, j, n_start, n_end, acc, m_i,
-                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
-                                   True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
-                                   HAS_RIGHT, s_layout, o_layout)
+        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
+                              p_bar, keys, i_b, j, n_start, n_end, acc, m_i, l_i, diag, left,
+                              right, scale_log2, n_safe_lo, n_safe_hi, w, True, PAGE_SIZE, PAGED,
+                              TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
     if n_tiles % 2 == 1:
-        if not SEESAW:
-            acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
-                                   mx_bar, p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i,
-                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
-                                   w, False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
-                                   HAS_RIGHT, s_layout, o_layout)
-        elif w == 0:
-            acc, m_i, l_i = _step0(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
-                                   mx_bar, p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i,
-                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
-                                   False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
-                                   HAS_RIGHT, s_layout, o_layout)
-        else:
-            acc, m_i, l_i = _step1(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem,
-                                   mx_bar, p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i,
-                                   l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
-                                   False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT,
-                                   HAS_RIGHT, s_layout, o_layout)
+        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
+                              p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i, l_i, diag, left,
+                              right, scale_log2, n_safe_lo, n_safe_hi, w, False, PAGE_SIZE, PAGED,
+                              TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
     # l = l_0 + l_1: each warpgroup summed its own tiles' probabilities.
     l_smem.index(w).store(l_i)
     gl.thread_barrier()
@@ -669,7 +548,7 @@ def _mla_decode_kernel(
     PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
     TOKEN_PAGE: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    PDL: gl.constexpr, PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr, SEESAW: gl.constexpr,
+    PDL: gl.constexpr, PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
@@ -734,9 +613,9 @@ def _mla_decode_kernel(
     span = (i_b, i_s, r0, sk, n_start, n_end, n_tiles, left, right, scale_log2)
     gl.warp_specialize([
         (_consumer, (smem, keys, outs, span, 0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
-                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, SEESAW)),
+                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
         (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
-                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, SEESAW)),
+                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
         (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k,
                      keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
                      TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES)),
@@ -796,7 +675,8 @@ def kernel_args(kw: dict, q, k_cache, *, token_table) -> dict:
         stride_kn=k_cache.stride(0 if token_table else 1),
         k_rows=k_cache.shape[0] * k_cache.shape[1],
         PREFETCH=PREFETCH_TILES if sq * hq > ROWS and token_table is None else 0,
-        WHOLE_TILES=False, SEESAW=True,
+        WHOLE_TILES=(bool(kw["PAGED"]) and kw["PAGE_SIZE"] < WHOLE_TILES_BELOW_PAGE
+                     and token_table is None),
         # Gathered rows: two producer warps of cp.async (pointers in registers).
         PRODUCER_WARPS=2 if token_table else 1, PRODUCER_REGS=56 if token_table else 24,
         CONSUMER_REGS=240, num_warps=4)
