@@ -196,15 +196,9 @@ def _tile_src(keys, i_b, n0, n_end, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr
         # (Rows of the descriptor's extent, below 2^31 (fits): half the registers.)
         row = row.to(gl.int32)
     elif SUB < KEYS:
-        block_table, _, stride_tb, _, num_pages, _, _, _, _ = keys
-        # Every thread holds every page of the tile (the TMA issue takes scalars).
-        pl: gl.constexpr = gl.BlockedLayout([KEYS // SUB], [32], [gl.num_warps()], [0])
-        o_i = n0 + gl.arange(0, KEYS // SUB, layout=pl) * SUB
-        live = o_i < n_end
-        page = gl.load(block_table + i_b.to(gl.int64) * stride_tb + o_i // PAGE_SIZE,
-                       mask=live, other=-1)
-        ok = live & (page >= 0) & (page < num_pages)
-        row = gl.where(ok, page, num_pages) * PAGE_SIZE
+        # Pages smaller than a tile: _load_part looks each page up (scalars; a vector of them
+        # measured slower).
+        row, ok = n0, n0 < n_end
     else:
         # (A tile past the end, the odd pair's second, reads no table entry.)
         row, ok = _tile_row(keys, i_b, gl.minimum(n0, n_end - 1), PAGE_SIZE, PAGED)
@@ -212,8 +206,8 @@ def _tile_src(keys, i_b, n0, n_end, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr
 
 
 @gluon.jit
-def _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row, ok, s, LO: gl.constexpr,
-               HI: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+def _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row, ok, s,
+               LO: gl.constexpr, HI: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
                PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr):
     """Pieces ``[LO, HI)`` (and the rope piece if ROPE) of a tile into buffer s from where
     :func:`_tile_src` says: by TMA (one box a piece, or a page when pages are smaller than a
@@ -236,8 +230,13 @@ def _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row, ok, s, LO: gl.
         for i in gl.static_range(KEYS // SUB):
             row_i = row
             if SUB < KEYS:
-                sel = gl.arange(0, KEYS // SUB, layout=row.type.layout) == i
-                row_i = gl.sum(gl.where(sel, row, 0), 0)
+                # row is the tile's first key: page i's first row, or the row past the
+                # descriptor's end (zeros) for a page past n_end (it has no table entry) or
+                # outside the cache.
+                n_i = row + i * SUB
+                row_i, _ = _tile_row(keys, i_b, gl.where(n_i < n_end, n_i, row), PAGE_SIZE,
+                                     PAGED)
+                row_i = gl.where(n_i < n_end, row_i, keys[4] * PAGE_SIZE)
             for p in gl.static_range(LO, HI):
                 _tma_piece(k_desc, k_smem, k_rope, k_full, s, p, row_i, i, SUB)
             if ROPE:
@@ -276,31 +275,31 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
                               TOKEN_PAGE)
         # A fresh barrier counts as having completed the phase before 0.
         ph = (j & 1) ^ 1
-        mbarrier.wait(k_empty.index(0), ph)
         if WHOLE_TILES:
+            mbarrier.wait(k_empty.index(0), ph)
             mbarrier.wait(k_empty.index(1), ph)
-        _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row0, ok0, 0, 0, 4, False,
-                   PAGE_SIZE, PAGED, TOKEN_TABLE)
-        if WHOLE_TILES:
-            _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row0, ok0, 0, 4, 9, False,
-                       PAGE_SIZE, PAGED, TOKEN_TABLE)
-        if has1:
-            mbarrier.wait(k_empty.index(3), ph)
-            if WHOLE_TILES:
-                mbarrier.wait(k_empty.index(2), ph)
-            _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row1, ok1, 1, 4, 8, False,
-                       PAGE_SIZE, PAGED, TOKEN_TABLE)
-            if WHOLE_TILES:
-                _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row1, ok1, 1, 0, 4,
-                           True, PAGE_SIZE, PAGED, TOKEN_TABLE)
-        if not WHOLE_TILES:
-            mbarrier.wait(k_empty.index(1), ph)
-            _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row0, ok0, 0, 4, 9, False,
-                       PAGE_SIZE, PAGED, TOKEN_TABLE)
+            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row0, ok0, 0, 0, 9,
+                       False, PAGE_SIZE, PAGED, TOKEN_TABLE)
             if has1:
                 mbarrier.wait(k_empty.index(2), ph)
-                _load_part(k_desc, k_smem, k_rope, k_full, k, stride_kn, row1, ok1, 1, 0, 4,
-                           True, PAGE_SIZE, PAGED, TOKEN_TABLE)
+                mbarrier.wait(k_empty.index(3), ph)
+                _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row1, ok1, 1, 0,
+                           9, False, PAGE_SIZE, PAGED, TOKEN_TABLE)
+        else:
+            mbarrier.wait(k_empty.index(0), ph)
+            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row0, ok0, 0, 0, 4,
+                       False, PAGE_SIZE, PAGED, TOKEN_TABLE)
+            if has1:
+                mbarrier.wait(k_empty.index(3), ph)
+                _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row1, ok1, 1, 4,
+                           8, False, PAGE_SIZE, PAGED, TOKEN_TABLE)
+            mbarrier.wait(k_empty.index(1), ph)
+            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row0, ok0, 0, 4, 9,
+                       False, PAGE_SIZE, PAGED, TOKEN_TABLE)
+            if has1:
+                mbarrier.wait(k_empty.index(2), ph)
+                _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row1, ok1, 1, 0,
+                           4, True, PAGE_SIZE, PAGED, TOKEN_TABLE)
 
 
 @gluon.jit
