@@ -81,9 +81,10 @@ HALF = gl.constexpr(256)  # output columns a warpgroup
 # 2026-12-01, session 11's schedules table, call 3: 2 tiles ahead +1.8-2.9% at Hq = 128
 # against none, 4 and 8 below none; Hq = 16 0.80x copy without, 0.62x with.
 PREFETCH_TILES = 2
-# Buffers are refilled in two parts as they free (below); whole, when both parts are free,
-# for pages smaller than this (many small boxes a part). RESULTS.md 2026-12-02, session 12.
-WHOLE_TILES_BELOW_PAGE = 64
+# Buffers are refilled in two parts as they free (_producer); whole, when both parts are
+# free, for pages smaller than this. RESULTS.md 2026-12-02, session 12 (calls 5-6), B=64 Skv=8k
+# Hq=128 (parts / whole, TFLOP/s): page 8 184 / 204, 16 287 / 243, 32 486 / 460, 64 529 / 492.
+WHOLE_TILES_BELOW_PAGE = 16
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
@@ -254,8 +255,8 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
     and the rope piece (holding the P of the buffer's own warpgroup) goes with the other
     warpgroup's part. In the order they free: buffer 0's pieces 0-3, buffer 1's 4-7,
     buffer 0's 4-8, buffer 1's 0-3 and 8 (warpgroup 1 computes its scores in that order).
-    WHOLE_TILES: a buffer is refilled when both its parts are free (pages smaller than a
-    tile, where that measured faster)."""
+    WHOLE_TILES: a buffer is refilled, in one pass, when both its parts are free (pages of 8
+    rows, where that measured faster: 32 boxes a part)."""
     mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
     for p in gl.static_range(NP):
         tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
