@@ -245,6 +245,26 @@ def _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, r
 
 
 @gluon.jit
+def _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn, ph, row, ok,
+            I: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+            TOKEN_TABLE: gl.constexpr, WHOLE_TILES: gl.constexpr):
+    """Refill I of a pair, into buffer ``S = I % 2`` once it is free: warpgroup
+    ``W = S ^ (I // 2)``'s part of it (pieces ``[4 W, 4 W + 4)``, and the rope piece when W is
+    not the buffer's own warpgroup), or with WHOLE_TILES (I = 0, 1) the whole tile."""
+    S: gl.constexpr = I % 2
+    if WHOLE_TILES:
+        mbarrier.wait(k_empty.index(2 * S), ph)
+        mbarrier.wait(k_empty.index(2 * S + 1), ph)
+        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row, ok, S,
+                   0, NP, False, PAGE_SIZE, PAGED, TOKEN_TABLE)
+    else:
+        W: gl.constexpr = S ^ (I // 2)
+        mbarrier.wait(k_empty.index(2 * S + W), ph)
+        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row, ok, S,
+                   4 * W, 4 * W + 4, W != S, PAGE_SIZE, PAGED, TOKEN_TABLE)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k, keys,
               i_b, stride_kn, q_row0, n_start, n_end, n_tiles, PAGE_SIZE: gl.constexpr,
               PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
@@ -276,31 +296,13 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
                               TOKEN_PAGE)
         # A fresh barrier counts as having completed the phase before 0.
         ph = (j & 1) ^ 1
-        if WHOLE_TILES:
-            mbarrier.wait(k_empty.index(0), ph)
-            mbarrier.wait(k_empty.index(1), ph)
-            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row0, ok0, 0, 0, 9,
-                       False, PAGE_SIZE, PAGED, TOKEN_TABLE)
-            if has1:
-                mbarrier.wait(k_empty.index(2), ph)
-                mbarrier.wait(k_empty.index(3), ph)
-                _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row1, ok1, 1, 0,
-                           9, False, PAGE_SIZE, PAGED, TOKEN_TABLE)
-        else:
-            mbarrier.wait(k_empty.index(0), ph)
-            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row0, ok0, 0, 0, 4,
-                       False, PAGE_SIZE, PAGED, TOKEN_TABLE)
-            if has1:
-                mbarrier.wait(k_empty.index(3), ph)
-                _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row1, ok1, 1, 4,
-                           8, False, PAGE_SIZE, PAGED, TOKEN_TABLE)
-            mbarrier.wait(k_empty.index(1), ph)
-            _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row0, ok0, 0, 4, 9,
-                       False, PAGE_SIZE, PAGED, TOKEN_TABLE)
-            if has1:
-                mbarrier.wait(k_empty.index(2), ph)
-                _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row1, ok1, 1, 0,
-                           4, True, PAGE_SIZE, PAGED, TOKEN_TABLE)
+        for i in gl.static_range(2 if WHOLE_TILES else 4):
+            if i % 2 == 0:
+                _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn,
+                        ph, row0, ok0, i, PAGE_SIZE, PAGED, TOKEN_TABLE, WHOLE_TILES)
+            elif has1:
+                _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn,
+                        ph, row1, ok1, i, PAGE_SIZE, PAGED, TOKEN_TABLE, WHOLE_TILES)
 
 
 @gluon.jit
