@@ -82,12 +82,13 @@ def test_mla_call_takes_the_hopper_kernel_with_every_argument(kernels):
     assert (n["SQ"], n["GROUP"], n["M_TILES"], n["PAGED"], n["TOKEN_TABLE"]) == (1, 128, 2, False,
                                                                                 False)
     assert n["HAS_SINK"] and n["HAS_SEQLENS"] and n["PREFETCH"] == mla.PREFETCH_TILES
+    assert not n["WHOLE_TILES"]
     assert (n["PRODUCER_WARPS"], n["PRODUCER_REGS"], n["CONSUMER_REGS"]) == (1, 24, 240)
     assert n["k_rows"] == 2 * 256 and n["stride_kn"] == 576 and n["stride_qh"] == 576
     assert n["sink"] is sink and n["v"] is v
 
 
-@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("page", [8, 16, 32, 64])
 def test_mla_paged_call_sets_its_pages(kernels, page):
     q, k, v, lens, table = _mla(page=page)
     _call(q, k, v, lens, table, num_splits=3)
@@ -95,6 +96,8 @@ def test_mla_paged_call_sets_its_pages(kernels, page):
     n = kernels.of("mla").named
     assert (n["PAGED"], n["PAGE_SIZE"], n["num_pages"], n["num_splits"]) == (True, page,
                                                                             512 // page, 3)
+    # Buffers refilled whole only below 16-row pages (RESULTS.md session 12), else in parts.
+    assert n["WHOLE_TILES"] == (page < mla.WHOLE_TILES_BELOW_PAGE) == (page == 8)
     assert n["block_table"] is table and kernels.of("mla").grid == (4, 3, 1)
     # Split partials in float32, the sink (none here) left to the merge.
     assert n["o"].dtype == torch.float32 and not n["HAS_SINK"]
@@ -119,6 +122,9 @@ def test_mla_token_table_gathers_with_two_producer_warps(kernels):
     assert (n["TOKEN_TABLE"], n["TOKEN_PAGE"], n["table_sk"], n["table_per_batch"]) == (
         True, 0, 700, 3)
     assert (n["PRODUCER_WARPS"], n["PREFETCH"], n["HAS_SEQLENS"]) == (2, 0, False)
+    # One-row pages, but top-k lists are refilled in parts (their gather measured no faster
+    # whole).
+    assert not n["WHOLE_TILES"]
 
 
 def test_mla_token_table_with_a_window_runs_the_portable_kernel(kernels):
