@@ -13,6 +13,11 @@
 #   bash benchmarks/h200_session.sh decode     # session 10: decode-kernel tests, decode and
 #                                                sparse tables before (.before) and after
 #   bash benchmarks/h200_session.sh mla        # the Hopper MLA decode: GPU tests, bench_mla.py
+#   bash benchmarks/h200_session.sh next       # session 12's pending checks: the MLA kernel's
+#                                                sub-page tests and memcheck, then issue 21's
+#                                                decode and merge tables before (.before, carried)
+#                                                and after
+#   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
 #                                                bench_mla.py (Gluon only) of the tree in
 #                                                .before_mla (carried) and of this one, twice
@@ -52,6 +57,29 @@ if [ "$1" = mla ]; then
     tail -1 "$OUT/test_mla.log"; grep -h "^FAILED" "$OUT/test_mla.log" | head
     timeout 200 python3 benchmarks/bench_mla.py --out "$OUT" > "$OUT/bench_mla.log" 2>&1
     tail -11 "$OUT/bench_mla.log"
+    exit 0
+fi
+if [ "$1" = next ]; then
+    T=tests/kernels/test_decode_mla_sm90.py
+    K="paged16 or paged8 or paged32 or out_of_range"
+    timeout 150 python3 -m pytest -q $T -k "$K" -p no:cacheprovider > "$OUT/test_subpage.log" 2>&1
+    tail -1 "$OUT/test_subpage.log"; grep -h "^FAILED" "$OUT/test_subpage.log" | head
+    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q $T \
+        -k "$K" -p no:cacheprovider > "$OUT/memcheck_subpage.log" 2>&1
+    echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_subpage.log" | tail -1
+    PASSES=1 timeout 240 bash benchmarks/before_after.sh run decode merge 2>&1 | tail -40
+    exit 0
+fi
+if [ "$1" = suite ]; then
+    mkdir -p "$OUT/suite"
+    for i in 0 1 2 3 4 5; do
+        FLASHLSE_TEST_SHARD=$i/6 timeout 540 python3 -m pytest -q tests -p no:cacheprovider \
+            > "$OUT/suite/shard$i.log" 2>&1 &
+    done
+    wait
+    for f in "$OUT"/suite/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/suite/*.log | head -30
+    (cd "$OUT" && tar czf suite.tgz suite && rm -rf suite)
     exit 0
 fi
 if [ "$1" = mla-ab ]; then
