@@ -15,7 +15,8 @@
 #   bash benchmarks/h200_session.sh mla        # the Hopper MLA decode: GPU tests, bench_mla.py
 #   bash benchmarks/h200_session.sh next       # session 12's pending checks: the MLA kernel's
 #                                                sub-page tests and memcheck, then issue 21's
-#                                                decode and merge tables before (.before, carried)
+#                                                decode and merge tables before (.before: here
+#                                                `bash benchmarks/before_after.sh prep 2dcb23b`, carried)
 #                                                and after
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
