@@ -218,7 +218,7 @@ def cases():
             ("contiguous sink", False, 1, 1, dict(HAS_SINK=True)),
             ("paged 64 splits", True, 64, 1, dict(PDL=True)),
             ("Sq=2 causal paged 256", True, 256, 2, dict(HAS_RIGHT=True)),
-            ("paged 16 (four pages a tile)", True, 16, 1, {}),
+            ("paged 16 (four pages a tile)", True, 16, 1, dict(WHOLE_TILES=True)),
             # Sparse top-k lists (token table) over a paged cache of 64-row pages.
             ("top-k paged 64", True, 1, 1, dict(TOKEN_TABLE=True, TOKEN_PAGE=64, HAS_SEQLENS=False,
                                                 PREFETCH=0, PRODUCER_WARPS=2,

@@ -81,10 +81,12 @@ HALF = gl.constexpr(256)  # output columns a warpgroup
 # 2026-12-01, session 11's schedules table, call 3: 2 tiles ahead +1.8-2.9% at Hq = 128
 # against none, 4 and 8 below none; Hq = 16 0.80x copy without, 0.62x with.
 PREFETCH_TILES = 2
-# Buffers are refilled in two parts as they free (_producer); whole, when both parts are
-# free, for pages smaller than this. RESULTS.md 2026-12-02, session 12 (calls 5-6), B=64 Skv=8k
-# Hq=128 (parts / whole, TFLOP/s): page 8 184 / 204, 16 287 / 243, 32 486 / 460, 64 529 / 492.
-WHOLE_TILES_BELOW_PAGE = 16
+# Buffers are refilled in two parts as they free (_producer); one tile at a time, whole, for
+# pages smaller than this, where the pair loop's unrolled copies (four or eight boxes a piece)
+# made ptxas spill in consumer warpgroup 1 (90 local accesses at page 16, none at 32).
+# RESULTS.md 2026-12-02, session 12, B=64 Skv=8k Hq=128, TFLOP/s, session 11's one-tile loop
+# against two parts: page 8 202 / 184, 16 380 / 287, 32 452 / 486, 64 500 / 530.
+WHOLE_TILES_BELOW_PAGE = 32
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
@@ -246,18 +248,19 @@ def _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, r
 
 @gluon.jit
 def _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn, ph, row, ok,
-            I: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-            TOKEN_TABLE: gl.constexpr, WHOLE_TILES: gl.constexpr):
-    """Refill I of a pair, into buffer ``S = I % 2`` once it is free: warpgroup
+            I, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
+            WHOLE_TILES: gl.constexpr):
+    """Refill I (a constexpr) of a pair, into buffer ``S = I % 2`` once it is free: warpgroup
     ``W = S ^ (I // 2)``'s part of it (pieces ``[4 W, 4 W + 4)``, and the rope piece when W is
-    not the buffer's own warpgroup), or with WHOLE_TILES (I = 0, 1) the whole tile."""
-    S: gl.constexpr = I % 2
+    not the buffer's own warpgroup); with WHOLE_TILES the whole tile into buffer I (0 or 1,
+    at run time) once both its parts are."""
     if WHOLE_TILES:
-        mbarrier.wait(k_empty.index(2 * S), ph)
-        mbarrier.wait(k_empty.index(2 * S + 1), ph)
-        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row, ok, S,
+        mbarrier.wait(k_empty.index(2 * I), ph)
+        mbarrier.wait(k_empty.index(2 * I + 1), ph)
+        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row, ok, I,
                    0, NP, False, PAGE_SIZE, PAGED, TOKEN_TABLE)
     else:
+        S: gl.constexpr = I % 2
         W: gl.constexpr = S ^ (I // 2)
         mbarrier.wait(k_empty.index(2 * S + W), ph)
         _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row, ok, S,
@@ -275,34 +278,48 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
     and the rope piece (holding the P of the buffer's own warpgroup) goes with the other
     warpgroup's part. In the order they free: buffer 0's pieces 0-3, buffer 1's 4-7,
     buffer 0's 4-8, buffer 1's 0-3 and 8 (warpgroup 1 computes its scores in that order).
-    WHOLE_TILES: a buffer is refilled, in one pass, when both its parts are free (pages of 8
-    rows, where that measured faster: 32 boxes a part)."""
+    WHOLE_TILES: one tile at a time, each buffer refilled in one pass when both its parts are
+    free (session 11's loop; pages smaller than 32 rows, where the pair loop's unrolled copies
+    cost the consumers registers: see WHOLE_TILES_BELOW_PAGE)."""
     mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
     for p in gl.static_range(NP):
         tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
                                         _piece(q_smem, q_rope, p))
     SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
-    for j in range((n_tiles + 1) // 2):
-        n0 = n_start + 2 * j * KEYS
-        has1 = 2 * j + 1 < n_tiles
-        if PREFETCH > 0:
-            # The pair PREFETCH / 2 ahead into L2 while this one waits for its buffers.
-            for i in gl.static_range(2 * KEYS // SUB):
-                _prefetch_l2(k, keys, i_b, stride_kn, n0 + PREFETCH * KEYS + i * SUB, n_end,
-                             PAGE_SIZE, PAGED)
-        # Both tiles' rows while the buffers are still in use.
-        row0, ok0 = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
-        row1, ok1 = _tile_src(keys, i_b, n0 + KEYS, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE,
-                              TOKEN_PAGE)
-        # A fresh barrier counts as having completed the phase before 0.
-        ph = (j & 1) ^ 1
-        for i in gl.static_range(2 if WHOLE_TILES else 4):
-            if i % 2 == 0:
-                _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn,
-                        ph, row0, ok0, i, PAGE_SIZE, PAGED, TOKEN_TABLE, WHOLE_TILES)
-            elif has1:
-                _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn,
-                        ph, row1, ok1, i, PAGE_SIZE, PAGED, TOKEN_TABLE, WHOLE_TILES)
+    if WHOLE_TILES:
+        # One tile an iteration (buffer t % 2): a loop body of one tile's copies.
+        for t in range(n_tiles):
+            n0 = n_start + t * KEYS
+            if PREFETCH > 0:
+                for i in gl.static_range(KEYS // SUB):
+                    _prefetch_l2(k, keys, i_b, stride_kn, n0 + PREFETCH * KEYS + i * SUB,
+                                 n_end, PAGE_SIZE, PAGED)
+            row, ok = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
+            _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn,
+                    ((t // 2) & 1) ^ 1, row, ok, t % 2, PAGE_SIZE, PAGED, TOKEN_TABLE, True)
+    else:
+        for j in range((n_tiles + 1) // 2):
+            n0 = n_start + 2 * j * KEYS
+            has1 = 2 * j + 1 < n_tiles
+            if PREFETCH > 0:
+                # The pair PREFETCH / 2 ahead into L2 while this one waits for its buffers.
+                for i in gl.static_range(2 * KEYS // SUB):
+                    _prefetch_l2(k, keys, i_b, stride_kn, n0 + PREFETCH * KEYS + i * SUB,
+                                 n_end, PAGE_SIZE, PAGED)
+            # Both tiles' rows while the buffers are still in use.
+            row0, ok0 = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                                  TOKEN_PAGE)
+            row1, ok1 = _tile_src(keys, i_b, n0 + KEYS, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                                  TOKEN_PAGE)
+            # A fresh barrier counts as having completed the phase before 0.
+            ph = (j & 1) ^ 1
+            for i in gl.static_range(4):
+                if i % 2 == 0:
+                    _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end,
+                            stride_kn, ph, row0, ok0, i, PAGE_SIZE, PAGED, TOKEN_TABLE, False)
+                elif has1:
+                    _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end,
+                            stride_kn, ph, row1, ok1, i, PAGE_SIZE, PAGED, TOKEN_TABLE, False)
 
 
 @gluon.jit
