@@ -29,7 +29,8 @@ one sequence and split; its accumulator ``[64, 512]`` float32 does not fit one w
   warpgroup's part), and the producer refills the parts in the order they free, so half of
   the next pair is in flight before the pair's last product (+5 to +12% over freeing whole
   buffers; FlashMLA's seesaw order on top of it measured 0 to -7%: benchmarks/NOTES.md,
-  session 12).
+  session 12). Pages below 32 rows keep one whole tile a producer iteration
+  (WHOLE_TILES_BELOW_PAGE).
 - shared memory: Q 72 KB + two tiles 144 KB; one program per SM.
 
 Tiles past a sequence's end. A contiguous cache is read through one descriptor over its
