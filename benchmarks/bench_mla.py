@@ -11,7 +11,7 @@ the largest difference from a float32 SDPA of four sequences. The top-k rows (De
 sparse decode through ``sparse_attention``) check the Gluon kernel against the portable one
 ("err g"; "err p" is 0 there).
 
-    python benchmarks/bench_mla.py [--out DIR] [--topk-only] [--gluon-only]
+    python benchmarks/bench_mla.py [--out DIR] [--topk-only] [--gluon-only] [--pages 8,16]
 
 Prints a table last and writes ``mla_rows.md`` (rows for RESULTS.md) into ``--out``.
 """
@@ -121,12 +121,17 @@ def main():
     ap.add_argument("--topk-only", action="store_true", help="only the top-k rows")
     ap.add_argument("--gluon-only", action="store_true",
                     help="not the portable kernel (an A/B of two trees' Gluon kernels)")
+    ap.add_argument("--pages", default="",
+                    help="only B=64 Skv=8k Hq=128 at these page sizes, e.g. 8,16,32,64")
     args = ap.parse_args()
     date = time.strftime("%Y-%m-%d")
     dev = torch.cuda.get_device_name()
     copy = copy_gbs()
     rows = []
-    for b, skv, hq, sq, page in [] if args.topk_only else SHAPES:
+    shapes = [] if args.topk_only else SHAPES
+    if args.pages:
+        shapes = [(64, 8192, 128, 1, int(p)) for p in args.pages.split(",")]
+    for b, skv, hq, sq, page in shapes:
         q, lat, lat_ref, lens, table = inputs(b, skv, hq, sq, page)
         scale = 1 / math.sqrt(576)
         causal = sq > 1
@@ -151,7 +156,8 @@ def main():
                      flops / p[0] / 1e9, g[2], p[2], g[0], p[0]))
         del q, lat, lat_ref
         torch.cuda.empty_cache()
-    rows += topk_rows(copy, args.gluon_only)
+    if not args.pages:
+        rows += topk_rows(copy, args.gluon_only)
     md = []
     for label, tf, tfg, frac, tfp, eg, ep, ms, pms in rows:
         md.append(f"| {date} | MLA decode | {label} | {dev} | torch {torch.__version__}, triton "

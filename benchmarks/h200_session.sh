@@ -68,6 +68,8 @@ if [ "$1" = next ]; then
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q $T \
         -k "$K" -p no:cacheprovider > "$OUT/memcheck_subpage.log" 2>&1
     echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_subpage.log" | tail -1
+    timeout 150 python3 benchmarks/bench_mla.py --gluon-only --pages 8,16,32,64 --out "$OUT" \
+        > "$OUT/bench_pages.txt" 2>&1; tail -5 "$OUT/bench_pages.txt" | cut -c1-70
     PASSES=1 timeout 240 bash benchmarks/before_after.sh run decode merge 2>&1 | tail -40
     exit 0
 fi
