@@ -166,6 +166,18 @@ def _prefetch_l2(k, keys, i_b, stride_kn, n0, n_end, PAGE_SIZE: gl.constexpr,
 
 
 @gluon.jit
+def _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, TILES: gl.constexpr,
+                    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PREFETCH: gl.constexpr):
+    """The TILES tiles PREFETCH tiles after the one at key ``n0`` into L2, while the producer
+    waits for buffers (a box a page when pages are smaller than a tile)."""
+    if PREFETCH > 0:
+        SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
+        for i in gl.static_range(TILES * KEYS // SUB):
+            _prefetch_l2(k, keys, i_b, stride_kn, n0 + PREFETCH * KEYS + i * SUB, n_end,
+                         PAGE_SIZE, PAGED)
+
+
+@gluon.jit
 def _tma_piece(k_desc, k_smem, k_rope, k_full, s, p: gl.constexpr, row, i: gl.constexpr,
                SUB: gl.constexpr):
     """Rows ``[i SUB, i SUB + SUB)`` of piece p of buffer s from cache row ``row`` by TMA."""
@@ -189,10 +201,9 @@ def _tile_src(keys, i_b, n0, n_end, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr
               TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr):
     """Where the producer reads the tile at key ``n0`` from, looked up once a tile (its two
     parts are issued at different times): ``(row, ok)``, the first cache row and whether the
-    page is in the cache (a tile of one page); for pages smaller than a tile, each page's
-    first row (a page past ``n_end`` or outside the cache: the row past the descriptor's end,
-    which reads zeros); for top-k lists each key's row and whether it holds a key. Table
-    entries are read only for keys below ``n_end``."""
+    page is in the cache (a tile of one page); for pages smaller than a tile, ``n0`` itself
+    (``_load_part`` looks each page up); for top-k lists each key's row and whether it holds
+    a key. Table entries are read only for keys below ``n_end``."""
     SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
     if TOKEN_TABLE:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -200,9 +211,8 @@ def _tile_src(keys, i_b, n0, n_end, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr
         # (Rows of the descriptor's extent, below 2^31 (fits): half the registers.)
         row = row.to(gl.int32)
     elif SUB < KEYS:
-        # Pages smaller than a tile: _load_part looks each page up (scalars; a vector of them
-        # measured slower).
-        row, ok = n0, n0 < n_end
+        # Scalars looked up in _load_part: a vector of the pages measured slower.
+        row, ok = n0, True
     else:
         # (A tile past the end, the odd pair's second, reads no table entry.)
         row, ok = _tile_row(keys, i_b, gl.minimum(n0, n_end - 1), PAGE_SIZE, PAGED)
@@ -286,15 +296,11 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
     for p in gl.static_range(NP):
         tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
                                         _piece(q_smem, q_rope, p))
-    SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
     if WHOLE_TILES:
         # One tile an iteration (buffer t % 2): a loop body of one tile's copies.
         for t in range(n_tiles):
             n0 = n_start + t * KEYS
-            if PREFETCH > 0:
-                for i in gl.static_range(KEYS // SUB):
-                    _prefetch_l2(k, keys, i_b, stride_kn, n0 + PREFETCH * KEYS + i * SUB,
-                                 n_end, PAGE_SIZE, PAGED)
+            _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, 1, PAGE_SIZE, PAGED, PREFETCH)
             row, ok = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
             _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn,
                     ((t // 2) & 1) ^ 1, row, ok, t % 2, PAGE_SIZE, PAGED, TOKEN_TABLE, True)
@@ -302,11 +308,7 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
         for j in range((n_tiles + 1) // 2):
             n0 = n_start + 2 * j * KEYS
             has1 = 2 * j + 1 < n_tiles
-            if PREFETCH > 0:
-                # The pair PREFETCH / 2 ahead into L2 while this one waits for its buffers.
-                for i in gl.static_range(2 * KEYS // SUB):
-                    _prefetch_l2(k, keys, i_b, stride_kn, n0 + PREFETCH * KEYS + i * SUB,
-                                 n_end, PAGE_SIZE, PAGED)
+            _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, 2, PAGE_SIZE, PAGED, PREFETCH)
             # Both tiles' rows while the buffers are still in use.
             row0, ok0 = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE,
                                   TOKEN_PAGE)
@@ -521,9 +523,10 @@ def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: 
                               TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
     if n_tiles % 2 == 1:
         acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
-                              p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i, l_i, diag, left,
-                              right, scale_log2, n_safe_lo, n_safe_hi, w, False, PAGE_SIZE, PAGED,
-                              TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
+                              p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i, l_i, diag,
+                              left, right, scale_log2, n_safe_lo, n_safe_hi, w, False, PAGE_SIZE,
+                              PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout,
+                              o_layout)
     # l = l_0 + l_1: each warpgroup summed its own tiles' probabilities.
     l_smem.index(w).store(l_i)
     gl.thread_barrier()
