@@ -60,6 +60,9 @@ def main():
         err = float((call().float() - ref.float()).abs().max())
         rows.append((f"attention_with_kvcache paged {page} (max diff {err:.1e})",
                      median_ms(call, SMOKE)))
+        # The same call without the Hopper paged kernel (its pages gathered for the dense one).
+        with fl.kernel_options(sm90_fwd_paged=False):
+            rows.append((f"  paged {page}, sm90_fwd_paged=False", median_ms(call, SMOKE)))
     name = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
     print(f"\nserving prefill: {name} torch {torch.__version__}; B={b} Sq={sq} Skv={sk} "
           f"Hq/Hkv={hq}/{hkv} D={d} causal")
@@ -102,9 +105,16 @@ def mixed_step(dev, dt):
     pre = lambda: fl.attention(q_pre, *kv_pre, causal=True)
     dec = lambda: fl.attention_with_kvcache(q_dec, *kv_dec, cache_seqlens=lens_dec)
     with torch.no_grad():
+        # The one call's rows against the separate calls' (same keys, same order).
+        o_one, o_pre, o_dec = one(), pre(), dec()
+        err = max(float((o_one[:n_pre * new].float() - o_pre.flatten(0, 1).float()).abs().max()),
+                  float((o_one[n_pre * new:].float() - o_dec.flatten(0, 1).float()).abs().max()))
         t_one, t_pre, t_dec = (median_ms(f, SMOKE) for f in (one, pre, dec))
+        with fl.kernel_options(sm90_fwd_paged=False):
+            t_old = median_ms(one, SMOKE)
     print(f"mixed step ({n_pre} prefills {new} on {cached} + {n_dec} decodes at {ctx}, page "
-          f"{page}): one attention_varlen {t_one:.3f} ms; separate: dense prefill {t_pre:.3f} "
+          f"{page}): one attention_varlen {t_one:.3f} ms (max diff {err:.1e}; "
+          f"sm90_fwd_paged=False {t_old:.3f}); separate: dense prefill {t_pre:.3f} "
           f"+ decode {t_dec:.3f} = {t_pre + t_dec:.3f} ms; ratio {t_one / (t_pre + t_dec):.2f} "
           f"(issue 16: <= 1.15)")
 

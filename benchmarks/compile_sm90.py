@@ -153,6 +153,17 @@ def cases():
                       CONSUMER_REGS=240)
         yield "fwd", f"fwd sm90 (Gluon) D=128 {label}", fwd_sm90._fwd_sm90_kernel, \
             sm90_types, consts, 4, 1
+    # Its paged variant: pages smaller than a tile (a TMA box a page), of a tile, and larger.
+    paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
+                      seqused_k=I32, block_table=I32, scale_log2="fp32")
+    for label, page, window in (("page 16 causal", 16, False), ("page 64 window", 64, True),
+                                ("page 256 causal", 256, False), ("page 8 causal", 8, False)):
+        consts = dict(GROUP=4, D=128, PAGE_SIZE=page, BLOCK_B=256, BLOCK_N=128, STAGES=2,
+                      HAS_LEFT=window,
+                      HAS_RIGHT=True, HAS_SINK=True, PINGPONG=False, OVERLAP=True,
+                      CONSUMER_REGS=240)
+        yield "fwd", f"fwd sm90 paged (Gluon) D=128 {label}", fwd_sm90._fwd_sm90_paged_kernel, \
+            paged_sm90, consts, 4, 1
     bwd_types = dict(q=BF16, k=BF16, v=BF16, dout=BF16, dq=BF16, dk=BF16, dv=BF16,
                      lse_log2=F32, delta=F32, cu_seqlens_q=I32, cu_seqlens_k=I32,
                      seqused_k=I32)

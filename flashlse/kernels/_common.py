@@ -386,6 +386,24 @@ def decode_split(cache_seqlens, i_b, i_s, seqlen_add, capacity, num_splits, left
 
 
 @triton.jit
+def paged_keys(p_bt, T_k, num_pages, o_p, PAGE_SIZE: tl.constexpr):
+    """Keys of a paged sequence: ``T_k`` ended before its first block-table entry outside
+    ``[0, num_pages)`` (value checks are opt-in: that page and the later ones hold no key and
+    are never read), so every page a tile loads is inside the cache. ``p_bt`` is the
+    sequence's block-table row; ``o_p`` an ``arange(0, BLOCK_P)`` in the caller's layout (the
+    entries looked at a step). Layout-agnostic (the Gluon paged forward calls it too)."""
+    n_pages = (T_k + PAGE_SIZE - 1) // PAGE_SIZE
+    first_bad = n_pages
+    for p0 in range(0, n_pages, o_p.shape[0]):
+        o_pp = p0 + o_p
+        m_p = o_pp < n_pages
+        b_page = tl.load(p_bt + o_pp, mask=m_p, other=0)
+        b_bad = m_p & ((b_page < 0) | (b_page >= num_pages))
+        first_bad = tl.minimum(first_bad, tl.min(tl.where(b_bad, o_pp, n_pages), 0))
+    return tl.minimum(T_k, first_bad * PAGE_SIZE)
+
+
+@triton.jit
 def token_rows(table, token_pages, o_n, m_n, i_b, stride_tb, stride_pb, table_sk, per_batch,
                table_pages, TOKEN_PAGE: tl.constexpr):
     """Top-k lists read as a token table (sparse attention; decode.py's TOKEN_TABLE): keys

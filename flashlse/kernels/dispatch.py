@@ -7,6 +7,9 @@ them in order and calls the first that takes the call:
 
     forward  (attn_fwd)          fwd_sm90   Hopper Gluon       KernelOptions.sm90_fwd
                                  fwd        portable Triton    always
+    paged forward (attn_fwd_paged)  sequences of more than fwd.SMALL_ROWS packed rows:
+                                 fwd_sm90   Hopper Gluon paged KernelOptions.sm90_fwd_paged
+                                 fwd        portable Triton    always (and the decodes)
     backward (attn_bwd)          bwd.prepare: buffers, D and lse_log2 (shared by all)
       dK/dV                      bwd_sm90   Hopper Gluon       KernelOptions.sm90_dkdv
                                  bwd        portable Triton    always
@@ -63,6 +66,44 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink, cu_seqlens_q=None,
                         sink=sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         seqused_k=seqused_k, out=out, lse=lse)
+
+
+def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
+                   max_seqlen_k, left, right, softcap, scale, sink):
+    """``(out, lse)`` of a varlen forward over paged caches (arguments and results as
+    ``fwd.attn_fwd_paged``'s). The sequences of more than ``fwd.SMALL_ROWS`` packed rows
+    (prefills, chunked prefills) run the Hopper paged kernel where it is supported, the rest
+    (decodes: the query heads of a kv head packed into 16-row tiles) the portable one; each
+    launch sees every sequence and skips the other's, so nothing reads the lengths on the host."""
+    out, lse = fwd.new_outputs(q, v_cache, cu_seqlens_q)
+    kw = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seqused_k,
+              max_seqlen_k=max_seqlen_k, left=left, right=right, softcap=softcap, scale=scale,
+              sink=sink)
+    only_small = False
+    if options.current().sm90_fwd_paged and fwd_sm90 is not None and \
+            int(max_seqlen_q) * (q.shape[-2] // max(k_cache.shape[-2], 1)) > fwd.SMALL_ROWS:
+        plan = fwd_sm90.paged_plan(q, k_cache, v_cache, block_table, out, lse,
+                                   rows_lo=fwd.SMALL_ROWS, **kw)
+        if plan is not None and plan.signature not in FAILURES:
+            try:
+                if plan.run is not None:
+                    triton.set_allocator(alloc_scratch)
+                    plan.run(q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k,
+                             block_table)
+                only_small = True
+            except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
+                FAILURES.add(plan.signature, e, "the Hopper paged forward kernel", stacklevel=2)
+    return fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
+                              only_small=only_small)
+
+
+def paged_in_place(q, k_cache, v_cache, *, softcap, scale) -> bool:
+    """Whether a paged call's long sequences run a kernel that reads the pages in place at
+    the dense kernel's speed (the Hopper paged kernel): ``attention_with_kvcache`` gathers
+    the pages of long chunks for the dense kernel otherwise."""
+    return bool(options.current().sm90_fwd_paged and fwd_sm90 is not None
+                and fwd_sm90.paged_supported(q, k_cache, v_cache, softcap=softcap, scale=scale,
+                                             batch=q.shape[0]))
 
 
 def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,

@@ -91,6 +91,7 @@ from ._common import (
     load_rows,
     mask_args,
     next_pow2,
+    paged_keys,
     positional,
     seq_args,
     seq_block,
@@ -404,23 +405,6 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _paged_keys(p_bt, T_k, num_pages, PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Keys of a paged sequence: ``T_k`` ended before its first block-table entry outside
-    ``[0, num_pages)`` (value checks are opt-in: that page and the later ones hold no key and
-    are never read), so every page a tile loads is inside the cache."""
-    n_pages = tl.cdiv(T_k, PAGE_SIZE)
-    first_bad = n_pages
-    for p0 in range(0, n_pages, BLOCK_P):
-        o_p = p0 + tl.arange(0, BLOCK_P)
-        m_p = o_p < n_pages
-        # [BLOCK_P]
-        b_page = tl.load(p_bt + o_p, mask=m_p, other=0)
-        b_bad = m_p & ((b_page < 0) | (b_page >= num_pages))
-        first_bad = tl.minimum(first_bad, tl.min(tl.where(b_bad, o_p, n_pages), 0))
-    return tl.minimum(T_k, first_bad * PAGE_SIZE)
-
-
-@triton.jit
 def _attn_fwd_paged_store(b_acc, b_m, b_l, o_i, o_h, m_r, bos, o, lse, sink,
                           stride_os, stride_oh, stride_lh,
                           DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr):
@@ -472,7 +456,7 @@ def _attn_fwd_paged_kernel(
     p_bt = block_table + i_b.to(tl.int64) * stride_tb
     # Keys: seqused_k clamped to the pages the table holds, ended before a page out of range.
     T_k = tl.minimum(tl.maximum(tl.load(seqused_k + i_b), 0), capacity)
-    T_k = _paged_keys(p_bt, T_k, num_pages, PAGE_SIZE, BLOCK_P)
+    T_k = paged_keys(p_bt, T_k, num_pages, tl.arange(0, BLOCK_P), PAGE_SIZE)
     # Query positions [m0, m_last] of the tile, for the (bottom-right) masks.
     m0 = r0 // GROUP
     m_last = (tl.minimum(r0 + BLOCK_M, n_rows) - 1) // GROUP
@@ -677,11 +661,14 @@ def _fwd_plan(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlen
 
 
 # Packed rows up to which a sequence runs on 16-row tiles (a decode of up to 16 heads a group).
-_SMALL_ROWS = 16
+# Packed rows (T_q * Hq / Hkv) up to which a paged sequence (a decode, G <= 16) takes the
+# launch of 16-row tiles, not a 128-row tile of its own.
+SMALL_ROWS = 16
 
 
 def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
-                   max_seqlen_k, left, right, softcap, scale, sink):
+                   max_seqlen_k, left, right, softcap, scale, sink, out=None, lse=None,
+                   only_small=False):
     """:func:`attn_fwd` over paged K/V caches, read in place (no gather), the query heads of
     each kv head packed into the rows of a tile.
 
@@ -698,6 +685,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
         max_seqlen_k: int; only the table's pages that can hold the first ``max_seqlen_k``
             keys are looked at.
         left, right, softcap, scale, sink: as :func:`attn_fwd`.
+        out, lse: the outputs to fill (``new_outputs``'s; allocated when None).
+        only_small: only the sequences of at most ``SMALL_ROWS`` packed rows (``T_q * Hq /
+            Hkv``: decodes); the dispatcher runs the longer ones on the Hopper paged kernel.
 
     Returns:
         ``out (total_q, Hq, Dv)`` in ``q.dtype`` and ``lse (Hq, total_q)`` float32.
@@ -705,10 +695,12 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     total_q, hq, d = q.shape
     num_pages, page, hkv, dv = v_cache.shape
     batch = cu_seqlens_q.numel() - 1
-    out = options.empty((total_q, hq, dv), dtype=q.dtype, device=q.device)
-    lse = options.empty((hq, total_q), dtype=torch.float32, device=q.device)
+    if out is None:
+        out, lse = new_outputs(q, v_cache, cu_seqlens_q)
     group = hq // hkv
     rows = int(max_seqlen_q) * group
+    if only_small:
+        rows = min(rows, SMALL_ROWS)
     if total_q == 0 or batch == 0 or rows == 0:
         return out, lse
     block_d = max(next_pow2(d), 16)
@@ -758,12 +750,12 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
             **cfg.launch(),
         )
 
-    if rows <= _SMALL_ROWS:
+    if rows <= SMALL_ROWS:
         launch(_pick_paged_config(block_d, block_dv, rows), 0, rows)
     else:
-        # A mixed step: the sequences of up to _SMALL_ROWS packed rows (decodes, G <= 16) take
+        # A mixed step: the sequences of up to SMALL_ROWS packed rows (decodes, G <= 16) take
         # a launch of 16-row tiles of their own instead of a 128-row tile each; both launches
         # see every sequence and skip the other's (no host sync on the lengths).
-        launch(_pick_paged_config(block_d, block_dv, rows), _SMALL_ROWS, rows)
-        launch(_pick_paged_config(block_d, block_dv, _SMALL_ROWS), 0, _SMALL_ROWS)
+        launch(_pick_paged_config(block_d, block_dv, rows), SMALL_ROWS, rows)
+        launch(_pick_paged_config(block_d, block_dv, SMALL_ROWS), 0, SMALL_ROWS)
     return out, lse

@@ -21,6 +21,16 @@ halves, each owned by one warpgroup (``gl.warp_specialize``):
   through two barriers) is kept as an option; measured on an H200 it did not pay once the
   warpgroups run free of each other (NOTES #15, #17).
 
+Paged caches (``_fwd_sm90_paged_kernel``: ``attention_varlen`` with a block table, the paged
+prefill of ``attention_with_kvcache``) run the same program and consumers; only the producer
+differs. It copies each key tile page by page, one TMA box a page for pages of 8-64 rows (row
+slices of the swizzled tile) or one box a tile for pages of a multiple of BLOCK_N, through a
+descriptor over the kv head's whole cache. A box that reaches the sequence's length comes
+from a second descriptor, the last page's rows up to the length, so the cache rows past it
+(any bits, NaN included) read as zeros. The grid covers the row blocks of the sequences of
+more than 16 packed rows only (``_long_block``): the decodes of a mixed step run fwd.py's
+paged kernel, which packs the query heads of a kv head into a tile (PackGQA).
+
 Fast path only: sm_90, fp16/bf16, D == Dv == 128, scale > 0, no softcap, 16-byte aligned
 rows, at most 65535 sequences and heads (grid y/z); every mask, GQA, sink, varlen and
 seqused_k are handled. Everything else goes to ``fwd.py`` (D = 64 measured slower here below
@@ -54,6 +64,8 @@ from ._common import (
     cdiv,
     final_stats,
     key_ranges,
+    next_pow2,
+    paged_keys,
     positional,
     seq_args,
     seq_block,
@@ -68,6 +80,7 @@ _seq_block = gluon.jit(seq_block.fn)
 _key_ranges = gluon.jit(key_ranges.fn)
 _slice_ptr = gluon.jit(slice_ptr.fn)
 _final_stats = gluon.jit(final_stats.fn)
+_paged_keys = gluon.jit(paged_keys.fn)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
@@ -420,6 +433,177 @@ def _fwd_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
+@gluon.jit
+def _paged_copy(desc, tail, bar, dst, p_bt, n0, T_k, last_start, PAGE_SIZE: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """Key tile ``[n0, n0 + BLOCK_N)`` of a paged sequence into ``dst``, one TMA box a page
+    (or a BLOCK_N-row box of a page holding several tiles), all arriving on ``bar``. A box
+    whose keys reach ``T_k`` comes from ``tail``, the descriptor of the last page's first
+    ``T_k - last_start`` rows: the rows past the length (cache memory, NaN possible) and
+    boxes past the last page read as zeros, so a masked key has P = 0 and V = 0."""
+    BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+    mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
+    for i in gl.static_range(BLOCK_N // BOX):
+        n_i = n0 + i * BOX
+        if BOX < BLOCK_N:
+            # Row offsets are multiples of 8, the 128-byte swizzle's period.
+            box = dst.slice(i * BOX, BOX, 0)
+        else:
+            box = dst
+        if n_i + BOX <= T_k:
+            page = gl.load(p_bt + n_i // PAGE_SIZE)
+            tma.async_copy_global_to_shared(desc, [page * PAGE_SIZE + n_i % PAGE_SIZE, 0], bar,
+                                            box)
+        else:
+            tma.async_copy_global_to_shared(tail, [n_i - last_start, 0], bar, box)
+
+
+@gluon.jit
+def _paged_producer(q_desc, k_desc, v_desc, k_tail, v_tail, q_smem, k_smem, v_smem,
+                    q_bar, k_full, k_empty, v_full, v_empty, p_bt, m0, n_lo, n_tiles, T_k,
+                    last_start, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """``_producer`` over a paged cache: both Q halves once, then each K and V tile page by
+    page (``_paged_copy``) into the ring when it is free."""
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0 + half * HALF_M, 0], q_bar.index(half),
+                                        q_smem.index(half))
+    for it in range(n_tiles):
+        s = it % STAGES
+        ph = ((it // STAGES) & 1) ^ 1
+        n0 = n_lo + it * BLOCK_N
+        mbarrier.wait(k_empty.index(s), ph)
+        _paged_copy(k_desc, k_tail, k_full.index(s), k_smem.index(s), p_bt, n0, T_k,
+                    last_start, PAGE_SIZE, BLOCK_N)
+        mbarrier.wait(v_empty.index(s), ph)
+        _paged_copy(v_desc, v_tail, v_full.index(s), v_smem.index(s), p_bt, n0, T_k,
+                    last_start, PAGE_SIZE, BLOCK_N)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _long_block(cu_seqlens_q, i_x, batch, total_q, seqlen_q, rows_lo, GROUP: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr):
+    """Row block ``i_x`` of a compact grid over the row blocks of the sequences of more than
+    ``rows_lo`` packed rows only: ``(i_b, bos, T_q, i_m)``, block ``i_m`` of sequence ``i_b``
+    (its last block first), or ``i_b == batch`` past the last block. One vector pass over
+    ``cu_seqlens_q`` (clamped as ``seq_span``): a grid over every (block, sequence) pair
+    would start a 160 KB program, one an SM, for each decode of a mixed step, only to exit."""
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_B // (32 * gl.num_warps())], [32],
+                                            [gl.num_warps()], [0])
+    o_b = gl.arange(0, BLOCK_B, layout=layout)
+    m_b = o_b < batch
+    s0 = gl.minimum(gl.maximum(gl.load(cu_seqlens_q + o_b, mask=m_b, other=0), 0), total_q)
+    s1 = gl.minimum(gl.maximum(gl.load(cu_seqlens_q + o_b + 1, mask=m_b, other=0), s0), total_q)
+    T_q = gl.minimum(s1 - s0, seqlen_q)
+    n_blk = gl.where(m_b & (T_q * GROUP > rows_lo), (T_q + BLOCK_M - 1) // BLOCK_M, 0)
+    ends = gl.associative_scan(n_blk, 0, _add)
+    i_b = gl.sum(gl.where(ends <= i_x, 1, 0), 0)
+    this = o_b == i_b
+    i_m = gl.sum(gl.where(this, ends, 0), 0) - 1 - i_x
+    bos = gl.sum(gl.where(this, s0, 0), 0).to(gl.int64)
+    return i_b, bos, gl.sum(gl.where(this, T_q, 0), 0), i_m
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "total_q", "batch", "capacity", "num_pages", "rows_lo",
+                              "left", "right"])
+def _fwd_sm90_paged_kernel(
+    q, k, v, o, lse, sink,
+    cu_seqlens_q, seqused_k, block_table,
+    stride_qs, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_os, stride_oh, stride_lh, stride_tb,
+    seqlen_q, total_q, batch, capacity, num_pages, rows_lo, left, right, scale_log2,
+    GROUP: gl.constexpr, D: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+    PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """The Hopper forward over paged K/V (``attention_varlen`` with a block table, paged
+    prefill of ``attention_with_kvcache``): the dense kernel's program and consumers, a
+    producer that loads each key tile page by page. The grid is (row block, head) over the
+    row blocks of the sequences of more than ``rows_lo`` packed rows (``T_q * GROUP``) only:
+    the others (decodes) are another launch's."""
+    BLOCK_M: gl.constexpr = 2 * HALF_M
+    i_h = gl.program_id(1)
+    i_hk = i_h // GROUP
+    i_b, bos, T_q, i_m = _long_block(cu_seqlens_q, gl.program_id(0), batch, total_q, seqlen_q,
+                                     rows_lo, GROUP, BLOCK_M, BLOCK_B)
+    if i_b >= batch:
+        return
+    m0 = i_m * BLOCK_M
+    m_last = gl.minimum(m0 + BLOCK_M, T_q) - 1
+    p_bt = block_table + i_b.to(gl.int64) * stride_tb
+    # Keys: seqused_k clamped to the table's pages, ended before a page outside the cache.
+    T_k = gl.minimum(gl.maximum(gl.load(seqused_k + i_b), 0), capacity)
+    T_k = _paged_keys(p_bt, T_k, num_pages,
+                      gl.arange(0, 256, layout=gl.BlockedLayout([2], [32], [gl.num_warps()],
+                                                                [0])),
+                      PAGE_SIZE)
+    shift = T_k - T_q
+    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
+                                                   HAS_LEFT, HAS_RIGHT)
+    n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
+
+    p_q = q + bos * stride_qs + i_h.to(gl.int64) * stride_qh
+    p_o = o + bos * stride_os + i_h.to(gl.int64) * stride_oh
+    p_lse = lse + i_h.to(gl.int64) * stride_lh + bos
+    dtype: gl.constexpr = q.dtype.element_ty
+    if n_tiles == 0:
+        _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype, D, BLOCK_M, HAS_SINK)
+        return
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+    q_desc = tma.make_tensor_descriptor(p_q, [T_q, D], [stride_qs, 1], [HALF_M, D], q_layout)
+    o_desc = tma.make_tensor_descriptor(p_o, [T_q, D], [stride_os, 1], [HALF_M, D], q_layout)
+    # The whole cache of this kv head as rows (pages are contiguous: stride_kp = PAGE_SIZE
+    # rows), and the last page's rows up to the length: see _paged_copy.
+    last_start = (T_k - 1) // PAGE_SIZE * PAGE_SIZE
+    last_page = gl.load(p_bt + last_start // PAGE_SIZE).to(gl.int64)
+    p_k = k + i_hk.to(gl.int64) * stride_kh
+    p_v = v + i_hk.to(gl.int64) * stride_vh
+    k_desc = tma.make_tensor_descriptor(p_k, [num_pages * PAGE_SIZE, D], [stride_ks, 1],
+                                        [BOX, D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(p_v, [num_pages * PAGE_SIZE, D], [stride_vs, 1],
+                                        [BOX, D], kv_layout)
+    k_tail = tma.make_tensor_descriptor(p_k + last_page * stride_kp, [T_k - last_start, D],
+                                        [stride_ks, 1], [BOX, D], kv_layout)
+    v_tail = tma.make_tensor_descriptor(p_v + last_page * stride_vp, [T_k - last_start, D],
+                                        [stride_vs, 1], [BOX, D], kv_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
+                                                                kv_layout)
+    mbarrier.arrive(turn.index(0))
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty, turn,
+                     p_lse, sink, i_h, 0, m0, T_q, T_k, shift, left, right, scale_log2,
+                     n_lo, n_full_lo, n_full_hi, n_tiles,
+                     D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
+        (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty, turn,
+                     p_lse, sink, i_h, 1, m0, T_q, T_k, shift, left, right, scale_log2,
+                     n_lo, n_full_lo, n_full_hi, n_tiles,
+                     D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
+        (_paged_producer, (q_desc, k_desc, v_desc, k_tail, v_tail, q_smem, k_smem, v_smem,
+                           q_bar, k_full, k_empty, v_full, v_empty, p_bt, m0, n_lo, n_tiles,
+                           T_k, last_start, PAGE_SIZE, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
 def supported(q, k, v, *, softcap, scale, batch) -> bool:
     """The fast path's domain (``dispatch.attn_fwd`` asks): everything else runs fwd.py's."""
     d = q.shape[-1]
@@ -508,6 +692,93 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
 
 _STRIDE_NAMES = tuple(f"stride_{t}{d}" for t in ("q", "k", "v", "o") for d in "bsh") + (
     "stride_lb", "stride_lh")
+
+
+# Page sizes the paged kernel reads by TMA: pages smaller than a key tile one box a page
+# (row offsets in the swizzled tile multiples of 8), larger ones a multiple of the tile.
+PAGE_SIZES = (8, 16, 32, 64)
+
+
+def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
+    """The paged kernel's domain: :func:`supported`'s (D = Dv = 128 on sm_90, fp16/bf16, no
+    softcap, TMA-aligned), pages of 8-64 rows or a multiple of BLOCK_N, each page's rows
+    contiguous in the cache (``stride(0) == page_size * stride(1)``), and cache rows
+    addressable in int32. Other page sizes (1, 3, 48, ...) run fwd.py's paged kernel."""
+    num_pages, page = k_cache.shape[:2]
+    block_n = configs.FWD_SM90.get(q.shape[-1], configs.FWD_SM90[128]).block_n
+    if page not in PAGE_SIZES and (page == 0 or page % block_n):
+        return False
+    if num_pages * page >= 2**31:
+        return False
+    if any(t.stride(0) != page * t.stride(1) for t in (k_cache, v_cache)):
+        return False
+    return supported(q, k_cache, v_cache, softcap=softcap, scale=scale, batch=batch)
+
+
+def paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_seqlen_q,
+               seqused_k, max_seqlen_k, left, right, softcap, scale, sink, rows_lo):
+    """The paged kernel's :class:`Plan` for the sequences of more than ``rows_lo`` packed rows
+    (``T_q * Hq / Hkv``) of a paged call (arguments as ``fwd.attn_fwd_paged``'s, ``out`` /
+    ``lse`` its outputs), or None outside :func:`paged_supported`'s domain. Cached by the
+    call's metadata, as :func:`plan`."""
+    override = options.current().fwd_sm90_config
+    key = None
+    if not override:
+        key = ("paged", q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+               v_cache.shape, v_cache.stride(), block_table.shape, block_table.stride(),
+               out.stride(), lse.stride(),
+               (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0,
+               cu_seqlens_q.shape, max_seqlen_q, max_seqlen_k, sink is None, left, right,
+               softcap, scale, rows_lo)
+        found = _PLANS.get(key, _MISSING)
+        if found is not _MISSING:
+            return found
+    result = None
+    if paged_supported(q, k_cache, v_cache, softcap=softcap, scale=scale,
+                       batch=cu_seqlens_q.numel() - 1):
+        result = _paged_plan(q, k_cache, v_cache, block_table, out, lse,
+                             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k, left=left, right=right, scale=scale,
+                             sink=sink, rows_lo=rows_lo, override=override)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = result
+    return result
+
+
+def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_seqlen_q,
+                max_seqlen_k, left, right, scale, sink, rows_lo, override) -> Plan:
+    total_q, hq, d = q.shape
+    num_pages, page, hkv = k_cache.shape[:3]
+    batch = cu_seqlens_q.numel() - 1
+    signature = ("fwd_sm90 paged", q.dtype, left is None, right is None, sink is None,
+                 hq // hkv, min(page, 128))
+    seqlen_q = int(max_seqlen_q)
+    if total_q == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
+        return Plan(None, signature)
+    cfg = configs.override(configs.FWD_SM90[d], override, configs.FWD_SM90_KEYS,
+                           what="fwd_sm90_config")
+    # Only the table's pages that can hold one of the first max_seqlen_k keys are looked at.
+    n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page))
+    kw = dict(stride_qs=q.stride(0), stride_qh=q.stride(1),
+              stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
+              stride_kh=k_cache.stride(2), stride_vp=v_cache.stride(0),
+              stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
+              stride_os=out.stride(0), stride_oh=out.stride(1), stride_lh=lse.stride(0),
+              stride_tb=block_table.stride(0), seqlen_q=seqlen_q, total_q=total_q,
+              batch=batch, capacity=n_cols * page, num_pages=num_pages, rows_lo=rows_lo,
+              left=0 if left is None else int(left), right=0 if right is None else int(right),
+              scale_log2=float(scale) * LOG2E.value, GROUP=hq // hkv, D=d, PAGE_SIZE=page,
+              BLOCK_B=max(next_pow2(batch), 32 * cfg.num_warps), BLOCK_N=cfg.block_n,
+              STAGES=cfg.num_stages, HAS_LEFT=left is not None,
+              HAS_RIGHT=right is not None, HAS_SINK=sink is not None, PINGPONG=cfg.pingpong,
+              OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
+    # Row blocks of the long sequences: at most one partial block each beyond total_q's.
+    blocks = min(cdiv(total_q, 2 * HALF_M) + batch, batch * cdiv(seqlen_q, 2 * HALF_M))
+    grid = (blocks, hq)
+    return Plan(Launch(_fwd_sm90_paged_kernel, grid, *positional(_fwd_sm90_paged_kernel, 9, kw)),
+                signature)
 
 
 def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink, cu_seqlens_q=None,

@@ -28,6 +28,9 @@ class KernelOptions:
 
     Attributes:
         sm90_fwd: the Hopper Gluon forward (``fwd_sm90.py``) inside its domain.
+        sm90_fwd_paged: its paged variant (``fwd_sm90.paged_supported``) for the long
+            sequences of a paged forward (``attention_varlen`` with a block table, paged
+            prefill of ``attention_with_kvcache``).
         sm90_dkdv / sm90_dq: the Hopper Gluon backward kernels inside their domains.
         sm90_mla_decode: the Hopper Gluon MLA decode (``decode_mla_sm90.py``) inside its
             domain (576 / 512 latent caches on one head).
@@ -48,6 +51,7 @@ class KernelOptions:
     """
 
     sm90_fwd: bool = True
+    sm90_fwd_paged: bool = True
     sm90_dkdv: bool = True
     sm90_dq: bool = True
     sm90_mla_decode: bool = True

@@ -548,7 +548,7 @@ def _paged_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, len
     PyTorch path first copies the pages in use into packed rows."""
     kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
     if use_triton(q):
-        return kernel_module("fwd").attn_fwd_paged(
+        return kernel_module("dispatch").attn_fwd_paged(
             q, k_cache, v_cache, block_table, cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q, seqused_k=lens, max_seqlen_k=max_seqlen_k, **kw)
     # Only the pages that can hold one of the first max_seqlen_k keys are copied: a serving

@@ -66,27 +66,29 @@ def _split_fwd(qb, kb, vb, num_splits, left, right, softcap, scale, sink):
     return out.transpose(1, 2).to(qb.dtype), lse
 
 
-# Query rows from which a paged prefill gathers its pages and runs the dense varlen kernel:
-# on the H200 (RESULTS.md 2026-12-01, session 8, sweep_paged.py: B=4 Sq=512 on 8k, page 16)
-# gather + the Hopper forward took 0.54 ms (0.84x dense), the paged kernel 0.81-1.32 ms over
-# nine tiles (0.32-0.52x; the portable dense kernel 0.76x). Shorter chunks read the pages in
-# place: the copy of whole cache rows would outweigh their compute.
+# Query rows from which a paged prefill that the Hopper paged kernel does not take gathers
+# its pages and runs the dense varlen kernel: on the H200 (RESULTS.md 2026-12-01, session 8,
+# sweep_paged.py: B=4 Sq=512 on 8k, page 16) gather + the Hopper forward took 0.54 ms (0.84x
+# dense), the portable paged kernel 0.81-1.32 ms over nine tiles (0.32-0.52x; the portable
+# dense kernel 0.76x). Shorter chunks read the pages in place: the copy of whole cache rows
+# would outweigh their compute.
 _GATHER_MIN_ROWS = 128
 
 
 def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     """Queries longer than the decode kernel takes: the varlen forward kernel, one sequence
     per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k). A
-    paged cache is gathered into rows first for long chunks, read in place by the paged
-    kernel for short ones. A page out of range ends its sequence there: it and later pages
-    hold no key."""
-    attn_fwd_kernel = kernel_module("dispatch").attn_fwd
-    attn_fwd_paged = kernel_module("fwd").attn_fwd_paged
+    paged cache is read in place by the paged kernels (``dispatch.attn_fwd_paged``), except
+    for long chunks that the Hopper paged kernel does not take: their pages are gathered
+    into rows first for the dense kernel. A page out of range ends its sequence there: it
+    and later pages hold no key."""
+    dispatch = kernel_module("dispatch")
     b, sq, hq, d = q.shape
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
     used = None if lens is None else (lens + s_new if s_new else lens)
-    if block_table is not None and sq < _GATHER_MIN_ROWS:
-        out, lse = attn_fwd_paged(
+    if block_table is not None and (sq < _GATHER_MIN_ROWS or dispatch.paged_in_place(
+            q, k_cache, v_cache, softcap=kw["softcap"], scale=kw["scale"])):
+        out, lse = dispatch.attn_fwd_paged(
             q.reshape(b * sq, hq, d), k_cache, v_cache, block_table, cu_seqlens_q=cu_q,
             max_seqlen_q=sq, seqused_k=used, max_seqlen_k=block_table.shape[1] * k_cache.shape[1],
             **kw)
@@ -99,7 +101,7 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
         cu_k = torch.arange(b + 1, dtype=torch.int32, device=q.device) * smax
         k, v = k_cache.reshape(b * smax, *k_cache.shape[2:]), v_cache.reshape(
             b * smax, *v_cache.shape[2:])
-    out, lse = attn_fwd_kernel(
+    out, lse = dispatch.attn_fwd(
         q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
