@@ -55,13 +55,20 @@ BF16, F32, I32 = "*bf16", "*fp32", "*i32"
 
 
 def compile_kernel(fn, types: dict, consts: dict, num_warps: int, num_stages: int):
-    """Arguments not in ``types`` or ``consts`` are i32 scalars; pointers and strides get
+    """Arguments not in ``types`` or ``consts`` are i32 scalars; a tuple of types is a tuple
+    argument (a strides tuple). Pointers and strides (each element of a strides tuple) get
     16-byte divisibility, as the launcher's real arguments do."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    div = [n for n in names
-           if n not in consts and (sig[n].startswith("*") or n.startswith("stride"))]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div}
+    attrs = {}
+    for i, n in enumerate(names):
+        if n in consts:
+            continue
+        if isinstance(sig[n], tuple):
+            if n.startswith("stride"):
+                attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(sig[n]))})
+        elif sig[n].startswith("*") or n.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
     src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
@@ -243,7 +250,8 @@ def cases():
             mla_types, consts, 4, 1
     consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, PDL=True)
     yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
-        dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32), consts, 1, 3
+        dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32,
+             **{f"stride_{t}": ("i32",) * 3 for t in "olkyz"}), consts, 1, 3
     # The sparse top-k backward (kernels/sparse.py) at issue 17's GQA shape: 8 heads a kv head.
     yield "sparse", "sparse bwd D=128 G=8", sparse._sparse_bwd_kernel, \
         dict(q=BF16, k=BF16, v=BF16, dout=BF16, indices=I32, lse_log2=F32, delta=F32, dq=BF16,

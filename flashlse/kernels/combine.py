@@ -84,6 +84,27 @@ def _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b
 
 
 @triton.jit
+def _tile_rows(i_r, R, R1, R2, BLOCK_R: tl.constexpr):
+    """``(o_rows, m_r)``: rows ``[i_r * BLOCK_R, (i_r + 1) * BLOCK_R)`` of the flattened
+    leading dims as ``(r0, r1, r2)`` index blocks, and which rows exist (``< R``). int64, so
+    that the offsets of multi-gigabyte tensors do not wrap."""
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < R
+    o_r64 = o_r.to(tl.int64)
+    o_r2 = o_r64 % R2
+    o_r1 = (o_r64 // R2) % R1
+    o_r0 = o_r64 // (R2 * R1)
+    return (o_r0, o_r1, o_r2), m_r
+
+
+@triton.jit
+def _row_offset(o_rows, stride):
+    """``[BLOCK_R]`` offsets of the rows ``o_rows`` (``_tile_rows``) in a tensor whose leading
+    dims have the strides ``stride`` (one per index)."""
+    return o_rows[0] * stride[0] + o_rows[1] * stride[1] + o_rows[2] * stride[2]
+
+
+@triton.jit
 def _merge_states_fwd_kernel(
     outs,
     lses,
@@ -94,11 +115,11 @@ def _merge_states_fwd_kernel(
     R,
     R1,
     R2,
-    stride_os, stride_o0, stride_o1, stride_o2, stride_od,
-    stride_ls, stride_l0, stride_l1, stride_l2,
-    stride_k0, stride_k1, stride_k2,
-    stride_y0, stride_y1, stride_y2, stride_yd,
-    stride_z0, stride_z1, stride_z2,
+    stride_os, stride_o, stride_od,
+    stride_ls, stride_l,
+    stride_k,
+    stride_y, stride_yd,
+    stride_z,
     D: tl.constexpr,
     HAS_SINK: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -110,20 +131,14 @@ def _merge_states_fwd_kernel(
         # Launched early behind the split-KV kernel (programmatic dependent launch): wait
         # here until its partial states are complete and visible.
         gdc_wait()
-    i_r, i_d = tl.program_id(0), tl.program_id(1)
-    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    i_r = tl.program_id(0)
+    i_d = tl.program_id(1)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_r = o_r < R
     m_d = o_d < D
-    # Row r of the flattened leading dims is (r0, r1, r2); int64 so that offsets of
-    # multi-gigabyte tensors do not wrap.
-    o_r64 = o_r.to(tl.int64)
-    o_r2 = o_r64 % R2
-    o_r1 = (o_r64 // R2) % R1
-    o_r0 = o_r64 // (R2 * R1)
+    o_rows, m_r = _tile_rows(i_r, R, R1, R2, BLOCK_R)
     # [BLOCK_R]
-    o_l = o_r0 * stride_l0 + o_r1 * stride_l1 + o_r2 * stride_l2
-    o_o = o_r0 * stride_o0 + o_r1 * stride_o1 + o_r2 * stride_o2
+    o_l = _row_offset(o_rows, stride_l)
+    o_o = _row_offset(o_rows, stride_o)
 
     # Pass 1: the raw maximum over the states (and the sink). Reading lse twice costs
     # 1/D of the outs traffic and keeps no per-state array in registers.
@@ -131,7 +146,7 @@ def _merge_states_fwd_kernel(
     for i_s in tl.range(0, N, BLOCK_S):
         b_m = _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S)
     if HAS_SINK:
-        b_sink = tl.load(sink + o_r0 * stride_k0 + o_r1 * stride_k1 + o_r2 * stride_k2, mask=m_r, other=float("-inf"))
+        b_sink = tl.load(sink + _row_offset(o_rows, stride_k), mask=m_r, other=float("-inf"))
         b_m = tl.maximum(b_m, b_sink)
     # The pivot stays finite, so L_s - pivot is never -inf - -inf.
     b_pivot_log2 = tl.where(b_m == float("-inf"), 0.0, b_m) * LOG2E
@@ -147,13 +162,12 @@ def _merge_states_fwd_kernel(
     b_inv_sum = tl.where(b_sum == 0, 0.0, 1.0 / b_sum)
     b_acc = b_acc * b_inv_sum[:, None]
 
-    o_y = o_r0 * stride_y0 + o_r1 * stride_y1 + o_r2 * stride_y2
-    p_y = out + o_y[:, None] + o_d[None, :] * stride_yd
+    p_y = out + _row_offset(o_rows, stride_y)[:, None] + o_d[None, :] * stride_yd
     tl.store(p_y, b_acc.to(p_y.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     if i_d == 0:
         # Raw m: log(0) + -inf = -inf for an all-empty row with no sink.
         b_lse = tl.log(b_sum) + b_m
-        tl.store(lse + o_r0 * stride_z0 + o_r1 * stride_z1 + o_r2 * stride_z2, b_lse, mask=m_r)
+        tl.store(lse + _row_offset(o_rows, stride_z), b_lse, mask=m_r)
 
 
 def _coalesce(shape, strides_list):
@@ -305,11 +319,11 @@ def merge_plan(n, d, device, has_sink, *, r, r1, r2, st_os, st_o, st_od, st_ls, 
         R=r,
         R1=r1,
         R2=r2,
-        stride_os=st_os, stride_o0=st_o[0], stride_o1=st_o[1], stride_o2=st_o[2], stride_od=st_od,
-        stride_ls=st_ls, stride_l0=st_l[0], stride_l1=st_l[1], stride_l2=st_l[2],
-        stride_k0=st_k[0], stride_k1=st_k[1], stride_k2=st_k[2],
-        stride_y0=st_y[0], stride_y1=st_y[1], stride_y2=st_y[2], stride_yd=st_yd,
-        stride_z0=st_z[0], stride_z1=st_z[1], stride_z2=st_z[2],
+        stride_os=st_os, stride_o=tuple(st_o), stride_od=st_od,
+        stride_ls=st_ls, stride_l=tuple(st_l),
+        stride_k=tuple(st_k),
+        stride_y=tuple(st_y), stride_yd=st_yd,
+        stride_z=tuple(st_z),
         D=d,
         HAS_SINK=has_sink,
         BLOCK_S=cfg.block_n,
