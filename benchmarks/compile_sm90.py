@@ -150,7 +150,8 @@ def cases():
             paged_types, consts, warps, stages
     # The Hopper Gluon forward (fwd_sm90.py): the shipped schedule and the optional one.
     sm90_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
-                      cu_seqlens_k=I32, seqused_k=I32, scale_log2="fp32")
+                      cu_seqlens_k=I32, seqused_k=I32, scale_log2="fp32",
+                      **{f"stride_{t}": ("i32",) * 3 for t in "qkvo"}, stride_l=("i32",) * 2)
     for label, f, pingpong, overlap in (("causal", flags, False, True),
                                         ("every flag", every, False, True),
                                         ("ping-pong serial", flags, True, False)):
@@ -162,9 +163,10 @@ def cases():
             sm90_types, consts, 4, 1
     # Its paged variant: pages smaller than a tile (a TMA box a page), of a tile, and larger.
     paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
-                      seqused_k=I32, block_table=I32, scale_log2="fp32")
-    for label, page, window in (("page 16 causal", 16, False), ("page 64 window", 64, True),
-                                ("page 256 causal", 256, False), ("page 8 causal", 8, False)):
+                      seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,
+                      stride_k=("i32",) * 3, stride_v=("i32",) * 3, stride_o=("i32",) * 2)
+    for label, page, window in (("page 32 causal", 32, False), ("page 64 window", 64, True),
+                                ("page 256 causal", 256, False)):
         consts = dict(GROUP=4, D=128, PAGE_SIZE=page, BLOCK_B=256, BLOCK_N=128, STAGES=2,
                       HAS_LEFT=window,
                       HAS_RIGHT=True, HAS_SINK=True, PINGPONG=False, OVERLAP=True,

@@ -18,6 +18,8 @@
 #                                                decode and merge tables before (.before: here
 #                                                `bash benchmarks/before_after.sh prep 2dcb23b`, carried)
 #                                                and after
+#   bash benchmarks/h200_session.sh paged      # session 13: the Hopper paged forward's tests,
+#                                                the Hopper forwards' launches, bench_serving
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
 #                                                bench_mla.py (Gluon only) of the tree in
@@ -71,6 +73,30 @@ if [ "$1" = next ]; then
     timeout 150 python3 benchmarks/bench_mla.py --gluon-only --pages 8,16,32,64 --out "$OUT" \
         > "$OUT/bench_pages.txt" 2>&1; tail -5 "$OUT/bench_pages.txt" | cut -c1-70
     PASSES=1 timeout 240 bash benchmarks/before_after.sh run decode merge 2>&1 | tail -40
+    exit 0
+fi
+if [ "$1" = paged ]; then
+    # Session 13: the Hopper paged forward and both Hopper forwards' tuple-stride launches:
+    # their GPU tests beside the kvcache / launch / sync-free / CUDA-graph kernel tests, then
+    # bench_serving (chunked prefill, mixed step) and the forward's host time.
+    K=tests/kernels
+    mkdir -p "$OUT/tests"
+    timeout 300 python3 -m pytest -q $K/test_fwd_paged_sm90.py -p no:cacheprovider \
+        > "$OUT/tests/paged.log" 2>&1 &
+    timeout 300 python3 -m pytest -q $K/test_fwd.py -k "sm90 or gpu" -p no:cacheprovider \
+        > "$OUT/tests/fwd.log" 2>&1 &
+    for i in 0 1; do
+        FLASHLSE_TEST_SHARD=$i/2 timeout 300 python3 -m pytest -q $K/test_kvcache_kernels.py \
+            $K/test_launch_fast_path.py $K/test_sync_free.py $K/test_cuda_graphs.py \
+            -p no:cacheprovider > "$OUT/tests/kv$i.log" 2>&1 &
+    done
+    wait
+    for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
+    (cd "$OUT" && tar czf tests.tgz tests && rm -rf tests)
+    timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -10
+    timeout 90 python3 benchmarks/bench_overhead.py --functions fwd,varlen --out "$OUT" 2>&1 \
+        | tail -6
     exit 0
 fi
 if [ "$1" = suite ]; then

@@ -142,9 +142,10 @@ def test_forward_takes_the_hopper_kernel_with_its_arguments(kernels):
     cfg = configs.FWD_SM90[128]
     assert g.grid == (3, 4, 2)  # (ceil(300 / 128) row blocks, Hq, B)
     assert g.args[:9] == (q, k, v, out, lse, kw["sink"], None, None, None)
-    assert g.args[9:21] == (*_strides(q), *_strides(k), *_strides(v), *_strides(out))
-    assert g.args[21:30] == (*lse.stride()[:2], 300, 333, 0, 0, 0, 0,
-                             kw["scale"] * 1.4426950408889634)
+    # Strides as one tuple a tensor: (batch, row, head), lse (batch, head).
+    assert g.args[9:14] == (_strides(q), _strides(k), _strides(v), _strides(out),
+                            lse.stride()[:2])
+    assert g.args[14:21] == (300, 333, 0, 0, 0, 0, kw["scale"] * 1.4426950408889634)
     flags = {n: g.named[n] for n in g.named if n.isupper()}
     assert flags == dict(GROUP=2, D=128, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
                          HAS_LEFT=False, HAS_RIGHT=True, HAS_SINK=True, IS_VARLEN=False,
@@ -161,8 +162,8 @@ def test_forward_varlen_asks_with_the_sequence_count(kernels):
     g = kernels.of("fwd_sm90")
     assert g.grid == (2, 4, 3)
     assert g.args[6:9] == (kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_k"])
-    assert g.args[9:12] == _strides(q, True) and g.args[21:23] == (0, lse.stride(0))
-    assert g.args[23:29] == (250, 400, 350, 700, 31, 0)
+    assert g.args[9] == _strides(q, True) and g.args[13] == (0, lse.stride(0))
+    assert g.args[14:20] == (250, 400, 350, 700, 31, 0)
     assert g.named["GROUP"] == 4 and g.named["IS_VARLEN"] and g.named["HAS_SEQUSED_K"]
     assert out.shape == (350, 4, 128) and lse.shape == (4, 350)
 

@@ -23,8 +23,8 @@ halves, each owned by one warpgroup (``gl.warp_specialize``):
 
 Paged caches (``_fwd_sm90_paged_kernel``: ``attention_varlen`` with a block table, the paged
 prefill of ``attention_with_kvcache``) run the same program and consumers; only the producer
-differs. It copies each key tile page by page, one TMA box a page for pages of 8-64 rows (row
-slices of the swizzled tile) or one box a tile for pages of a multiple of BLOCK_N, through a
+differs. It copies each key tile page by page, one TMA box a page for pages of 32 or 64 rows
+(row slices of the swizzled tile) or one box a tile for pages of a multiple of BLOCK_N, through a
 descriptor over the kv head's whole cache. A box that reaches the sequence's length comes
 from a second descriptor, the last page's rows up to the length, so the cache rows past it
 (any bits, NaN included) read as zeros. The grid covers the row blocks of the sequences of
@@ -108,10 +108,12 @@ def _row_block(seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               q_bar, k_full, k_empty, v_full, v_empty,
-              m0, n_lo, n_tiles,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_DO: gl.constexpr):
+              m0, n_lo, n_tiles, paged_args,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_DO: gl.constexpr,
+              PAGE_SIZE: gl.constexpr):
     """One warp: both Q halves (and dO's, for the backward's dQ: HAS_DO) once, then K_j and
-    V_j into the ring, each when it is free."""
+    V_j into the ring, each when it is free (``_load_tile``: of a paged cache when
+    PAGE_SIZE > 0, ``paged_args`` its sources)."""
     for half in gl.static_range(2):
         if HAS_DO:
             mbarrier.expect(q_bar.index(half),
@@ -129,11 +131,25 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         ph = ((it // STAGES) & 1) ^ 1
         n0 = n_lo + it * BLOCK_N
         mbarrier.wait(k_empty.index(s), ph)
-        mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [n0, 0], k_full.index(s), k_smem.index(s))
+        _load_tile(k_desc, k_full, k_smem, s, n0, paged_args, 0, PAGE_SIZE, BLOCK_N)
         mbarrier.wait(v_empty.index(s), ph)
-        mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [n0, 0], v_full.index(s), v_smem.index(s))
+        _load_tile(v_desc, v_full, v_smem, s, n0, paged_args, 1, PAGE_SIZE, BLOCK_N)
+
+
+@gluon.jit
+def _load_tile(desc, full, ring, s, n0, paged_args, TAIL: gl.constexpr,
+               PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tile ``[n0, n0 + BLOCK_N)`` of K or V into buffer ``s`` of ``ring``, arriving on
+    its ``full`` barrier: one TMA copy of the rows, or (PAGE_SIZE > 0) page by page, ``paged_args`` holding the tail
+    descriptors of K and V (``TAIL`` picks this one's), the block-table row, the length and
+    the last page's first key (``_paged_copy``)."""
+    if PAGE_SIZE == 0:
+        mbarrier.expect(full.index(s), desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [n0, 0], full.index(s), ring.index(s))
+    else:
+        p_bt, T_k, last_start = paged_args[2], paged_args[3], paged_args[4]
+        _paged_copy(desc, paged_args[TAIL], full.index(s), ring.index(s), p_bt, n0, T_k,
+                    last_start, PAGE_SIZE, BLOCK_N)
 
 
 @gluon.jit
@@ -338,73 +354,50 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
 
 
 @gluon.jit
-def _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype: gl.constexpr,
-                 D: gl.constexpr, BLOCK_M: gl.constexpr, HAS_SINK: gl.constexpr):
-    """out = 0 and lse = -inf (or the sink) for rows ``[m0, m0 + BLOCK_M)`` below ``T_q``."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    p_out = p_o + rows[:, None].to(gl.int64) * stride_os + cols[None, :]
-    gl.store(p_out, gl.zeros([BLOCK_M, D], dtype, layout=layout), mask=rows[:, None] < T_q)
-    lse = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
-    if HAS_SINK:
-        lse = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, layout))
-        lse = lse + gl.load(sink + i_h).to(gl.float32)
-    gl.store(p_lse + rows, lse, mask=rows < T_q)
-
-
-# Lengths and window bounds change per call; specialising on them only recompiles.
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "left", "right"])
-def _fwd_sm90_kernel(
-    q, k, v, o, lse, sink,
-    cu_seqlens_q, cu_seqlens_k, seqused_k,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh,
-    seqlen_q, seqlen_k, total_q, total_k, left, right, scale_log2,
-    GROUP: gl.constexpr, D: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, PINGPONG: gl.constexpr,
-    OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-):
-    BLOCK_M: gl.constexpr = 2 * HALF_M
-    i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _row_block(
-        seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k, GROUP,
-        BLOCK_M, IS_VARLEN, HAS_SEQUSED_K)
-    if i_m < 0:
-        return
-
-    # Key tiles some row sees [n_lo, n_hi), and the full middle [n_full_lo, n_full_hi).
-    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
-                                                   HAS_LEFT, HAS_RIGHT)
-    n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
-
-    p_q = _slice_ptr(q, i_b, bos, i_h, stride_qb, stride_qs, stride_qh)
-    p_k = _slice_ptr(k, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh)
-    p_v = _slice_ptr(v, i_b, bos_k, i_hk, stride_vb, stride_vs, stride_vh)
-    p_o = _slice_ptr(o, i_b, bos, i_h, stride_ob, stride_os, stride_oh)
-    p_lse = lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + bos
-
-    dtype: gl.constexpr = q.dtype.element_ty
-    if n_tiles == 0:
-        # No row of the block sees a key: store the empty state, build and load nothing.
-        _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype, D, BLOCK_M, HAS_SINK)
-        return
+def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, left, right,
+            scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles, stride_qs, stride_os,
+            D: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+            HAS_SINK: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+            CONSUMER_REGS: gl.constexpr):
+    """A block with keys to see (``n_tiles > 0``), after its kernel's prologue: the TMA
+    descriptors, the shared memory (the Q halves, the K/V ring, their barriers) and the three
+    partitions (two consumer warpgroups, the producer). ``p_k`` / ``p_v`` are the kv head's
+    slice of the sequence (dense, PAGE_SIZE 0; ``kv_args`` the row strides) or of the whole
+    paged cache (``kv_args``: the block-table row, the page count, the page and row strides):
+    the two kernels differ only in the K/V descriptors and how the producer reads a tile."""
+    dtype: gl.constexpr = p_q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     # One descriptor per (sequence, head) slice: rows past its end read as zeros and the
     # store of out is clipped there.
     q_desc = tma.make_tensor_descriptor(p_q, [T_q, D], [stride_qs, 1], [HALF_M, D], q_layout)
     o_desc = tma.make_tensor_descriptor(p_o, [T_q, D], [stride_os, 1], [HALF_M, D], q_layout)
-    # (No tile is loaded when T_k == 0; the extent stays >= 1 for a valid descriptor.)
-    T_k_desc = gl.maximum(T_k, 1)
-    k_desc = tma.make_tensor_descriptor(p_k, [T_k_desc, D], [stride_ks, 1], [BLOCK_N, D],
-                                        kv_layout)
-    v_desc = tma.make_tensor_descriptor(p_v, [T_k_desc, D], [stride_vs, 1], [BLOCK_N, D],
-                                        kv_layout)
+    if PAGE_SIZE == 0:
+        stride_ks, stride_vs = kv_args
+        # (No tile is loaded when T_k == 0; the extent stays >= 1 for a valid descriptor.)
+        T_k_desc = gl.maximum(T_k, 1)
+        k_desc = tma.make_tensor_descriptor(p_k, [T_k_desc, D], [stride_ks, 1], [BLOCK_N, D],
+                                            kv_layout)
+        v_desc = tma.make_tensor_descriptor(p_v, [T_k_desc, D], [stride_vs, 1], [BLOCK_N, D],
+                                            kv_layout)
+        producer_args = ()
+    else:
+        p_bt, num_pages, stride_kp, stride_ks, stride_vp, stride_vs = kv_args
+        BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+        # The whole cache of this kv head as rows (pages are contiguous: stride_kp =
+        # PAGE_SIZE rows), and the last page's rows up to the length: see _paged_copy.
+        last_start = (T_k - 1) // PAGE_SIZE * PAGE_SIZE
+        last_page = gl.load(p_bt + last_start // PAGE_SIZE).to(gl.int64)
+        k_desc = tma.make_tensor_descriptor(p_k, [num_pages * PAGE_SIZE, D], [stride_ks, 1],
+                                            [BOX, D], kv_layout)
+        v_desc = tma.make_tensor_descriptor(p_v, [num_pages * PAGE_SIZE, D], [stride_vs, 1],
+                                            [BOX, D], kv_layout)
+        k_tail = tma.make_tensor_descriptor(p_k + last_page * stride_kp, [T_k - last_start, D],
+                                            [stride_ks, 1], [BOX, D], kv_layout)
+        v_tail = tma.make_tensor_descriptor(p_v + last_page * stride_vp, [T_k - last_start, D],
+                                            [stride_vs, 1], [BOX, D], kv_layout)
+        producer_args = (k_tail, v_tail, p_bt, T_k, last_start)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -428,9 +421,74 @@ def _fwd_sm90_kernel(
                      n_lo, n_full_lo, n_full_hi, n_tiles,
                      D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
         (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
-                     q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
-                     BLOCK_N, STAGES, False)),
+                     q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
+                     BLOCK_N, STAGES, False, PAGE_SIZE)),
     ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@gluon.jit
+def _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype: gl.constexpr,
+                 D: gl.constexpr, BLOCK_M: gl.constexpr, HAS_SINK: gl.constexpr):
+    """out = 0 and lse = -inf (or the sink) for rows ``[m0, m0 + BLOCK_M)`` below ``T_q``."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    p_out = p_o + rows[:, None].to(gl.int64) * stride_os + cols[None, :]
+    gl.store(p_out, gl.zeros([BLOCK_M, D], dtype, layout=layout), mask=rows[:, None] < T_q)
+    lse = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+    if HAS_SINK:
+        lse = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, layout))
+        lse = lse + gl.load(sink + i_h).to(gl.float32)
+    gl.store(p_lse + rows, lse, mask=rows < T_q)
+
+
+# Lengths and window bounds change per call; specialising on them only recompiles.
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "left", "right"])
+def _fwd_sm90_kernel(
+    q, k, v, o, lse, sink,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_q, stride_k, stride_v, stride_o, stride_l,
+    seqlen_q, seqlen_k, total_q, total_k, left, right, scale_log2,
+    GROUP: gl.constexpr, D: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, PINGPONG: gl.constexpr,
+    OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """The dense and varlen forward. Strides come as tuples (``_common.strides``): q, k, v and
+    o (batch, row, head), lse (batch, head); varlen tensors have batch stride 0."""
+    stride_qb, stride_qs, stride_qh = stride_q
+    stride_kb, stride_ks, stride_kh = stride_k
+    stride_vb, stride_vs, stride_vh = stride_v
+    stride_ob, stride_os, stride_oh = stride_o
+    stride_lb, stride_lh = stride_l
+    BLOCK_M: gl.constexpr = 2 * HALF_M
+    i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _row_block(
+        seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k, GROUP,
+        BLOCK_M, IS_VARLEN, HAS_SEQUSED_K)
+    if i_m < 0:
+        return
+
+    # Key tiles some row sees [n_lo, n_hi), and the full middle [n_full_lo, n_full_hi).
+    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
+                                                   HAS_LEFT, HAS_RIGHT)
+    n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
+
+    p_q = _slice_ptr(q, i_b, bos, i_h, stride_qb, stride_qs, stride_qh)
+    p_k = _slice_ptr(k, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh)
+    p_v = _slice_ptr(v, i_b, bos_k, i_hk, stride_vb, stride_vs, stride_vh)
+    p_o = _slice_ptr(o, i_b, bos, i_h, stride_ob, stride_os, stride_oh)
+    p_lse = lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh + bos
+
+    dtype: gl.constexpr = q.dtype.element_ty
+    if n_tiles == 0:
+        # No row of the block sees a key: store the empty state, build and load nothing.
+        _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype, D, BLOCK_M, HAS_SINK)
+        return
+    _attend(p_q, p_o, p_k, p_v, p_lse, sink, (stride_ks, stride_vs), i_h, m0, T_q, T_k, shift,
+            left, right, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles, stride_qs, stride_os,
+            D, 0, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP,
+            CONSUMER_REGS)
 
 
 @gluon.jit
@@ -456,29 +514,6 @@ def _paged_copy(desc, tail, bar, dst, p_bt, n0, T_k, last_start, PAGE_SIZE: gl.c
                                             box)
         else:
             tma.async_copy_global_to_shared(tail, [n_i - last_start, 0], bar, box)
-
-
-@gluon.jit
-def _paged_producer(q_desc, k_desc, v_desc, k_tail, v_tail, q_smem, k_smem, v_smem,
-                    q_bar, k_full, k_empty, v_full, v_empty, p_bt, m0, n_lo, n_tiles, T_k,
-                    last_start, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr):
-    """``_producer`` over a paged cache: both Q halves once, then each K and V tile page by
-    page (``_paged_copy``) into the ring when it is free."""
-    for half in gl.static_range(2):
-        mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0 + half * HALF_M, 0], q_bar.index(half),
-                                        q_smem.index(half))
-    for it in range(n_tiles):
-        s = it % STAGES
-        ph = ((it // STAGES) & 1) ^ 1
-        n0 = n_lo + it * BLOCK_N
-        mbarrier.wait(k_empty.index(s), ph)
-        _paged_copy(k_desc, k_tail, k_full.index(s), k_smem.index(s), p_bt, n0, T_k,
-                    last_start, PAGE_SIZE, BLOCK_N)
-        mbarrier.wait(v_empty.index(s), ph)
-        _paged_copy(v_desc, v_tail, v_full.index(s), v_smem.index(s), p_bt, n0, T_k,
-                    last_start, PAGE_SIZE, BLOCK_N)
 
 
 @gluon.jit
@@ -515,10 +550,7 @@ def _long_block(cu_seqlens_q, i_x, batch, total_q, seqlen_q, rows_lo, GROUP: gl.
 def _fwd_sm90_paged_kernel(
     q, k, v, o, lse, sink,
     cu_seqlens_q, seqused_k, block_table,
-    stride_qs, stride_qh,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
-    stride_os, stride_oh, stride_lh, stride_tb,
+    stride_q, stride_k, stride_v, stride_o, stride_lh, stride_tb,
     seqlen_q, total_q, batch, capacity, num_pages, rows_lo, left, right, scale_log2,
     GROUP: gl.constexpr, D: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_B: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -529,7 +561,12 @@ def _fwd_sm90_paged_kernel(
     prefill of ``attention_with_kvcache``): the dense kernel's program and consumers, a
     producer that loads each key tile page by page. The grid is (row block, head) over the
     row blocks of the sequences of more than ``rows_lo`` packed rows (``T_q * GROUP``) only:
-    the others (decodes) are another launch's."""
+    the others (decodes) are another launch's. Strides come as tuples: ``stride_q`` /
+    ``stride_o`` (row, head), ``stride_k`` / ``stride_v`` (page, row, head)."""
+    stride_qs, stride_qh = stride_q
+    stride_os, stride_oh = stride_o
+    stride_kp, stride_ks, stride_kh = stride_k
+    stride_vp, stride_vs, stride_vh = stride_v
     BLOCK_M: gl.constexpr = 2 * HALF_M
     i_h = gl.program_id(1)
     i_hk = i_h // GROUP
@@ -558,50 +595,11 @@ def _fwd_sm90_paged_kernel(
     if n_tiles == 0:
         _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype, D, BLOCK_M, HAS_SINK)
         return
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
-    q_desc = tma.make_tensor_descriptor(p_q, [T_q, D], [stride_qs, 1], [HALF_M, D], q_layout)
-    o_desc = tma.make_tensor_descriptor(p_o, [T_q, D], [stride_os, 1], [HALF_M, D], q_layout)
-    # The whole cache of this kv head as rows (pages are contiguous: stride_kp = PAGE_SIZE
-    # rows), and the last page's rows up to the length: see _paged_copy.
-    last_start = (T_k - 1) // PAGE_SIZE * PAGE_SIZE
-    last_page = gl.load(p_bt + last_start // PAGE_SIZE).to(gl.int64)
-    p_k = k + i_hk.to(gl.int64) * stride_kh
-    p_v = v + i_hk.to(gl.int64) * stride_vh
-    k_desc = tma.make_tensor_descriptor(p_k, [num_pages * PAGE_SIZE, D], [stride_ks, 1],
-                                        [BOX, D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(p_v, [num_pages * PAGE_SIZE, D], [stride_vs, 1],
-                                        [BOX, D], kv_layout)
-    k_tail = tma.make_tensor_descriptor(p_k + last_page * stride_kp, [T_k - last_start, D],
-                                        [stride_ks, 1], [BOX, D], kv_layout)
-    v_tail = tma.make_tensor_descriptor(p_v + last_page * stride_vp, [T_k - last_start, D],
-                                        [stride_vs, 1], [BOX, D], kv_layout)
-
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
-                                                                kv_layout)
-    mbarrier.arrive(turn.index(0))
-
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty, turn,
-                     p_lse, sink, i_h, 0, m0, T_q, T_k, shift, left, right, scale_log2,
-                     n_lo, n_full_lo, n_full_hi, n_tiles,
-                     D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
-        (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty, turn,
-                     p_lse, sink, i_h, 1, m0, T_q, T_k, shift, left, right, scale_log2,
-                     n_lo, n_full_lo, n_full_hi, n_tiles,
-                     D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
-        (_paged_producer, (q_desc, k_desc, v_desc, k_tail, v_tail, q_smem, k_smem, v_smem,
-                           q_bar, k_full, k_empty, v_full, v_empty, p_bt, m0, n_lo, n_tiles,
-                           T_k, last_start, PAGE_SIZE, BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    _attend(p_q, p_o, k + i_hk.to(gl.int64) * stride_kh, v + i_hk.to(gl.int64) * stride_vh, p_lse,
+            sink, (p_bt, num_pages, stride_kp, stride_ks, stride_vp, stride_vs), i_h, m0, T_q,
+            T_k, shift, left, right, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles, stride_qs,
+            stride_os, D, PAGE_SIZE, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG,
+            OVERLAP, CONSUMER_REGS)
 
 
 def supported(q, k, v, *, softcap, scale, batch) -> bool:
@@ -679,8 +677,7 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     sl = strides(lse, is_varlen)[:2]
     cfg = configs.override(configs.FWD_SM90[d], override, configs.FWD_SM90_KEYS,
                            what="fwd_sm90_config")
-    kw = dict(zip(_STRIDE_NAMES, (*sq, *sk, *sv, *so, *sl)),
-              **lens, left=0 if left is None else int(left), right=0 if right is None else int(right),
+    kw = dict(stride_q=sq, stride_k=sk, stride_v=sv, stride_o=so, stride_l=sl, **lens, left=0 if left is None else int(left), right=0 if right is None else int(right),
               scale_log2=float(scale) * LOG2E.value, GROUP=hq // hkv, D=d,
               BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_LEFT=left is not None,
               HAS_RIGHT=right is not None, HAS_SINK=sink is not None, IS_VARLEN=is_varlen,
@@ -690,20 +687,21 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     return Plan(Launch(_fwd_sm90_kernel, grid, *positional(_fwd_sm90_kernel, 9, kw)), signature)
 
 
-_STRIDE_NAMES = tuple(f"stride_{t}{d}" for t in ("q", "k", "v", "o") for d in "bsh") + (
-    "stride_lb", "stride_lh")
-
-
-# Page sizes the paged kernel reads by TMA: pages smaller than a key tile one box a page
-# (row offsets in the swizzled tile multiples of 8), larger ones a multiple of the tile.
-PAGE_SIZES = (8, 16, 32, 64)
+# Page sizes smaller than a key tile that the paged kernel takes, one TMA box a page (row
+# offsets in the swizzled tile are multiples of 8); larger pages must be a multiple of the
+# tile. Pages of 8 and 16 rows compile and pass the tests, but at 16 boxes of 2 KB a K tile
+# the copies are the limit: B=4 Sq=512 on 8k, page 16, ran at 0.71-0.75x the dense kernel,
+# below the pages gathered for it (0.84x); pages of 32 at 0.85-0.89x, 64 at 0.90-0.96x,
+# 256 at 0.92-1.04x (benchmarks/RESULTS.md, session 13). Smaller pages want cp.async copies.
+PAGE_SIZES = (32, 64)
 
 
 def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
     """The paged kernel's domain: :func:`supported`'s (D = Dv = 128 on sm_90, fp16/bf16, no
-    softcap, TMA-aligned), pages of 8-64 rows or a multiple of BLOCK_N, each page's rows
+    softcap, TMA-aligned), pages of 32 or 64 rows or a multiple of BLOCK_N, each page's rows
     contiguous in the cache (``stride(0) == page_size * stride(1)``), and cache rows
-    addressable in int32. Other page sizes (1, 3, 48, ...) run fwd.py's paged kernel."""
+    addressable in int32. Other page sizes (1, 3, 16, 48, ...) run fwd.py's paged kernel
+    (``attention_with_kvcache`` gathers the pages of long chunks for the dense kernel)."""
     num_pages, page = k_cache.shape[:2]
     block_n = configs.FWD_SM90.get(q.shape[-1], configs.FWD_SM90[128]).block_n
     if page not in PAGE_SIZES and (page == 0 or page % block_n):
@@ -761,11 +759,8 @@ def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max
                            what="fwd_sm90_config")
     # Only the table's pages that can hold one of the first max_seqlen_k keys are looked at.
     n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page))
-    kw = dict(stride_qs=q.stride(0), stride_qh=q.stride(1),
-              stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1),
-              stride_kh=k_cache.stride(2), stride_vp=v_cache.stride(0),
-              stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
-              stride_os=out.stride(0), stride_oh=out.stride(1), stride_lh=lse.stride(0),
+    kw = dict(stride_q=q.stride()[:2], stride_k=k_cache.stride()[:3],
+              stride_v=v_cache.stride()[:3], stride_o=out.stride()[:2], stride_lh=lse.stride(0),
               stride_tb=block_table.stride(0), seqlen_q=seqlen_q, total_q=total_q,
               batch=batch, capacity=n_cols * page, num_pages=num_pages, rows_lo=rows_lo,
               left=0 if left is None else int(left), right=0 if right is None else int(right),

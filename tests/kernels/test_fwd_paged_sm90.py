@@ -8,8 +8,10 @@ NaN, and so are the pages the table's spare columns point at, so a read of any o
 Every case compares out and lse with the float64 reference by the project's rule
 (``err(ours) <= 2 * err(torch in the same dtype) + atol``, both against float64), checks empty
 rows exactly (out 0, lse -inf or the sink) and asserts that the Gluon plan was made and
-launched. Sequences of at most 16 packed rows (``T_q * Hq / Hkv``, decodes) always run the
-portable paged kernel: in mixed batches their rows are also checked on their own.
+launched (pages of 32 rows and more; pages of 8 and 16, outside its domain, are checked on
+the paths that take them, and that it did not run). Sequences of at most 16 packed rows
+(``T_q * Hq / Hkv``, decodes) always run the portable paged kernel: in mixed batches their
+rows are also checked on their own.
 
 Gluon does not run under TRITON_INTERPRET: these run on an sm_90 GPU only.
 """
@@ -70,9 +72,16 @@ def gluon_paged(monkeypatch):
     return seen
 
 
-def _assert_gluon_ran(seen):
-    assert seen.planned, "fwd_sm90.paged_plan gave no plan with a launch"
-    assert seen.launched, "the Gluon paged plan was not launched"
+def _assert_gluon_ran(seen, page):
+    """The Gluon kernel ran for its page sizes (32, 64, multiples of 128); pages of 8 and 16
+    rows (outside ``paged_supported``: slower than the other paths) ran no Gluon launch."""
+    from flashlse.kernels import fwd_sm90
+
+    if page in fwd_sm90.PAGE_SIZES or page % 128 == 0:
+        assert seen.planned, "fwd_sm90.paged_plan gave no plan with a launch"
+        assert seen.launched, "the Gluon paged plan was not launched"
+    else:
+        assert not seen.launched, f"the Gluon paged kernel ran at page {page}"
 
 
 def _paged_batch(dtype, qlens, klens, page, hq, hkv, *, sink=False, seed=0, spare_pages=2):
@@ -215,14 +224,14 @@ def test_fwd_paged_sm90_matches_reference(gluon_paged, dtype, qlens, klens, hq, 
     kw = dict(kw)
     t = _paged_batch(dtype, qlens, klens, page, hq, hkv, sink=kw.pop("sink", False), seed=1)
     got = _run(t, **kw)
-    _assert_gluon_ran(gluon_paged)
+    _assert_gluon_ran(gluon_paged, page)
     _check_case(got, t, qlens, klens, kw)
 
 
 # (B, Sq, Hq, Hkv, Smax, cache_seqlens, Snew, page size, keywords); Sq > 16: the prefill path.
 KVCACHE_CASES = [
     pytest.param(2, 40, 8, 2, 700, [600, 3], 40, 64, dict(causal=True), id="chunk40_page64"),
-    # 200 rows: with the Gluon paged kernel the pages are read in place, not gathered.
+    # 200 rows at page 16 (outside the Gluon kernel's pages): the pages are gathered.
     pytest.param(2, 200, 8, 1, 1200, [777, 0], 200, 16, dict(causal=True, sink=True),
                  id="chunk200_page16_sink_empty_cache"),
     pytest.param(1, 17, 4, 4, 300, [100], 17, 256, dict(causal=True), id="mha_sq17_page256"),
@@ -241,7 +250,7 @@ def test_fwd_paged_sm90_kvcache_prefill(gluon_paged, dtype, b, sq, hq, hkv, smax
     t = make(b, sq, hq, hkv, D, D, smax, lens, snew, dtype, sink=kw.pop("sink", False))
     with torch.no_grad():
         run_both(_to(to_paged(t, page), DEVICE), **kw)
-    _assert_gluon_ran(gluon_paged)
+    _assert_gluon_ran(gluon_paged, page)
 
 
 @pytest.mark.parametrize("page, col, bad", [
@@ -259,7 +268,7 @@ def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, page, col, bad):
     t["block_table"][0, col] = -5 if bad == "negative" else num_pages + 7
     with fl.value_checks(False):
         got = _run(t, causal=True)
-    _assert_gluon_ran(gluon_paged)
+    _assert_gluon_ran(gluon_paged, page)
     _check_case(got, t, qlens, [col * page, *klens[1:]], dict(causal=True))
     with pytest.raises(ValueError, match="block_table"), fl.value_checks():
         _run(t, causal=True)
@@ -273,7 +282,7 @@ def test_fwd_paged_sm90_nan_key_reaches_exactly_the_rows_that_see_it(gluon_paged
     qlens, klens, page, hq, hkv = [200, 150], [600, 150], 64, 4, 2
     t = _paged_batch(torch.float16, qlens, klens, page, hq, hkv, seed=3)
     clean = _run(t, causal=True)
-    _assert_gluon_ran(gluon_paged)
+    _assert_gluon_ran(gluon_paged, page)
     _check_case(clean, t, qlens, klens, dict(causal=True))
     pg = int(t["block_table"][0, key // page])
     t["k_cache"][pg, key % page, 1, 5] = NAN
@@ -310,7 +319,7 @@ def test_fwd_paged_sm90_option_off_runs_portable(gluon_paged, kernel_opts, dtype
     t = _paged_batch(dtype, qlens, klens, MIXED["page"], MIXED["hq"], MIXED["hkv"], sink=True,
                      seed=4)
     gluon = _run(t, causal=True)
-    _assert_gluon_ran(gluon_paged)
+    _assert_gluon_ran(gluon_paged, MIXED["page"])
     launched = gluon_paged.launched
     kernel_opts(sm90_fwd_paged=False)
     portable = _run(t, causal=True)

@@ -1,0 +1,129 @@
+"""``dispatch.attn_fwd_paged``: which kernels a paged forward launches, with what arguments.
+
+As in tests/test_dispatch.py the kernels are recorders (no GPU, no interpreter) and the Hopper
+domain predicate a stub, so these tests see the decisions: the sequences of more than 16
+packed rows (``T_q * Hq / Hkv``) go to the Gluon paged kernel (one launch over their row
+blocks) and the rest to the portable kernel's launch of small tiles; without the Gluon kernel
+(option off, outside its domain, a compile failure) the portable kernel takes both. The
+numbers are tested in tests/kernels/test_fwd_paged_sm90.py (H200) and test_kvcache_kernels.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import triton
+from test_dispatch import _Kernel
+
+from flashlse import kernel_options
+from flashlse.kernels import dispatch, fwd
+from flashlse.kernels.failures import FAILURES
+
+fwd_sm90 = pytest.importorskip("flashlse.kernels.fwd_sm90")
+
+
+@pytest.fixture
+def log(monkeypatch):
+    launches = []
+    monkeypatch.setattr(fwd_sm90, "_fwd_sm90_paged_kernel",
+                        _Kernel("gluon", launches, fwd_sm90._fwd_sm90_paged_kernel,
+                                lambda kw: "gluon" in FAILING))
+    monkeypatch.setattr(fwd, "_attn_fwd_paged_kernel",
+                        _Kernel("portable", launches, fwd._attn_fwd_paged_kernel))
+    monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(fwd_sm90, "_PLANS", {})
+    monkeypatch.setattr(triton, "set_allocator", lambda fn: None)
+    FAILING.clear()
+    with FAILURES.isolated():
+        yield launches
+
+
+FAILING: set[str] = set()
+
+
+def _call(qlens, page=64, hq=8, hkv=2, d=128, pages=40):
+    """A paged forward of sequences of ``qlens`` query rows (CPU tensors: nothing runs)."""
+    total = sum(qlens)
+    q = torch.zeros(total, hq, d, dtype=torch.bfloat16)
+    cache = torch.zeros(pages, page, hkv, d, dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.full((len(qlens),), 300, dtype=torch.int32)
+    table = torch.zeros(len(qlens), 8, dtype=torch.int32)
+    return dispatch.attn_fwd_paged(q, cache, cache, table, cu_seqlens_q=cu,
+                                   max_seqlen_q=max(qlens), seqused_k=lens, max_seqlen_k=512,
+                                   left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=None)
+
+
+def test_long_sequences_on_gluon_decodes_on_the_portable_kernel(log):
+    """A mixed step: one Gluon launch over the row blocks of the long sequences (grid: the
+    bound of row blocks, heads; the decodes' rows skipped by ``rows_lo``), one portable launch
+    of small tiles for the sequences of at most 16 packed rows."""
+    out, lse = _call([300, 1, 1, 0, 20, 1])
+    assert [x.kernel for x in log] == ["gluon", "portable"]
+    gluon, portable = log
+    total, batch = 324, 6
+    assert gluon.grid == (min(-(-total // 128) + batch, batch * 3), 8, 1)
+    assert gluon.named["rows_lo"] == fwd.SMALL_ROWS and gluon.named["batch"] == batch
+    assert gluon.named["PAGE_SIZE"] == 64 and gluon.named["GROUP"] == 4
+    assert gluon.named["BLOCK_B"] >= batch and gluon.named["capacity"] == 8 * 64
+    assert gluon.named["stride_k"] == (64 * 2 * 128, 2 * 128, 128)
+    assert gluon.named["o"] is out and gluon.named["lse"] is lse
+    assert (portable.named["rows_lo"], portable.named["rows_hi"]) == (0, fwd.SMALL_ROWS)
+    assert portable.named["o"] is out and portable.named["lse"] is lse
+
+
+def test_only_decodes_never_ask_the_gluon_kernel(log):
+    _call([1, 1, 4])
+    assert [(x.kernel, x.named["rows_lo"], x.named["rows_hi"]) for x in log] == [
+        ("portable", 0, 16)]
+
+
+@pytest.mark.parametrize("how", ["option_off", "page16"])
+def test_without_the_gluon_kernel_the_portable_one_takes_every_sequence(log, how):
+    """The option off, or a page size outside the Gluon kernel's domain (16 rows: slower than
+    the other paths, fwd_sm90.PAGE_SIZES): the portable kernel's two launches, as before."""
+    if how == "option_off":
+        with kernel_options(sm90_fwd_paged=False):
+            _call([300, 1, 20])
+    else:
+        _call([300, 1, 20], page=16)
+    assert [(x.kernel, x.named["rows_lo"], x.named["rows_hi"]) for x in log] == [
+        ("portable", 16, 1200), ("portable", 0, 16)]
+
+
+def test_a_compile_failure_warns_once_and_runs_the_portable_kernel(log):
+    FAILING.add("gluon")
+    with pytest.warns(RuntimeWarning, match="Hopper paged forward"):
+        _call([300, 1])
+    assert [x.kernel for x in log] == ["gluon", "portable", "portable"]
+    log.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _call([300, 1])
+    assert [x.kernel for x in log] == ["portable", "portable"]
+    assert [key[0] for key in FAILURES] == ["fwd_sm90 paged"]
+
+
+@pytest.mark.parametrize("page, ok", [(8, False), (16, False), (32, True), (64, True),
+                                      (96, False), (128, True), (256, True)])
+def test_paged_domain_page_sizes(monkeypatch, page, ok):
+    monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
+    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(3, page, 2, 128, dtype=torch.bfloat16)
+    assert fwd_sm90.paged_supported(q, cache, cache, softcap=0.0, scale=0.1) is ok
+    # Pages that are not page_size rows apart (a slice of larger pages): no descriptor over
+    # the cache's rows addresses them.
+    gapped = torch.zeros(3, page + 8, 2, 128, dtype=torch.bfloat16)[:, :page]
+    assert not fwd_sm90.paged_supported(q, gapped, gapped, softcap=0.0, scale=0.1)
+
+
+def test_paged_in_place_follows_the_domain_and_option(monkeypatch):
+    monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
+    q = torch.zeros(2, 5, 8, 128, dtype=torch.bfloat16)
+    for page, ok in ((16, False), (64, True)):
+        cache = torch.zeros(3, page, 2, 128, dtype=torch.bfloat16)
+        assert dispatch.paged_in_place(q, cache, cache, softcap=0.0, scale=0.1) is ok
+        with kernel_options(sm90_fwd_paged=False):
+            assert not dispatch.paged_in_place(q, cache, cache, softcap=0.0, scale=0.1)
