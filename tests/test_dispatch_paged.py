@@ -113,6 +113,9 @@ def test_paged_domain_page_sizes(monkeypatch, page, ok):
     q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
     cache = torch.zeros(3, page, 2, 128, dtype=torch.bfloat16)
     assert fwd_sm90.paged_supported(q, cache, cache, softcap=0.0, scale=0.1) is ok
+    # More sequences than _long_block's one vector holds: the portable kernel.
+    assert not fwd_sm90.paged_supported(q, cache, cache, softcap=0.0, scale=0.1,
+                                        batch=fwd_sm90.MAX_PAGED_BATCH + 1)
     # Pages that are not page_size rows apart (a slice of larger pages): no descriptor over
     # the cache's rows addresses them.
     gapped = torch.zeros(3, page + 8, 2, 128, dtype=torch.bfloat16)[:, :page]

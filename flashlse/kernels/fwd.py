@@ -660,9 +660,8 @@ def _fwd_plan(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlen
         set_allocator=use_tma and not interpreting())
 
 
-# Packed rows up to which a sequence runs on 16-row tiles (a decode of up to 16 heads a group).
-# Packed rows (T_q * Hq / Hkv) up to which a paged sequence (a decode, G <= 16) takes the
-# launch of 16-row tiles, not a 128-row tile of its own.
+# Packed rows (T_q * Hq / Hkv) up to which a paged sequence (a decode of up to 16 heads a
+# group) takes the launch of 16-row tiles, not a 128-row tile of its own.
 SMALL_ROWS = 16
 
 

@@ -694,6 +694,7 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
 # below the pages gathered for it (0.84x); pages of 32 at 0.85-0.89x, 64 at 0.90-0.96x,
 # 256 at 0.92-1.04x (benchmarks/RESULTS.md, session 13). Smaller pages want cp.async copies.
 PAGE_SIZES = (32, 64)
+MAX_PAGED_BATCH = 4096
 
 
 def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
@@ -704,6 +705,10 @@ def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
     (``attention_with_kvcache`` gathers the pages of long chunks for the dense kernel)."""
     num_pages, page = k_cache.shape[:2]
     block_n = configs.FWD_SM90.get(q.shape[-1], configs.FWD_SM90[128]).block_n
+    # _long_block reads every sequence's lengths in one vector: up to 4096 sequences it
+    # compiles without a spill (16384: 1216 bytes of stack).
+    if batch > MAX_PAGED_BATCH:
+        return False
     if page not in PAGE_SIZES and (page == 0 or page % block_n):
         return False
     if num_pages * page >= 2**31:
