@@ -2,7 +2,8 @@
 
 Each configuration draws shapes (zero lengths included), masks (causal, windows), GQA, Dv != D,
 a sink, softcap, and per function: varlen sequences of length 0 and seqused_k; mixed serving
-steps over paged caches (attention_varlen with a block table); contiguous or paged caches
+steps over paged caches (attention_varlen with a block table, pages of 1-128 rows, chunks of
+up to 150 rows now and then); contiguous or paged caches
 (page 1, 3, 16, shuffled pages) with k_new and 0-3 splits; sparse top-k lists
 with -1 entries and all -1 rows; merges of 1-6 states with empty ones and a sink. Forward
 and, where the function is differentiable, backward (a random dout and dlse, dlse 0 on empty
@@ -274,9 +275,12 @@ def run_merge(cfg, device, dtype):
 def run_varlen_paged(cfg, device, dtype):
     """A serving step: attention_varlen over a paged cache (forward only)."""
     r, g = cfg.rng, torch.Generator().manual_seed(cfg.seed)
-    n, page = r.randint(1, 4), r.choice([1, 3, 16])
-    lk = [r.randint(0, 40) for _ in range(n)]
-    lq = [r.choice([0, 1, min(x, r.randint(1, 12))]) for x in lk]
+    n, page = r.randint(1, 4), r.choice([1, 3, 16, 32, 64, 128])
+    # Now and then chunks longer than 16 packed rows on caches of several tiles: on an H200
+    # at D = 128 the Hopper paged kernel's path (pages of 32 rows and more).
+    long = r.random() < 0.3
+    lk = [r.randint(0, 300 if long else 40) for _ in range(n)]
+    lq = [r.choice([0, 1, min(x, r.randint(1, 150 if long else 12))]) for x in lk]
     smax = max(max(lk), 1)
     k = _randn(g, n, smax, cfg.hkv, cfg.d, device=device, dtype=dtype)
     v = _randn(g, n, smax, cfg.hkv, cfg.dv, device=device, dtype=dtype)
