@@ -18,8 +18,9 @@
 #                                                decode and merge tables before (.before: here
 #                                                `bash benchmarks/before_after.sh prep 2dcb23b`, carried)
 #                                                and after
-#   bash benchmarks/h200_session.sh paged      # session 13: the Hopper paged forward's tests,
-#                                                the Hopper forwards' launches, bench_serving
+#   bash benchmarks/h200_session.sh paged [varlen]  # session 13: the Hopper paged forward's
+#                                                tests, the Hopper forwards' launches,
+#                                                bench_serving (and bench_varlen.py)
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
 #                                                bench_mla.py (Gluon only) of the tree in
@@ -97,6 +98,7 @@ if [ "$1" = paged ]; then
     timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -10
     timeout 90 python3 benchmarks/bench_overhead.py --functions fwd,varlen --out "$OUT" 2>&1 \
         | tail -6
+    [ "$2" = varlen ] && timeout 120 python3 benchmarks/bench_varlen.py 2>&1 | tail -6
     exit 0
 fi
 if [ "$1" = suite ]; then

@@ -1,0 +1,102 @@
+"""Packed varlen training through the public ``attention_varlen`` (issue 16's third bar), beside
+the dense kernel on the same tokens, one process.
+
+16k tokens packed in causal documents of 64-4k tokens (seeded random lengths), H=16, D=128,
+bf16; forward and forward+backward of ``fl.attention_varlen``, and ``fl.attention`` at B=4,
+S=4k (the same tokens as four documents of 4k) as the yardstick: the bar is forward >= 0.9x and
+backward >= 0.85x its TFLOP/s. FLOPs are counted per document (``2 L^2 H D`` a causal forward,
+2.5x that for the backward), so short documents are not credited with the masked work.
+
+It also prints how the forward grid is used: a varlen launch covers (row blocks of the longest
+document) x heads x documents, and the programs of a short document's missing blocks start
+and exit. Against the real row blocks that count says whether those starts can matter.
+
+    python benchmarks/bench_varlen.py [--docs N] [--seed S] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import median_ms  # noqa: E402
+
+import flashlse as fl  # noqa: E402
+
+
+def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
+    """Random document lengths in ``[lo, hi]`` that sum to ``total`` (the last one clipped,
+    topped up to ``lo`` from the one before when it would be shorter)."""
+    rng = random.Random(seed)
+    lens = []
+    while sum(lens) < total:
+        lens.append(min(rng.randint(lo, hi), total - sum(lens)))
+    if len(lens) > 1 and lens[-1] < lo:
+        lens[-2] -= lo - lens[-1]
+        lens[-1] = lo
+    return lens
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny, one call a row")
+    args = ap.parse_args()
+    smoke = args.smoke
+    dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    total, lo, hi, h, d, dense_s = ((256, 8, 64, 2, 32, 64) if smoke
+                                    else (16384, 64, 4096, 16, 128, 4096))
+    lens = doc_lengths(total, lo, hi, args.seed)
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    mk = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=dt, requires_grad=True)
+    q, k, v = mk(total, h, d), mk(total, h, d), mk(total, h, d)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    dout = torch.randn(total, h, d, generator=g, device=dev, dtype=dt)
+    fwd_flops = sum(2 * n * n * h * d for n in lens)
+    vl = lambda: fl.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+
+    def vl_step():
+        q.grad = k.grad = v.grad = None
+        vl().backward(dout)
+
+    b = total // dense_s
+    qd, kd, vd = (mk(b, dense_s, h, d) for _ in range(3))
+    dout_d = torch.randn(b, dense_s, h, d, generator=g, device=dev, dtype=dt)
+    dense_flops = b * 2 * dense_s * dense_s * h * d
+    dn = lambda: fl.attention(qd, kd, vd, causal=True)
+
+    def dn_step():
+        qd.grad = kd.grad = vd.grad = None
+        dn().backward(dout_d)
+
+    with torch.no_grad():
+        t_vl, t_dn = median_ms(vl, smoke), median_ms(dn, smoke)
+    s_vl, s_dn = median_ms(vl_step, smoke), median_ms(dn_step, smoke)
+    # Backward alone: the step minus the forward (both through the public call).
+    b_vl, b_dn = max(s_vl - t_vl, 1e-9), max(s_dn - t_dn, 1e-9)
+    tf = lambda flops, ms: flops / ms / 1e9
+    name = "cpu (smoke)" if smoke else torch.cuda.get_device_name()
+    print(f"\npacked varlen: {name} torch {torch.__version__}; {len(lens)} causal documents of "
+          f"{min(lens)}-{max(lens)} tokens ({total} in all), H={h} D={d}, seed {args.seed}")
+    print(f"{'call':<44} {'fwd ms':>8} {'TFLOP/s':>8} {'bwd ms':>8} {'TFLOP/s':>8}")
+    print(f"{'attention_varlen (packed documents)':<44} {t_vl:8.3f} {tf(fwd_flops, t_vl):8.1f} "
+          f"{b_vl:8.3f} {tf(2.5 * fwd_flops, b_vl):8.1f}")
+    print(f"{f'attention B={b} S={dense_s} (dense kernel)':<44} {t_dn:8.3f} "
+          f"{tf(dense_flops, t_dn):8.1f} {b_dn:8.3f} {tf(2.5 * dense_flops, b_dn):8.1f}")
+    fwd_ratio = tf(fwd_flops, t_vl) / tf(dense_flops, t_dn)
+    bwd_ratio = tf(2.5 * fwd_flops, b_vl) / tf(2.5 * dense_flops, b_dn)
+    print(f"ratio: forward {fwd_ratio:.2f}x (bar 0.90), backward {bwd_ratio:.2f}x (bar 0.85)")
+    blocks = sum(-(-n // 128) for n in lens) * h
+    grid = -(-max(lens) // 128) * h * len(lens)
+    print(f"forward grid (128-row blocks): {grid} programs for {blocks} row blocks "
+          f"({grid - blocks} start and exit)")
+
+
+if __name__ == "__main__":
+    main()
