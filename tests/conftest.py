@@ -152,3 +152,17 @@ def check_against_reference(fn, ref_fn, diff: dict, const: dict | None = None, *
         assert_close_to_ref(ours, ref, tol=tol, baseline=base.get(name),
                             dtype=dtype if dtype in LOWP else None, name=name)
     return out0, lse0, grads
+
+
+def break_plan(monkeypatch, module, planner: str, signature: tuple) -> list:
+    """Makes ``module.<planner>`` (a Hopper kernel's launch planner) return a plan whose
+    launch raises, as a kernel this triton cannot compile does; returns the list each launch
+    attempt appends to (the dispatcher must try it once, then remember the failure)."""
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no Gluon here")
+
+    monkeypatch.setattr(module, planner, lambda *a, **k: module.Plan(broken, signature))
+    return calls

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 from _cases import GPU_HEAD_DIM_CASES, VARLEN_CASES
+from _flashlse_testing import break_plan
 
 from flashlse import reference
 from flashlse.kernels import dispatch
@@ -223,14 +224,7 @@ def test_attn_fwd_sm90_failure_falls_back(device, monkeypatch, compile_failures)
     kernel answers, for that call and the next ones of the same signature."""
     from flashlse.kernels import fwd_sm90
 
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("no Gluon here")
-
-    monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **k: fwd_sm90.Plan(
-        broken, ("fwd_sm90", "a signature")))
+    calls = break_plan(monkeypatch, fwd_sm90, "plan", ("fwd_sm90", "a signature"))
     dtype = torch.float16
     with pytest.warns(RuntimeWarning, match="Hopper forward kernel failed"):
         _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=12)

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _flashlse_testing import assert_close_to_ref
+from _flashlse_testing import assert_close_to_ref, break_plan
 from test_attention_varlen import cu
 from test_attention_with_kvcache import make, run_both, to_paged
 from test_kvcache_kernels import _to
@@ -334,14 +334,7 @@ def test_fwd_paged_sm90_failure_falls_back(monkeypatch, compile_failures):
     answers that call and the next ones of the same signature without trying it again."""
     from flashlse.kernels import fwd_sm90
 
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("no Gluon here")
-
-    monkeypatch.setattr(fwd_sm90, "paged_plan", lambda *a, **k: fwd_sm90.Plan(
-        broken, ("fwd_sm90 paged", "a signature")))
+    calls = break_plan(monkeypatch, fwd_sm90, "paged_plan", ("fwd_sm90 paged", "a signature"))
     qlens, klens = MIXED["qlens"], MIXED["klens"]
     t = _paged_batch(torch.bfloat16, qlens, klens, MIXED["page"], MIXED["hq"], MIXED["hkv"],
                      seed=5)
