@@ -111,9 +111,11 @@ if [ "$1" = paged ]; then
 fi
 if [ "$1" = suite ]; then
     mkdir -p "$OUT/suite"
+    # (The cp.async page tests run in 'paged', in a process of their own until they have
+    # passed on a GPU once: a barrier that never completes would cost a shard its 9 minutes.)
     for i in 0 1 2 3 4 5; do
-        FLASHLSE_TEST_SHARD=$i/6 timeout 540 python3 -m pytest -q tests -p no:cacheprovider \
-            > "$OUT/suite/shard$i.log" 2>&1 &
+        FLASHLSE_TEST_SHARD=$i/6 timeout 540 python3 -m pytest -q tests -k "not gather" \
+            -p no:cacheprovider > "$OUT/suite/shard$i.log" 2>&1 &
     done
     wait
     for f in "$OUT"/suite/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
