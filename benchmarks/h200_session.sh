@@ -82,11 +82,11 @@ if [ "$1" = paged ]; then
     # bench_serving (chunked prefill, mixed step) and the forward's host time.
     K=tests/kernels
     mkdir -p "$OUT/tests"
-    timeout 300 python3 -m pytest -q $K/test_fwd_paged_sm90.py -k "not gather" \
+    timeout 300 python3 -m pytest -q $K/test_fwd_paged_sm90.py -k "not cp_async" \
         -p no:cacheprovider > "$OUT/tests/paged.log" 2>&1 &
     # The cp.async page path (sm90_fwd_paged_gather, first GPU run in session 14): a process
     # of its own with a short limit, so that a barrier that never completes costs 2 minutes.
-    timeout 120 python3 -m pytest -q -x $K/test_fwd_paged_sm90.py -k gather \
+    timeout 120 python3 -m pytest -q -x $K/test_fwd_paged_sm90.py -k cp_async \
         -p no:cacheprovider > "$OUT/tests/gather.log" 2>&1 &
     timeout 300 python3 -m pytest -q $K/test_fwd.py -k "sm90 or gpu" -p no:cacheprovider \
         > "$OUT/tests/fwd.log" 2>&1 &
@@ -114,7 +114,7 @@ if [ "$1" = suite ]; then
     # (The cp.async page tests run in 'paged', in a process of their own until they have
     # passed on a GPU once: a barrier that never completes would cost a shard its 9 minutes.)
     for i in 0 1 2 3 4 5; do
-        FLASHLSE_TEST_SHARD=$i/6 timeout 540 python3 -m pytest -q tests -k "not gather" \
+        FLASHLSE_TEST_SHARD=$i/6 timeout 540 python3 -m pytest -q tests -k "not cp_async" \
             -p no:cacheprovider > "$OUT/suite/shard$i.log" 2>&1 &
     done
     wait

@@ -235,7 +235,7 @@ GATHERED = [c for c in CASES if c.values[4] in (8, 16)]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qlens, klens, hq, hkv, page, kw", GATHERED)
-def test_fwd_paged_sm90_gathered_pages(gluon_paged, kernel_opts, dtype, qlens, klens, hq, hkv,
+def test_fwd_paged_sm90_cp_async_pages(gluon_paged, kernel_opts, dtype, qlens, klens, hq, hkv,
                                        page, kw):
     """Pages of 8 and 16 rows on the Gluon kernel, their rows copied by cp.async
     (``KernelOptions.sm90_fwd_paged_gather``): the cases above at those pages."""
@@ -277,7 +277,7 @@ def test_fwd_paged_sm90_kvcache_prefill(gluon_paged, dtype, b, sq, hq, hkv, smax
     pytest.param(128, 3, "negative", id="page128_negative"),
     pytest.param(64, 0, "past_end", id="page64_first_page_no_keys"),
 ])
-@pytest.mark.parametrize("gather", [False, True], ids=["tma", "gather"])
+@pytest.mark.parametrize("gather", [False, True], ids=["tma", "cp_async"])
 def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, kernel_opts, page, col, bad, gather):
     """With the value checks off, a block-table entry outside [0, num_pages) among the pages
     in use ends that sequence's keys before that page (masks bottom-right aligned to the
