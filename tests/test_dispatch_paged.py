@@ -18,7 +18,7 @@ import triton
 from test_dispatch import _Kernel
 
 from flashlse import kernel_options
-from flashlse.kernels import dispatch, fwd
+from flashlse.kernels import configs, dispatch, fwd
 from flashlse.kernels.failures import FAILURES
 
 fwd_sm90 = pytest.importorskip("flashlse.kernels.fwd_sm90")
@@ -66,7 +66,15 @@ def test_long_sequences_on_gluon_decodes_on_the_portable_kernel(log):
     total, batch = 324, 6
     assert gluon.grid == (min(-(-total // 128) + batch, batch * 3), 8, 1)
     assert gluon.named["rows_lo"] == fwd.SMALL_ROWS and gluon.named["batch"] == batch
-    assert gluon.named["PAGE_SIZE"] == 64 and gluon.named["GROUP"] == 4
+    cfg = configs.FWD_SM90[128]
+    flags = {n: gluon.named[n] for n in gluon.named if n.isupper()}
+    assert flags == dict(GROUP=4, D=128, PAGE_SIZE=64, BLOCK_B=flags["BLOCK_B"],
+                         BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_LEFT=False,
+                         HAS_RIGHT=True, HAS_SINK=False, PINGPONG=cfg.pingpong,
+                         OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs)
+    assert (gluon.named["left"], gluon.named["right"]) == (0, 0)
+    assert gluon.named["scale_log2"] == pytest.approx(128 ** -0.5 * 1.4426950408889634)
+    assert gluon.kwargs == dict(num_warps=cfg.num_warps)
     assert gluon.named["BLOCK_B"] >= batch and gluon.named["capacity"] == 8 * 64
     assert gluon.named["stride_k"] == (64 * 2 * 128, 2 * 128, 128)
     assert gluon.named["o"] is out and gluon.named["lse"] is lse

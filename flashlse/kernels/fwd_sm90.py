@@ -715,9 +715,22 @@ _MAX_PLANS = 4096
 _MISSING = object()
 
 
+def _shared_kw(q, k, left, right, scale, sink, override) -> dict:
+    """The launch keywords both Hopper forwards take alike: window bounds (None = 0 with its
+    flag off), the base-2 scale, the GQA group and head dim, the sink flag, and the tiles and
+    schedule of ``configs.FWD_SM90`` with ``KernelOptions.fwd_sm90_config``'s overrides."""
+    cfg = configs.override(configs.FWD_SM90[q.shape[-1]], override, configs.FWD_SM90_KEYS,
+                           what="fwd_sm90_config")
+    return dict(left=0 if left is None else int(left), right=0 if right is None else int(right),
+                scale_log2=float(scale) * LOG2E.value, GROUP=q.shape[-2] // k.shape[-2],
+                D=q.shape[-1], BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+                HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
+                HAS_SINK=sink is not None, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
+                CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
+
+
 def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens, seqused_k,
           override) -> Plan:
-    d = q.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
     signature = ("fwd_sm90", q.dtype, left is None, right is None, sink is None, is_varlen,
                  seqused_k is None, hq // hkv)
@@ -727,14 +740,9 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     # (batch, row, head) strides; lse: (batch, head).
     sq, sk, sv, so = (strides(t, is_varlen) for t in (q, k, v, out))
     sl = strides(lse, is_varlen)[:2]
-    cfg = configs.override(configs.FWD_SM90[d], override, configs.FWD_SM90_KEYS,
-                           what="fwd_sm90_config")
-    kw = dict(stride_q=sq, stride_k=sk, stride_v=sv, stride_o=so, stride_l=sl, **lens, left=0 if left is None else int(left), right=0 if right is None else int(right),
-              scale_log2=float(scale) * LOG2E.value, GROUP=hq // hkv, D=d,
-              BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_LEFT=left is not None,
-              HAS_RIGHT=right is not None, HAS_SINK=sink is not None, IS_VARLEN=is_varlen,
-              HAS_SEQUSED_K=seqused_k is not None, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
-              CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
+    kw = dict(stride_q=sq, stride_k=sk, stride_v=sv, stride_o=so, stride_l=sl, **lens,
+              IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None,
+              **_shared_kw(q, k, left, right, scale, sink, override))
     grid = (cdiv(seqlen_q, 2 * HALF_M), hq, batch)
     return Plan(Launch(_fwd_sm90_kernel, grid, *positional(_fwd_sm90_kernel, 9, kw)), signature)
 
@@ -744,7 +752,8 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
 # tile. Pages of 8 and 16 rows compile and pass the tests, but at 16 boxes of 2 KB a K tile
 # the copies are the limit: B=4 Sq=512 on 8k, page 16, ran at 0.71-0.75x the dense kernel,
 # below the pages gathered for it (0.84x); pages of 32 at 0.85-0.89x, 64 at 0.90-0.96x,
-# 256 at 0.92-1.04x (benchmarks/RESULTS.md, session 13). Smaller pages want cp.async copies.
+# 256 at 0.92-1.04x (benchmarks/RESULTS.md, session 13). Pages of 8 and 16 rows take the
+# cp.async copies instead (GATHER_PAGE_SIZES, _gather_tile) when KernelOptions asks for them.
 PAGE_SIZES = (32, 64)
 GATHER_PAGE_SIZES = (8, 16)
 MAX_PAGED_BATCH = 4096
@@ -755,7 +764,8 @@ def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
     softcap, TMA-aligned), pages of 32 or 64 rows or a multiple of BLOCK_N (and of 8 or 16
     rows, copied by cp.async, with ``KernelOptions.sm90_fwd_paged_gather``), each page's rows
     contiguous in the cache (``stride(0) == page_size * stride(1)``), and cache rows
-    addressable in int32. Other page sizes (1, 3, 16, 48, ...) run fwd.py's paged kernel
+    addressable in int32. Other page sizes (1, 3, 48, ...; 8 and 16 without that option) run
+    fwd.py's paged kernel
     (``attention_with_kvcache`` gathers the pages of long chunks for the dense kernel)."""
     num_pages, page = k_cache.shape[:2]
     block_n = configs.FWD_SM90.get(q.shape[-1], configs.FWD_SM90[128]).block_n
@@ -807,7 +817,7 @@ def paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_
 
 def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_seqlen_q,
                 max_seqlen_k, left, right, scale, sink, rows_lo, override) -> Plan:
-    total_q, hq, d = q.shape
+    total_q, hq, _ = q.shape
     num_pages, page, hkv = k_cache.shape[:3]
     batch = cu_seqlens_q.numel() - 1
     signature = ("fwd_sm90 paged", q.dtype, left is None, right is None, sink is None,
@@ -815,20 +825,14 @@ def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max
     seqlen_q = int(max_seqlen_q)
     if total_q == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
         return Plan(None, signature)
-    cfg = configs.override(configs.FWD_SM90[d], override, configs.FWD_SM90_KEYS,
-                           what="fwd_sm90_config")
     # Only the table's pages that can hold one of the first max_seqlen_k keys are looked at.
     n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page))
     kw = dict(stride_q=q.stride()[:2], stride_k=k_cache.stride()[:3],
               stride_v=v_cache.stride()[:3], stride_o=out.stride()[:2], stride_lh=lse.stride(0),
               stride_tb=block_table.stride(0), seqlen_q=seqlen_q, total_q=total_q,
               batch=batch, capacity=n_cols * page, num_pages=num_pages, rows_lo=rows_lo,
-              left=0 if left is None else int(left), right=0 if right is None else int(right),
-              scale_log2=float(scale) * LOG2E.value, GROUP=hq // hkv, D=d, PAGE_SIZE=page,
-              BLOCK_B=max(next_pow2(batch), 32 * cfg.num_warps), BLOCK_N=cfg.block_n,
-              STAGES=cfg.num_stages, HAS_LEFT=left is not None,
-              HAS_RIGHT=right is not None, HAS_SINK=sink is not None, PINGPONG=cfg.pingpong,
-              OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
+              PAGE_SIZE=page, **_shared_kw(q, k_cache, left, right, scale, sink, override))
+    kw["BLOCK_B"] = max(next_pow2(batch), 32 * kw["num_warps"])
     # Row blocks of the long sequences: at most one partial block each beyond total_q's.
     blocks = min(cdiv(total_q, 2 * HALF_M) + batch, batch * cdiv(seqlen_q, 2 * HALF_M))
     grid = (blocks, hq)
