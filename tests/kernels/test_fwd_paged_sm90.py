@@ -321,6 +321,38 @@ def test_fwd_paged_sm90_nan_key_reaches_exactly_the_rows_that_see_it(gluon_paged
     torch.testing.assert_close(lse[good], clean_lse[good], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("page, gather", [pytest.param(64, False, id="page64"),
+                                          pytest.param(16, True, id="page16_cp_async")])
+def test_fwd_paged_sm90_sink_and_nan_query_edges(gluon_paged, kernel_opts, page, gather):
+    """The contract's edges on the Gluon paged path (math.md section 7): a ``-inf`` sink is
+    no sink (out and lse equal to the no-sink call, empty rows 0 / -inf); a NaN sink makes
+    every row of its head NaN, empty rows included; a NaN in one query row makes that row's
+    out and lse NaN for its head and leaves every other row clean."""
+    kernel_opts(sm90_fwd_paged_gather=gather)
+    qlens, klens, hq, hkv = [300, 1, 40], [200, 9, 0], 4, 2  # causal: rows 0-99 of seq 0 empty
+    t = _paged_batch(torch.bfloat16, qlens, klens, page, hq, hkv, seed=6)
+    none = _run(t, causal=True)
+    _assert_gluon_ran(gluon_paged, page)
+    _check_case(none, t, qlens, klens, dict(causal=True))
+    t["sink"] = torch.full((hq,), float("-inf"), device=DEVICE)
+    neg = _run(t, causal=True)
+    assert torch.equal(neg[0], none[0]) and torch.equal(neg[1], none[1]), "-inf sink != none"
+    t["sink"] = torch.tensor([0.5, NAN, -1.0, 2.0], device=DEVICE)
+    out, lse = _run(t, causal=True)
+    assert bool(torch.isnan(lse[1]).all()) and bool(torch.isnan(out[:, 1]).all())
+    rest = [0, 2, 3]
+    assert not bool(torch.isnan(lse[rest]).any()) and not bool(torch.isnan(out[:, rest]).any())
+    t["sink"] = None
+    row = 250  # sequence 0, sees keys
+    t["q"][row, 2, 7] = NAN
+    out, lse = _run(t, causal=True)
+    assert bool(torch.isnan(lse[2, row])) and bool(torch.isnan(out[row, 2]).all())
+    keep = torch.ones(hq, sum(qlens), dtype=torch.bool, device=DEVICE)
+    keep[2, row] = False
+    assert not bool(torch.isnan(lse[keep]).any())
+    assert not bool(torch.isnan(out.transpose(0, 1)[keep]).any())
+
+
 def _assert_close_to(got, want):
     """Two kernels' results on the same inputs: same -inf pattern, close values."""
     (out, lse), (out_w, lse_w) = got, want
