@@ -20,6 +20,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -32,6 +34,42 @@ def indices(b, sq, hkv, topk, sk, device):
     """Distinct random key positions per (row, kv head), as a top-k selection gives."""
     scores = torch.rand(b, sq, hkv, sk, device=device)
     return scores.topk(topk, dim=-1).indices.to(torch.int32)
+
+
+@triton.jit
+def _gather_sum(k, v, idx, out, Sk, HKV: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Not attention: the gather ceiling. Program ``row * HKV + h`` reads exactly the K and V
+    rows its top-k list names (as the sparse forward must) and writes their column sums."""
+    pid = tl.program_id(0)
+    h = pid % HKV
+    cols = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    for j0 in range(0, TOPK, BLOCK):
+        i = tl.load(idx + pid.to(tl.int64) * TOPK + j0 + tl.arange(0, BLOCK))
+        ok = (i >= 0) & (i < Sk)
+        rows = (i.to(tl.int64) * HKV + h) * D
+        kk = tl.load(k + rows[:, None] + cols[None, :], mask=ok[:, None], other=0.0)
+        vv = tl.load(v + rows[:, None] + cols[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(kk.to(tl.float32) + vv.to(tl.float32), 0)
+    tl.store(out + pid.to(tl.int64) * D + cols, acc)
+
+
+def gather_ceiling_ms(k, v, idx, smoke):
+    """The best time of ``_gather_sum`` over a few tiles: moving the listed rows and nothing
+    else, the GQA shape's ceiling (each (row, kv head) reads topk K and V rows; no reuse
+    across rows), beside which the sparse forward is judged."""
+    b, s, hkv, topk = idx.shape
+    out = torch.empty(b * s * hkv, k.shape[-1], device=k.device, dtype=torch.float32)
+    best = float("inf")
+    for block, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+        if topk % block:
+            continue
+        run = lambda: _gather_sum[(b * s * hkv,)](k, v, idx, out, k.shape[1], HKV=hkv,
+                                                  TOPK=topk, D=k.shape[-1], BLOCK=block,
+                                                  num_warps=warps)
+        best = min(best, median_ms(run, smoke))
+    return best
 
 
 def main():
@@ -67,6 +105,13 @@ def main():
     print(f"GQA B={b} S={s} Hq/Hkv={hq}/{hkv} D={d} topk={topk}: forward {ms:.3f} ms, "
           f"{flops / ms / 1e9:.1f} TFLOP/s; dense kernel on the same FLOPs {ms_dense:.3f} ms, "
           f"{flops / ms_dense / 1e9:.1f} TFLOP/s; ratio {ms_dense / ms:.2f} (bar >= 0.6)")
+    if not smoke:
+        # The rows the forward must move: topk K and V rows a (row, kv head), no reuse.
+        gb = b * s * hkv * topk * 2 * d * k.element_size() / 1e9
+        ms_g = gather_ceiling_ms(k, v, idx, smoke)
+        print(f"GQA gather ceiling (reads the listed K/V rows, {gb:.1f} GB; not attention): "
+              f"{ms_g:.3f} ms, {gb / ms_g:.2f} TB/s; forward {gb / ms:.2f} TB/s, "
+              f"{ms_g / ms:.2f}x the ceiling (proposed bar >= 0.8)")
     if not args.backward:
         return
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -109,6 +109,33 @@ if [ "$1" = paged ]; then
     [ "$2" = varlen ] && timeout 120 python3 benchmarks/bench_varlen.py 2>&1 | tail -6
     exit 0
 fi
+if [ "$1" = s14 ]; then
+    # Session 14: the empty-block sink fix's GPU tests (both Hopper forwards, the kernels),
+    # bench_serving with the cp.async page rows, then issue 18's top-k producer A/B: the tree
+    # in .before_mla (carried; 4 producer warps of 24 registers) against this one (2 of 56),
+    # bench_mla --topk-only and bench_sparse (MLA prefill on the same kernel), alternating.
+    K=tests/kernels
+    timeout 200 python3 -m pytest -q $K/test_fwd_paged_sm90.py -k "sink_and_nan or cp_async" \
+        -p no:cacheprovider > "$OUT/test_paged.log" 2>&1 &
+    timeout 200 python3 -m pytest -q $K/test_nan_kernels.py -p no:cacheprovider \
+        > "$OUT/test_nan.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/test_*.log | head -20
+    timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -12
+    for pass in 1 2; do
+        for tree in variant shipped; do
+            root=$PWD; [ $tree = variant ] && root=$PWD/.before_mla
+            PYTHONPATH=$root timeout 100 python3 "$root/benchmarks/bench_mla.py" --gluon-only \
+                --topk-only --out "/tmp/mla_$tree" > "$OUT/mla_${tree}$pass.txt" 2>&1
+            echo "== mla $tree $pass"; tail -4 "$OUT/mla_${tree}$pass.txt" | cut -c1-110
+            PYTHONPATH=$root timeout 100 python3 "$root/benchmarks/bench_sparse.py" \
+                > "$OUT/sparse_${tree}$pass.txt" 2>&1
+            echo "== sparse $tree $pass"; cat "$OUT/sparse_${tree}$pass.txt" | cut -c1-200
+        done
+    done
+    exit 0
+fi
 if [ "$1" = suite ]; then
     mkdir -p "$OUT/suite"
     # (The cp.async page tests run in 'paged', in a process of their own until they have

@@ -157,6 +157,49 @@ def run_neg_inf_sink(device, dtype, path, num_splits=1, d=D):
     assert torch.equal(s.grad, torch.zeros_like(s.grad))
 
 
+def run_empty_blocks(device, dtype, sink_value, d=D, varlen=False):
+    """Whole row blocks that see no key (causal, 300 rows on 100 keys: rows 0-199 empty, so
+    the first 128-row block launches no key tile; with ``varlen`` a second sequence of 40
+    rows on 0 keys too). Head 1's sink is ``sink_value``: NaN or +inf makes every row of head
+    1 NaN (0 / (0 + e^sink)), empty or not; -inf is no sink. Head 0 (sink 0.5) and every
+    other row equal the float64 reference."""
+    g = torch.Generator().manual_seed(5)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)
+    q, k, v = mk(1, 340, HQ, d), mk(1, 100, 1, d), mk(1, 100, 1, d)
+    sink = torch.tensor([0.5, sink_value], device=device)
+    if varlen:
+        cu_q = torch.tensor([0, 300, 340], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 100, 100], dtype=torch.int32, device=device)
+        out, lse = fl.attention_varlen(q[0], k[0], v[0], cu_q, cu_k, 300, 100, causal=True,
+                                       sink=sink, return_lse=True)
+        out, lse = out[None], lse[None]
+    else:
+        q = q[:, :300]
+        out, lse = fl.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+    rows = out.shape[1]
+    want_out, want_lse = R.attention(q[:, :300].cpu(), k.cpu(), v.cpu(), causal=True,
+                                     sink=sink.cpu().masked_fill(sink.cpu().isnan(), 0),
+                                     return_lse=True)
+    if varlen:  # the 40 rows on no key: out 0, lse the sink
+        want_out = torch.cat([want_out, want_out.new_zeros(1, 40, HQ, d)], 1)
+        want_lse = torch.cat([want_lse, sink.cpu().double().view(1, HQ, 1).expand(1, HQ, 40)], 2)
+    bad = torch.zeros(HQ, rows, dtype=torch.bool)
+    if sink_value != float("-inf"):
+        bad[1] = True
+    else:
+        want = R.attention(q[:, :300].cpu(), k.cpu(), v.cpu(), causal=True, return_lse=True)
+        want_out[:, :300, 1], want_lse[:, 1, :300] = want[0][:, :, 1], want[1][:, 1]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _assert_bad_rows(out.cpu(), lse.cpu(), bad, want_out, want_lse, tol)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("sink_value", [NAN, float("inf"), float("-inf")],
+                         ids=["nan", "inf", "neginf"])
+def test_sink_reaches_rows_of_whole_empty_blocks(sink_value, varlen):
+    run_empty_blocks("cpu", torch.float32, sink_value, varlen=varlen)
+
+
 # Every path, (path, num_splits) with its test id.
 PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3),
          ("kvcache_paged", 1), ("kvcache_paged", 3), ("sparse", 1),

@@ -339,7 +339,8 @@ def final_stats(m_i, l_i, sink_nat, HAS_SINK: tl.constexpr):
     """A row's ``(o_scale, lse)`` from its base-2 online-softmax state (running max ``m_i``,
     sum ``l_i``) and, with HAS_SINK, its sink logit (natural log): out = acc * o_scale.
     ``l == 0`` exactly for a row with no visible key: out = 0 and lse = -inf, or the sink
-    itself (not its round trip through base 2); a NaN propagates; a -inf sink pivots on 0.
+    itself (not its round trip through base 2); a NaN propagates, and a +inf sink gives NaN
+    (``2^(inf - inf)``); a -inf sink pivots on 0.
     Neither branch of a ``where`` divides by, or takes the log of, the zero sum."""
     if HAS_SINK:
         sink2 = sink_nat * LOG2E
@@ -351,7 +352,9 @@ def final_stats(m_i, l_i, sink_nat, HAS_SINK: tl.constexpr):
         l_safe = tl.where(nonempty, l_f, 1.0)
         o_scale = tl.where(nonempty, w / l_safe, 0.0)
         lse = tl.where(nonempty, (piv + tl.log2(l_safe)) * LN2, float("-inf"))
-        lse = tl.where(l_i == 0.0, sink_nat, lse)
+        # An empty row's lse is the sink itself, unless the sink is +inf (l_f = 2^(inf - inf)
+        # is NaN: lse NaN, as the PyTorch path) or NaN.
+        lse = tl.where((l_i == 0.0) & (l_f == l_f), sink_nat, lse)
     else:
         nonempty = l_i != 0.0
         l_safe = tl.where(nonempty, l_i, 1.0)

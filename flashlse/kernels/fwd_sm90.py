@@ -481,16 +481,21 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
 @gluon.jit
 def _store_empty(p_o, p_lse, sink, i_h, stride_os, m0, T_q, dtype: gl.constexpr,
                  D: gl.constexpr, BLOCK_M: gl.constexpr, HAS_SINK: gl.constexpr):
-    """out = 0 and lse = -inf (or the sink) for rows ``[m0, m0 + BLOCK_M)`` below ``T_q``."""
+    """The empty state (``_final_stats`` of no key) for rows ``[m0, m0 + BLOCK_M)`` below
+    ``T_q``: out = 0 and lse = -inf, or the sink; a NaN or +inf sink makes out NaN, as on
+    every other path (0 / (0 + e^sink))."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    p_out = p_o + rows[:, None].to(gl.int64) * stride_os + cols[None, :]
-    gl.store(p_out, gl.zeros([BLOCK_M, D], dtype, layout=layout), mask=rows[:, None] < T_q)
-    lse = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+    sink_nat = 0.0
     if HAS_SINK:
-        lse = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, layout))
-        lse = lse + gl.load(sink + i_h).to(gl.float32)
+        sink_nat = gl.load(sink + i_h).to(gl.float32)
+    o_scale, lse = _final_stats(gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout),
+                                gl.zeros([BLOCK_M], gl.float32, row_layout), sink_nat, HAS_SINK)
+    out = gl.zeros([BLOCK_M, D], gl.float32, layout=layout) * o_scale[:, None]
+    p_out = p_o + rows[:, None].to(gl.int64) * stride_os + cols[None, :]
+    gl.store(p_out, out.to(dtype), mask=rows[:, None] < T_q)
     gl.store(p_lse + rows, lse, mask=rows < T_q)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_nan_propagation import IDS, PATHS, run_case, run_neg_inf_sink
+from test_nan_propagation import IDS, PATHS, run_case, run_empty_blocks, run_neg_inf_sink
 
 DTYPE = torch.float16 if torch.cuda.is_available() else torch.float32
 
@@ -31,3 +31,13 @@ def test_kernels_nan_d128_hopper(device, what):
 @pytest.mark.gpu
 def test_kernels_neg_inf_sink_d128_hopper(device):
     run_neg_inf_sink(device, DTYPE, "attention", d=128)
+
+
+@pytest.mark.parametrize("d", [16, pytest.param(128, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("sink_value", [float("nan"), float("inf"), float("-inf")],
+                         ids=["nan", "inf", "neginf"])
+def test_kernels_sink_reaches_rows_of_whole_empty_blocks(device, sink_value, varlen, d):
+    """A block of rows that sees no key is stored without a key tile (the Hopper kernel's
+    ``_store_empty``, fwd.py's early store): the sink's NaN still reaches it."""
+    run_empty_blocks(device, DTYPE, sink_value, d=d, varlen=varlen)
