@@ -65,9 +65,10 @@ def gather_ceiling_ms(k, v, idx, smoke):
     for block, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
         if topk % block:
             continue
-        run = lambda: _gather_sum[(b * s * hkv,)](k, v, idx, out, k.shape[1], HKV=hkv,
-                                                  TOPK=topk, D=k.shape[-1], BLOCK=block,
-                                                  num_warps=warps)
+        def run(block=block, warps=warps):
+            _gather_sum[(b * s * hkv,)](k, v, idx, out, k.shape[1], HKV=hkv, TOPK=topk,
+                                        D=k.shape[-1], BLOCK=block, num_warps=warps)
+
         best = min(best, median_ms(run, smoke))
     return best
 
