@@ -37,10 +37,12 @@ def indices(b, sq, hkv, topk, sk, device):
 
 
 @triton.jit
-def _gather_sum(k, v, idx, out, Sk, HKV: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """Not attention: the gather ceiling. Program ``row * HKV + h`` reads exactly the K and V
-    rows its top-k list names (as the sparse forward must) and writes their column sums."""
+def _listed_rows(k, v, idx, out, dk, dv, Sk, HKV: tl.constexpr, TOPK: tl.constexpr,
+                 D: tl.constexpr, BLOCK: tl.constexpr, SCATTER: tl.constexpr):
+    """Not attention: the data movement a sparse call cannot avoid. Program ``row * HKV + h``
+    reads exactly the K and V rows its top-k list names; it writes their column sums
+    (the forward's ceiling), or with SCATTER adds them as float32 into dK and dV at the same
+    rows (the backward's: relaxed atomics, as kernels/sparse.py's scatter)."""
     pid = tl.program_id(0)
     h = pid % HKV
     cols = tl.arange(0, D)
@@ -51,23 +53,34 @@ def _gather_sum(k, v, idx, out, Sk, HKV: tl.constexpr, TOPK: tl.constexpr, D: tl
         rows = (i.to(tl.int64) * HKV + h) * D
         kk = tl.load(k + rows[:, None] + cols[None, :], mask=ok[:, None], other=0.0)
         vv = tl.load(v + rows[:, None] + cols[None, :], mask=ok[:, None], other=0.0)
-        acc += tl.sum(kk.to(tl.float32) + vv.to(tl.float32), 0)
-    tl.store(out + pid.to(tl.int64) * D + cols, acc)
+        if SCATTER:
+            tl.atomic_add(dk + rows[:, None] + cols[None, :], kk.to(tl.float32),
+                          mask=ok[:, None], sem="relaxed")
+            tl.atomic_add(dv + rows[:, None] + cols[None, :], vv.to(tl.float32),
+                          mask=ok[:, None], sem="relaxed")
+        else:
+            acc += tl.sum(kk.to(tl.float32) + vv.to(tl.float32), 0)
+    if not SCATTER:
+        tl.store(out + pid.to(tl.int64) * D + cols, acc)
 
 
-def gather_ceiling_ms(k, v, idx, smoke):
-    """The best time of ``_gather_sum`` over a few tiles: moving the listed rows and nothing
-    else, the GQA shape's ceiling (each (row, kv head) reads topk K and V rows; no reuse
-    across rows), beside which the sparse forward is judged."""
+def ceiling_ms(k, v, idx, smoke, scatter=False):
+    """The best time of ``_listed_rows`` over a few tiles: moving the listed rows and nothing
+    else (each (row, kv head) reads topk K and V rows; no reuse across rows), the GQA shape's
+    ceiling beside which the sparse forward (``scatter=False``) or backward is judged."""
     b, s, hkv, topk = idx.shape
     out = torch.empty(b * s * hkv, k.shape[-1], device=k.device, dtype=torch.float32)
+    dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32) if scatter else out
+    dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32) if scatter else out
     best = float("inf")
     for block, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
         if topk % block:
             continue
+
         def run(block=block, warps=warps):
-            _gather_sum[(b * s * hkv,)](k, v, idx, out, k.shape[1], HKV=hkv, TOPK=topk,
-                                        D=k.shape[-1], BLOCK=block, num_warps=warps)
+            _listed_rows[(b * s * hkv,)](k, v, idx, out, dk, dv, k.shape[1], HKV=hkv, TOPK=topk,
+                                         D=k.shape[-1], BLOCK=block, SCATTER=scatter,
+                                         num_warps=warps)
 
         best = min(best, median_ms(run, smoke))
     return best
@@ -109,7 +122,7 @@ def main():
     if not smoke:
         # The rows the forward must move: topk K and V rows a (row, kv head), no reuse.
         gb = b * s * hkv * topk * 2 * d * k.element_size() / 1e9
-        ms_g = gather_ceiling_ms(k, v, idx, smoke)
+        ms_g = ceiling_ms(k, v, idx, smoke)
         print(f"GQA gather ceiling (reads the listed K/V rows, {gb:.1f} GB; not attention): "
               f"{ms_g:.3f} ms, {gb / ms_g:.2f} TB/s; forward {gb / ms:.2f} TB/s, "
               f"{ms_g / ms:.2f}x the ceiling (proposed bar >= 0.8)")
@@ -120,6 +133,11 @@ def main():
     dout = torch.randn_like(out)
     ms_b = median_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), smoke)
     print(f"GQA backward: {ms_b:.3f} ms, {2.5 * flops / ms_b / 1e9:.1f} TFLOP/s (bar >= 200)")
+    if not smoke:
+        ms_s = ceiling_ms(k, v, idx, smoke, scatter=True)
+        print(f"GQA backward ceiling (reads the listed K/V rows, adds float32 dK/dV rows; not "
+              f"attention): {ms_s:.3f} ms; backward {ms_s / ms_b:.2f}x the ceiling "
+              f"(proposed bar >= 0.5)")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ up to 150 rows now and then); contiguous or paged caches
 (page 1, 3, 16, shuffled pages) with k_new and 0-3 splits; sparse top-k lists
 with -1 entries and all -1 rows; merges of 1-6 states with empty ones and a sink. Forward
 and, where the function is differentiable, backward (a random dout and dlse, dlse 0 on empty
-rows). A configuration passes when, for out, lse and every gradient: the -inf pattern equals
-the reference's, there is no NaN and no +inf, and the error is at most ``2 * err(the
-reference computed in the inputs' dtype) + atol`` (docs/design.md §5; fp32: 1e-4 of the scale).
+rows). A configuration passes when, for out, lse and every gradient: the -inf, +inf and NaN
+patterns equal the reference's (which has no NaN or +inf on clean data), and the error is at
+most ``2 * err(the reference computed in the inputs' dtype) + atol`` (docs/design.md §5; fp32:
+1e-4 of the scale). One configuration in seven (not merges) carries bad data, forward only: a
+NaN in one element of q or of k (or of the cache: maybe a slot no row reads), or a sink of
+NaN, +inf or -inf; its NaN must reach exactly the reference's rows (docs/math.md section 7).
 
     python benchmarks/fuzz.py --n 10000                          # CPU path, float32
     python benchmarks/fuzz.py --n 2000 --device cuda --dtype bf16 # the kernels
@@ -54,14 +57,34 @@ class Config:
             self.window = (rng.choice([None, 0, 1, 3, 8]), rng.choice([None, 0, 2, 5]))
         self.softcap = rng.choice([0.0, 0.0, 0.0, 2.5])
         self.sink = rng.random() < 0.4
+        # Bad data, from a generator of its own (every seed's other draws stay as they were).
+        bad = random.Random(seed * 7919 + 1)
+        self.bad = None
+        if self.kind != "merge" and bad.random() < 1 / 7:
+            self.bad = bad.choice(["q", "k", "sink_nan", "sink_inf", "sink_neginf"])
+            self.sink = self.sink or self.bad.startswith("sink")
 
     def __repr__(self):
-        keys = ("kind", "hq", "hkv", "d", "dv", "causal", "window", "softcap", "sink")
+        keys = ("kind", "hq", "hkv", "d", "dv", "causal", "window", "softcap", "sink", "bad")
         return f"seed={self.seed} " + " ".join(f"{k}={getattr(self, k)}" for k in keys)
 
 
 def _randn(g, *shape, device, dtype, scale=1.0):
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device, dtype)
+
+
+def _poison(cfg, q, k, sink, g):
+    """``cfg.bad`` applied in place: NaN in one random element of ``q`` or ``k``, or head
+    h's sink NaN / +inf / -inf."""
+    if cfg.bad in ("q", "k"):
+        t = q if cfg.bad == "q" else k
+        if t.numel():
+            i = int(torch.randint(t.numel(), (1,), generator=g))
+            t.view(-1)[i] = float("nan")
+    elif cfg.bad is not None and sink is not None and sink.numel():
+        h = int(torch.randint(sink.numel(), (1,), generator=g))
+        sink[h] = {"sink_nan": float("nan"), "sink_inf": float("inf"),
+                   "sink_neginf": float("-inf")}[cfg.bad]
 
 
 def _close(name, ours, ref, base, dtype, scale=None):
@@ -72,12 +95,10 @@ def _close(name, ours, ref, base, dtype, scale=None):
     ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
     if ours.shape != ref.shape:
         return f"{name}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
-    if torch.isnan(ours).any():
-        return f"{name}: NaN"
-    if torch.isposinf(ours).any():
-        return f"{name}: +inf"
-    if not torch.equal(torch.isneginf(ours), torch.isneginf(ref)):
-        return f"{name}: -inf pattern differs"
+    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        if not torch.equal(test(ours), test(ref)):
+            return f"{name}: {what} pattern differs ({int(test(ours).sum())} against the " \
+                   f"reference's {int(test(ref).sum())})"
     fin = torch.isfinite(ref)
     if not fin.any():
         return None
@@ -156,8 +177,9 @@ def run_attention(cfg, device, dtype):
                 v=mk(b, sk, cfg.hkv, cfg.dv))
     if cfg.sink:
         diff["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
+    _poison(cfg, diff["q"], diff["k"], diff.get("sink"), g)
     const = dict(causal=cfg.causal, window=cfg.window, softcap=cfg.softcap, return_lse=True)
-    return _compare(fl.attention, R.attention, diff, const, dtype, grad=True)
+    return _compare(fl.attention, R.attention, diff, const, dtype, grad=cfg.bad is None)
 
 
 def run_varlen(cfg, device, dtype):
@@ -178,7 +200,9 @@ def run_varlen(cfg, device, dtype):
     if r.random() < 0.4:
         const["seqused_k"] = torch.tensor([r.randint(0, x) for x in lk], dtype=torch.int32,
                                           device=device)
-    return _compare(fl.attention_varlen, R.attention_varlen, diff, const, dtype, grad=True)
+    _poison(cfg, diff["q"], diff["k"], diff.get("sink"), g)
+    return _compare(fl.attention_varlen, R.attention_varlen, diff, const, dtype,
+                    grad=cfg.bad is None)
 
 
 def _paged(k_cache, v_cache, page, g):
@@ -216,6 +240,7 @@ def run_kvcache(cfg, device, dtype):
             t["k_cache"], t["v_cache"], r.choice([1, 3, 16]), g)
     if cfg.sink:
         t["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
+    _poison(cfg, t["q"], t["k_cache"], t.get("sink"), g)
     kw = dict(causal=cfg.causal, window=cfg.window, softcap=cfg.softcap,
               num_splits=r.choice([0, 1, 3]), return_lse=True)
     copy = lambda d, cast=None: {k: (v.clone().to(cast) if cast and v.is_floating_point()
@@ -253,8 +278,10 @@ def run_sparse(cfg, device, dtype):
                 v=mk(b, sk, cfg.hkv, cfg.dv))
     if cfg.sink:
         diff["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
+    _poison(cfg, diff["q"], diff["k"], diff.get("sink"), g)
     const = dict(indices=idx.to(torch.int32).to(device), return_lse=True)
-    return _compare(fl.sparse_attention, R.sparse_attention, diff, const, dtype, grad=True)
+    return _compare(fl.sparse_attention, R.sparse_attention, diff, const, dtype,
+                    grad=cfg.bad is None)
 
 
 def run_merge(cfg, device, dtype):
@@ -294,6 +321,7 @@ def run_varlen_paged(cfg, device, dtype):
     kw = dict(seqused_k=torch.tensor(lk, dtype=torch.int32, device=device), block_table=table,
               causal=cfg.causal, window=cfg.window, softcap=cfg.softcap, return_lse=True)
     sink = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0) if cfg.sink else None
+    _poison(cfg, q, k_cache, sink, g)
     with torch.no_grad():
         out, lse = fl.attention_varlen(q, k_cache, v_cache, cu_q, None, max(lq), max(lk),
                                        sink=sink, **kw)

@@ -101,7 +101,10 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     if ok is not None:
         s = s.masked_fill(~ok, float("-inf"))
     p, lse = softmax_weights(s, None if sink is None else sink.to(_F64).view(1, hq, 1))
-    out = p.matmul(vh).transpose(1, 2)
+    out = p.matmul(vh)
+    # Over zero keys the product is an empty sum, but out = sum / e^L still: a NaN L (a NaN
+    # or +inf sink) makes out NaN there too, as on every other row of the head.
+    out = torch.where(torch.isnan(lse).unsqueeze(-1), float("nan"), out).transpose(1, 2)
     return (out, lse) if return_lse else out
 
 

@@ -226,3 +226,18 @@ def test_reference_treats_nan_as_data_not_empty():
     k[0, 5, 0, 0] = NAN
     out, lse = R.attention(q, k, v, causal=True, return_lse=True)
     assert torch.isnan(lse[0, :, 3:]).all() and not torch.isnan(lse[0, :, :3]).any()
+
+
+@pytest.mark.parametrize("sink_value", [NAN, float("inf")], ids=["nan", "inf"])
+def test_reference_sink_nan_over_zero_keys(sink_value):
+    """Zero keys: out is an empty sum divided by e^L, so a NaN L (NaN or +inf sink) makes it
+    NaN, in the reference as on the paths (the matmul alone would give 0)."""
+    q, k, v = _inputs("cpu", torch.float64)
+    sink = torch.tensor([0.5, sink_value], dtype=torch.float64)
+    out, lse = R.attention(q, k[:, :0], v[:, :0], sink=sink, return_lse=True)
+    assert torch.isnan(out[:, :, 1]).all() and torch.isnan(lse[:, 1]).all()
+    assert (out[:, :, 0] == 0).all() and (lse[:, 0] == 0.5).all()
+    ours = fl.attention(q.float(), k[:, :0].float(), v[:, :0].float(), sink=sink.float(),
+                        return_lse=True)
+    assert torch.equal(torch.isnan(ours[0]), torch.isnan(out))
+    assert torch.equal(torch.isnan(ours[1]), torch.isnan(lse))
