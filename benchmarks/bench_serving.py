@@ -5,7 +5,7 @@ B=4 sequences, Sq=512 new query rows against an 8k-token cache, Hq/Hkv=32/8, D=1
 (bottom-right: row i sees cache keys up to 8k - 512 + i), bf16. FLOPs counted as the dense
 causal call's (``4 B H Sq Sk D`` minus the masked half of the last 512 x 512 block).
 
-    python benchmarks/bench_serving.py [--smoke] [--no-gather]
+    python benchmarks/bench_serving.py [--smoke]
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from _common import median_ms  # noqa: E402
 import flashlse as fl  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv
-# The Hopper paged kernel's cp.async rows (sm90_fwd_paged_gather) left out.
-GATHER = "--no-gather" not in sys.argv
 
 
 def paged(cache, page, perm=None):
@@ -62,15 +60,9 @@ def main():
         err = float((call().float() - ref.float()).abs().max())
         rows.append((f"attention_with_kvcache paged {page} (max diff {err:.1e})",
                      median_ms(call, SMOKE)))
-        # The same call without the Hopper paged kernel (its pages gathered for the dense one),
-        # and for pages below 32 rows with its cp.async copies (not yet the default).
+        # The same call without the Hopper paged kernel (its pages gathered for the dense one).
         with fl.kernel_options(sm90_fwd_paged=False):
             rows.append((f"  paged {page}, sm90_fwd_paged=False", median_ms(call, SMOKE)))
-        if page < 32 and GATHER:
-            with fl.kernel_options(sm90_fwd_paged_gather=True):
-                err = float((call().float() - ref.float()).abs().max())
-                rows.append((f"  paged {page}, sm90_fwd_paged_gather (max diff {err:.1e})",
-                             median_ms(call, SMOKE)))
     name = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
     print(f"\nserving prefill: {name} torch {torch.__version__}; B={b} Sq={sq} Skv={sk} "
           f"Hq/Hkv={hq}/{hkv} D={d} causal")
@@ -120,18 +112,9 @@ def mixed_step(dev, dt):
         t_one, t_pre, t_dec = (median_ms(f, SMOKE) for f in (one, pre, dec))
         with fl.kernel_options(sm90_fwd_paged=False):
             t_old = median_ms(one, SMOKE)
-        t_gather = err_g = float("nan")
-        if GATHER:
-            with fl.kernel_options(sm90_fwd_paged_gather=True):
-                o_g = one()
-                err_g = max(
-                    float((o_g[:n_pre * new].float() - o_pre.flatten(0, 1).float()).abs().max()),
-                    float((o_g[n_pre * new:].float() - o_dec.flatten(0, 1).float()).abs().max()))
-                t_gather = median_ms(one, SMOKE)
     print(f"mixed step ({n_pre} prefills {new} on {cached} + {n_dec} decodes at {ctx}, page "
           f"{page}): one attention_varlen {t_one:.3f} ms (max diff {err:.1e}; "
-          f"sm90_fwd_paged=False {t_old:.3f}; sm90_fwd_paged_gather {t_gather:.3f}, max diff "
-          f"{err_g:.1e}); separate: dense prefill {t_pre:.3f} "
+          f"sm90_fwd_paged=False {t_old:.3f}); separate: dense prefill {t_pre:.3f} "
           f"+ decode {t_dec:.3f} = {t_pre + t_dec:.3f} ms; ratio {t_one / (t_pre + t_dec):.2f} "
           f"(issue 16: <= 1.15)")
 

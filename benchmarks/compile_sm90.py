@@ -166,9 +166,7 @@ def cases():
                       seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,
                       stride_k=("i32",) * 3, stride_v=("i32",) * 3, stride_o=("i32",) * 2)
     for label, page, window in (("page 32 causal", 32, False), ("page 64 window", 64, True),
-                                ("page 256 causal", 256, False),
-                                ("page 16 causal (rows by cp.async)", 16, False),
-                                ("page 8 window (rows by cp.async)", 8, True)):
+                                ("page 256 causal", 256, False)):
         consts = dict(GROUP=4, D=128, PAGE_SIZE=page, BLOCK_B=256, BLOCK_N=128, STAGES=2,
                       HAS_LEFT=window,
                       HAS_RIGHT=True, HAS_SINK=True, PINGPONG=False, OVERLAP=True,

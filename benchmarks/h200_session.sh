@@ -82,12 +82,8 @@ if [ "$1" = paged ]; then
     # bench_serving (chunked prefill, mixed step) and the forward's host time.
     K=tests/kernels
     mkdir -p "$OUT/tests"
-    timeout 300 python3 -m pytest -q $K/test_fwd_paged_sm90.py -k "not cp_async" \
-        -p no:cacheprovider > "$OUT/tests/paged.log" 2>&1 &
-    # The cp.async page path (sm90_fwd_paged_gather, first GPU run in session 14): a process
-    # of its own with a short limit, so that a barrier that never completes costs 2 minutes.
-    timeout 120 python3 -m pytest -q -x $K/test_fwd_paged_sm90.py -k cp_async \
-        -p no:cacheprovider > "$OUT/tests/gather.log" 2>&1 &
+    timeout 300 python3 -m pytest -q $K/test_fwd_paged_sm90.py -p no:cacheprovider \
+        > "$OUT/tests/paged.log" 2>&1 &
     timeout 300 python3 -m pytest -q $K/test_fwd.py -k "sm90 or gpu" -p no:cacheprovider \
         > "$OUT/tests/fwd.log" 2>&1 &
     for i in 0 1; do
@@ -98,12 +94,8 @@ if [ "$1" = paged ]; then
     wait
     for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
     grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
-    # bench_serving's cp.async rows only once their tests passed.
-    G=--no-gather
-    tail -1 "$OUT/tests/gather.log" | grep -q "passed" && \
-        ! tail -1 "$OUT/tests/gather.log" | grep -q "failed" && G=
     (cd "$OUT" && tar czf tests.tgz tests && rm -rf tests)
-    timeout 120 python3 benchmarks/bench_serving.py $G 2>&1 | tail -12
+    timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -12
     timeout 90 python3 benchmarks/bench_overhead.py --functions fwd,varlen --out "$OUT" 2>&1 \
         | tail -6
     [ "$2" = varlen ] && timeout 120 python3 benchmarks/bench_varlen.py 2>&1 | tail -6
@@ -111,11 +103,11 @@ if [ "$1" = paged ]; then
 fi
 if [ "$1" = s14 ]; then
     # Session 14: the empty-block sink fix's GPU tests (both Hopper forwards, the kernels),
-    # bench_serving with the cp.async page rows, then issue 18's top-k producer A/B: the tree
-    # in .before_mla (carried; 4 producer warps of 24 registers) against this one (2 of 56),
-    # bench_mla --topk-only and bench_sparse (MLA prefill on the same kernel), alternating.
+    # bench_serving, then issue 18's top-k producer A/B: the tree in .before_mla (carried;
+    # 4 producer warps of 24 registers) against this one (2 of 56), bench_mla --topk-only and
+    # bench_sparse (MLA prefill on the same kernel), alternating.
     K=tests/kernels
-    timeout 200 python3 -m pytest -q $K/test_fwd_paged_sm90.py -k "sink_and_nan or cp_async" \
+    timeout 200 python3 -m pytest -q $K/test_fwd_paged_sm90.py -k sink_and_nan \
         -p no:cacheprovider > "$OUT/test_paged.log" 2>&1 &
     timeout 200 python3 -m pytest -q $K/test_nan_kernels.py -p no:cacheprovider \
         > "$OUT/test_nan.log" 2>&1 &
@@ -138,11 +130,9 @@ if [ "$1" = s14 ]; then
 fi
 if [ "$1" = suite ]; then
     mkdir -p "$OUT/suite"
-    # (The cp.async page tests run in 'paged', in a process of their own until they have
-    # passed on a GPU once: a barrier that never completes would cost a shard its 9 minutes.)
     for i in 0 1 2 3 4 5; do
-        FLASHLSE_TEST_SHARD=$i/6 timeout 540 python3 -m pytest -q tests -k "not cp_async" \
-            -p no:cacheprovider > "$OUT/suite/shard$i.log" 2>&1 &
+        FLASHLSE_TEST_SHARD=$i/6 timeout 540 python3 -m pytest -q tests -p no:cacheprovider \
+            > "$OUT/suite/shard$i.log" 2>&1 &
     done
     wait
     for f in "$OUT"/suite/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done

@@ -88,15 +88,16 @@ def test_only_decodes_never_ask_the_gluon_kernel(log):
         ("portable", 0, 16)]
 
 
-@pytest.mark.parametrize("how", ["option_off", "page16"])
+@pytest.mark.parametrize("how", ["option_off", "page8", "page16"])
 def test_without_the_gluon_kernel_the_portable_one_takes_every_sequence(log, how):
-    """The option off, or a page size outside the Gluon kernel's domain (16 rows: slower than
-    the other paths, fwd_sm90.PAGE_SIZES): the portable kernel's two launches, as before."""
+    """The option off, or a page size outside the Gluon kernel's domain (8 and 16 rows: slower
+    than the other paths, fwd_sm90.PAGE_SIZES): the portable kernel's two launches, as
+    before."""
     if how == "option_off":
         with kernel_options(sm90_fwd_paged=False):
             _call([300, 1, 20])
     else:
-        _call([300, 1, 20], page=16)
+        _call([300, 1, 20], page=int(how.removeprefix("page")))
     assert [(x.kernel, x.named["rows_lo"], x.named["rows_hi"]) for x in log] == [
         ("portable", 16, 1200), ("portable", 0, 16)]
 
@@ -128,28 +129,6 @@ def test_paged_domain_page_sizes(monkeypatch, page, ok):
     # the cache's rows addresses them.
     gapped = torch.zeros(3, page + 8, 2, 128, dtype=torch.bfloat16)[:, :page]
     assert not fwd_sm90.paged_supported(q, gapped, gapped, softcap=0.0, scale=0.1)
-
-
-@pytest.mark.parametrize("page", [8, 16])
-def test_small_pages_join_the_domain_with_the_gather_option(monkeypatch, page):
-    """Pages of 8 and 16 rows run the Gluon kernel's cp.async copies only when asked
-    (``sm90_fwd_paged_gather``, not yet measured on a GPU), and the plan follows it."""
-    monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
-    q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
-    cache = torch.zeros(3, page, 2, 128, dtype=torch.bfloat16)
-    assert not fwd_sm90.paged_supported(q, cache, cache, softcap=0.0, scale=0.1)
-    with kernel_options(sm90_fwd_paged_gather=True):
-        assert fwd_sm90.paged_supported(q, cache, cache, softcap=0.0, scale=0.1)
-
-
-def test_gather_option_launches_the_gluon_kernel_at_page_16(log):
-    _call([300, 1, 20], page=16)
-    assert [x.kernel for x in log] == ["portable", "portable"]
-    log.clear()
-    with kernel_options(sm90_fwd_paged_gather=True):
-        _call([300, 1, 20], page=16)
-    assert [x.kernel for x in log] == ["gluon", "portable"]
-    assert log[0].named["PAGE_SIZE"] == 16
 
 
 def test_paged_in_place_follows_the_domain_and_option(monkeypatch):

@@ -505,7 +505,7 @@ def _dq_sm90_kernel(
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
     k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
-                                                                kv_layout, 1)
+                                                                kv_layout)
 
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_desc, q_bar, k_full, k_empty,

@@ -47,7 +47,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -84,18 +83,6 @@ _final_stats = gluon.jit(final_stats.fn)
 _paged_keys = gluon.jit(paged_keys.fn)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
-# Pages below this many rows are gathered row by row by cp.async (_gather_tile), by a
-# producer warpgroup of GATHER_REGS registers, GATHER_ROWS rows a pass: a TMA box a page made
-# the copies the limit at 16-row pages (benchmarks/NOTES.md, session 13). Registers go to
-# partitions by warpgroup (the CTA is 12 warps either way, 168 registers each at launch):
-# the default consumer warpgroup gets what the two others leave, 264 - GATHER_REGS, so more
-# than 24 producer registers cost the consumers (at 56 they got 208 and spilled 138 stores;
-# at 24 they spill none and the producer 43, the fewest of 8-32 rows a pass). Not yet run on
-# a GPU: KernelOptions.sm90_fwd_paged_gather turns it on (paged_supported).
-GATHER_BELOW = gl.constexpr(32)
-GATHER_WARPS = gl.constexpr(4)
-GATHER_REGS = gl.constexpr(24)
-GATHER_ROWS = gl.constexpr(8)
 
 
 @gluon.jit
@@ -153,17 +140,12 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 def _load_tile(desc, full, ring, s, n0, paged_args, TAIL: gl.constexpr,
                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key tile ``[n0, n0 + BLOCK_N)`` of K or V into buffer ``s`` of ``ring``, arriving on
-    its ``full`` barrier: one TMA copy of the rows (PAGE_SIZE 0); page by page by TMA
+    its ``full`` barrier: one TMA copy of the rows (PAGE_SIZE 0), or page by page by TMA
     (``_paged_copy``: ``paged_args`` holds the tail descriptors of K and V, ``TAIL`` picking
-    this one's, the block-table row, the length and the last page's first key); or, for pages
-    below GATHER_BELOW rows, row by row by cp.async (``_gather_tile``: ``paged_args`` holds
-    the kv head's K and V cache, their row strides, the block-table row and the length)."""
+    this one's, the block-table row, the length and the last page's first key)."""
     if PAGE_SIZE == 0:
         mbarrier.expect(full.index(s), desc.block_type.nbytes)
         tma.async_copy_global_to_shared(desc, [n0, 0], full.index(s), ring.index(s))
-    elif PAGE_SIZE < GATHER_BELOW:
-        _gather_tile(ring.index(s), full.index(s), paged_args[TAIL], paged_args[2 + TAIL],
-                     paged_args[4], n0, paged_args[5], PAGE_SIZE, BLOCK_N)
     else:
         p_bt, T_k, last_start = paged_args[2], paged_args[3], paged_args[4]
         _paged_copy(desc, paged_args[TAIL], full.index(s), ring.index(s), p_bt, n0, T_k,
@@ -171,36 +153,11 @@ def _load_tile(desc, full, ring, s, n0, paged_args, TAIL: gl.constexpr,
 
 
 @gluon.jit
-def _gather_tile(dst, full, p_kv, stride_s, p_bt, n0, T_k, PAGE_SIZE: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
-    """Key tile ``[n0, n0 + BLOCK_N)`` of a paged cache (``p_kv``: the kv head's rows, row
-    stride ``stride_s``) into the swizzled buffer ``dst``, 16 bytes a thread a copy
-    (cp.async), GATHER_ROWS rows a pass; each producer thread then arrives on ``full`` when
-    its copies have landed. Rows from ``T_k`` on (past the length: cache memory, NaN possible) are
-    zero-filled and their table entries not read, so a masked key has P = 0 and V = 0."""
-    ROWS: gl.constexpr = GATHER_ROWS
-    D: gl.constexpr = dst.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [gl.num_warps(), 1],
-                                            [1, 0])
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    for c in gl.static_range(BLOCK_N // ROWS):
-        keys = n0 + c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        ok = keys < T_k
-        page = gl.load(p_bt + keys // PAGE_SIZE, mask=ok, other=0)
-        row = page.to(gl.int64) * PAGE_SIZE + keys % PAGE_SIZE
-        async_copy.async_copy_global_to_shared(dst.slice(c * ROWS, ROWS, 0),
-                                               p_kv + row[:, None] * stride_s + cols[None, :],
-                                               mask=ok[:, None])
-    async_copy.mbarrier_arrive(full, increment_count=False)
-
-
-@gluon.jit
 def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, kv_layout: gl.constexpr, FULL_COUNT: gl.constexpr):
+             STAGES: gl.constexpr, kv_layout: gl.constexpr):
     """The ring ``_producer`` loads K and V tiles into (the forward's and the backward dQ's):
     STAGES buffers of each, a *full* barrier a buffer (the producer's expect, completed by
-    the TMA bytes: FULL_COUNT 1; or one arrival from each of FULL_COUNT producer threads,
-    ``_gather_tile``) and an *empty* one (two arrivals: one from each consumer warpgroup).
+    the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup).
     ``kv_layout`` is the caller's, that of its K/V descriptors: TMA copies need the same."""
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
@@ -210,8 +167,8 @@ def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=FULL_COUNT)
-        mbarrier.init(v_full.index(i), count=FULL_COUNT)
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
     return k_smem, v_smem, k_full, k_empty, v_full, v_empty
@@ -425,12 +382,6 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
         v_desc = tma.make_tensor_descriptor(p_v, [T_k_desc, D], [stride_vs, 1], [BLOCK_N, D],
                                             kv_layout)
         producer_args = ()
-    elif PAGE_SIZE < GATHER_BELOW:
-        p_bt, num_pages, stride_kp, stride_ks, stride_vp, stride_vs = kv_args
-        # Rows copied by the producer's threads (_gather_tile); the descriptors are unused.
-        k_desc = q_desc
-        v_desc = q_desc
-        producer_args = (p_k, p_v, stride_ks, stride_vs, p_bt, T_k)
     else:
         p_bt, num_pages, stride_kp, stride_ks, stride_vp, stride_vs = kv_args
         BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
@@ -455,11 +406,8 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
-    GATHER: gl.constexpr = (PAGE_SIZE > 0) and (PAGE_SIZE < GATHER_BELOW)
-    PRODUCER_WARPS: gl.constexpr = GATHER_WARPS if GATHER else 1
-    PRODUCER_REGS: gl.constexpr = GATHER_REGS if GATHER else 24
-    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(
-        dtype, D, BLOCK_N, STAGES, kv_layout, 32 * PRODUCER_WARPS if GATHER else 1)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
+                                                                kv_layout)
     # Warpgroup 0 issues first.
     mbarrier.arrive(turn.index(0))
 
@@ -475,7 +423,7 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
         (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
                      q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
                      BLOCK_N, STAGES, False, PAGE_SIZE)),
-    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
@@ -757,29 +705,27 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
 # tile. Pages of 8 and 16 rows compile and pass the tests, but at 16 boxes of 2 KB a K tile
 # the copies are the limit: B=4 Sq=512 on 8k, page 16, ran at 0.71-0.75x the dense kernel,
 # below the pages gathered for it (0.84x); pages of 32 at 0.85-0.89x, 64 at 0.90-0.96x,
-# 256 at 0.92-1.04x (benchmarks/RESULTS.md, session 13). Pages of 8 and 16 rows take the
-# cp.async copies instead (GATHER_PAGE_SIZES, _gather_tile) when KernelOptions asks for them.
+# 256 at 0.92-1.04x (benchmarks/RESULTS.md, session 13). Their rows copied by cp.async
+# instead (a producer warpgroup) ran at 0.38x (session 14) and were removed: pages of 8 and
+# 16 rows run fwd.py's paged kernel.
 PAGE_SIZES = (32, 64)
-GATHER_PAGE_SIZES = (8, 16)
 MAX_PAGED_BATCH = 4096
 
 
 def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
     """The paged kernel's domain: :func:`supported`'s (D = Dv = 128 on sm_90, fp16/bf16, no
-    softcap, TMA-aligned), pages of 32 or 64 rows or a multiple of BLOCK_N (and of 8 or 16
-    rows, copied by cp.async, with ``KernelOptions.sm90_fwd_paged_gather``), each page's rows
-    contiguous in the cache (``stride(0) == page_size * stride(1)``), and cache rows
-    addressable in int32. Other page sizes (1, 3, 48, ...; 8 and 16 without that option) run
-    fwd.py's paged kernel
-    (``attention_with_kvcache`` gathers the pages of long chunks for the dense kernel)."""
+    softcap, TMA-aligned), pages of 32 or 64 rows or a multiple of BLOCK_N, copied by TMA,
+    each page's rows contiguous in the cache (``stride(0) == page_size * stride(1)``), and
+    cache rows addressable in int32. Other page sizes (1, 3, 8, 16, 48, ...) run fwd.py's
+    paged kernel (``attention_with_kvcache`` gathers the pages of long chunks for the dense
+    kernel)."""
     num_pages, page = k_cache.shape[:2]
     block_n = configs.FWD_SM90.get(q.shape[-1], configs.FWD_SM90[128]).block_n
     # _long_block reads every sequence's lengths in one vector: up to 4096 sequences it
     # compiles without a spill (16384: 1216 bytes of stack).
     if batch > MAX_PAGED_BATCH:
         return False
-    gathered = page in GATHER_PAGE_SIZES and options.current().sm90_fwd_paged_gather
-    if page not in PAGE_SIZES and not gathered and (page == 0 or page % block_n):
+    if page not in PAGE_SIZES and (page == 0 or page % block_n):
         return False
     if num_pages * page >= 2**31:
         return False
@@ -802,7 +748,7 @@ def paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_
                out.stride(), lse.stride(),
                (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0,
                cu_seqlens_q.shape, max_seqlen_q, max_seqlen_k, sink is None, left, right,
-               softcap, scale, rows_lo, options.current().sm90_fwd_paged_gather)
+               softcap, scale, rows_lo)
         found = _PLANS.get(key, _MISSING)
         if found is not _MISSING:
             return found

@@ -31,9 +31,6 @@ class KernelOptions:
         sm90_fwd_paged: its paged variant (``fwd_sm90.paged_supported``) for the long
             sequences of a paged forward (``attention_varlen`` with a block table, paged
             prefill of ``attention_with_kvcache``).
-        sm90_fwd_paged_gather: let that kernel take pages of 8 and 16 rows too, their rows
-            copied by cp.async (a producer warpgroup) instead of a TMA box a page. Off: not
-            yet run on a GPU (benchmarks/NOTES.md, session 13).
         sm90_dkdv / sm90_dq: the Hopper Gluon backward kernels inside their domains.
         sm90_mla_decode: the Hopper Gluon MLA decode (``decode_mla_sm90.py``) inside its
             domain (576 / 512 latent caches on one head).
@@ -55,7 +52,6 @@ class KernelOptions:
 
     sm90_fwd: bool = True
     sm90_fwd_paged: bool = True
-    sm90_fwd_paged_gather: bool = False
     sm90_dkdv: bool = True
     sm90_dq: bool = True
     sm90_mla_decode: bool = True

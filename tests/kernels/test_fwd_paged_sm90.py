@@ -73,13 +73,11 @@ def gluon_paged(monkeypatch):
 
 
 def _assert_gluon_ran(seen, page):
-    """The Gluon kernel ran for its page sizes (32, 64, multiples of 128, and 8 or 16 with
-    ``KernelOptions.sm90_fwd_paged_gather``); other pages (by TMA boxes slower than the
-    other paths) ran no Gluon launch."""
-    from flashlse.kernels import fwd_sm90, options
+    """The Gluon kernel ran for its page sizes (32, 64, multiples of 128); pages of 8 and 16
+    rows (outside ``paged_supported``: slower than the other paths) ran no Gluon launch."""
+    from flashlse.kernels import fwd_sm90
 
-    gathered = page in fwd_sm90.GATHER_PAGE_SIZES and options.current().sm90_fwd_paged_gather
-    if page in fwd_sm90.PAGE_SIZES or page % 128 == 0 or gathered:
+    if page in fwd_sm90.PAGE_SIZES or page % 128 == 0:
         assert seen.planned, "fwd_sm90.paged_plan gave no plan with a launch"
         assert seen.launched, "the Gluon paged plan was not launched"
     else:
@@ -230,23 +228,6 @@ def test_fwd_paged_sm90_matches_reference(gluon_paged, dtype, qlens, klens, hq, 
     _check_case(got, t, qlens, klens, kw)
 
 
-GATHERED = [c for c in CASES if c.values[4] in (8, 16)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("qlens, klens, hq, hkv, page, kw", GATHERED)
-def test_fwd_paged_sm90_cp_async_pages(gluon_paged, kernel_opts, dtype, qlens, klens, hq, hkv,
-                                       page, kw):
-    """Pages of 8 and 16 rows on the Gluon kernel, their rows copied by cp.async
-    (``KernelOptions.sm90_fwd_paged_gather``): the cases above at those pages."""
-    kernel_opts(sm90_fwd_paged_gather=True)
-    kw = dict(kw)
-    t = _paged_batch(dtype, qlens, klens, page, hq, hkv, sink=kw.pop("sink", False), seed=1)
-    got = _run(t, **kw)
-    _assert_gluon_ran(gluon_paged, page)
-    _check_case(got, t, qlens, klens, kw)
-
-
 # (B, Sq, Hq, Hkv, Smax, cache_seqlens, Snew, page size, keywords); Sq > 16: the prefill path.
 KVCACHE_CASES = [
     pytest.param(2, 40, 8, 2, 700, [600, 3], 40, 64, dict(causal=True), id="chunk40_page64"),
@@ -277,13 +258,10 @@ def test_fwd_paged_sm90_kvcache_prefill(gluon_paged, dtype, b, sq, hq, hkv, smax
     pytest.param(128, 3, "negative", id="page128_negative"),
     pytest.param(64, 0, "past_end", id="page64_first_page_no_keys"),
 ])
-@pytest.mark.parametrize("gather", [False, True], ids=["tma", "cp_async"])
-def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, kernel_opts, page, col, bad, gather):
+def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, page, col, bad):
     """With the value checks off, a block-table entry outside [0, num_pages) among the pages
     in use ends that sequence's keys before that page (masks bottom-right aligned to the
-    shorter length); the other sequences, a decode among them, are exact. ``gather``: 16-row
-    pages on the Gluon kernel's cp.async copies (the other pages are unchanged by it)."""
-    kernel_opts(sm90_fwd_paged_gather=gather)
+    shorter length); the other sequences, a decode among them, are exact."""
     qlens, klens = [150, 1, 60], [900, 333, 500]
     t = _paged_batch(torch.bfloat16, qlens, klens, page, 8, 2, seed=2)
     num_pages = t["k_cache"].shape[0]
@@ -321,14 +299,12 @@ def test_fwd_paged_sm90_nan_key_reaches_exactly_the_rows_that_see_it(gluon_paged
     torch.testing.assert_close(lse[good], clean_lse[good], atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("page, gather", [pytest.param(64, False, id="page64"),
-                                          pytest.param(16, True, id="page16_cp_async")])
-def test_fwd_paged_sm90_sink_and_nan_query_edges(gluon_paged, kernel_opts, page, gather):
+@pytest.mark.parametrize("page", [32, 64], ids=lambda p: f"page{p}")
+def test_fwd_paged_sm90_sink_and_nan_query_edges(gluon_paged, page):
     """The contract's edges on the Gluon paged path (math.md section 7): a ``-inf`` sink is
     no sink (out and lse equal to the no-sink call, empty rows 0 / -inf); a NaN sink makes
     every row of its head NaN, empty rows included; a NaN in one query row makes that row's
     out and lse NaN for its head and leaves every other row clean."""
-    kernel_opts(sm90_fwd_paged_gather=gather)
     qlens, klens, hq, hkv = [300, 1, 40], [200, 9, 0], 4, 2  # causal: rows 0-99 of seq 0 empty
     t = _paged_batch(torch.bfloat16, qlens, klens, page, hq, hkv, seed=6)
     none = _run(t, causal=True)
