@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/mc" "$OUT/fuzz"
 SECS=${SECS:-480}; FUZZ=${FUZZ:-8}; SHARDS=${SHARDS:-8}; SEED0=${SEED0:-60000}
 for i in $(seq 0 $((FUZZ - 1))); do
-    timeout $((SECS + 30)) python3 benchmarks/fuzz.py --device cuda --dtype bf16 --n 5000 \
+    timeout $((SECS + 30)) python3 -m tools.fuzz --device cuda --dtype bf16 --n 5000 \
         --seed $((SEED0 + i * 5000)) --seconds "$SECS" > "$OUT/fuzz/fuzz_$i.log" 2>&1 &
 done
 for i in $(seq 0 $((SHARDS - 1))); do

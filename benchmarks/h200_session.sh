@@ -269,7 +269,7 @@ if [ "$1" = fuzz ]; then
     # each), the NaN and -inf-sink kernel tests, and compute-sanitizer memcheck over the
     # kernel tests that feed out-of-range values with the value checks off.
     for i in 0 1 2 3; do
-        timeout 460 python3 benchmarks/fuzz.py --device cuda --dtype bf16 --n 1000 \
+        timeout 460 python3 -m tools.fuzz --device cuda --dtype bf16 --n 1000 \
             --seed $((i * 1000)) --seconds 400 > "$OUT/fuzz_$i.log" 2>&1 &
     done
     timeout 300 python3 -m pytest -q tests/kernels/test_nan_kernels.py tests/kernels/test_sync_free.py \

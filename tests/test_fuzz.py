@@ -1,16 +1,10 @@
-"""benchmarks/fuzz.py at CI size: random configurations of every public function on the CPU
+"""tools/fuzz.py at CI size: random configurations of every public function on the CPU
 path against the float64 reference, forward and backward (the full runs: 10,000 here, 2,000
 in bf16 on an H200, recorded in benchmarks/RESULTS.md)."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
-_path = pathlib.Path(__file__).parents[1] / "benchmarks" / "fuzz.py"
-_spec = importlib.util.spec_from_file_location("flashlse_fuzz", _path)
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
+from tools import fuzz
 
 
 @pytest.mark.parametrize("seed", [0, 100_000], ids=["seeds_0", "seeds_100k"])

@@ -1,14 +1,8 @@
-"""benchmarks/fuzz.py on the kernels (the interpreter in CI, float32; a GPU in float16)."""
-
-import importlib.util
-import pathlib
+"""tools/fuzz.py on the kernels (the interpreter in CI, float32; a GPU in float16)."""
 
 import torch
 
-_path = pathlib.Path(__file__).parents[2] / "benchmarks" / "fuzz.py"
-_spec = importlib.util.spec_from_file_location("flashlse_fuzz", _path)
-fuzz = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzz)
+from tools import fuzz
 
 
 def test_fuzz_kernels(device):

@@ -4,10 +4,10 @@ Triton's wheel carries ptxas and cuobjdump, so a kernel edit can be checked for 
 errors, register spills (``stack`` > 0), shared memory and whether the matrix products
 became wgmma, at no device time:
 
-    python benchmarks/compile_sm90.py            # every kernel, a few flag sets each
-    python benchmarks/compile_sm90.py fwd dq     # only those
-    python benchmarks/compile_sm90.py --loops dkdv   # and the instruction mix of each loop
-    python benchmarks/compile_sm90.py --pipeline fwd # and the cp.async pipeline (TTGIR)
+    python -m tools.compile_sm90            # every kernel, a few flag sets each
+    python -m tools.compile_sm90 fwd dq     # only those
+    python -m tools.compile_sm90 --loops dkdv   # and the instruction mix of each loop
+    python -m tools.compile_sm90 --pipeline fwd # and the cp.async pipeline (TTGIR)
 
 ``--loops`` reads the SASS: for every backward branch (a loop) of 50 or more instructions it
 prints the instruction count and the most frequent opcodes, which is how the notes count

@@ -14,12 +14,12 @@ most ``2 * err(the reference computed in the inputs' dtype) + atol`` (docs/desig
 NaN in one element of q or of k (or of the cache: maybe a slot no row reads), or a sink of
 NaN, +inf or -inf; its NaN must reach exactly the reference's rows (docs/math.md section 7).
 
-    python benchmarks/fuzz.py --n 10000                          # CPU path, float32
-    python benchmarks/fuzz.py --n 2000 --device cuda --dtype bf16 # the kernels
-    TRITON_INTERPRET=1 python benchmarks/fuzz.py --n 50          # kernels under the interpreter
+    python -m tools.fuzz --n 10000                          # CPU path, float32
+    python -m tools.fuzz --n 2000 --device cuda --dtype bf16 # the kernels
+    TRITON_INTERPRET=1 python -m tools.fuzz --n 50          # kernels under the interpreter
 
 Prints one line per failure (its seed reproduces it: ``--seed S --n 1``) and a summary.
-tests/test_fuzz.py runs it at a small count in CI.
+tests/test_fuzz.py and tests/kernels/test_fuzz_kernels.py run it at a small count in CI.
 """
 
 from __future__ import annotations
