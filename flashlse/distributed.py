@@ -56,8 +56,8 @@ import torch.distributed as dist
 
 from .lse import safe_pivot
 from .ops._dispatch import compute_dtype, use_triton
-from .ops.attention import _validate_common, attn_bwd, attn_fwd
-from .ops.merge import _validate_states, merge_states_unchecked
+from .ops.attention import attn_bwd, attn_fwd, validate_attention_args
+from .ops.merge import merge_states_unchecked, validate_states
 
 LAYOUTS = ("contiguous", "zigzag")
 SINK_GRADS = ("sum", "local")
@@ -398,7 +398,7 @@ def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), si
         ``out (B, n_r, Hq, Dv)``, and ``lse (B, Hq, n_r)`` float32 if ``return_lse``.
     """
     _check_group()
-    left, right, softcap, scale, sink = _validate_common(
+    left, right, softcap, scale, sink = validate_attention_args(
         q, k, v, sink, softcap, scale, window, causal, 4,
         ("(B, n_r, Hq, D)", "(B, n_r, Hkv, D)", "(B, n_r, Hkv, Dv)"))
     if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
@@ -497,7 +497,7 @@ def merge_across_ranks(out, lse, *, group=None, sink=None, replicated_grad=True)
         ``(out (..., Dv) in out.dtype, lse (...) float32)``, equal on every rank.
     """
     _check_group()
-    _validate_states(out[None] if isinstance(out, torch.Tensor) else out,
+    validate_states(out[None] if isinstance(out, torch.Tensor) else out,
                      lse[None] if isinstance(lse, torch.Tensor) else lse, sink)
     if not isinstance(replicated_grad, bool):
         raise TypeError(f"replicated_grad must be a bool, got {type(replicated_grad).__name__}")

@@ -361,7 +361,7 @@ def _attn_backward(ctx, dout, dlse):
 _attn_fwd_op.register_autograd(_attn_backward, setup_context=_attn_setup)
 
 
-def _validate_common(q, k, v, sink, softcap, scale, window, causal, ndim, layouts):
+def validate_attention_args(q, k, v, sink, softcap, scale, window, causal, ndim, layouts):
     # The tensor checks read metadata only: skipped for metadata that passed them before.
     key = V.meta_key(layouts, q, k, v)
     if not V.passed(key):
@@ -405,7 +405,7 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     Returns:
         ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 natural log if ``return_lse``.
     """
-    left, right, softcap, scale, sink = _validate_common(
+    left, right, softcap, scale, sink = validate_attention_args(
         q, k, v, sink, softcap, scale, window, causal, 4,
         ("(B, Sq, Hq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)"))
     V.check_bool("deterministic", deterministic)
@@ -446,7 +446,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, seqused_k, block_table, causal, window,
                                        softcap, scale, sink, return_lse, deterministic)
-    left, right, softcap, scale, sink = _validate_common(
+    left, right, softcap, scale, sink = validate_attention_args(
         q, k, v, sink, softcap, scale, window, causal, 3,
         ("(total_q, Hq, D)", "(total_k, Hkv, D)", "(total_k, Hkv, Dv)"))
     V.check_bool("deterministic", deterministic)
@@ -488,7 +488,7 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
     if k_cache.shape[:2] != v_cache.shape[:2]:
         raise ValueError(f"paged k and v must agree in (num_pages, page_size), got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    left, right, softcap, scale, sink = _validate_common(
+    left, right, softcap, scale, sink = validate_attention_args(
         # One page (or none) stands for the cache: a view, never a copy of the whole cache.
         q, k_cache[:1].flatten(0, 1), v_cache[:1].flatten(0, 1), sink, softcap, scale, window,
         causal, 3,

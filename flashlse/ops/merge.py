@@ -50,7 +50,7 @@ def merge_math(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None
     return out, lse_out
 
 
-def _validate_states(outs, lses, sink):
+def validate_states(outs, lses, sink):
     # Metadata only: skipped for metadata that passed before.
     key = V.meta_key("merge_states", outs, lses, sink)
     if not V.passed(key):
@@ -147,7 +147,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor |
             _check_sink(sink, lses)
             sink = torch.broadcast_to(sink, lses.shape[1:]).transpose(-1, -2)
         lses = lses.transpose(-1, -2)
-    _validate_states(outs, lses, sink)
+    validate_states(outs, lses, sink)
     _check_canonical(lses)
     out, lse = merge_states_unchecked(outs, lses, sink=sink)
     return (out, lse.transpose(-1, -2)) if flash else (out, lse)
