@@ -73,6 +73,13 @@ def _split_fwd(qb, kb, vb, num_splits, left, right, softcap, scale, sink):
 # dense kernel 0.76x). Shorter chunks read the pages in place: the copy of whole cache rows
 # would outweigh their compute.
 _GATHER_MIN_ROWS = 128
+# The gather copies every sequence's whole block-table capacity (its lengths are on the
+# device: reading them would sync). A table much wider than the chunk, as vLLM sizes them
+# for the longest context (a 512-row chunk on a table of 128k rows), would copy mostly
+# unused pages and allocate B x capacity rows, so tables of more than this many rows a query
+# row read their pages in place too. The measured 0.84x is a 512-row chunk on an 8k table
+# (16 rows a query row); the copy is then at most 16 x the chunk's own K/V rows.
+_GATHER_MAX_TABLE_ROWS_PER_QUERY = 16
 
 
 def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
@@ -80,18 +87,20 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k). A
     paged cache is read in place by the paged kernels (``dispatch.attn_fwd_paged``), except
     for long chunks that the Hopper paged kernel does not take: their pages are gathered
-    into rows first for the dense kernel. A page out of range ends its sequence there: it
-    and later pages hold no key."""
+    into rows first for the dense kernel, when the block table is not much wider than the
+    chunk. A page out of range ends its sequence there: it and later pages hold no key."""
     dispatch = kernel_module("dispatch")
     b, sq, hq, d = q.shape
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
     used = None if lens is None else (lens + s_new if s_new else lens)
-    if block_table is not None and (sq < _GATHER_MIN_ROWS or dispatch.paged_in_place(
-            q, k_cache, v_cache, softcap=kw["softcap"], scale=kw["scale"])):
+    capacity = 0 if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    if block_table is not None and (
+            sq < _GATHER_MIN_ROWS or capacity > _GATHER_MAX_TABLE_ROWS_PER_QUERY * sq
+            or dispatch.paged_in_place(q, k_cache, v_cache, softcap=kw["softcap"],
+                                       scale=kw["scale"])):
         out, lse = dispatch.attn_fwd_paged(
             q.reshape(b * sq, hq, d), k_cache, v_cache, block_table, cu_seqlens_q=cu_q,
-            max_seqlen_q=sq, seqused_k=used, max_seqlen_k=block_table.shape[1] * k_cache.shape[1],
-            **kw)
+            max_seqlen_q=sq, seqused_k=used, max_seqlen_k=capacity, **kw)
         return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
     if block_table is not None:
         k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, used)

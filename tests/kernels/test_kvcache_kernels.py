@@ -61,6 +61,24 @@ def test_kvcache_long_queries_on_kernels(device, b, sq, hq, hkv, d, dv, smax, le
     run_both(_to(t, device), **call_kw)
 
 
+@pytest.mark.parametrize("table_rows, gathered", [(160, True), (2100, False)],
+                         ids=["tight_table_gathered", "wide_table_in_place"])
+def test_kvcache_long_chunk_wide_table_reads_pages_in_place(device, monkeypatch, table_rows,
+                                                            gathered):
+    """A chunk of 130 rows on short sequences: a block table of at most 16 rows a query row
+    is gathered for the dense kernel; a wider one (vLLM sizes tables for the longest context)
+    reads its pages in place, so the copy and its allocation do not grow with the table."""
+    from flashlse.ops import kvcache
+
+    calls = []
+    real = kvcache.gather_pages
+    monkeypatch.setattr(kvcache, "gather_pages", lambda *a: calls.append(1) or real(*a))
+    t = to_paged(make(2, 130, 2, 1, 32, 32, table_rows, [25, 40], 3, torch.float16,
+                      sink=True), 16, extra_pages=0)
+    run_both(_to(t, device), causal=True)
+    assert bool(calls) == gathered
+
+
 @pytest.mark.parametrize("page", [None, 3], ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
 def test_kvcache_lengths_out_of_range_are_clamped(device, sq, page):
