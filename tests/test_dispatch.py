@@ -77,6 +77,7 @@ def kernels(monkeypatch):
     k = Kernels()
     for mod, attr, name in ((fwd, "_attn_fwd_kernel", "fwd"),
                             (fwd_sm90, "_fwd_sm90_kernel", "fwd_sm90"),
+                            (bwd, "_zero_uncovered_rows", "bwd_zero"),
                             (bwd, "_attn_bwd_preprocess_kernel", "bwd_pre"),
                             (bwd, "_attn_bwd_dkdv_kernel", "dkdv"),
                             (bwd, "_attn_bwd_dq_kernel", "dq"),
@@ -306,7 +307,13 @@ def test_backward_options_switch_each_pass(kernels, off, expected):
 def test_backward_varlen_hopper_grids(kernels):
     q, k, v, kw = _varlen()
     _backward(q, k, v, kw)
-    assert kernels.names() == ["bwd_pre", "dkdv_sm90", "dq_sm90"]
+    # The rows no pass writes (here the keys past seqused_k) zeroed first: dq's, then dk's
+    # and dv's in one launch; no fill of the whole gradients.
+    assert kernels.names() == ["bwd_zero", "bwd_zero", "bwd_pre", "dkdv_sm90", "dq_sm90"]
+    zq, zkv = (x.named for x in kernels.log[:2])
+    assert (zq["HAS_Y"], zq["HAS_SEQUSED"], zkv["HAS_Y"], zkv["HAS_SEQUSED"]) == (
+        False, False, True, True)
+    assert zkv["seqused"] is kw["seqused_k"] and zkv["row_x"] == k[0].numel()
     assert kernels.of("dkdv_sm90").grid == (4, 1, 3) and kernels.of("dq_sm90").grid == (2, 4, 3)
     g = kernels.of("dq_sm90").named
     assert (g["IS_VARLEN"], g["HAS_SEQUSED_K"], g["left"], g["seqused_k"]) == (

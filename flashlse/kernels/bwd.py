@@ -111,6 +111,48 @@ def _store_rows(p_base, b_x, o_r, stride_r, n_rows, BLOCK_C: tl.constexpr, N_COL
 
 # Lengths are not specialised: a length of 1 would become a constexpr, and lengths
 # divisible by 16 would compile a kernel of their own.
+@triton.jit(do_not_specialize=["batch", "total", "max_len"])
+def _zero_uncovered_rows(
+    x, y, cu_seqlens, seqused, batch, total, max_len, row_x, row_y,
+    HAS_Y: tl.constexpr, HAS_SEQUSED: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Zeros the packed rows (``total`` rows of ``row_x`` / ``row_y`` contiguous elements of
+    ``x`` and, with HAS_Y, ``y``) that no sequence's first ``T`` rows cover: those of
+    ``seq_span(cu_seqlens, b, total, max_len)``, with HAS_SEQUSED capped at ``seqused[b]``,
+    exactly the rows the dQ (or dK/dV) kernels write. So a varlen backward allocates its
+    gradients unfilled and writes only the rest: the rows after ``cu_seqlens[-1]`` and the
+    keys past ``seqused_k`` (none, in packed training). One program a block of rows, every
+    sequence's span read in vectors of BLOCK_B."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    covered = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for b0 in range(0, batch, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)
+        m_b = o_b < batch
+        s0 = tl.minimum(tl.maximum(tl.load(cu_seqlens + o_b, mask=m_b, other=0), 0), total)
+        s1 = tl.minimum(tl.maximum(tl.load(cu_seqlens + o_b + 1, mask=m_b, other=0), s0), total)
+        n = tl.minimum(s1 - s0, max_len)
+        if HAS_SEQUSED:
+            n = tl.minimum(tl.maximum(tl.load(seqused + o_b, mask=m_b, other=0), 0), n)
+        n = tl.where(m_b, n, 0)
+        inside = (rows[:, None] >= s0[None, :]) & (rows[:, None] < s0[None, :] + n[None, :])
+        covered = tl.maximum(covered, tl.max(inside.to(tl.int32), 1))
+    zero = (covered == 0) & (rows < total)
+    if tl.max(zero.to(tl.int32), 0) == 0:
+        return
+    o_r = rows.to(tl.int64)[:, None]
+    for c0 in range(0, row_x, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        tl.store(x + o_r * row_x + cols[None, :], tl.zeros([BLOCK_R, BLOCK_C], x.dtype.element_ty),
+                 mask=zero[:, None] & (cols[None, :] < row_x))
+    if HAS_Y:
+        for c0 in range(0, row_y, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            tl.store(y + o_r * row_y + cols[None, :],
+                     tl.zeros([BLOCK_R, BLOCK_C], y.dtype.element_ty),
+                     mask=zero[:, None] & (cols[None, :] < row_y))
+
+
 @triton.jit(do_not_specialize=["seqlen_q", "total_q"])
 def _attn_bwd_preprocess_kernel(
     out, dout, lse, dlse, delta, lse_log2, sink, dsink_part,
@@ -749,6 +791,9 @@ class BwdPlan:
     dq_kw: dict | None = None
     dkdv_run: Launch | None = None
     dq_run: Launch | None = None
+    # Varlen: the launches that zero the rows of dq and of dk, dv no pass writes.
+    zero_q_run: Launch | None = None
+    zero_kv_run: Launch | None = None
     # Launches other kernel modules plan for this call (bwd_sm90's), by name, kept with it.
     launches: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -772,7 +817,6 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
 
     Everything but the tensors' addresses is a function of the call's metadata: a repeated
     call finds its :class:`BwdPlan` in ``_BWD_PLANS`` and only allocates and launches."""
-    is_varlen = cu_seqlens_q is not None
     device = q.device
     # Autograd may hand over an expanded gradient (stride 0), which TMA cannot describe.
     if dout.stride(-1) != 1 or 0 in dout.stride():
@@ -799,8 +843,9 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
             if len(_BWD_PLANS) >= _MAX_PLANS:
                 _BWD_PLANS.clear()
             _BWD_PLANS[key] = plan
-    # Varlen: rows outside every sequence (and keys past seqused_k) get zero gradients.
-    alloc = torch.zeros if is_varlen else options.allocator(opts)
+    # Varlen: rows outside every sequence (and keys past seqused_k) get zero gradients, from
+    # the zeroing launches below (not a fill of the whole tensors: 4% of a 16k-token step).
+    alloc = options.allocator(opts)
     dq = alloc(q.shape, dtype=q.dtype, device=device)
     dk = alloc(k.shape, dtype=k.dtype, device=device)
     dv = alloc(v.shape, dtype=v.dtype, device=device)
@@ -817,6 +862,9 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
         dk.zero_()
         dv.zero_()
         return BwdPass(dq, dk, dv, sink, dsink_part, empty=True)
+    if plan.zero_q_run is not None:
+        plan.zero_q_run(dq, None, cu_seqlens_q, None)
+        plan.zero_kv_run(dk, dv, cu_seqlens_k, seqused_k)
     if plan.set_allocator:
         triton.set_allocator(alloc_scratch)
     plan.pre_run(out, dout, lse, dlse, delta, lse_log2, sink, dsink_part, cu_seqlens_q)
@@ -935,7 +983,22 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
                    hq // hkv),
         dkdv_cfg=dkdv_cfg, dq_cfg=dq_cfg, tune=tune,
         set_allocator=use_tma and not interpret,
-        pre_run=pre_run, dkdv_kw=dkdv_kw, dq_kw=dq_kw, dkdv_run=dkdv_run, dq_run=dq_run)
+        pre_run=pre_run, dkdv_kw=dkdv_kw, dq_kw=dq_kw, dkdv_run=dkdv_run, dq_run=dq_run,
+        zero_q_run=_zero_launch(q, None, batch, seqlen_q, False) if is_varlen else None,
+        zero_kv_run=(_zero_launch(k, v, batch, seqlen_k, seqused_k is not None)
+                     if is_varlen else None))
+
+
+def _zero_launch(x, y, batch, max_len, has_seqused) -> Launch:
+    """The launch of :func:`_zero_uncovered_rows` over gradients shaped as packed ``x`` (and
+    ``y``), contiguous: tensors ``(x, y, cu_seqlens, seqused)``."""
+    rows = (x.shape[0], x[0].numel() if x.shape[0] else 0, 0 if y is None else y[0].numel())
+    block_c = min(next_pow2(max(rows[1], rows[2], 16)), 64)
+    return Launch(_zero_uncovered_rows, (cdiv(max(rows[0], 1), 64),),
+                  *positional(_zero_uncovered_rows, 4, dict(
+                      batch=batch, total=rows[0], max_len=max_len, row_x=rows[1], row_y=rows[2],
+                      HAS_Y=y is not None, HAS_SEQUSED=has_seqused, BLOCK_R=64, BLOCK_B=32,
+                      BLOCK_C=block_c, num_warps=4)))
 
 
 def _portable(kernel, n_tensors, kw, cfg, grid) -> Launch:

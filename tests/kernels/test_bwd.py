@@ -437,3 +437,40 @@ def test_attn_bwd_sm90_failure_falls_back(device, kernel_opts, monkeypatch, comp
     _run_dense(device, dtype, 1, 40, 17, 2, 1, 32, 32, causal=True, sink=True, seed=13)
     assert len(calls) == 2
     assert sorted(key[0] for key in compile_failures) == ["bwd_sm90 dK/dV", "bwd_sm90 dQ"]
+
+
+@pytest.mark.parametrize("n_seq", [3, 40], ids=["3_seqs", "40_seqs"])
+def test_attn_bwd_varlen_uncovered_rows_are_zero(device, n_seq):
+    """The gradients are allocated unfilled: rows after ``cu_seqlens[-1]`` (q and k longer
+    than their sequences) and keys past ``seqused_k`` (some lengths past their sequence:
+    clamped) get zeros from ``bwd._zero_uncovered_rows``, and every covered row equals the
+    call on exactly the sequences' rows. 40 sequences: more spans than one vector of them."""
+    gen = torch.Generator().manual_seed(n_seq)
+    lens_q = torch.randint(0, 7, (n_seq,), generator=gen).tolist()
+    lens_k = torch.randint(0, 7, (n_seq,), generator=gen).tolist()
+    used = [max(0, n + i % 3 - 1) for i, n in enumerate(lens_k)]
+    hq, hkv, d, dtype = 2, 1, 16, DTYPES[0]
+    tq, tk = sum(lens_q), sum(lens_k)
+    mk = lambda n, h: torch.randn(n, h, d, generator=gen).to(dtype).to(device)
+    q, k, v, dout = mk(tq + 5, hq), mk(tk + 7, hkv), mk(tk + 7, hkv), mk(tq + 5, hq)
+    cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32,
+                                 device=device)
+    kw = dict(left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=None,
+              cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q),
+              max_seqlen_k=max(lens_k),
+              seqused_k=torch.tensor(used, dtype=torch.int32, device=device))
+
+    def grads(q, k, v, dout):
+        out, lse = dispatch.attn_fwd(q, k, v, **kw)
+        return dispatch.attn_bwd(dout, None, q, k, v, out, lse, **kw)[:3]
+
+    dq, dk, dv = grads(q, k, v, dout)
+    want = grads(q[:tq], k[:tk], v[:tk], dout[:tq])
+    past = torch.zeros(tk + 7, dtype=torch.bool)
+    past[tk:] = True
+    for i, (n, u) in enumerate(zip(lens_k, used)):
+        past[sum(lens_k[:i]) + min(n, u):sum(lens_k[:i]) + n] = True
+    assert not (dq[tq:] != 0).any() and not (dk[past] != 0).any() and not (dv[past] != 0).any()
+    torch.testing.assert_close(dq[:tq], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(dk[:tk], want[1], rtol=0, atol=0)
+    torch.testing.assert_close(dv[:tk], want[2], rtol=0, atol=0)
