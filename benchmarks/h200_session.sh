@@ -22,6 +22,7 @@
 #                                                tests, the Hopper forwards' launches,
 #                                                bench_serving (and bench_varlen.py)
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
+#   bash benchmarks/h200_session.sh s15        # session 14's changes and set-ups, first run
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
 #                                                bench_mla.py (Gluon only) of the tree in
 #                                                .before_mla (carried) and of this one, twice
@@ -126,6 +127,39 @@ if [ "$1" = s14 ]; then
             echo "== sparse $tree $pass"; cat "$OUT/sparse_${tree}$pass.txt" | cut -c1-200
         done
     done
+    exit 0
+fi
+if [ "$1" = s15 ]; then
+    # Session 14's changes not yet run on a GPU: the varlen backward's zeroing kernel (tests
+    # of every varlen backward path, bench_varlen: predicted backward 0.83x -> 0.85-0.87x),
+    # attention_with_kvcache's wide block tables (tests, bench_serving's "16x wider" row),
+    # the bad-data fuzz draws in bf16; then the measurements session 14 set up: bench_sparse
+    # --backward (the backward's ceiling) and bench_mla --topk-only (the dense yardstick at
+    # 2048 keys beside the top-k rows).
+    K=tests/kernels
+    mkdir -p "$OUT/tests"
+    timeout 300 python3 -m pytest -q $K/test_bwd.py -k "varlen or uncovered" \
+        -p no:cacheprovider > "$OUT/tests/bwd_varlen.log" 2>&1 &
+    timeout 300 python3 -m pytest -q $K/test_kvcache_kernels.py $K/test_nan_kernels.py \
+        -p no:cacheprovider > "$OUT/tests/kv_nan.log" 2>&1 &
+    timeout 300 python3 -m pytest -q tests/test_dispatch.py tests/test_dispatch_paged.py \
+        $K/test_sync_free.py $K/test_cuda_graphs.py -p no:cacheprovider \
+        > "$OUT/tests/dispatch.log" 2>&1 &
+    wait
+    for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
+    (cd "$OUT" && tar czf tests.tgz tests && rm -rf tests)
+    timeout 120 python3 benchmarks/bench_varlen.py 2>&1 | tail -5
+    timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -12
+    timeout 150 python3 benchmarks/bench_sparse.py --backward 2>&1 | tail -6
+    timeout 120 python3 benchmarks/bench_mla.py --gluon-only --topk-only --out "$OUT" 2>&1 \
+        | tail -6 | cut -c1-110
+    for i in 0 1 2 3 4 5 6 7; do
+        timeout 130 python3 -m tools.fuzz --device cuda --dtype bf16 --seed $((200000 + i * 5000)) \
+            --n 5000 --seconds 110 > "$OUT/fuzz$i.log" 2>&1 &
+    done
+    wait
+    grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
     exit 0
 fi
 if [ "$1" = suite ]; then
