@@ -23,6 +23,8 @@
 #                                                bench_serving (and bench_varlen.py)
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh s15        # session 14's changes and set-ups, first run
+#   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64 / 256 (.variant_fwd,
+#                                                carried): its tests, bench_fwd A/B
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
 #                                                bench_mla.py (Gluon only) of the tree in
 #                                                .before_mla (carried) and of this one, twice
@@ -160,6 +162,24 @@ if [ "$1" = s15 ]; then
     done
     wait
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
+    exit 0
+fi
+if [ "$1" = fwd-dims ]; then
+    # Session 14's variant (.variant_fwd, carried: this tree with configs.FWD_SM90 tiles for
+    # D = 64 and 256, compiled for sm_90 without a spill): the Hopper forward at those head
+    # dims. Its GPU tests in its own tree first, then bench_fwd at D = 64 and 256 of this
+    # tree (the portable kernel there) and of the variant, alternating.
+    (cd .variant_fwd && PYTHONPATH=$PWD timeout 300 python3 -m pytest -q tests/kernels/test_fwd.py \
+        -k "sm90 or gpu" -p no:cacheprovider > "$OUT/test_variant_fwd.log" 2>&1)
+    tail -1 "$OUT/test_variant_fwd.log"; grep -h "^FAILED" "$OUT/test_variant_fwd.log" | head
+    for pass in 1 2; do
+        for tree in main variant; do
+            root=$PWD; [ $tree = variant ] && root=$PWD/.variant_fwd
+            PYTHONPATH=$root timeout 150 python3 "$root/benchmarks/bench_fwd.py" --full \
+                --dims 64,256 --flex-budget 0 --out "/tmp/fwd_$tree" > "$OUT/fwd_${tree}$pass.txt" 2>&1
+            echo "== $tree $pass"; tail -14 "$OUT/fwd_${tree}$pass.txt" | cut -c1-120
+        done
+    done
     exit 0
 fi
 if [ "$1" = suite ]; then

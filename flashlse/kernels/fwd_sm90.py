@@ -713,14 +713,16 @@ MAX_PAGED_BATCH = 4096
 
 
 def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
-    """The paged kernel's domain: :func:`supported`'s (D = Dv = 128 on sm_90, fp16/bf16, no
-    softcap, TMA-aligned), pages of 32 or 64 rows or a multiple of BLOCK_N, copied by TMA,
+    """The paged kernel's domain: :func:`supported`'s at D = Dv = 128 (sm_90, fp16/bf16, no
+    softcap, TMA-aligned; the only head dim its GPU tests run), pages of 32 or 64 rows or a multiple of BLOCK_N, copied by TMA,
     each page's rows contiguous in the cache (``stride(0) == page_size * stride(1)``), and
     cache rows addressable in int32. Other page sizes (1, 3, 8, 16, 48, ...) run fwd.py's
     paged kernel (``attention_with_kvcache`` gathers the pages of long chunks for the dense
     kernel)."""
+    if q.shape[-1] != 128:
+        return False
     num_pages, page = k_cache.shape[:2]
-    block_n = configs.FWD_SM90.get(q.shape[-1], configs.FWD_SM90[128]).block_n
+    block_n = configs.FWD_SM90[128].block_n
     # _long_block reads every sequence's lengths in one vector: up to 4096 sequences it
     # compiles without a spill (16384: 1216 bytes of stack).
     if batch > MAX_PAGED_BATCH:

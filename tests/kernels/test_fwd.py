@@ -257,6 +257,17 @@ SM90_CASES = [
     pytest.param(2, 1024, 1024, 4, 2, 128, {"strided": True}, id="strided_q"),
     pytest.param(1, 2000, 2000, 4, 2, 128, {"causal": True, "window": (700, 0)},
                  id="causal_sliding"),
+] + [
+    # Other head dims: run where configs.FWD_SM90 has a tile for them (skipped otherwise).
+    pytest.param(b, sq, sk, hq, hkv, d, kw, id=f"d{d}_{name}")
+    for d in (64, 256)
+    for name, (b, sq, sk, hq, hkv, kw) in {
+        "base": (2, 1000, 1000, 4, 2, {}),
+        "causal_sq_gt_sk_empty": (1, 1500, 700, 8, 2, {"causal": True, "sink": True}),
+        "window_both_sink": (1, 700, 1000, 4, 2, {"window": (100, 50), "sink": True}),
+        "sk0_sink": (1, 300, 0, 4, 2, {"sink": True}),
+        "second_half_one_row": (1, 65, 129, 2, 1, {}),
+    }.items()
 ]
 
 
@@ -265,7 +276,10 @@ SM90_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", SM90_CASES)
 def test_attn_fwd_gpu_sm90(device, monkeypatch, dtype, b, sq, sk, hq, hkv, d, kw):
-    from flashlse.kernels import fwd_sm90
+    from flashlse.kernels import configs, fwd_sm90
+
+    if d not in configs.FWD_SM90:
+        pytest.skip(f"no Hopper forward tile for D = {d} in configs.FWD_SM90")
 
     calls = []
     real = fwd_sm90.plan
