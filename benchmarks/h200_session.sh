@@ -169,9 +169,15 @@ if [ "$1" = fwd-dims ]; then
     # D = 64 and 256, compiled for sm_90 without a spill): the Hopper forward at those head
     # dims. Its GPU tests in its own tree first, then bench_fwd at D = 64 and 256 of this
     # tree (the portable kernel there) and of the variant, alternating.
+    # (The variant also takes D = 64 on the Hopper dK/dV kernel: bwd_sm90.supported's
+    # dims (64, 128); compiled without a spill at BLOCK_M 64, 67 KB.)
     (cd .variant_fwd && PYTHONPATH=$PWD timeout 300 python3 -m pytest -q tests/kernels/test_fwd.py \
-        -k "sm90 or gpu" -p no:cacheprovider > "$OUT/test_variant_fwd.log" 2>&1)
-    tail -1 "$OUT/test_variant_fwd.log"; grep -h "^FAILED" "$OUT/test_variant_fwd.log" | head
+        -k "sm90 or gpu" -p no:cacheprovider > "$OUT/test_variant_fwd.log" 2>&1) &
+    (cd .variant_fwd && PYTHONPATH=$PWD timeout 300 python3 -m pytest -q tests/kernels/test_bwd.py \
+        -k "gpu" -p no:cacheprovider > "$OUT/test_variant_bwd.log" 2>&1) &
+    wait
+    for f in "$OUT"/test_variant_*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_variant_*.log | head
     for pass in 1 2; do
         for tree in main variant; do
             root=$PWD; [ $tree = variant ] && root=$PWD/.variant_fwd
@@ -179,6 +185,12 @@ if [ "$1" = fwd-dims ]; then
                 --dims 64,256 --flex-budget 0 --out "/tmp/fwd_$tree" > "$OUT/fwd_${tree}$pass.txt" 2>&1
             echo "== $tree $pass"; tail -14 "$OUT/fwd_${tree}$pass.txt" | cut -c1-120
         done
+    done
+    for tree in main variant; do
+        root=$PWD; [ $tree = variant ] && root=$PWD/.variant_fwd
+        PYTHONPATH=$root timeout 150 python3 "$root/benchmarks/bench_bwd.py" --dims 64 \
+            --flex-budget 0 --out "/tmp/bwd_$tree" > "$OUT/bwd64_$tree.txt" 2>&1
+        echo "== bwd D=64 $tree"; tail -10 "$OUT/bwd64_$tree.txt" | cut -c1-120
     done
     exit 0
 fi
