@@ -4,9 +4,32 @@
 # scripts go into .before/ (git-ignored), which the device call carries:
 #   bash benchmarks/before_after.sh prep 2dcb23b          # here: the tree before issue 21
 #   bash benchmarks/before_after.sh run [fwd bwd decode merge]   # on the GPU, carry .before
+#   bash benchmarks/before_after.sh variant-fwd   # .variant_fwd for h200_session.sh fwd-dims
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
 set -o pipefail
+if [ "$1" = variant-fwd ]; then
+    # Session 14's variant for `h200_session.sh fwd-dims` (carry .variant_fwd): this tree with
+    # Hopper forward tiles for D = 64 and 256 and the Hopper dK/dV kernel at D = 64.
+    rm -rf .variant_fwd && mkdir .variant_fwd
+    git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_fwd
+    python3 - <<'PY'
+import re
+p = ".variant_fwd/flashlse/kernels/configs.py"
+s = open(p).read()
+tile = ("TileConfig(block_m=128, block_n={}, num_warps=4, num_stages=2, pingpong=False,\n"
+        "                    overlap=True, consumer_regs=240),\n")
+s = s.replace("FWD_SM90 = {\n", "FWD_SM90 = {\n    64: " + tile.format(128) + "    256: "
+              + tile.format(64), 1)
+open(p, "w").write(s)
+p = ".variant_fwd/flashlse/kernels/bwd_sm90.py"
+s = open(p).read()
+s2 = s.replace("softcap, dims=(128, )) -> bool:", "softcap, dims=(64, 128)) -> bool:")
+assert s2 != s and "    64: TileConfig" in open(".variant_fwd/flashlse/kernels/configs.py").read()
+open(p, "w").write(s2)
+PY
+    exit $?
+fi
 if [ "$1" = prep ]; then
     rm -rf .before && mkdir .before
     git archive "${2:?a revision}" flashlse benchmarks | tar -x -C .before
