@@ -71,6 +71,7 @@ loads. Gradients are stored with masked pointer stores (once per program).
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
 import torch
@@ -992,7 +993,7 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
 def _zero_launch(x, y, batch, max_len, has_seqused) -> Launch:
     """The launch of :func:`_zero_uncovered_rows` over gradients shaped as packed ``x`` (and
     ``y``), contiguous: tensors ``(x, y, cu_seqlens, seqused)``."""
-    rows = (x.shape[0], x[0].numel() if x.shape[0] else 0, 0 if y is None else y[0].numel())
+    rows = (x.shape[0], math.prod(x.shape[1:]), 0 if y is None else math.prod(y.shape[1:]))
     block_c = min(next_pow2(max(rows[1], rows[2], 16)), 64)
     return Launch(_zero_uncovered_rows, (cdiv(max(rows[0], 1), 64),),
                   *positional(_zero_uncovered_rows, 4, dict(

@@ -477,3 +477,20 @@ def test_attn_bwd_varlen_uncovered_rows_are_zero(device, n_seq, d):
     torch.testing.assert_close(dq[:tq], want[0], rtol=0, atol=0)
     torch.testing.assert_close(dk[:tk], want[1], rtol=0, atol=0)
     torch.testing.assert_close(dv[:tk], want[2], rtol=0, atol=0)
+
+
+def test_attn_bwd_varlen_no_key_rows(device):
+    """Varlen with no key row at all (every sequence's keys empty; k and v of 0 rows): dq is
+    0 (every row empty), dk and dv are empty, and planning the zeroing of their rows does
+    not index a row that is not there."""
+    dtype = DTYPES[0]
+    q = torch.randn(5, 2, 16).to(dtype).to(device)
+    k = v = torch.zeros(0, 1, 16, dtype=dtype, device=device)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    cu_k = torch.zeros(3, dtype=torch.int32, device=device)
+    kw = dict(left=None, right=None, softcap=0.0, scale=0.25, sink=None, cu_seqlens_q=cu_q,
+              cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=0)
+    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    dq, dk, dv, _ = dispatch.attn_bwd(torch.randn_like(out), None, q, k, v, out, lse, **kw)
+    assert dk.shape == (0, 1, 16) and dv.shape == (0, 1, 16)
+    assert not (dq != 0).any()
