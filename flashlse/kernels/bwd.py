@@ -110,8 +110,7 @@ def _store_rows(p_base, b_x, o_r, stride_r, n_rows, BLOCK_C: tl.constexpr, N_COL
     tl.store(p_x, b_x.to(p_x.dtype.element_ty), mask=m_x)
 
 
-# Lengths are not specialised: a length of 1 would become a constexpr, and lengths
-# divisible by 16 would compile a kernel of their own.
+# Counts not specialised, as the lengths of the kernels below.
 @triton.jit(do_not_specialize=["batch", "total", "max_len"])
 def _zero_uncovered_rows(
     x, y, cu_seqlens, seqused, batch, total, max_len, row_x, row_y,
@@ -144,7 +143,8 @@ def _zero_uncovered_rows(
     o_r = rows.to(tl.int64)[:, None]
     for c0 in range(0, row_x, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
-        tl.store(x + o_r * row_x + cols[None, :], tl.zeros([BLOCK_R, BLOCK_C], x.dtype.element_ty),
+        tl.store(x + o_r * row_x + cols[None, :],
+                 tl.zeros([BLOCK_R, BLOCK_C], x.dtype.element_ty),
                  mask=zero[:, None] & (cols[None, :] < row_x))
     if HAS_Y:
         for c0 in range(0, row_y, BLOCK_C):
@@ -154,6 +154,8 @@ def _zero_uncovered_rows(
                      mask=zero[:, None] & (cols[None, :] < row_y))
 
 
+# Lengths are not specialised: a length of 1 would become a constexpr, and lengths
+# divisible by 16 would compile a kernel of their own.
 @triton.jit(do_not_specialize=["seqlen_q", "total_q"])
 def _attn_bwd_preprocess_kernel(
     out, dout, lse, dlse, delta, lse_log2, sink, dsink_part,
