@@ -134,6 +134,7 @@ fi
 if [ "$1" = s15 ]; then
     # Session 14's changes not yet run on a GPU: the varlen backward's zeroing kernel (tests
     # of every varlen backward path, bench_varlen: predicted backward 0.83x -> 0.85-0.87x),
+    # page 16 on the Hopper paged kernel again (its tests; the mixed step: 1.28x -> ~1.19x),
     # attention_with_kvcache's wide block tables (tests, bench_serving's "16x wider" row),
     # the bad-data fuzz draws in bf16; then the measurements session 14 set up: bench_sparse
     # --backward (the backward's ceiling) and bench_mla --topk-only (the dense yardstick at
@@ -144,6 +145,8 @@ if [ "$1" = s15 ]; then
         -p no:cacheprovider > "$OUT/tests/bwd_varlen.log" 2>&1 &
     timeout 300 python3 -m pytest -q $K/test_kvcache_kernels.py $K/test_nan_kernels.py \
         -p no:cacheprovider > "$OUT/tests/kv_nan.log" 2>&1 &
+    timeout 300 python3 -m pytest -q $K/test_fwd_paged_sm90.py -p no:cacheprovider \
+        > "$OUT/tests/paged.log" 2>&1 &
     timeout 300 python3 -m pytest -q tests/test_dispatch.py tests/test_dispatch_paged.py \
         $K/test_sync_free.py $K/test_cuda_graphs.py -p no:cacheprovider \
         > "$OUT/tests/dispatch.log" 2>&1 &

@@ -165,7 +165,8 @@ def cases():
     paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                       seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,
                       stride_k=("i32",) * 3, stride_v=("i32",) * 3, stride_o=("i32",) * 2)
-    for label, page, window in (("page 32 causal", 32, False), ("page 64 window", 64, True),
+    for label, page, window in (("page 16 causal", 16, False), ("page 32 causal", 32, False),
+                                ("page 64 window", 64, True),
                                 ("page 256 causal", 256, False)):
         consts = dict(GROUP=4, D=128, PAGE_SIZE=page, BLOCK_B=256, BLOCK_N=128, STAGES=2,
                       HAS_LEFT=window,

@@ -304,7 +304,7 @@ def run_varlen_paged(cfg, device, dtype):
     r, g = cfg.rng, torch.Generator().manual_seed(cfg.seed)
     n, page = r.randint(1, 4), r.choice([1, 3, 16, 32, 64, 128])
     # Now and then chunks longer than 16 packed rows on caches of several tiles: on an H200
-    # at D = 128 the Hopper paged kernel's path (pages of 32 rows and more).
+    # at D = 128 the Hopper paged kernel's path (pages of 16 rows and more).
     long = r.random() < 0.3
     lk = [r.randint(0, 300 if long else 40) for _ in range(n)]
     lq = [r.choice([0, 1, min(x, r.randint(1, 150 if long else 12))]) for x in lk]

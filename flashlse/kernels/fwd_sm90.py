@@ -23,7 +23,7 @@ halves, each owned by one warpgroup (``gl.warp_specialize``):
 
 Paged caches (``_fwd_sm90_paged_kernel``: ``attention_varlen`` with a block table, the paged
 prefill of ``attention_with_kvcache``) run the same program and consumers; only the producer
-differs. It copies each key tile page by page, one TMA box a page for pages of 32 or 64 rows
+differs. It copies each key tile page by page, one TMA box a page for pages of 16, 32 or 64 rows
 (row slices of the swizzled tile) or one box a tile for pages of a multiple of BLOCK_N, through a
 descriptor over the kv head's whole cache. A box that reaches the sequence's length comes
 from a second descriptor, the last page's rows up to the length, so the cache rows past it
@@ -702,23 +702,26 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
 
 # Page sizes smaller than a key tile that the paged kernel takes, one TMA box a page (row
 # offsets in the swizzled tile are multiples of 8); larger pages must be a multiple of the
-# tile. Pages of 8 and 16 rows compile and pass the tests, but at 16 boxes of 2 KB a K tile
-# the copies are the limit: B=4 Sq=512 on 8k, page 16, ran at 0.71-0.75x the dense kernel,
-# below the pages gathered for it (0.84x); pages of 32 at 0.85-0.89x, 64 at 0.90-0.96x,
-# 256 at 0.92-1.04x (benchmarks/RESULTS.md, session 13). Their rows copied by cp.async
-# instead (a producer warpgroup) ran at 0.38x (session 14) and were removed: pages of 8 and
-# 16 rows run fwd.py's paged kernel.
-PAGE_SIZES = (32, 64)
+# tile. B=4 Sq=512 on 8k (benchmarks/RESULTS.md, session 13): pages of 32 ran at 0.85-0.89x
+# the dense kernel, 64 at 0.90-0.96x, 256 at 0.92-1.04x; 16 at 0.71-0.75x, where 16 boxes of
+# 2 KB a K tile are the limit. That is still above fwd.py's paged kernel, the other way to
+# read pages in place (0.647 ms there against 0.611, session 9 / 13; the mixed serving step
+# at page 16 1.527 ms against 1.624 in the same call), so page 16 is in the domain, while
+# attention_with_kvcache gathers the pages of long chunks below IN_PLACE_MIN_PAGE rows for
+# the dense kernel (0.84x). Pages of 8 rows (32 boxes a K tile, not measured) run fwd.py's;
+# their rows copied by cp.async instead ran at 0.38x (session 14) and were removed.
+PAGE_SIZES = (16, 32, 64)
+IN_PLACE_MIN_PAGE = 32
 MAX_PAGED_BATCH = 4096
 
 
 def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
     """The paged kernel's domain: :func:`supported`'s at D = Dv = 128 (sm_90, fp16/bf16, no
-    softcap, TMA-aligned; the only head dim its GPU tests run), pages of 32 or 64 rows or a multiple of BLOCK_N, copied by TMA,
-    each page's rows contiguous in the cache (``stride(0) == page_size * stride(1)``), and
-    cache rows addressable in int32. Other page sizes (1, 3, 8, 16, 48, ...) run fwd.py's
-    paged kernel (``attention_with_kvcache`` gathers the pages of long chunks for the dense
-    kernel)."""
+    softcap, TMA-aligned; the only head dim its GPU tests run), pages of 16, 32 or 64 rows or
+    a multiple of BLOCK_N, copied by TMA, each page's rows contiguous in the cache
+    (``stride(0) == page_size * stride(1)``), and cache rows addressable in int32. Other page
+    sizes (1, 3, 8, 48, ...) run fwd.py's paged kernel (``attention_with_kvcache`` gathers
+    the pages of long chunks for the dense kernel)."""
     if q.shape[-1] != 128:
         return False
     num_pages, page = k_cache.shape[:2]
