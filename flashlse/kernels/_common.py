@@ -215,6 +215,16 @@ def seq_span(cu_seqlens, i_b, total, max_len):
 
 
 @triton.jit
+def seq_spans(cu_seqlens, o_b, m_b, total, max_len):
+    """:func:`seq_span` of the sequences ``o_b`` at once (``m_b``: which exist): vectors of
+    starts and lengths, clamped the same way; a missing sequence has length 0.
+    Layout-agnostic (the Gluon paged forward calls it too)."""
+    s0 = tl.minimum(tl.maximum(tl.load(cu_seqlens + o_b, mask=m_b, other=0), 0), total)
+    s1 = tl.minimum(tl.maximum(tl.load(cu_seqlens + o_b + 1, mask=m_b, other=0), s0), total)
+    return s0, tl.minimum(s1 - s0, max_len)
+
+
+@triton.jit
 def slice_ptr(x, i_b, bos, i_h, stride_b, stride_s, stride_h):
     """Row 0 of head ``i_h`` of sequence ``i_b`` in ``x`` (``strides``: a varlen tensor has
     batch stride 0 and its sequence starts at packed row ``bos``; 0 when dense). Batch and

@@ -95,6 +95,7 @@ from ._common import (
     seq_args,
     seq_block,
     seq_bounds,
+    seq_spans,
     slice_ptr,
     stats_offset,
     stride_args,
@@ -120,7 +121,8 @@ def _zero_uncovered_rows(
     """Zeros the packed rows (``total`` rows of ``row_x`` / ``row_y`` contiguous elements of
     ``x`` and, with HAS_Y, ``y``) that no sequence's first ``T`` rows cover: those of
     ``seq_span(cu_seqlens, b, total, max_len)``, with HAS_SEQUSED capped at ``seqused[b]``,
-    exactly the rows the dQ (or dK/dV) kernels write. So a varlen backward allocates its
+    exactly the rows the dQ (or dK/dV) kernels write (``seq_spans``; a missing sequence and a
+    masked ``seqused`` cover nothing). So a varlen backward allocates its
     gradients unfilled and writes only the rest: the rows after ``cu_seqlens[-1]`` and the
     keys past ``seqused_k`` (none, in packed training). One program a block of rows, every
     sequence's span read in vectors of BLOCK_B."""
@@ -129,12 +131,9 @@ def _zero_uncovered_rows(
     for b0 in range(0, batch, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
         m_b = o_b < batch
-        s0 = tl.minimum(tl.maximum(tl.load(cu_seqlens + o_b, mask=m_b, other=0), 0), total)
-        s1 = tl.minimum(tl.maximum(tl.load(cu_seqlens + o_b + 1, mask=m_b, other=0), s0), total)
-        n = tl.minimum(s1 - s0, max_len)
+        s0, n = seq_spans(cu_seqlens, o_b, m_b, total, max_len)
         if HAS_SEQUSED:
             n = tl.minimum(tl.maximum(tl.load(seqused + o_b, mask=m_b, other=0), 0), n)
-        n = tl.where(m_b, n, 0)
         inside = (rows[:, None] >= s0[None, :]) & (rows[:, None] < s0[None, :] + n[None, :])
         covered = tl.maximum(covered, tl.max(inside.to(tl.int32), 1))
     zero = (covered == 0) & (rows < total)

@@ -69,6 +69,7 @@ from ._common import (
     positional,
     seq_args,
     seq_block,
+    seq_spans,
     slice_ptr,
     strides,
     tma_ok,
@@ -81,6 +82,7 @@ _key_ranges = gluon.jit(key_ranges.fn)
 _slice_ptr = gluon.jit(slice_ptr.fn)
 _final_stats = gluon.jit(final_stats.fn)
 _paged_keys = gluon.jit(paged_keys.fn)
+_seq_spans = gluon.jit(seq_spans.fn)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
@@ -538,9 +540,7 @@ def _long_block(cu_seqlens_q, i_x, batch, total_q, seqlen_q, rows_lo, GROUP: gl.
                                             [gl.num_warps()], [0])
     o_b = gl.arange(0, BLOCK_B, layout=layout)
     m_b = o_b < batch
-    s0 = gl.minimum(gl.maximum(gl.load(cu_seqlens_q + o_b, mask=m_b, other=0), 0), total_q)
-    s1 = gl.minimum(gl.maximum(gl.load(cu_seqlens_q + o_b + 1, mask=m_b, other=0), s0), total_q)
-    T_q = gl.minimum(s1 - s0, seqlen_q)
+    s0, T_q = _seq_spans(cu_seqlens_q, o_b, m_b, total_q, seqlen_q)
     n_blk = gl.where(m_b & (T_q * GROUP > rows_lo), (T_q + BLOCK_M - 1) // BLOCK_M, 0)
     ends = gl.associative_scan(n_blk, 0, _add)
     i_b = gl.sum(gl.where(ends <= i_x, 1, 0), 0)
