@@ -81,11 +81,15 @@ def _call(path, q, k, v, sink, num_splits):
     lens = torch.full((1,), SK, dtype=torch.int32, device=q.device)
     if path in LONG_ROWS:
         # A paged chunk of LONG_ROWS[path] queries: the paged kernel below 128 rows, pages
-        # gathered for the varlen kernel from 128. Causal is bottom-right aligned, so the last
-        # Sq rows are the same attention as the other paths'; the first n - Sk see no key.
+        # gathered for the varlen kernel from 128, in place again on a table wider than 16
+        # rows a query row ("wide": columns past the sequence's pages point at page 0).
+        # Causal is bottom-right aligned, so the last Sq rows are the same attention as the
+        # other paths'; the first n - Sk see no key.
         sq = q.shape[1]
         front = torch.ones(1, LONG_ROWS[path] - sq, *q.shape[2:], dtype=q.dtype, device=q.device)
         (kp, table), (vp, _) = _paged(k, 3), _paged(v, 3)
+        if path == "kvcache_paged_wide":
+            table = torch.cat([table, table.new_zeros(1, 16 * LONG_ROWS[path] // 3)], 1)
         with torch.no_grad(), fl.value_checks(False):
             out, lse = fl.attention_with_kvcache(torch.cat([front, q], 1), kp, vp,
                                                  cache_seqlens=lens, block_table=table,
@@ -104,7 +108,7 @@ def _call(path, q, k, v, sink, num_splits):
 
 
 # attention_with_kvcache over a paged cache with long queries: the rows of each call.
-LONG_ROWS = {"kvcache_paged_chunk": 40, "kvcache_paged_long": 130}
+LONG_ROWS = {"kvcache_paged_chunk": 40, "kvcache_paged_long": 130, "kvcache_paged_wide": 130}
 
 
 def run_case(device, dtype, path, what, num_splits=1, d=D):
@@ -204,10 +208,10 @@ def test_sink_reaches_rows_of_whole_empty_blocks(sink_value, varlen):
 PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3),
          ("kvcache_paged", 1), ("kvcache_paged", 3), ("sparse", 1),
          ("sparse_paged", 1), ("varlen_paged", 1), ("kvcache_paged_chunk", 1),
-         ("kvcache_paged_long", 1)]
+         ("kvcache_paged_long", 1), ("kvcache_paged_wide", 1)]
 IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3", "kv_paged_splits1",
        "kv_paged_splits3", "sparse", "sparse_paged",
-       "varlen_paged", "kv_paged_chunk", "kv_paged_long"]
+       "varlen_paged", "kv_paged_chunk", "kv_paged_long", "kv_paged_wide"]
 
 
 @pytest.mark.parametrize("what", ["k", "q", "sink", "sink_inf"])
