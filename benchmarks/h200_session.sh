@@ -160,8 +160,8 @@ if [ "$1" = s15 ]; then
     timeout 120 python3 benchmarks/bench_mla.py --gluon-only --topk-only --out "$OUT" 2>&1 \
         | tail -6 | cut -c1-110
     for i in 0 1 2 3 4 5 6 7; do
-        timeout 130 python3 -m tools.fuzz --device cuda --dtype bf16 --seed $((200000 + i * 5000)) \
-            --n 5000 --seconds 110 > "$OUT/fuzz$i.log" 2>&1 &
+        timeout 110 python3 -m tools.fuzz --device cuda --dtype bf16 --seed $((200000 + i * 5000)) \
+            --n 5000 --seconds 90 > "$OUT/fuzz$i.log" 2>&1 &
     done
     wait
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log

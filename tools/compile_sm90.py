@@ -161,6 +161,9 @@ def cases():
                       CONSUMER_REGS=240)
         yield "fwd", f"fwd sm90 (Gluon) D=128 {label}", fwd_sm90._fwd_sm90_kernel, \
             sm90_types, consts, 4, 1
+        if label == "causal":
+            yield "fwd", "fwd sm90 (Gluon) D=256 causal", fwd_sm90._fwd_sm90_kernel, \
+                sm90_types, dict(consts, D=256, BLOCK_N=configs.FWD_SM90[256].block_n), 4, 1
     # Its paged variant: pages smaller than a tile (a TMA box a page), of a tile, and larger.
     paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                       seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,
@@ -198,6 +201,8 @@ def cases():
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
         if label == "causal":
+            yield "dkdv", "bwd dK/dV sm90 (Gluon) D=64 causal", bwd_sm90._dkdv_sm90_kernel, \
+                dict(bwd_types, scale="fp32", scale_log2="fp32"), dict(consts, D=64), 4, 1
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=128 causal EARLY_DP", \
                 bwd_sm90._dkdv_sm90_kernel, dict(bwd_types, scale="fp32", scale_log2="fp32"), \
                 dict(consts, EARLY_DP=True), 4, 1

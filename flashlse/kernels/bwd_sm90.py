@@ -332,7 +332,7 @@ def _dkdv_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-def supported(q, k, v, dout, dk, dv, *, softcap, dims=(128, )) -> bool:
+def supported(q, k, v, dout, dk, dv, *, softcap, dims) -> bool:
     """A kernel's domain (head dims ``dims``, D == Dv; ``dispatch.attn_bwd`` asks per pass):
     everything else runs bwd.py's."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
@@ -352,7 +352,8 @@ def dkdv_plan(p: BwdPass) -> Launch | None:
     run = p.plan.launches.get("sm90 dK/dV", _MISSING)
     if run is _MISSING:
         run = None
-        if supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap):
+        if supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap,
+                     dims=configs.BWD_SM90_DKDV_DIMS):
             args = p.plan.dkdv_kw
             cfg = configs.BWD_SM90_DKDV
             tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,

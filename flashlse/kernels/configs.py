@@ -205,9 +205,16 @@ def fwd_paged_config(block_d: int, block_dv: int, rows: int, interpret: bool) ->
 # RESULTS.md 2026-11-29, session 5, the variants table ("ovfree" column, D=128 S=4096-16384
 # full / causal: overlap without ping-pong, 2 stages) and the bench_fwd.py --full table
 # above it (fwd bf16 D=128 S=8192 B=2 H=16 full 600, causal 547). D=64 is not in the domain:
-# session 5's "Gluon kernel at D=64, not kept" rows.
+# session 5's "Gluon kernel at D=64, not kept" rows, and RESULTS.md 2026-12-02 session 15,
+# "Hopper forward at D = 64 / 256" (128x128: 0.66-0.94x of fwd.py's at S <= 2k, 0.91-1.02x
+# at 4k, 1.01-1.08x at S >= 8k; softmax-bound: half D = 128's MMA work a tile, the same exps).
 FWD_SM90 = {
     128: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,
+                    overlap=True, consumer_regs=240),
+    # RESULTS.md 2026-12-02 session 15, "Hopper forward at D = 64 / 256": 1.18-1.30x fwd.py's
+    # at S = 1k-16k, full and causal (529-681 TFLOP/s full, 0.87-1.02x cuDNN; causal 0.81-1.09x).
+    # 3 stages spill and need 263 KB; BLOCK_N 128 at 1 stage spills 536 bytes.
+    256: TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, pingpong=False,
                     overlap=True, consumer_regs=240),
 }
 
@@ -288,6 +295,9 @@ def bwd_configs(key_d: int, varlen: bool, interpret: bool) -> tuple[TileConfig, 
 # EARLY_DP off here: not measured on (the compile test builds both).
 BWD_SM90_DKDV = TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, early_dp=False,
                            stats_tma=True, consumer_regs=240)
+# The dK/dV kernel's head dims (D == Dv). D = 64: RESULTS.md 2026-12-02 session 15,
+# "Hopper forward at D = 64 / 256", bwd rows: 0.99-1.04x bwd.py's kernel (S = 1k-16k).
+BWD_SM90_DKDV_DIMS = (64, 128)
 # dQ per head dim; block_m is the kernel's (two 64-row halves).
 BWD_SM90_DQ = {
     # RESULTS.md 2026-11-29, session 6, per-kernel device time: "Gluon dQ BN=128" against

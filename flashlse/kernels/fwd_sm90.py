@@ -31,10 +31,11 @@ from a second descriptor, the last page's rows up to the length, so the cache ro
 more than 16 packed rows only (``_long_block``): the decodes of a mixed step run fwd.py's
 paged kernel, which packs the query heads of a kv head into a tile (PackGQA).
 
-Fast path only: sm_90, fp16/bf16, D == Dv == 128, scale > 0, no softcap, 16-byte aligned
-rows, at most 65535 sequences and heads (grid y/z); every mask, GQA, sink, varlen and
-seqused_k are handled. Everything else goes to ``fwd.py`` (D = 64 measured slower here below
-8k: NOTES #18). Gluon does not run under TRITON_INTERPRET: CI compiles this kernel for sm_90
+Fast path only: sm_90, fp16/bf16, D == Dv with a tile in ``configs.FWD_SM90`` (128, and 256
+with 64-key tiles; the paged kernel 128 only), scale > 0, no softcap, 16-byte aligned rows, at
+most 65535 sequences and heads (grid y/z); every mask, GQA, sink, varlen and seqused_k are
+handled. Everything else goes to ``fwd.py`` (D = 64 measured slower here below 8k: NOTES #18
+and RESULTS.md 2026-12-02). Gluon does not run under TRITON_INTERPRET: CI compiles this kernel for sm_90
 (tests/test_kernels_compile_sm90.py) and tests fwd.py's kernel, the same math; the H200 runs
 tests/kernels/test_fwd.py's ``sm90`` cases.
 """

@@ -397,22 +397,28 @@ def test_attn_bwd_gpu_sm90_varlen(device, kernel_opts, monkeypatch, causal, d, p
                 8, 2, d, d, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
 
 
+# The Gluon kernels at their other head dims: dQ at D = 256 (its dK/dV is bwd.py's there),
+# dK/dV at D = 64 (its dQ is bwd.py's there; configs.BWD_SM90_DKDV_DIMS).
+# window_31_0 has rows that see no key and no sink (lse = -inf, dq = 0).
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("path", ["sm90", "tl"])
-# window_31_0 has rows that see no key and no sink (lse = -inf, dq = 0).
-@pytest.mark.parametrize("case", [SM90_CASES[i] for i in (0, 2, 4, 5, 7, 8)])
-def test_attn_bwd_gpu_sm90_dq_d256(device, kernel_opts, monkeypatch, case, path):
-    # The Gluon dQ at D = 256 too (its dK/dV is D = 128 only).
+@pytest.mark.parametrize("part,d,dtype", [("dq", 256, torch.bfloat16),
+                                          ("dkdv", 64, torch.bfloat16),
+                                          ("dkdv", 64, torch.float16)],
+                         ids=["dq_d256", "dkdv_d64_bf16", "dkdv_d64_fp16"])
+@pytest.mark.parametrize("case", [SM90_CASES[i] for i in (0, 1, 2, 4, 5, 7, 8)])
+def test_attn_bwd_gpu_sm90_other_dims(device, kernel_opts, monkeypatch, case, part, d, dtype,
+                                      path):
     from flashlse.kernels import bwd_sm90
 
     calls = []
-    real = bwd_sm90.dq_plan
-    kernel_opts(sm90_dq=path == "sm90")
-    monkeypatch.setattr(bwd_sm90, "dq_plan", lambda p: calls.append(real(p)) or calls[-1])
+    real = getattr(bwd_sm90, f"{part}_plan")
+    kernel_opts(**{f"sm90_{part}": path == "sm90"})
+    monkeypatch.setattr(bwd_sm90, f"{part}_plan", lambda p: calls.append(real(p)) or calls[-1])
     case = dict(case)
     b, sq, sk, hq, hkv = (case.pop(n) for n in ("b", "sq", "sk", "hq", "hkv"))
-    _run_dense(device, torch.bfloat16, b, sq, sk, hq, hkv, 256, 256, seed=6, **case)
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, d, d, seed=6, **case)
     assert len(calls) == (1 if path == "sm90" else 0) and all(calls)
 
 

@@ -82,7 +82,7 @@ def _fwd_domain(q, k, v, *, softcap, scale, batch):
             and v.shape[-1] == q.shape[-1] and not softcap and scale > 0 and tma_ok(q, k, v))
 
 
-def _bwd_domain(q, k, v, dout, dk, dv, *, softcap, dims=(128,)):
+def _bwd_domain(q, k, v, dout, dk, dv, *, softcap, dims):
     from flashlse.kernels._common import tma_ok
     return (q.dtype in (torch.float16, torch.bfloat16) and not softcap
             and q.shape[-1] in dims and v.shape[-1] == q.shape[-1]
