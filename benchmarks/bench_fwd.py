@@ -55,8 +55,9 @@ def _ours(q, k, v, causal):
 
 
 def _ws_failures() -> int:
-    """Tile shapes whose warp-specialised forward failed to compile so far (each fell back)."""
-    return sum(key[0] == "fwd warp_specialize" for key in FAILURES)
+    """Tile shapes whose warp-specialised or Hopper forward failed to compile so far (each
+    fell back to another kernel)."""
+    return sum(key[0] in ("fwd warp_specialize", "fwd_sm90") for key in FAILURES)
 
 
 def _sdpa(backend, qh, kh, vh, causal):
@@ -157,28 +158,37 @@ SWEEP3 = [
 ]
 
 
-def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3"):
-    """Each variant at two lengths, twice; the winner by mean TFLOP/s per causal."""
+# The Hopper forward's schedule at short lengths (issue 22: S = 1k / 2k at 0.67-0.80x cuDNN),
+# as ``KernelOptions.fwd_sm90_config`` overrides of configs.FWD_SM90[128]; {} = shipped.
+SM90_SHORT = [{}, {"STAGES": 3}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "STAGES": 3},
+              {"PINGPONG": True}]
+
+
+def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3",
+           option="fwd_config"):
+    """Each variant at two lengths, twice; the winner by mean TFLOP/s per causal. ``option``:
+    the ``KernelOptions`` field the variants override (``fwd_sm90_config``: the Hopper
+    kernel's)."""
     d, h = 128, 16
     rows, best = [], {}
     inputs = {seq: bf16_inputs(16384 // seq, seq, seq, h, d) for seq in seqs}
     for causal in (False, True):
         for cfg in variants or SWEEP3:
-            name = ",".join(f"{key}={val}" for key, val in cfg.items())
+            name = ",".join(f"{key}={val}" for key, val in cfg.items()) or "shipped"
             n_failed = _ws_failures()
             tfs = []
             try:
                 for _ in range(repeats):
                     for seq in seqs:
                         q, k, v = inputs[seq]
-                        with fl.kernel_options(fwd_config=cfg):
+                        with fl.kernel_options(**{option: cfg}):
                             ms = median_ms(_ours(q, k, v, causal))
                         tfs.append(attn_flops(16384 // seq, h, seq, seq, d, causal) / ms * 1e-9)
             except Exception as e:  # noqa: BLE001 - a config may not compile; record why
                 name += f" FAILED {type(e).__name__}: {str(e)[:120]}"
                 tfs = [float("nan")]
             if _ws_failures() > n_failed:
-                name += " (warp specialisation fell back)"
+                name += " (fell back: did not compile)"
             mean = sum(tfs) / len(tfs)
             rows.append(dict(d=d, causal=causal, cfg=name, tflops=tfs, mean=mean))
             print(f"{tag} causal={causal:d} mean {mean:6.1f} runs "
@@ -371,6 +381,8 @@ def main():
     p.add_argument("--best", default=None, help="sweep json whose winners --full uses")
     p.add_argument("--merge", default=None, help="bench_fwd.json of other head dims, for the plot")
     p.add_argument("--full", action="store_true")
+    p.add_argument("--sm90-short", action="store_true",
+                   help="the Hopper forward's schedules (SM90_SHORT) at S = 1k and 2k")
     p.add_argument("--dims", default="64,128,256")
     p.add_argument("--flex-budget", type=float, default=240.0)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -395,6 +407,9 @@ def main():
             print(f"  D={r['d']:3d} causal={r['causal']:d} {r['tflops']:7.1f}  {r['cfg'][:100]}")
     if a.sweep3:
         sweep3(a.out)
+    if a.sm90_short:
+        sweep3(a.out, seqs=(1024, 2048), variants=SM90_SHORT, tag="sm90_short",
+               option="fwd_sm90_config")
     if a.best:
         with open(a.best) as f:
             best = json.load(f)["best"]

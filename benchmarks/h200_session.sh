@@ -23,6 +23,8 @@
 #                                                bench_serving (and bench_varlen.py)
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh s15        # session 14's changes and set-ups, first run
+#   bash benchmarks/h200_session.sh s16        # session 15's kept tiles (D = 256 fwd, D = 64
+#                                                dK/dV): their tests; bench_fwd --sm90-short
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64 / 256 (.variant_fwd,
 #                                                carried): its tests, bench_fwd A/B
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
@@ -165,6 +167,28 @@ if [ "$1" = s15 ]; then
     done
     wait
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
+    exit 0
+fi
+if [ "$1" = s16 ]; then
+    # Session 15's kept tiles on the final tree: the Hopper forward at D = 256 (test_fwd.py
+    # whole, four shards: its sm90 d256 cases, varlen at D = 256, the generic head-dim cases)
+    # and the Hopper dK/dV at D = 64 (test_bwd.py's other_dims, varlen, head dims), the launch
+    # plans; then bench_fwd --sm90-short (the Hopper forward's schedules at S = 1k / 2k).
+    mkdir -p "$OUT/tests"
+    for i in 0 1 2 3; do
+        FLASHLSE_TEST_SHARD=$i/4 timeout 300 python3 -m pytest -q tests/kernels/test_fwd.py \
+            -p no:cacheprovider > "$OUT/tests/fwd$i.log" 2>&1 &
+    done
+    timeout 300 python3 -m pytest -q tests/kernels/test_bwd.py \
+        -k "other_dims or sm90_varlen or head_dims" -p no:cacheprovider \
+        > "$OUT/tests/bwd.log" 2>&1 &
+    timeout 300 python3 -m pytest -q tests/kernels/test_launch_plans.py tests/test_dispatch.py \
+        -p no:cacheprovider > "$OUT/tests/plans.log" 2>&1 &
+    wait
+    for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
+    (cd "$OUT" && tar czf tests.tgz tests && rm -rf tests)
+    timeout 200 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -12
     exit 0
 fi
 if [ "$1" = fwd-dims ]; then

@@ -212,11 +212,12 @@ def test_attn_fwd_gpu_edges(device, kernel_opts, monkeypatch, dtype, case, sm90)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "tl"])
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attn_fwd_gpu_varlen(device, kernel_opts, monkeypatch, causal, sm90):
+def test_attn_fwd_gpu_varlen(device, kernel_opts, monkeypatch, causal, d, sm90):
     kernel_opts(sm90_fwd=sm90)
     _run_varlen(device, torch.bfloat16, [700, 0, 1300, 1, 129], [900, 300, 1300, 0, 129],
-                8, 1, 128, 128, causal=causal, used=[900, 300, 1000, 0, 64], sink=True)
+                8, 1, d, d, causal=causal, used=[900, 300, 1000, 0, 64], sink=True)
 
 
 def test_attn_fwd_sm90_failure_falls_back(device, monkeypatch, compile_failures):
