@@ -42,6 +42,8 @@ tests/kernels/test_fwd.py's ``sm90`` cases.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -155,6 +157,28 @@ def _load_tile(desc, full, ring, s, n0, paged_args, TAIL: gl.constexpr,
                     last_start, PAGE_SIZE, BLOCK_N)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """The accumulator layout of a consumer warpgroup's ``[64, n]`` products."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _q_buffers(dtype: gl.constexpr, D: gl.constexpr, q_layout: gl.constexpr):
+    """The two Q halves' buffer and two pairs of single-arrival barriers a half: Q's *full*
+    (the producer's expect, completed by the TMA bytes) and a second one the caller names
+    (the ping-pong turns; the persistent kernel's Q *empty*)."""
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    other = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(other.index(i), count=1)
+    return q_smem, q_bar, other
+
+
 @gluon.jit
 def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, kv_layout: gl.constexpr):
@@ -224,39 +248,41 @@ def _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2,
 @gluon.jit
 def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
                            acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
-                           n_lo, n_full_lo, n_full_hi, n_tiles,
+                           n_lo, n_full_lo, n_full_hi, n_tiles, t0,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                            PINGPONG: gl.constexpr, s_layout: gl.constexpr,
                            o_layout: gl.constexpr, p_layout: gl.constexpr):
     """FA-3's intra-warpgroup overlap: ``S_{j+1} = Q K_{j+1}^T`` and ``acc += P_j V_j`` are
-    issued together, and the softmax of tile j + 1 runs while ``P_j V_j`` is in flight."""
+    issued together, and the softmax of tile j + 1 runs while ``P_j V_j`` is in flight.
+    The block's tiles are the ring's ``t0``-th and on (the persistent kernel's earlier
+    blocks took the ``t0`` before; 0 elsewhere)."""
     dtype: gl.constexpr = q_tile.dtype
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     if n_tiles > 0:
-        mbarrier.wait(k_full.index(0), 0)
+        mbarrier.wait(k_full.index(t0 % STAGES), (t0 // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn.index(half), 0)
-        s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero,
+        s_tok = warpgroup_mma(q_tile, k_smem.index(t0 % STAGES).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - half))
         s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(t0 % STAGES))
         p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo, rows, T_k, shift, left, right,
                                           scale_log2, n_full_lo, n_full_hi,
                                           HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
         for it in range(n_tiles - 1):
-            s = it % STAGES
-            s1 = (it + 1) % STAGES
+            s = (t0 + it) % STAGES
+            s1 = (t0 + it + 1) % STAGES
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(k_full.index(s1), ((it + 1) // STAGES) & 1)
+            mbarrier.wait(k_full.index(s1), ((t0 + it + 1) // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(turn.index(half), (it + 1) & 1)
             s_tok = warpgroup_mma(q_tile, k_smem.index(s1).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
-            mbarrier.wait(v_full.index(s), (it // STAGES) & 1)
+            mbarrier.wait(v_full.index(s), ((t0 + it) // STAGES) & 1)
             o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - half))
@@ -268,7 +294,7 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
                                               HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(v_empty.index(s))
-        last = n_tiles - 1
+        last = t0 + n_tiles - 1
         s = last % STAGES
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -293,10 +319,8 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
               PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
     """One warpgroup: 64 query rows against every key tile of the block, then the epilogue."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
@@ -314,7 +338,7 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
         acc, m_i, l_i = _consumer_loop_overlap(
             q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
             acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
-            n_lo, n_full_lo, n_full_hi, n_tiles,
+            n_lo, n_full_lo, n_full_hi, n_tiles, 0,
             BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, s_layout, o_layout, p_layout)
     else:
         for it in range(n_tiles):
@@ -402,13 +426,7 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
                                             [stride_vs, 1], [BOX, D], kv_layout)
         producer_args = (k_tail, v_tail, p_bt, T_k, last_start)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
+    q_smem, q_bar, turn = _q_buffers(dtype, D, q_layout)
     k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
                                                                 kv_layout)
     # Warpgroup 0 issues first.
@@ -497,6 +515,182 @@ def _fwd_sm90_kernel(
             left, right, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles, stride_qs, stride_os,
             D, 0, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP,
             CONSUMER_REGS)
+
+
+@gluon.jit
+def _dense_item(item, n_m, hq, seqlen_q, seqlen_k, left, right, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Work item ``item`` of the persistent kernel: the grid's order (row block fastest, the
+    last first, then head, then sequence) as one index. Its head, sequence, first row, the
+    masks' shift and the key tiles of ``_key_ranges``."""
+    i_m = n_m - 1 - item % n_m
+    rest = item // n_m
+    i_h = rest % hq
+    i_b = rest // hq
+    m0 = i_m * (2 * HALF_M)
+    m_last = gl.minimum(m0 + 2 * HALF_M, seqlen_q) - 1
+    shift = seqlen_k - seqlen_q
+    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, seqlen_k, shift, left, right,
+                                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
+    return i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles
+
+
+@gluon.jit
+def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                         q_bar, q_empty, k_full, k_empty, v_full, v_empty,
+                         n_items, n_m, seqlen_q, seqlen_k, left, right,
+                         GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """``_producer`` over the program's work items: each item's Q halves once both
+    consumers are done with the last item's (``q_empty``), its K/V tiles into the one ring
+    whose count ``t`` runs on across items, so the next item's first tiles load during this
+    item's last products and epilogue. Coordinates are rows of ``(B * S, H * D)``."""
+    t = 0
+    j = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
+            item, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        row_q = i_b * seqlen_q + m0
+        row_k = i_b * seqlen_k + n_lo
+        col_k = (i_h // GROUP) * D
+        for half in gl.static_range(2):
+            mbarrier.wait(q_empty.index(half), (j & 1) ^ 1)
+            mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row_q + half * HALF_M, i_h * D],
+                                            q_bar.index(half), q_smem.index(half))
+        for it in range(n_tiles):
+            s = t % STAGES
+            ph = ((t // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(s), ph)
+            mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row_k + it * BLOCK_N, col_k],
+                                            k_full.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), ph)
+            mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [row_k + it * BLOCK_N, col_k],
+                                            v_full.index(s), v_smem.index(s))
+            t += 1
+        j += 1
+
+
+@gluon.jit
+def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
+                         q_bar, q_empty, k_full, k_empty, v_full, v_empty,
+                         lse, stride_lb, stride_lh, sink, half,
+                         n_items, n_m, seqlen_q, seqlen_k, left, right, scale_log2,
+                         HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr):
+    """``_consumer`` (the overlapped schedule) over the program's work items. Q's buffer is
+    handed back right after the item's last product; out goes through its own buffer, whose
+    previous TMA store is waited for only when the next item's epilogue needs it."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    q_tile = q_smem.index(half)
+    o_tile = o_smem.index(half)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    t = 0
+    j = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
+            item, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        r0 = m0 + half * HALF_M
+        rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+        acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
+        mbarrier.wait(q_bar.index(half), j & 1)
+        acc, m_i, l_i = _consumer_loop_overlap(
+            q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
+            acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
+            n_lo, n_full_lo, n_full_hi, n_tiles, t,
+            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
+        mbarrier.arrive(q_empty.index(half))
+        t += n_tiles
+        j += 1
+        sink_nat = 0.0
+        if HAS_SINK:
+            sink_nat = gl.load(sink + i_h).to(gl.float32)
+        o_scale, lse_row = _final_stats(m_i, l_i, sink_nat, HAS_SINK)
+        p_lse = lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
+        gl.store(p_lse + rows, lse_row, mask=rows < seqlen_q)
+        out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
+        # The last item's store has read the buffer: its issuing thread waits, the
+        # warpgroup's barrier holds the others until it has.
+        tma.store_wait(0)
+        gl.thread_barrier()
+        o_tile.store(out.to(dtype))
+        fence_async_shared()
+        # A half past the sequence's end (seqlen_q % 128 == 64) holds the next sequence's
+        # rows: not stored.
+        if r0 < seqlen_q:
+            tma.async_copy_shared_to_global(o_desc, [i_b * seqlen_q + r0, i_h * D], o_tile)
+    tma.store_wait(0)
+
+
+# Lengths change per call; specialising on them only recompiles.
+@gluon.jit(do_not_specialize=["batch", "seqlen_q", "seqlen_k", "n_items", "left", "right"])
+def _fwd_sm90_persistent_kernel(
+    q, k, v, o, lse, sink,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_q, stride_k, stride_v, stride_o, stride_l,
+    batch, seqlen_q, seqlen_k, n_items, left, right, scale_log2,
+    GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    """The dense forward as a persistent kernel: a program per SM (at most) walks work items
+    ``program_id, program_id + num_programs, ...`` (``_dense_item``), so one item's
+    epilogue and the next one's Q and first K/V loads overlap, and the prologue (barriers,
+    descriptors) is paid once a program, not once a 128-row block. For the layouts
+    ``_persistent_ok`` admits: q, k, v, out as ``(B * S, H * D)`` matrices (row stride
+    ``stride(1)``, heads adjacent), ``seqlen_q % 64 == 0`` and ``seqlen_k % BLOCK_N == 0``,
+    so a K/V tile never reads past its sequence and a stored half never crosses one (the
+    descriptors span the batch). (``cu_seqlens_*`` and ``seqused_k`` are never set here.)"""
+    stride_qb, stride_qs, stride_qh = stride_q
+    stride_kb, stride_ks, stride_kh = stride_k
+    stride_vb, stride_vs, stride_vh = stride_v
+    stride_ob, stride_os, stride_oh = stride_o
+    stride_lb, stride_lh = stride_l
+    dtype: gl.constexpr = q.dtype.element_ty
+    HKV: gl.constexpr = HQ // GROUP
+    n_m = (seqlen_q + 2 * HALF_M - 1) // (2 * HALF_M)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    q_desc = tma.make_tensor_descriptor(q, [batch * seqlen_q, HQ * D], [stride_qs, 1],
+                                        [HALF_M, D], q_layout)
+    o_desc = tma.make_tensor_descriptor(o, [batch * seqlen_q, HQ * D], [stride_os, 1],
+                                        [HALF_M, D], q_layout)
+    k_desc = tma.make_tensor_descriptor(k, [batch * seqlen_k, HKV * D], [stride_ks, 1],
+                                        [BLOCK_N, D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(v, [batch * seqlen_k, HKV * D], [stride_vs, 1],
+                                        [BLOCK_N, D], kv_layout)
+    q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
+                                                                kv_layout)
+    gl.warp_specialize([
+        (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
+                                sink, 0, n_items, n_m, seqlen_q, seqlen_k, left, right,
+                                scale_log2, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
+                                HAS_SINK)),
+        (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
+                                sink, 1, n_items, n_m, seqlen_q, seqlen_k, left, right,
+                                scale_log2, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
+                                HAS_SINK)),
+        (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                                q_bar, q_empty, k_full, k_empty, v_full, v_empty,
+                                n_items, n_m, seqlen_q, seqlen_k, left, right,
+                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @gluon.jit
@@ -694,11 +888,55 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     # (batch, row, head) strides; lse: (batch, head).
     sq, sk, sv, so = (strides(t, is_varlen) for t in (q, k, v, out))
     sl = strides(lse, is_varlen)[:2]
-    kw = dict(stride_q=sq, stride_k=sk, stride_v=sv, stride_o=so, stride_l=sl, **lens,
-              IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None,
-              **_shared_kw(q, k, left, right, scale, sink, override))
+    shared = _shared_kw(q, k, left, right, scale, sink, override)
+    kw = dict(stride_q=sq, stride_k=sk, stride_v=sv, stride_o=so, stride_l=sl, **shared)
+    if _persistent_ok(q, k, v, out, shared, is_varlen=is_varlen, seqused_k=seqused_k,
+                      override=override):
+        # A program per SM at most; under masks (row blocks of unequal work) a count
+        # coprime with the row blocks a head, so each program's items cycle through them.
+        n_m = cdiv(seqlen_q, 2 * HALF_M)
+        n_items = batch * hq * n_m
+        programs = min(n_items, _sm_count(q.device))
+        if shared["HAS_LEFT"] or shared["HAS_RIGHT"]:
+            while programs > 1 and math.gcd(programs, n_m) != 1:
+                programs -= 1
+        kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
+                  HQ=hq)
+        for name in ("PINGPONG", "OVERLAP"):
+            kw.pop(name)
+        return Plan(Launch(_fwd_sm90_persistent_kernel, (programs, ),
+                           *positional(_fwd_sm90_persistent_kernel, 9, kw)),
+                    (*signature, "persistent"))
+    kw.update(**lens, IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None)
     grid = (cdiv(seqlen_q, 2 * HALF_M), hq, batch)
     return Plan(Launch(_fwd_sm90_kernel, grid, *positional(_fwd_sm90_kernel, 9, kw)), signature)
+
+
+def _persistent_ok(q, k, v, out, shared, *, is_varlen, seqused_k, override) -> bool:
+    """Whether a call takes the persistent kernel: its config asks for it (the overlapped
+    schedule, no ping-pong), a dense call without seqused_k whose q, k, v and out are
+    ``(B * S, H * D)`` matrices (heads adjacent, sequences back to back), ``S_q`` a multiple
+    of 64 and ``S_k`` of BLOCK_N (no tile crosses a sequence), and Q, out and the ring fit
+    in shared memory beside each other."""
+    cfg = configs.override(configs.FWD_SM90[q.shape[-1]], override, configs.FWD_SM90_KEYS,
+                           what="fwd_sm90_config")
+    if not cfg.persistent or cfg.pingpong or not cfg.overlap or is_varlen:
+        return False
+    if seqused_k is not None:
+        return False
+    d, block_n, stages = q.shape[-1], shared["BLOCK_N"], shared["STAGES"]
+    b, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]
+    if s_q % HALF_M.value or s_k == 0 or s_k % block_n or b * max(s_q, s_k) >= 2**31:
+        return False
+    if (4 * HALF_M.value * d + 2 * stages * block_n * d) * q.element_size() > 200 * 1024:
+        return False
+    return all(t.stride(2) == d and t.stride(0) == t.shape[1] * t.stride(1)
+               for t in (q, k, v, out))
+
+
+@functools.cache
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # Page sizes smaller than a key tile that the paged kernel takes, one TMA box a page (row

@@ -10,6 +10,7 @@ anywhere; outputs are allocated pre-filled with NaN so an unwritten element fail
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -306,3 +307,71 @@ def test_attn_fwd_gpu_sm90_schedules(device, kernel_opts, monkeypatch, pingpong,
     _run_dense(device, torch.float16, 1, 1000, 1200, 4, 1, 128, 128, window=(300, 20),
                sink=True, seed=10)
     _run_dense(device, torch.bfloat16, 1, 2000, 900, 4, 2, 128, 128, causal=True, seed=11)
+
+
+# The persistent form of the Hopper forward (fwd_sm90._fwd_sm90_persistent_kernel): more
+# row blocks than programs (each program walks several), row-block counts with and without a
+# common factor with the program count, a half block past the sequence end before the next
+# sequence (S_q % 128 == 64), empty rows, windows, sink, GQA.
+PERSISTENT_CASES = [
+    pytest.param(4, 1024, 1024, 8, 2, {}, id="base_256_items"),
+    pytest.param(2, 2048, 2048, 8, 8, {"causal": True}, id="causal_256_items"),
+    pytest.param(3, 1024, 512, 8, 2, {"causal": True, "sink": True}, id="causal_sq_gt_sk_sink"),
+    pytest.param(3, 320, 1024, 4, 1, {"causal": True}, id="causal_half_past_end_mqa"),
+    pytest.param(2, 704, 1024, 4, 2, {"window": (100, 50), "sink": True}, id="window_sink"),
+    pytest.param(2, 896, 896, 16, 2, {"window": (200, None)}, id="window_left_only"),
+    pytest.param(5, 64, 128, 4, 4, {}, id="one_half_blocks"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,kw", PERSISTENT_CASES)
+def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b, sq, sk, hq,
+                                      hkv, kw):
+    from flashlse.kernels import fwd_sm90
+
+    kernel_opts(fwd_sm90_config={"PERSISTENT": True})
+    plans = []
+    real = fwd_sm90.plan
+
+    def plan(*a, **k):
+        p = real(*a, **k)
+        plans.append(p)
+        return p
+
+    monkeypatch.setattr(fwd_sm90, "plan", plan)
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, 128, 128, seed=12, **kw)
+    assert plans and all(p is not None and p.signature[-1] == "persistent" for p in plans)
+
+
+def test_attn_fwd_sm90_persistent_domain():
+    """Which calls the persistent kernel takes (no device needed: ``_persistent_ok`` reads
+    metadata): dense, sequences back to back, S_q % 64 and S_k % BLOCK_N zero."""
+    from flashlse.kernels import configs, fwd_sm90
+
+    cfg = configs.FWD_SM90[128]
+    shared = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages)
+    on = {"PERSISTENT": True}
+    empty = functools.partial(torch.empty, dtype=torch.bfloat16)
+
+    def ok(q, k, override=on, **kw):
+        kw = dict(dict(is_varlen=False, seqused_k=None), **kw)
+        return fwd_sm90._persistent_ok(q, k, k, q, shared, override=override, **kw)
+
+    q, k = empty(2, 1024, 8, 128), empty(2, 2048, 2, 128)
+    assert ok(q, k)
+    assert not ok(q, k, override={"PERSISTENT": False})
+    assert not ok(q, k, override={"PERSISTENT": True, "PINGPONG": True})
+    assert not ok(q, k, seqused_k=torch.empty(2))
+    assert ok(empty(2, 320, 8, 128), k)  # S_q % 64 == 0 ...
+    assert not ok(empty(2, 1000, 8, 128), k)  # ... but not 1000
+    assert not ok(q, empty(2, 1000, 2, 128))  # S_k % BLOCK_N
+    assert not ok(q, empty(2, 0, 2, 128))
+    # Heads not adjacent, or sequences not back to back: the per-sequence kernel.
+    assert not ok(empty(2, 8, 1024, 128).transpose(1, 2), k)
+    assert not ok(empty(2, 2048, 8, 128)[:, :1024], k)
+    # A packed qkv projection: rows 3 H D apart, heads adjacent.
+    qkv = empty(2, 1024, 3, 8, 128)
+    assert ok(qkv[:, :, 0], qkv[:, :, 1, :2])
