@@ -198,13 +198,13 @@ if [ "$1" = persistent ]; then
     # shows in 150 s), then bench_fwd --sm90-short (shipped / persistent at S = 1k-4k), then,
     # with the persistent kernel as the default, test_fwd.py (four shards), the NaN and
     # sync-free / CUDA-graph tests.
-    timeout 150 python3 -m pytest -q tests/kernels/test_fwd.py -k persistent -p no:cacheprovider \
+    timeout 120 python3 -m pytest -q tests/kernels/test_fwd.py -k persistent -p no:cacheprovider \
         > "$OUT/test_persistent.log" 2>&1
     echo "persistent tests: $(tail -1 "$OUT/test_persistent.log")"
     grep -h "^FAILED\|^ERROR" "$OUT/test_persistent.log" | head
     grep -q " passed" "$OUT/test_persistent.log" && ! grep -q "failed\|error" "$OUT/test_persistent.log" \
         || exit 1
-    timeout 150 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -4
+    timeout 120 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -4
     mkdir -p "$OUT/tests"
     run_default() {
         python3 -c "import dataclasses, sys, pytest; from flashlse.kernels import configs
@@ -212,10 +212,10 @@ configs.FWD_SM90[128] = dataclasses.replace(configs.FWD_SM90[128], persistent=Tr
 sys.exit(pytest.main(sys.argv[1:]))" -q -p no:cacheprovider "$@"
     }
     for i in 0 1 2 3; do
-        FLASHLSE_TEST_SHARD=$i/4 timeout 200 bash -c "$(declare -f run_default); run_default tests/kernels/test_fwd.py" \
+        FLASHLSE_TEST_SHARD=$i/4 timeout 170 bash -c "$(declare -f run_default); run_default tests/kernels/test_fwd.py" \
             > "$OUT/tests/fwd$i.log" 2>&1 &
     done
-    timeout 200 bash -c "$(declare -f run_default); run_default tests/kernels/test_nan_kernels.py tests/kernels/test_sync_free.py tests/kernels/test_cuda_graphs.py" \
+    timeout 170 bash -c "$(declare -f run_default); run_default tests/kernels/test_nan_kernels.py tests/kernels/test_sync_free.py tests/kernels/test_cuda_graphs.py" \
         > "$OUT/tests/nan_sync_graphs.log" 2>&1 &
     wait
     for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
