@@ -161,8 +161,8 @@ SWEEP3 = [
 # The Hopper forward's schedule at short lengths (issue 22: S = 1k / 2k at 0.67-0.80x cuDNN),
 # as ``KernelOptions.fwd_sm90_config`` overrides of configs.FWD_SM90[128]; {} = shipped.
 # Session 15: STAGES 3, BLOCK_N 64 (2 or 3 stages) and ping-pong measured, none faster
-# (RESULTS.md 2026-12-02); the persistent kernel against the shipped one.
-SM90_SHORT = [{}, {"PERSISTENT": True}]
+# (RESULTS.md 2026-12-02); the grid kernel against the default (persistent where balanced).
+SM90_SHORT = [{"PERSISTENT": False}, {}]
 
 
 def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3",
@@ -383,7 +383,7 @@ def main():
     p.add_argument("--merge", default=None, help="bench_fwd.json of other head dims, for the plot")
     p.add_argument("--full", action="store_true")
     p.add_argument("--sm90-short", action="store_true",
-                   help="the Hopper forward's schedules (SM90_SHORT) at S = 1k, 2k, 4k")
+                   help="the Hopper forward's schedules (SM90_SHORT) at S = 1k-16k")
     p.add_argument("--dims", default="64,128,256")
     p.add_argument("--flex-budget", type=float, default=240.0)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -409,7 +409,7 @@ def main():
     if a.sweep3:
         sweep3(a.out)
     if a.sm90_short:
-        sweep3(a.out, seqs=(1024, 2048, 4096), variants=SM90_SHORT, tag="sm90_short",
+        sweep3(a.out, seqs=(1024, 2048, 4096, 8192, 16384), variants=SM90_SHORT, tag="sm90_short",
                option="fwd_sm90_config")
     if a.best:
         with open(a.best) as f:

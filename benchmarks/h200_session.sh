@@ -193,6 +193,18 @@ if [ "$1" = s16 ]; then
     timeout 200 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -12
     exit 0
 fi
+if [ "$1" = persistent2 ]; then
+    # The persistent kernel as the default where its schedule is balanced: its GPU tests,
+    # then bench_fwd --sm90-short (the grid kernel / the default at S = 1k-16k).
+    timeout 100 python3 -m pytest -q tests/kernels/test_fwd.py -k persistent -p no:cacheprovider \
+        > "$OUT/test_persistent.log" 2>&1
+    echo "persistent tests: $(tail -1 "$OUT/test_persistent.log")"
+    grep -h "^FAILED\|^ERROR" "$OUT/test_persistent.log" | head
+    timeout 150 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -4
+    python3 -c "import json; r = json.load(open('$OUT/sm90_short.json'))['rows']
+for x in r: print(x['causal'], x['cfg'][:20], ' '.join(f'{t:.0f}' for t in x['tflops']))"
+    exit 0
+fi
 if [ "$1" = persistent ]; then
     # The persistent Hopper forward (fwd_sm90_config PERSISTENT): its GPU tests first (a hang
     # shows in 150 s), then bench_fwd --sm90-short (shipped / persistent at S = 1k-4k), then,

@@ -333,6 +333,8 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
     from flashlse.kernels import fwd_sm90
 
     kernel_opts(fwd_sm90_config={"PERSISTENT": True})
+    # Whatever the balance of its static schedule (_persistent_programs).
+    monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", float("inf"))
     plans = []
     real = fwd_sm90.plan
 
@@ -375,3 +377,25 @@ def test_attn_fwd_sm90_persistent_domain():
     # A packed qkv projection: rows 3 H D apart, heads adjacent.
     qkv = empty(2, 1024, 3, 8, 128)
     assert ok(qkv[:, :, 0], qkv[:, :, 1, :2])
+
+
+def test_attn_fwd_sm90_persistent_balance():
+    """The persistent kernel only where its static schedule spreads the work (no device
+    needed): every unmasked call with enough row blocks, causal B*S = 16k H = 16 at S = 1k
+    and 2k, not at 4k-16k (the grid kernel's hardware scheduler does better there)."""
+    from flashlse.kernels import fwd_sm90
+
+    def programs(s, causal, heads=None, left=None):
+        shared = dict(BLOCK_N=128, HAS_RIGHT=causal, right=0, HAS_LEFT=left is not None,
+                      left=left or 0)
+        return fwd_sm90._persistent_programs(s, s, heads or 16384 // s * 16, shared, 132)
+
+    for s in (1024, 2048, 4096, 8192, 16384):
+        assert programs(s, False) == 132
+    assert programs(1024, True) and programs(2048, True)
+    assert not any(programs(s, True) for s in (4096, 8192, 16384))
+    assert programs(2048, True, heads=16) == 0  # 2 row blocks a program: uneven
+    assert programs(128, False, heads=20) == 20  # fewer blocks than SMs: one each
+    assert programs(1024, False, heads=17) == 0  # 136 blocks: 4 programs would take 2
+    # A sliding window (left 256): nearly every block the same work, balanced.
+    assert programs(4096, True, heads=64, left=256)
