@@ -161,8 +161,9 @@ SWEEP3 = [
 # The Hopper forward's schedule at short lengths (issue 22: S = 1k / 2k at 0.67-0.80x cuDNN),
 # as ``KernelOptions.fwd_sm90_config`` overrides of configs.FWD_SM90[128]; {} = shipped.
 # Session 15: STAGES 3, BLOCK_N 64 (2 or 3 stages) and ping-pong measured, none faster
-# (RESULTS.md 2026-12-02); the grid kernel against the default (persistent where balanced).
-SM90_SHORT = [{"PERSISTENT": False}, {}]
+# (RESULTS.md 2026-12-02); the grid kernel against the default (persistent where balanced)
+# and the persistent kernel on the host's schedule where the round robin is not.
+SM90_SHORT = [{"PERSISTENT": False}, {}, {"PERSISTENT_TABLE": True}]
 
 
 def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3",

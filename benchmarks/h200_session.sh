@@ -25,6 +25,7 @@
 #   bash benchmarks/h200_session.sh s15        # session 14's changes and set-ups, first run
 #   bash benchmarks/h200_session.sh s16        # session 15's kept tiles (D = 256 fwd, D = 64
 #                                                dK/dV): their tests; bench_fwd --sm90-short
+#   bash benchmarks/h200_session.sh s17        # session 15's table schedule: tests, A/B
 #   bash benchmarks/h200_session.sh persistent # the persistent Hopper forward: tests, A/B, and
 #                                                the fwd / NaN / sync / graph tests on it
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64 / 256 (.variant_fwd,
@@ -193,16 +194,17 @@ if [ "$1" = s16 ]; then
     timeout 200 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -12
     exit 0
 fi
-if [ "$1" = persistent2 ]; then
-    # The persistent kernel as the default where its schedule is balanced: its GPU tests,
-    # then bench_fwd --sm90-short (the grid kernel / the default at S = 1k-16k).
-    timeout 100 python3 -m pytest -q tests/kernels/test_fwd.py -k persistent -p no:cacheprovider \
+if [ "$1" = s17 ]; then
+    # Session 15's last change, not yet run on a GPU: the persistent forward on the host's
+    # greedy schedule (PERSISTENT_TABLE) for causal calls the round robin leaves uneven.
+    # Its GPU tests (both schedules), then bench_fwd --sm90-short (grid / default / table).
+    timeout 150 python3 -m pytest -q tests/kernels/test_fwd.py -k persistent -p no:cacheprovider \
         > "$OUT/test_persistent.log" 2>&1
     echo "persistent tests: $(tail -1 "$OUT/test_persistent.log")"
     grep -h "^FAILED\|^ERROR" "$OUT/test_persistent.log" | head
-    timeout 150 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -4
+    timeout 240 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -6
     python3 -c "import json; r = json.load(open('$OUT/sm90_short.json'))['rows']
-for x in r: print(x['causal'], x['cfg'][:20], ' '.join(f'{t:.0f}' for t in x['tflops']))"
+for x in r: print(x['causal'], x['cfg'][:22], ' '.join(f'{t:.0f}' for t in x['tflops']))"
     exit 0
 fi
 if [ "$1" = persistent ]; then

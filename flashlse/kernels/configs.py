@@ -45,7 +45,9 @@ class TileConfig:
         head_loop: bwd dK/dV: a loop over the group's heads around the row ranges.
         pingpong, overlap: fwd_sm90: FA-3's inter- / intra-warpgroup schedules.
         persistent: fwd_sm90: a program per SM walking the row blocks (dense calls whose
-            layout allows it: ``fwd_sm90._persistent_ok``).
+            layout allows it, ``fwd_sm90._persistent_ok``, in a balanced round robin).
+        persistent_table: fwd_sm90: where the round robin is uneven (causal at long S), the
+            persistent kernel with the host's greedy schedule (``fwd_sm90._greedy_table``).
         consumer_regs: the Gluon kernels: registers per consumer-warpgroup thread.
     """
 
@@ -65,6 +67,7 @@ class TileConfig:
     pingpong: bool = False
     overlap: bool = False
     persistent: bool = False
+    persistent_table: bool = False
     consumer_regs: int = 240
 
     @property
@@ -87,11 +90,13 @@ _FIELDS = {
     "PROGRAMS_PER_SM": "programs_per_sm", "USE_TMA": "use_tma",
     "WARP_SPECIALIZE": "warp_specialize", "GROUP_HEADS": "group_heads", "EARLY_DP": "early_dp",
     "STATS_TMA": "stats_tma", "HEAD_LOOP": "head_loop", "PINGPONG": "pingpong",
-    "OVERLAP": "overlap", "PERSISTENT": "persistent", "CONSUMER_REGS": "consumer_regs",
+    "OVERLAP": "overlap", "PERSISTENT": "persistent", "PERSISTENT_TABLE": "persistent_table",
+    "CONSUMER_REGS": "consumer_regs",
 }
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "WARP_SPECIALIZE",
             "GROUP_HEADS")
-FWD_SM90_KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "OVERLAP", "PERSISTENT", "CONSUMER_REGS")
+FWD_SM90_KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "OVERLAP", "PERSISTENT", "PERSISTENT_TABLE",
+                 "CONSUMER_REGS")
 DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_paged",
                "PROGRAMS_PER_SM")
 # bwd_config: "dkdv" / "dq" take (BLOCK_M, BLOCK_N, num_warps, num_stages); the flags set

@@ -43,6 +43,7 @@ tests/kernels/test_fwd.py's ``sm90`` cases.
 from __future__ import annotations
 
 import functools
+import heapq
 from typing import NamedTuple
 
 import torch
@@ -536,19 +537,47 @@ def _dense_item(item, n_m, hq, seqlen_q, seqlen_k, left, right, BLOCK_N: gl.cons
 
 
 @gluon.jit
+def _item_span(sched, n_items, TABLE: gl.constexpr):
+    """The program's work items as a loop ``range(lo, hi, step)`` of positions: the round
+    robin ``program_id, program_id + num_programs, ...`` (items are positions), or its span
+    of the host's schedule (``TABLE``: ``sched`` holds ``num_programs + 1`` offsets, then the
+    items, ``_item_at``)."""
+    if TABLE:
+        lo = gl.load(sched + gl.program_id(0))
+        hi = gl.load(sched + gl.program_id(0) + 1)
+        step = 1
+    else:
+        lo = gl.program_id(0)
+        hi = n_items
+        step = gl.num_programs(0)
+    return lo, hi, step
+
+
+@gluon.jit
+def _item_at(sched, j, TABLE: gl.constexpr):
+    if TABLE:
+        return gl.load(sched + gl.num_programs(0) + 1 + j)
+    else:
+        return j
+
+
+@gluon.jit
 def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                          q_bar, q_empty, k_full, k_empty, v_full, v_empty,
-                         n_items, n_m, seqlen_q, seqlen_k, left, right,
+                         n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
                          GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         TABLE: gl.constexpr):
     """``_producer`` over the program's work items: each item's Q halves once both
     consumers are done with the last item's (``q_empty``), its K/V tiles into the one ring
     whose count ``t`` runs on across items, so the next item's first tiles load during this
     item's last products and epilogue. Coordinates are rows of ``(B * S, H * D)``."""
     t = 0
     j = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    lo, hi, step = _item_span(sched, n_items, TABLE)
+    for pos in range(lo, hi, step):
+        item = _item_at(sched, pos, TABLE)
         i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
             item, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         row_q = i_b * seqlen_q + m0
@@ -578,10 +607,11 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
 def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                          q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                          lse, stride_lb, stride_lh, sink, half,
-                         n_items, n_m, seqlen_q, seqlen_k, left, right, scale_log2,
+                         n_items, n_m, seqlen_q, seqlen_k, left, right, scale_log2, sched,
                          HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr):
+                         HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+                         TABLE: gl.constexpr):
     """``_consumer`` (the overlapped schedule) over the program's work items. Q's buffer is
     handed back right after the item's last product; out goes through its own buffer, whose
     previous TMA store is waited for only when the next item's epilogue needs it."""
@@ -595,7 +625,9 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
     t = 0
     j = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    lo, hi, step = _item_span(sched, n_items, TABLE)
+    for pos in range(lo, hi, step):
+        item = _item_at(sched, pos, TABLE)
         i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
             item, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         r0 = m0 + half * HALF_M
@@ -638,14 +670,15 @@ def _fwd_sm90_persistent_kernel(
     q, k, v, o, lse, sink,
     cu_seqlens_q, cu_seqlens_k, seqused_k,
     stride_q, stride_k, stride_v, stride_o, stride_l,
-    batch, seqlen_q, seqlen_k, n_items, left, right, scale_log2,
+    batch, seqlen_q, seqlen_k, n_items, left, right, scale_log2, sched,
     GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    TABLE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """The dense forward as a persistent kernel: a program per SM (at most) walks work items
-    ``program_id, program_id + num_programs, ...`` (``_dense_item``), so one item's
+    ``program_id, program_id + num_programs, ...`` (``_dense_item``), or with ``TABLE`` its
+    list in ``sched``, the host's schedule (``_greedy_table``), so one item's
     epilogue and the next one's Q and first K/V loads overlap, and the prologue (barriers,
     descriptors) is paid once a program, not once a 128-row block. For the layouts
     ``_persistent_ok`` admits: q, k, v, out as ``(B * S, H * D)`` matrices (row stride
@@ -678,17 +711,17 @@ def _fwd_sm90_persistent_kernel(
         (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
                                 sink, 0, n_items, n_m, seqlen_q, seqlen_k, left, right,
-                                scale_log2, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                                HAS_SINK)),
+                                scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
+                                HAS_RIGHT, HAS_SINK, TABLE)),
         (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
                                 sink, 1, n_items, n_m, seqlen_q, seqlen_k, left, right,
-                                scale_log2, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                                HAS_SINK)),
+                                scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
+                                HAS_RIGHT, HAS_SINK, TABLE)),
         (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                 q_bar, q_empty, k_full, k_empty, v_full, v_empty,
-                                n_items, n_m, seqlen_q, seqlen_k, left, right,
-                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+                                n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
+                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -889,15 +922,27 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     sl = strides(lse, is_varlen)[:2]
     shared = _shared_kw(q, k, left, right, scale, sink, override)
     kw = dict(stride_q=sq, stride_k=sk, stride_v=sv, stride_o=so, stride_l=sl, **shared)
-    programs = 0
-    if _persistent_ok(q, k, v, out, shared, is_varlen=is_varlen, seqused_k=seqused_k,
-                      override=override):
-        programs = _persistent_programs(seqlen_q, lens["seqlen_k"], batch * hq, shared,
-                                        _sm_count(q.device))
+    programs, sched = 0, None
+    cfg = _persistent_ok(q, k, v, out, shared, is_varlen=is_varlen, seqused_k=seqused_k,
+                         override=override)
+    if cfg:
+        n_sm = _sm_count(q.device)
+        programs = _persistent_programs(seqlen_q, lens["seqlen_k"], batch * hq, shared, n_sm)
+        # (Not while a CUDA graph is captured: its replays would read the pinned buffer.)
+        if (not programs and cfg.persistent_table
+                and not torch.cuda.is_current_stream_capturing()):
+            table = _greedy_table(_block_costs(seqlen_q, lens["seqlen_k"], shared), batch * hq,
+                                  n_sm)
+            if table is not None:
+                programs = min(n_sm, batch * hq * cdiv(seqlen_q, 2 * HALF_M))
+                # Copied from pinned memory without a host wait (torch keeps the pinned
+                # block until the copy is done).
+                sched = torch.tensor(table, dtype=torch.int32).pin_memory().to(
+                    q.device, non_blocking=True)
     if programs:
         n_items = batch * hq * cdiv(seqlen_q, 2 * HALF_M)
         kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
-                  HQ=hq)
+                  HQ=hq, sched=sched, TABLE=sched is not None)
         for name in ("PINGPONG", "OVERLAP"):
             kw.pop(name)
         return Plan(Launch(_fwd_sm90_persistent_kernel, (programs, ),
@@ -908,26 +953,29 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     return Plan(Launch(_fwd_sm90_kernel, grid, *positional(_fwd_sm90_kernel, 9, kw)), signature)
 
 
-def _persistent_ok(q, k, v, out, shared, *, is_varlen, seqused_k, override) -> bool:
+def _persistent_ok(q, k, v, out, shared, *, is_varlen, seqused_k,
+                   override) -> configs.TileConfig | None:
     """Whether a call takes the persistent kernel: its config asks for it (the overlapped
     schedule, no ping-pong), a dense call without seqused_k whose q, k, v and out are
     ``(B * S, H * D)`` matrices (heads adjacent, sequences back to back), ``S_q`` a multiple
     of 64 and ``S_k`` of BLOCK_N (no tile crosses a sequence), and Q, out and the ring fit
-    in shared memory beside each other."""
+    in shared memory beside each other. Its config then, else None."""
     cfg = configs.override(configs.FWD_SM90[q.shape[-1]], override, configs.FWD_SM90_KEYS,
                            what="fwd_sm90_config")
     if not cfg.persistent or cfg.pingpong or not cfg.overlap or is_varlen:
-        return False
+        return None
     if seqused_k is not None:
-        return False
+        return None
     d, block_n, stages = q.shape[-1], shared["BLOCK_N"], shared["STAGES"]
     b, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]
     if s_q % HALF_M.value or s_k == 0 or s_k % block_n or b * max(s_q, s_k) >= 2**31:
-        return False
+        return None
     if (4 * HALF_M.value * d + 2 * stages * block_n * d) * q.element_size() > 200 * 1024:
-        return False
-    return all(t.stride(2) == d and t.stride(0) == t.shape[1] * t.stride(1)
-               for t in (q, k, v, out))
+        return None
+    if not all(t.stride(2) == d and t.stride(0) == t.shape[1] * t.stride(1)
+               for t in (q, k, v, out)):
+        return None
+    return cfg
 
 
 # The persistent kernel's static schedule is taken when its busiest program has at most this
@@ -945,18 +993,8 @@ def _persistent_programs(s_q, s_k, heads, shared, n_sm) -> int:
     ``PERSISTENT_SLACK`` of the total over every SM (or of the largest block). Causal S = 4k-16k
     at B*S = 16k, H = 16 has no such ``P`` (1.06-1.57x); S = 1k / 2k have (1.03x at P = 129),
     and so does every call without a mask."""
-    bm, bn = 2 * HALF_M.value, shared["BLOCK_N"]
-    n_m = cdiv(s_q, bm)
-    m0 = torch.arange(n_m - 1, -1, -1) * bm  # item order: the last row block first
-    m_last = torch.clamp(m0 + bm, max=s_q) - 1
-    shift = s_k - s_q
-    n_hi = torch.full_like(m0, s_k)
-    if shared["HAS_RIGHT"]:
-        n_hi = torch.clamp(m_last + shift + shared["right"] + 1, max=s_k)
-    n_lo = torch.zeros_like(m0)
-    if shared["HAS_LEFT"]:
-        n_lo = torch.clamp(m0 + shift - shared["left"], min=0) // bn * bn
-    cost = (torch.maximum(n_hi, n_lo) - n_lo + bn - 1) // bn + 1
+    cost = _block_costs(s_q, s_k, shared)
+    n_m = cost.numel()
     n_items = heads * n_m
     floor = max(float(cost.sum()) * heads / n_sm, float(cost.max()))
     best, best_p = None, 0
@@ -968,6 +1006,51 @@ def _persistent_programs(s_q, s_k, heads, shared, n_sm) -> int:
         if n_items <= n_sm or not (shared["HAS_LEFT"] or shared["HAS_RIGHT"]):
             break  # equal blocks: fewer programs never balance better
     return best_p if best <= PERSISTENT_SLACK * floor else 0
+
+
+def _block_costs(s_q, s_k, shared) -> torch.Tensor:
+    """A head's row blocks in the persistent kernel's item order (the last first): each one's
+    key tiles (``_key_ranges``' count) plus one, for its epilogue and the pipeline's ramp."""
+    bm, bn = 2 * HALF_M.value, shared["BLOCK_N"]
+    m0 = torch.arange(cdiv(s_q, bm) - 1, -1, -1) * bm
+    m_last = torch.clamp(m0 + bm, max=s_q) - 1
+    shift = s_k - s_q
+    n_hi = torch.full_like(m0, s_k)
+    if shared["HAS_RIGHT"]:
+        n_hi = torch.clamp(m_last + shift + shared["right"] + 1, max=s_k)
+    n_lo = torch.zeros_like(m0)
+    if shared["HAS_LEFT"]:
+        n_lo = torch.clamp(m0 + shift - shared["left"], min=0) // bn * bn
+    return (torch.maximum(n_hi, n_lo) - n_lo + bn - 1) // bn + 1
+
+
+# The host's schedule is built for calls of at most this many row blocks (a heap push and
+# pop each, once per call metadata: ~1 us a block).
+MAX_TABLE_ITEMS = 65536
+
+
+def _greedy_table(cost: torch.Tensor, heads: int, n_sm: int) -> list[int] | None:
+    """The persistent kernel's ``TABLE`` schedule: the grid's item order (row block fastest,
+    the last first; a head's blocks together, so its K/V stays in L2) dealt out as the GPU's
+    block scheduler would deal the grid kernel's blocks, each to the program that frees up
+    first under ``cost`` (``_block_costs``). ``n_sm + 1`` offsets, then each program's items;
+    None past ``MAX_TABLE_ITEMS``."""
+    n_m = cost.numel()
+    n_items = heads * n_m
+    if n_items > MAX_TABLE_ITEMS:
+        return None
+    costs = cost.tolist()
+    programs = min(n_sm, n_items)
+    free = [(0, p) for p in range(programs)]
+    lists: list[list[int]] = [[] for _ in range(programs)]
+    for item in range(n_items):
+        t, p = heapq.heappop(free)
+        lists[p].append(item)
+        heapq.heappush(free, (t + costs[item % n_m], p))
+    offsets = [0]
+    for items in lists:
+        offsets.append(offsets[-1] + len(items))
+    return offsets + [i for items in lists for i in items]
 
 
 @functools.cache
