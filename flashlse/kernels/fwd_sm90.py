@@ -518,11 +518,15 @@ def _fwd_sm90_kernel(
 
 
 @gluon.jit
-def _dense_item(item, n_m, hq, seqlen_q, seqlen_k, left, right, BLOCK_N: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Work item ``item`` of the persistent kernel: the grid's order (row block fastest, the
-    last first, then head, then sequence) as one index. Its head, sequence, first row, the
-    masks' shift and the key tiles of ``_key_ranges``."""
+def _dense_item(sched, pos, n_m, hq, seqlen_q, seqlen_k, left, right, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, TABLE: gl.constexpr):
+    """The persistent kernel's work item at position ``pos`` of ``_item_span``'s loop (the
+    position itself, or ``TABLE``: the host schedule's entry): an index in the grid's order
+    (row block fastest, the last first, then head, then sequence). Its head, sequence, first
+    row, the masks' shift and the key tiles of ``_key_ranges``."""
+    item = pos
+    if TABLE:
+        item = gl.load(sched + gl.num_programs(0) + 1 + pos)
     i_m = n_m - 1 - item % n_m
     rest = item // n_m
     i_h = rest % hq
@@ -541,7 +545,7 @@ def _item_span(sched, n_items, TABLE: gl.constexpr):
     """The program's work items as a loop ``range(lo, hi, step)`` of positions: the round
     robin ``program_id, program_id + num_programs, ...`` (items are positions), or its span
     of the host's schedule (``TABLE``: ``sched`` holds ``num_programs + 1`` offsets, then the
-    items, ``_item_at``)."""
+    items, ``_dense_item``)."""
     if TABLE:
         lo = gl.load(sched + gl.program_id(0))
         hi = gl.load(sched + gl.program_id(0) + 1)
@@ -551,14 +555,6 @@ def _item_span(sched, n_items, TABLE: gl.constexpr):
         hi = n_items
         step = gl.num_programs(0)
     return lo, hi, step
-
-
-@gluon.jit
-def _item_at(sched, j, TABLE: gl.constexpr):
-    if TABLE:
-        return gl.load(sched + gl.num_programs(0) + 1 + j)
-    else:
-        return j
 
 
 @gluon.jit
@@ -577,9 +573,9 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
     j = 0
     lo, hi, step = _item_span(sched, n_items, TABLE)
     for pos in range(lo, hi, step):
-        item = _item_at(sched, pos, TABLE)
         i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
-            item, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            sched, pos, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT,
+            HAS_RIGHT, TABLE)
         row_q = i_b * seqlen_q + m0
         row_k = i_b * seqlen_k + n_lo
         col_k = (i_h // GROUP) * D
@@ -622,14 +618,14 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
     dtype: gl.constexpr = q_smem.dtype
     q_tile = q_smem.index(half)
     o_tile = o_smem.index(half)
-    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
     t = 0
     j = 0
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
     lo, hi, step = _item_span(sched, n_items, TABLE)
     for pos in range(lo, hi, step):
-        item = _item_at(sched, pos, TABLE)
         i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
-            item, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            sched, pos, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT,
+            HAS_RIGHT, TABLE)
         r0 = m0 + half * HALF_M
         rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
