@@ -4,30 +4,26 @@
 # scripts go into .before/ (git-ignored), which the device call carries:
 #   bash benchmarks/before_after.sh prep 2dcb23b          # here: the tree before issue 21
 #   bash benchmarks/before_after.sh run [fwd bwd decode merge]   # on the GPU, carry .before
-#   bash benchmarks/before_after.sh variant-fwd   # .variant_fwd for h200_session.sh fwd-dims
+#   bash benchmarks/before_after.sh variant-fwd   # .variant_fwd (D = 64 persistent) for h200_session.sh fwd-dims
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
 set -o pipefail
 if [ "$1" = variant-fwd ]; then
-    # Session 14's variant for `h200_session.sh fwd-dims` (carry .variant_fwd): this tree with
-    # Hopper forward tiles for D = 64 and 256 and the Hopper dK/dV kernel at D = 64.
+    # The variant for `h200_session.sh fwd-dims` (carry .variant_fwd): this tree with a Hopper
+    # forward tile for D = 64 that takes the persistent kernel where it applies (session 15:
+    # the grid kernel at D = 64 lost below 8k, where the per-block prologue weighs most).
     rm -rf .variant_fwd && mkdir .variant_fwd
     git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_fwd
-    python3 - <<'PY'
-import re
+    python3 - <<'PY2'
 p = ".variant_fwd/flashlse/kernels/configs.py"
 s = open(p).read()
-tile = ("TileConfig(block_m=128, block_n={}, num_warps=4, num_stages=2, pingpong=False,\n"
-        "                    overlap=True, consumer_regs=240),\n")
-s = s.replace("FWD_SM90 = {\n", "FWD_SM90 = {\n    64: " + tile.format(128) + "    256: "
-              + tile.format(64), 1)
-open(p, "w").write(s)
-p = ".variant_fwd/flashlse/kernels/bwd_sm90.py"
-s = open(p).read()
-s2 = s.replace("softcap, dims=(128, )) -> bool:", "softcap, dims=(64, 128)) -> bool:")
-assert s2 != s and "    64: TileConfig" in open(".variant_fwd/flashlse/kernels/configs.py").read()
+tile = ("    64: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,\n"
+        "                   overlap=True, persistent=True, persistent_table=True,\n"
+        "                   consumer_regs=240),\n")
+s2 = s.replace("FWD_SM90 = {\n", "FWD_SM90 = {\n" + tile, 1)
+assert s2 != s
 open(p, "w").write(s2)
-PY
+PY2
     exit $?
 fi
 if [ "$1" = prep ]; then

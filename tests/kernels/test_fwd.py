@@ -321,6 +321,11 @@ PERSISTENT_CASES = [
     pytest.param(2, 704, 1024, 4, 2, {"window": (100, 50), "sink": True}, id="window_sink"),
     pytest.param(2, 896, 896, 16, 2, {"window": (200, None)}, id="window_left_only"),
     pytest.param(5, 64, 128, 4, 4, {}, id="one_half_blocks"),
+] + [
+    # Other head dims, where configs.FWD_SM90 has a tile for them (skipped otherwise).
+    pytest.param(3, 1024, 1024, 8, 2, {"causal": True, "d": 64}, id="d64_causal"),
+    pytest.param(2, 320, 1024, 4, 1, {"window": (100, 50), "sink": True, "d": 64},
+                 id="d64_window_half_past_end"),
 ]
 
 
@@ -331,8 +336,12 @@ PERSISTENT_CASES = [
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,kw", PERSISTENT_CASES)
 def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b, sq, sk, hq,
                                       hkv, kw, schedule):
-    from flashlse.kernels import fwd_sm90
+    from flashlse.kernels import configs, fwd_sm90
 
+    kw = dict(kw)
+    d = kw.pop("d", 128)
+    if d not in configs.FWD_SM90:
+        pytest.skip(f"no Hopper forward tile for D = {d} in configs.FWD_SM90")
     table = schedule == "table"
     kernel_opts(fwd_sm90_config={"PERSISTENT": True, "PERSISTENT_TABLE": table})
     # Whatever the balance of the round robin (_persistent_programs): always it, or never
@@ -351,7 +360,7 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
         return p
 
     monkeypatch.setattr(fwd_sm90, "plan", plan)
-    _run_dense(device, dtype, b, sq, sk, hq, hkv, 128, 128, seed=12, **kw)
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, d, d, seed=12, **kw)
     assert plans and all(p is not None and p.signature[-1] == "persistent" for p in plans)
     assert bool(tables) == table and all(tables)
 
