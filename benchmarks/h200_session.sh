@@ -25,7 +25,7 @@
 #   bash benchmarks/h200_session.sh s15        # session 14's changes and set-ups, first run
 #   bash benchmarks/h200_session.sh s16        # session 15's kept tiles (D = 256 fwd, D = 64
 #                                                dK/dV): their tests; bench_fwd --sm90-short
-#   bash benchmarks/h200_session.sh s17        # session 15's table schedule: tests, A/B
+#   bash benchmarks/h200_session.sh s17        # session 15's table schedule: tests, A/B; fuzz
 #   bash benchmarks/h200_session.sh persistent # the persistent Hopper forward: tests, A/B, and
 #                                                the fwd / NaN / sync / graph tests on it
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
@@ -205,6 +205,14 @@ if [ "$1" = s17 ]; then
     timeout 240 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -6
     python3 -c "import json; r = json.load(open('$OUT/sm90_short.json'))['rows']
 for x in r: print(x['causal'], x['cfg'][:22], ' '.join(f'{t:.0f}' for t in x['tflops']))"
+    # The bf16 fuzz with its tile-aligned draws (half the attention draws: the persistent
+    # forward, the default for those shapes since session 15, and its backward).
+    for i in 0 1 2 3 4 5; do
+        timeout 100 python3 -m tools.fuzz --device cuda --dtype bf16 --seed $((400000 + i * 5000)) \
+            --n 5000 --seconds 80 > "$OUT/fuzz$i.log" 2>&1 &
+    done
+    wait
+    grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
     exit 0
 fi
 if [ "$1" = persistent ]; then
