@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -854,17 +855,21 @@ def plan(q, k, v, out, lse, *, softcap, left, right, scale, sink, cu_seqlens_q=N
     call finds it in ``_PLANS``, and its :class:`~flashlse.kernels._common.Launch` calls the
     compiled kernel directly (``dispatch.attn_fwd`` times it in µs)."""
     override = options.current().fwd_sm90_config
-    key = None
-    if not override:
-        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape,
-               v.stride(), out.stride(), lse.stride(),
-               (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0,
-               None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
-                                                  max_seqlen_k),
-               seqused_k is None, sink is None, left, right, softcap, scale)
+    # Overrides are part of the key (a mapping's items, or a frozen TileConfig): a plan made
+    # under one (the persistent kernel's schedule, say) is found again under the same one.
+    frozen = tuple(sorted(override.items())) if isinstance(override, Mapping) else override
+    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape,
+           v.stride(), out.stride(), lse.stride(),
+           (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0,
+           None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
+                                              max_seqlen_k),
+           seqused_k is None, sink is None, left, right, softcap, scale, frozen or None)
+    try:
         found = _PLANS.get(key, _MISSING)
-        if found is not _MISSING:
-            return found
+    except TypeError:  # an override that does not hash: planned every call
+        key, found = None, _MISSING
+    if found is not _MISSING:
+        return found
     batch, lens = seq_args(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     result = None
     if supported(q, k, v, softcap=softcap, scale=scale, batch=batch):
