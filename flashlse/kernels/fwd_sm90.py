@@ -21,6 +21,14 @@ halves, each owned by one warpgroup (``gl.warp_specialize``):
   through two barriers) is kept as an option; measured on an H200 it did not pay once the
   warpgroups run free of each other (NOTES #15, #17).
 
+The persistent form (``_fwd_sm90_persistent_kernel``, dense calls whose tensors are
+``(B * S, H * D)`` matrices with ``S_q % 64 == S_k % BLOCK_N == 0``) runs the same consumers
+and producer over a list of row blocks per program, one program per SM: the ring and the Q
+buffers carry on from block to block, so a block's prologue and epilogue (~3 key tiles' time
+at S = 1k) overlap its neighbours' work. Each program takes every P-th block in the grid's
+order (``_persistent_programs`` picks P, or declines when that spreads unequal causal blocks
+badly), or its list of the host's greedy schedule (``_greedy_table``, PERSISTENT_TABLE).
+
 Paged caches (``_fwd_sm90_paged_kernel``: ``attention_varlen`` with a block table, the paged
 prefill of ``attention_with_kvcache``) run the same program and consumers; only the producer
 differs. It copies each key tile page by page, one TMA box a page for pages of 16, 32 or 64 rows
