@@ -378,6 +378,9 @@ def main():
     p.add_argument("--sm90", default="",
                    help="a second column with exactly these Gluon kernels on (bwd_sm90.py): "
                         "dkdv, dq, dkdv,dq or none")
+    p.add_argument("--bwd-config", default="",
+                   help="a KernelOptions.bwd_config for every flashlse call, as JSON "
+                        "(e.g. '{\"PERSISTENT\": true}': the persistent Hopper dQ)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--kernel-only", action="store_true",
                    help="time the launcher on a saved (out, lse) instead of the public call")
@@ -388,7 +391,8 @@ def main():
     SM90_PARTS = tuple(x for x in a.sm90.split(",") if x)
     dims = [128] if a.quick else [int(x) for x in a.dims.split(",")]
     try:
-        with flashlse.kernel_options(autotune_bwd=a.autotune):
+        bwd_config = json.loads(a.bwd_config) if a.bwd_config else None
+        with flashlse.kernel_options(autotune_bwd=a.autotune, bwd_config=bwd_config):
             _run(a, dims)
     finally:
         # The log reaches $OUT even when a correctness check stops the run.

@@ -26,6 +26,7 @@
 #   bash benchmarks/h200_session.sh s16        # session 15's kept tiles (D = 256 fwd, D = 64
 #                                                dK/dV): their tests; bench_fwd --sm90-short
 #   bash benchmarks/h200_session.sh s17        # session 15's table schedule: tests, A/B; fuzz
+#   bash benchmarks/h200_session.sh s17b       # session 15's persistent dQ: tests, bwd A/B
 #   bash benchmarks/h200_session.sh persistent # the persistent Hopper forward: tests, A/B, and
 #                                                the fwd / NaN / sync / graph tests on it
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
@@ -213,6 +214,25 @@ for x in r: print(x['causal'], x['cfg'][:22], ' '.join(f'{t:.0f}' for t in x['tf
     done
     wait
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
+    exit 0
+fi
+if [ "$1" = s17b ]; then
+    # Session 15's persistent dQ (bwd_config PERSISTENT, off by default; not yet run on a
+    # GPU): its GPU tests (a hang shows in 150 s), then bench_bwd --quick with and without
+    # it, alternating (the dK/dV kernel and everything else the same).
+    timeout 150 python3 -m pytest -q tests/kernels/test_bwd.py -k dq_persistent \
+        -p no:cacheprovider > "$OUT/test_dq_persistent.log" 2>&1
+    echo "persistent dQ tests: $(tail -1 "$OUT/test_dq_persistent.log")"
+    grep -h "^FAILED\|^ERROR" "$OUT/test_dq_persistent.log" | head
+    grep -q " passed" "$OUT/test_dq_persistent.log" && ! grep -q "failed\|error" \
+        "$OUT/test_dq_persistent.log" || exit 1
+    for pass in 1 2; do
+        for cfg in '' '{"PERSISTENT": true}'; do
+            timeout 150 python3 benchmarks/bench_bwd.py --quick --flex-budget 0 \
+                --bwd-config "$cfg" --out "/tmp/bwd" > "$OUT/bwd_${pass}_${#cfg}.txt" 2>&1
+            echo "== bwd_config '$cfg' pass $pass"; tail -12 "$OUT/bwd_${pass}_${#cfg}.txt" | cut -c1-110
+        done
+    done
     exit 0
 fi
 if [ "$1" = persistent ]; then

@@ -224,6 +224,12 @@ def cases():
             yield "dq", "bwd dQ sm90 (Gluon) D=256 causal", bwd_sm90._dq_sm90_kernel, \
                 dict(bwd_types, scale="fp32", scale_log2="fp32"), \
                 dict(consts, D=256, BLOCK_N=configs.BWD_SM90_DQ[256].block_n), 4, 1
+            # Its persistent form (dense calls; bwd_config PERSISTENT).
+            yield "dq", "bwd dQ sm90 persistent (Gluon) D=128 causal", \
+                bwd_sm90._dq_sm90_persistent_kernel, \
+                dict(bwd_types, scale="fp32", scale_log2="fp32", stride_rows=("i32",) * 5), \
+                dict(GROUP=2, HQ=16, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=False,
+                     HAS_RIGHT=True, TABLE=False, sched=None, CONSUMER_REGS=240), 4, 1
         consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3

@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import configs
+from . import configs, fwd_sm90
 from ._common import (
     Launch,
     alloc_scratch,
@@ -61,7 +61,19 @@ from ._common import (
     stats_offset,
     tma_ok,
 )
-from .fwd_sm90 import HALF_M, _key_ranges, _kv_ring, _row_block, _seq_block, _slice_ptr
+from .fwd_sm90 import (
+    HALF_M,
+    _dense_item,
+    _item_span,
+    _key_ranges,
+    _kv_ring,
+    _persistent_buffers,
+    _producer_persistent,
+    _row_block,
+    _seq_block,
+    _slice_ptr,
+    _wgmma_layout,
+)
 from .fwd_sm90 import _producer as _fwd_producer
 
 if TYPE_CHECKING:
@@ -387,35 +399,17 @@ _MISSING = object()
 
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
-                 q_bar, k_full, k_empty, v_full, v_empty, p_lse, p_delta, half,
-                 m0, T_q, T_k, shift, left, right, scale, scale_log2,
-                 n_lo, n_full_lo, n_full_hi, n_tiles,
-                 D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """One warpgroup: dQ of 64 query rows over every key tile the forward visits."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                  k_width=2)
-    dtype: gl.constexpr = q_smem.dtype
-    r0 = m0 + half * HALF_N
-    rows = r0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
-    col_arange = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    # Rows past the end: lse = +inf (P = 0), delta = 0; their Q, dO rows are zeros.
-    lse = gl.load(p_lse + rows, mask=rows < T_q, other=float("inf"))
-    dlt = gl.load(p_delta + rows, mask=rows < T_q, other=0.0)
-    s_zero = gl.zeros([HALF_N, BLOCK_N], gl.float32, layout=s_layout)
-    dq = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
-    q_t = q_smem.index(half)
-    do_t = do_smem.index(half)
-    mbarrier.wait(q_bar.index(half), 0)
-
+def _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s_zero, rows,
+              col_arange, lse, dlt, T_k, shift, left, right, scale_log2,
+              n_lo, n_full_lo, n_full_hi, n_tiles, t0,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+              HAS_RIGHT: gl.constexpr, op_layout: gl.constexpr):
+    """``dq += dS K`` over the block's key tiles, the ring's ``t0``-th and on (the persistent
+    kernel's earlier blocks took the ``t0`` before; 0 elsewhere)."""
+    dtype: gl.constexpr = q_t.dtype
     for it in range(n_tiles):
-        s = it % STAGES
-        ph = (it // STAGES) & 1
+        s = (t0 + it) % STAGES
+        ph = ((t0 + it) // STAGES) & 1
         n0 = n_lo + it * BLOCK_N
         mbarrier.wait(k_full.index(s), ph)
         s_tok = warpgroup_mma(q_t, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
@@ -442,6 +436,39 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
                                is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
         mbarrier.arrive(k_empty.index(s))
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
+                 q_bar, k_full, k_empty, v_full, v_empty, p_lse, p_delta, half,
+                 m0, T_q, T_k, shift, left, right, scale, scale_log2,
+                 n_lo, n_full_lo, n_full_hi, n_tiles,
+                 D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """One warpgroup: dQ of 64 query rows over every key tile the forward visits."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+    r0 = m0 + half * HALF_N
+    rows = r0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    col_arange = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # Rows past the end: lse = +inf (P = 0), delta = 0; their Q, dO rows are zeros.
+    lse = gl.load(p_lse + rows, mask=rows < T_q, other=float("inf"))
+    dlt = gl.load(p_delta + rows, mask=rows < T_q, other=0.0)
+    s_zero = gl.zeros([HALF_N, BLOCK_N], gl.float32, layout=s_layout)
+    dq = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
+    q_t = q_smem.index(half)
+    do_t = do_smem.index(half)
+    mbarrier.wait(q_bar.index(half), 0)
+    dq = _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s_zero,
+                   rows, col_arange, lse, dlt, T_k, shift, left, right, scale_log2,
+                   n_lo, n_full_lo, n_full_hi, n_tiles, 0,
+                   BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, op_layout)
 
     # Q's buffer is free now: stage dQ there for one clipped TMA store.
     q_t.store((dq * scale).to(dtype))
@@ -523,6 +550,109 @@ def _dq_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
+@gluon.jit
+def _dq_consumer_persistent(q_smem, do_smem, dq_smem, k_smem, v_smem, dq_desc,
+                            q_bar, q_empty, k_full, k_empty, v_full, v_empty,
+                            lse_log2, delta, stride_tb, stride_th, half,
+                            n_items, n_m, seqlen_q, seqlen_k, left, right, scale, scale_log2,
+                            sched, HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                            HAS_RIGHT: gl.constexpr, TABLE: gl.constexpr):
+    """``_dq_consumer`` over the program's work items (fwd_sm90's persistent forward, the
+    backward's row math): Q and dO's buffers go back after an item's last product, dQ is
+    staged in its own buffer, whose store is waited for an item later."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(D)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+    q_t = q_smem.index(half)
+    do_t = do_smem.index(half)
+    dq_t = dq_smem.index(half)
+    t = 0
+    j = 0
+    col_arange = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([HALF_N, BLOCK_N], gl.float32, layout=s_layout)
+    lo, hi, step = _item_span(sched, n_items, TABLE)
+    for pos in range(lo, hi, step):
+        i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
+            sched, pos, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT,
+            HAS_RIGHT, TABLE)
+        r0 = m0 + half * HALF_N
+        rows = r0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+        o_t = _stats_offset(i_b, 0, i_h, stride_tb, stride_th)
+        # Rows past the end: lse = +inf (P = 0), delta = 0.
+        lse = gl.load(lse_log2 + o_t + rows, mask=rows < seqlen_q, other=float("inf"))
+        dlt = gl.load(delta + o_t + rows, mask=rows < seqlen_q, other=0.0)
+        dq = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
+        mbarrier.wait(q_bar.index(half), j & 1)
+        dq = _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq,
+                       s_zero, rows, col_arange, lse, dlt, seqlen_k, shift, left, right,
+                       scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles, t,
+                       BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, op_layout)
+        mbarrier.arrive(q_empty.index(half))
+        t += n_tiles
+        j += 1
+        # The last item's store has read the buffer (its issuing thread waits, the
+        # warpgroup's barrier holds the others).
+        tma.store_wait(0)
+        gl.thread_barrier()
+        dq_t.store((dq * scale).to(dtype))
+        fence_async_shared()
+        # A half past the sequence's end holds the next sequence's rows: not stored.
+        if r0 < seqlen_q:
+            tma.async_copy_shared_to_global(dq_desc, [i_b * seqlen_q + r0, i_h * D], dq_t)
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["batch", "seqlen_q", "seqlen_k", "n_items", "left", "right"])
+def _dq_sm90_persistent_kernel(
+    q, k, v, dout, lse_log2, delta, dq,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    stride_rows, stride_tb, stride_th,
+    batch, seqlen_q, seqlen_k, n_items, left, right, scale, scale_log2, sched,
+    GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    TABLE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """The dQ kernel as a persistent kernel, as fwd_sm90's ``_fwd_sm90_persistent_kernel``
+    (the same work items, layouts and schedules; ``fwd_sm90.persistent_layout`` admits the
+    call's q, k, v, dO and dQ). ``stride_rows``: those of q, k, v, dO, dQ."""
+    stride_qs, stride_ks, stride_vs, stride_dos, stride_dqs = stride_rows
+    dtype: gl.constexpr = q.dtype.element_ty
+    n_m = (seqlen_q + 2 * HALF_N - 1) // (2 * HALF_N)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, D], dtype)
+    rows_q = batch * seqlen_q
+    q_desc = tma.make_tensor_descriptor(q, [rows_q, HQ * D], [stride_qs, 1], [HALF_N, D],
+                                        q_layout)
+    do_desc = tma.make_tensor_descriptor(dout, [rows_q, HQ * D], [stride_dos, 1], [HALF_N, D],
+                                         q_layout)
+    dq_desc = tma.make_tensor_descriptor(dq, [rows_q, HQ * D], [stride_dqs, 1], [HALF_N, D],
+                                         q_layout)
+    k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
+        = _persistent_buffers(k, v, stride_ks, stride_vs, batch * seqlen_k, HQ // GROUP, D,
+                              BLOCK_N, STAGES, q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
+    dq_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
+    gl.warp_specialize([
+        (_dq_consumer_persistent, (q_smem, do_smem, dq_smem, k_smem, v_smem, dq_desc, q_bar,
+                                   q_empty, k_full, k_empty, v_full, v_empty, lse_log2, delta,
+                                   stride_tb, stride_th, 0, n_items, n_m, seqlen_q, seqlen_k,
+                                   left, right, scale, scale_log2, sched, HQ, D, BLOCK_N,
+                                   STAGES, HAS_LEFT, HAS_RIGHT, TABLE)),
+        (_dq_consumer_persistent, (q_smem, do_smem, dq_smem, k_smem, v_smem, dq_desc, q_bar,
+                                   q_empty, k_full, k_empty, v_full, v_empty, lse_log2, delta,
+                                   stride_tb, stride_th, 1, n_items, n_m, seqlen_q, seqlen_k,
+                                   left, right, scale, scale_log2, sched, HQ, D, BLOCK_N,
+                                   STAGES, HAS_LEFT, HAS_RIGHT, TABLE)),
+        (_producer_persistent, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem,
+                                v_smem, q_bar, q_empty, k_full, k_empty, v_full, v_empty,
+                                n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
+                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
+                                True)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
 # The dQ kernel's head dims: those of its tile table (configs.BWD_SM90_DQ).
 DQ_DIMS = tuple(configs.BWD_SM90_DQ)
 
@@ -538,12 +668,43 @@ def dq_plan(p: BwdPass) -> Launch | None:
             cfg = configs.BWD_SM90_DQ[p.q.shape[-1]]
             tiles = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
                          CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
-            grid = (cdiv(p.seqlen_q, 2 * HALF_N), p.hq, p.batch)
-            run = Launch(_dq_sm90_kernel, grid,
-                         *positional(_dq_sm90_kernel, 10, _kernel_args(_dq_sm90_kernel, args,
-                                                                       tiles)))
+            kernel, grid = _dq_sm90_kernel, (cdiv(p.seqlen_q, 2 * HALF_N), p.hq, p.batch)
+            persistent = _dq_persistent(p, args, cfg)
+            if persistent is not None:
+                kernel, grid = _dq_sm90_persistent_kernel, persistent[0]
+                tiles.update(persistent[1])
+            run = Launch(kernel, grid, *positional(kernel, 10, _kernel_args(kernel, args, tiles)))
         p.plan.launches["sm90 dQ"] = run
     return run
+
+
+def _dq_persistent(p: BwdPass, args: dict, cfg) -> tuple | None:
+    """The persistent dQ kernel's grid and extra arguments for a call it applies to, or
+    None: asked for (``configs.BWD_SM90_DQ``'s ``persistent``, or ``bwd_config``'s
+    PERSISTENT), a dense call without seqused_k whose q, k, v, dO and dQ the forward's
+    persistent kernel could address, Q, dO, dQ and the ring within shared memory, and the
+    forward's rule for the schedule (its round robin where balanced, else none: the host's
+    table is the forward's option only)."""
+    if not (cfg.persistent or p.plan.dq_cfg.persistent) or p.cu_seqlens_q is not None:
+        return None
+    if p.seqused_k is not None:
+        return None
+    d = p.q.shape[-1]
+    if (6 * HALF_N.value * d + 2 * cfg.num_stages * cfg.block_n * d) * p.q.element_size() \
+            > 224 * 1024:
+        return None
+    if not fwd_sm90.persistent_layout(p.q, p.k, (p.q, p.k, p.v, p.dout, p.dq), cfg.block_n):
+        return None
+    shared = dict(BLOCK_N=cfg.block_n, HAS_LEFT=args["HAS_LEFT"], HAS_RIGHT=args["HAS_RIGHT"],
+                  left=args["left"], right=args["right"])
+    programs = fwd_sm90._persistent_programs(p.seqlen_q, p.seqlen_k, p.batch * p.hq, shared,
+                                             fwd_sm90._sm_count(p.q.device))
+    if not programs:
+        return None
+    n_items = p.batch * p.hq * cdiv(p.seqlen_q, 2 * HALF_N)
+    stride_rows = tuple(t.stride(1) for t in (p.q, p.k, p.v, p.dout, p.dq))
+    return (programs, ), dict(stride_rows=stride_rows, batch=p.batch, n_items=n_items,
+                              sched=None, HQ=p.hq, TABLE=False)
 
 
 def attn_bwd_dq_sm90(p: BwdPass) -> None:

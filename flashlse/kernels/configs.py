@@ -100,8 +100,8 @@ FWD_SM90_KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "OVERLAP", "PERSISTENT", "PERS
 DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_paged",
                "PROGRAMS_PER_SM")
 # bwd_config: "dkdv" / "dq" take (BLOCK_M, BLOCK_N, num_warps, num_stages); the flags set
-# both passes' configs.
-BWD_KEYS = ("dkdv", "dq", "USE_TMA", "EARLY_DP", "STATS_TMA", "HEAD_LOOP")
+# both passes' configs (PERSISTENT: bwd_sm90's dQ as a persistent kernel, where it applies).
+BWD_KEYS = ("dkdv", "dq", "USE_TMA", "EARLY_DP", "STATS_TMA", "HEAD_LOOP", "PERSISTENT")
 
 
 def override(cfg: TileConfig, changes, keys: tuple, *, part: str | None = None,

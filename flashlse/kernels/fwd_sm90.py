@@ -567,17 +567,18 @@ def _item_span(sched, n_items, TABLE: gl.constexpr):
 
 
 @gluon.jit
-def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                          q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                          n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
                          GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         TABLE: gl.constexpr):
-    """``_producer`` over the program's work items: each item's Q halves once both
-    consumers are done with the last item's (``q_empty``), its K/V tiles into the one ring
-    whose count ``t`` runs on across items, so the next item's first tiles load during this
-    item's last products and epilogue. Coordinates are rows of ``(B * S, H * D)``."""
+                         TABLE: gl.constexpr, HAS_DO: gl.constexpr):
+    """``_producer`` over the program's work items: each item's Q halves (and dO's, for the
+    backward's dQ: HAS_DO) once both consumers are done with the last item's (``q_empty``),
+    its K/V tiles into the one ring whose count ``t`` runs on across items, so the next
+    item's first tiles load during this item's last products and epilogue. Coordinates are
+    rows of ``(B * S, H * D)``."""
     t = 0
     j = 0
     lo, hi, step = _item_span(sched, n_items, TABLE)
@@ -590,7 +591,13 @@ def _producer_persistent(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
         col_k = (i_h // GROUP) * D
         for half in gl.static_range(2):
             mbarrier.wait(q_empty.index(half), (j & 1) ^ 1)
-            mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
+            if HAS_DO:
+                mbarrier.expect(q_bar.index(half),
+                                q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [row_q + half * HALF_M, i_h * D],
+                                                q_bar.index(half), do_smem.index(half))
+            else:
+                mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [row_q + half * HALF_M, i_h * D],
                                             q_bar.index(half), q_smem.index(half))
         for it in range(n_tiles):
@@ -669,6 +676,25 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
     tma.store_wait(0)
 
 
+@gluon.jit
+def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_layout: gl.constexpr):
+    """The persistent kernels' (the forward's, bwd_sm90's dQ) K and V descriptors over
+    ``(B * S_k, H_kv * D)``, the Q halves' buffer with its full / empty barriers, and the K/V
+    ring (``_kv_ring``)."""
+    dtype: gl.constexpr = k.dtype.element_ty
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    k_desc = tma.make_tensor_descriptor(k, [rows_k, HKV * D], [stride_ks, 1], [BLOCK_N, D],
+                                        kv_layout)
+    v_desc = tma.make_tensor_descriptor(v, [rows_k, HKV * D], [stride_vs, 1], [BLOCK_N, D],
+                                        kv_layout)
+    q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout)
+    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
+                                                                kv_layout)
+    return k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, \
+        v_empty
+
+
 # Lengths change per call; specialising on them only recompiles.
 @gluon.jit(do_not_specialize=["batch", "seqlen_q", "seqlen_k", "n_items", "left", "right"])
 def _fwd_sm90_persistent_kernel(
@@ -696,22 +722,16 @@ def _fwd_sm90_persistent_kernel(
     stride_ob, stride_os, stride_oh = stride_o
     stride_lb, stride_lh = stride_l
     dtype: gl.constexpr = q.dtype.element_ty
-    HKV: gl.constexpr = HQ // GROUP
     n_m = (seqlen_q + 2 * HALF_M - 1) // (2 * HALF_M)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     q_desc = tma.make_tensor_descriptor(q, [batch * seqlen_q, HQ * D], [stride_qs, 1],
                                         [HALF_M, D], q_layout)
     o_desc = tma.make_tensor_descriptor(o, [batch * seqlen_q, HQ * D], [stride_os, 1],
                                         [HALF_M, D], q_layout)
-    k_desc = tma.make_tensor_descriptor(k, [batch * seqlen_k, HKV * D], [stride_ks, 1],
-                                        [BLOCK_N, D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(v, [batch * seqlen_k, HKV * D], [stride_vs, 1],
-                                        [BLOCK_N, D], kv_layout)
-    q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout)
+    k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
+        = _persistent_buffers(k, v, stride_ks, stride_vs, batch * seqlen_k, HQ // GROUP, D,
+                              BLOCK_N, STAGES, q_layout)
     o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
-    k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
-                                                                kv_layout)
     gl.warp_specialize([
         (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
@@ -723,10 +743,11 @@ def _fwd_sm90_persistent_kernel(
                                 sink, 1, n_items, n_m, seqlen_q, seqlen_k, left, right,
                                 scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
                                 HAS_RIGHT, HAS_SINK, TABLE)),
-        (_producer_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+        (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
                                 q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                                 n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
-                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE)),
+                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
+                                False)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -976,15 +997,20 @@ def _persistent_ok(q, k, v, out, shared, *, is_varlen, seqused_k,
     if seqused_k is not None:
         return None
     d, block_n, stages = q.shape[-1], shared["BLOCK_N"], shared["STAGES"]
-    b, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]
-    if s_q % HALF_M.value or s_k == 0 or s_k % block_n or b * max(s_q, s_k) >= 2**31:
-        return None
     if (4 * HALF_M.value * d + 2 * stages * block_n * d) * q.element_size() > 200 * 1024:
         return None
-    if not all(t.stride(2) == d and t.stride(0) == t.shape[1] * t.stride(1)
-               for t in (q, k, v, out)):
-        return None
-    return cfg
+    return cfg if persistent_layout(q, k, (q, k, v, out), block_n) else None
+
+
+def persistent_layout(q, k, tensors, block_n) -> bool:
+    """Whether the persistent kernels (this forward, bwd_sm90's dQ) can address a dense call:
+    ``S_q % 64 == 0``, ``S_k`` a positive multiple of ``block_n``, rows in int32, and each of
+    ``tensors`` a ``(B * S, H * D)`` matrix (heads adjacent, sequences back to back)."""
+    b, s_q, s_k, d = q.shape[0], q.shape[1], k.shape[1], q.shape[-1]
+    if s_q % HALF_M.value or s_k == 0 or s_k % block_n or b * max(s_q, s_k) >= 2**31:
+        return False
+    return all(t.stride(2) == t.shape[-1] == d and t.stride(0) == t.shape[1] * t.stride(1)
+               for t in tensors)
 
 
 # The persistent kernel's static schedule is taken when its busiest program has at most this

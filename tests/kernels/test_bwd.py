@@ -422,6 +422,35 @@ def test_attn_bwd_gpu_sm90_other_dims(device, kernel_opts, monkeypatch, case, pa
     assert len(calls) == (1 if path == "sm90" else 0) and all(calls)
 
 
+# The persistent dQ kernel (bwd_config PERSISTENT): more row blocks than programs, a half
+# block past the sequence end before the next one, empty rows, windows, sink, GQA.
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(b=4, sq=1024, sk=1024, hq=8, hkv=2), id="base_256_items"),
+    pytest.param(dict(b=2, sq=2048, sk=2048, hq=8, hkv=8, causal=True), id="causal_256_items"),
+    pytest.param(dict(b=3, sq=1024, sk=512, hq=8, hkv=2, causal=True, sink=True),
+                 id="causal_sq_gt_sk_sink"),
+    pytest.param(dict(b=3, sq=320, sk=1024, hq=4, hkv=1, causal=True),
+                 id="causal_half_past_end_mqa"),
+    pytest.param(dict(b=2, sq=704, sk=1024, hq=4, hkv=2, window=(100, 50)), id="window"),
+])
+def test_attn_bwd_gpu_sm90_dq_persistent(device, kernel_opts, monkeypatch, dtype, case):
+    from flashlse.kernels import bwd_sm90, fwd_sm90
+
+    kernel_opts(bwd_config={"PERSISTENT": True})
+    monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", float("inf"))
+    kernels = []
+    real = bwd_sm90.dq_plan
+    monkeypatch.setattr(bwd_sm90, "dq_plan",
+                        lambda p: kernels.append(real(p)) or kernels[-1])
+    case = dict(case)
+    b, sq, sk, hq, hkv = (case.pop(n) for n in ("b", "sq", "sk", "hq", "hkv"))
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, 128, 128, seed=13, **case)
+    assert kernels and all(r.kernel is bwd_sm90._dq_sm90_persistent_kernel for r in kernels)
+
+
 def test_attn_bwd_sm90_failure_falls_back(device, kernel_opts, monkeypatch, compile_failures):
     """A Hopper backward kernel that does not compile with this triton warns once and the
     portable kernel answers, for that call and the next ones of the same signature."""
