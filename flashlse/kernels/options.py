@@ -38,12 +38,15 @@ class KernelOptions:
             of ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``USE_TMA``,
             ``WARP_SPECIALIZE``, ``GROUP_HEADS``, or a ``configs.TileConfig`` replacing them.
         fwd_sm90_config: overrides of the Hopper forward's (``configs.FWD_SM90``):
-            ``BLOCK_N``, ``STAGES``, ``PINGPONG``, ``OVERLAP``, ``CONSUMER_REGS``, or a
-            ``TileConfig``.
+            ``BLOCK_N``, ``STAGES``, ``PINGPONG``, ``OVERLAP``, ``PERSISTENT`` (the
+            persistent kernel where its layout and balance rules allow; on at D = 128),
+            ``PERSISTENT_TABLE`` (the persistent kernel on the host's schedule where the
+            round robin is uneven), ``CONSUMER_REGS``, or a ``TileConfig``.
         bwd_config: overrides of the portable backward's (``configs.BWD_DKDV`` /
             ``BWD_DQ``): ``"dkdv"`` / ``"dq"`` tiles (``(BLOCK_M, BLOCK_N, num_warps,
             num_stages)`` or a ``TileConfig``), ``USE_TMA``, ``EARLY_DP``, ``STATS_TMA``,
-            ``HEAD_LOOP``. An unknown key is an error.
+            ``HEAD_LOOP``, ``PERSISTENT`` (the Hopper dQ as a persistent kernel where it
+            applies). An unknown key is an error.
         autotune_bwd: let ``triton.autotune`` pick the backward tiles (benchmarks).
         pdl: launch the split-KV merge with programmatic dependent launch (sm_90+).
         poison_outputs: fill every output and scratch buffer the launchers allocate with NaN
