@@ -15,6 +15,8 @@ allocated pre-filled with NaN so an unwritten element fails.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import pytest
@@ -529,3 +531,37 @@ def test_attn_bwd_varlen_no_key_rows(device):
     dq, dk, dv, _ = dispatch.attn_bwd(torch.randn_like(out), None, q, k, v, out, lse, **kw)
     assert dk.shape == (0, 1, 16) and dv.shape == (0, 1, 16)
     assert not (dq != 0).any()
+
+
+def test_attn_bwd_sm90_dq_persistent_domain(monkeypatch):
+    """Which backward calls the persistent dQ kernel takes (no device needed:
+    ``bwd_sm90._dq_persistent`` reads metadata): asked for, dense, without seqused_k, the
+    forward's layout rule, and a balanced round robin."""
+    import types
+
+    from flashlse.kernels import bwd_sm90, configs, fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 132)
+    cfg = configs.BWD_SM90_DQ[128]
+    empty = functools.partial(torch.empty, dtype=torch.bfloat16)
+    args = dict(HAS_LEFT=False, HAS_RIGHT=True, left=0, right=0)
+
+    def call(b=8, s=2048, h=16, persistent=True, **kw):
+        q, k = empty(b, s, h, 128), empty(b, s, h, 128)
+        p = types.SimpleNamespace(q=q, k=k, v=k, dout=q, dq=empty(b, s, h, 128),
+                                  cu_seqlens_q=None, seqused_k=None, seqlen_q=s, seqlen_k=s,
+                                  batch=b, hq=h, plan=types.SimpleNamespace(
+                                      dq_cfg=dataclasses.replace(cfg, persistent=persistent)))
+        for name, value in kw.items():
+            setattr(p, name, value)
+        return bwd_sm90._dq_persistent(p, args, cfg)
+
+    grid, extra = call()
+    assert grid == (131, ) and extra["n_items"] == 8 * 16 * 16 and not extra["TABLE"]
+    assert extra["stride_rows"] == (16 * 128, ) * 5
+    assert call(persistent=False) is None  # off unless asked
+    assert call(seqused_k=torch.zeros(8, dtype=torch.int32)) is None
+    assert call(cu_seqlens_q=torch.zeros(9, dtype=torch.int32)) is None
+    assert call(s=1000) is None  # S % 64
+    assert call(b=1, s=16384) is None  # causal 16k: the round robin is uneven
+    assert call(dout=empty(8, 16, 2048, 128).transpose(1, 2)) is None  # heads not adjacent
