@@ -163,15 +163,15 @@ SWEEP3 = [
 # Session 15: STAGES 3, BLOCK_N 64 (2 or 3 stages) and ping-pong measured, none faster
 # (RESULTS.md 2026-12-02); the grid kernel against the default (persistent where balanced)
 # and the persistent kernel on the host's schedule where the round robin is not.
-SM90_SHORT = [{"PERSISTENT": False}, {}, {"PERSISTENT_TABLE": True}]
+SM90_SHORT = [{"PERSISTENT": False}, {}, {"PERSISTENT": True, "PERSISTENT_TABLE": True}]
 
 
 def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3",
-           option="fwd_config"):
+           option="fwd_config", d=128):
     """Each variant at two lengths, twice; the winner by mean TFLOP/s per causal. ``option``:
     the ``KernelOptions`` field the variants override (``fwd_sm90_config``: the Hopper
-    kernel's)."""
-    d, h = 128, 16
+    kernel's). ``d``: the head dim (B*S = 16k and H*D = 2048 as bench_fwd's tables)."""
+    h = 2048 // d
     rows, best = [], {}
     inputs = {seq: bf16_inputs(16384 // seq, seq, seq, h, d) for seq in seqs}
     for causal in (False, True):
@@ -385,6 +385,7 @@ def main():
     p.add_argument("--full", action="store_true")
     p.add_argument("--sm90-short", action="store_true",
                    help="the Hopper forward's schedules (SM90_SHORT) at S = 1k-16k")
+    p.add_argument("--short-dim", type=int, default=128, help="--sm90-short's head dim")
     p.add_argument("--dims", default="64,128,256")
     p.add_argument("--flex-budget", type=float, default=240.0)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -411,7 +412,7 @@ def main():
         sweep3(a.out)
     if a.sm90_short:
         sweep3(a.out, seqs=(1024, 2048, 4096, 8192, 16384), variants=SM90_SHORT, tag="sm90_short",
-               option="fwd_sm90_config")
+               option="fwd_sm90_config", d=a.short_dim)
     if a.best:
         with open(a.best) as f:
             best = json.load(f)["best"]

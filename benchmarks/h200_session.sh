@@ -196,21 +196,26 @@ if [ "$1" = s16 ]; then
     exit 0
 fi
 if [ "$1" = s17 ]; then
-    # Session 15's last change, not yet run on a GPU: the persistent forward on the host's
-    # greedy schedule (PERSISTENT_TABLE) for causal calls the round robin leaves uneven.
-    # Its GPU tests (both schedules), then bench_fwd --sm90-short (grid / default / table).
+    # Session 15's last changes, not yet run on a GPU: the persistent forward on the host's
+    # greedy schedule (PERSISTENT_TABLE) for causal calls the round robin leaves uneven, and
+    # at D = 256 (out staged in Q's buffer). Its GPU tests (both schedules, D = 128 and
+    # 256), then bench_fwd --sm90-short at D = 128 and 256 (grid / default / persistent with
+    # the table where the round robin is uneven), then the bf16 fuzz.
     timeout 150 python3 -m pytest -q tests/kernels/test_fwd.py -k persistent -p no:cacheprovider \
         > "$OUT/test_persistent.log" 2>&1
     echo "persistent tests: $(tail -1 "$OUT/test_persistent.log")"
     grep -h "^FAILED\|^ERROR" "$OUT/test_persistent.log" | head
-    timeout 240 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -6
-    python3 -c "import json; r = json.load(open('$OUT/sm90_short.json'))['rows']
-for x in r: print(x['causal'], x['cfg'][:22], ' '.join(f'{t:.0f}' for t in x['tflops']))"
+    for d in 128 256; do
+        timeout 170 python3 benchmarks/bench_fwd.py --sm90-short --short-dim $d \
+            --out "$OUT/d$d" > /dev/null 2>&1
+        python3 -c "import json; r = json.load(open('$OUT/d$d/sm90_short.json'))['rows']
+for x in r: print($d, x['causal'], x['cfg'][:34], ' '.join(f'{t:.0f}' for t in x['tflops']))"
+    done
     # The bf16 fuzz with its tile-aligned draws (half the attention draws: the persistent
     # forward, the default for those shapes since session 15, and its backward).
     for i in 0 1 2 3 4 5; do
-        timeout 100 python3 -m tools.fuzz --device cuda --dtype bf16 --seed $((400000 + i * 5000)) \
-            --n 5000 --seconds 80 > "$OUT/fuzz$i.log" 2>&1 &
+        timeout 80 python3 -m tools.fuzz --device cuda --dtype bf16 --seed $((400000 + i * 5000)) \
+            --n 5000 --seconds 60 > "$OUT/fuzz$i.log" 2>&1 &
     done
     wait
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log

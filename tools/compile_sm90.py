@@ -168,11 +168,17 @@ def cases():
     for label, f, table in (("causal", flags, False), ("window", dict(flags, HAS_LEFT=True), False),
                             ("causal table", flags, True)):
         consts = dict(GROUP=2, HQ=16, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
-                      HAS_RIGHT=True, HAS_SINK=True, TABLE=table, CONSUMER_REGS=240)
+                      HAS_RIGHT=True, HAS_SINK=True, TABLE=table, O_IN_Q=False,
+                      CONSUMER_REGS=240)
         if not table:
             consts["sched"] = None
         yield "fwd", f"fwd sm90 persistent (Gluon) D=128 {label}", \
             fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), consts, 4, 1
+        if label == "causal":
+            # D = 256: out staged in Q's buffer.
+            yield "fwd", "fwd sm90 persistent (Gluon) D=256 causal", \
+                fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
+                dict(consts, D=256, BLOCK_N=configs.FWD_SM90[256].block_n, O_IN_Q=True), 4, 1
     # Its paged variant: pages smaller than a tile (a TMA box a page), of a tile, and larger.
     paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                       seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,

@@ -623,10 +623,12 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                          HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-                         TABLE: gl.constexpr):
+                         TABLE: gl.constexpr, O_IN_Q: gl.constexpr):
     """``_consumer`` (the overlapped schedule) over the program's work items. Q's buffer is
     handed back right after the item's last product; out goes through its own buffer, whose
-    previous TMA store is waited for only when the next item's epilogue needs it."""
+    previous TMA store is waited for only when the next item's epilogue needs it. With
+    ``O_IN_Q`` (no room for that buffer: D = 256) out is staged in Q's, handed back once its
+    store has read it."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -653,7 +655,8 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
             acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
             n_lo, n_full_lo, n_full_hi, n_tiles, t,
             BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
-        mbarrier.arrive(q_empty.index(half))
+        if not O_IN_Q:
+            mbarrier.arrive(q_empty.index(half))
         t += n_tiles
         j += 1
         sink_nat = 0.0
@@ -663,16 +666,22 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
         p_lse = lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
         gl.store(p_lse + rows, lse_row, mask=rows < seqlen_q)
         out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
-        # The last item's store has read the buffer: its issuing thread waits, the
-        # warpgroup's barrier holds the others until it has.
-        tma.store_wait(0)
-        gl.thread_barrier()
+        if not O_IN_Q:
+            # The last item's store has read the buffer: its issuing thread waits, the
+            # warpgroup's barrier holds the others until it has.
+            tma.store_wait(0)
+            gl.thread_barrier()
         o_tile.store(out.to(dtype))
         fence_async_shared()
         # A half past the sequence's end (seqlen_q % 128 == 64) holds the next sequence's
         # rows: not stored.
         if r0 < seqlen_q:
             tma.async_copy_shared_to_global(o_desc, [i_b * seqlen_q + r0, i_h * D], o_tile)
+        if O_IN_Q:
+            # Q's buffer goes back to the producer once the store has read it.
+            tma.store_wait(0)
+            gl.thread_barrier()
+            mbarrier.arrive(q_empty.index(half))
     tma.store_wait(0)
 
 
@@ -705,7 +714,7 @@ def _fwd_sm90_persistent_kernel(
     GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    TABLE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    TABLE: gl.constexpr, O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """The dense forward as a persistent kernel: a program per SM (at most) walks work items
     ``program_id, program_id + num_programs, ...`` (``_dense_item``), or with ``TABLE`` its
@@ -731,18 +740,21 @@ def _fwd_sm90_persistent_kernel(
     k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
         = _persistent_buffers(k, v, stride_ks, stride_vs, batch * seqlen_k, HQ // GROUP, D,
                               BLOCK_N, STAGES, q_layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
+    if O_IN_Q:
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
     gl.warp_specialize([
         (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
                                 sink, 0, n_items, n_m, seqlen_q, seqlen_k, left, right,
                                 scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                HAS_RIGHT, HAS_SINK, TABLE)),
+                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q)),
         (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
                                 sink, 1, n_items, n_m, seqlen_q, seqlen_k, left, right,
                                 scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                HAS_RIGHT, HAS_SINK, TABLE)),
+                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q)),
         (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
                                 q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                                 n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
@@ -972,7 +984,7 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     if programs:
         n_items = batch * hq * cdiv(seqlen_q, 2 * HALF_M)
         kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
-                  HQ=hq, sched=sched, TABLE=sched is not None)
+                  HQ=hq, sched=sched, TABLE=sched is not None, O_IN_Q=_out_in_q(q, shared))
         for name in ("PINGPONG", "OVERLAP"):
             kw.pop(name)
         return Plan(Launch(_fwd_sm90_persistent_kernel, (programs, ),
@@ -997,9 +1009,15 @@ def _persistent_ok(q, k, v, out, shared, *, is_varlen, seqused_k,
     if seqused_k is not None:
         return None
     d, block_n, stages = q.shape[-1], shared["BLOCK_N"], shared["STAGES"]
-    if (4 * HALF_M.value * d + 2 * stages * block_n * d) * q.element_size() > 200 * 1024:
-        return None
+    if (2 * HALF_M.value * d + 2 * stages * block_n * d) * q.element_size() > 200 * 1024:
+        return None  # not even with out staged in Q's buffer
     return cfg if persistent_layout(q, k, (q, k, v, out), block_n) else None
+
+
+def _out_in_q(q, shared) -> bool:
+    """Whether the persistent forward stages out in Q's buffer (no room for its own)."""
+    d, block_n, stages = q.shape[-1], shared["BLOCK_N"], shared["STAGES"]
+    return (4 * HALF_M.value * d + 2 * stages * block_n * d) * q.element_size() > 200 * 1024
 
 
 def persistent_layout(q, k, tensors, block_n) -> bool:

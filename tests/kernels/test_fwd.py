@@ -326,6 +326,10 @@ PERSISTENT_CASES = [
     pytest.param(3, 1024, 1024, 8, 2, {"causal": True, "d": 64}, id="d64_causal"),
     pytest.param(2, 320, 1024, 4, 1, {"window": (100, 50), "sink": True, "d": 64},
                  id="d64_window_half_past_end"),
+    # D = 256: out staged in Q's buffer (O_IN_Q).
+    pytest.param(3, 1024, 1024, 8, 2, {"causal": True, "d": 256}, id="d256_causal"),
+    pytest.param(2, 320, 1024, 4, 1, {"window": (100, 50), "sink": True, "d": 256},
+                 id="d256_window_half_past_end"),
 ]
 
 
