@@ -1051,9 +1051,10 @@ def _persistent_programs(s_q, s_k, heads, shared, n_sm) -> int:
     n_items = heads * n_m
     floor = max(float(cost.sum()) * heads / n_sm, float(cost.max()))
     best, best_p = None, 0
+    items = torch.arange(n_items, dtype=torch.int32)
+    weights = cost.double().repeat(heads)  # item i costs cost[i % n_m]
     for p in range(min(n_sm, n_items), max(min(n_sm, n_items) - 9, 0), -1):
-        items = torch.arange(n_items)
-        busiest = float(torch.bincount(items % p, weights=cost[items % n_m].double()).max())
+        busiest = float(torch.bincount(items % p, weights=weights).max())
         if best is None or busiest < best:
             best, best_p = busiest, p
         if n_items <= n_sm or not (shared["HAS_LEFT"] or shared["HAS_RIGHT"]):
