@@ -223,7 +223,8 @@ FWD_SM90 = {
     128: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,
                     overlap=True, persistent=True, consumer_regs=240),
     # RESULTS.md 2026-12-02 session 15, "Hopper forward at D = 64 / 256": 1.18-1.30x fwd.py's
-    # at S = 1k-16k, full and causal (529-681 TFLOP/s full, 0.87-1.02x cuDNN; causal 0.81-1.09x).
+    # at S = 1k-16k, full and causal (529-681 TFLOP/s full, 0.87-1.02x cuDNN; causal 0.81-1.09x;
+    # pass 2 of S = 8k full 0.95x).
     # 3 stages spill and need 263 KB; BLOCK_N 128 at 1 stage spills 536 bytes.
     256: TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, pingpong=False,
                     overlap=True, consumer_regs=240),
