@@ -216,7 +216,7 @@ def fwd_paged_config(block_d: int, block_dv: int, rows: int, interpret: bool) ->
 # session 5's "Gluon kernel at D=64, not kept" rows, and RESULTS.md 2026-12-02 session 15,
 # "Hopper forward at D = 64 / 256" (128x128: 0.66-0.94x of fwd.py's at S <= 2k, 0.91-1.02x
 # at 4k, 1.01-1.08x at S >= 8k; softmax-bound: half D = 128's MMA work a tile, the same exps).
-# persistent: RESULTS.md 2026-12-02 session 15, "The persistent Hopper forward" (S = 1k / 2k
+# persistent: RESULTS.md 2026-12-02, "Session 15, calls 3-5" (S = 1k / 2k
 # / 4k, B*S = 16k, H = 16: full +23 / +12 / +6%, causal +36 / +21 / +1%); taken where the
 # layout allows it and its static schedule is balanced (fwd_sm90._persistent_programs).
 FWD_SM90 = {
