@@ -27,8 +27,6 @@
 #                                                dK/dV): their tests; bench_fwd --sm90-short
 #   bash benchmarks/h200_session.sh s17        # session 15's table schedule: tests, A/B; fuzz
 #   bash benchmarks/h200_session.sh s17b       # session 15's persistent dQ: tests, bwd A/B
-#   bash benchmarks/h200_session.sh persistent # the persistent Hopper forward: tests, A/B, and
-#                                                the fwd / NaN / sync / graph tests on it
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
 #                                                (.variant_fwd, carried): its tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
@@ -41,6 +39,15 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# gate LOG SECONDS PYTEST_ARGS...: a GPU test run first in a call (a hang shows within
+# SECONDS), its summary and failures printed; non-zero unless every selected test passed.
+gate() {
+    local log=$OUT/$1 secs=$2; shift 2
+    timeout "$secs" python3 -m pytest -q -p no:cacheprovider "$@" > "$log" 2>&1
+    echo "$(basename "$log"): $(tail -1 "$log")"
+    grep -h "^FAILED\|^ERROR" "$log" | head
+    grep -q " passed" "$log" && ! grep -q "failed\|error" "$log"
+}
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 if [ "$1" = sm90 ]; then
     # The Gluon backward kernels (bwd_sm90.py): their GPU tests (and bwd.py's on the same
@@ -201,10 +208,7 @@ if [ "$1" = s17 ]; then
     # at D = 256 (out staged in Q's buffer). Its GPU tests (both schedules, D = 128 and
     # 256), then bench_fwd --sm90-short at D = 128 and 256 (grid / default / persistent with
     # the table where the round robin is uneven), then the bf16 fuzz.
-    timeout 150 python3 -m pytest -q tests/kernels/test_fwd.py -k persistent -p no:cacheprovider \
-        > "$OUT/test_persistent.log" 2>&1
-    echo "persistent tests: $(tail -1 "$OUT/test_persistent.log")"
-    grep -h "^FAILED\|^ERROR" "$OUT/test_persistent.log" | head
+    gate test_persistent.log 150 tests/kernels/test_fwd.py -k persistent
     for d in 128 256; do
         timeout 170 python3 benchmarks/bench_fwd.py --sm90-short --short-dim $d \
             --out "$OUT/d$d" > /dev/null 2>&1
@@ -225,12 +229,7 @@ if [ "$1" = s17b ]; then
     # Session 15's persistent dQ (bwd_config PERSISTENT, off by default; not yet run on a
     # GPU): its GPU tests (a hang shows in 150 s), then bench_bwd --quick with and without
     # it, alternating (the dK/dV kernel and everything else the same).
-    timeout 150 python3 -m pytest -q tests/kernels/test_bwd.py -k dq_persistent \
-        -p no:cacheprovider > "$OUT/test_dq_persistent.log" 2>&1
-    echo "persistent dQ tests: $(tail -1 "$OUT/test_dq_persistent.log")"
-    grep -h "^FAILED\|^ERROR" "$OUT/test_dq_persistent.log" | head
-    grep -q " passed" "$OUT/test_dq_persistent.log" && ! grep -q "failed\|error" \
-        "$OUT/test_dq_persistent.log" || exit 1
+    gate test_dq_persistent.log 150 tests/kernels/test_bwd.py -k dq_persistent || exit 1
     for pass in 1 2; do
         for cfg in '' '{"PERSISTENT": true}'; do
             timeout 150 python3 benchmarks/bench_bwd.py --quick --flex-budget 0 \
@@ -238,36 +237,6 @@ if [ "$1" = s17b ]; then
             echo "== bwd_config '$cfg' pass $pass"; tail -12 "$OUT/bwd_${pass}_${#cfg}.txt" | cut -c1-110
         done
     done
-    exit 0
-fi
-if [ "$1" = persistent ]; then
-    # The persistent Hopper forward (fwd_sm90_config PERSISTENT): its GPU tests first (a hang
-    # shows in 150 s), then bench_fwd --sm90-short (shipped / persistent at S = 1k-4k), then,
-    # with the persistent kernel as the default, test_fwd.py (four shards), the NaN and
-    # sync-free / CUDA-graph tests.
-    timeout 120 python3 -m pytest -q tests/kernels/test_fwd.py -k persistent -p no:cacheprovider \
-        > "$OUT/test_persistent.log" 2>&1
-    echo "persistent tests: $(tail -1 "$OUT/test_persistent.log")"
-    grep -h "^FAILED\|^ERROR" "$OUT/test_persistent.log" | head
-    grep -q " passed" "$OUT/test_persistent.log" && ! grep -q "failed\|error" "$OUT/test_persistent.log" \
-        || exit 1
-    timeout 120 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -4
-    mkdir -p "$OUT/tests"
-    run_default() {
-        python3 -c "import dataclasses, sys, pytest; from flashlse.kernels import configs
-configs.FWD_SM90[128] = dataclasses.replace(configs.FWD_SM90[128], persistent=True)
-sys.exit(pytest.main(sys.argv[1:]))" -q -p no:cacheprovider "$@"
-    }
-    for i in 0 1 2 3; do
-        FLASHLSE_TEST_SHARD=$i/4 timeout 170 bash -c "$(declare -f run_default); run_default tests/kernels/test_fwd.py" \
-            > "$OUT/tests/fwd$i.log" 2>&1 &
-    done
-    timeout 170 bash -c "$(declare -f run_default); run_default tests/kernels/test_nan_kernels.py tests/kernels/test_sync_free.py tests/kernels/test_cuda_graphs.py" \
-        > "$OUT/tests/nan_sync_graphs.log" 2>&1 &
-    wait
-    for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
-    grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
-    (cd "$OUT" && tar czf tests.tgz tests && rm -rf tests)
     exit 0
 fi
 if [ "$1" = fwd-dims ]; then

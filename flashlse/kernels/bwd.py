@@ -73,7 +73,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Mapping
 
 import torch
 import triton
@@ -827,21 +826,19 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
     opts = options.current()
     # Shapes, strides, dtypes, device; whether the TMA operands are 16-byte aligned; which
     # optional tensors there are; the scalars and the options the plan reads (a bwd_config
-    # override too, frozen: a plan made under one is found again under the same one).
-    override = opts.bwd_config
-    frozen = tuple(sorted(override.items())) if isinstance(override, Mapping) else override
-    key = (q.shape, q.stride(), q.dtype, device, k.shape, k.stride(), k.dtype,
-           v.shape, v.stride(), v.dtype, dout.shape, dout.stride(), dout.dtype,
-           out.stride(), lse.shape, lse.stride(), None if dlse is None else dlse.stride(),
-           (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) % 16 == 0,
-           None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
-                                              max_seqlen_k),
-           seqused_k is None, sink is None, left, right, softcap, scale, opts.autotune_bwd,
-           frozen or None)
+    # override too: a plan made under one is found again under the same one).
     try:
-        plan = _BWD_PLANS.get(key)
+        key = (q.shape, q.stride(), q.dtype, device, k.shape, k.stride(), k.dtype,
+               v.shape, v.stride(), v.dtype, dout.shape, dout.stride(), dout.dtype,
+               out.stride(), lse.shape, lse.stride(), None if dlse is None else dlse.stride(),
+               (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) % 16 == 0,
+               None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
+                                                  max_seqlen_k),
+               seqused_k is None, sink is None, left, right, softcap, scale, opts.autotune_bwd,
+               configs.override_key(opts.bwd_config))
     except TypeError:  # an override that does not hash: planned every call
-        key = plan = None
+        key = None
+    plan = None if key is None else _BWD_PLANS.get(key)
     if plan is None:
         plan = _bwd_plan(dout, dlse, q, k, v, out, lse, left=left, right=right,
                          softcap=softcap, scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q,

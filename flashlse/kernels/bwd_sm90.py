@@ -447,10 +447,8 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
                  D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """One warpgroup: dQ of 64 query rows over every key tile the forward visits."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                   k_width=2)
     dtype: gl.constexpr = q_smem.dtype
@@ -689,14 +687,12 @@ def _dq_persistent(p: BwdPass, args: dict, cfg) -> tuple | None:
         return None
     if p.seqused_k is not None:
         return None
-    d = p.q.shape[-1]
-    if (6 * HALF_N.value * d + 2 * cfg.num_stages * cfg.block_n * d) * p.q.element_size() \
-            > 224 * 1024:
+    shared = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_LEFT=args["HAS_LEFT"],
+                  HAS_RIGHT=args["HAS_RIGHT"], left=args["left"], right=args["right"])
+    if fwd_sm90._ring_bytes(p.q, shared, 3) > fwd_sm90.SMEM_BYTES:  # Q, dO, dQ
         return None
     if not fwd_sm90.persistent_layout(p.q, p.k, (p.q, p.k, p.v, p.dout, p.dq), cfg.block_n):
         return None
-    shared = dict(BLOCK_N=cfg.block_n, HAS_LEFT=args["HAS_LEFT"], HAS_RIGHT=args["HAS_RIGHT"],
-                  left=args["left"], right=args["right"])
     programs = fwd_sm90._persistent_programs(p.seqlen_q, p.seqlen_k, p.batch * p.hq, shared,
                                              fwd_sm90._sm_count(p.q.device))
     if not programs:

@@ -104,6 +104,15 @@ DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_page
 BWD_KEYS = ("dkdv", "dq", "USE_TMA", "EARLY_DP", "STATS_TMA", "HEAD_LOOP", "PERSISTENT")
 
 
+def override_key(changes):
+    """An override's part of a plan-cache key: None for none, a mapping's sorted items, or
+    the ``TileConfig`` itself. A TypeError (from ``hash``) when its values do not hash: the
+    caller then plans that call without caching it."""
+    key = tuple(sorted(changes.items())) if isinstance(changes, Mapping) else changes
+    hash(key)
+    return key or None
+
+
 def override(cfg: TileConfig, changes, keys: tuple, *, part: str | None = None,
              what: str = "config") -> TileConfig:
     """``cfg`` with a caller's ``changes``: None keeps it, a :class:`TileConfig` replaces it,

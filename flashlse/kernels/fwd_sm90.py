@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -896,19 +895,19 @@ def plan(q, k, v, out, lse, *, softcap, left, right, scale, sink, cu_seqlens_q=N
     call finds it in ``_PLANS``, and its :class:`~flashlse.kernels._common.Launch` calls the
     compiled kernel directly (``dispatch.attn_fwd`` times it in µs)."""
     override = options.current().fwd_sm90_config
-    # Overrides are part of the key (a mapping's items, or a frozen TileConfig): a plan made
-    # under one (the persistent kernel's schedule, say) is found again under the same one.
-    frozen = tuple(sorted(override.items())) if isinstance(override, Mapping) else override
-    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape,
-           v.stride(), out.stride(), lse.stride(),
-           (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0,
-           None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
-                                              max_seqlen_k),
-           seqused_k is None, sink is None, left, right, softcap, scale, frozen or None)
+    # The override is part of the key: a plan made under one (the persistent kernel's
+    # schedule, say) is found again under the same one.
     try:
-        found = _PLANS.get(key, _MISSING)
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), v.shape,
+               v.stride(), out.stride(), lse.stride(),
+               (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0,
+               None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
+                                                  max_seqlen_k),
+               seqused_k is None, sink is None, left, right, softcap, scale,
+               configs.override_key(override))
     except TypeError:  # an override that does not hash: planned every call
-        key, found = None, _MISSING
+        key = None
+    found = _MISSING if key is None else _PLANS.get(key, _MISSING)
     if found is not _MISSING:
         return found
     batch, lens = seq_args(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
@@ -937,12 +936,17 @@ _MAX_PLANS = 4096
 _MISSING = object()
 
 
-def _shared_kw(q, k, left, right, scale, sink, override) -> dict:
+def _config(q, override) -> configs.TileConfig:
+    """``configs.FWD_SM90``'s tile for q's head dim with ``KernelOptions.fwd_sm90_config``'s
+    overrides."""
+    return configs.override(configs.FWD_SM90[q.shape[-1]], override, configs.FWD_SM90_KEYS,
+                            what="fwd_sm90_config")
+
+
+def _shared_kw(q, k, left, right, scale, sink, cfg) -> dict:
     """The launch keywords both Hopper forwards take alike: window bounds (None = 0 with its
     flag off), the base-2 scale, the GQA group and head dim, the sink flag, and the tiles and
-    schedule of ``configs.FWD_SM90`` with ``KernelOptions.fwd_sm90_config``'s overrides."""
-    cfg = configs.override(configs.FWD_SM90[q.shape[-1]], override, configs.FWD_SM90_KEYS,
-                           what="fwd_sm90_config")
+    schedule of ``cfg`` (:func:`_config`)."""
     return dict(left=0 if left is None else int(left), right=0 if right is None else int(right),
                 scale_log2=float(scale) * LOG2E.value, GROUP=q.shape[-2] // k.shape[-2],
                 D=q.shape[-1], BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
@@ -962,12 +966,12 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     # (batch, row, head) strides; lse: (batch, head).
     sq, sk, sv, so = (strides(t, is_varlen) for t in (q, k, v, out))
     sl = strides(lse, is_varlen)[:2]
-    shared = _shared_kw(q, k, left, right, scale, sink, override)
+    cfg = _config(q, override)
+    shared = _shared_kw(q, k, left, right, scale, sink, cfg)
     kw = dict(stride_q=sq, stride_k=sk, stride_v=sv, stride_o=so, stride_l=sl, **shared)
     programs, sched = 0, None
-    cfg = _persistent_ok(q, k, v, out, shared, is_varlen=is_varlen, seqused_k=seqused_k,
-                         override=override)
-    if cfg:
+    n_items = batch * hq * cdiv(seqlen_q, 2 * HALF_M)
+    if _persistent_ok(q, k, v, out, shared, cfg, is_varlen=is_varlen, seqused_k=seqused_k):
         n_sm = _sm_count(q.device)
         programs = _persistent_programs(seqlen_q, lens["seqlen_k"], batch * hq, shared, n_sm)
         # (Not while a CUDA graph is captured: its replays would read the pinned buffer.)
@@ -976,13 +980,12 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
             table = _greedy_table(_block_costs(seqlen_q, lens["seqlen_k"], shared), batch * hq,
                                   n_sm, lens["seqlen_k"] * 2 * q.shape[-1] * q.element_size())
             if table is not None:
-                programs = min(n_sm, batch * hq * cdiv(seqlen_q, 2 * HALF_M))
+                programs = min(n_sm, n_items)
                 # Copied from pinned memory without a host wait (torch keeps the pinned
                 # block until the copy is done).
                 sched = torch.tensor(table, dtype=torch.int32).pin_memory().to(
                     q.device, non_blocking=True)
     if programs:
-        n_items = batch * hq * cdiv(seqlen_q, 2 * HALF_M)
         kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
                   HQ=hq, sched=sched, TABLE=sched is not None, O_IN_Q=_out_in_q(q, shared))
         for name in ("PINGPONG", "OVERLAP"):
@@ -995,29 +998,30 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     return Plan(Launch(_fwd_sm90_kernel, grid, *positional(_fwd_sm90_kernel, 9, kw)), signature)
 
 
-def _persistent_ok(q, k, v, out, shared, *, is_varlen, seqused_k,
-                   override) -> configs.TileConfig | None:
+def _persistent_ok(q, k, v, out, shared, cfg, *, is_varlen, seqused_k) -> bool:
     """Whether a call takes the persistent kernel: its config asks for it (the overlapped
     schedule, no ping-pong), a dense call without seqused_k whose q, k, v and out are
     ``(B * S, H * D)`` matrices (heads adjacent, sequences back to back), ``S_q`` a multiple
-    of 64 and ``S_k`` of BLOCK_N (no tile crosses a sequence), and Q, out and the ring fit
-    in shared memory beside each other. Its config then, else None."""
-    cfg = configs.override(configs.FWD_SM90[q.shape[-1]], override, configs.FWD_SM90_KEYS,
-                           what="fwd_sm90_config")
+    of 64 and ``S_k`` of BLOCK_N (no tile crosses a sequence), and Q and the ring fit in
+    shared memory (out beside them, or staged in Q's buffer: :func:`_out_in_q`)."""
     if not cfg.persistent or cfg.pingpong or not cfg.overlap or is_varlen:
-        return None
-    if seqused_k is not None:
-        return None
-    d, block_n, stages = q.shape[-1], shared["BLOCK_N"], shared["STAGES"]
-    if (2 * HALF_M.value * d + 2 * stages * block_n * d) * q.element_size() > 200 * 1024:
-        return None  # not even with out staged in Q's buffer
-    return cfg if persistent_layout(q, k, (q, k, v, out), block_n) else None
+        return False
+    if seqused_k is not None or _ring_bytes(q, shared, 1) > SMEM_BYTES:
+        return False
+    return persistent_layout(q, k, (q, k, v, out), shared["BLOCK_N"])
+
+
+def _ring_bytes(q, shared, row_buffers) -> int:
+    """Shared memory of the persistent kernels' K/V ring and ``row_buffers`` buffers of two
+    64-row halves (Q; out or dO, dQ)."""
+    d = q.shape[-1]
+    return (row_buffers * 2 * HALF_M.value * d
+            + 2 * shared["STAGES"] * shared["BLOCK_N"] * d) * q.element_size()
 
 
 def _out_in_q(q, shared) -> bool:
     """Whether the persistent forward stages out in Q's buffer (no room for its own)."""
-    d, block_n, stages = q.shape[-1], shared["BLOCK_N"], shared["STAGES"]
-    return (4 * HALF_M.value * d + 2 * stages * block_n * d) * q.element_size() > 200 * 1024
+    return _ring_bytes(q, shared, 2) > SMEM_BYTES
 
 
 def persistent_layout(q, k, tensors, block_n) -> bool:
@@ -1029,6 +1033,11 @@ def persistent_layout(q, k, tensors, block_n) -> bool:
         return False
     return all(t.stride(2) == t.shape[-1] == d and t.stride(0) == t.shape[1] * t.stride(1)
                for t in tensors)
+
+
+# Shared memory the persistent kernels plan for: sm_90's 227 KB a block, less 1 KB for their
+# barriers (the forward at D = 128 with out's own buffer: 196,968 bytes; the dQ: 229,768).
+SMEM_BYTES = 227 * 1024 - 1024
 
 
 # The persistent kernel's static schedule is taken when its busiest program has at most this
@@ -1044,8 +1053,8 @@ def _persistent_programs(s_q, s_k, heads, shared, n_sm) -> int:
     its key tiles plus one (the epilogue and the pipeline's ramp); among ``P`` = the SM count
     and the 8 below it, the one whose busiest program costs least, if that is within
     ``PERSISTENT_SLACK`` of the total over every SM (or of the largest block). Causal S = 4k-16k
-    at B*S = 16k, H = 16 has no such ``P`` (1.06-1.57x); S = 1k / 2k have (1.03x at P = 129),
-    and so does every call without a mask."""
+    at B*S = 16k, H = 16 has no such ``P`` (1.06-1.57x); S = 1k / 2k have (P = 131), and so
+    does every call without a mask."""
     cost = _block_costs(s_q, s_k, shared)
     n_m = cost.numel()
     n_items = heads * n_m
@@ -1209,7 +1218,8 @@ def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max
               stride_v=v_cache.stride()[:3], stride_o=out.stride()[:2], stride_lh=lse.stride(0),
               stride_tb=block_table.stride(0), seqlen_q=seqlen_q, total_q=total_q,
               batch=batch, capacity=n_cols * page, num_pages=num_pages, rows_lo=rows_lo,
-              PAGE_SIZE=page, **_shared_kw(q, k_cache, left, right, scale, sink, override))
+              PAGE_SIZE=page,
+              **_shared_kw(q, k_cache, left, right, scale, sink, _config(q, override)))
     kw["BLOCK_B"] = max(next_pow2(batch), 32 * kw["num_warps"])
     # Row blocks of the long sequences: at most one partial block each beyond total_q's.
     blocks = min(cdiv(total_q, 2 * HALF_M) + batch, batch * cdiv(seqlen_q, 2 * HALF_M))

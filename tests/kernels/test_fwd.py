@@ -381,7 +381,7 @@ def test_attn_fwd_sm90_persistent_domain():
 
     def ok(q, k, override=on, **kw):
         kw = dict(dict(is_varlen=False, seqused_k=None), **kw)
-        return fwd_sm90._persistent_ok(q, k, k, q, shared, override=override, **kw)
+        return fwd_sm90._persistent_ok(q, k, k, q, shared, fwd_sm90._config(q, override), **kw)
 
     q, k = empty(2, 1024, 8, 128), empty(2, 2048, 2, 128)
     assert ok(q, k)
@@ -398,6 +398,12 @@ def test_attn_fwd_sm90_persistent_domain():
     # A packed qkv projection: rows 3 H D apart, heads adjacent.
     qkv = empty(2, 1024, 3, 8, 128)
     assert ok(qkv[:, :, 0], qkv[:, :, 1, :2])
+    # D = 256: Q and the ring fit, out is staged in Q's buffer.
+    q256, k256 = empty(2, 1024, 8, 256), empty(2, 1024, 2, 256)
+    shared256 = dict(BLOCK_N=configs.FWD_SM90[256].block_n, STAGES=2)
+    assert fwd_sm90._persistent_ok(q256, k256, k256, q256, shared256,
+                                   fwd_sm90._config(q256, on), is_varlen=False, seqused_k=None)
+    assert fwd_sm90._out_in_q(q256, shared256) and not fwd_sm90._out_in_q(q, shared)
 
 
 def test_attn_fwd_sm90_persistent_balance():
