@@ -48,6 +48,17 @@ gate() {
     grep -h "^FAILED\|^ERROR" "$log" | head
     grep -q " passed" "$log" && ! grep -q "failed\|error" "$log"
 }
+# fuzz_bf16 PROCS SEED0 SECONDS: the seeded fuzzer in bf16 on the GPU (bad-data draws
+# included), PROCS processes side by side; prints any failure, then each one's summary.
+fuzz_bf16() {
+    local i
+    for i in $(seq 0 $(($1 - 1))); do
+        timeout $(($3 + 20)) python3 -m tools.fuzz --device cuda --dtype bf16 \
+            --seed $(($2 + i * 5000)) --n 5000 --seconds "$3" > "$OUT/fuzz$i.log" 2>&1 &
+    done
+    wait
+    grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
+}
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 if [ "$1" = sm90 ]; then
     # The Gluon backward kernels (bwd_sm90.py): their GPU tests (and bwd.py's on the same
@@ -172,12 +183,7 @@ if [ "$1" = s15 ]; then
     timeout 150 python3 benchmarks/bench_sparse.py --backward 2>&1 | tail -6
     timeout 120 python3 benchmarks/bench_mla.py --gluon-only --topk-only --out "$OUT" 2>&1 \
         | tail -6 | cut -c1-110
-    for i in 0 1 2 3 4 5 6 7; do
-        timeout 110 python3 -m tools.fuzz --device cuda --dtype bf16 --seed $((200000 + i * 5000)) \
-            --n 5000 --seconds 90 > "$OUT/fuzz$i.log" 2>&1 &
-    done
-    wait
-    grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
+    fuzz_bf16 8 200000 90
     exit 0
 fi
 if [ "$1" = s16 ]; then
@@ -217,12 +223,7 @@ for x in r: print($d, x['causal'], x['cfg'][:34], ' '.join(f'{t:.0f}' for t in x
     done
     # The bf16 fuzz with its tile-aligned draws (half the attention draws: the persistent
     # forward, the default for those shapes since session 15, and its backward).
-    for i in 0 1 2 3 4 5; do
-        timeout 80 python3 -m tools.fuzz --device cuda --dtype bf16 --seed $((400000 + i * 5000)) \
-            --n 5000 --seconds 60 > "$OUT/fuzz$i.log" 2>&1 &
-    done
-    wait
-    grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
+    fuzz_bf16 6 400000 60
     exit 0
 fi
 if [ "$1" = s17b ]; then
