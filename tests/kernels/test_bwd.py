@@ -434,6 +434,8 @@ def test_attn_bwd_gpu_sm90_other_dims(device, kernel_opts, monkeypatch, case, pa
     pytest.param(dict(b=2, sq=2048, sk=2048, hq=8, hkv=8, causal=True), id="causal_256_items"),
     pytest.param(dict(b=3, sq=1024, sk=512, hq=8, hkv=2, causal=True, sink=True),
                  id="causal_sq_gt_sk_sink"),
+    pytest.param(dict(b=2, sq=1024, sk=384, hq=4, hkv=2, causal=True),
+                 id="causal_empty_rows_no_sink"),
     pytest.param(dict(b=3, sq=320, sk=1024, hq=4, hkv=1, causal=True),
                  id="causal_half_past_end_mqa"),
     pytest.param(dict(b=2, sq=704, sk=1024, hq=4, hkv=2, window=(100, 50)), id="window"),

@@ -18,6 +18,7 @@ import torch
 from _cases import GPU_HEAD_DIM_CASES, VARLEN_CASES
 from _flashlse_testing import break_plan
 
+import flashlse as fl
 from flashlse import reference
 from flashlse.kernels import dispatch
 
@@ -317,6 +318,7 @@ PERSISTENT_CASES = [
     pytest.param(4, 1024, 1024, 8, 2, {}, id="base_256_items"),
     pytest.param(2, 2048, 2048, 8, 8, {"causal": True}, id="causal_256_items"),
     pytest.param(3, 1024, 512, 8, 2, {"causal": True, "sink": True}, id="causal_sq_gt_sk_sink"),
+    pytest.param(2, 1024, 384, 4, 2, {"causal": True}, id="causal_empty_rows_no_sink"),
     pytest.param(3, 320, 1024, 4, 1, {"causal": True}, id="causal_half_past_end_mqa"),
     pytest.param(2, 704, 1024, 4, 2, {"window": (100, 50), "sink": True}, id="window_sink"),
     pytest.param(2, 896, 896, 16, 2, {"window": (200, None)}, id="window_left_only"),
@@ -367,6 +369,65 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
     _run_dense(device, dtype, b, sq, sk, hq, hkv, d, d, seed=12, **kw)
     assert plans and all(p is not None and p.signature[-1] == "persistent" for p in plans)
     assert bool(tables) == table and all(tables)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("schedule", ["round_robin", "table"])
+def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch, schedule):
+    """The LSE contract on the persistent forward (B=2, causal, S_q = 1024 on S_k = 512: rows
+    0-511 of each sequence see no key). A sink of -inf is no sink, bit for bit, with empty
+    rows (0, -inf) and NaN-free gradients; a NaN in one q row, in one key, or in one head's
+    sink reaches exactly the rows that see it, in both sequences' blocks only where it sits,
+    and every other row equals the clean call."""
+    from flashlse.kernels import fwd_sm90
+
+    table = schedule == "table"
+    kernel_opts(fwd_sm90_config={"PERSISTENT": True, "PERSISTENT_TABLE": table})
+    monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", 0.0 if table else float("inf"))
+    plans = []
+    real = fwd_sm90.plan
+    monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    g = torch.Generator().manual_seed(14)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=torch.bfloat16)
+    q, k, v = mk(2, 1024, 4, 128), mk(2, 512, 2, 128), mk(2, 512, 2, 128)
+    sink = torch.tensor([0.5, -1.0, 0.0, 2.0], device=device)
+
+    def call(q, k, sink):
+        return fl.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+
+    # -inf sink == no sink; empty rows exactly (0, -inf); gradients without NaN.
+    none = call(q, k, None)
+    neg = call(q, k, torch.full((4,), float("-inf"), device=device))
+    for a, b in zip(neg, none):
+        assert torch.equal(a, b)
+    assert torch.isneginf(none[1][:, :, :512]).all() and (none[0][:, :512] == 0).all()
+    assert not torch.isnan(none[0]).any() and not torch.isnan(none[1]).any()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fl.attention(*leaves, causal=True, return_lse=True)
+    (out.float().square().sum() + lse.masked_fill(torch.isneginf(lse), 0).sum()).backward()
+    assert all(not torch.isnan(t.grad).any() for t in leaves)
+    assert all(p is not None and p.signature[-1] == "persistent" for p in plans)
+
+    clean_out, clean_lse = call(q, k, sink)
+    for what in ("q", "k", "sink"):
+        q2, k2, s2 = q.clone(), k.clone(), sink.clone()
+        bad = torch.zeros(2, 4, 1024, dtype=torch.bool, device=device)  # (b, head, row)
+        if what == "q":
+            q2[1, 700, 2, 5] = float("nan")
+            bad[1, 2, 700] = True
+        elif what == "k":
+            k2[0, 300, 1, 7] = float("nan")  # kv head 1: query heads 2, 3
+            bad[0, 2:, 512 + 300:] = True  # rows i see keys 0 .. i - 512
+        else:
+            s2[3] = float("nan")
+            bad[:, 3] = True
+        out2, lse2 = call(q2, k2, s2)
+        rows_out = out2.transpose(1, 2)  # (b, head, row, d)
+        assert torch.isnan(lse2[bad]).all() and torch.isnan(rows_out[bad]).all(), what
+        good = ~bad
+        assert torch.equal(lse2[good], clean_lse[good]), what
+        assert torch.equal(rows_out[good], clean_out.transpose(1, 2)[good]), what
 
 
 def test_attn_fwd_sm90_persistent_domain():
