@@ -3,7 +3,7 @@
 # "every table within +-2% of before, same run"). The earlier tree's package and benchmark
 # scripts go into .before/ (git-ignored), which the device call carries:
 #   bash benchmarks/before_after.sh prep 2dcb23b          # here: the tree before issue 21
-#   bash benchmarks/before_after.sh run [fwd bwd decode merge]   # on the GPU, carry .before
+#   bash benchmarks/before_after.sh run [fwd bwd decode merge serving]   # on the GPU, carry .before
 #   bash benchmarks/before_after.sh variant-fwd   # .variant_fwd (D = 64 persistent) for h200_session.sh fwd-dims
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
@@ -32,19 +32,20 @@ if [ "$1" = prep ]; then
     echo "$2" > .before/REV
     exit 0
 fi
-[ "$1" = run ] || { echo "usage: $0 prep REV | run [fwd bwd decode merge]"; exit 2; }
+[ "$1" = run ] || { echo "usage: $0 prep REV | run [fwd bwd decode merge serving]"; exit 2; }
 shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 declare -A ARGS=([fwd]="--full --flex-budget 0 ${FWD_ARGS:-}" [bwd]="--quick --flex-budget 0" [decode]="--quick"
-                 [merge]="")
+                 [merge]="" [serving]="")
 for bench in ${@:-fwd bwd decode merge}; do
     for pass in $(seq 1 ${PASSES:-2}); do
         for tree in before after; do
             root=$PWD; [ $tree = before ] && root=$PWD/.before
             log="$OUT/${bench}_${tree}${pass}.txt"
+            out="--out /tmp/ba_${tree}"; [ $bench = serving ] && out=
             PYTHONPATH=$root timeout 150 python3 "$root/benchmarks/bench_$bench.py" \
-                ${ARGS[$bench]} --out "/tmp/ba_${tree}" > "$log" 2>&1
+                ${ARGS[$bench]} $out > "$log" 2>&1
             echo "== $bench $tree $pass ($(cat .before/REV 2>/dev/null) / this tree)"
             tail -8 "$log"
         done

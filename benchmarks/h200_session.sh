@@ -27,6 +27,8 @@
 #                                                dK/dV): their tests; bench_fwd --sm90-short
 #   bash benchmarks/h200_session.sh s17        # session 15's table schedule: tests, A/B; fuzz
 #   bash benchmarks/h200_session.sh s17b       # session 15's persistent dQ: tests, bwd A/B
+#   bash benchmarks/h200_session.sh s18        # session 16's paged producer: tests, serving
+#                                                A/B against .before (carried)
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
 #                                                (.variant_fwd, carried): its tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
@@ -59,6 +61,10 @@ fuzz_bf16() {
     wait
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
+# An unknown mode is refused: it would otherwise run the whole default session.
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s15 s16 s17 s17b s18 fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+    echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
+fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 if [ "$1" = sm90 ]; then
     # The Gluon backward kernels (bwd_sm90.py): their GPU tests (and bwd.py's on the same
@@ -224,6 +230,18 @@ for x in r: print($d, x['causal'], x['cfg'][:34], ' '.join(f'{t:.0f}' for t in x
     # The bf16 fuzz with its tile-aligned draws (half the attention draws: the persistent
     # forward, the default for those shapes since session 15, and its backward).
     fuzz_bf16 6 400000 60
+    exit 0
+fi
+if [ "$1" = s18 ]; then
+    # Session 16: the Hopper paged forward's producer reading a tile's block-table entries at
+    # once, a tile ahead (8 loads in flight instead of 16 dependent ones a tile pair at page
+    # 16). Its GPU tests, then bench_serving of the tree before it (.before, carried: here
+    # `bash benchmarks/before_after.sh prep REV`) and of this one, alternating.
+    gate paged.log 240 tests/kernels/test_fwd_paged_sm90.py || exit 1
+    PASSES=${PASSES:-1} bash benchmarks/before_after.sh run serving > "$OUT/ba.txt" 2>&1
+    for f in "$OUT"/serving_*.txt; do
+        echo "== $(basename "$f")"; grep -E "paged|contig|mixed|dense" "$f" | cut -c1-100
+    done
     exit 0
 fi
 if [ "$1" = s17b ]; then

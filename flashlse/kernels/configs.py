@@ -228,15 +228,21 @@ def fwd_paged_config(block_d: int, block_dv: int, rows: int, interpret: bool) ->
 # persistent: RESULTS.md 2026-12-02, "Session 15, calls 3-5" (S = 1k / 2k
 # / 4k, B*S = 16k, H = 16: full +23 / +12 / +6%, causal +36 / +21 / +1%); taken where the
 # layout allows it and its static schedule is balanced (fwd_sm90._persistent_programs).
+# persistent_table (the host's greedy schedule where the round robin is not balanced: causal
+# S >= 4k there): RESULTS.md 2026-12-02, "Session 16, call 1" (causal S = 4k +17 / +18%,
+# 8k +10 / -3%, 16k +2 / -2% in two passes against the grid kernel).
 FWD_SM90 = {
     128: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,
-                    overlap=True, persistent=True, consumer_regs=240),
+                    overlap=True, persistent=True, persistent_table=True, consumer_regs=240),
     # RESULTS.md 2026-12-02 session 15, "Hopper forward at D = 64 / 256": 1.18-1.30x fwd.py's
     # at S = 1k-16k, full and causal (529-681 TFLOP/s full, 0.87-1.02x cuDNN; causal 0.81-1.09x;
-    # pass 2 of S = 8k full 0.95x).
+    # pass 2 of S = 8k full 0.95x). Persistent (out staged in Q's buffer) with the table:
+    # "Session 16, call 1" (against the grid kernel, two passes: full 1k +6 / +9%, 2k +2 / +3%,
+    # 4k +1 / -3%, 8k 0 / +4%, 16k -1 / -1%; causal 1k +24 / +26%, 2k +18 / +14%, 4k +9 / +20%,
+    # 8k +10 / -4%, 16k -2 / -2%).
     # 3 stages spill and need 263 KB; BLOCK_N 128 at 1 stage spills 536 bytes.
     256: TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, pingpong=False,
-                    overlap=True, consumer_regs=240),
+                    overlap=True, persistent=True, persistent_table=True, consumer_regs=240),
 }
 
 

@@ -125,8 +125,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_DO: gl.constexpr,
               PAGE_SIZE: gl.constexpr):
     """One warp: both Q halves (and dO's, for the backward's dQ: HAS_DO) once, then K_j and
-    V_j into the ring, each when it is free (``_load_tile``: of a paged cache when
-    PAGE_SIZE > 0, ``paged_args`` its sources)."""
+    V_j into the ring, each when it is free (of a paged cache when PAGE_SIZE > 0:
+    ``_paged_tiles``, ``paged_args`` its sources)."""
     for half in gl.static_range(2):
         if HAS_DO:
             mbarrier.expect(q_bar.index(half),
@@ -137,32 +137,47 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
             mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [m0 + half * HALF_M, 0], q_bar.index(half),
                                         q_smem.index(half))
-    for it in range(n_tiles):
-        s = it % STAGES
-        # A fresh barrier counts as having completed the phase before 0, so the first
-        # pass over the ring does not wait.
-        ph = ((it // STAGES) & 1) ^ 1
-        n0 = n_lo + it * BLOCK_N
-        mbarrier.wait(k_empty.index(s), ph)
-        _load_tile(k_desc, k_full, k_smem, s, n0, paged_args, 0, PAGE_SIZE, BLOCK_N)
-        mbarrier.wait(v_empty.index(s), ph)
-        _load_tile(v_desc, v_full, v_smem, s, n0, paged_args, 1, PAGE_SIZE, BLOCK_N)
+    if PAGE_SIZE == 0:
+        for it in range(n_tiles):
+            s = it % STAGES
+            # A fresh barrier counts as having completed the phase before 0, so the first
+            # pass over the ring does not wait.
+            ph = ((it // STAGES) & 1) ^ 1
+            n0 = n_lo + it * BLOCK_N
+            mbarrier.wait(k_empty.index(s), ph)
+            mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [n0, 0], k_full.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), ph)
+            mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [n0, 0], v_full.index(s), v_smem.index(s))
+    else:
+        _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
+                     n_tiles, paged_args, BLOCK_N, STAGES, PAGE_SIZE)
 
 
 @gluon.jit
-def _load_tile(desc, full, ring, s, n0, paged_args, TAIL: gl.constexpr,
-               PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Key tile ``[n0, n0 + BLOCK_N)`` of K or V into buffer ``s`` of ``ring``, arriving on
-    its ``full`` barrier: one TMA copy of the rows (PAGE_SIZE 0), or page by page by TMA
-    (``_paged_copy``: ``paged_args`` holds the tail descriptors of K and V, ``TAIL`` picking
-    this one's, the block-table row, the length and the last page's first key)."""
-    if PAGE_SIZE == 0:
-        mbarrier.expect(full.index(s), desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [n0, 0], full.index(s), ring.index(s))
-    else:
-        p_bt, T_k, last_start = paged_args[2], paged_args[3], paged_args[4]
-        _paged_copy(desc, paged_args[TAIL], full.index(s), ring.index(s), p_bt, n0, T_k,
+def _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
+                 n_tiles, paged_args, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 PAGE_SIZE: gl.constexpr):
+    """``_producer``'s key tiles from a paged cache (``paged_args``: the tail descriptors of
+    K and V, the block-table row, the length, the last page's first key), page by page
+    (``_paged_copy``). A tile's block-table entries are read once for K and V, a tile ahead
+    (``_tile_pages``): the producer waits for a free buffer while they arrive, instead of
+    waiting on each entry's load between two copies."""
+    k_tail, v_tail, p_bt, T_k, last_start = paged_args
+    pages = _tile_pages(p_bt, n_lo, T_k, PAGE_SIZE, BLOCK_N)
+    for it in range(n_tiles):
+        s = it % STAGES
+        ph = ((it // STAGES) & 1) ^ 1
+        n0 = n_lo + it * BLOCK_N
+        mbarrier.wait(k_empty.index(s), ph)
+        _paged_copy(k_desc, k_tail, k_full.index(s), k_smem.index(s), pages, n0, T_k,
                     last_start, PAGE_SIZE, BLOCK_N)
+        later = _tile_pages(p_bt, n0 + BLOCK_N, T_k, PAGE_SIZE, BLOCK_N)
+        mbarrier.wait(v_empty.index(s), ph)
+        _paged_copy(v_desc, v_tail, v_full.index(s), v_smem.index(s), pages, n0, T_k,
+                    last_start, PAGE_SIZE, BLOCK_N)
+        pages = later
 
 
 @gluon.constexpr_function
@@ -763,13 +778,27 @@ def _fwd_sm90_persistent_kernel(
 
 
 @gluon.jit
-def _paged_copy(desc, tail, bar, dst, p_bt, n0, T_k, last_start, PAGE_SIZE: gl.constexpr,
+def _tile_pages(p_bt, n0, T_k, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The block-table entries of key tile ``[n0, n0 + BLOCK_N)``'s boxes (see
+    ``_paged_copy``), a tuple: 0 for a box the tail descriptor copies or past the length,
+    whose entry is not read (the row holds the length's pages only)."""
+    BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+    pages = ()
+    for i in gl.static_range(BLOCK_N // BOX):
+        n_i = n0 + i * BOX
+        pages = pages + (gl.load(p_bt + n_i // PAGE_SIZE, mask=n_i + BOX <= T_k, other=0),)
+    return pages
+
+
+@gluon.jit
+def _paged_copy(desc, tail, bar, dst, pages, n0, T_k, last_start, PAGE_SIZE: gl.constexpr,
                 BLOCK_N: gl.constexpr):
     """Key tile ``[n0, n0 + BLOCK_N)`` of a paged sequence into ``dst``, one TMA box a page
-    (or a BLOCK_N-row box of a page holding several tiles), all arriving on ``bar``. A box
-    whose keys reach ``T_k`` comes from ``tail``, the descriptor of the last page's first
-    ``T_k - last_start`` rows: the rows past the length (cache memory, NaN possible) and
-    boxes past the last page read as zeros, so a masked key has P = 0 and V = 0."""
+    (or a BLOCK_N-row box of a page holding several tiles; ``pages`` their block-table
+    entries, ``_tile_pages``), all arriving on ``bar``. A box whose keys reach ``T_k`` comes
+    from ``tail``, the descriptor of the last page's first ``T_k - last_start`` rows: the
+    rows past the length (cache memory, NaN possible) and boxes past the last page read as
+    zeros, so a masked key has P = 0 and V = 0."""
     BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
     mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
     for i in gl.static_range(BLOCK_N // BOX):
@@ -780,9 +809,8 @@ def _paged_copy(desc, tail, bar, dst, p_bt, n0, T_k, last_start, PAGE_SIZE: gl.c
         else:
             box = dst
         if n_i + BOX <= T_k:
-            page = gl.load(p_bt + n_i // PAGE_SIZE)
-            tma.async_copy_global_to_shared(desc, [page * PAGE_SIZE + n_i % PAGE_SIZE, 0], bar,
-                                            box)
+            tma.async_copy_global_to_shared(desc, [pages[i] * PAGE_SIZE + n_i % PAGE_SIZE, 0],
+                                            bar, box)
         else:
             tma.async_copy_global_to_shared(tail, [n_i - last_start, 0], bar, box)
 
