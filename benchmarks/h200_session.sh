@@ -29,6 +29,8 @@
 #   bash benchmarks/h200_session.sh s17b       # session 15's persistent dQ: tests, bwd A/B
 #   bash benchmarks/h200_session.sh s18        # session 16's paged producer: tests, serving
 #                                                A/B against .before (carried)
+#   bash benchmarks/h200_session.sh s18b       # session 16's forward defaults under test_fwd's
+#                                                GPU tests; a second paged producer warp: A/B
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
 #                                                (.variant_fwd, carried): its tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
@@ -62,7 +64,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s15 s16 s17 s17b s18 fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s15 s16 s17 s17b s18 s18b fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -239,6 +241,29 @@ if [ "$1" = s18 ]; then
     # `bash benchmarks/before_after.sh prep REV`) and of this one, alternating.
     gate paged.log 240 tests/kernels/test_fwd_paged_sm90.py || exit 1
     PASSES=${PASSES:-1} bash benchmarks/before_after.sh run serving > "$OUT/ba.txt" 2>&1
+    for f in "$OUT"/serving_*.txt; do
+        echo "== $(basename "$f")"; grep -E "paged|contig|mixed|dense" "$f" | cut -c1-100
+    done
+    exit 0
+fi
+if [ "$1" = s18b ]; then
+    # Session 16's last call: the forward's new defaults (the persistent kernel on the host's
+    # table at D = 128, persistent at D = 256) under test_fwd's GPU tests (two shards), beside
+    # the paged kernel's tests with a second producer warp for V; then bench_serving of the
+    # tree before it (.before, carried) and of this one.
+    mkdir -p "$OUT/tests"
+    for i in 0 1; do
+        FLASHLSE_TEST_SHARD=$i/2 timeout 170 python3 -m pytest -q tests/kernels/test_fwd.py \
+            -k gpu -p no:cacheprovider > "$OUT/tests/fwd$i.log" 2>&1 &
+    done
+    timeout 170 python3 -m pytest -q tests/kernels/test_fwd_paged_sm90.py -p no:cacheprovider \
+        > "$OUT/tests/paged.log" 2>&1
+    wait
+    for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
+    grep -q " passed" "$OUT/tests/paged.log" && ! grep -q "failed\|error" "$OUT/tests/paged.log" \
+        || exit 1
+    PASSES=1 bash benchmarks/before_after.sh run serving > "$OUT/ba.txt" 2>&1
     for f in "$OUT"/serving_*.txt; do
         echo "== $(basename "$f")"; grep -E "paged|contig|mixed|dense" "$f" | cut -c1-100
     done

@@ -99,11 +99,10 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
 
 def paged_in_place(q, k_cache, v_cache, *, softcap, scale) -> bool:
     """Whether a paged call's long sequences run a kernel that reads the pages in place at
-    about the dense kernel's speed (the Hopper paged kernel, pages of at least
-    ``fwd_sm90.IN_PLACE_MIN_PAGE`` rows): ``attention_with_kvcache`` gathers the pages of long
-    chunks for the dense kernel otherwise."""
+    about the dense kernel's speed (the Hopper paged kernel, at every page size of its
+    domain): ``attention_with_kvcache`` gathers the pages of long chunks for the dense kernel
+    otherwise."""
     return bool(options.current().sm90_fwd_paged and fwd_sm90 is not None
-                and k_cache.shape[1] >= fwd_sm90.IN_PLACE_MIN_PAGE
                 and fwd_sm90.paged_supported(q, k_cache, v_cache, softcap=softcap, scale=scale,
                                              batch=q.shape[0]))
 

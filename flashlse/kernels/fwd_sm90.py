@@ -31,9 +31,10 @@ badly), or its list of the host's greedy schedule (``_greedy_table``, PERSISTENT
 
 Paged caches (``_fwd_sm90_paged_kernel``: ``attention_varlen`` with a block table, the paged
 prefill of ``attention_with_kvcache``) run the same program and consumers; only the producer
-differs. It copies each key tile page by page, one TMA box a page for pages of 16, 32 or 64 rows
-(row slices of the swizzled tile) or one box a tile for pages of a multiple of BLOCK_N, through a
-descriptor over the kv head's whole cache. A box that reaches the sequence's length comes
+differs, two warps (K; V) instead of one. Each copies a key tile page by page, one TMA box a
+page for pages of 16, 32 or 64 rows (row slices of the swizzled tile) or one box a tile for
+pages of a multiple of BLOCK_N, through a descriptor over the kv head's whole cache, with the
+tile's block-table entries read a tile ahead (``_paged_tiles``). A box that reaches the sequence's length comes
 from a second descriptor, the last page's rows up to the length, so the cache rows past it
 (any bits, NaN included) read as zeros. The grid covers the row blocks of the sequences of
 more than 16 packed rows only (``_long_block``): the decodes of a mixed step run fwd.py's
@@ -152,13 +153,24 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
             tma.async_copy_global_to_shared(v_desc, [n0, 0], v_full.index(s), v_smem.index(s))
     else:
         _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
-                     n_tiles, paged_args, BLOCK_N, STAGES, PAGE_SIZE)
+                     n_tiles, paged_args, BLOCK_N, STAGES, PAGE_SIZE, True, False)
+
+
+@gluon.jit
+def _paged_v_producer(k_desc, v_desc, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
+                      m0, n_lo, n_tiles, paged_args, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """The paged kernel's second producer warp: the V tiles (``_producer`` copies Q and the
+    K tiles), so two warps issue a tile pair's page boxes (``q_bar`` and ``m0`` unused: the
+    arguments are ``_producer``'s)."""
+    _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
+                 n_tiles, paged_args, BLOCK_N, STAGES, PAGE_SIZE, False, True)
 
 
 @gluon.jit
 def _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
                  n_tiles, paged_args, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 PAGE_SIZE: gl.constexpr):
+                 PAGE_SIZE: gl.constexpr, DO_K: gl.constexpr, DO_V: gl.constexpr):
     """``_producer``'s key tiles from a paged cache (``paged_args``: the tail descriptors of
     K and V, the block-table row, the length, the last page's first key), page by page
     (``_paged_copy``). A tile's block-table entries are read once for K and V, a tile ahead
@@ -170,13 +182,15 @@ def _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empt
         s = it % STAGES
         ph = ((it // STAGES) & 1) ^ 1
         n0 = n_lo + it * BLOCK_N
-        mbarrier.wait(k_empty.index(s), ph)
-        _paged_copy(k_desc, k_tail, k_full.index(s), k_smem.index(s), pages, n0, T_k,
-                    last_start, PAGE_SIZE, BLOCK_N)
+        if DO_K:
+            mbarrier.wait(k_empty.index(s), ph)
+            _paged_copy(k_desc, k_tail, k_full.index(s), k_smem.index(s), pages, n0, T_k,
+                        last_start, PAGE_SIZE, BLOCK_N)
         later = _tile_pages(p_bt, n0 + BLOCK_N, T_k, PAGE_SIZE, BLOCK_N)
-        mbarrier.wait(v_empty.index(s), ph)
-        _paged_copy(v_desc, v_tail, v_full.index(s), v_smem.index(s), pages, n0, T_k,
-                    last_start, PAGE_SIZE, BLOCK_N)
+        if DO_V:
+            mbarrier.wait(v_empty.index(s), ph)
+            _paged_copy(v_desc, v_tail, v_full.index(s), v_smem.index(s), pages, n0, T_k,
+                        last_start, PAGE_SIZE, BLOCK_N)
         pages = later
 
 
@@ -455,19 +469,39 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
     # Warpgroup 0 issues first.
     mbarrier.arrive(turn.index(0))
 
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty, turn,
-                     p_lse, sink, i_h, 0, m0, T_q, T_k, shift, left, right, scale_log2,
-                     n_lo, n_full_lo, n_full_hi, n_tiles,
-                     D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
-        (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty, turn,
-                     p_lse, sink, i_h, 1, m0, T_q, T_k, shift, left, right, scale_log2,
-                     n_lo, n_full_lo, n_full_hi, n_tiles,
-                     D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
-        (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
-                     q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
-                     BLOCK_N, STAGES, False, PAGE_SIZE)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if PAGE_SIZE == 0:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty,
+                         turn, p_lse, sink, i_h, 0, m0, T_q, T_k, shift, left, right, scale_log2,
+                         n_lo, n_full_lo, n_full_hi, n_tiles, D, BLOCK_N, STAGES, HAS_LEFT,
+                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
+            (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty,
+                         turn, p_lse, sink, i_h, 1, m0, T_q, T_k, shift, left, right, scale_log2,
+                         n_lo, n_full_lo, n_full_hi, n_tiles, D, BLOCK_N, STAGES, HAS_LEFT,
+                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
+            (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar,
+                         k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
+                         BLOCK_N, STAGES, False, PAGE_SIZE)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        # A second producer warp for V's page boxes (RESULTS.md, session 16: page 16 0.78x ->
+        # 0.94x the dense kernel): two warps wait on block-table loads and issue boxes.
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty,
+                         turn, p_lse, sink, i_h, 0, m0, T_q, T_k, shift, left, right, scale_log2,
+                         n_lo, n_full_lo, n_full_hi, n_tiles, D, BLOCK_N, STAGES, HAS_LEFT,
+                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
+            (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty,
+                         turn, p_lse, sink, i_h, 1, m0, T_q, T_k, shift, left, right, scale_log2,
+                         n_lo, n_full_lo, n_full_hi, n_tiles, D, BLOCK_N, STAGES, HAS_LEFT,
+                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
+            (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar,
+                         k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
+                         BLOCK_N, STAGES, False, PAGE_SIZE)),
+            (_paged_v_producer, (k_desc, v_desc, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
+                                 v_empty, m0, n_lo, n_tiles, producer_args, BLOCK_N, STAGES,
+                                 PAGE_SIZE)),
+        ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
 @gluon.jit
@@ -1161,16 +1195,13 @@ def _sm_count(device) -> int:
 
 # Page sizes smaller than a key tile that the paged kernel takes, one TMA box a page (row
 # offsets in the swizzled tile are multiples of 8); larger pages must be a multiple of the
-# tile. B=4 Sq=512 on 8k (benchmarks/RESULTS.md, session 13): pages of 32 ran at 0.85-0.89x
-# the dense kernel, 64 at 0.90-0.96x, 256 at 0.92-1.04x; 16 at 0.71-0.75x, where 16 boxes of
-# 2 KB a K tile are the limit. That is still above fwd.py's paged kernel, the other way to
-# read pages in place (0.647 ms there against 0.611, session 9 / 13; the mixed serving step
-# at page 16 1.527 ms against 1.624 in the same call), so page 16 is in the domain, while
-# attention_with_kvcache gathers the pages of long chunks below IN_PLACE_MIN_PAGE rows for
-# the dense kernel (0.84x). Pages of 8 rows (32 boxes a K tile, not measured) run fwd.py's;
-# their rows copied by cp.async instead ran at 0.38x (session 14) and were removed.
+# tile. B=4 Sq=512 on 8k (benchmarks/RESULTS.md, session 16, call 7): with two producer
+# warps (K; V) reading a tile's block-table entries a tile ahead, page 16 runs at 0.94x the
+# dense kernel (0.70x with one warp waiting on each entry's load), above gathering the pages
+# for the dense kernel (0.80x), so attention_with_kvcache reads every page size of the
+# domain in place. Pages of 8 rows (32 boxes a K tile, not measured) run fwd.py's paged
+# kernel; their rows copied by cp.async instead ran at 0.38x (session 14) and were removed.
 PAGE_SIZES = (16, 32, 64)
-IN_PLACE_MIN_PAGE = 32
 MAX_PAGED_BATCH = 4096
 
 

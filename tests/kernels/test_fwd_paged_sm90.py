@@ -72,13 +72,12 @@ def gluon_paged(monkeypatch):
     return seen
 
 
-def _assert_gluon_ran(seen, page, gathered=False):
+def _assert_gluon_ran(seen, page):
     """The Gluon kernel ran for its page sizes (16, 32, 64, multiples of 128); pages of 8
-    rows (outside ``paged_supported``), and calls whose pages were ``gathered`` for the dense
-    kernel, ran no Gluon paged launch."""
+    rows (outside ``paged_supported``) ran no Gluon paged launch."""
     from flashlse.kernels import fwd_sm90
 
-    if not gathered and (page in fwd_sm90.PAGE_SIZES or page % 128 == 0):
+    if page in fwd_sm90.PAGE_SIZES or page % 128 == 0:
         assert seen.planned, "fwd_sm90.paged_plan gave no plan with a launch"
         assert seen.launched, "the Gluon paged plan was not launched"
     else:
@@ -232,8 +231,8 @@ def test_fwd_paged_sm90_matches_reference(gluon_paged, dtype, qlens, klens, hq, 
 # (B, Sq, Hq, Hkv, Smax, cache_seqlens, Snew, page size, keywords); Sq > 16: the prefill path.
 KVCACHE_CASES = [
     pytest.param(2, 40, 8, 2, 700, [600, 3], 40, 64, dict(causal=True), id="chunk40_page64"),
-    # 200 rows at page 16 (below IN_PLACE_MIN_PAGE, on a table of 75 pages: at most 16 rows a
-    # query row): the pages are gathered for the dense kernel.
+    # 200 rows at page 16 on a table of 75 pages (at most 16 rows a query row): read in place
+    # by the Gluon kernel, which every page size of its domain is.
     pytest.param(2, 200, 8, 1, 1200, [777, 0], 200, 16, dict(causal=True, sink=True),
                  id="chunk200_page16_sink_empty_cache"),
     pytest.param(1, 17, 4, 4, 300, [100], 17, 256, dict(causal=True), id="mha_sq17_page256"),
@@ -252,10 +251,7 @@ def test_fwd_paged_sm90_kvcache_prefill(gluon_paged, dtype, b, sq, hq, hkv, smax
     t = make(b, sq, hq, hkv, D, D, smax, lens, snew, dtype, sink=kw.pop("sink", False))
     with torch.no_grad():
         run_both(_to(to_paged(t, page), DEVICE), **kw)
-    from flashlse.kernels import fwd_sm90
-
-    _assert_gluon_ran(gluon_paged, page,
-                      gathered=sq >= 128 and page < fwd_sm90.IN_PLACE_MIN_PAGE)
+    _assert_gluon_ran(gluon_paged, page)
 
 
 @pytest.mark.parametrize("page, col, bad", [
