@@ -5,6 +5,7 @@
 #   bash benchmarks/before_after.sh prep 2dcb23b          # here: the tree before issue 21
 #   bash benchmarks/before_after.sh run [fwd bwd decode merge serving]   # on the GPU, carry .before
 #   bash benchmarks/before_after.sh variant-fwd   # .variant_fwd (D = 64 persistent) for h200_session.sh fwd-dims
+#   bash benchmarks/before_after.sh variant-mla   # .variant_mla (MLA page lookups at once) for h200_session.sh mla-pages
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
 set -o pipefail
@@ -24,6 +25,16 @@ s2 = s.replace("FWD_SM90 = {\n", "FWD_SM90 = {\n" + tile, 1)
 assert s2 != s
 open(p, "w").write(s2)
 PY2
+    exit $?
+fi
+if [ "$1" = variant-mla ]; then
+    # The variant for `h200_session.sh mla-pages` (carry .variant_mla): this tree with the MLA
+    # decode's page lookups for pages below a tile read at once, before the producer waits
+    # (benchmarks/variants/mla_page_lookups.patch; the Hopper paged forward's lesson, session
+    # 16: a warp waiting on each entry's load between copies was its limit at page 16).
+    rm -rf .variant_mla && mkdir .variant_mla
+    git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_mla
+    patch -s -p1 -d .variant_mla < benchmarks/variants/mla_page_lookups.patch
     exit $?
 fi
 if [ "$1" = prep ]; then

@@ -33,6 +33,8 @@
 #                                                GPU tests; a second paged producer warp: A/B
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
 #                                                (.variant_fwd, carried): its tests, bench A/B
+#   bash benchmarks/h200_session.sh mla-pages  # the MLA decode's page lookups at once
+#                                                (.variant_mla, carried): tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
 #                                                bench_mla.py (Gluon only) of the tree in
 #                                                .before_mla (carried) and of this one, twice
@@ -64,7 +66,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s15 s16 s17 s17b s18 s18b fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s15 s16 s17 s17b s18 s18b mla-pages fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -279,6 +281,25 @@ if [ "$1" = s17b ]; then
             timeout 150 python3 benchmarks/bench_bwd.py --quick --flex-budget 0 \
                 --bwd-config "$cfg" --out "/tmp/bwd" > "$OUT/bwd_${pass}_${#cfg}.txt" 2>&1
             echo "== bwd_config '$cfg' pass $pass"; tail -12 "$OUT/bwd_${pass}_${#cfg}.txt" | cut -c1-110
+        done
+    done
+    exit 0
+fi
+if [ "$1" = mla-pages ]; then
+    # The variant (.variant_mla, carried; `bash benchmarks/before_after.sh variant-mla`): the
+    # MLA decode's page lookups for pages below a tile (16, 32, 8) read at once before the
+    # producer waits, not one load between copies. Its MLA GPU tests in its own tree first,
+    # then bench_mla --gluon-only --pages 16,32,64 of this tree and of the variant, alternating.
+    (cd .variant_mla && PYTHONPATH=$PWD timeout 240 python3 -m pytest -q \
+        tests/kernels/test_decode_mla_sm90.py -p no:cacheprovider > "$OUT/test_variant_mla.log" 2>&1)
+    echo "variant tests: $(tail -1 "$OUT/test_variant_mla.log")"
+    grep -h "^FAILED" "$OUT"/test_variant_mla.log | head
+    for pass in 1 2; do
+        for tree in main variant; do
+            root=$PWD; [ $tree = variant ] && root=$PWD/.variant_mla
+            PYTHONPATH=$root timeout 120 python3 "$root/benchmarks/bench_mla.py" --gluon-only \
+                --pages 16,32,64 --out "/tmp/mla_$tree" > "$OUT/mla_${tree}$pass.txt" 2>&1
+            echo "== $tree $pass"; tail -5 "$OUT/mla_${tree}$pass.txt" | cut -c1-120
         done
     done
     exit 0
