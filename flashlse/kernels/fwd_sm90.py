@@ -33,9 +33,9 @@ Paged caches (``_fwd_sm90_paged_kernel``: ``attention_varlen`` with a block tabl
 prefill of ``attention_with_kvcache``) run the same program and consumers; only the producer
 differs, two warps (K; V) instead of one. Each copies a key tile page by page, one TMA box a
 page for pages of 16, 32 or 64 rows (row slices of the swizzled tile) or one box a tile for
-pages of a multiple of BLOCK_N, through a descriptor over the kv head's whole cache, with the
-tile's block-table entries read a tile ahead (``_paged_tiles``). A box that reaches the sequence's length comes
-from a second descriptor, the last page's rows up to the length, so the cache rows past it
+pages of a multiple of BLOCK_N, through a descriptor over the kv head's whole cache, the
+tile's block-table entries read a tile ahead (``_paged_tiles``). A box that reaches the
+sequence's length comes from a second descriptor, the last page's rows up to the length, so the cache rows past it
 (any bits, NaN included) read as zeros. The grid covers the row blocks of the sequences of
 more than 16 packed rows only (``_long_block``): the decodes of a mixed step run fwd.py's
 paged kernel, which packs the query heads of a kv head into a tile (PackGQA).
@@ -171,11 +171,11 @@ def _paged_v_producer(k_desc, v_desc, k_smem, v_smem, q_bar, k_full, k_empty, v_
 def _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
                  n_tiles, paged_args, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  PAGE_SIZE: gl.constexpr, DO_K: gl.constexpr, DO_V: gl.constexpr):
-    """``_producer``'s key tiles from a paged cache (``paged_args``: the tail descriptors of
-    K and V, the block-table row, the length, the last page's first key), page by page
-    (``_paged_copy``). A tile's block-table entries are read once for K and V, a tile ahead
-    (``_tile_pages``): the producer waits for a free buffer while they arrive, instead of
-    waiting on each entry's load between two copies."""
+    """The K tiles (DO_K: ``_producer``) or the V tiles (DO_V: ``_paged_v_producer``) of a
+    paged cache (``paged_args``: the tail descriptors of K and V, the block-table row, the
+    length, the last page's first key), page by page (``_paged_copy``). A tile's block-table
+    entries are loaded together, a tile ahead (``_tile_pages``): the warp waits for a free
+    buffer while they arrive, instead of on each entry's load between two copies."""
     k_tail, v_tail, p_bt, T_k, last_start = paged_args
     pages = _tile_pages(p_bt, n_lo, T_k, PAGE_SIZE, BLOCK_N)
     for it in range(n_tiles):
@@ -1195,7 +1195,7 @@ def _sm_count(device) -> int:
 
 # Page sizes smaller than a key tile that the paged kernel takes, one TMA box a page (row
 # offsets in the swizzled tile are multiples of 8); larger pages must be a multiple of the
-# tile. B=4 Sq=512 on 8k (benchmarks/RESULTS.md, session 16, call 7): with two producer
+# tile. B=4 Sq=512 on 8k (benchmarks/RESULTS.md, session 16, call 6): with two producer
 # warps (K; V) reading a tile's block-table entries a tile ahead, page 16 runs at 0.94x the
 # dense kernel (0.70x with one warp waiting on each entry's load), above gathering the pages
 # for the dense kernel (0.80x), so attention_with_kvcache reads every page size of the
