@@ -985,11 +985,35 @@ def plan(q, k, v, out, lse, *, softcap, left, right, scale, sink, cu_seqlens_q=N
     return result
 
 
-class Plan(NamedTuple):
-    """A supported call's launch (None: no row, nothing to launch) and the compilation's name
-    for ``failures.FAILURES`` (the values of the kernel's constexpr flags)."""
+class _TableLaunch:
+    """The persistent kernel's launch on the host's table, whose copy to the device went on
+    the planning call's stream: a later call on another stream first waits for that copy (an
+    event), so its kernel never reads the table before it lands. Not while a CUDA graph is
+    captured (a wait on an event from outside the capture is not allowed there;
+    ``torch.cuda.graph`` synchronizes the device before it captures)."""
 
-    run: Launch | None
+    __slots__ = ("launch", "device", "stream", "copied")
+
+    def __init__(self, launch: Launch, device: torch.device):
+        self.launch = launch
+        self.device = device.index if device.index is not None else torch.cuda.current_device()
+        self.stream = torch._C._cuda_getCurrentRawStream(self.device)
+        self.copied = torch.cuda.Event()
+        self.copied.record(torch.cuda.current_stream(self.device))
+
+    def __call__(self, *tensors) -> None:
+        if (torch._C._cuda_getCurrentRawStream(self.device) != self.stream
+                and not torch.cuda.is_current_stream_capturing()):
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+        self.launch(*tensors)
+
+
+class Plan(NamedTuple):
+    """A supported call's launch (None: no row, nothing to launch; a :class:`_TableLaunch`
+    for the persistent kernel on the host's table) and the compilation's name for
+    ``failures.FAILURES`` (the values of the kernel's constexpr flags)."""
+
+    run: Launch | _TableLaunch | None
     signature: tuple
 
 
@@ -1044,7 +1068,7 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
             if table is not None:
                 programs = min(n_sm, n_items)
                 # Copied from pinned memory without a host wait (torch keeps the pinned
-                # block until the copy is done).
+                # block until the copy is done), on this call's stream.
                 sched = torch.tensor(table, dtype=torch.int32).pin_memory().to(
                     q.device, non_blocking=True)
     if programs:
@@ -1052,9 +1076,11 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
                   HQ=hq, sched=sched, TABLE=sched is not None, O_IN_Q=_out_in_q(q, shared))
         for name in ("PINGPONG", "OVERLAP"):
             kw.pop(name)
-        return Plan(Launch(_fwd_sm90_persistent_kernel, (programs, ),
-                           *positional(_fwd_sm90_persistent_kernel, 9, kw)),
-                    (*signature, "persistent"))
+        run = Launch(_fwd_sm90_persistent_kernel, (programs, ),
+                     *positional(_fwd_sm90_persistent_kernel, 9, kw))
+        if sched is not None:
+            run = _TableLaunch(run, q.device)
+        return Plan(run, (*signature, "persistent"))
     kw.update(**lens, IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None)
     grid = (cdiv(seqlen_q, 2 * HALF_M), hq, batch)
     return Plan(Launch(_fwd_sm90_kernel, grid, *positional(_fwd_sm90_kernel, 9, kw)), signature)

@@ -430,6 +430,36 @@ def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch,
         assert torch.equal(rows_out[good], clean_out.transpose(1, 2)[good]), what
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+def test_attn_fwd_gpu_sm90_persistent_table_on_another_stream(kernel_opts, monkeypatch):
+    """The host's table goes to the device on the planning call's stream: a call on another
+    stream right after it (the first stream held back by a sleep, so the copy has not run)
+    waits for the copy instead of reading the table before it lands. Against the grid
+    kernel's result (outputs NaN-poisoned, so an unwritten row fails too)."""
+    from flashlse.kernels import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", 0.0)  # never the round robin
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = (torch.randn(2, 2048, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    with fl.kernel_options(fwd_sm90_config={"PERSISTENT": False}):
+        want, want_lse = fl.attention(q, k, v, causal=True, return_lse=True)
+    fwd_sm90._PLANS.clear()
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(first):
+        torch.cuda._sleep(400_000_000)  # ~0.2 s: the table's copy waits behind it
+        fl.attention(q, k, v, causal=True)
+    runs = [p.run for p in fwd_sm90._PLANS.values() if p.run is not None]
+    assert any(isinstance(r, fwd_sm90._TableLaunch) for r in runs)
+    with torch.cuda.stream(second):
+        got, lse = fl.attention(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
 def test_attn_fwd_sm90_persistent_domain():
     """Which calls the persistent kernel takes (no device needed: ``_persistent_ok`` reads
     metadata): dense, sequences back to back, S_q % 64 and S_k % BLOCK_N zero."""
