@@ -460,6 +460,43 @@ def test_attn_fwd_gpu_sm90_persistent_table_on_another_stream(kernel_opts, monke
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
 
 
+def test_attn_fwd_sm90_table_launch_waits_only_on_another_stream(monkeypatch):
+    """_TableLaunch's rule (no device needed: torch.cuda's stream calls stubbed): the call on
+    the planning stream launches at once; one on another stream first waits on the event
+    recorded after the table's copy; during a CUDA-graph capture it does not wait."""
+    from flashlse.kernels import fwd_sm90
+
+    state = {"stream": 7, "capturing": False}
+    waits, recorded, launched = [], [], []
+
+    class Event:
+        def record(self, stream):
+            recorded.append(stream.id)
+
+    class Stream:
+        def __init__(self, device):
+            self.id = state["stream"]
+
+        def wait_event(self, event):
+            waits.append((self.id, event))
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: state["stream"],
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    run = fwd_sm90._TableLaunch(lambda *t: launched.append(t), torch.device("cuda", 0))
+    assert recorded == [7]
+    run("a")
+    assert waits == [] and launched == [("a",)]
+    state["stream"] = 9
+    run("b")
+    assert waits == [(9, run.copied)] and launched[-1] == ("b",)
+    state["capturing"] = True
+    run("c")
+    assert len(waits) == 1 and launched[-1] == ("c",)
+
+
 def test_attn_fwd_sm90_persistent_domain():
     """Which calls the persistent kernel takes (no device needed: ``_persistent_ok`` reads
     metadata): dense, sequences back to back, S_q % 64 and S_k % BLOCK_N zero."""
