@@ -1065,12 +1065,9 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
                 and not torch.cuda.is_current_stream_capturing()):
             table = _greedy_table(_block_costs(seqlen_q, lens["seqlen_k"], shared), batch * hq,
                                   n_sm, lens["seqlen_k"] * 2 * q.shape[-1] * q.element_size())
-            if table is not None:
+            sched = None if table is None else _device_table(table, q.device)
+            if sched is not None:
                 programs = min(n_sm, n_items)
-                # Copied from pinned memory without a host wait (torch keeps the pinned
-                # block until the copy is done), on this call's stream.
-                sched = torch.tensor(table, dtype=torch.int32).pin_memory().to(
-                    q.device, non_blocking=True)
     if programs:
         kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
                   HQ=hq, sched=sched, TABLE=sched is not None, O_IN_Q=_out_in_q(q, shared))
@@ -1212,6 +1209,26 @@ def _greedy_table(cost: torch.Tensor, heads: int, n_sm: int,
     for items in lists:
         offsets.append(offsets[-1] + len(items))
     return offsets + [i for items in lists for i in items]
+
+
+# The host's tables on the device, kept for the process's life: a CUDA graph that captured a
+# table plan replays its kernel after the plan cache has dropped the plan (it is cleared when
+# full), so no table is ever freed. Past MAX_KEPT_TABLE_BYTES in all, no more tables are
+# built (those calls run the grid kernel); a table is 4 bytes a row block (8 KB at causal
+# B*S = 16k, H = 16, S = 4k).
+_TABLES: list = []
+MAX_KEPT_TABLE_BYTES = 64 << 20
+
+
+def _device_table(table: list[int], device) -> torch.Tensor | None:
+    """``table`` (``_greedy_table``'s) on ``device``, or None past MAX_KEPT_TABLE_BYTES.
+    Copied from pinned memory without a host wait (torch keeps the pinned block until the
+    copy is done) on this call's stream (``_TableLaunch`` orders the other streams)."""
+    if 4 * (len(table) + sum(t.numel() for t in _TABLES)) > MAX_KEPT_TABLE_BYTES:
+        return None
+    sched = torch.tensor(table, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+    _TABLES.append(sched)
+    return sched
 
 
 @functools.cache

@@ -497,6 +497,18 @@ def test_attn_fwd_sm90_table_launch_waits_only_on_another_stream(monkeypatch):
     assert len(waits) == 1 and launched[-1] == ("c",)
 
 
+def test_attn_fwd_sm90_tables_kept_within_their_budget(monkeypatch):
+    """Device tables are never freed (a CUDA graph may replay a plan the cache dropped), so
+    past MAX_KEPT_TABLE_BYTES in all no table is built (no device needed: it says no before
+    any copy)."""
+    from flashlse.kernels import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "_TABLES", [torch.zeros(1000, dtype=torch.int32)])
+    monkeypatch.setattr(fwd_sm90, "MAX_KEPT_TABLE_BYTES", 4 * 1100)
+    assert fwd_sm90._device_table(list(range(101)), "cuda") is None
+    assert len(fwd_sm90._TABLES) == 1
+
+
 def test_attn_fwd_sm90_persistent_domain():
     """Which calls the persistent kernel takes (no device needed: ``_persistent_ok`` reads
     metadata): dense, sequences back to back, S_q % 64 and S_k % BLOCK_N zero."""
