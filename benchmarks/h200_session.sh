@@ -31,6 +31,8 @@
 #                                                A/B against .before (carried)
 #   bash benchmarks/h200_session.sh s18b       # session 16's forward defaults under test_fwd's
 #                                                GPU tests; a second paged producer warp: A/B
+#   bash benchmarks/h200_session.sh s19        # session 16's pending GPU checks (paged tests,
+#                                                the table across streams), bench_serving
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
 #                                                (.variant_fwd, carried): its tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-pages  # the MLA decode's page lookups at once
@@ -66,7 +68,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s15 s16 s17 s17b s18 s18b mla-pages fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s15 s16 s17 s17b s18 s18b s19 mla-pages fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -269,6 +271,16 @@ if [ "$1" = s18b ]; then
     for f in "$OUT"/serving_*.txt; do
         echo "== $(basename "$f")"; grep -E "paged|contig|mixed|dense" "$f" | cut -c1-100
     done
+    exit 0
+fi
+if [ "$1" = s19 ]; then
+    # Session 16's pending GPU checks: the two-producer paged kernel's whole test file (38 of
+    # 53 ran), the table's cross-stream wait and the table budget, then bench_serving (page 16
+    # on a tight table now read in place: predicted 0.92-0.95x dense).
+    gate paged.log 300 tests/kernels/test_fwd_paged_sm90.py
+    gate table.log 120 tests/kernels/test_fwd.py -k "another_stream or table or budget"
+    timeout 120 python3 benchmarks/bench_serving.py > "$OUT/serving.txt" 2>&1
+    grep -E "paged|contig|mixed|dense" "$OUT/serving.txt" | cut -c1-100
     exit 0
 fi
 if [ "$1" = s17b ]; then
