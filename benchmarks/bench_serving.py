@@ -65,7 +65,8 @@ def main():
             rows.append((f"  paged {page}, sm90_fwd_paged=False", median_ms(call, SMOKE)))
         if page == 16:
             # A block table as vLLM sizes it, for the longest context (16x these sequences'
-            # 8k; the entries past them point at page 0): pages read in place, not gathered.
+            # 8k; the entries past them point at page 0): pages read in place, never gathered
+            # (the tight table above is read in place too since session 16 on sm_90).
             wide = torch.zeros(b, 16 * table.shape[1], dtype=torch.int32, device=dev)
             wide[:, : table.shape[1]] = table
             call = lambda kp=kp, vp=vp, wide=wide: fl.attention_with_kvcache(
