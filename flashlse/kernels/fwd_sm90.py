@@ -35,8 +35,8 @@ differs, two warps (K; V) instead of one. Each copies a key tile page by page, o
 page for pages of 16, 32 or 64 rows (row slices of the swizzled tile) or one box a tile for
 pages of a multiple of BLOCK_N, through a descriptor over the kv head's whole cache, the
 tile's block-table entries read a tile ahead (``_paged_tiles``). A box that reaches the
-sequence's length comes from a second descriptor, the last page's rows up to the length, so the cache rows past it
-(any bits, NaN included) read as zeros. The grid covers the row blocks of the sequences of
+sequence's length comes from a second descriptor, the last page's rows up to the length, so
+the cache rows past it (any bits, NaN included) read as zeros. The grid covers the row blocks of the sequences of
 more than 16 packed rows only (``_long_block``): the decodes of a mixed step run fwd.py's
 paged kernel, which packs the query heads of a kv head into a tile (PackGQA).
 
@@ -157,22 +157,11 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 
 
 @gluon.jit
-def _paged_v_producer(k_desc, v_desc, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
-                      m0, n_lo, n_tiles, paged_args, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr):
-    """The paged kernel's second producer warp: the V tiles (``_producer`` copies Q and the
-    K tiles), so two warps issue a tile pair's page boxes (``q_bar`` and ``m0`` unused: the
-    arguments are ``_producer``'s)."""
-    _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
-                 n_tiles, paged_args, BLOCK_N, STAGES, PAGE_SIZE, False, True)
-
-
-@gluon.jit
 def _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
                  n_tiles, paged_args, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  PAGE_SIZE: gl.constexpr, DO_K: gl.constexpr, DO_V: gl.constexpr):
-    """The K tiles (DO_K: ``_producer``) or the V tiles (DO_V: ``_paged_v_producer``) of a
-    paged cache (``paged_args``: the tail descriptors of K and V, the block-table row, the
+    """The K tiles (DO_K: ``_producer``) or the V tiles (DO_V: the paged kernel's second
+    producer warp, this function itself as its partition) of a paged cache (``paged_args``: the tail descriptors of K and V, the block-table row, the
     length, the last page's first key), page by page (``_paged_copy``). A tile's block-table
     entries are loaded together, a tile ahead (``_tile_pages``): the warp waits for a free
     buffer while they arrive, instead of on each entry's load between two copies."""
@@ -498,9 +487,9 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
             (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar,
                          k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
                          BLOCK_N, STAGES, False, PAGE_SIZE)),
-            (_paged_v_producer, (k_desc, v_desc, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
-                                 v_empty, m0, n_lo, n_tiles, producer_args, BLOCK_N, STAGES,
-                                 PAGE_SIZE)),
+            (_paged_tiles, (k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                            n_lo, n_tiles, producer_args, BLOCK_N, STAGES, PAGE_SIZE, False,
+                            True)),
         ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
