@@ -22,15 +22,6 @@
 #                                                tests, the Hopper forwards' launches,
 #                                                bench_serving (and bench_varlen.py)
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
-#   bash benchmarks/h200_session.sh s15        # session 14's changes and set-ups, first run
-#   bash benchmarks/h200_session.sh s16        # session 15's kept tiles (D = 256 fwd, D = 64
-#                                                dK/dV): their tests; bench_fwd --sm90-short
-#   bash benchmarks/h200_session.sh s17        # session 15's table schedule: tests, A/B; fuzz
-#   bash benchmarks/h200_session.sh s17b       # session 15's persistent dQ: tests, bwd A/B
-#   bash benchmarks/h200_session.sh s18        # session 16's paged producer: tests, serving
-#                                                A/B against .before (carried)
-#   bash benchmarks/h200_session.sh s18b       # session 16's forward defaults under test_fwd's
-#                                                GPU tests; a second paged producer warp: A/B
 #   bash benchmarks/h200_session.sh s19        # session 16's pending GPU checks (paged tests,
 #                                                the table across streams), bench_serving
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
@@ -68,7 +59,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s15 s16 s17 s17b s18 s18b s19 mla-pages fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s19 mla-pages fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -167,116 +158,10 @@ if [ "$1" = s14 ]; then
     done
     exit 0
 fi
-if [ "$1" = s15 ]; then
-    # Session 14's changes not yet run on a GPU: the varlen backward's zeroing kernel (tests
-    # of every varlen backward path, bench_varlen: predicted backward 0.83x -> 0.85-0.87x),
-    # page 16 on the Hopper paged kernel again (its tests; the mixed step: 1.28x -> ~1.19x),
-    # attention_with_kvcache's wide block tables (tests, bench_serving's "16x wider" row),
-    # the bad-data fuzz draws in bf16; then the measurements session 14 set up: bench_sparse
-    # --backward (the backward's ceiling) and bench_mla --topk-only (the dense yardstick at
-    # 2048 keys beside the top-k rows).
-    K=tests/kernels
-    mkdir -p "$OUT/tests"
-    timeout 300 python3 -m pytest -q $K/test_bwd.py -k "varlen or uncovered" \
-        -p no:cacheprovider > "$OUT/tests/bwd_varlen.log" 2>&1 &
-    timeout 300 python3 -m pytest -q $K/test_kvcache_kernels.py $K/test_nan_kernels.py \
-        -p no:cacheprovider > "$OUT/tests/kv_nan.log" 2>&1 &
-    timeout 300 python3 -m pytest -q $K/test_fwd_paged_sm90.py -p no:cacheprovider \
-        > "$OUT/tests/paged.log" 2>&1 &
-    timeout 300 python3 -m pytest -q tests/test_dispatch.py tests/test_dispatch_paged.py \
-        $K/test_sync_free.py $K/test_cuda_graphs.py -p no:cacheprovider \
-        > "$OUT/tests/dispatch.log" 2>&1 &
-    wait
-    for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
-    grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
-    (cd "$OUT" && tar czf tests.tgz tests && rm -rf tests)
-    timeout 120 python3 benchmarks/bench_varlen.py 2>&1 | tail -5
-    timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -12
-    timeout 150 python3 benchmarks/bench_sparse.py --backward 2>&1 | tail -6
-    timeout 120 python3 benchmarks/bench_mla.py --gluon-only --topk-only --out "$OUT" 2>&1 \
-        | tail -6 | cut -c1-110
-    fuzz_bf16 8 200000 90
-    exit 0
-fi
-if [ "$1" = s16 ]; then
-    # Session 15's kept tiles on the final tree: the Hopper forward at D = 256 (test_fwd.py
-    # whole, four shards: its sm90 d256 cases, varlen at D = 256, the generic head-dim cases)
-    # and the Hopper dK/dV at D = 64 (test_bwd.py's other_dims, varlen, head dims), the launch
-    # plans; then bench_fwd --sm90-short (the Hopper forward's schedules at S = 1k / 2k).
-    mkdir -p "$OUT/tests"
-    for i in 0 1 2 3; do
-        FLASHLSE_TEST_SHARD=$i/4 timeout 300 python3 -m pytest -q tests/kernels/test_fwd.py \
-            -p no:cacheprovider > "$OUT/tests/fwd$i.log" 2>&1 &
-    done
-    timeout 300 python3 -m pytest -q tests/kernels/test_bwd.py \
-        -k "other_dims or sm90_varlen or head_dims" -p no:cacheprovider \
-        > "$OUT/tests/bwd.log" 2>&1 &
-    timeout 300 python3 -m pytest -q tests/kernels/test_launch_plans.py tests/test_dispatch.py \
-        -p no:cacheprovider > "$OUT/tests/plans.log" 2>&1 &
-    wait
-    for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
-    grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
-    (cd "$OUT" && tar czf tests.tgz tests && rm -rf tests)
-    timeout 200 python3 benchmarks/bench_fwd.py --sm90-short --out "$OUT" 2>&1 | tail -12
-    exit 0
-fi
-if [ "$1" = s17 ]; then
-    # Session 15's last changes, not yet run on a GPU: the persistent forward on the host's
-    # greedy schedule (PERSISTENT_TABLE) for causal calls the round robin leaves uneven, and
-    # at D = 256 (out staged in Q's buffer). Its GPU tests (both schedules, D = 128 and
-    # 256), then bench_fwd --sm90-short at D = 128 and 256 (grid / default / persistent with
-    # the table where the round robin is uneven), then the bf16 fuzz.
-    gate test_persistent.log 150 tests/kernels/test_fwd.py -k persistent
-    for d in 128 256; do
-        timeout 170 python3 benchmarks/bench_fwd.py --sm90-short --short-dim $d \
-            --out "$OUT/d$d" > /dev/null 2>&1
-        python3 -c "import json; r = json.load(open('$OUT/d$d/sm90_short.json'))['rows']
-for x in r: print($d, x['causal'], x['cfg'][:34], ' '.join(f'{t:.0f}' for t in x['tflops']))"
-    done
-    # The bf16 fuzz with its tile-aligned draws (half the attention draws: the persistent
-    # forward, the default for those shapes since session 15, and its backward).
-    fuzz_bf16 6 400000 60
-    exit 0
-fi
-if [ "$1" = s18 ]; then
-    # Session 16: the Hopper paged forward's producer reading a tile's block-table entries at
-    # once, a tile ahead (8 loads in flight instead of 16 dependent ones a tile pair at page
-    # 16). Its GPU tests, then bench_serving of the tree before it (.before, carried: here
-    # `bash benchmarks/before_after.sh prep REV`) and of this one, alternating.
-    gate paged.log 240 tests/kernels/test_fwd_paged_sm90.py || exit 1
-    PASSES=${PASSES:-1} bash benchmarks/before_after.sh run serving > "$OUT/ba.txt" 2>&1
-    for f in "$OUT"/serving_*.txt; do
-        echo "== $(basename "$f")"; grep -E "paged|contig|mixed|dense" "$f" | cut -c1-100
-    done
-    exit 0
-fi
-if [ "$1" = s18b ]; then
-    # Session 16's last call: the forward's new defaults (the persistent kernel on the host's
-    # table at D = 128, persistent at D = 256) under test_fwd's GPU tests (two shards), beside
-    # the paged kernel's tests with a second producer warp for V; then bench_serving of the
-    # tree before it (.before, carried) and of this one.
-    mkdir -p "$OUT/tests"
-    for i in 0 1; do
-        FLASHLSE_TEST_SHARD=$i/2 timeout 170 python3 -m pytest -q tests/kernels/test_fwd.py \
-            -k gpu -p no:cacheprovider > "$OUT/tests/fwd$i.log" 2>&1 &
-    done
-    timeout 170 python3 -m pytest -q tests/kernels/test_fwd_paged_sm90.py -p no:cacheprovider \
-        > "$OUT/tests/paged.log" 2>&1
-    wait
-    for f in "$OUT"/tests/*.log; do echo "$(basename "$f"): $(tail -1 "$f")"; done
-    grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | head -20
-    grep -q " passed" "$OUT/tests/paged.log" && ! grep -q "failed\|error" "$OUT/tests/paged.log" \
-        || exit 1
-    PASSES=1 bash benchmarks/before_after.sh run serving > "$OUT/ba.txt" 2>&1
-    for f in "$OUT"/serving_*.txt; do
-        echo "== $(basename "$f")"; grep -E "paged|contig|mixed|dense" "$f" | cut -c1-100
-    done
-    exit 0
-fi
 if [ "$1" = s19 ]; then
     # Session 16's pending GPU checks: the two-producer paged kernel's whole test file (38 of
     # 53 ran), the table's cross-stream wait and the table budget, then bench_serving (page 16
-    # on a tight table now read in place: predicted 0.92-0.95x dense) and bench_varlen.
+    # on a tight table now read in place: predicted 0.92-0.95x dense), bench_varlen, the fuzz.
     gate paged.log 300 tests/kernels/test_fwd_paged_sm90.py
     gate table.log 120 tests/kernels/test_fwd.py -k "another_stream or table or budget"
     timeout 120 python3 benchmarks/bench_serving.py > "$OUT/serving.txt" 2>&1
@@ -284,20 +169,9 @@ if [ "$1" = s19 ]; then
     # Issue 16's packed varlen bars against today's dense default (the host's table at
     # causal 4k): predicted forward ~0.78-0.80x, backward ~0.87x.
     timeout 120 python3 benchmarks/bench_varlen.py 2>&1 | tail -6
-    exit 0
-fi
-if [ "$1" = s17b ]; then
-    # Session 15's persistent dQ (bwd_config PERSISTENT, off by default; not yet run on a
-    # GPU): its GPU tests (a hang shows in 150 s), then bench_bwd --quick with and without
-    # it, alternating (the dK/dV kernel and everything else the same).
-    gate test_dq_persistent.log 150 tests/kernels/test_bwd.py -k dq_persistent || exit 1
-    for pass in 1 2; do
-        for cfg in '' '{"PERSISTENT": true}'; do
-            timeout 150 python3 benchmarks/bench_bwd.py --quick --flex-budget 0 \
-                --bwd-config "$cfg" --out "/tmp/bwd" > "$OUT/bwd_${pass}_${#cfg}.txt" 2>&1
-            echo "== bwd_config '$cfg' pass $pass"; tail -12 "$OUT/bwd_${pass}_${#cfg}.txt" | cut -c1-110
-        done
-    done
+    # The bf16 fuzz with its bad-data draws: kvcache prefills at page 16 now run the
+    # two-producer paged kernel in place.
+    fuzz_bf16 6 700000 60
     exit 0
 fi
 if [ "$1" = mla-pages ]; then
