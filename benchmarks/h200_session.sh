@@ -163,7 +163,7 @@ if [ "$1" = s19 ]; then
     # 53 ran), the table's cross-stream wait and the table budget, then bench_serving (page 16
     # on a tight table now read in place: predicted 0.92-0.95x dense), bench_varlen, the fuzz.
     gate paged.log 300 tests/kernels/test_fwd_paged_sm90.py
-    gate table.log 120 tests/kernels/test_fwd.py -k "another_stream or table or budget"
+    gate table.log 150 tests/kernels/test_fwd.py -k "another_stream or table or budget or bad_data"
     timeout 120 python3 benchmarks/bench_serving.py > "$OUT/serving.txt" 2>&1
     grep -E "paged|contig|mixed|dense" "$OUT/serving.txt" | cut -c1-100
     # Issue 16's packed varlen bars against today's dense default (the host's table at

@@ -374,8 +374,10 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("schedule", ["round_robin", "table"])
-def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch, schedule):
-    """The LSE contract on the persistent forward (B=2, causal, S_q = 1024 on S_k = 512: rows
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256_out_in_q"])
+def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch, schedule, d):
+    """The LSE contract on the persistent forward, at D = 128 and at D = 256 (out staged in
+    Q's buffer) (B=2, causal, S_q = 1024 on S_k = 512: rows
     0-511 of each sequence see no key). A sink of -inf is no sink, bit for bit, with empty
     rows (0, -inf) and NaN-free gradients; a NaN in one q row, in one key, or in one head's
     sink reaches exactly the rows that see it, in both sequences' blocks only where it sits,
@@ -390,7 +392,7 @@ def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch,
     monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     g = torch.Generator().manual_seed(14)
     mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=torch.bfloat16)
-    q, k, v = mk(2, 1024, 4, 128), mk(2, 512, 2, 128), mk(2, 512, 2, 128)
+    q, k, v = mk(2, 1024, 4, d), mk(2, 512, 2, d), mk(2, 512, 2, d)
     sink = torch.tensor([0.5, -1.0, 0.0, 2.0], device=device)
 
     def call(q, k, sink):
