@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
+from flashlse.kernels import configs  # noqa: E402
 
 
 def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -47,6 +48,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, one call a row")
+    ap.add_argument("--varlen-l2-mb", type=lambda x: [int(v) for v in x.split(",")], default=[],
+                    help="time the persistent varlen forward at these L2 section budgets (MB)")
     args = ap.parse_args()
     smoke = args.smoke
     dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
@@ -92,6 +95,28 @@ def main():
     fwd_ratio = tf(fwd_flops, t_vl) / tf(dense_flops, t_dn)
     bwd_ratio = tf(2.5 * fwd_flops, b_vl) / tf(2.5 * dense_flops, b_dn)
     print(f"ratio: forward {fwd_ratio:.2f}x (bar 0.90), backward {bwd_ratio:.2f}x (bar 0.85)")
+    if not smoke and d in configs.FWD_SM90:
+        # The other Hopper varlen forward in the same process (the persistent kernel over
+        # row blocks listed on the device, or the grid kernel), for the A/B.
+        other = not configs.FWD_SM90[d].persistent_varlen
+        with torch.no_grad(), fl.kernel_options(fwd_sm90_config={"PERSISTENT_VARLEN": other}):
+            t_other = median_ms(vl, smoke)
+        ratio = tf(fwd_flops, t_other) / tf(dense_flops, t_dn)
+        print(f"{f'  forward, PERSISTENT_VARLEN={other}':<44} {t_other:8.3f} "
+              f"{tf(fwd_flops, t_other):8.1f}  ({ratio:.2f}x)")
+    for mb in args.varlen_l2_mb:
+        # The persistent varlen kernel with its heads dealt in sections of this L2 budget.
+        from flashlse.kernels import fwd_sm90
+
+        keep = fwd_sm90.VARLEN_L2_BYTES
+        fwd_sm90.VARLEN_L2_BYTES = mb << 20
+        fwd_sm90._PLANS.clear()
+        with torch.no_grad(), fl.kernel_options(fwd_sm90_config={"PERSISTENT_VARLEN": True}):
+            t_l2 = median_ms(vl, smoke)
+        fwd_sm90.VARLEN_L2_BYTES = keep
+        fwd_sm90._PLANS.clear()
+        print(f"{f'  forward, persistent, L2 sections {mb} MB':<44} {t_l2:8.3f} "
+              f"{tf(fwd_flops, t_l2):8.1f}  ({tf(fwd_flops, t_l2) / tf(dense_flops, t_dn):.2f}x)")
     blocks = sum(-(-n // 128) for n in lens) * h
     grid = -(-max(lens) // 128) * h * len(lens)
     print(f"forward grid (128-row blocks): {grid} programs for {blocks} row blocks "

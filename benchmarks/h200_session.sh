@@ -24,6 +24,8 @@
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh s19        # session 16's pending GPU checks (paged tests,
 #                                                the table across streams), bench_serving
+#   bash benchmarks/h200_session.sh s20        # session 17: the persistent varlen forward's
+#                                                GPU tests, bench_varlen A/B (two seeds)
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
 #                                                (.variant_fwd, carried): its tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-pages  # the MLA decode's page lookups at once
@@ -59,7 +61,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s19 mla-pages fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s19 s20 s20b mla-pages fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -172,6 +174,25 @@ if [ "$1" = s19 ]; then
     # The bf16 fuzz with its bad-data draws: kvcache prefills at page 16 now run the
     # two-producer paged kernel in place.
     fuzz_bf16 6 700000 60
+    exit 0
+fi
+if [ "$1" = s20 ]; then
+    # Session 17: the persistent varlen forward (row blocks listed on the device, tiles over
+    # the whole packed tensors, V's tail zeroed). Its tests first, then bench_varlen (the
+    # other kernel timed in the same process) at two document draws. Prediction: the
+    # forward 0.77x -> 0.86-0.92x the dense kernel at seed 0.
+    gate varlen.log 280 tests/kernels/test_fwd.py -k "persistent_varlen or gpu_varlen"
+    for seed in 0 1 3; do
+        timeout 120 python3 benchmarks/bench_varlen.py --seed $seed --varlen-l2-mb 16,32,64,4096 \
+            2>&1 | tail -11
+    done
+    exit 0
+fi
+if [ "$1" = s20b ]; then
+    # The persistent varlen forward as D = 128's default: the varlen NaN / sink tests, the
+    # varlen backward tests (their forward), the bf16 fuzz (varlen draws included).
+    gate nan.log 150 tests/kernels/test_nan_kernels.py tests/kernels/test_bwd.py -k "varlen"
+    fuzz_bf16 4 800000 45
     exit 0
 fi
 if [ "$1" = mla-pages ]; then

@@ -179,6 +179,19 @@ def cases():
             yield "fwd", "fwd sm90 persistent (Gluon) D=256 causal", \
                 fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
                 dict(consts, D=256, BLOCK_N=configs.FWD_SM90[256].block_n, O_IN_Q=True), 4, 1
+    # Its persistent varlen form (packed sequences, row blocks listed on the device).
+    varlen_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, blocks=I32,
+                        scale_log2="fp32")
+    for label, window, d in (("causal", False, 128), ("window", True, 128),
+                             ("causal", False, 256)):
+        consts = dict(GROUP=2, HQ=16, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, STAGES=2,
+                      HAS_LEFT=window, HAS_RIGHT=True, HAS_SINK=True, O_IN_Q=d == 256,
+                      CONSUMER_REGS=240)
+        yield "fwd", f"fwd sm90 persistent varlen (Gluon) D={d} {label}", \
+            fwd_sm90._fwd_sm90_varlen_kernel, varlen_types, consts, 4, 1
+    yield "fwd", "fwd sm90 varlen blocks (list)", fwd_sm90._varlen_blocks_kernel, \
+        dict(cu_seqlens_q=I32, cu_seqlens_k=I32, seqused_k=I32, blocks=I32), \
+        dict(BLOCK_M=128, BLOCK_B=128, HAS_SEQUSED_K=True), 4, 1
     # Its paged variant: pages smaller than a tile (a TMA box a page), of a tile, and larger.
     paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                       seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,

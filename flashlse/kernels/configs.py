@@ -48,6 +48,8 @@ class TileConfig:
             layout allows it, ``fwd_sm90._persistent_ok``, in a balanced round robin).
         persistent_table: fwd_sm90: where the round robin is uneven (causal at long S), the
             persistent kernel with the host's greedy schedule (``fwd_sm90._greedy_table``).
+        persistent_varlen: fwd_sm90: packed varlen calls on the persistent varlen kernel
+            (its row blocks listed on the device, ``fwd_sm90._varlen_blocks_kernel``).
         consumer_regs: the Gluon kernels: registers per consumer-warpgroup thread.
     """
 
@@ -68,6 +70,7 @@ class TileConfig:
     overlap: bool = False
     persistent: bool = False
     persistent_table: bool = False
+    persistent_varlen: bool = False
     consumer_regs: int = 240
 
     @property
@@ -91,12 +94,13 @@ _FIELDS = {
     "WARP_SPECIALIZE": "warp_specialize", "GROUP_HEADS": "group_heads", "EARLY_DP": "early_dp",
     "STATS_TMA": "stats_tma", "HEAD_LOOP": "head_loop", "PINGPONG": "pingpong",
     "OVERLAP": "overlap", "PERSISTENT": "persistent", "PERSISTENT_TABLE": "persistent_table",
+    "PERSISTENT_VARLEN": "persistent_varlen",
     "CONSUMER_REGS": "consumer_regs",
 }
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "WARP_SPECIALIZE",
             "GROUP_HEADS")
 FWD_SM90_KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "OVERLAP", "PERSISTENT", "PERSISTENT_TABLE",
-                 "CONSUMER_REGS")
+                 "PERSISTENT_VARLEN", "CONSUMER_REGS")
 DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_paged",
                "PROGRAMS_PER_SM")
 # bwd_config: "dkdv" / "dq" take (BLOCK_M, BLOCK_N, num_warps, num_stages); the flags set
@@ -232,8 +236,12 @@ def fwd_paged_config(block_d: int, block_dv: int, rows: int, interpret: bool) ->
 # S >= 4k there): RESULTS.md 2026-12-02, "Session 16, call 1" (causal S = 4k +17 / +18%,
 # 8k +10 / -3%, 16k +2 / -2% in two passes against the grid kernel).
 FWD_SM90 = {
+    # persistent_varlen: RESULTS.md 2026-12-02 session 17 (bench_varlen, 16k tokens in causal
+    # documents of 64-4k, same process): 0.355-0.362 ms against the grid kernel's 0.404 at
+    # seed 0, 0.366-0.374 / 0.404 at seed 1, 0.346-0.355 / 0.387 at seed 3.
     128: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,
-                    overlap=True, persistent=True, persistent_table=True, consumer_regs=240),
+                    overlap=True, persistent=True, persistent_table=True, persistent_varlen=True,
+                    consumer_regs=240),
     # RESULTS.md 2026-12-02 session 15, "Hopper forward at D = 64 / 256": 1.18-1.30x fwd.py's
     # at S = 1k-16k, full and causal (529-681 TFLOP/s full, 0.87-1.02x cuDNN; causal 0.81-1.09x;
     # pass 2 of S = 8k full 0.95x). Persistent (out staged in Q's buffer) with the table:

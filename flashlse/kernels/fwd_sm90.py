@@ -57,6 +57,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -97,6 +98,8 @@ _paged_keys = gluon.jit(paged_keys.fn)
 _seq_spans = gluon.jit(seq_spans.fn)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
+# Ints a row block of the persistent varlen kernel's list: bos, bos_k, T_q, T_k, first row.
+VARLEN_ITEM = gl.constexpr(5)
 
 
 @gluon.jit
@@ -272,17 +275,39 @@ def _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2,
 
 
 @gluon.jit
+def _zero_rows(tile, n_valid, BLOCK_N: gl.constexpr):
+    """Zero the rows ``[n_valid, BLOCK_N)`` of a K/V ring buffer the TMA has filled, in
+    32-row slices, before a product reads it: ``P V`` with ``P = 0`` on those keys is still
+    NaN where V is (another sequence's bad data must not reach this one). Both consumer
+    warpgroups run it on the same buffer: each writes back the values it read, zeros past
+    ``n_valid``, so neither can see the other's write as anything but a zero it also
+    writes, and each fences its own writes before its product."""
+    if n_valid < BLOCK_N:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        for c in gl.static_range(BLOCK_N // 32):
+            if (c + 1) * 32 > n_valid:
+                part = tile.slice(c * 32, 32)
+                x = part.load(layout)
+                rows = c * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
+                part.store(gl.where(rows[:, None] < n_valid, x, gl.zeros_like(x)))
+        fence_async_shared()
+
+
+@gluon.jit
 def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
                            acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
                            n_lo, n_full_lo, n_full_hi, n_tiles, t0,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                            PINGPONG: gl.constexpr, s_layout: gl.constexpr,
-                           o_layout: gl.constexpr, p_layout: gl.constexpr):
+                           o_layout: gl.constexpr, p_layout: gl.constexpr,
+                           V_TAIL: gl.constexpr = False):
     """FA-3's intra-warpgroup overlap: ``S_{j+1} = Q K_{j+1}^T`` and ``acc += P_j V_j`` are
     issued together, and the softmax of tile j + 1 runs while ``P_j V_j`` is in flight.
     The block's tiles are the ring's ``t0``-th and on (the persistent kernel's earlier
-    blocks took the ``t0`` before; 0 elsewhere)."""
+    blocks took the ``t0`` before; 0 elsewhere). ``V_TAIL`` (the persistent varlen kernel,
+    whose tiles come from descriptors over the whole packed tensor): the last V tile's rows
+    from ``T_k`` on, the next sequence's, are zeroed before its product (``_zero_rows``)."""
     dtype: gl.constexpr = q_tile.dtype
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     if n_tiles > 0:
@@ -325,6 +350,8 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_full.index(s), (last // STAGES) & 1)
+        if V_TAIL:
+            _zero_rows(v_smem.index(s), T_k - n_lo - (n_tiles - 1) * BLOCK_N, BLOCK_N)
         if PINGPONG:
             mbarrier.wait(turn.index(half), n_tiles & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
@@ -625,31 +652,45 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
             HAS_RIGHT, TABLE)
         row_q = i_b * seqlen_q + m0
         row_k = i_b * seqlen_k + n_lo
-        col_k = (i_h // GROUP) * D
-        for half in gl.static_range(2):
-            mbarrier.wait(q_empty.index(half), (j & 1) ^ 1)
-            if HAS_DO:
-                mbarrier.expect(q_bar.index(half),
-                                q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(do_desc, [row_q + half * HALF_M, i_h * D],
-                                                q_bar.index(half), do_smem.index(half))
-            else:
-                mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [row_q + half * HALF_M, i_h * D],
-                                            q_bar.index(half), q_smem.index(half))
-        for it in range(n_tiles):
-            s = t % STAGES
-            ph = ((t // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(s), ph)
-            mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row_k + it * BLOCK_N, col_k],
-                                            k_full.index(s), k_smem.index(s))
-            mbarrier.wait(v_empty.index(s), ph)
-            mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row_k + it * BLOCK_N, col_k],
-                                            v_full.index(s), v_smem.index(s))
-            t += 1
+        t = _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                        q_bar, q_empty, k_full, k_empty, v_full, v_empty, row_q, row_k,
+                        (i_h // GROUP) * D, i_h, n_tiles, t, j, D, BLOCK_N, STAGES, HAS_DO)
         j += 1
+
+
+@gluon.jit
+def _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+                q_bar, q_empty, k_full, k_empty, v_full, v_empty, row_q, row_k, col_k, i_h,
+                n_tiles, t, j, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                HAS_DO: gl.constexpr):
+    """A persistent producer's loads of its ``j``-th item: head ``i_h``'s Q halves (and
+    dO's) at rows ``row_q`` once both consumers are done with the last item's, then its
+    ``n_tiles`` K/V tiles from row ``row_k`` into the ring, whose count ``t`` runs on
+    across items (the new count is returned)."""
+    for half in gl.static_range(2):
+        mbarrier.wait(q_empty.index(half), (j & 1) ^ 1)
+        if HAS_DO:
+            mbarrier.expect(q_bar.index(half),
+                            q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [row_q + half * HALF_M, i_h * D],
+                                            q_bar.index(half), do_smem.index(half))
+        else:
+            mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row_q + half * HALF_M, i_h * D],
+                                        q_bar.index(half), q_smem.index(half))
+    for it in range(n_tiles):
+        s = t % STAGES
+        ph = ((t // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row_k + it * BLOCK_N, col_k],
+                                        k_full.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row_k + it * BLOCK_N, col_k],
+                                        v_full.index(s), v_smem.index(s))
+        t += 1
+    return t
 
 
 @gluon.jit
@@ -797,6 +838,269 @@ def _fwd_sm90_persistent_kernel(
                                 n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
                                 GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
                                 False)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@triton.jit
+def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
+                          batch, total_q, total_k, seqlen_q, seqlen_k,
+                          BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+                          HAS_SEQUSED_K: tl.constexpr):
+    """The persistent varlen kernel's row blocks, listed on the device (the host cannot read
+    ``cu_seqlens_q`` without a sync): ``blocks[0]`` their count, then ``VARLEN_ITEM`` ints a
+    block: its sequence's ``seq_bounds`` (``bos, bos_k, T_q, T_k``) and its first row, so
+    the kernel reads an item with one round of independent loads. The blocks of index
+    ``L - 1`` (the longest sequences' last) come first, down to index 0, each index's
+    sequences in order: under a causal mask on equal lengths a block of index ``i`` has
+    ``i + 1`` key tiles, so this is longest first, the order the kernel's programs deal
+    out. Program ``i`` writes index ``i``'s blocks: they start after the
+    ``sum_b max(0, n_b - 1 - i)`` blocks of the indices above (``n_b`` sequence ``b``'s
+    count), ranked by a prefix sum. Offsets and lengths clamped as ``seq_spans`` (any values
+    stay in bounds). Triton, not Gluon: CI runs it under the interpreter."""
+    i = tl.program_id(0)
+    o_b = tl.arange(0, BLOCK_B)
+    start = 0
+    for b0 in range(0, batch, BLOCK_B):
+        m_b = b0 + o_b < batch
+        _, T_q = seq_spans(cu_seqlens_q, b0 + o_b, m_b, total_q, seqlen_q)
+        start += tl.sum(tl.maximum((T_q + BLOCK_M - 1) // BLOCK_M - 1 - i, 0), 0)
+    for b0 in range(0, batch, BLOCK_B):
+        m_b = b0 + o_b < batch
+        bos, T_q = seq_spans(cu_seqlens_q, b0 + o_b, m_b, total_q, seqlen_q)
+        bos_k, T_k = seq_spans(cu_seqlens_k, b0 + o_b, m_b, total_k, seqlen_k)
+        if HAS_SEQUSED_K:
+            T_k = tl.minimum(tl.maximum(tl.load(seqused_k + b0 + o_b, mask=m_b, other=0), 0),
+                             T_k)
+        has = (T_q + BLOCK_M - 1) // BLOCK_M > i
+        p = blocks + 1 + VARLEN_ITEM * (start + tl.cumsum(has.to(tl.int32), 0) - 1)
+        tl.store(p, bos, mask=has)
+        tl.store(p + 1, bos_k, mask=has)
+        tl.store(p + 2, T_q, mask=has)
+        tl.store(p + 3, T_k, mask=has)
+        tl.store(p + 4, tl.full([BLOCK_B], 0, tl.int32) + i * BLOCK_M, mask=has)
+        start += tl.sum(has.to(tl.int32), 0)
+    if i == 0:
+        tl.store(blocks, start)
+
+
+@gluon.jit
+def _varlen_load(blocks, r, n_blocks, heads, HQ: gl.constexpr, ITEM: gl.constexpr):
+    """The persistent varlen kernel's item of round ``r``. The items are the blocks of
+    ``_varlen_blocks_kernel``'s list (longest first) times the query heads, in sections of
+    ``heads`` heads (the last may have fewer) whose K/V the host sized to stay in L2, as its
+    table does for the dense kernel. A section's items are dealt back and forth: position
+    ``rr * P + p`` in its even rounds, ``P - 1 - p`` in odd ones (program ``p`` of ``P``),
+    so that a program dealt a costly item in one round is dealt a cheap one in the next; its
+    rounds are padded to an even count (``valid`` false: the program moves on), and every
+    other section deals from the other end, so no program is the first of each round pair.
+    The head and the block's ints: one round of independent loads, which the partitions
+    issue an item ahead (past the list they read block 0)."""
+    n_p = gl.num_programs(0)
+    rounds = _section_rounds(n_blocks, heads)
+    sec = r // rounds
+    rr = r % rounds
+    p = gl.program_id(0)
+    p = p + (sec & 1) * (n_p - 1 - 2 * p)
+    o = rr * n_p + p + (rr & 1) * (n_p - 1 - 2 * p)
+    h0 = sec * heads
+    n_h = gl.minimum(heads, HQ - h0)
+    valid = o < n_blocks * n_h
+    o = gl.where(valid, o, 0)
+    item = blocks + 1 + ITEM * (o // n_h)
+    return (valid, h0 + o % n_h, gl.load(item), gl.load(item + 1), gl.load(item + 2),
+            gl.load(item + 3), gl.load(item + 4))
+
+
+@gluon.jit
+def _section_rounds(n_blocks, heads):
+    """The rounds of one section of ``_varlen_load``'s dealing, an even count."""
+    n_p = gl.num_programs(0)
+    return (n_blocks * heads + 2 * n_p - 1) // (2 * n_p) * 2
+
+
+@gluon.jit
+def _varlen_ranges(valid, T_q, T_k, m0, left, right, BLOCK_N: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """An item's masks' shift and key tiles (``_key_ranges``; none past the list)."""
+    m_last = gl.minimum(m0 + 2 * HALF_M, T_q) - 1
+    shift = T_k - T_q
+    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right,
+                                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    n_tiles = gl.where(valid, (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N, 0)
+    return shift, n_lo, n_full_lo, n_full_hi, n_tiles
+
+
+@gluon.jit
+def _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ: gl.constexpr,
+                 ITEM: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr):
+    """Round ``r``'s item from ``ahead`` (its ``_varlen_load``, issued a round before) with
+    its ``_varlen_ranges``, and the next round's loads issued."""
+    valid, i_h, bos, bos_k, T_q, T_k, m0 = ahead
+    ahead = _varlen_load(blocks, r + 1, n_blocks, heads, HQ, ITEM)
+    shift, n_lo, n_full_lo, n_full_hi, n_tiles = _varlen_ranges(valid, T_q, T_k, m0, left,
+                                                                right, BLOCK_N, HAS_LEFT,
+                                                                HAS_RIGHT)
+    return ahead, (valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi,
+                   n_tiles)
+
+
+@gluon.jit
+def _varlen_rounds(n_blocks, heads, HQ: gl.constexpr):
+    """The rounds of ``_varlen_load``'s dealing: every section's."""
+    return (HQ + heads - 1) // heads * _section_rounds(n_blocks, heads)
+
+
+@gluon.jit
+def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
+                     q_bar, q_empty, k_full, k_empty, v_full, v_empty, blocks, heads,
+                     left, right, GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, ITEM: gl.constexpr):
+    """``_producer_persistent`` over ``_varlen_load``'s items (an item with no key tile
+    loads nothing). Coordinates are rows of the packed ``(total, H * D)`` matrices: a tile
+    may reach into the next sequence, whose rows the consumers mask (K, Q) or zero (V)."""
+    t = 0
+    j = 0
+    n_blocks = gl.load(blocks)
+    ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM)
+    for r in range(_varlen_rounds(n_blocks, heads, HQ)):
+        ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,
+                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = item
+        if n_tiles > 0:
+            t = _item_loads(q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
+                            q_bar, q_empty, k_full, k_empty, v_full, v_empty, bos + m0,
+                            bos_k + n_lo, (i_h // GROUP) * D, i_h, n_tiles, t, j, D, BLOCK_N,
+                            STAGES, False)
+            j += 1
+
+
+@gluon.jit
+def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
+                     q_bar, q_empty, k_full, k_empty, v_full, v_empty,
+                     o, stride_os, lse, stride_lh, sink, half, blocks, heads, left, right,
+                     scale_log2,
+                     HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     HAS_SINK: gl.constexpr, O_IN_Q: gl.constexpr, ITEM: gl.constexpr):
+    """``_consumer_persistent`` over ``_varlen_load``'s items. Rows of a Q half past its
+    sequence's end hold the next sequence's rows (or zeros): each row's result is its own,
+    and only rows below ``T_q`` are stored. A half wholly inside its sequence is stored by
+    TMA (as ``_consumer_persistent``), a half that ends past it (and an item with no key:
+    the empty state) from registers, masked. V's last tile is cut at ``T_k``
+    (``_consumer_loop_overlap``'s V_TAIL); K's columns past it are masked as anywhere."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    q_tile = q_smem.index(half)
+    o_tile = o_smem.index(half)
+    o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    t = 0
+    j = 0
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    n_blocks = gl.load(blocks)
+    ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM)
+    for r in range(_varlen_rounds(n_blocks, heads, HQ)):
+        ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,
+                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = item
+        r0 = m0 + half * HALF_M
+        rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+        acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
+        if n_tiles > 0:
+            mbarrier.wait(q_bar.index(half), j & 1)
+            acc, m_i, l_i = _consumer_loop_overlap(
+                q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
+                acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
+                n_lo, n_full_lo, n_full_hi, n_tiles, t,
+                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout,
+                True)
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(half))
+            t += n_tiles
+            j += 1
+        if valid & (r0 < T_q):
+            sink_nat = 0.0
+            if HAS_SINK:
+                sink_nat = gl.load(sink + i_h).to(gl.float32)
+            o_scale, lse_row = _final_stats(m_i, l_i, sink_nat, HAS_SINK)
+            gl.store(lse + i_h.to(gl.int64) * stride_lh + bos + rows, lse_row, mask=rows < T_q)
+            out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
+            if (n_tiles > 0) & (r0 + HALF_M <= T_q):
+                if not O_IN_Q:
+                    # The last item's store has read the buffer: its issuing thread waits,
+                    # the warpgroup's barrier holds the others until it has.
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                o_tile.store(out.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [bos + r0, i_h * D], o_tile)
+                if O_IN_Q:
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+            else:
+                o_rows = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+                p_o = o + (bos + o_rows)[:, None].to(gl.int64) * stride_os \
+                    + i_h.to(gl.int64) * D + o_cols[None, :]
+                gl.store(p_o, out.to(dtype), mask=o_rows[:, None] < T_q)
+        if O_IN_Q:
+            # Q's buffer goes back to the producer once nothing reads it (its products, the
+            # store of out staged in it).
+            if n_tiles > 0:
+                mbarrier.arrive(q_empty.index(half))
+    tma.store_wait(0)
+
+
+# Lengths change per call; specialising on them only recompiles.
+@gluon.jit(do_not_specialize=["total_q", "total_k", "heads", "left", "right"])
+def _fwd_sm90_varlen_kernel(
+    q, k, v, o, lse, sink, blocks,
+    stride_qs, stride_ks, stride_vs, stride_os, stride_lh,
+    total_q, total_k, heads, left, right, scale_log2,
+    GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+    O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """The packed varlen forward as a persistent kernel: a program per SM walks the row
+    blocks that ``_varlen_blocks_kernel`` listed in ``blocks`` (dealt by ``_varlen_load``),
+    the consumers and producer of the dense persistent kernel with each item's sequence
+    bounds. q, k, v, out are ``(total, H * D)`` matrices (heads adjacent); the descriptors
+    span them whole, so no descriptor is made per sequence and a tile may cross into the
+    next sequence: ``_consumer_varlen`` says how its rows are kept out. lse is
+    ``(H, total_q)``."""
+    dtype: gl.constexpr = q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
+    q_desc = tma.make_tensor_descriptor(q, [total_q, HQ * D], [stride_qs, 1], [HALF_M, D],
+                                        q_layout)
+    o_desc = tma.make_tensor_descriptor(o, [total_q, HQ * D], [stride_os, 1], [HALF_M, D],
+                                        q_layout)
+    k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
+        = _persistent_buffers(k, v, stride_ks, stride_vs, total_k, HQ // GROUP, D, BLOCK_N,
+                              STAGES, q_layout)
+    if O_IN_Q:
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
+    gl.warp_specialize([
+        (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                            k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink, 0,
+                            blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N, STAGES,
+                            HAS_LEFT,
+                            HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+        (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                            k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink, 1,
+                            blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N, STAGES,
+                            HAS_LEFT,
+                            HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+        (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                            k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
+                            GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN_ITEM)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -1002,7 +1306,7 @@ class Plan(NamedTuple):
     for the persistent kernel on the host's table) and the compilation's name for
     ``failures.FAILURES`` (the values of the kernel's constexpr flags)."""
 
-    run: Launch | _TableLaunch | None
+    run: Launch | _TableLaunch | _VarlenLaunch | None
     signature: tuple
 
 
@@ -1067,6 +1371,8 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
         if sched is not None:
             run = _TableLaunch(run, q.device)
         return Plan(run, (*signature, "persistent"))
+    if is_varlen and _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens):
+        return _varlen_plan(q, out, lse, kw, batch, lens, seqused_k, signature)
     kw.update(**lens, IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None)
     grid = (cdiv(seqlen_q, 2 * HALF_M), hq, batch)
     return Plan(Launch(_fwd_sm90_kernel, grid, *positional(_fwd_sm90_kernel, 9, kw)), signature)
@@ -1083,6 +1389,78 @@ def _persistent_ok(q, k, v, out, shared, cfg, *, is_varlen, seqused_k) -> bool:
     if seqused_k is not None or _ring_bytes(q, shared, 1) > SMEM_BYTES:
         return False
     return persistent_layout(q, k, (q, k, v, out), shared["BLOCK_N"])
+
+
+def _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens) -> bool:
+    """Whether a packed varlen call takes the persistent varlen kernel: its config asks for
+    it (and the overlapped schedule), q, k, v and out are ``(total, H * D)`` matrices (heads
+    adjacent), lse ``(H, total_q)`` with rows contiguous, there is a key row, the row and item
+    counts stay in int32, and Q and the ring fit in shared memory."""
+    if not cfg.persistent_varlen or cfg.pingpong or not cfg.overlap:
+        return False
+    total_q, total_k, d = lens["total_q"], lens["total_k"], q.shape[-1]
+    if total_k == 0 or max(total_q, total_k) >= 2**31 or lse.stride(1) != 1:
+        return False
+    if _varlen_blocks(batch, total_q, lens["seqlen_q"]) * q.shape[-2] >= 2**31:
+        return False
+    if _ring_bytes(q, shared, 1) > SMEM_BYTES:
+        return False
+    return all(t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v, out))
+
+
+# The persistent varlen kernel deals its items in sections of query heads whose K/V fits in
+# about this many bytes (most of the H100/H200's 50 MB L2; smaller sections deal less evenly:
+# each one's rounds are padded to an even count).
+VARLEN_L2_BYTES = 32 << 20
+
+
+def _varlen_blocks(batch, total_q, seqlen_q) -> int:
+    """The most row blocks a varlen call can have: one partial block a sequence beyond
+    ``total_q``'s full ones, and at most the grid's ``batch x cdiv(seqlen_q, 128)``."""
+    return min(cdiv(total_q, 2 * HALF_M) + batch, batch * cdiv(seqlen_q, 2 * HALF_M))
+
+
+class _VarlenLaunch:
+    """The persistent varlen kernel's two launches: ``_varlen_blocks_kernel`` lists the row
+    blocks into a fresh buffer on the call's stream (the caching allocator keeps it for the
+    stream, so calls on several streams never share one), then the kernel walks them."""
+
+    __slots__ = ("plan_blocks", "kernel", "size")
+
+    def __init__(self, plan_blocks: Launch, kernel: Launch, size: int):
+        self.plan_blocks = plan_blocks
+        self.kernel = kernel
+        self.size = size
+
+    def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
+        blocks = torch.empty(self.size, dtype=torch.int32, device=q.device)
+        self.plan_blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks)
+        self.kernel(q, k, v, out, lse, sink, blocks)
+
+
+def _varlen_plan(q, out, lse, kw, batch, lens, seqused_k, signature) -> Plan:
+    """The persistent varlen kernel's plan (``_varlen_ok`` admitted the call)."""
+    hq = q.shape[-2]
+    seqlen_q, total_q = lens["seqlen_q"], lens["total_q"]
+    n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
+    block_b = min(max(next_pow2(batch), 128), 1024)
+    plan_blocks = Launch(_varlen_blocks_kernel, (cdiv(seqlen_q, 2 * HALF_M), ),
+                         (batch, total_q, lens["total_k"], seqlen_q, lens["seqlen_k"],
+                          2 * HALF_M.value, block_b, seqused_k is not None), dict(num_warps=4))
+    shared = {name: kw[name] for name in ("GROUP", "D", "BLOCK_N", "STAGES", "HAS_LEFT",
+                                          "HAS_RIGHT", "HAS_SINK", "CONSUMER_REGS",
+                                          "num_warps", "left", "right", "scale_log2")}
+    # Sections of query heads whose K/V (every sequence's) fits VARLEN_L2_BYTES: whole groups.
+    kv_head_bytes = lens["total_k"] * 2 * q.shape[-1] * q.element_size()
+    heads = min(hq, max(1, VARLEN_L2_BYTES // kv_head_bytes) * kw["GROUP"])
+    args = dict(stride_qs=q.stride(0), stride_ks=kw["stride_k"][1], stride_vs=kw["stride_v"][1],
+                stride_os=out.stride(0), stride_lh=lse.stride(0), total_q=total_q,
+                total_k=lens["total_k"], heads=heads, HQ=hq, O_IN_Q=_out_in_q(q, kw), **shared)
+    programs = min(_sm_count(q.device), n_blocks * hq)
+    kernel = Launch(_fwd_sm90_varlen_kernel, (programs, ),
+                    *positional(_fwd_sm90_varlen_kernel, 7, args))
+    return Plan(_VarlenLaunch(plan_blocks, kernel, 1 + VARLEN_ITEM.value * n_blocks),
+                (*signature, "persistent varlen"))
 
 
 def _ring_bytes(q, shared, row_buffers) -> int:

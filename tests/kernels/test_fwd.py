@@ -511,6 +511,153 @@ def test_attn_fwd_sm90_tables_kept_within_their_budget(monkeypatch):
     assert len(fwd_sm90._TABLES) == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256_out_in_q"])
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(causal=True), id="causal"),
+    pytest.param(dict(), id="full"),
+    pytest.param(dict(causal=True, used=[900, 300, 1000, 0, 64, 0, 3], sink=True),
+                 id="seqused_sink"),
+    pytest.param(dict(window=(200, 0)), id="window"),
+    pytest.param(dict(causal=True, hq=12, hkv=3, sections=True), id="head_sections"),
+])
+def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d, case):
+    """The persistent varlen forward (row blocks listed on the device) against the float64
+    reference, outputs NaN-poisoned: lengths off the 128-row and 64-row grids (tiles and Q
+    halves that reach into the next sequence, halves stored from registers), empty
+    sequences, a sequence with no key, GQA 4:1; and with the heads dealt in L2 sections
+    of 8 and 4 (the L2 budget made two kv heads' K/V)."""
+    from flashlse.kernels import fwd_sm90
+
+    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
+    plans = []
+    real = fwd_sm90.plan
+    monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    case = dict(case)
+    hq, hkv = case.pop("hq", 8), case.pop("hkv", 2)
+    lens_q, lens_k = [700, 0, 1300, 1, 129, 63, 65], [900, 300, 1300, 0, 129, 200, 70]
+    if case.pop("sections", False):
+        monkeypatch.setattr(fwd_sm90, "VARLEN_L2_BYTES", 2 * sum(lens_k) * 2 * d * 2)
+    _run_varlen(device, torch.bfloat16, lens_q, lens_k, hq, hkv, d, d, **case)
+    assert plans and all(p.signature[-1] == "persistent varlen" for p in plans)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kernel_opts):
+    """Tiles of the persistent varlen kernel reach past their sequence's end (the
+    descriptors span the packed tensors): a NaN in the first key and value rows of the
+    sequence after must not reach it. Within its own sequence a NaN key reaches the rows
+    that see it (all, causal: it is key 0), a NaN value row every row of its kv head's
+    heads (``P V`` with ``P = 0`` is NaN, as in the reference's product), a NaN query row
+    its own row. Every other row equals the grid kernel's result bit for bit (the same
+    tiles in the same order)."""
+    g = torch.Generator().manual_seed(31)
+    lens = [200, 77, 300, 129, 64, 1]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    n = sum(lens)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    q, k, v = mk(n, 4, 128), mk(n, 2, 128), mk(n, 2, 128)
+    bad = torch.zeros(4, n, dtype=torch.bool, device="cuda")  # out's (head, row)
+    bad_lse = bad.clone()
+    for i in (1, 2, 3):  # the first key and value rows of sequences 1-3: NaN
+        r = int(cu[i])
+        k[r, 0, 3] = float("nan")
+        v[r + 1, 1, 5] = float("nan")
+        bad[:, r:int(cu[i + 1])] = True  # kv head 0's key 0, kv head 1's value 1 ...
+        bad_lse[:2, r:int(cu[i + 1])] = True  # ... and the key alone reaches lse
+    q[int(cu[4]) + 10, 3, 0] = float("nan")
+    bad[3, int(cu[4]) + 10] = bad_lse[3, int(cu[4]) + 10] = True
+
+    def call():
+        return fl.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                   return_lse=True)
+
+    with fl.kernel_options(fwd_sm90_config={"PERSISTENT_VARLEN": False}):
+        want, want_lse = call()
+    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
+    got, lse = call()
+    rows = got.transpose(0, 1)  # (head, row, d)
+    # (A NaN value element reaches its own column of out.)
+    assert torch.equal(torch.isnan(lse), bad_lse) and torch.equal(torch.isnan(rows).any(-1), bad)
+    assert torch.equal(lse[~bad_lse], want_lse[~bad_lse])
+    assert torch.equal(rows[~bad], want.transpose(0, 1)[~bad])
+
+
+def test_attn_fwd_sm90_varlen_blocks_list(device):
+    """``_varlen_blocks_kernel`` (Triton: the interpreter runs it in CI) lists every row
+    block once, the highest block index first, each index's sequences in order, each with
+    its sequence's bounds and first row, the count in front: empty sequences, lengths past
+    max_seqlen (clamped, as the kernels' grid), an end past the packed rows and a
+    decreasing offset (clamped as ``seq_spans``), seqused_k (clamped to ``[0, T_k]``), and
+    more sequences than a program's vector (the loop over chunks)."""
+    from flashlse.kernels import fwd_sm90
+
+    bm, total_q, total_k, max_q, max_k = 4, 60, 50, 13, 9
+    cu_q = [0, 5, 5, 18, 19, 30, 26, 31, 40, 41, 55, 80]  # lengths 5 0 13 1 11 0 5 9 1 14 ...
+    cu_k = [0, 3, 9, 20, 20, 29, 35, 30, 44, 45, 49, 61]
+    used = [3, 9, -2, 0, 100, 4, 1, 2, 0, 3, 5]
+    batch = len(cu_q) - 1
+
+    def span(cu, b, total, max_len):
+        s0 = min(max(cu[b], 0), total)
+        s1 = min(max(cu[b + 1], s0), total)
+        return s0, min(s1 - s0, max_len)
+
+    for with_used in (False, True):
+        seq = []
+        for b in range(batch):
+            bos, t_q = span(cu_q, b, total_q, max_q)
+            bos_k, t_k = span(cu_k, b, total_k, max_k)
+            if with_used:
+                t_k = min(max(used[b], 0), t_k)
+            seq.append((bos, bos_k, t_q, t_k))
+        n_blk = [-(-s[2] // bm) for s in seq]
+        want = [(*seq[b], i * bm) for i in range(max(n_blk) - 1, -1, -1) for b in range(batch)
+                if n_blk[b] > i]
+        n = fwd_sm90.VARLEN_ITEM.value
+        blocks = torch.full((1 + n * len(want) + 6, ), -7, dtype=torch.int32, device=device)
+        as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+        fwd_sm90._varlen_blocks_kernel[(-(-max_q // bm), )](
+            as_t(cu_q), as_t(cu_k), as_t(used) if with_used else None, blocks, batch, total_q,
+            total_k, max_q, max_k, BLOCK_M=bm, BLOCK_B=4, HAS_SEQUSED_K=with_used)
+        got = blocks.cpu().tolist()
+        assert got[0] == len(want) == sum(n_blk)
+        assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(len(want))] == want
+        assert got[1 + n * len(want):] == [-7] * 6
+
+
+def test_attn_fwd_sm90_persistent_varlen_domain():
+    """Which packed varlen calls the persistent varlen kernel takes (no device needed:
+    ``_varlen_ok`` reads metadata): heads adjacent in q, k, v and out, a key row, rows in
+    int32, and its config switch."""
+    from flashlse.kernels import fwd_sm90
+
+    empty = functools.partial(torch.empty, dtype=torch.bfloat16)
+    on = {"PERSISTENT_VARLEN": True}
+
+    def ok(q, k, override=on, total_k=None, batch=8, seqlen_q=4096):
+        cfg = fwd_sm90._config(q, override)
+        shared = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages)
+        lse = torch.empty(q.shape[1], q.shape[0])
+        lens = dict(total_q=q.shape[0], total_k=k.shape[0] if total_k is None else total_k,
+                    seqlen_q=seqlen_q, seqlen_k=seqlen_q)
+        return fwd_sm90._varlen_ok(q, k, k, q, lse, shared, cfg, batch, lens)
+
+    q, k = empty(16384, 16, 128), empty(16384, 4, 128)
+    assert ok(q, k) and ok(empty(16384, 16, 256), empty(16384, 4, 256))
+    assert not ok(q, k, override={"PERSISTENT_VARLEN": False})
+    assert not ok(q, k, override={"PERSISTENT_VARLEN": True, "PINGPONG": True})
+    assert not ok(q, empty(0, 4, 128))  # no key row: the grid kernel stores the empty rows
+    assert not ok(empty(16, 16384, 128).transpose(0, 1), k)  # heads not adjacent
+    qkv = empty(16384, 3, 16, 128)  # a packed projection: rows 3 H D apart
+    assert ok(qkv[:, 0], qkv[:, 1, :4])
+    assert fwd_sm90._varlen_blocks(8, 16384, 4096) == 16384 // 128 + 8
+    assert fwd_sm90._varlen_blocks(8, 16384, 100) == 8
+
+
 def test_attn_fwd_sm90_persistent_domain():
     """Which calls the persistent kernel takes (no device needed: ``_persistent_ok`` reads
     metadata): dense, sequences back to back, S_q % 64 and S_k % BLOCK_N zero."""
