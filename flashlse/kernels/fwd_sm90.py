@@ -29,6 +29,16 @@ at S = 1k) overlap its neighbours' work. Each program takes every P-th block in 
 order (``_persistent_programs`` picks P, or declines when that spreads unequal causal blocks
 badly), or its list of the host's greedy schedule (``_greedy_table``, PERSISTENT_TABLE).
 
+Packed varlen calls run a persistent form too (``_fwd_sm90_varlen_kernel``, PERSISTENT_VARLEN):
+the host cannot read ``cu_seqlens`` without a sync, so a small Triton kernel
+(``_varlen_blocks_kernel``) lists the row blocks on the device, longest first, each with its
+sequence's bounds, and the programs deal them out in sections of heads whose K/V fits in L2
+(``_varlen_load``). Its descriptors span the packed tensors whole (none is made per
+sequence), so a tile can reach into the next sequence: Q's rows there are computed and not
+stored, K's columns are masked, V's rows are zeroed in shared memory before the product
+(``_zero_rows``: ``P V`` with ``P = 0`` is NaN where V is, and another sequence's bad data
+must not reach this one), and a Q half that ends past its sequence is stored from registers.
+
 Paged caches (``_fwd_sm90_paged_kernel``: ``attention_varlen`` with a block table, the paged
 prefill of ``attention_with_kvcache``) run the same program and consumers; only the producer
 differs, two warps (K; V) instead of one. Each copies a key tile page by page, one TMA box a
