@@ -77,6 +77,8 @@ def kernels(monkeypatch):
     k = Kernels()
     for mod, attr, name in ((fwd, "_attn_fwd_kernel", "fwd"),
                             (fwd_sm90, "_fwd_sm90_kernel", "fwd_sm90"),
+                            (fwd_sm90, "_fwd_sm90_varlen_kernel", "fwd_sm90_varlen"),
+                            (fwd_sm90, "_varlen_blocks_kernel", "varlen_blocks"),
                             (bwd, "_zero_uncovered_rows", "bwd_zero"),
                             (bwd, "_attn_bwd_preprocess_kernel", "bwd_pre"),
                             (bwd, "_attn_bwd_dkdv_kernel", "dkdv"),
@@ -98,6 +100,7 @@ def kernels(monkeypatch):
         return k.supported[part] and args[0].shape[-1] in dims
 
     monkeypatch.setattr(fwd_sm90, "supported", fwd_supported)
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 132)
     monkeypatch.setattr(bwd_sm90, "supported", bwd_supported)
     # Launch plans hold the kernels and the supported answers: fresh ones for each test.
     for mod, cache in ((fwd, "_PLANS"), (fwd_sm90, "_PLANS"), (bwd, "_BWD_PLANS")):
@@ -158,7 +161,8 @@ def test_forward_takes_the_hopper_kernel_with_its_arguments(kernels):
 
 def test_forward_varlen_asks_with_the_sequence_count(kernels):
     q, k, v, kw = _varlen()
-    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    with kernel_options(fwd_sm90_config={"PERSISTENT_VARLEN": False}):  # the grid kernel
+        out, lse = dispatch.attn_fwd(q, k, v, **kw)
     assert kernels.asked[0][2]["batch"] == 3
     g = kernels.of("fwd_sm90")
     assert g.grid == (2, 4, 3)
@@ -166,6 +170,30 @@ def test_forward_varlen_asks_with_the_sequence_count(kernels):
     assert g.args[9] == _strides(q, True) and g.args[13] == (0, lse.stride(0))
     assert g.args[14:20] == (250, 400, 350, 700, 31, 0)
     assert g.named["GROUP"] == 4 and g.named["IS_VARLEN"] and g.named["HAS_SEQUSED_K"]
+    assert out.shape == (350, 4, 128) and lse.shape == (4, 350)
+
+
+def test_forward_varlen_persistent_lists_the_blocks_then_walks_them(kernels):
+    """The persistent varlen kernel (D = 128's default): ``_varlen_blocks_kernel`` fills a
+    fresh list (one program a block index: ceil(250 / 128)) that the kernel then reads, one
+    program a (block, head) item up to the SM count; the heads in one L2 section here."""
+    q, k, v, kw = _varlen()
+    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["varlen_blocks", "fwd_sm90_varlen"]
+    lst, run = kernels.of("varlen_blocks"), kernels.of("fwd_sm90_varlen")
+    blocks = lst.args[3]
+    # At most ceil(350 / 128) + 3 = 6 blocks (and 3 x 2), 5 ints each, the count first.
+    assert blocks.dtype == torch.int32 and blocks.shape == (1 + 5 * 6, )
+    assert lst.grid == (2, 1, 1)
+    assert lst.args[:4] == (kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_k"], blocks)
+    assert lst.args[4:11] == (3, 350, 700, 250, 400, 128, 128) and lst.args[11] is True
+    assert run.grid == (24, 1, 1)  # 6 blocks x 4 heads, below 132 SMs
+    assert run.args[:7] == (q, k, v, out, lse, None, blocks)
+    assert (run.named["stride_qs"], run.named["stride_os"], run.named["stride_lh"]) == \
+        (q.stride(0), out.stride(0), lse.stride(0))
+    assert (run.named["total_q"], run.named["total_k"], run.named["heads"]) == (350, 700, 4)
+    assert (run.named["left"], run.named["right"]) == (31, 0)
+    assert run.named["GROUP"] == 4 and run.named["HQ"] == 4 and not run.named["O_IN_Q"]
     assert out.shape == (350, 4, 128) and lse.shape == (4, 350)
 
 
