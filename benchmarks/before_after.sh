@@ -5,7 +5,7 @@
 #   bash benchmarks/before_after.sh prep 2dcb23b          # here: the tree before issue 21
 #   bash benchmarks/before_after.sh run [fwd bwd decode merge serving]   # on the GPU, carry .before
 #   bash benchmarks/before_after.sh variant-fwd   # .variant_fwd (D = 64 persistent) for h200_session.sh fwd-dims
-#   bash benchmarks/before_after.sh variant-mla   # .variant_mla (MLA page lookups at once) for h200_session.sh mla-pages
+#   bash benchmarks/before_after.sh variant-varlen   # .variant_varlen (the varlen forward's dynamic scheduler) for h200_session.sh varlen-dyn
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
 set -o pipefail
@@ -27,14 +27,15 @@ open(p, "w").write(s2)
 PY2
     exit $?
 fi
-if [ "$1" = variant-mla ]; then
-    # The variant for `h200_session.sh mla-pages` (carry .variant_mla): this tree with the MLA
-    # decode's page lookups for pages below a tile read at once, before the producer waits
-    # (benchmarks/variants/mla_page_lookups.patch; the Hopper paged forward's lesson, session
-    # 16: a warp waiting on each entry's load between copies was its limit at page 16).
-    rm -rf .variant_mla && mkdir .variant_mla
-    git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_mla
-    patch -s -p1 -d .variant_mla < benchmarks/variants/mla_page_lookups.patch
+if [ "$1" = variant-varlen ]; then
+    # The variant for `h200_session.sh varlen-dyn` (carry .variant_varlen): this tree with the
+    # persistent varlen forward's items dealt by an atomic counter (FA-3's dynamic scheduler:
+    # the list's order dealt greedily) in 16 MB L2 sections
+    # (benchmarks/variants/varlen_dynamic.patch; session 17: sections dealt statically trade
+    # balance against L2 hits).
+    rm -rf .variant_varlen && mkdir .variant_varlen
+    git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_varlen
+    patch -s -p1 -d .variant_varlen < benchmarks/variants/varlen_dynamic.patch
     exit $?
 fi
 if [ "$1" = prep ]; then
