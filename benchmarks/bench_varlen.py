@@ -11,7 +11,7 @@ It also prints how the forward grid is used: a varlen launch covers (row blocks 
 document) x heads x documents, and the programs of a short document's missing blocks start
 and exit. Against the real row blocks that count says whether those starts can matter.
 
-    python benchmarks/bench_varlen.py [--docs N] [--seed S] [--smoke]
+    python benchmarks/bench_varlen.py [--seed S] [--dim D] [--varlen-l2-mb 16,32] [--smoke]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dim", type=int, default=128, help="head dim (the bar's is 128)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, one call a row")
     ap.add_argument("--varlen-l2-mb", type=lambda x: [int(v) for v in x.split(",")], default=[],
                     help="time the persistent varlen forward at these L2 section budgets (MB)")
@@ -54,7 +55,7 @@ def main():
     smoke = args.smoke
     dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     total, lo, hi, h, d, dense_s = ((256, 8, 64, 2, 32, 64) if smoke
-                                    else (16384, 64, 4096, 16, 128, 4096))
+                                    else (16384, 64, 4096, 16, args.dim, 4096))
     lens = doc_lengths(total, lo, hi, args.seed)
     g = torch.Generator(device=dev).manual_seed(args.seed)
     mk = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=dt, requires_grad=True)
