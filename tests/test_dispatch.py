@@ -186,7 +186,7 @@ def test_forward_varlen_persistent_lists_the_blocks_then_walks_them(kernels):
     assert blocks.dtype == torch.int32 and blocks.shape == (1 + 5 * 6, )
     assert lst.grid == (2, 1, 1)
     assert lst.args[:4] == (kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_k"], blocks)
-    assert lst.args[4:11] == (3, 350, 700, 250, 400, 128, 128) and lst.args[11] is True
+    assert lst.args[4:12] == (3, 350, 700, 250, 400, 6, 128, 128) and lst.args[12] is True
     assert run.grid == (24, 1, 1)  # 6 blocks x 4 heads, below 132 SMs
     assert run.args[:7] == (q, k, v, out, lse, None, blocks)
     assert (run.named["stride_qs"], run.named["stride_os"], run.named["stride_lh"]) == \

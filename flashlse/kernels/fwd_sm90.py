@@ -853,7 +853,7 @@ def _fwd_sm90_persistent_kernel(
 
 @triton.jit
 def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
-                          batch, total_q, total_k, seqlen_q, seqlen_k,
+                          batch, total_q, total_k, seqlen_q, seqlen_k, capacity,
                           BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
                           HAS_SEQUSED_K: tl.constexpr):
     """The persistent varlen kernel's row blocks, listed on the device (the host cannot read
@@ -866,7 +866,9 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
     out. Program ``i`` writes index ``i``'s blocks: they start after the
     ``sum_b max(0, n_b - 1 - i)`` blocks of the indices above (``n_b`` sequence ``b``'s
     count), ranked by a prefix sum. Offsets and lengths clamped as ``seq_spans`` (any values
-    stay in bounds). Triton, not Gluon: CI runs it under the interpreter."""
+    stay in bounds); the list holds at most ``capacity`` blocks (the buffer's: only bad
+    offsets, sequences that overlap, have more, and the blocks past it are left out).
+    Triton, not Gluon: CI runs it under the interpreter."""
     i = tl.program_id(0)
     o_b = tl.arange(0, BLOCK_B)
     start = 0
@@ -882,15 +884,17 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
             T_k = tl.minimum(tl.maximum(tl.load(seqused_k + b0 + o_b, mask=m_b, other=0), 0),
                              T_k)
         has = (T_q + BLOCK_M - 1) // BLOCK_M > i
-        p = blocks + 1 + VARLEN_ITEM * (start + tl.cumsum(has.to(tl.int32), 0) - 1)
+        pos = start + tl.cumsum(has.to(tl.int32), 0) - 1
+        has = has & (pos < capacity)
+        p = blocks + 1 + VARLEN_ITEM * pos
         tl.store(p, bos, mask=has)
         tl.store(p + 1, bos_k, mask=has)
         tl.store(p + 2, T_q, mask=has)
         tl.store(p + 3, T_k, mask=has)
         tl.store(p + 4, tl.full([BLOCK_B], 0, tl.int32) + i * BLOCK_M, mask=has)
-        start += tl.sum(has.to(tl.int32), 0)
+        start += tl.sum(((T_q + BLOCK_M - 1) // BLOCK_M > i).to(tl.int32), 0)
     if i == 0:
-        tl.store(blocks, start)
+        tl.store(blocks, tl.minimum(start, capacity))
 
 
 @gluon.jit
@@ -1453,7 +1457,7 @@ def _varlen_plan(q, out, lse, kw, batch, lens, seqused_k, signature) -> Plan:
     n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
     block_b = min(max(next_pow2(batch), 128), 1024)
     plan_blocks = Launch(_varlen_blocks_kernel, (cdiv(seqlen_q, 2 * HALF_M), ),
-                         (batch, total_q, lens["total_k"], seqlen_q, lens["seqlen_k"],
+                         (batch, total_q, lens["total_k"], seqlen_q, lens["seqlen_k"], n_blocks,
                           2 * HALF_M.value, block_b, seqused_k is not None), dict(num_warps=4))
     shared = {name: kw[name] for name in ("GROUP", "D", "BLOCK_N", "STAGES", "HAS_LEFT",
                                           "HAS_RIGHT", "HAS_SINK", "CONSUMER_REGS",

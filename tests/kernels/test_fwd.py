@@ -592,7 +592,9 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
     its sequence's bounds and first row, the count in front: empty sequences, lengths past
     max_seqlen (clamped, as the kernels' grid), an end past the packed rows and a
     decreasing offset (clamped as ``seq_spans``), seqused_k (clamped to ``[0, T_k]``), and
-    more sequences than a program's vector (the loop over chunks)."""
+    more sequences than a program's vector (the loop over chunks). Sequences that overlap
+    (bad offsets) can have more blocks than the host's bound on the buffer: past its
+    ``capacity`` no block is written."""
     from flashlse.kernels import fwd_sm90
 
     bm, total_q, total_k, max_q, max_k = 4, 60, 50, 13, 9
@@ -606,7 +608,7 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
         s1 = min(max(cu[b + 1], s0), total)
         return s0, min(s1 - s0, max_len)
 
-    for with_used in (False, True):
+    for with_used, short in ((False, 0), (True, 0), (True, 5)):
         seq = []
         for b in range(batch):
             bos, t_q = span(cu_q, b, total_q, max_q)
@@ -618,15 +620,18 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
         want = [(*seq[b], i * bm) for i in range(max(n_blk) - 1, -1, -1) for b in range(batch)
                 if n_blk[b] > i]
         n = fwd_sm90.VARLEN_ITEM.value
-        blocks = torch.full((1 + n * len(want) + 6, ), -7, dtype=torch.int32, device=device)
+        assert len(want) == sum(n_blk)
+        cap = len(want) - short
+        want = want[:cap]
+        blocks = torch.full((1 + n * cap + 6, ), -7, dtype=torch.int32, device=device)
         as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
         fwd_sm90._varlen_blocks_kernel[(-(-max_q // bm), )](
             as_t(cu_q), as_t(cu_k), as_t(used) if with_used else None, blocks, batch, total_q,
-            total_k, max_q, max_k, BLOCK_M=bm, BLOCK_B=4, HAS_SEQUSED_K=with_used)
+            total_k, max_q, max_k, cap, BLOCK_M=bm, BLOCK_B=4, HAS_SEQUSED_K=with_used)
         got = blocks.cpu().tolist()
-        assert got[0] == len(want) == sum(n_blk)
-        assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(len(want))] == want
-        assert got[1 + n * len(want):] == [-7] * 6
+        assert got[0] == cap
+        assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(cap)] == want
+        assert got[1 + n * cap:] == [-7] * 6
 
 
 def test_attn_fwd_sm90_persistent_varlen_domain():
