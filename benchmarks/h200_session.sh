@@ -165,6 +165,12 @@ if [ "$1" = s20 ]; then
     # other kernel timed in the same process) at two document draws. Prediction: the
     # forward 0.77x -> 0.86-0.92x the dense kernel at seed 0.
     gate varlen.log 280 tests/kernels/test_fwd.py -k "persistent_varlen or gpu_varlen"
+    # memcheck: the empty list (the look-ahead past the last item) and one case with tiles
+    # that reach into the next sequence.
+    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+        tests/kernels/test_fwd.py -k "persistent_varlen_empty_list or (persistent_varlen and \
+        d128 and causal)" -p no:cacheprovider > "$OUT/memcheck_varlen.log" 2>&1
+    echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_varlen.log" | tail -1
     for seed in 0 1 3; do
         timeout 120 python3 benchmarks/bench_varlen.py --seed $seed --varlen-l2-mb 16,32,64,4096 \
             2>&1 | tail -11

@@ -908,17 +908,20 @@ def _varlen_load(blocks, r, n_blocks, heads, HQ: gl.constexpr, ITEM: gl.constexp
     rounds are padded to an even count (``valid`` false: the program moves on), and every
     other section deals from the other end, so no program is the first of each round pair.
     The head and the block's ints: one round of independent loads, which the partitions
-    issue an item ahead (past the list they read block 0)."""
+    issue an item ahead (past the list, and past the last section, they read block 0's
+    slots, inside the buffer whatever the list holds)."""
     n_p = gl.num_programs(0)
-    rounds = _section_rounds(n_blocks, heads)
+    # (At least one round: with no block the loads below still read block 0's slots.)
+    rounds = gl.maximum(_section_rounds(n_blocks, heads), 1)
     sec = r // rounds
     rr = r % rounds
     p = gl.program_id(0)
     p = p + (sec & 1) * (n_p - 1 - 2 * p)
     o = rr * n_p + p + (rr & 1) * (n_p - 1 - 2 * p)
     h0 = sec * heads
-    n_h = gl.minimum(heads, HQ - h0)
-    valid = o < n_blocks * n_h
+    n_h = gl.minimum(heads, HQ - h0)  # none past the last section (the last prefetch)
+    valid = (n_h > 0) & (o < n_blocks * n_h)
+    n_h = gl.maximum(n_h, 1)
     o = gl.where(valid, o, 0)
     item = blocks + 1 + ITEM * (o // n_h)
     return (valid, h0 + o % n_h, gl.load(item), gl.load(item + 1), gl.load(item + 2),

@@ -586,6 +586,24 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
     assert torch.equal(rows[~bad], want.transpose(0, 1)[~bad])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+def test_attn_fwd_gpu_sm90_persistent_varlen_empty_list(kernel_opts):
+    """Packed rows but no sequence with any (``cu_seqlens_q`` all zero, max_seqlen_q > 0):
+    the list is empty, the kernel's programs take no item, and its look-ahead reads stay in
+    the list's buffer (under compute-sanitizer: no out-of-bounds access); a second call
+    with one real sequence after it gives the reference's rows."""
+    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(300, 4, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    zero = torch.zeros(3, dtype=torch.int32, device="cuda")
+    dispatch.attn_fwd(q, k, v, left=None, right=0, softcap=0.0, scale=0.1, sink=None,
+                      cu_seqlens_q=zero, cu_seqlens_k=zero, max_seqlen_q=200, max_seqlen_k=200)
+    torch.cuda.synchronize()
+    _run_varlen("cuda", torch.bfloat16, [300], [300], 4, 4, 128, 128, causal=True, seed=6)
+
+
 def test_attn_fwd_sm90_varlen_blocks_list(device):
     """``_varlen_blocks_kernel`` (Triton: the interpreter runs it in CI) lists every row
     block once, the highest block index first, each index's sequences in order, each with
