@@ -545,7 +545,8 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kernel_opts):
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256_out_in_q"])
+def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kernel_opts, d):
     """Tiles of the persistent varlen kernel reach past their sequence's end (the
     descriptors span the packed tensors): a NaN in the first key and value rows of the
     sequence after must not reach it. Within its own sequence a NaN key reaches the rows
@@ -559,7 +560,7 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
                       device="cuda")
     n = sum(lens)
     mk = lambda *s: torch.randn(*s, generator=g).to(device="cuda", dtype=torch.bfloat16)
-    q, k, v = mk(n, 4, 128), mk(n, 2, 128), mk(n, 2, 128)
+    q, k, v = mk(n, 4, d), mk(n, 2, d), mk(n, 2, d)
     bad = torch.zeros(4, n, dtype=torch.bool, device="cuda")  # out's (head, row)
     bad_lse = bad.clone()
     for i in (1, 2, 3):  # the first key and value rows of sequences 1-3: NaN
