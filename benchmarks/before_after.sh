@@ -6,6 +6,7 @@
 #   bash benchmarks/before_after.sh run [fwd bwd decode merge serving]   # on the GPU, carry .before
 #   bash benchmarks/before_after.sh variant-fwd   # .variant_fwd (D = 64 persistent) for h200_session.sh fwd-dims
 #   bash benchmarks/before_after.sh variant-varlen   # .variant_varlen (the varlen forward's dynamic scheduler) for h200_session.sh varlen-dyn
+#   bash benchmarks/before_after.sh variant-mla2     # .variant_mla2 (the MLA decode's two producer warps) for h200_session.sh mla-2p
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
 set -o pipefail
@@ -36,6 +37,15 @@ if [ "$1" = variant-varlen ]; then
     rm -rf .variant_varlen && mkdir .variant_varlen
     git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_varlen
     patch -s -p1 -d .variant_varlen < benchmarks/variants/varlen_dynamic.patch
+    exit $?
+fi
+if [ "$1" = variant-mla2 ]; then
+    # The variant for `h200_session.sh mla-2p` (carry .variant_mla2): this tree with the MLA
+    # decode's pages below 32 rows loaded by two producer warps, a buffer each
+    # (benchmarks/variants/mla_two_producers.patch; the paged forward's lesson, session 16).
+    rm -rf .variant_mla2 && mkdir .variant_mla2
+    git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_mla2
+    patch -s -p1 -d .variant_mla2 < benchmarks/variants/mla_two_producers.patch
     exit $?
 fi
 if [ "$1" = prep ]; then

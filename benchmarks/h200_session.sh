@@ -27,6 +27,8 @@
 #                                                L2 section budgets
 #   bash benchmarks/h200_session.sh varlen-dyn # its items dealt by an atomic counter
 #                                                (.variant_varlen, carried): tests, bench A/B
+#   bash benchmarks/h200_session.sh mla-2p     # the MLA decode at pages below 32 rows with two
+#                                                producer warps (.variant_mla2): tests, bench A/B
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
 #                                                (.variant_fwd, carried): its tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
@@ -60,7 +62,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s20 varlen-dyn fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s20 varlen-dyn mla-2p fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -194,6 +196,26 @@ if [ "$1" = varlen-dyn ]; then
             echo "== $tree seed $seed"
             PYTHONPATH=$root timeout 100 python3 "$root/benchmarks/bench_varlen.py" --seed $seed \
                 2>&1 | grep -E "attention|ratio|PERSISTENT" | cut -c1-100
+        done
+    done
+    exit 0
+fi
+if [ "$1" = mla-2p ]; then
+    # The variant (.variant_mla2, carried; `bash benchmarks/before_after.sh variant-mla2`):
+    # pages of 8 and 16 rows loaded by two producer warps, even and odd tiles. Its MLA GPU
+    # tests in its own tree, then bench_mla --gluon-only at pages 8, 16, 32 of this tree and
+    # of the variant, alternating. Prediction: page 16 378 -> 420-460 TFLOP/s, page 8 +10-20%,
+    # page 32 unchanged (its path is untouched).
+    (cd .variant_mla2 && PYTHONPATH=$PWD timeout 240 python3 -m pytest -q \
+        tests/kernels/test_decode_mla_sm90.py -p no:cacheprovider > "$OUT/test_variant_mla2.log" 2>&1)
+    echo "variant tests: $(tail -1 "$OUT/test_variant_mla2.log")"
+    grep -h "^FAILED" "$OUT"/test_variant_mla2.log | head
+    for pass in 1 2; do
+        for tree in main variant; do
+            root=$PWD; [ $tree = variant ] && root=$PWD/.variant_mla2
+            PYTHONPATH=$root timeout 120 python3 "$root/benchmarks/bench_mla.py" --gluon-only \
+                --pages 8,16,32 --out "/tmp/mla_$tree" > "$OUT/mla_${tree}$pass.txt" 2>&1
+            echo "== $tree $pass"; tail -4 "$OUT/mla_${tree}$pass.txt" | cut -c1-120
         done
     done
     exit 0
