@@ -29,6 +29,8 @@
 #                                                (.variant_varlen, carried): tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-2p     # the MLA decode at pages below 32 rows with two
 #                                                producer warps (.variant_mla2): tests, bench A/B
+#   bash benchmarks/h200_session.sh prof-bwd   # Nsight Compute: the backward's kernels beside
+#                                                cuDNN's (benchmarks/ncu_bwd.py), S = 1k and 4k
 #   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
 #                                                (.variant_fwd, carried): its tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
@@ -62,7 +64,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s20 varlen-dyn mla-2p fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s20 varlen-dyn mla-2p prof-bwd fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -217,6 +219,19 @@ if [ "$1" = mla-2p ]; then
                 --pages 8,16,32 --out "/tmp/mla_$tree" > "$OUT/mla_${tree}$pass.txt" 2>&1
             echo "== $tree $pass"; tail -4 "$OUT/mla_${tree}$pass.txt" | cut -c1-120
         done
+    done
+    exit 0
+fi
+if [ "$1" = prof-bwd ]; then
+    # Issue 22's backward gap, kernel by kernel against cuDNN's (one public fwd+bwd and one
+    # cuDNN SDPA fwd+bwd each, causal at S = 1k and 4k, B*S = 16k, H = 16, D = 128).
+    for s in 1024 4096; do
+        timeout 240 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
+            --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+            --csv --page details python3 benchmarks/ncu_bwd.py --run --seqlen $s \
+            > "$OUT/ncu_bwd_$s.csv" 2> "$OUT/ncu_bwd_$s.err"
+        echo "== causal S=$s (rc $?)"
+        python3 benchmarks/ncu_bwd.py --read "$OUT/ncu_bwd_$s.csv" | cut -c1-140
     done
     exit 0
 fi

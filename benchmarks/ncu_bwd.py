@@ -1,0 +1,107 @@
+"""Where the backward's time goes, against cuDNN's, kernel by kernel (Nsight Compute).
+
+Issue 22's backward gap (0.74-0.91x cuDNN at S = 1k-16k, the dK/dV pass) is to be understood
+before it is changed. This script is the profiled program and the reader of its report:
+
+    ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+        --csv --page details python3 benchmarks/ncu_bwd.py --run > ncu.csv
+    python3 benchmarks/ncu_bwd.py --read ncu.csv
+
+``--run`` compiles and warms both backward paths, then profiles (``cudaProfilerStart`` /
+``Stop``) one public ``fl.attention`` forward + backward and one of SDPA's cuDNN backend on
+the same tensors (B*S = 16k, H = 16, D = 128, bf16, causal unless ``--full``). ``--read``
+prints a row a kernel: duration, SM and memory throughput, registers, achieved occupancy,
+issue-slot use and the cycles a warp waits between issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from collections import OrderedDict
+
+# Report metrics (their Nsight Compute names) and the column each prints under.
+COLUMNS = OrderedDict([
+    ("Duration", "us"),
+    ("Compute (SM) Throughput", "SM %"),
+    ("Memory Throughput", "mem %"),
+    ("Registers Per Thread", "regs"),
+    ("Achieved Occupancy", "occ %"),
+    ("Issue Slots Busy", "issue %"),
+    ("Warp Cycles Per Issued Instruction", "cyc/issue"),
+])
+
+
+def run(s: int, causal: bool) -> None:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import flashlse as fl
+
+    b, h, d = 16384 // s, 16, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda: torch.randn(b, s, h, d, generator=g, device="cuda", dtype=torch.bfloat16,
+                             requires_grad=True)
+    q, k, v = mk(), mk(), mk()
+    dout = torch.randn(b, s, h, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+
+    def ours():
+        fl.attention(q, k, v, causal=causal).backward(dout)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            sdpa(qh, kh, vh, is_causal=causal).backward(dout.transpose(1, 2))
+
+    for _ in range(3):
+        ours()
+        cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    ours()
+    cudnn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def read(path: str) -> None:
+    rows: dict = OrderedDict()
+    with open(path, newline="") as f:
+        lines = [line for line in f if line.startswith('"')]  # ncu's own log lines dropped
+    for rec in csv.DictReader(lines):
+        key = (rec["ID"], rec["Kernel Name"])
+        name = rec["Metric Name"]
+        if name in COLUMNS:
+            value = rec["Metric Value"].replace(",", "")
+            if name == "Duration" and rec["Metric Unit"] in ("nsecond", "ns"):
+                value = f"{float(value) / 1000:.1f}"
+            elif name == "Duration" and rec["Metric Unit"] in ("msecond", "ms"):
+                value = f"{float(value) * 1000:.1f}"
+            rows.setdefault(key, {})[name] = value
+    print(f"{'kernel':<44} " + " ".join(f"{c:>9}" for c in COLUMNS.values()))
+    for (kid, kernel), vals in rows.items():
+        label = f"{kid} {kernel}"[:44]
+        print(f"{label:<44} " + " ".join(f"{vals.get(m, '-'):>9}" for m in COLUMNS))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", action="store_true", help="the profiled program (under ncu)")
+    ap.add_argument("--read", metavar="CSV", help="print the report's table")
+    ap.add_argument("--seqlen", type=int, default=1024)
+    ap.add_argument("--full", action="store_true", help="no causal mask")
+    args = ap.parse_args(argv)
+    if args.run:
+        run(args.seqlen, not args.full)
+    elif args.read:
+        read(args.read)
+    else:
+        ap.print_help()
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
