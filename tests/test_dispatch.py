@@ -173,11 +173,18 @@ def test_forward_varlen_asks_with_the_sequence_count(kernels):
     assert out.shape == (350, 4, 128) and lse.shape == (4, 350)
 
 
-def test_forward_varlen_persistent_lists_the_blocks_then_walks_them(kernels):
+def test_forward_varlen_persistent_lists_the_blocks_then_walks_them(kernels, monkeypatch):
     """The persistent varlen kernel (D = 128's default): ``_varlen_blocks_kernel`` fills a
-    fresh list (one program a block index: ceil(250 / 128)) that the kernel then reads, one
-    program a (block, head) item up to the SM count; the heads in one L2 section here."""
+    fresh list (one program a block index: ceil(250 / 128)) that the kernel then reads, a
+    program an SM (here 16, below the 24 items); the heads in one L2 section here. With as
+    many SMs as items or more, the grid kernel runs (no list)."""
     q, k, v, kw = _varlen()
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 24)
+    dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["fwd_sm90"]
+    kernels.log.clear()
+    fwd_sm90._PLANS.clear()
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 16)
     out, lse = dispatch.attn_fwd(q, k, v, **kw)
     assert kernels.names() == ["varlen_blocks", "fwd_sm90_varlen"]
     lst, run = kernels.of("varlen_blocks"), kernels.of("fwd_sm90_varlen")
@@ -187,7 +194,7 @@ def test_forward_varlen_persistent_lists_the_blocks_then_walks_them(kernels):
     assert lst.grid == (2, 1, 1)
     assert lst.args[:4] == (kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_k"], blocks)
     assert lst.args[4:12] == (3, 350, 700, 250, 400, 6, 128, 128) and lst.args[12] is True
-    assert run.grid == (24, 1, 1)  # 6 blocks x 4 heads, below 132 SMs
+    assert run.grid == (16, 1, 1)  # 16 SMs, 6 blocks x 4 heads
     assert run.args[:7] == (q, k, v, out, lse, None, blocks)
     assert (run.named["stride_qs"], run.named["stride_os"], run.named["stride_lh"]) == \
         (q.stride(0), out.stride(0), lse.stride(0))

@@ -1408,15 +1408,18 @@ def _persistent_ok(q, k, v, out, shared, cfg, *, is_varlen, seqused_k) -> bool:
 
 def _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens) -> bool:
     """Whether a packed varlen call takes the persistent varlen kernel: its config asks for
-    it (and the overlapped schedule), q, k, v and out are ``(total, H * D)`` matrices (heads
-    adjacent), lse ``(H, total_q)`` with rows contiguous, there is a key row, the row and item
-    counts stay in int32, and Q and the ring fit in shared memory."""
+    it (and the overlapped schedule), there can be more items (row blocks x heads) than SMs
+    (with at most one a program it would only add its list's launch to the grid kernel's
+    work), q, k, v and out are ``(total, H * D)`` matrices (heads adjacent), lse
+    ``(H, total_q)`` with rows contiguous, there is a key row, the row and item counts stay
+    in int32, and Q and the ring fit in shared memory."""
     if not cfg.persistent_varlen or cfg.pingpong or not cfg.overlap:
         return False
     total_q, total_k, d = lens["total_q"], lens["total_k"], q.shape[-1]
     if total_k == 0 or max(total_q, total_k) >= 2**31 or lse.stride(1) != 1:
         return False
-    if _varlen_blocks(batch, total_q, lens["seqlen_q"]) * q.shape[-2] >= 2**31:
+    items = _varlen_blocks(batch, total_q, lens["seqlen_q"]) * q.shape[-2]
+    if items >= 2**31 or items <= _sm_count(q.device):
         return False
     if _ring_bytes(q, shared, 1) > SMEM_BYTES:
         return False

@@ -554,20 +554,24 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
     heads (``P V`` with ``P = 0`` is NaN, as in the reference's product), a NaN query row
     its own row. Every other row equals the grid kernel's result bit for bit (the same
     tiles in the same order)."""
+    from flashlse.kernels import fwd_sm90
+
     g = torch.Generator().manual_seed(31)
     lens = [200, 77, 300, 129, 64, 1]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")
     n = sum(lens)
     mk = lambda *s: torch.randn(*s, generator=g).to(device="cuda", dtype=torch.bfloat16)
-    q, k, v = mk(n, 4, d), mk(n, 2, d), mk(n, 2, d)
-    bad = torch.zeros(4, n, dtype=torch.bool, device="cuda")  # out's (head, row)
+    # 16 query heads on 8 kv heads (more items than SMs: the persistent kernel's domain);
+    # the bad values sit in kv heads 0 and 1, query heads 0-3.
+    q, k, v = mk(n, 16, d), mk(n, 8, d), mk(n, 8, d)
+    bad = torch.zeros(16, n, dtype=torch.bool, device="cuda")  # out's (head, row)
     bad_lse = bad.clone()
     for i in (1, 2, 3):  # the first key and value rows of sequences 1-3: NaN
         r = int(cu[i])
         k[r, 0, 3] = float("nan")
         v[r + 1, 1, 5] = float("nan")
-        bad[:, r:int(cu[i + 1])] = True  # kv head 0's key 0, kv head 1's value 1 ...
+        bad[:4, r:int(cu[i + 1])] = True  # kv head 0's key 0, kv head 1's value 1 ...
         bad_lse[:2, r:int(cu[i + 1])] = True  # ... and the key alone reaches lse
     q[int(cu[4]) + 10, 3, 0] = float("nan")
     bad[3, int(cu[4]) + 10] = bad_lse[3, int(cu[4]) + 10] = True
@@ -579,7 +583,10 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
     with fl.kernel_options(fwd_sm90_config={"PERSISTENT_VARLEN": False}):
         want, want_lse = call()
     kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
+    fwd_sm90._PLANS.clear()
     got, lse = call()
+    runs = [p.run for p in fwd_sm90._PLANS.values() if p is not None]
+    assert any(isinstance(r, fwd_sm90._VarlenLaunch) for r in runs)
     rows = got.transpose(0, 1)  # (head, row, d)
     # (A NaN value element reaches its own column of out.)
     assert torch.equal(torch.isnan(lse), bad_lse) and torch.equal(torch.isnan(rows).any(-1), bad)
@@ -596,13 +603,14 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_empty_list(kernel_opts):
     with one real sequence after it gives the reference's rows."""
     kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
     g = torch.Generator(device="cuda").manual_seed(5)
-    q, k, v = (torch.randn(300, 4, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    # 64 heads: more items (4 blocks at most x 64) than SMs, the persistent kernel's domain.
+    q, k, v = (torch.randn(300, 64, 128, generator=g, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     zero = torch.zeros(3, dtype=torch.int32, device="cuda")
     dispatch.attn_fwd(q, k, v, left=None, right=0, softcap=0.0, scale=0.1, sink=None,
                       cu_seqlens_q=zero, cu_seqlens_k=zero, max_seqlen_q=200, max_seqlen_k=200)
     torch.cuda.synchronize()
-    _run_varlen("cuda", torch.bfloat16, [300], [300], 4, 4, 128, 128, causal=True, seed=6)
+    _run_varlen("cuda", torch.bfloat16, [300], [300], 64, 64, 128, 128, causal=True, seed=6)
 
 
 def test_attn_fwd_sm90_varlen_blocks_list(device):
@@ -653,11 +661,13 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
         assert got[1 + n * cap:] == [-7] * 6
 
 
-def test_attn_fwd_sm90_persistent_varlen_domain():
+def test_attn_fwd_sm90_persistent_varlen_domain(monkeypatch):
     """Which packed varlen calls the persistent varlen kernel takes (no device needed:
-    ``_varlen_ok`` reads metadata): heads adjacent in q, k, v and out, a key row, rows in
-    int32, and its config switch."""
+    ``_varlen_ok`` reads metadata; 132 SMs): heads adjacent in q, k, v and out, a key row,
+    rows in int32, more items than SMs, and its config switch."""
     from flashlse.kernels import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 132)
 
     empty = functools.partial(torch.empty, dtype=torch.bfloat16)
     on = {"PERSISTENT_VARLEN": True}
@@ -680,6 +690,9 @@ def test_attn_fwd_sm90_persistent_varlen_domain():
     assert ok(qkv[:, 0], qkv[:, 1, :4])
     assert fwd_sm90._varlen_blocks(8, 16384, 4096) == 16384 // 128 + 8
     assert fwd_sm90._varlen_blocks(8, 16384, 100) == 8
+    # At most one item an SM (8 blocks x 16 heads = 128, x 17 heads = 136): the grid kernel.
+    assert not ok(q, k, seqlen_q=100)
+    assert ok(empty(16384, 17, 128), empty(16384, 1, 128), seqlen_q=100)
 
 
 def test_attn_fwd_sm90_persistent_domain():
