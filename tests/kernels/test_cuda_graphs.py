@@ -53,6 +53,27 @@ def test_attention_forward_backward_graph_replay():
     assert not torch.equal(static[0], eager[0])
 
 
+def test_attention_varlen_persistent_graph_replay():
+    """The persistent varlen forward (on an H100/H200 at D = 128: its block list made on the
+    device into a buffer of the call) captures, and a replay with new lengths in cu_seqlens
+    lists the new blocks: the same result as an eager call on them."""
+    torch.manual_seed(1)
+    n = 1400
+    q = torch.randn(n, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(n, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 100, 100, 400, 437, 1137], dtype=torch.int32, device="cuda")
+
+    def step():
+        return fl.attention_varlen(q, k, v, cu, cu, 700, 700, causal=True, return_lse=True)
+
+    graph, (out, lse) = _capture(step)
+    cu.copy_(torch.tensor([0, 700, 750, 1000, 1300, 1400], dtype=torch.int32))
+    graph.replay()
+    want, want_lse = step()
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_decode_with_append_graph_replay(paged):
     torch.manual_seed(1)

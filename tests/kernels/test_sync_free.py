@@ -105,6 +105,19 @@ def test_attention_varlen_forward_backward(seqused):
     assert_lse(lse)
 
 
+def test_attention_varlen_persistent_forward():
+    """The persistent varlen forward (on an H100/H200: more row blocks x heads than SMs, so
+    its block list is made on the device): no sync either."""
+    lens = [100, 0, 300, 37, 700]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).int().cuda()
+    q = randn(sum(lens), 32, 128)
+    k, v = (randn(sum(lens), 4, 128) for _ in range(2))
+    out, lse = sync_free(lambda: fl.attention_varlen(q, k, v, cu, cu, max(lens), max(lens),
+                                                     causal=True, return_lse=True))
+    assert_finite(out)
+    assert_lse(lse)
+
+
 def _cache(paged, b=4, hkv=2, d=128, page=64, pages=64):
     """A bf16 cache of ``pages * page`` positions a sequence, and its block table if paged."""
     if not paged:
