@@ -168,7 +168,8 @@ if [ "$1" = s20 ]; then
     # the whole packed tensors, V's tail zeroed). Its tests first, then bench_varlen (the
     # other kernel timed in the same process) at two document draws. Prediction: the
     # forward 0.77x -> 0.86-0.92x the dense kernel at seed 0.
-    gate varlen.log 280 tests/kernels/test_fwd.py -k "persistent_varlen or gpu_varlen"
+    gate varlen.log 280 tests/kernels/test_fwd.py tests/kernels/test_sync_free.py \
+        tests/kernels/test_cuda_graphs.py -k "persistent_varlen or gpu_varlen or varlen_persistent"
     # memcheck: the empty list (the look-ahead past the last item) and one case with tiles
     # that reach into the next sequence.
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
