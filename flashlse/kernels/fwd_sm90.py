@@ -29,11 +29,11 @@ at S = 1k) overlap its neighbours' work. Each program takes every P-th block in 
 order (``_persistent_programs`` picks P, or declines when that spreads unequal causal blocks
 badly), or its list of the host's greedy schedule (``_greedy_table``, PERSISTENT_TABLE).
 
-Packed varlen calls run a persistent form too (``_fwd_sm90_varlen_kernel``, PERSISTENT_VARLEN):
-the host cannot read ``cu_seqlens`` without a sync, so a small Triton kernel
-(``_varlen_blocks_kernel``) lists the row blocks on the device, longest first, each with its
-sequence's bounds, and the programs deal them out in sections of heads whose K/V fits in L2
-(``_varlen_load``). Its descriptors span the packed tensors whole (none is made per
+Packed varlen calls run a persistent form too (``_fwd_sm90_varlen_kernel``,
+PERSISTENT_VARLEN): the host cannot read ``cu_seqlens`` without a sync, so a small Triton
+kernel (``_varlen_blocks_kernel``) lists the row blocks on the device, longest first, each
+with its sequence's bounds, and the programs deal them out in sections of heads whose K/V
+fits in L2 (``_varlen_load``). Its descriptors span the packed tensors whole (none is made per
 sequence), so a tile can reach into the next sequence: Q's rows there are computed and not
 stored, K's columns are masked, V's rows are zeroed in shared memory before the product
 (``_zero_rows``: ``P V`` with ``P = 0`` is NaN where V is, and another sequence's bad data
@@ -46,17 +46,18 @@ page for pages of 16, 32 or 64 rows (row slices of the swizzled tile) or one box
 pages of a multiple of BLOCK_N, through a descriptor over the kv head's whole cache, the
 tile's block-table entries read a tile ahead (``_paged_tiles``). A box that reaches the
 sequence's length comes from a second descriptor, the last page's rows up to the length, so
-the cache rows past it (any bits, NaN included) read as zeros. The grid covers the row blocks of the sequences of
-more than 16 packed rows only (``_long_block``): the decodes of a mixed step run fwd.py's
-paged kernel, which packs the query heads of a kv head into a tile (PackGQA).
+the cache rows past it (any bits, NaN included) read as zeros. The grid covers the row
+blocks of the sequences of more than 16 packed rows only (``_long_block``): the decodes of a
+mixed step run fwd.py's paged kernel, which packs the query heads of a kv head into a tile
+(PackGQA).
 
 Fast path only: sm_90, fp16/bf16, D == Dv with a tile in ``configs.FWD_SM90`` (128, and 256
 with 64-key tiles; the paged kernel 128 only), scale > 0, no softcap, 16-byte aligned rows, at
 most 65535 sequences and heads (grid y/z); every mask, GQA, sink, varlen and seqused_k are
 handled. Everything else goes to ``fwd.py`` (D = 64 measured slower here below 8k: NOTES #18
-and RESULTS.md 2026-12-02). Gluon does not run under TRITON_INTERPRET: CI compiles this kernel for sm_90
-(tests/test_kernels_compile_sm90.py) and tests fwd.py's kernel, the same math; the H200 runs
-tests/kernels/test_fwd.py's ``sm90`` cases.
+and RESULTS.md 2026-12-02). Gluon does not run under TRITON_INTERPRET: CI compiles this
+kernel for sm_90 (tests/test_kernels_compile_sm90.py) and tests fwd.py's kernel, the same
+math; the H200 runs tests/kernels/test_fwd.py's ``sm90`` cases.
 """
 
 from __future__ import annotations
@@ -174,10 +175,11 @@ def _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empt
                  n_tiles, paged_args, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  PAGE_SIZE: gl.constexpr, DO_K: gl.constexpr, DO_V: gl.constexpr):
     """The K tiles (DO_K: ``_producer``) or the V tiles (DO_V: the paged kernel's second
-    producer warp, this function itself as its partition) of a paged cache (``paged_args``: the tail descriptors of K and V, the block-table row, the
-    length, the last page's first key), page by page (``_paged_copy``). A tile's block-table
-    entries are loaded together, a tile ahead (``_tile_pages``): the warp waits for a free
-    buffer while they arrive, instead of on each entry's load between two copies."""
+    producer warp, this function itself as its partition) of a paged cache (``paged_args``:
+    the tail descriptors of K and V, the block-table row, the length, the last page's first
+    key), page by page (``_paged_copy``). A tile's block-table entries are loaded together,
+    a tile ahead (``_tile_pages``): the warp waits for a free buffer while they arrive,
+    instead of on each entry's load between two copies."""
     k_tail, v_tail, p_bt, T_k, last_start = paged_args
     pages = _tile_pages(p_bt, n_lo, T_k, PAGE_SIZE, BLOCK_N)
     for it in range(n_tiles):
@@ -883,16 +885,16 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
         if HAS_SEQUSED_K:
             T_k = tl.minimum(tl.maximum(tl.load(seqused_k + b0 + o_b, mask=m_b, other=0), 0),
                              T_k)
-        has = (T_q + BLOCK_M - 1) // BLOCK_M > i
-        pos = start + tl.cumsum(has.to(tl.int32), 0) - 1
-        has = has & (pos < capacity)
+        has = ((T_q + BLOCK_M - 1) // BLOCK_M > i).to(tl.int32)
+        pos = start + tl.cumsum(has, 0) - 1
+        listed = (has != 0) & (pos < capacity)
         p = blocks + 1 + VARLEN_ITEM * pos
-        tl.store(p, bos, mask=has)
-        tl.store(p + 1, bos_k, mask=has)
-        tl.store(p + 2, T_q, mask=has)
-        tl.store(p + 3, T_k, mask=has)
-        tl.store(p + 4, tl.full([BLOCK_B], 0, tl.int32) + i * BLOCK_M, mask=has)
-        start += tl.sum(((T_q + BLOCK_M - 1) // BLOCK_M > i).to(tl.int32), 0)
+        tl.store(p, bos, mask=listed)
+        tl.store(p + 1, bos_k, mask=listed)
+        tl.store(p + 2, T_q, mask=listed)
+        tl.store(p + 3, T_k, mask=listed)
+        tl.store(p + 4, tl.full([BLOCK_B], 0, tl.int32) + i * BLOCK_M, mask=listed)
+        start += tl.sum(has, 0)
     if i == 0:
         tl.store(blocks, tl.minimum(start, capacity))
 
@@ -1387,7 +1389,7 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
             run = _TableLaunch(run, q.device)
         return Plan(run, (*signature, "persistent"))
     if is_varlen and _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens):
-        return _varlen_plan(q, out, lse, kw, batch, lens, seqused_k, signature)
+        return _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature)
     kw.update(**lens, IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None)
     grid = (cdiv(seqlen_q, 2 * HALF_M), hq, batch)
     return Plan(Launch(_fwd_sm90_kernel, grid, *positional(_fwd_sm90_kernel, 9, kw)), signature)
@@ -1456,8 +1458,9 @@ class _VarlenLaunch:
         self.kernel(q, k, v, out, lse, sink, blocks)
 
 
-def _varlen_plan(q, out, lse, kw, batch, lens, seqused_k, signature) -> Plan:
-    """The persistent varlen kernel's plan (``_varlen_ok`` admitted the call)."""
+def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> Plan:
+    """The persistent varlen kernel's plan (``_varlen_ok`` admitted the call; ``kw`` the grid
+    kernel's launch keywords, ``shared`` the ``_shared_kw`` among them)."""
     hq = q.shape[-2]
     seqlen_q, total_q = lens["seqlen_q"], lens["total_q"]
     n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
@@ -1465,15 +1468,13 @@ def _varlen_plan(q, out, lse, kw, batch, lens, seqused_k, signature) -> Plan:
     plan_blocks = Launch(_varlen_blocks_kernel, (cdiv(seqlen_q, 2 * HALF_M), ),
                          (batch, total_q, lens["total_k"], seqlen_q, lens["seqlen_k"], n_blocks,
                           2 * HALF_M.value, block_b, seqused_k is not None), dict(num_warps=4))
-    shared = {name: kw[name] for name in ("GROUP", "D", "BLOCK_N", "STAGES", "HAS_LEFT",
-                                          "HAS_RIGHT", "HAS_SINK", "CONSUMER_REGS",
-                                          "num_warps", "left", "right", "scale_log2")}
     # Sections of query heads whose K/V (every sequence's) fits VARLEN_L2_BYTES: whole groups.
     kv_head_bytes = lens["total_k"] * 2 * q.shape[-1] * q.element_size()
     heads = min(hq, max(1, VARLEN_L2_BYTES // kv_head_bytes) * kw["GROUP"])
     args = dict(stride_qs=q.stride(0), stride_ks=kw["stride_k"][1], stride_vs=kw["stride_v"][1],
                 stride_os=out.stride(0), stride_lh=lse.stride(0), total_q=total_q,
-                total_k=lens["total_k"], heads=heads, HQ=hq, O_IN_Q=_out_in_q(q, kw), **shared)
+                total_k=lens["total_k"], heads=heads, HQ=hq, O_IN_Q=_out_in_q(q, shared),
+                **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
     programs = min(_sm_count(q.device), n_blocks * hq)
     kernel = Launch(_fwd_sm90_varlen_kernel, (programs, ),
                     *positional(_fwd_sm90_varlen_kernel, 7, args))
