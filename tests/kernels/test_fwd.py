@@ -596,6 +596,64 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+def test_attn_fwd_gpu_sm90_persistent_varlen_lse_contract(kernel_opts):
+    """The LSE contract on the persistent varlen forward (two sequences with no key through
+    seqused_k, 16 query heads on 8 kv heads): empty rows are exactly (0, -inf); a -inf sink
+    is no sink, bit for bit; a NaN sink in one head reaches exactly that head's rows (empty
+    ones too: out = 0 / (0 + e^NaN)), every other row equals the call with a finite sink;
+    the gradients through it have no NaN."""
+    from flashlse.kernels import fwd_sm90
+
+    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
+    g = torch.Generator().manual_seed(41)
+    lens = [200, 77, 300, 129, 64, 1]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    used = torch.tensor([200, 0, 300, 0, 64, 1], dtype=torch.int32, device="cuda")
+    n = sum(lens)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    q, k, v = mk(n, 16, 128), mk(n, 8, 128), mk(n, 8, 128)
+    empty = torch.zeros(n, dtype=torch.bool, device="cuda")
+    for i in (1, 3):
+        empty[int(cu[i]):int(cu[i + 1])] = True
+
+    def call(q, k, v, sink):
+        return fl.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), seqused_k=used,
+                                   causal=True, sink=sink, return_lse=True)
+
+    fwd_sm90._PLANS.clear()
+    none = call(q, k, v, None)
+    runs = [p.run for p in fwd_sm90._PLANS.values() if p is not None]
+    assert any(isinstance(r, fwd_sm90._VarlenLaunch) for r in runs)
+    neg = call(q, k, v, torch.full((16,), float("-inf"), device="cuda"))
+    for a, b in zip(neg, none):
+        assert torch.equal(a, b)
+    out, lse = none
+    assert torch.isneginf(lse[:, empty]).all() and (out[empty] == 0).all()
+    assert not torch.isinf(lse[:, ~empty]).any()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+    sink = torch.randn(16, generator=g).to("cuda")
+    clean_out, clean_lse = call(q, k, v, sink)
+    assert torch.equal(clean_lse[:, empty], sink[:, None].expand(16, int(empty.sum())))
+    bad_sink = sink.clone()
+    bad_sink[5] = float("nan")
+    out2, lse2 = call(q, k, v, bad_sink)
+    bad = torch.zeros(16, n, dtype=torch.bool, device="cuda")
+    bad[5] = True
+    rows2 = out2.transpose(0, 1)
+    assert torch.equal(torch.isnan(lse2), bad) and torch.equal(torch.isnan(rows2).any(-1), bad)
+    assert torch.equal(lse2[~bad], clean_lse[~bad])
+    assert torch.equal(rows2[~bad], clean_out.transpose(0, 1)[~bad])
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = call(*leaves, sink)
+    (out.float().square().sum() + lse.masked_fill(torch.isneginf(lse), 0).sum()).backward()
+    assert all(not torch.isnan(t.grad).any() for t in leaves)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 def test_attn_fwd_gpu_sm90_persistent_varlen_empty_list(kernel_opts):
     """Packed rows but no sequence with any (``cu_seqlens_q`` all zero, max_seqlen_q > 0):
     the list is empty, the kernel's programs take no item, and its look-ahead reads stay in
