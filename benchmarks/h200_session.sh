@@ -22,17 +22,11 @@
 #                                                tests, the Hopper forwards' launches,
 #                                                bench_serving (and bench_varlen.py)
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
-#   bash benchmarks/h200_session.sh s20        # session 17: the persistent varlen forward's
-#                                                GPU tests, bench_varlen (seeds 0 1 3) at four
-#                                                L2 section budgets
-#   bash benchmarks/h200_session.sh varlen-dyn # its items dealt by an atomic counter
-#                                                (.variant_varlen, carried): tests, bench A/B
-#   bash benchmarks/h200_session.sh mla-2p     # the MLA decode at pages below 32 rows with two
-#                                                producer warps (.variant_mla2): tests, bench A/B
+#   bash benchmarks/h200_session.sh s21        # session 18: the varlen backward on block
+#                                                lists, D = 64 persistent, MLA page 8 with two
+#                                                producers: GPU tests, memcheck, bench A/B
 #   bash benchmarks/h200_session.sh prof-bwd   # Nsight Compute: the backward's kernels beside
 #                                                cuDNN's (benchmarks/ncu_bwd.py), S = 1k and 4k
-#   bash benchmarks/h200_session.sh fwd-dims   # the Hopper forward at D = 64, persistent
-#                                                (.variant_fwd, carried): its tests, bench A/B
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
 #                                                bench_mla.py (Gluon only) of the tree in
 #                                                .before_mla (carried) and of this one, twice
@@ -64,7 +58,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s20 varlen-dyn mla-2p prof-bwd fwd-dims suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s21 prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -163,64 +157,24 @@ if [ "$1" = s14 ]; then
     done
     exit 0
 fi
-if [ "$1" = s20 ]; then
-    # Session 17: the persistent varlen forward (row blocks listed on the device, tiles over
-    # the whole packed tensors, V's tail zeroed). Its tests first, then bench_varlen (the
-    # other kernel timed in the same process) at two document draws. Prediction: the
-    # forward 0.77x -> 0.86-0.92x the dense kernel at seed 0.
-    gate varlen.log 280 tests/kernels/test_fwd.py tests/kernels/test_sync_free.py \
-        tests/kernels/test_cuda_graphs.py -k "persistent_varlen or gpu_varlen or varlen_persistent"
-    # memcheck: the empty list (the look-ahead past the last item) and one case with tiles
-    # that reach into the next sequence.
+if [ "$1" = s21 ]; then
+    # Session 18: the Hopper varlen backward on device-made block lists (VARLEN_LIST), the
+    # persistent forward at D = 64 (FWD_SM90[64]), the MLA decode at page 8 on two producer
+    # warps. GPU tests first, memcheck of the lists (bad offsets included), then bench_varlen
+    # (the backward's grid / list A/B in one process) and bench_mla at pages 8 and 16.
+    # Prediction: the varlen backward 3-6% faster (seed 0: 0.81-0.84x -> 0.85-0.88x dense).
+    gate s21.log 300 tests/kernels/test_bwd.py tests/kernels/test_fwd.py \
+        tests/kernels/test_decode_mla_sm90.py -k "gpu_sm90_varlen or uncovered or \
+        list_equals or gpu_varlen or attn_fwd_gpu_head_dims or persistent_varlen or paged8 or paged16"
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
-        tests/kernels/test_fwd.py -k "persistent_varlen_empty_list or (persistent_varlen and \
-        d128 and causal)" -p no:cacheprovider > "$OUT/memcheck_varlen.log" 2>&1
-    echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_varlen.log" | tail -1
+        tests/kernels/test_bwd.py -k "list_equals and (bad or seqused)" -p no:cacheprovider \
+        > "$OUT/memcheck_list.log" 2>&1
+    echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_list.log" | tail -1
     for seed in 0 1 3; do
-        timeout 120 python3 benchmarks/bench_varlen.py --seed $seed --varlen-l2-mb 16,32,64,4096 \
-            2>&1 | tail -11
+        timeout 150 python3 benchmarks/bench_varlen.py --seed $seed 2>&1 | tail -8 | cut -c1-110
     done
-    exit 0
-fi
-if [ "$1" = varlen-dyn ]; then
-    # The variant (.variant_varlen, carried; `bash benchmarks/before_after.sh variant-varlen`):
-    # the persistent varlen forward's items dealt by an atomic counter in 16 MB L2 sections.
-    # Its varlen GPU tests in its own tree first, then bench_varlen of this tree and of the
-    # variant, alternating, at three document draws. Prediction: seed 0 0.355-0.362 ms ->
-    # ~0.34 (0.93-0.95x dense), seeds 1 and 3 -5-10%.
-    (cd .variant_varlen && PYTHONPATH=$PWD timeout 200 python3 -m pytest -q \
-        tests/kernels/test_fwd.py -k "persistent_varlen or gpu_varlen" -p no:cacheprovider \
-        > "$OUT/test_variant_varlen.log" 2>&1)
-    echo "variant tests: $(tail -1 "$OUT/test_variant_varlen.log")"
-    grep -h "^FAILED" "$OUT"/test_variant_varlen.log | head
-    for seed in 0 1 3; do
-        for tree in main variant; do
-            root=$PWD; [ $tree = variant ] && root=$PWD/.variant_varlen
-            echo "== $tree seed $seed"
-            PYTHONPATH=$root timeout 100 python3 "$root/benchmarks/bench_varlen.py" --seed $seed \
-                2>&1 | grep -E "attention|ratio|PERSISTENT" | cut -c1-100
-        done
-    done
-    exit 0
-fi
-if [ "$1" = mla-2p ]; then
-    # The variant (.variant_mla2, carried; `bash benchmarks/before_after.sh variant-mla2`):
-    # pages of 8 and 16 rows loaded by two producer warps, even and odd tiles. Its MLA GPU
-    # tests in its own tree, then bench_mla --gluon-only at pages 8, 16, 32 of this tree and
-    # of the variant, alternating. Prediction: page 16 378 -> 420-460 TFLOP/s, page 8 +10-20%,
-    # page 32 unchanged (its path is untouched).
-    (cd .variant_mla2 && PYTHONPATH=$PWD timeout 240 python3 -m pytest -q \
-        tests/kernels/test_decode_mla_sm90.py -p no:cacheprovider > "$OUT/test_variant_mla2.log" 2>&1)
-    echo "variant tests: $(tail -1 "$OUT/test_variant_mla2.log")"
-    grep -h "^FAILED" "$OUT"/test_variant_mla2.log | head
-    for pass in 1 2; do
-        for tree in main variant; do
-            root=$PWD; [ $tree = variant ] && root=$PWD/.variant_mla2
-            PYTHONPATH=$root timeout 120 python3 "$root/benchmarks/bench_mla.py" --gluon-only \
-                --pages 8,16,32 --out "/tmp/mla_$tree" > "$OUT/mla_${tree}$pass.txt" 2>&1
-            echo "== $tree $pass"; tail -4 "$OUT/mla_${tree}$pass.txt" | cut -c1-120
-        done
-    done
+    timeout 150 python3 benchmarks/bench_mla.py --gluon-only --pages 8,16 --out /tmp/mla_s21 \
+        2>&1 | tail -3 | cut -c1-110
     exit 0
 fi
 if [ "$1" = prof-bwd ]; then
@@ -233,26 +187,6 @@ if [ "$1" = prof-bwd ]; then
             > "$OUT/ncu_bwd_$s.csv" 2> "$OUT/ncu_bwd_$s.err"
         echo "== causal S=$s (rc $?)"
         python3 benchmarks/ncu_bwd.py --read "$OUT/ncu_bwd_$s.csv" | cut -c1-140
-    done
-    exit 0
-fi
-if [ "$1" = fwd-dims ]; then
-    # The variant (.variant_fwd, carried; `bash benchmarks/before_after.sh variant-fwd`): this
-    # tree with a Hopper forward tile for D = 64 on the persistent kernel (round robin where
-    # balanced, the host's table elsewhere; the grid kernel where the layout rules it out).
-    # Its D = 64 GPU tests in its own tree first, then bench_fwd at D = 64 of this tree (the
-    # portable kernel) and of the variant, alternating.
-    (cd .variant_fwd && PYTHONPATH=$PWD timeout 240 python3 -m pytest -q tests/kernels/test_fwd.py \
-        -k "d64 or head_dims" -p no:cacheprovider > "$OUT/test_variant_fwd.log" 2>&1)
-    echo "variant tests: $(tail -1 "$OUT/test_variant_fwd.log")"
-    grep -h "^FAILED" "$OUT"/test_variant_fwd.log | head
-    for pass in 1 2; do
-        for tree in main variant; do
-            root=$PWD; [ $tree = variant ] && root=$PWD/.variant_fwd
-            PYTHONPATH=$root timeout 150 python3 "$root/benchmarks/bench_fwd.py" --full \
-                --dims 64 --flex-budget 0 --out "/tmp/fwd_$tree" > "$OUT/fwd_${tree}$pass.txt" 2>&1
-            echo "== $tree $pass"; grep "^D= 64" "$OUT/fwd_${tree}$pass.txt" | cut -c1-120
-        done
     done
     exit 0
 fi

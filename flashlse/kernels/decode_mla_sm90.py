@@ -88,6 +88,10 @@ PREFETCH_TILES = 2
 # RESULTS.md 2026-12-02, session 12, B=64 Skv=8k Hq=128, TFLOP/s, session 11's one-tile loop
 # against two parts: page 8 202 / 184, 16 380 / 287, 32 452 / 486, 64 500 / 530.
 WHOLE_TILES_BELOW_PAGE = 32
+# Whole tiles of pages smaller than this: two producer warps, a buffer each (even and odd
+# tiles). RESULTS.md 2026-12-02, session 18, call 3 (B=64 Skv=8k Hq=128, TFLOP/s, one / two
+# producers, two passes): page 8 199, 200 / 238, 236; page 16 378, 380 / 271, 268.
+TWO_PRODUCERS_BELOW_PAGE = gl.constexpr(16)
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
@@ -282,7 +286,8 @@ def _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride
 def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k, keys,
               i_b, stride_kn, q_row0, n_start, n_end, n_tiles, PAGE_SIZE: gl.constexpr,
               PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
-              PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr):
+              PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr, FIRST: gl.constexpr = 0,
+              STEP: gl.constexpr = 1):
     """Q's nine pieces once, then the tiles in pairs (tile 2j into buffer 0, 2j + 1 into
     buffer 1), each buffer in two parts as the warpgroups free them: the columns of
     warpgroup w's V half are free when w's product with them is done (``k_empty[2 s + w]``),
@@ -291,14 +296,17 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
     buffer 0's 4-8, buffer 1's 0-3 and 8 (warpgroup 1 computes its scores in that order).
     WHOLE_TILES: one tile at a time, each buffer refilled in one pass when both its parts are
     free (session 11's loop; pages smaller than 32 rows, where the pair loop's unrolled copies
-    cost the consumers registers: see WHOLE_TILES_BELOW_PAGE)."""
-    mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
-    for p in gl.static_range(NP):
-        tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
-                                        _piece(q_smem, q_rope, p))
+    cost the consumers registers: see WHOLE_TILES_BELOW_PAGE). With ``STEP = 2`` (whole
+    tiles: two producer warps, each issuing a page's nine boxes after its table lookup) this
+    warp takes the tiles ``FIRST, FIRST + 2, ...``, buffer FIRST's; the first one loads Q."""
+    if FIRST == 0:
+        mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
+        for p in gl.static_range(NP):
+            tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
+                                            _piece(q_smem, q_rope, p))
     if WHOLE_TILES:
         # One tile an iteration (buffer t % 2): a loop body of one tile's copies.
-        for t in range(n_tiles):
+        for t in range(FIRST, n_tiles, STEP):
             n0 = n_start + t * KEYS
             _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, 1, PAGE_SIZE, PAGED, PREFETCH)
             row, ok = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
@@ -634,15 +642,32 @@ def _mla_decode_kernel(
     outs = (sink, o, lse, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
             stride_lq, stride_lh)
     span = (i_b, i_s, r0, sk, n_start, n_end, n_tiles, left, right, scale_log2)
-    gl.warp_specialize([
-        (_consumer, (smem, keys, outs, span, 0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
-                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
-        (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
-                     TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
-        (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k,
-                     keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
-                     TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES)),
-    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    if WHOLE_TILES and PAGE_SIZE < TWO_PRODUCERS_BELOW_PAGE:
+        # Pages of 8 rows: a producer warp a buffer (even tiles; odd tiles), each waiting on
+        # its own table lookups and issuing its own boxes (72 a tile): the paged forward's
+        # lesson (session 16: one warp's issue was its limit). At page 16 it lost 29%.
+        gl.warp_specialize([
+            (_consumer, (smem, keys, outs, span, 0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                         TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+            (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                         TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+            (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
+                         k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
+                         TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 0, 2)),
+            (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
+                         k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
+                         TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 1, 2)),
+        ], [4, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (smem, keys, outs, span, 0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                         TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+            (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                         TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
+            (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
+                         k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
+                         TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES)),
+        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supported(q, k_cache, v_cache, *, paged: bool, softcap, token_table, window) -> bool:

@@ -41,12 +41,16 @@ class KernelOptions:
             ``BLOCK_N``, ``STAGES``, ``PINGPONG``, ``OVERLAP``, ``PERSISTENT`` (the
             persistent kernel where its layout and balance rules allow; on at D = 128),
             ``PERSISTENT_TABLE`` (the persistent kernel on the host's schedule where the
-            round robin is uneven), ``CONSUMER_REGS``, or a ``TileConfig``.
+            round robin is uneven), ``PERSISTENT_VARLEN`` (packed varlen calls on the
+            persistent varlen kernel; on at D = 128), ``GRID`` (the calls the persistent
+            kernels do not take on the grid kernel, else fwd.py's; off at D = 64),
+            ``CONSUMER_REGS``, or a ``TileConfig``.
         bwd_config: overrides of the portable backward's (``configs.BWD_DKDV`` /
             ``BWD_DQ``): ``"dkdv"`` / ``"dq"`` tiles (``(BLOCK_M, BLOCK_N, num_warps,
             num_stages)`` or a ``TileConfig``), ``USE_TMA``, ``EARLY_DP``, ``STATS_TMA``,
             ``HEAD_LOOP``, ``PERSISTENT`` (the Hopper dQ as a persistent kernel where it
-            applies). An unknown key is an error.
+            applies), ``VARLEN_LIST`` (the Hopper passes of a packed varlen call on a block
+            list made on the device; on by default). An unknown key is an error.
         autotune_bwd: let ``triton.autotune`` pick the backward tiles (benchmarks).
         pdl: launch the split-KV merge with programmatic dependent launch (sm_90+).
         poison_outputs: fill every output and scratch buffer the launchers allocate with NaN
