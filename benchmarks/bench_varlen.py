@@ -105,15 +105,6 @@ def main():
         ratio = tf(fwd_flops, t_other) / tf(dense_flops, t_dn)
         print(f"{f'  forward, PERSISTENT_VARLEN={other}':<44} {t_other:8.3f} "
               f"{tf(fwd_flops, t_other):8.1f}  ({ratio:.2f}x)")
-    if not smoke and d in configs.BWD_SM90_DQ:
-        # The Hopper backward's passes on the grid sized for the longest document and on
-        # their block lists, alternating (this process's drift shows between the two lists).
-        for on in (not configs.BWD_SM90_DKDV.varlen_list, configs.BWD_SM90_DKDV.varlen_list):
-            with fl.kernel_options(bwd_config={"VARLEN_LIST": on}):
-                b_on = max(median_ms(vl_step, smoke) - t_vl, 1e-9)
-            ratio = tf(2.5 * fwd_flops, b_on) / tf(2.5 * dense_flops, b_dn)
-            print(f"{f'  backward, VARLEN_LIST={on}':<44} {'':8} {'':8} {b_on:8.3f} "
-                  f"{tf(2.5 * fwd_flops, b_on):8.1f}  ({ratio:.2f}x)")
     for mb in args.varlen_l2_mb:
         # The persistent varlen kernel with its heads dealt in sections of this L2 budget.
         from flashlse.kernels import fwd_sm90

@@ -362,34 +362,9 @@ def test_backward_options_switch_each_pass(kernels, off, expected):
     assert portable.grid[1:] == ((2, 2) if off == "sm90_dkdv" else (4, 2))
 
 
-def test_backward_varlen_hopper_lists(kernels):
-    """The Hopper passes of a packed varlen call (VARLEN_LIST, the default): each lists its
-    blocks on the device (key blocks for dK/dV, seqused_k applied; row blocks for dQ) into a
-    fresh buffer, then runs a program per entry the host can bound: min(ceil(total / 128) +
-    batch, batch * ceil(max_seqlen / 128)) x heads, grid z 1."""
+def test_backward_varlen_hopper_grids(kernels):
     q, k, v, kw = _varlen()
     _backward(q, k, v, kw)
-    assert kernels.names() == ["bwd_zero", "bwd_zero", "bwd_pre", "varlen_blocks", "dkdv_sm90",
-                               "varlen_blocks", "dq_sm90"]
-    keys, rows = kernels.log[3], kernels.log[5]
-    varlen = (kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_k"])
-    # keys: 700 packed (max 400) -> min(6 + 3, 3 * 4) = 9 blocks; rows: 350 (max 250) -> 6.
-    assert keys.grid == (4, 1, 1) and keys.args[:3] == varlen
-    assert keys.args[4:] == (3, 350, 700, 250, 400, 9, 128, 128, True, True)
-    assert rows.grid == (2, 1, 1) and rows.args[4:] == (3, 350, 700, 250, 400, 6, 128, 128,
-                                                        True, False)
-    dkdv, dq = kernels.of("dkdv_sm90"), kernels.of("dq_sm90")
-    assert dkdv.grid == (9, 1, 1) and dq.grid == (6, 4, 1)
-    assert dkdv.args[11] is keys.args[3] and keys.args[3].shape == (1 + 5 * 9, )
-    assert dq.args[10] is rows.args[3] and rows.args[3].shape == (1 + 5 * 6, )
-    assert dkdv.args[8:11] == varlen and dkdv.named["LISTED"] and dq.named["LISTED"]
-    assert (dq.named["left"], dq.named["GROUP"]) == (31, 4)
-
-
-def test_backward_varlen_hopper_grids(kernels):
-    """VARLEN_LIST off: grids sized for the longest sequence, (blocks, heads, batch)."""
-    q, k, v, kw = _varlen()
-    _backward(q, k, v, kw, bwd_config={"VARLEN_LIST": False})
     # The rows no pass writes (here the keys past seqused_k) zeroed first: dq's, then dk's
     # and dv's in one launch; no fill of the whole gradients.
     assert kernels.names() == ["bwd_zero", "bwd_zero", "bwd_pre", "dkdv_sm90", "dq_sm90"]
@@ -401,7 +376,6 @@ def test_backward_varlen_hopper_grids(kernels):
     g = kernels.of("dq_sm90").named
     assert (g["IS_VARLEN"], g["HAS_SEQUSED_K"], g["left"], g["seqused_k"]) == (
         True, True, 31, kw["seqused_k"])
-    assert g["blocks"] is None and not g["LISTED"]
 
 
 def test_backward_compile_failure_falls_back_per_pass(kernels):
@@ -415,7 +389,7 @@ def test_backward_compile_failure_falls_back_per_pass(kernels):
     # The portable dK/dV gets the arguments the Gluon one was given (the same dict's values).
     assert all(portable[n] is gluon[n] for n in gluon
                if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
-                            "num_warps", "blocks", "LISTED"))
+                            "num_warps"))
     assert portable["dk"] is dk and portable["HEAD_LOOP"] == bool(
         configs.BWD_DKDV[128].head_loop)
     assert [key[0] for key in FAILURES] == ["bwd_sm90 dK/dV"]

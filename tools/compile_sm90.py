@@ -193,11 +193,9 @@ def cases():
                       CONSUMER_REGS=240)
         yield "fwd", f"fwd sm90 persistent varlen (Gluon) D={d} {label}", \
             fwd_sm90._fwd_sm90_varlen_kernel, varlen_types, consts, 4, 1
-    for keys in (False, True):  # row blocks (the forward, dQ), key blocks (dK/dV)
-        yield "fwd", f"fwd sm90 varlen blocks (list{', keys' if keys else ''})", \
-            fwd_sm90._varlen_blocks_kernel, \
-            dict(cu_seqlens_q=I32, cu_seqlens_k=I32, seqused_k=I32, blocks=I32), \
-            dict(BLOCK_M=128, BLOCK_B=128, HAS_SEQUSED_K=True, KEYS=keys), 4, 1
+    yield "fwd", "fwd sm90 varlen blocks (list)", fwd_sm90._varlen_blocks_kernel, \
+        dict(cu_seqlens_q=I32, cu_seqlens_k=I32, seqused_k=I32, blocks=I32), \
+        dict(BLOCK_M=128, BLOCK_B=128, HAS_SEQUSED_K=True), 4, 1
     # Its paged variant: pages smaller than a tile (a TMA box a page), of a tile, and larger.
     paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                       seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,
@@ -231,17 +229,9 @@ def cases():
         consts = dict(GROUP=2, D=128, BLOCK_M=64, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
-                      STATS_TMA=not f["IS_VARLEN"], CONSUMER_REGS=240, blocks=None,
-                      LISTED=False)
+                      STATS_TMA=not f["IS_VARLEN"], CONSUMER_REGS=240)
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
-        if f["IS_VARLEN"]:
-            # Packed varlen calls: a program per listed key block (VARLEN_LIST).
-            listed = {n: v for n, v in consts.items() if n != "blocks"}
-            yield "dkdv", f"bwd dK/dV sm90 listed (Gluon) D=128 {label}", \
-                bwd_sm90._dkdv_sm90_kernel, \
-                dict(bwd_types, scale="fp32", scale_log2="fp32", blocks=I32), \
-                dict(listed, LISTED=True), 4, 1
         if label == "causal":
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=64 causal", bwd_sm90._dkdv_sm90_kernel, \
                 dict(bwd_types, scale="fp32", scale_log2="fp32"), dict(consts, D=64), 4, 1
@@ -250,15 +240,9 @@ def cases():
                 dict(consts, EARLY_DP=True), 4, 1
         consts = dict(GROUP=2, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
-                      HAS_SEQUSED_K=f["HAS_SEQUSED_K"], CONSUMER_REGS=240, blocks=None,
-                      LISTED=False)
+                      HAS_SEQUSED_K=f["HAS_SEQUSED_K"], CONSUMER_REGS=240)
         yield "dq", f"bwd dQ sm90 (Gluon) D=128 {label}", bwd_sm90._dq_sm90_kernel, \
             dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
-        if f["IS_VARLEN"]:
-            listed = {n: v for n, v in consts.items() if n != "blocks"}
-            yield "dq", f"bwd dQ sm90 listed (Gluon) D=128 {label}", bwd_sm90._dq_sm90_kernel, \
-                dict(bwd_types, scale="fp32", scale_log2="fp32", blocks=I32), \
-                dict(listed, LISTED=True), 4, 1
         if label == "causal":
             yield "dq", "bwd dQ sm90 (Gluon) D=256 causal", bwd_sm90._dq_sm90_kernel, \
                 dict(bwd_types, scale="fp32", scale_log2="fp32"), \

@@ -30,13 +30,6 @@ empty row (its masked logits are -inf, so P = 0). Rows past the sequence end are
 zero-fill in Q and dO, and in lse / delta too (dense) or ``+inf`` / 0 (varlen pointer loads):
 either way they add nothing. Masks only on boundary tiles (``row_ranges``).
 
-Packed varlen calls (``VARLEN_LIST``, on at D = 128): the grid sized for the longest
-sequence (``batch x cdiv(max_seqlen, 128)`` blocks a head, those past each shorter sequence
-starting only to exit) becomes a program per block of a list made on the device
-(``fwd_sm90._varlen_blocks_kernel``: key blocks for dK/dV, row blocks for dQ, longest first;
-``_listed_block`` reads a program's entry), bounded on the host by ``cdiv(total, 128) +
-batch``; the same blocks computed by the same code.
-
 Domain: sm_90, fp16/bf16, D == Dv == 128 (dQ: 128 or 256), no softcap, 16-byte aligned rows
 (q, k, v, dout, dk, dv); every mask, GQA and varlen.
 """
@@ -70,7 +63,6 @@ from ._common import (
 )
 from .fwd_sm90 import (
     HALF_M,
-    VARLEN_ITEM,
     _dense_item,
     _item_span,
     _key_ranges,
@@ -101,29 +93,6 @@ def _kv_ptrs(k, v, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh, stride_vb,
     return p_k, p_v
 
 HALF_N = HALF_M  # keys (dK/dV) or query rows (dQ) per consumer warpgroup: one wgmma M
-
-
-@gluon.jit
-def _listed_block(blocks, BLOCK: gl.constexpr, KEYS: gl.constexpr):
-    """``_seq_block``'s answer for the program's entry of a block list (packed varlen calls:
-    ``fwd_sm90._varlen_blocks_kernel``'s, row blocks or with ``KEYS`` key blocks, a program
-    per entry the host can bound, the list's count in ``blocks[0]``). A program past the
-    count has index -1 and its first row (key) at its sequence's end: the caller returns, as
-    on the grid kernel's blocks past a sequence. Its entry's slots may hold anything; they
-    are read (inside the buffer) and not used."""
-    i = gl.program_id(0)
-    item = blocks + 1 + VARLEN_ITEM * i
-    bos = gl.load(item)
-    bos_k = gl.load(item + 1)
-    T_q = gl.load(item + 2)
-    T_k = gl.load(item + 3)
-    x0 = gl.load(item + 4)
-    n = T_k if KEYS else T_q
-    valid = i < gl.load(blocks)
-    x0 = gl.where(valid, x0, n)
-    i_x = gl.where(valid, x0 // BLOCK, -1)
-    x_last = gl.minimum(x0 + BLOCK, n) - 1
-    return bos, bos_k, T_q, T_k, i_x, x0, x_last, T_k - T_q
 
 
 @gluon.jit
@@ -274,7 +243,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "left", "right"])
 def _dkdv_sm90_kernel(
     q, k, v, dout, lse_log2, delta, dk, dv,
-    cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -286,18 +255,15 @@ def _dkdv_sm90_kernel(
     GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
-    STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, LISTED: gl.constexpr = False,
+    STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
     i_n = gl.program_id(0)
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
-    if LISTED:  # packed varlen: a program per listed key block (grid z = 1, so i_b = 0)
-        bos, bos_k, T_q, T_k, i_n, n0, n_last, shift = _listed_block(blocks, BLOCK_N, True)
-    else:
-        bos, bos_k, T_q, T_k, i_n, n0, n_last, shift = _seq_block(
-            i_b, i_n, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
-            seqused_k, BLOCK_N, True, False, IS_VARLEN, HAS_SEQUSED_K)
+    bos, bos_k, T_q, T_k, i_n, n0, n_last, shift = _seq_block(
+        i_b, i_n, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        BLOCK_N, True, False, IS_VARLEN, HAS_SEQUSED_K)
     if n0 >= T_k:
         return
     m_lo, m_full_lo, m_full_hi, m_hi = _row_ranges(n0, n_last, T_q, T_k, shift, left, right,
@@ -405,38 +371,12 @@ def dkdv_plan(p: BwdPass) -> Launch | None:
             tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                          STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
                          CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
-            run = _listed(p, _dkdv_sm90_kernel, args, tiles, cfg, p.plan.dkdv_cfg, keys=True)
-            if run is None:
-                grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
-                run = Launch(_dkdv_sm90_kernel, grid, *positional(
-                    _dkdv_sm90_kernel, 11, _kernel_args(_dkdv_sm90_kernel, args,
-                                                        dict(tiles, blocks=None,
-                                                             LISTED=False))))
+            grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
+            run = Launch(_dkdv_sm90_kernel, grid,
+                         *positional(_dkdv_sm90_kernel, 11, _kernel_args(_dkdv_sm90_kernel,
+                                                                         args, tiles)))
         p.plan.launches["sm90 dK/dV"] = run
     return run
-
-
-def _listed(p: BwdPass, kernel, args: dict, tiles: dict, cfg, portable_cfg, *, keys: bool):
-    """A packed varlen pass's launch on its block list (``fwd_sm90.VarlenListLaunch``: key
-    blocks for dK/dV, row blocks for dQ, longest first), or None: not varlen, switched off
-    (``cfg.varlen_list``, or ``bwd_config``'s VARLEN_LIST on ``portable_cfg``), or a list
-    past int32. A program per entry the host can bound (``cdiv(total, 128) + batch``) instead
-    of the grid's ``batch x cdiv(max_seqlen, 128)`` of which the blocks past each shorter
-    sequence start and exit (1632 of 3712 at bench_varlen's seed 0)."""
-    on = portable_cfg.varlen_list
-    if p.cu_seqlens_q is None or not (cfg.varlen_list if on is None else on):
-        return None
-    lens = dict(total_q=args["total_q"], total_k=args["total_k"], seqlen_q=p.seqlen_q,
-                seqlen_k=p.seqlen_k)
-    plan_blocks, n_blocks = fwd_sm90.list_launch(p.batch, lens, p.seqused_k, keys=keys)
-    size = 1 + VARLEN_ITEM.value * n_blocks
-    if n_blocks == 0 or size >= 2**31:
-        return None
-    n_tensors = 11 if keys else 10
-    run = Launch(kernel, (n_blocks, p.hkv if keys else p.hq),
-                 *positional(kernel, n_tensors + 1,
-                             _kernel_args(kernel, args, dict(tiles, LISTED=True))))
-    return fwd_sm90.VarlenListLaunch(plan_blocks, run, size, n_tensors)
 
 
 def attn_bwd_dkdv_sm90(p: BwdPass) -> None:
@@ -538,7 +478,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "left", "right"])
 def _dq_sm90_kernel(
     q, k, v, dout, lse_log2, delta, dq,
-    cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
+    cu_seqlens_q, cu_seqlens_k, seqused_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -549,18 +489,11 @@ def _dq_sm90_kernel(
     GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LISTED: gl.constexpr = False,
 ):
     BLOCK_M: gl.constexpr = 2 * HALF_N
-    if LISTED:  # packed varlen: a program per listed row block (grid z = 1, so i_b = 0)
-        i_h = gl.program_id(1)
-        i_b = gl.program_id(2)
-        i_hk = i_h // GROUP
-        bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _listed_block(blocks, BLOCK_M, False)
-    else:
-        i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _row_block(
-            seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
-            GROUP, BLOCK_M, IS_VARLEN, HAS_SEQUSED_K)
+    i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _row_block(
+        seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k, GROUP,
+        BLOCK_M, IS_VARLEN, HAS_SEQUSED_K)
     if i_m < 0:
         return
     n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right, BLOCK_N,
@@ -733,17 +666,12 @@ def dq_plan(p: BwdPass) -> Launch | None:
             cfg = configs.BWD_SM90_DQ[p.q.shape[-1]]
             tiles = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
                          CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
-            run = _listed(p, _dq_sm90_kernel, args, tiles, cfg, p.plan.dq_cfg, keys=False)
-            if run is None:
-                kernel, grid = _dq_sm90_kernel, (cdiv(p.seqlen_q, 2 * HALF_N), p.hq, p.batch)
-                persistent = _dq_persistent(p, args, cfg)
-                if persistent is not None:
-                    kernel, grid = _dq_sm90_persistent_kernel, persistent[0]
-                    tiles.update(persistent[1])
-                else:
-                    tiles.update(blocks=None, LISTED=False)
-                run = Launch(kernel, grid,
-                             *positional(kernel, 10, _kernel_args(kernel, args, tiles)))
+            kernel, grid = _dq_sm90_kernel, (cdiv(p.seqlen_q, 2 * HALF_N), p.hq, p.batch)
+            persistent = _dq_persistent(p, args, cfg)
+            if persistent is not None:
+                kernel, grid = _dq_sm90_persistent_kernel, persistent[0]
+                tiles.update(persistent[1])
+            run = Launch(kernel, grid, *positional(kernel, 10, _kernel_args(kernel, args, tiles)))
         p.plan.launches["sm90 dQ"] = run
     return run
 

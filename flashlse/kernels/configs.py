@@ -52,9 +52,6 @@ class TileConfig:
             (its row blocks listed on the device, ``fwd_sm90._varlen_blocks_kernel``).
         grid: fwd_sm90: the calls neither persistent kernel takes run its grid kernel; False
             sends them to fwd.py's (a head dim where only the persistent kernel pays).
-        varlen_list: bwd_sm90: packed varlen calls run a program per block of a list made on
-            the device (``fwd_sm90._varlen_blocks_kernel``) instead of a grid sized for the
-            longest sequence; None (the portable configs) leaves it to ``BWD_SM90_*``.
         consumer_regs: the Gluon kernels: registers per consumer-warpgroup thread.
     """
 
@@ -77,7 +74,6 @@ class TileConfig:
     persistent_table: bool = False
     persistent_varlen: bool = False
     grid: bool = True
-    varlen_list: bool | None = None
     consumer_regs: int = 240
 
     @property
@@ -101,7 +97,7 @@ _FIELDS = {
     "WARP_SPECIALIZE": "warp_specialize", "GROUP_HEADS": "group_heads", "EARLY_DP": "early_dp",
     "STATS_TMA": "stats_tma", "HEAD_LOOP": "head_loop", "PINGPONG": "pingpong",
     "OVERLAP": "overlap", "PERSISTENT": "persistent", "PERSISTENT_TABLE": "persistent_table",
-    "PERSISTENT_VARLEN": "persistent_varlen", "GRID": "grid", "VARLEN_LIST": "varlen_list",
+    "PERSISTENT_VARLEN": "persistent_varlen", "GRID": "grid",
     "CONSUMER_REGS": "consumer_regs",
 }
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "WARP_SPECIALIZE",
@@ -112,8 +108,7 @@ DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_page
                "PROGRAMS_PER_SM")
 # bwd_config: "dkdv" / "dq" take (BLOCK_M, BLOCK_N, num_warps, num_stages); the flags set
 # both passes' configs (PERSISTENT: bwd_sm90's dQ as a persistent kernel, where it applies).
-BWD_KEYS = ("dkdv", "dq", "USE_TMA", "EARLY_DP", "STATS_TMA", "HEAD_LOOP", "PERSISTENT",
-            "VARLEN_LIST")
+BWD_KEYS = ("dkdv", "dq", "USE_TMA", "EARLY_DP", "STATS_TMA", "HEAD_LOOP", "PERSISTENT")
 
 
 def override_key(changes):
@@ -244,8 +239,8 @@ def fwd_paged_config(block_d: int, block_dv: int, rows: int, interpret: bool) ->
 # S >= 4k there): RESULTS.md 2026-12-02, "Session 16, call 1" (causal S = 4k +17 / +18%,
 # 8k +10 / -3%, 16k +2 / -2% in two passes against the grid kernel).
 FWD_SM90 = {
-    # RESULTS.md 2026-12-02 session 18, "D = 64 on the Hopper forward" (bench_fwd --dims 64,
-    # fwd.py's kernel then this tile, alternating, two passes): full 1k +21 / +18%, 2k +15 / +17%,
+    # RESULTS.md 2026-12-02 session 18, call 4 (bench_fwd --dims 64, fwd.py's kernel then
+    # this tile, alternating, two passes): full 1k +21 / +18%, 2k +15 / +17%,
     # 4k +13 / +13%, 8k +13 / +12%, 16k +11 / +10%; causal 1k -1 / -2%, 2k +9 / +10%, 4k +10 /
     # +11%, 8k +6 / +6%, 16k +12 / +10% (0.88-1.00x cuDNN but at causal 1k, 0.76x). The grid
     # kernel lost to fwd.py's below 8k at D = 64 (session 15): varlen, seqused_k and the
@@ -345,11 +340,8 @@ def bwd_configs(key_d: int, varlen: bool, interpret: bool) -> tuple[TileConfig, 
 # table: "Gluon dK/dV (lse/delta by TMA)" against "(lse/delta by pointer)" (S=8k full 3.406
 # against 3.851 ms), and the session-6 bwd bf16 D=128 rows measured with this config.
 # EARLY_DP off here: not measured on (the compile test builds both).
-# varlen_list (both passes): session 18, predicted (written before the run) the packed varlen
-# backward 3-6% faster (bench_varlen seed 0: 1632 of the grid's 3712 dK/dV programs start
-# and exit, as many of dQ's).
 BWD_SM90_DKDV = TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, early_dp=False,
-                           stats_tma=True, varlen_list=True, consumer_regs=240)
+                           stats_tma=True, consumer_regs=240)
 # The dK/dV kernel's head dims (D == Dv). D = 64: RESULTS.md 2026-12-02 session 15,
 # "Hopper forward at D = 64 / 256", bwd rows: 0.99-1.04x bwd.py's kernel (S = 1k-16k).
 BWD_SM90_DKDV_DIMS = (64, 128)
@@ -357,8 +349,7 @@ BWD_SM90_DKDV_DIMS = (64, 128)
 BWD_SM90_DQ = {
     # RESULTS.md 2026-11-29, session 6, per-kernel device time: "Gluon dQ BN=128" against
     # "BN=64" (S=8k full 2.138 against 2.236 ms).
-    128: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, varlen_list=True,
-                    consumer_regs=240),
+    128: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, consumer_regs=240),
     # RESULTS.md 2026-11-29, "bench_bwd.py 2026-11-29 (Gluon dQ at head dims 64 and 256)":
     # D=256 Gluon / bwd.py 1.08-1.12 ("shipped Gluon"). A [64, 256] float32 dQ is 128
     # registers a thread and Q, dO take 128 KB of shared memory: the K/V ring holds 32-key

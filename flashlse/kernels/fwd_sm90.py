@@ -854,20 +854,10 @@ def _fwd_sm90_persistent_kernel(
 
 
 @triton.jit
-def _keys_used(cu_seqlens_k, seqused_k, b, m_b, total_k, seqlen_k, HAS_SEQUSED_K: tl.constexpr):
-    """The key counts of sequences ``b`` (``seq_spans``'s, seqused_k applied as
-    ``seq_bounds``)."""
-    _, T_k = seq_spans(cu_seqlens_k, b, m_b, total_k, seqlen_k)
-    if HAS_SEQUSED_K:
-        T_k = tl.minimum(tl.maximum(tl.load(seqused_k + b, mask=m_b, other=0), 0), T_k)
-    return T_k
-
-
-@triton.jit
 def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
                           batch, total_q, total_k, seqlen_q, seqlen_k, capacity,
                           BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-                          HAS_SEQUSED_K: tl.constexpr, KEYS: tl.constexpr = False):
+                          HAS_SEQUSED_K: tl.constexpr):
     """The persistent varlen kernel's row blocks, listed on the device (the host cannot read
     ``cu_seqlens_q`` without a sync): ``blocks[0]`` their count, then ``VARLEN_ITEM`` ints a
     block: its sequence's ``seq_bounds`` (``bos, bos_k, T_q, T_k``) and its first row, so
@@ -880,39 +870,22 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
     count), ranked by a prefix sum. Offsets and lengths clamped as ``seq_spans`` (any values
     stay in bounds); the list holds at most ``capacity`` blocks (the buffer's: only bad
     offsets, sequences that overlap, have more, and the blocks past it are left out).
-
-    ``KEYS`` (the varlen backward's dK/dV): key blocks instead, ``T_k``'s (seqused_k
-    applied), index ``i`` standing for the sequence's block ``n_b - 1 - i``, whose first key
-    is written: under a causal mask block ``j`` has ``n_b - j`` row tiles, so this is again
-    longest first. Triton, not Gluon: CI runs it under the interpreter."""
+    Triton, not Gluon: CI runs it under the interpreter."""
     i = tl.program_id(0)
     o_b = tl.arange(0, BLOCK_B)
     start = 0
     for b0 in range(0, batch, BLOCK_B):
         m_b = b0 + o_b < batch
-        if KEYS:
-            T_x = _keys_used(cu_seqlens_k, seqused_k, b0 + o_b, m_b, total_k, seqlen_k,
-                             HAS_SEQUSED_K)
-        else:
-            _, T_x = seq_spans(cu_seqlens_q, b0 + o_b, m_b, total_q, seqlen_q)
-        start += tl.sum(tl.maximum((T_x + BLOCK_M - 1) // BLOCK_M - 1 - i, 0), 0)
+        _, T_q = seq_spans(cu_seqlens_q, b0 + o_b, m_b, total_q, seqlen_q)
+        start += tl.sum(tl.maximum((T_q + BLOCK_M - 1) // BLOCK_M - 1 - i, 0), 0)
     for b0 in range(0, batch, BLOCK_B):
         m_b = b0 + o_b < batch
         bos, T_q = seq_spans(cu_seqlens_q, b0 + o_b, m_b, total_q, seqlen_q)
-        if KEYS:
-            bos_k, _ = seq_spans(cu_seqlens_k, b0 + o_b, m_b, total_k, seqlen_k)
-            T_k = _keys_used(cu_seqlens_k, seqused_k, b0 + o_b, m_b, total_k, seqlen_k,
-                             HAS_SEQUSED_K)
-            n_x = (T_k + BLOCK_M - 1) // BLOCK_M
-            x0 = (n_x - 1 - i) * BLOCK_M
-        else:
-            bos_k, T_k = seq_spans(cu_seqlens_k, b0 + o_b, m_b, total_k, seqlen_k)
-            if HAS_SEQUSED_K:
-                T_k = tl.minimum(tl.maximum(tl.load(seqused_k + b0 + o_b, mask=m_b, other=0),
-                                            0), T_k)
-            n_x = (T_q + BLOCK_M - 1) // BLOCK_M
-            x0 = tl.full([BLOCK_B], 0, tl.int32) + i * BLOCK_M
-        has = (n_x > i).to(tl.int32)
+        bos_k, T_k = seq_spans(cu_seqlens_k, b0 + o_b, m_b, total_k, seqlen_k)
+        if HAS_SEQUSED_K:
+            T_k = tl.minimum(tl.maximum(tl.load(seqused_k + b0 + o_b, mask=m_b, other=0), 0),
+                             T_k)
+        has = ((T_q + BLOCK_M - 1) // BLOCK_M > i).to(tl.int32)
         pos = start + tl.cumsum(has, 0) - 1
         listed = (has != 0) & (pos < capacity)
         p = blocks + 1 + VARLEN_ITEM * pos
@@ -920,7 +893,7 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
         tl.store(p + 1, bos_k, mask=listed)
         tl.store(p + 2, T_q, mask=listed)
         tl.store(p + 3, T_k, mask=listed)
-        tl.store(p + 4, x0, mask=listed)
+        tl.store(p + 4, tl.full([BLOCK_B], 0, tl.int32) + i * BLOCK_M, mask=listed)
         start += tl.sum(has, 0)
     if i == 0:
         tl.store(blocks, tl.minimum(start, capacity))
@@ -1351,7 +1324,7 @@ class Plan(NamedTuple):
     for the persistent kernel on the host's table) and the compilation's name for
     ``failures.FAILURES`` (the values of the kernel's constexpr flags)."""
 
-    run: Launch | _TableLaunch | VarlenListLaunch | None
+    run: Launch | _TableLaunch | _VarlenLaunch | None
     signature: tuple
 
 
@@ -1465,54 +1438,39 @@ VARLEN_L2_BYTES = 32 << 20
 
 
 def _varlen_blocks(batch, total_q, seqlen_q) -> int:
-    """The most row blocks (or key blocks: ``total_k``, ``seqlen_k``) a varlen call can
-    have: one partial block a sequence beyond ``total_q``'s full ones, and at most the grid's
-    ``batch x cdiv(seqlen_q, 128)``."""
+    """The most row blocks a varlen call can have: one partial block a sequence beyond
+    ``total_q``'s full ones, and at most the grid's ``batch x cdiv(seqlen_q, 128)``."""
     return min(cdiv(total_q, 2 * HALF_M) + batch, batch * cdiv(seqlen_q, 2 * HALF_M))
 
 
-class VarlenListLaunch:
-    """A kernel launched on a block list: ``_varlen_blocks_kernel`` (``plan_blocks``) lists
-    the blocks into a fresh buffer of ``size`` ints on the call's stream (the caching
-    allocator keeps it for the stream, so calls on several streams never share one), then
-    ``kernel`` runs on the call's first ``keep`` tensors and the list. The call's last three
-    tensors are ``cu_seqlens_q, cu_seqlens_k, seqused_k`` (the persistent varlen forward's
-    and the varlen backward passes')."""
+class _VarlenLaunch:
+    """The persistent varlen kernel's two launches: ``_varlen_blocks_kernel`` lists the row
+    blocks into a fresh buffer on the call's stream (the caching allocator keeps it for the
+    stream, so calls on several streams never share one), then the kernel walks them."""
 
-    __slots__ = ("plan_blocks", "kernel", "size", "keep")
+    __slots__ = ("plan_blocks", "kernel", "size")
 
-    def __init__(self, plan_blocks: Launch, kernel: Launch, size: int, keep: int):
+    def __init__(self, plan_blocks: Launch, kernel: Launch, size: int):
         self.plan_blocks = plan_blocks
         self.kernel = kernel
         self.size = size
-        self.keep = keep
 
-    def __call__(self, *tensors) -> None:
-        blocks = torch.empty(self.size, dtype=torch.int32, device=tensors[0].device)
-        self.plan_blocks(*tensors[-3:], blocks)
-        self.kernel(*tensors[:self.keep], blocks)
-
-
-def list_launch(batch, lens, seqused_k, *, keys: bool) -> tuple[Launch, int]:
-    """``_varlen_blocks_kernel``'s launch for a varlen call (``lens``: ``seq_args``'s) and the
-    capacity of its list: row blocks, or with ``keys`` key blocks, of 128."""
-    total, seqlen = ((lens["total_k"], lens["seqlen_k"]) if keys
-                     else (lens["total_q"], lens["seqlen_q"]))
-    n_blocks = _varlen_blocks(batch, total, seqlen)
-    block_b = min(max(next_pow2(batch), 128), 1024)
-    run = Launch(_varlen_blocks_kernel, (cdiv(seqlen, 2 * HALF_M), ),
-                 (batch, lens["total_q"], lens["total_k"], lens["seqlen_q"], lens["seqlen_k"],
-                  n_blocks, 2 * HALF_M.value, block_b, seqused_k is not None, keys),
-                 dict(num_warps=4))
-    return run, n_blocks
+    def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
+        blocks = torch.empty(self.size, dtype=torch.int32, device=q.device)
+        self.plan_blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks)
+        self.kernel(q, k, v, out, lse, sink, blocks)
 
 
 def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> Plan:
     """The persistent varlen kernel's plan (``_varlen_ok`` admitted the call; ``kw`` the grid
     kernel's launch keywords, ``shared`` the ``_shared_kw`` among them)."""
     hq = q.shape[-2]
-    total_q = lens["total_q"]
-    plan_blocks, n_blocks = list_launch(batch, lens, seqused_k, keys=False)
+    seqlen_q, total_q = lens["seqlen_q"], lens["total_q"]
+    n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
+    block_b = min(max(next_pow2(batch), 128), 1024)
+    plan_blocks = Launch(_varlen_blocks_kernel, (cdiv(seqlen_q, 2 * HALF_M), ),
+                         (batch, total_q, lens["total_k"], seqlen_q, lens["seqlen_k"], n_blocks,
+                          2 * HALF_M.value, block_b, seqused_k is not None), dict(num_warps=4))
     # Sections of query heads whose K/V (every sequence's) fits VARLEN_L2_BYTES: whole groups.
     kv_head_bytes = lens["total_k"] * 2 * q.shape[-1] * q.element_size()
     heads = min(hq, max(1, VARLEN_L2_BYTES // kv_head_bytes) * kw["GROUP"])
@@ -1523,7 +1481,7 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> 
     programs = min(_sm_count(q.device), n_blocks * hq)
     kernel = Launch(_fwd_sm90_varlen_kernel, (programs, ),
                     *positional(_fwd_sm90_varlen_kernel, 7, args))
-    return Plan(VarlenListLaunch(plan_blocks, kernel, 1 + VARLEN_ITEM.value * n_blocks, 6),
+    return Plan(_VarlenLaunch(plan_blocks, kernel, 1 + VARLEN_ITEM.value * n_blocks),
                 (*signature, "persistent varlen"))
 
 

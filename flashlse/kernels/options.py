@@ -49,8 +49,7 @@ class KernelOptions:
             ``BWD_DQ``): ``"dkdv"`` / ``"dq"`` tiles (``(BLOCK_M, BLOCK_N, num_warps,
             num_stages)`` or a ``TileConfig``), ``USE_TMA``, ``EARLY_DP``, ``STATS_TMA``,
             ``HEAD_LOOP``, ``PERSISTENT`` (the Hopper dQ as a persistent kernel where it
-            applies), ``VARLEN_LIST`` (the Hopper passes of a packed varlen call on a block
-            list made on the device; on by default). An unknown key is an error.
+            applies). An unknown key is an error.
         autotune_bwd: let ``triton.autotune`` pick the backward tiles (benchmarks).
         pdl: launch the split-KV merge with programmatic dependent launch (sm_90+).
         poison_outputs: fill every output and scratch buffer the launchers allocate with NaN

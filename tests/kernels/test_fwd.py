@@ -586,7 +586,7 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
     fwd_sm90._PLANS.clear()
     got, lse = call()
     runs = [p.run for p in fwd_sm90._PLANS.values() if p is not None]
-    assert any(isinstance(r, fwd_sm90.VarlenListLaunch) for r in runs)
+    assert any(isinstance(r, fwd_sm90._VarlenLaunch) for r in runs)
     rows = got.transpose(0, 1)  # (head, row, d)
     # (A NaN value element reaches its own column of out.)
     assert torch.equal(torch.isnan(lse), bad_lse) and torch.equal(torch.isnan(rows).any(-1), bad)
@@ -624,7 +624,7 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_lse_contract(kernel_opts):
     fwd_sm90._PLANS.clear()
     none = call(q, k, v, None)
     runs = [p.run for p in fwd_sm90._PLANS.values() if p is not None]
-    assert any(isinstance(r, fwd_sm90.VarlenListLaunch) for r in runs)
+    assert any(isinstance(r, fwd_sm90._VarlenLaunch) for r in runs)
     neg = call(q, k, v, torch.full((16,), float("-inf"), device="cuda"))
     for a, b in zip(neg, none):
         assert torch.equal(a, b)
@@ -679,8 +679,7 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
     decreasing offset (clamped as ``seq_spans``), seqused_k (clamped to ``[0, T_k]``), and
     more sequences than a program's vector (the loop over chunks). Sequences that overlap
     (bad offsets) can have more blocks than the host's bound on the buffer: past its
-    ``capacity`` no block is written. With KEYS (the varlen backward's dK/dV) the key
-    blocks, the first key block of each index written."""
+    ``capacity`` no block is written."""
     from flashlse.kernels import fwd_sm90
 
     bm, total_q, total_k, max_q, max_k = 4, 60, 50, 13, 9
@@ -694,8 +693,7 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
         s1 = min(max(cu[b + 1], s0), total)
         return s0, min(s1 - s0, max_len)
 
-    for with_used, short, keys in ((False, 0, False), (True, 0, False), (True, 5, False),
-                                   (False, 0, True), (True, 0, True), (True, 3, True)):
+    for with_used, short in ((False, 0), (True, 0), (True, 5)):
         seq = []
         for b in range(batch):
             bos, t_q = span(cu_q, b, total_q, max_q)
@@ -703,21 +701,18 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
             if with_used:
                 t_k = min(max(used[b], 0), t_k)
             seq.append((bos, bos_k, t_q, t_k))
-        # Rows: index i is each sequence's block i. Keys (the backward's dK/dV): its block
-        # n_b - 1 - i, so under a causal mask the first key blocks (most rows) come first.
-        n_blk = [-(-s[3 if keys else 2] // bm) for s in seq]
-        want = [(*seq[b], (n_blk[b] - 1 - i if keys else i) * bm)
-                for i in range(max(n_blk) - 1, -1, -1) for b in range(batch) if n_blk[b] > i]
+        n_blk = [-(-s[2] // bm) for s in seq]
+        want = [(*seq[b], i * bm) for i in range(max(n_blk) - 1, -1, -1) for b in range(batch)
+                if n_blk[b] > i]
         n = fwd_sm90.VARLEN_ITEM.value
         assert len(want) == sum(n_blk)
         cap = len(want) - short
         want = want[:cap]
         blocks = torch.full((1 + n * cap + 6, ), -7, dtype=torch.int32, device=device)
         as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
-        fwd_sm90._varlen_blocks_kernel[(-(-(max_k if keys else max_q) // bm), )](
+        fwd_sm90._varlen_blocks_kernel[(-(-max_q // bm), )](
             as_t(cu_q), as_t(cu_k), as_t(used) if with_used else None, blocks, batch, total_q,
-            total_k, max_q, max_k, cap, BLOCK_M=bm, BLOCK_B=4, HAS_SEQUSED_K=with_used,
-            KEYS=keys)
+            total_k, max_q, max_k, cap, BLOCK_M=bm, BLOCK_B=4, HAS_SEQUSED_K=with_used)
         got = blocks.cpu().tolist()
         assert got[0] == cap
         assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(cap)] == want
