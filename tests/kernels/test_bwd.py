@@ -399,6 +399,41 @@ def test_attn_bwd_gpu_sm90_varlen(device, kernel_opts, monkeypatch, causal, d, p
                 8, 2, d, d, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+def test_attn_bwd_gpu_sm90_varlen_bad_data_stays_in_its_sequence():
+    """A packed varlen backward where one document is bad (a NaN query row and NaN rows of
+    dO: its lse_log2 and delta rows are NaN) and others good: the bad document's gradients
+    are NaN where the data reaches (nothing hides it), and the documents before and after
+    it get exactly the gradients of the same call without it (their tiles read past their
+    own end as zeros, never the next document's rows). Hopper dK/dV and dQ, causal, GQA."""
+    g = torch.Generator().manual_seed(41)
+    dev, dtype, hq, hkv, d = "cuda", torch.bfloat16, 8, 2, 128
+    lens = [300, 200, 333, 129]
+    mk = lambda n, h: torch.randn(n, h, d, generator=g).to(device=dev, dtype=dtype)
+    cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32,
+                                 device=dev)
+    n = sum(lens)
+    q, k, v, dout = mk(n, hq), mk(n, hkv), mk(n, hkv), mk(n, hq)
+    b0, b1 = 300, 500  # document 1's rows
+    q[b0 + 7, 2] = float("nan")
+    dout[b0:b1] = float("nan")
+    keep = torch.cat([torch.arange(0, b0), torch.arange(b1, n)]).to(dev)
+
+    def grads(q, k, v, dout, lens):
+        kw = dict(left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=None,
+                  cu_seqlens_q=cu(lens), cu_seqlens_k=cu(lens), max_seqlen_q=max(lens),
+                  max_seqlen_k=max(lens))
+        out, lse = dispatch.attn_fwd(q, k, v, **kw)
+        return dispatch.attn_bwd(dout, None, q, k, v, out, lse, **kw)[:3]
+
+    got = grads(q, k, v, dout, lens)
+    want = grads(q[keep], k[keep], v[keep], dout[keep], lens[:1] + lens[2:])
+    for x, w in zip(got, want):
+        assert x[b0:b1].isnan().any()
+        torch.testing.assert_close(x[keep], w, rtol=0, atol=0)
+
+
 # The Gluon kernels at their other head dims: dQ at D = 256 (its dK/dV is bwd.py's there),
 # dK/dV at D = 64 (its dQ is bwd.py's there; configs.BWD_SM90_DKDV_DIMS).
 # window_31_0 has rows that see no key and no sink (lse = -inf, dq = 0).
