@@ -21,6 +21,19 @@ def median_ms(fn, smoke: bool = False, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def interleaved_ms(fns, smoke: bool = False, rounds: int = 3, rep: int = 50) -> list[float]:
+    """Median milliseconds of each of ``fns`` timed in turn, ``rounds`` times over
+    (``median_ms`` of ``rep`` ms each): calls compared by a ratio (a bar against the dense
+    kernel) meet the same clocks. Within one process on the H200 a row timed later ran up to
+    8% slower than the same call timed first (RESULTS.md, session 18): one timing after
+    another can cross a bar by itself."""
+    times = [[] for _ in fns]
+    for _ in range(1 if smoke else rounds):
+        for t, fn in zip(times, fns):
+            t.append(median_ms(fn, smoke, rep))
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
 def attn_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
     """Forward FLOPs of attention, ``4 B H Sq Sk D``, halved for causal."""
     f = 4 * b * h * sq * sk * d

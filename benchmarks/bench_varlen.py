@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import median_ms  # noqa: E402
+from _common import interleaved_ms, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 from flashlse.kernels import configs  # noqa: E402
@@ -79,9 +79,10 @@ def main():
         qd.grad = kd.grad = vd.grad = None
         dn().backward(dout_d)
 
+    # Each pair timed in turn, three rounds (the bars are their ratios: same clocks).
     with torch.no_grad():
-        t_vl, t_dn = median_ms(vl, smoke), median_ms(dn, smoke)
-    s_vl, s_dn = median_ms(vl_step, smoke), median_ms(dn_step, smoke)
+        t_vl, t_dn = interleaved_ms([vl, dn], smoke)
+    s_vl, s_dn = interleaved_ms([vl_step, dn_step], smoke)
     # Backward alone: the step minus the forward (both through the public call).
     b_vl, b_dn = max(s_vl - t_vl, 1e-9), max(s_dn - t_dn, 1e-9)
     tf = lambda flops, ms: flops / ms / 1e9
