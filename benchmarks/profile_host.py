@@ -141,7 +141,13 @@ def calls(dev="cuda"):
     lens = torch.full((8,), 4096, dtype=torch.int32, device=dev)
     outs = torch.randn(4, 64, 32, 128, device=dev)
     lses = torch.randn(4, 64, 32, device=dev)
+    # Packed varlen, 2 x 1k tokens, H = 16: on an H100/H200 the persistent varlen kernel
+    # (its block list made by a second launch, benchmarks/host_varlen.py's A/B).
+    qv = torch.randn(2048, 16, 128, device=dev, dtype=dt)
+    cu = torch.tensor([0, 1024, 2048], dtype=torch.int32, device=dev)
     return {
+        "attention_varlen fwd 2 x 1k": lambda: fl.attention_varlen(qv, qv, qv, cu, cu, 1024,
+                                                                   1024, causal=True),
         "attention fwd": lambda: fl.attention(q, k, v, causal=True),
         "attention fwd+bwd": fwdbwd,
         "kvcache decode": lambda: fl.attention_with_kvcache(qd, kc, kc, cache_seqlens=lens),

@@ -332,6 +332,10 @@ PERSISTENT_CASES = [
     pytest.param(3, 1024, 1024, 8, 2, {"causal": True, "d": 64}, id="d64_causal"),
     pytest.param(2, 320, 1024, 4, 1, {"window": (100, 50), "sink": True, "d": 64},
                  id="d64_window_half_past_end"),
+    # D = 64's persistent kernel on rows that see no key (lse -inf, or the sink).
+    pytest.param(3, 1024, 512, 8, 2, {"causal": True, "sink": True, "d": 64},
+                 id="d64_causal_sq_gt_sk_sink"),
+    pytest.param(2, 1024, 512, 4, 2, {"causal": True, "d": 64}, id="d64_causal_empty_rows"),
     # D = 256: out staged in Q's buffer (O_IN_Q).
     pytest.param(3, 1024, 1024, 8, 2, {"causal": True, "d": 256}, id="d256_causal"),
     pytest.param(2, 320, 1024, 4, 1, {"window": (100, 50), "sink": True, "d": 256},
@@ -545,6 +549,55 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
         monkeypatch.setattr(fwd_sm90, "VARLEN_L2_BYTES", 2 * sum(lens_k) * 2 * d * 2)
     _run_varlen(device, torch.bfloat16, lens_q, lens_k, hq, hkv, d, d, **case)
     assert plans and all(p.signature[-1] == "persistent varlen" for p in plans)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_attn_fwd_gpu_sm90_persistent_lse_contract_and_nan(d):
+    """The LSE contract on the dense persistent kernel (the default at every Hopper head
+    dim; causal Sq = 1024 on Sk = 512: rows 0-511 of each sequence see no key): empty rows
+    are exactly (0, -inf); a -inf sink is no sink, bit for bit; a NaN key reaches exactly
+    the rows that see it (its sequence, its kv head's query heads, rows from key + 512), a
+    NaN sink exactly its head's rows (empty ones too), and every other row equals the clean
+    call bit for bit; gradients through the clean call have no NaN."""
+    from flashlse.kernels import fwd_sm90
+
+    g = torch.Generator().manual_seed(61)
+    b, sq, sk, hq, hkv = 2, 1024, 512, 16, 4
+    mk = lambda *s: torch.randn(*s, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    q, k, v = mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
+    fwd_sm90._PLANS.clear()
+    call = lambda q, k, v, sink=None: fl.attention(q, k, v, causal=True, sink=sink,
+                                                   return_lse=True)
+    none = call(q, k, v)
+    assert any(p is not None and p.signature[-1] == "persistent"
+               for p in fwd_sm90._PLANS.values())
+    out, lse = none
+    assert torch.isneginf(lse[:, :, :512]).all() and (out[:, :512] == 0).all()
+    assert not torch.isinf(lse[:, :, 512:]).any() and not torch.isnan(out).any()
+    for a, w in zip(call(q, k, v, torch.full((hq,), float("-inf"), device="cuda")), none):
+        assert torch.equal(a, w)
+
+    bad = torch.zeros(b, hq, sq, dtype=torch.bool, device="cuda")  # lse's (b, head, row)
+    k_bad = k.clone()
+    k_bad[1, 100, 2, 7] = float("nan")  # sequence 1, kv head 2 (query heads 8-11), key 100
+    bad[1, 8:12, 612:] = True
+    sink = torch.randn(hq, generator=g).to("cuda")
+    sink_bad = sink.clone()
+    sink_bad[5] = float("nan")
+    bad[:, 5] = True
+    clean_out, clean_lse = call(q, k, v, sink)
+    out2, lse2 = call(q, k_bad, v, sink_bad)
+    rows2 = out2.transpose(1, 2)  # (b, head, row, d)
+    assert torch.equal(torch.isnan(lse2), bad) and torch.equal(torch.isnan(rows2).any(-1), bad)
+    assert torch.equal(lse2[~bad], clean_lse[~bad])
+    assert torch.equal(rows2[~bad], clean_out.transpose(1, 2)[~bad])
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = call(*leaves, sink)
+    (out.float().square().sum() + lse.sum()).backward()
+    assert all(not torch.isnan(t.grad).any() for t in leaves)
 
 
 @pytest.mark.gpu
