@@ -299,12 +299,42 @@ def test_portable_launchers_know_no_hopper_kernel():
 # --- backward --------------------------------------------------------------------------------
 
 
-def _backward(q, k, v, kw, **opts):
+def _backward(q, k, v, kw, deterministic=True, **opts):
+    """The backward with fake kernels; deterministic by default (the two passes: the fused
+    one has its own test)."""
     out, lse = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype), torch.zeros(
         (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0]))
     dout = torch.ones_like(out)
     with kernel_options(**opts):
-        return dout, dispatch.attn_bwd(dout, None, q, k, v, out, lse, **kw)
+        return dout, dispatch.attn_bwd(dout, None, q, k, v, out, lse,
+                                       deterministic=deterministic, **kw)
+
+
+def test_backward_fused_by_default(kernels):
+    """Not deterministic (the default): one dK/dV launch that also adds dQ into a float32
+    tensor (FUSED_DQ; its strides dq's), no dQ pass; deterministic calls, D != 128 and the
+    Hopper dK/dV or dQ switched off take the two passes."""
+    q, k, v, kw = _dense()
+    dout, (dq, dk, dv, _) = _backward(q, k, v, kw, deterministic=False)
+    assert kernels.names() == ["bwd_pre", "dkdv_sm90"]
+    g = kernels.of("dkdv_sm90")
+    acc = g.args[11]
+    assert g.named["FUSED_DQ"] and acc.dtype == torch.float32 and acc.shape == q.shape
+    assert g.named["stride_dqa"] == dq.stride()[:3] and g.args[6] is dk
+    assert g.grid == (3, 2, 2)  # (ceil(333 / 128) key blocks, Hkv, B)
+    for opts in (dict(deterministic=True), dict(deterministic=False, sm90_dq=False)):
+        kernels.log.clear()
+        _backward(q, k, v, kw, **opts)
+        assert kernels.names() != ["bwd_pre", "dkdv_sm90"]
+    # torch's deterministic mode keeps the two passes as deterministic=True does.
+    kernels.log.clear()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _backward(q, k, v, kw, deterministic=False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert kernels.names() != ["bwd_pre", "dkdv_sm90"] and not kernels.of("dkdv_sm90").named[
+        "FUSED_DQ"]
 
 
 def test_backward_takes_both_hopper_kernels_with_their_arguments(kernels):
@@ -389,7 +419,7 @@ def test_backward_compile_failure_falls_back_per_pass(kernels):
     # The portable dK/dV gets the arguments the Gluon one was given (the same dict's values).
     assert all(portable[n] is gluon[n] for n in gluon
                if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
-                            "num_warps"))
+                            "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ"))
     assert portable["dk"] is dk and portable["HEAD_LOOP"] == bool(
         configs.BWD_DKDV[128].head_loop)
     assert [key[0] for key in FAILURES] == ["bwd_sm90 dK/dV"]

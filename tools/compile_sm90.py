@@ -229,15 +229,21 @@ def cases():
         consts = dict(GROUP=2, D=128, BLOCK_M=64, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
-                      STATS_TMA=not f["IS_VARLEN"], CONSUMER_REGS=240)
+                      STATS_TMA=not f["IS_VARLEN"], CONSUMER_REGS=240, dq_acc=None,
+                      stride_dqa=None, FUSED_DQ=False)
+        sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
-            dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
+            sm90_bwd, consts, 4, 1
+        # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
+        yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label}", \
+            bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, dq_acc=F32, stride_dqa=("i32",) * 3), \
+            {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
+             "FUSED_DQ": True}, 4, 1
         if label == "causal":
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=64 causal", bwd_sm90._dkdv_sm90_kernel, \
-                dict(bwd_types, scale="fp32", scale_log2="fp32"), dict(consts, D=64), 4, 1
+                sm90_bwd, dict(consts, D=64), 4, 1
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=128 causal EARLY_DP", \
-                bwd_sm90._dkdv_sm90_kernel, dict(bwd_types, scale="fp32", scale_log2="fp32"), \
-                dict(consts, EARLY_DP=True), 4, 1
+                bwd_sm90._dkdv_sm90_kernel, sm90_bwd, dict(consts, EARLY_DP=True), 4, 1
         consts = dict(GROUP=2, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], CONSUMER_REGS=240)

@@ -3,7 +3,9 @@
 On by default inside their domain (``KernelOptions.sm90_dkdv`` / ``sm90_dq`` turn them off); a triton that
 cannot compile them warns once and runs ``bwd.py``'s kernels. H200, bf16, D = 128 (per-kernel
 device time, benchmarks/RESULTS.md, S = 4k / 8k): dQ 15-20% faster than ``bwd.py``'s, dK/dV
-from 2% slower (8k non-causal, one run) to 7% faster; both together 8-11%.
+from 2% slower (8k non-causal, one run) to 7% faster; both together 8-11%. A call that is
+not ``deterministic`` runs one pass instead at D = 128 (``FUSED_DQ``: dQ added by TMA
+reduces from the dK/dV kernel), 0-9% faster again.
 
 dQ (``_dq_sm90_kernel``) is the forward's program (fwd_sm90.py: 128 query rows in two
 halves, K/V ring) with the backward's row math: ``S = Q K^T`` and ``dP = dO V^T`` issued
@@ -40,8 +42,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import triton
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -80,6 +84,17 @@ if TYPE_CHECKING:
     from .bwd import BwdPass
 
 _row_ranges = gluon.jit(row_ranges.fn)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``src`` (shared memory) added into the tensor at ``coord`` by TMA (float32 reduce,
+    clipped at the tensor's bounds as a TMA store): triton's ``cp.reduce.async.bulk.tensor``,
+    which this triton's Gluon Hopper ``tma`` module does not wrap. Completes as a store
+    (``tma.store_wait``)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
 _stats_offset = gluon.jit(stats_offset.fn)
 
 
@@ -159,11 +174,17 @@ def _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2,
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
               kv_bar, full, empty, p_lse, p_delta, stride_th, half,
               n0, T_q, T_k, shift, left, right, scale, scale_log2,
-              m_lo, m_full_lo, m_full_hi, m_hi, n_tiles,
+              m_lo, m_full_lo, m_full_hi, m_hi, n_tiles, fused,
               D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EARLY_DP: gl.constexpr,
-              STATS_TMA: gl.constexpr):
-    """One warpgroup: 64 keys against every (head, row block) that sees the key block."""
+              STATS_TMA: gl.constexpr, FUSED_DQ: gl.constexpr):
+    """One warpgroup: 64 keys against every (head, row block) that sees the key block.
+
+    ``FUSED_DQ`` (``fused``: dS's shared buffers and their barriers, dQ's staging buffers and
+    the float32 dQ's descriptor): each tile's ``dS^T`` also goes to shared memory; once both
+    warpgroups' halves are there this one computes dQ's columns ``[half * D/2, (half + 1) *
+    D/2)`` of the tile, ``dS K`` over the block's 128 keys, and adds them into the float32
+    dQ by a TMA reduce (the dQ pass's recomputation of S and dP is gone)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -178,6 +199,16 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
     dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
     k_t = k_smem.index(half)
     v_t = v_smem.index(half)
+    if FUSED_DQ:
+        ds_smem, ds_full, ds_empty, dq_smem, dq_desc = fused
+        HALF_D: gl.constexpr = D // 2
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
+        dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
+        # dQ's columns of this warpgroup in each K half (a whole 128-byte swizzle atom).
+        k_cols0 = k_smem.index(0).slice(half * HALF_D, HALF_D, dim=1)
+        k_cols1 = k_smem.index(1).slice(half * HALF_D, HALF_D, dim=1)
+        dq_t = dq_smem.index(half).reshape([BLOCK_M, HALF_D])
     mbarrier.wait(kv_bar, 0)
 
     i_g = 0
@@ -224,11 +255,44 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
         if STATS_TMA:
             dlt = dlt_smem.index(s).load(s_layout)
         dst = pt * (dpt - dlt)
-        dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk,
-                               is_async=True)
-        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-        mbarrier.arrive(empty.index(s))
+        if FUSED_DQ:
+            ds16 = dst.to(dtype)
+            dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_t, dk, is_async=True)
+            # dS^T into buffer b's half (free once both warpgroups' dQ products of tile
+            # it - 2 are done), then both halves there before the dQ products.
+            b = it % 2
+            mbarrier.wait(ds_empty.index(b), ((it // 2) & 1) ^ 1)
+            ds_smem.index(2 * b + half).store(ds16)
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's part stored before the one arrive
+            mbarrier.arrive(ds_full.index(b))
+            mbarrier.wait(ds_full.index(b), (it // 2) & 1)
+            dq_tok = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k_cols0, dq_zero,
+                                   use_acc=False, is_async=True)
+            dq_tok = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k_cols1, dq_tok,
+                                   is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+            mbarrier.arrive(ds_empty.index(b))
+            mbarrier.arrive(empty.index(s))
+            # The previous tile's reduce has read its staging buffer (its issuing thread
+            # waits, the warpgroup's barrier holds the others until it has): reuse it.
+            tma.store_wait(0)
+            gl.thread_barrier()
+            dq_t.store(dq * scale)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [i_g, m0, half * HALF_D], dq_smem.index(half))
+        else:
+            dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk,
+                                   is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+            mbarrier.arrive(empty.index(s))
         i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
+
+    if FUSED_DQ:
+        # Both warpgroups' last dQ products read both K halves: done before K's buffers
+        # stage dK below.
+        if n_tiles > 0:
+            mbarrier.wait(ds_empty.index((n_tiles - 1) % 2), ((n_tiles - 1) // 2) & 1)
 
     # K and V are no longer read: stage dK, dV in their buffers for two clipped TMA stores.
     k_t.store((dk * scale).to(dtype))
@@ -243,19 +307,19 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "left", "right"])
 def _dkdv_sm90_kernel(
     q, k, v, dout, lse_log2, delta, dk, dv,
-    cu_seqlens_q, cu_seqlens_k, seqused_k,
+    cu_seqlens_q, cu_seqlens_k, seqused_k, dq_acc,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_tb, stride_th,
+    stride_tb, stride_th, stride_dqa,
     seqlen_q, seqlen_k, total_q, total_k, left, right, scale, scale_log2,
     GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
-    STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr = False,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
     i_n = gl.program_id(0)
@@ -328,16 +392,40 @@ def _dkdv_sm90_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+    if FUSED_DQ:
+        # dS^T halves of two tiles (buffer, half), their barriers (both warpgroups arrive),
+        # a float32 staging buffer a warpgroup for its dQ columns, dQ's descriptor (rows
+        # past the sequence clipped).
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M],
+                                                                        dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_full.index(i), count=2)
+            mbarrier.init(ds_empty.index(i), count=2)
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                       element_bitwidth=32, rank=3)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, D // 2], dq_layout)
+        dq_desc = tma.make_tensor_descriptor(
+            _slice_ptr(dq_acc, i_b, bos, i_h0, stride_dqa[0], stride_dqa[1], stride_dqa[2]),
+            [GROUP, T_q_desc, D], [stride_dqa[2], stride_dqa[1], 1], [1, BLOCK_M, D // 2],
+            dq_layout)
+        fused = (ds_smem, ds_full, ds_empty, dq_smem, dq_desc)
+    else:
+        fused = ()
 
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
                      kv_bar, full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
-                     n_tiles, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP, STATS_TMA)),
+                     n_tiles, fused, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP,
+                     STATS_TMA, FUSED_DQ)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
                      kv_bar, full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
-                     n_tiles, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP, STATS_TMA)),
+                     n_tiles, fused, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP,
+                     STATS_TMA, FUSED_DQ)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi,
                      n_tiles, BLOCK_M, STAGES, STATS_TMA)),
@@ -372,10 +460,60 @@ def dkdv_plan(p: BwdPass) -> Launch | None:
                          STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
                          CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
             grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
+            tiles.update(dq_acc=None, stride_dqa=None, FUSED_DQ=False)
             run = Launch(_dkdv_sm90_kernel, grid,
                          *positional(_dkdv_sm90_kernel, 11, _kernel_args(_dkdv_sm90_kernel,
                                                                          args, tiles)))
         p.plan.launches["sm90 dK/dV"] = run
+    return run
+
+
+# dK, dV and dQ in one pass (the dK/dV kernel adding each tile's dS K into a float32 dQ by a
+# TMA reduce), where the call is not asked to be deterministic (the reduces' order varies).
+# Predicted before its run: 12-20% faster at S = 1k-4k causal. Measured (H200, bf16, D = 128,
+# B*S = 16k, H = 16, bench_bwd fwd+bwd through the public call, two passes each against the
+# two-pass kernels in the same device call): non-causal +5% (1k) to +9% (8k), causal +0%
+# (1k), +1% (2k), +5% (4k-16k), GQA 16/4 +2-6%; the packed varlen backward unchanged. So
+# ``deterministic=True`` (the two passes) costs 0-9% there.
+FUSED_DQ = True
+
+
+class _FusedRun:
+    """The fused backward's launches: the float32 dQ zeroed, the dK/dV kernel with
+    ``FUSED_DQ``, then dQ converted to q's dtype (scaled in the kernel)."""
+
+    __slots__ = ("kernel", )
+
+    def __init__(self, kernel: Launch):
+        self.kernel = kernel
+
+    def __call__(self, p: BwdPass) -> None:
+        dq_acc = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)
+        self.kernel(*p.dkdv_tensors(), dq_acc)
+        p.dq.copy_(dq_acc)
+
+
+def fused_plan(p: BwdPass) -> _FusedRun | None:
+    """The fused backward of a prepared call (``dispatch.attn_bwd`` asks when the call is
+    not deterministic), or None: off (``FUSED_DQ``), no key, or outside the dK/dV and dQ
+    kernels' common domain at D = Dv = 128."""
+    run = p.plan.launches.get("sm90 fused", _MISSING)
+    if run is _MISSING:
+        run = None
+        if FUSED_DQ and p.has_keys and supported(p.q, p.k, p.v, p.dout, p.dk, p.dv,
+                                                 softcap=p.softcap, dims=(128, )):
+            args = p.plan.dkdv_kw
+            cfg = configs.BWD_SM90_DKDV
+            st = p.plan.dq_kw
+            tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
+                         STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
+                         CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps,
+                         stride_dqa=(st["stride_dqb"], st["stride_dqs"], st["stride_dqh"]),
+                         FUSED_DQ=True)
+            grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
+            run = _FusedRun(Launch(_dkdv_sm90_kernel, grid, *positional(
+                _dkdv_sm90_kernel, 12, _kernel_args(_dkdv_sm90_kernel, args, tiles))))
+        p.plan.launches["sm90 fused"] = run
     return run
 
 

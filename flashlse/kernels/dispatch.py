@@ -25,6 +25,7 @@ Per call this costs a few attribute lookups and calls (the eager path is timed i
 
 from __future__ import annotations
 
+import torch
 import triton
 
 from . import bwd, fwd, options
@@ -120,6 +121,12 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     if p.empty:
         return p.grads()
     opts = p.opts
+    # One pass (dQ by TMA reduces, in a varying order) unless asked to be repeatable.
+    if (not deterministic and opts.sm90_dkdv and opts.sm90_dq and bwd_sm90 is not None
+            and not torch.are_deterministic_algorithms_enabled()
+            and _gluon(("bwd_sm90 fused", p.signature), "the Hopper fused backward kernel",
+                       bwd_sm90.fused_plan, p, lambda: (p, ))):
+        return p.grads()
     if p.has_keys and not (opts.sm90_dkdv and bwd_sm90 is not None and _gluon(
             ("bwd_sm90 dK/dV", p.signature), "the Hopper backward dK/dV kernel",
             bwd_sm90.dkdv_plan, p, p.dkdv_tensors)):
