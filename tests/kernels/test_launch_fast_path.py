@@ -66,11 +66,15 @@ def test_repeated_attention_skips_the_jit_path(jit_calls, grad):
 
     first = call()
     n_first = len(jit_calls)
-    assert n_first >= (4 if grad else 1)
+    # Forward; backward: preprocess, dK/dV with dQ fused (Hopper) or dK/dV and dQ passes.
+    assert n_first >= (3 if grad else 1)
     again = call()
     assert len(jit_calls) == n_first, f"JIT path taken again: {jit_calls[n_first:]}"
-    for a, b in zip(first, again):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for i, (a, b) in enumerate(zip(first, again)):
+        # dq (index 1) of the fused backward is summed by TMA reduces in a varying order:
+        # equal within a rounding of q's dtype; everything else bit for bit.
+        tol = dict(rtol=1e-2, atol=1e-3) if i == 1 else dict(rtol=0, atol=0)
+        torch.testing.assert_close(a, b, **tol)
 
 
 def test_misaligned_then_aligned_inputs(jit_calls):
