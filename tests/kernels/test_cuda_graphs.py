@@ -45,6 +45,8 @@ def test_attention_forward_backward_graph_replay():
             t.copy_(torch.randn_like(t))
     graph.replay()
     fresh = step()
+    # Bit for bit, dq too: on an H100/H200 the default backward adds dq by TMA reduces in a
+    # varying order, but Sk = 200 is two 128-key blocks, and two adds into zero commute.
     for got, want in zip(static, fresh):
         assert torch.equal(got, want)
     # causal with Sq > Sk: the first 100 rows see only the sink.
