@@ -5,7 +5,6 @@
 #   bash benchmarks/before_after.sh prep 2dcb23b          # here: the tree before issue 21
 #   bash benchmarks/before_after.sh run [fwd bwd decode merge serving]   # on the GPU, carry .before
 #   bash benchmarks/before_after.sh variant-stats  # .variant_stats (varlen dK/dV stats by TMA) for h200_session.sh varlen-stats
-#   bash benchmarks/before_after.sh variant-fused  # .variant_fused (dQ fused into dK/dV) for h200_session.sh fused-bwd / fused-bench
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
 set -o pipefail
@@ -16,15 +15,6 @@ if [ "$1" = variant-stats ]; then
     rm -rf .variant_stats && mkdir .variant_stats
     git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_stats
     patch -s -p1 -d .variant_stats < benchmarks/variants/varlen_stats_tma.patch
-    exit $?
-fi
-if [ "$1" = variant-fused ]; then
-    # The variant for `h200_session.sh fused-bwd` / `fused-bench` (carry .variant_fused):
-    # this tree with dK, dV and dQ in one Hopper pass (dQ added into a float32 tensor by TMA
-    # reduces) for calls that are not deterministic (benchmarks/variants/fused_dq.patch).
-    rm -rf .variant_fused && mkdir .variant_fused
-    git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_fused
-    patch -s -p1 -d .variant_fused < benchmarks/variants/fused_dq.patch
     exit $?
 fi
 if [ "$1" = prep ]; then

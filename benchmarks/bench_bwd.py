@@ -62,6 +62,8 @@ def _flops(b, h, sq, sk, d, causal):
 # --kernel-only: time the kernels' entry dispatch.attn_bwd on a saved (out, lse), not the
 # public call.
 KERNEL_ONLY = False
+# --deterministic: the public call with deterministic=True (the two passes, no dQ reduces).
+DETERMINISTIC = False
 
 
 def _ours(q, k, v, causal):
@@ -72,14 +74,14 @@ def _ours(q, k, v, causal):
               scale=1.0 / math.sqrt(q.shape[-1]), sink=None)
     if not KERNEL_ONLY:
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = fl.attention(*leaves, causal=causal)
+        out = fl.attention(*leaves, causal=causal, deterministic=DETERMINISTIC)
         dout = torch.randn_like(out)
         return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
     out, lse = attn_fwd(q, k, v, **kw)
     dout = torch.randn_like(out)
     dlse = torch.zeros_like(lse)
 
-    return lambda: attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
+    return lambda: attn_bwd(dout, dlse, q, k, v, out, lse, deterministic=DETERMINISTIC, **kw)
 
 
 SM90_PARTS: tuple = ()  # --sm90: a second column with exactly these Gluon kernels on
@@ -384,10 +386,13 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--kernel-only", action="store_true",
                    help="time the launcher on a saved (out, lse) instead of the public call")
+    p.add_argument("--deterministic", action="store_true",
+                   help="flashlse with deterministic=True (two passes, no dQ reduces)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    global SM90_PARTS, KERNEL_ONLY
+    global SM90_PARTS, KERNEL_ONLY, DETERMINISTIC
     KERNEL_ONLY = a.kernel_only
+    DETERMINISTIC = a.deterministic
     SM90_PARTS = tuple(x for x in a.sm90.split(",") if x)
     dims = [128] if a.quick else [int(x) for x in a.dims.split(",")]
     try:

@@ -26,9 +26,9 @@
 #                                                and MLA page 8 GPU tests, host_varlen.py
 #   bash benchmarks/h200_session.sh varlen-stats # the varlen dK/dV's lse and delta by TMA
 #                                                (.variant_stats, carried): tests, bench A/B
-#   bash benchmarks/h200_session.sh fused-bwd  # dQ fused into the dK/dV pass (.variant_fused,
-#                                                carried): its tests and memcheck
-#   bash benchmarks/h200_session.sh fused-bench # its bench_bwd / bench_varlen A/B
+#   bash benchmarks/h200_session.sh fused-bwd  # the fused backward (dQ by TMA reduces in the
+#                                                dK/dV pass): its tests and memcheck
+#   bash benchmarks/h200_session.sh fused-bench # bench_bwd, default against deterministic=True
 #   bash benchmarks/h200_session.sh prof-bwd   # Nsight Compute: the backward's kernels beside
 #                                                cuDNN's (benchmarks/ncu_bwd.py), S = 1k and 4k
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
@@ -199,40 +199,31 @@ if [ "$1" = varlen-stats ]; then
     exit 0
 fi
 if [ "$1" = fused-bwd ]; then
-    # The variant (.variant_fused, carried; `bash benchmarks/before_after.sh variant-fused`):
-    # dK, dV and dQ in one Hopper pass. Its backward GPU tests (the fused path at every
-    # SM90 case, its match with the two passes, varlen, the bad-data test) in its own tree,
-    # then memcheck of the fused cases.
-    (cd .variant_fused && PYTHONPATH=$PWD timeout 330 python3 -m pytest -q -x \
-        tests/kernels/test_bwd.py -k "fused or gpu_sm90_varlen or gpu_varlen or bad_data or \
-        (test_attn_bwd_gpu_sm90 and bf16)" -p no:cacheprovider \
-        > "$OUT/test_variant_fused.log" 2>&1)
-    echo "variant tests: $(tail -1 "$OUT/test_variant_fused.log")"
-    grep -h "^FAILED\|^E " "$OUT"/test_variant_fused.log | head -20
-    (cd .variant_fused && PYTHONPATH=$PWD timeout 200 compute-sanitizer --tool memcheck \
-        --error-exitcode 9 python3 -m pytest -q tests/kernels/test_bwd.py \
-        -k "bad_data or (fused and window)" -p no:cacheprovider \
-        > "$OUT/memcheck_fused.log" 2>&1)
+    # The fused backward (dQ by TMA reduces in the dK/dV pass, the default since session 19):
+    # its GPU tests (every SM90 case, its match with the two passes, varlen, bad data), then
+    # memcheck of the fused cases.
+    timeout 330 python3 -m pytest -q -x tests/kernels/test_bwd.py -k "fused or \
+        gpu_sm90_varlen or gpu_varlen or bad_data or (test_attn_bwd_gpu_sm90 and bf16)" \
+        -p no:cacheprovider > "$OUT/test_fused.log" 2>&1
+    echo "fused tests: $(tail -1 "$OUT/test_fused.log")"
+    grep -h "^FAILED\|^E " "$OUT"/test_fused.log | head -20
+    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+        tests/kernels/test_bwd.py -k "bad_data or (fused and window)" -p no:cacheprovider \
+        > "$OUT/memcheck_fused.log" 2>&1
     echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_fused.log" | tail -1
     exit 0
 fi
 if [ "$1" = fused-bench ]; then
-    # The A/B of the fused backward: bench_bwd --quick (D = 128, S = 1k-16k, full and
-    # causal, peers in the same process) of this tree and of the variant, alternating, then
-    # bench_varlen's backward. Prediction: causal 1k-4k +12-20%, full +8-15%.
+    # What deterministic=True costs: bench_bwd --quick (D = 128, S = 1k-16k, full and
+    # causal, peers in the same process) with the default (fused) and the two passes,
+    # alternating. Session 19: 0-9%.
     for pass in 1 2; do
-        for tree in main variant; do
-            root=$PWD; [ $tree = variant ] && root=$PWD/.variant_fused
-            PYTHONPATH=$root timeout 150 python3 "$root/benchmarks/bench_bwd.py" --quick \
-                --flex-budget 0 --out "/tmp/bwd_$tree" > "$OUT/bwd_${tree}$pass.txt" 2>&1
-            echo "== $tree $pass"; grep "^D=128" "$OUT/bwd_${tree}$pass.txt" | cut -c1-120
+        for mode in default deterministic; do
+            flag=; [ $mode = deterministic ] && flag=--deterministic
+            timeout 150 python3 benchmarks/bench_bwd.py --quick --flex-budget 0 $flag \
+                --out "/tmp/bwd_$mode" > "$OUT/bwd_${mode}$pass.txt" 2>&1
+            echo "== $mode $pass"; grep "^D=128" "$OUT/bwd_${mode}$pass.txt" | cut -c1-120
         done
-    done
-    for tree in main variant; do
-        root=$PWD; [ $tree = variant ] && root=$PWD/.variant_fused
-        echo "== varlen $tree"
-        PYTHONPATH=$root timeout 100 python3 "$root/benchmarks/bench_varlen.py" 2>&1 \
-            | grep -E "attention|ratio" | cut -c1-100
     done
     exit 0
 fi
