@@ -95,6 +95,8 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
                                               coord, src.handle)
+
+
 _stats_offset = gluon.jit(stats_offset.fn)
 
 
@@ -454,18 +456,23 @@ def dkdv_plan(p: BwdPass) -> Launch | None:
         run = None
         if supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap,
                      dims=configs.BWD_SM90_DKDV_DIMS):
-            args = p.plan.dkdv_kw
-            cfg = configs.BWD_SM90_DKDV
-            tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
-                         STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
-                         CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
-            grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
-            tiles.update(dq_acc=None, stride_dqa=None, FUSED_DQ=False)
-            run = Launch(_dkdv_sm90_kernel, grid,
-                         *positional(_dkdv_sm90_kernel, 11, _kernel_args(_dkdv_sm90_kernel,
-                                                                         args, tiles)))
+            run = _dkdv_launch(p, 11, dq_acc=None, stride_dqa=None, FUSED_DQ=False)
         p.plan.launches["sm90 dK/dV"] = run
     return run
+
+
+def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch:
+    """The dK/dV kernel's launch at its shipped tiles (configs.BWD_SM90_DKDV) with ``fused``'s
+    arguments (the float32 dQ's strides and ``FUSED_DQ``, or None / False), its first
+    ``n_tensors`` arguments left to the call."""
+    args = p.plan.dkdv_kw
+    cfg = configs.BWD_SM90_DKDV
+    tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
+                 STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
+                 CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps, **fused)
+    grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
+    return Launch(_dkdv_sm90_kernel, grid, *positional(
+        _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
 
 
 # dK, dV and dQ in one pass (the dK/dV kernel adding each tile's dS K into a float32 dQ by a
@@ -502,17 +509,10 @@ def fused_plan(p: BwdPass) -> _FusedRun | None:
         run = None
         if FUSED_DQ and p.has_keys and supported(p.q, p.k, p.v, p.dout, p.dk, p.dv,
                                                  softcap=p.softcap, dims=(128, )):
-            args = p.plan.dkdv_kw
-            cfg = configs.BWD_SM90_DKDV
             st = p.plan.dq_kw
-            tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
-                         STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
-                         CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps,
-                         stride_dqa=(st["stride_dqb"], st["stride_dqs"], st["stride_dqh"]),
-                         FUSED_DQ=True)
-            grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
-            run = _FusedRun(Launch(_dkdv_sm90_kernel, grid, *positional(
-                _dkdv_sm90_kernel, 12, _kernel_args(_dkdv_sm90_kernel, args, tiles))))
+            run = _FusedRun(_dkdv_launch(
+                p, 12, stride_dqa=(st["stride_dqb"], st["stride_dqs"], st["stride_dqh"]),
+                FUSED_DQ=True))
         p.plan.launches["sm90 fused"] = run
     return run
 
