@@ -24,8 +24,8 @@
 #   bash benchmarks/h200_session.sh suite      # every GPU test, six shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh s22        # session 18's final tree: D = 64 persistent
 #                                                and MLA page 8 GPU tests, host_varlen.py
-#   bash benchmarks/h200_session.sh varlen-stats # the varlen dK/dV's lse and delta by TMA
-#                                                (.variant_stats, carried): tests, bench A/B
+#   bash benchmarks/h200_session.sh varlen-stats # varlen lse and delta by TMA: tests, memcheck,
+#                                                bench_varlen against .before (carried)
 #   bash benchmarks/h200_session.sh fused-bwd  # the fused backward (dQ by TMA reduces in the
 #                                                dK/dV pass): its tests and memcheck
 #   bash benchmarks/h200_session.sh fused-bench # bench_bwd, default against deterministic=True
@@ -172,25 +172,22 @@ if [ "$1" = s22 ]; then
     exit 0
 fi
 if [ "$1" = varlen-stats ]; then
-    # The variant (.variant_stats, carried; `bash benchmarks/before_after.sh variant-stats`):
-    # the Hopper dK/dV of packed varlen calls with lse_log2 and delta by TMA (descriptors from
-    # the packed rows' start, bos + T_q rows long). Its varlen backward GPU tests and a
-    # memcheck in its own tree, then bench_varlen of this tree and of the variant,
-    # alternating, at three document draws. Prediction: the varlen backward 5-9% faster
-    # (seed 0: 0.80-0.84x -> 0.86-0.90x dense); the forward rows unchanged.
-    (cd .variant_stats && PYTHONPATH=$PWD timeout 240 python3 -m pytest -q \
-        tests/kernels/test_bwd.py -k "gpu_sm90_varlen or gpu_varlen or uncovered or bad_data" \
-        -p no:cacheprovider > "$OUT/test_variant_stats.log" 2>&1)
-    echo "variant tests: $(tail -1 "$OUT/test_variant_stats.log")"
-    grep -h "^FAILED" "$OUT"/test_variant_stats.log | head
-    (cd .variant_stats && PYTHONPATH=$PWD timeout 200 compute-sanitizer --tool memcheck \
-        --error-exitcode 9 python3 -m pytest -q tests/kernels/test_bwd.py \
-        -k "bad_data or (uncovered and hopper)" -p no:cacheprovider \
-        > "$OUT/memcheck_stats.log" 2>&1)
+    # Session 20: varlen lse_log2 / delta rows start 16-byte aligned (stats_offset) and the
+    # Hopper dK/dV (two-pass and fused) reads them by TMA. This tree's varlen backward GPU
+    # tests and a memcheck, then bench_varlen of the tree in .before (carried; `before_after.sh
+    # prep HEAD`) and of this one, alternating, at three document draws. Prediction: the
+    # varlen backward 5-9% faster (seed 0: 0.76-0.83x -> 0.84-0.88x dense); forward unchanged.
+    timeout 300 python3 -m pytest -q tests/kernels/test_bwd.py tests/kernels/test_fuzz_kernels.py \
+        -k "varlen or uncovered or bad_data" -p no:cacheprovider > "$OUT/test_stats.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_stats.log")"
+    grep -h "^FAILED\|^ERROR" "$OUT"/test_stats.log | head
+    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+        tests/kernels/test_bwd.py -k "bad_data or (uncovered and hopper)" -p no:cacheprovider \
+        > "$OUT/memcheck_stats.log" 2>&1
     echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_stats.log" | tail -1
     for seed in 0 1 3; do
-        for tree in main variant; do
-            root=$PWD; [ $tree = variant ] && root=$PWD/.variant_stats
+        for tree in before after; do
+            root=$PWD; [ $tree = before ] && root=$PWD/.before
             echo "== $tree seed $seed"
             PYTHONPATH=$root timeout 100 python3 "$root/benchmarks/bench_varlen.py" --seed $seed \
                 2>&1 | grep -E "attention|ratio" | cut -c1-100

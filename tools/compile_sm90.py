@@ -215,10 +215,13 @@ def cases():
     for label, f in (("causal", flags), ("every flag", every)):
         consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=64, BLOCK_N=128, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True,
-                      STATS_TMA=not f["IS_VARLEN"], HEAD_LOOP=False)
+                      STATS_TMA=True, HEAD_LOOP=False)
         # The shipped stages: varlen keeps 2 (configs.BWD_DKDV_VARLEN).
         yield "dkdv", f"bwd dK/dV D=128 {label}", bwd._attn_bwd_dkdv_kernel, bwd_types, \
             consts, 8, 2 if f["IS_VARLEN"] else 3
+        if f["IS_VARLEN"]:
+            yield "dkdv", f"bwd dK/dV D=128 {label} 3 stages", bwd._attn_bwd_dkdv_kernel, \
+                bwd_types, consts, 8, 3
         if label == "causal":
             # Head dims above 128 loop over the heads around the row ranges (HEAD_LOOP).
             yield "dkdv", "bwd dK/dV D=256 G=4 causal", bwd._attn_bwd_dkdv_kernel, \
@@ -229,7 +232,7 @@ def cases():
         consts = dict(GROUP=2, D=128, BLOCK_M=64, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
-                      STATS_TMA=not f["IS_VARLEN"], CONSUMER_REGS=240, dq_acc=None,
+                      STATS_TMA=True, CONSUMER_REGS=240, dq_acc=None,
                       stride_dqa=None, FUSED_DQ=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \

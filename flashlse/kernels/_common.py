@@ -256,10 +256,12 @@ def seq_bounds(i_b, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqle
 
 @triton.jit
 def stats_offset(i_b, bos, i_h, stride_b, stride_h):
-    """Offset of row ``bos`` of head ``i_h`` of sequence ``i_b`` in a per-row statistic (lse,
-    delta): ``(B, H, S)`` dense, ``(H, total)`` varlen (batch stride 0, ``bos`` the packed
-    row), rows contiguous. In int64, as ``slice_ptr``."""
-    return i_b.to(tl.int64) * stride_b + i_h.to(tl.int64) * stride_h + bos
+    """Offset of the first row of sequence ``i_b``, head ``i_h``, in the backward's per-row
+    statistics (lse_log2, delta), rows contiguous. Dense: ``(B, H, S)`` and ``bos = 0``.
+    Varlen: ``(H, total + 4 B)`` with ``stride_b = 4``; a sequence starts at ``4 i_b + bos``
+    rounded down to a multiple of 4, a 16-byte boundary for TMA (starts grow by at least
+    ``T + 1`` from one sequence to the next, so no two overlap). In int64, as ``slice_ptr``."""
+    return i_b.to(tl.int64) * stride_b + i_h.to(tl.int64) * stride_h + (bos // 4) * 4
 
 
 @triton.jit

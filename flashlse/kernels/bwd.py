@@ -447,8 +447,8 @@ def _attn_bwd_dkdv_kernel(
     p_lse = lse_log2 + o_t
     p_delta = delta + o_t
     if STATS_TMA:
-        # Dense only: the launcher pads each (batch, head) row of lse_log2 and delta to 16
-        # bytes, as TMA needs; a varlen sequence starts anywhere in its row.
+        # The launcher starts each (sequence, head) row of lse_log2 and delta at a 16-byte
+        # boundary, as TMA needs (``stats_offset``).
         p_lse = tl.make_tensor_descriptor(p_lse, shape=[GROUP, tl.maximum(T_q, 1)],
                                           strides=[stride_th, 1], block_shape=[1, BLOCK_M])
         p_delta = tl.make_tensor_descriptor(p_delta, shape=[GROUP, tl.maximum(T_q, 1)],
@@ -894,11 +894,12 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
     override = opts.bwd_config or {}
     batch, lens = seq_args(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     seqlen_q, seqlen_k = lens["seqlen_q"], lens["seqlen_k"]
-    n_last = lse.shape[-1]
+    # delta and lse_log2: rows padded to 16 bytes; varlen rows hold each sequence from a
+    # 16-byte boundary (``stats_offset``), 4 elements of room a sequence.
+    n_last = lse.shape[-1] + (4 * batch if is_varlen else 0)
     padded = (*lse.shape[:-1], (n_last + 3) // 4 * 4)
-    # delta's (and lse_log2's) strides: those of the padded contiguous tensor.
     st_pad = contiguous_strides(padded)
-    st_b, st_h = (0, st_pad[0]) if is_varlen else (st_pad[0], st_pad[1])
+    st_b, st_h = (4, st_pad[0]) if is_varlen else (st_pad[0], st_pad[1])
 
     n_m_pre = cdiv(max(seqlen_q, 1), configs.BWD_PREPROCESS.block_m)
     n_part = batch * n_m_pre
@@ -966,8 +967,8 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
         dkdv_kw = dict(
             **dict(zip(("stride_dkb", "stride_dks", "stride_dkh"), lead(st_dk))),
             **dict(zip(("stride_dvb", "stride_dvs", "stride_dvh"), lead(st_dv))),
-            # lse_log2 and delta by TMA: dense only (see the kernel).
-            STATS_TMA=bool(use_tma and not is_varlen and dkdv_cfg.stats_tma),
+            # lse_log2 and delta by TMA (each sequence's rows start 16-byte aligned).
+            STATS_TMA=bool(use_tma and dkdv_cfg.stats_tma),
             # One loop per range over the whole group up to head dim 128; a head loop above.
             HEAD_LOOP=bool(dkdv_cfg.head_loop),
             **common,

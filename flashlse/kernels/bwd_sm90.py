@@ -19,7 +19,7 @@ stopped meeting at a barrier every tile, and the ``tl`` dK/dV kernel has the sam
 A program owns a 128-key block of one (sequence, kv head), split into two 64-key halves, one
 per 4-warp consumer partition holding its ``dK, dV`` (64 x 128 each, float32) in registers.
 A 1-warp producer loads the K and V halves once, then ``Q_i, dO_i`` tiles (64 rows) of every
-query head of the group, with their ``lse_log2`` and ``delta`` (dense inputs), into a ring of
+query head of the group, with their ``lse_log2`` and ``delta``, into a ring of
 STAGES buffers (full / empty mbarriers; empty takes both consumers' arrivals). Per tile a
 consumer issues ``S^T = K Q^T``, computes ``P^T``, issues ``dP^T = V dO^T`` and
 ``dV += P^T dO`` together, then ``dK += dS^T Q`` with ``P^T, dS^T`` from registers. lse and
@@ -29,7 +29,7 @@ kernel was 15% slower).
 
 Empty and out-of-bounds rows as in ``bwd.py``: the preprocess stores ``lse_log2 = 0`` for an
 empty row (its masked logits are -inf, so P = 0). Rows past the sequence end are TMA
-zero-fill in Q and dO, and in lse / delta too (dense) or ``+inf`` / 0 (varlen pointer loads):
+zero-fill in Q and dO, and in lse / delta too (or ``+inf`` / 0 with ``STATS_TMA`` off):
 either way they add nothing. Masks only on boundary tiles (``row_ranges``).
 
 Domain: sm_90, fp16/bf16, D == Dv == 128 (dQ: 128 or 256), no softcap, 16-byte aligned rows
@@ -366,8 +366,8 @@ def _dkdv_sm90_kernel(
     dv_desc = tma.make_tensor_descriptor(p_dv, [T_k, D], [stride_dvs, 1], [HALF_N, D],
                                          kv_layout)
 
-    # lse_log2 and delta of a (head, row block), by TMA beside Q and dO (dense only: the
-    # launcher pads each (batch, head) row to 16 bytes; a varlen sequence starts anywhere).
+    # lse_log2 and delta of a (head, row block), by TMA beside Q and dO (the launcher starts
+    # each (sequence, head) row at a 16-byte boundary, ``stats_offset``).
     # Rows past the end read 0 there: their Q and dO rows are zeros too, so P = 1 meets
     # dO = 0 and dP - delta = 0, and they add nothing.
     stat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,

@@ -41,7 +41,7 @@ class TileConfig:
         warp_specialize: fwd: ``tl.range(..., warp_specialize=True)`` (TMA, 8 warps only).
         group_heads: fwd: (batch, head) pairs per L2 group; None sizes it from the L2.
         early_dp: bwd (both passes), bwd_sm90 dK/dV: ``dP`` issued right after ``S``.
-        stats_tma: bwd / bwd_sm90 dK/dV: lse and delta by TMA (dense inputs only).
+        stats_tma: bwd / bwd_sm90 dK/dV: lse and delta by TMA.
         head_loop: bwd dK/dV: a loop over the group's heads around the row ranges.
         pingpong, overlap: fwd_sm90: FA-3's inter- / intra-warpgroup schedules.
         persistent: fwd_sm90: a program per SM walking the row blocks (dense calls whose
@@ -287,11 +287,11 @@ BWD_DKDV = {
     # (153 / 154) against dK/dV 32x64/8w/2st (134 / 142).
     256: TileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
 }
-# Varlen reads lse and delta by masked pointer loads (a sequence starts anywhere in its row,
-# which TMA cannot address): at D = 128 a third stage then spills (sm_90 compile: 168-byte
-# stack against 88 for MHA; NOTES.md backward #10), so varlen keeps the 2-stage tile of
-# RESULTS.md 2026-11-29, session 3, "lse/delta by masked pointer loads (old)" (D=128
-# B*S=16k H=16: 369 / 346, 359 / 315).
+# Varlen keeps the 2-stage tile of RESULTS.md 2026-11-29, session 3, "lse/delta by masked
+# pointer loads (old)" (D=128 B*S=16k H=16: 369 / 346, 359 / 315), chosen when varlen read
+# lse and delta by pointer loads (a third stage then spilled: NOTES.md backward #10). Since
+# session 20 their rows start 16-byte aligned and come by TMA (stats_offset); the sm_90
+# compile of 3 stages then has the 2-stage stack (136 bytes with every flag), not measured.
 BWD_DKDV_VARLEN = {**BWD_DKDV, 128: TileConfig(block_m=64, block_n=128, num_warps=8,
                                                  num_stages=2)}
 BWD_DQ = {
