@@ -4,19 +4,9 @@
 # scripts go into .before/ (git-ignored), which the device call carries:
 #   bash benchmarks/before_after.sh prep 2dcb23b          # here: the tree before issue 21
 #   bash benchmarks/before_after.sh run [fwd bwd decode merge serving]   # on the GPU, carry .before
-#   bash benchmarks/before_after.sh variant-stats  # .variant_stats (varlen dK/dV stats by TMA) for h200_session.sh varlen-stats
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
 set -o pipefail
-if [ "$1" = variant-stats ]; then
-    # The variant for `h200_session.sh varlen-stats` (carry .variant_stats): this tree with
-    # the Hopper dK/dV reading lse_log2 and delta by TMA in packed varlen calls too
-    # (descriptors from the packed rows' start; benchmarks/variants/varlen_stats_tma.patch).
-    rm -rf .variant_stats && mkdir .variant_stats
-    git archive HEAD flashlse benchmarks tools tests pyproject.toml | tar -x -C .variant_stats
-    patch -s -p1 -d .variant_stats < benchmarks/variants/varlen_stats_tma.patch
-    exit $?
-fi
 if [ "$1" = prep ]; then
     rm -rf .before && mkdir .before
     git archive "${2:?a revision}" flashlse benchmarks | tar -x -C .before

@@ -48,6 +48,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dim", type=int, default=128, help="head dim (the bar's is 128)")
+    ap.add_argument("--doc-len", type=int, default=0,
+                    help="documents all of this length, against the dense kernel at S = it "
+                         "(the varlen path's own cost, apart from the mix of lengths)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, one call a row")
     ap.add_argument("--varlen-l2-mb", type=lambda x: [int(v) for v in x.split(",")], default=[],
                     help="time the persistent varlen forward at these L2 section budgets (MB)")
@@ -56,7 +59,11 @@ def main():
     dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     total, lo, hi, h, d, dense_s = ((256, 8, 64, 2, 32, 64) if smoke
                                     else (16384, 64, 4096, 16, args.dim, 4096))
-    lens = doc_lengths(total, lo, hi, args.seed)
+    if args.doc_len:
+        dense_s = args.doc_len
+        lens = [dense_s] * (total // dense_s)
+    else:
+        lens = doc_lengths(total, lo, hi, args.seed)
     g = torch.Generator(device=dev).manual_seed(args.seed)
     mk = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=dt, requires_grad=True)
     q, k, v = mk(total, h, d), mk(total, h, d), mk(total, h, d)

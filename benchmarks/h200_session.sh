@@ -29,6 +29,10 @@
 #   bash benchmarks/h200_session.sh fused-bwd  # the fused backward (dQ by TMA reduces in the
 #                                                dK/dV pass): its tests and memcheck
 #   bash benchmarks/h200_session.sh fused-bench # bench_bwd, default against deterministic=True
+#   bash benchmarks/h200_session.sh host-desc  # dK/dV on host descriptors: tests, memcheck, A/B
+#   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
+#                                                (warp samples by instruction); bench_varlen
+#                                                at uniform document lengths
 #   bash benchmarks/h200_session.sh prof-bwd   # Nsight Compute: the backward's kernels beside
 #                                                cuDNN's (benchmarks/ncu_bwd.py), S = 1k and 4k
 #   bash benchmarks/h200_session.sh mla-ab     # session 12: the MLA decode's GPU tests, then
@@ -62,7 +66,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 host-desc prof-src varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -169,6 +173,41 @@ if [ "$1" = s22 ]; then
         tests/kernels/test_sync_free.py -k "d64 or attn_fwd_gpu_head_dims or paged8 or \
         paged16 or sync"
     timeout 60 python3 benchmarks/host_varlen.py 2>&1 | tail -4
+    exit 0
+fi
+if [ "$1" = host-desc ]; then
+    # Session 20: the dense Hopper dK/dV (fused and two-pass) on descriptors made on the host
+    # (bwd_sm90.HOST_DESC). Its GPU tests (every SM90 case both ways, varlen on the device
+    # descriptors, bad data) and a memcheck, then the A/B through the public call (on / off
+    # in turn, cuDNN beside). Prediction: causal 1k +10-18%, 2k +6-10%, 4k+ +2-5%.
+    timeout 300 python3 -m pytest -q -x tests/kernels/test_bwd.py -k "sm90 or bad_data or \
+        gpu_varlen" -p no:cacheprovider > "$OUT/test_host_desc.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_host_desc.log")"
+    grep -h "^FAILED\|^E " "$OUT"/test_host_desc.log | head -20
+    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+        tests/kernels/test_bwd.py -k "bad_data or (fused and window)" -p no:cacheprovider \
+        > "$OUT/memcheck_host_desc.log" 2>&1
+    echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_host_desc.log" | tail -1
+    timeout 200 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.HOST_DESC 2>&1 | tail -10
+    exit 0
+fi
+if [ "$1" = prof-src ]; then
+    # Session 20: where the fused dK/dV/dQ kernel's warps wait, by instruction (ncu's source
+    # page, causal S = 1k, B*S = 16k, H = 16), then the varlen forward at uniform document
+    # lengths against the dense kernel at the same S (its own cost, apart from the mix).
+    timeout 200 ncu --profile-from-start off -k regex:_dkdv_sm90 -c 1 --set full \
+        --import-source yes -f -o "$OUT/fused1k" python3 benchmarks/ncu_bwd.py --run \
+        > "$OUT/ncu_run.log" 2>&1; echo "ncu rc=$?"; tail -3 "$OUT/ncu_run.log"
+    ncu -i "$OUT/fused1k.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/fused1k_sass.csv" 2> "$OUT/ncu_src.err"; echo "source page rc=$?"
+    head -c 600 "$OUT/ncu_src.err"
+    python3 benchmarks/ncu_bwd.py --source "$OUT/fused1k_sass.csv" 2>&1 | head -75
+    ncu -i "$OUT/fused1k.ncu-rep" --page details --csv > "$OUT/fused1k_details.csv" 2>&1
+    python3 benchmarks/ncu_bwd.py --read "$OUT/fused1k_details.csv" 2>&1 | tail -3
+    for n in 512 1024 4096; do
+        timeout 100 python3 benchmarks/bench_varlen.py --doc-len $n 2>&1 | grep -E "attention|ratio" \
+            | cut -c1-100
+    done
     exit 0
 fi
 if [ "$1" = varlen-stats ]; then

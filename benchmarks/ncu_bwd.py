@@ -87,10 +87,54 @@ def read(path: str) -> None:
         print(f"{label:<44} " + " ".join(f"{vals.get(m, '-'):>9}" for m in COLUMNS))
 
 
+def source(path: str, top: int = 40) -> None:
+    """Where a kernel's warps wait, instruction by instruction: the report's source page
+    (``ncu -i REP --page source --csv --print-source sass``), its warp-state samples summed
+    by opcode, then the ``top`` instructions with the most samples (address, samples, text)."""
+    from collections import Counter
+
+    with open(path, newline="") as f:
+        lines = [line for line in f if line.startswith('"')]
+    # The table starts at its header row (a "Kernel Name" line comes first).
+    head = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), 0)
+    recs = list(csv.DictReader(lines[head:]))
+    if not recs:
+        print("no rows")
+        return
+    cols = list(recs[0])
+    text = next((c for c in cols if c.lower() in ("source", "sass")), cols[1])
+    addr = next((c for c in cols if "address" in c.lower()), cols[0])
+    samp = [c for c in cols if "sampling" in c.lower()]
+    print("columns:", ", ".join(cols))
+
+    def num(v):
+        try:
+            return float(str(v).replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    key = samp[0] if samp else cols[-1]
+    by_op: Counter = Counter()
+    total = 0.0
+    for r in recs:
+        n = num(r.get(key))
+        total += n
+        words = [w for w in r[text].split() if not w.startswith("@")]
+        by_op[words[0] if words else "?"] += n
+    print(f"{key}: {total:.0f} samples")
+    for op, n in by_op.most_common(25):
+        print(f"  {op:<36} {n:9.0f} {100 * n / max(total, 1):5.1f}%")
+    print(f"top {top} instructions:")
+    for r in sorted(recs, key=lambda r: -num(r.get(key)))[:top]:
+        extra = " ".join(f"{num(r.get(c)):.0f}" for c in samp[1:3])
+        print(f"  {r[addr]:>8} {num(r.get(key)):8.0f} {extra:>12}  {r[text][:70]}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", action="store_true", help="the profiled program (under ncu)")
     ap.add_argument("--read", metavar="CSV", help="print the report's table")
+    ap.add_argument("--source", metavar="CSV", help="summarise a source-page CSV")
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--full", action="store_true", help="no causal mask")
     args = ap.parse_args(argv)
@@ -98,6 +142,8 @@ def main(argv=None) -> None:
         run(args.seqlen, not args.full)
     elif args.read:
         read(args.read)
+    elif args.source:
+        source(args.source)
     else:
         ap.print_help()
         sys.exit(2)

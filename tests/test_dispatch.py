@@ -419,7 +419,7 @@ def test_backward_compile_failure_falls_back_per_pass(kernels):
     # The portable dK/dV gets the arguments the Gluon one was given (the same dict's values).
     assert all(portable[n] is gluon[n] for n in gluon
                if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
-                            "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ"))
+                            "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ", "HOST_DESC"))
     assert portable["dk"] is dk and portable["HEAD_LOOP"] == bool(
         configs.BWD_DKDV[128].head_loop)
     assert [key[0] for key in FAILURES] == ["bwd_sm90 dK/dV"]
@@ -443,3 +443,50 @@ def test_backward_scale_log2_reaches_both_families(kernels):
     expected = kw["scale"] * math.log2(math.e)
     assert kernels.of("dkdv_sm90").named["scale_log2"] == pytest.approx(expected)
     assert kernels.of("dq").named["scale_log2"] == pytest.approx(expected)
+
+
+def test_backward_host_descriptors_cover_the_whole_tensors():
+    """Dense calls' Hopper dK/dV takes TMA descriptors made on the host (HOST_DESC): Q, dO,
+    dQ as (B, S, H * D), K, V, dK, dV as (B, S_k, H_kv * D), lse_log2 and delta as (B * H, S)
+    over their padded rows, each with the kernel's block and shared layout; varlen, seqused_k
+    and heads that are not adjacent keep the per-program descriptors."""
+    b, s, sk, hq, hkv, d, bm = 2, 300, 333, 4, 2, 128, configs.BWD_SM90_DKDV.block_m
+    q, k, v = (torch.randn(b, n, h, d, dtype=torch.bfloat16)
+               for n, h in ((s, hq), (sk, hkv), (sk, hkv)))
+    dout, dk, dv = torch.randn_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta, lse_log2 = torch.empty(2, b, hq, 304)[..., :s].unbind(0)
+    dq_acc = torch.zeros(q.shape)
+    got = []
+    run = bwd_sm90._HostDescs(lambda *a: got.extend(a), q.dtype, d, bm, s)
+    run(q, k, v, dout, lse_log2, delta, dk, dv, None, None, None, dq_acc)
+    row, kv, stat, dql = bwd_sm90._host_layouts(torch.bfloat16, d, bm)
+    want = [(q, [b, s, hq * d], [s * hq * d, hq * d, 1], [1, bm, d], row),
+            (k, [b, sk, hkv * d], [sk * hkv * d, hkv * d, 1], [1, 64, d], kv),
+            (v, [b, sk, hkv * d], [sk * hkv * d, hkv * d, 1], [1, 64, d], kv),
+            (dout, [b, s, hq * d], [s * hq * d, hq * d, 1], [1, bm, d], row),
+            (lse_log2, [b * hq, s], [304, 1], [1, bm], stat),
+            (delta, [b * hq, s], [304, 1], [1, bm], stat),
+            (dk, [b, sk, hkv * d], [sk * hkv * d, hkv * d, 1], [1, 64, d], kv),
+            (dv, [b, sk, hkv * d], [sk * hkv * d, hkv * d, 1], [1, 64, d], kv)]
+    for desc, (t, shape, strides, block, layout) in zip(got, want):
+        # Plain ints: Triton's launcher parses the block shape from the signature's text.
+        assert all(type(x) is int for x in [*desc.shape, *desc.strides, *desc.block_shape])
+        assert desc.base is t and desc.padding == "zero"
+        assert (list(desc.shape), list(desc.strides), desc.block_shape) == (shape, strides, block)
+        assert desc.layout == layout
+    assert got[8:11] == [None, None, None]
+    dq = got[11]
+    assert dq.base is dq_acc and dq.shape == [b, s, hq * d] and dq.block_shape == [1, bm, d // 2]
+    assert dq.layout == dql and len(got) == 12
+
+    class P:
+        cu_seqlens_q = seqused_k = None
+
+    p = P()
+    p.q, p.k, p.v, p.dout, p.dk, p.dv = q, k, v, dout, dk, dv
+    assert bwd_sm90._host_desc_ok(p)
+    p.seqused_k = torch.zeros(b, dtype=torch.int32)
+    assert not bwd_sm90._host_desc_ok(p)
+    p.seqused_k = None
+    p.q = torch.randn(b, hq, s, d, dtype=torch.bfloat16).transpose(1, 2)  # (B, S, H, D) view
+    assert not bwd_sm90._host_desc_ok(p)

@@ -122,6 +122,27 @@ def pipeline(k) -> tuple[list[int], dict[str, int]]:
     return waits, dict(sorted(bufs.items()))
 
 
+def host_descs(d: int = 128) -> dict:
+    """Signature types of the dK/dV kernel's host descriptors (``bwd_sm90._HostDescs``)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    block_m = configs.BWD_SM90_DKDV.block_m
+    row, kv, stat, dql = bwd_sm90._host_layouts(torch.bfloat16, d, block_m)
+    x = torch.empty(1, 64, 2, d, dtype=torch.bfloat16)
+    st = torch.empty(1, 2, 64, dtype=torch.float32)
+    dq = torch.empty(1, 64, 2, d, dtype=torch.float32)
+    pick = bwd_sm90._HostDescs.__call__.__code__  # noqa: F841 - the order below is its own
+    mk = lambda t, shape, block, lay: mangle_type(bwd_sm90._desc(
+        t, shape, [1] * (len(shape) - 1) + [1], block, lay))
+    rows = lambda t, block, lay, cols=d: mk(t, [1, 64, 2 * d], [1, block, cols], lay)
+    return dict(q=rows(x, block_m, row), dout=rows(x, block_m, row), k=rows(x, 64, kv),
+                v=rows(x, 64, kv), dk=rows(x, 64, kv), dv=rows(x, 64, kv),
+                lse_log2=mk(st, [2, 64], [1, block_m], stat),
+                delta=mk(st, [2, 64], [1, block_m], stat),
+                dq_acc=rows(dq, block_m, dql, d // 2))
+
+
 def cases():
     flags = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, IS_VARLEN=False,
                  HAS_SEQUSED_K=False)
@@ -233,7 +254,7 @@ def cases():
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
                       STATS_TMA=True, CONSUMER_REGS=240, dq_acc=None,
-                      stride_dqa=None, FUSED_DQ=False)
+                      stride_dqa=None, FUSED_DQ=False, HOST_DESC=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
@@ -242,6 +263,17 @@ def cases():
             bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, dq_acc=F32, stride_dqa=("i32",) * 3), \
             {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
              "FUSED_DQ": True}, 4, 1
+        if not f["IS_VARLEN"]:
+            # Dense calls: descriptors made on the host (HOST_DESC), two-pass and fused.
+            hd = host_descs()
+            yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label} host desc", \
+                bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd), \
+                dict(consts, HOST_DESC=True), 4, 1
+            yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label} host desc", \
+                bwd_sm90._dkdv_sm90_kernel, \
+                dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3), \
+                {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
+                 "FUSED_DQ": True, "HOST_DESC": True}, 4, 1
         if label == "causal":
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=64 causal", bwd_sm90._dkdv_sm90_kernel, \
                 sm90_bwd, dict(consts, D=64), 4, 1

@@ -145,12 +145,14 @@ def _no_hook(hook) -> bool:
 
 
 def _signature(tensors) -> list | None:
-    """The tensors' dtypes (None for an absent one), or None if one is not 16-byte aligned."""
+    """The tensors' dtypes (None for an absent one), or None if one is not 16-byte aligned.
+    A host TMA descriptor counts as its tensor (``base``)."""
     bits, dtypes = 0, []
     for t in tensors:
         if t is None:
             dtypes.append(None)
         else:
+            t = getattr(t, "base", t)
             bits |= t.data_ptr()
             dtypes.append(t.dtype)
     return None if bits % 16 else dtypes

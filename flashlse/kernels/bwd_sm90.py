@@ -38,6 +38,7 @@ Domain: sm_90, fp16/bf16, D == Dv == 128 (dQ: 128 or 256), no softcap, 16-byte a
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +47,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -123,16 +125,26 @@ def _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _q_coord(at, i_g, m0, col):
+    """TMA coordinates of head ``i_g`` of the group, rows from ``m0``, column ``col`` of a
+    head, in Q, dO or the float32 dQ: ``at = (b, g, c, cg)`` gives ``[b + i_g * g, m0, c +
+    i_g * cg + col]`` (``_dkdv_sm90_kernel``: device descriptors ``(0, 1, 0, 0)`` over the
+    group's heads, host descriptors ``(i_b, 0, i_h0 * D, D)`` over ``(B, S, H * D)``)."""
+    return [at[0] + i_g * at[1], m0, at[2] + i_g * at[3] + col]
+
+
+@gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem, k_smem,
-              v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi, n_tiles,
+              v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi, n_tiles, at,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
     """One warp: the K and V halves once, then Q and dO (and with ``STATS_TMA`` lse_log2
-    and delta) of every (head, row block)."""
+    and delta) of every (head, row block). ``at``: the kernel's coordinate bases (Q's four
+    for ``_q_coord``, then the stats row of the group's first head, K's batch and column)."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [n0 + half * HALF_N, 0], kv_bar,
+        tma.async_copy_global_to_shared(k_desc, [at[5], n0 + half * HALF_N, at[6]], kv_bar,
                                         k_smem.index(half))
-        tma.async_copy_global_to_shared(v_desc, [n0 + half * HALF_N, 0], kv_bar,
+        tma.async_copy_global_to_shared(v_desc, [at[5], n0 + half * HALF_N, at[6]], kv_bar,
                                         v_smem.index(half))
     i_g = 0
     m0 = m_lo
@@ -143,15 +155,17 @@ def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_sm
         if STATS_TMA:
             mbarrier.expect(full.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                             + lse_desc.block_type.nbytes + dlt_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(lse_desc, [i_g, m0], full.index(s),
+            tma.async_copy_global_to_shared(lse_desc, [at[4] + i_g, m0], full.index(s),
                                             lse_smem.index(s))
-            tma.async_copy_global_to_shared(dlt_desc, [i_g, m0], full.index(s),
+            tma.async_copy_global_to_shared(dlt_desc, [at[4] + i_g, m0], full.index(s),
                                             dlt_smem.index(s))
         else:
             mbarrier.expect(full.index(s),
                             q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [i_g, m0, 0], full.index(s), q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [i_g, m0, 0], full.index(s), do_smem.index(s))
+        tma.async_copy_global_to_shared(q_desc, _q_coord(at, i_g, m0, 0), full.index(s),
+                                        q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, _q_coord(at, i_g, m0, 0), full.index(s),
+                                        do_smem.index(s))
         i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
 
 
@@ -177,9 +191,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
               kv_bar, full, empty, p_lse, p_delta, stride_th, half,
               n0, T_q, T_k, shift, left, right, scale, scale_log2,
               m_lo, m_full_lo, m_full_hi, m_hi, n_tiles, fused,
-              D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EARLY_DP: gl.constexpr,
-              STATS_TMA: gl.constexpr, FUSED_DQ: gl.constexpr):
+              GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              EARLY_DP: gl.constexpr, STATS_TMA: gl.constexpr, FUSED_DQ: gl.constexpr,
+              HOST_DESC: gl.constexpr):
     """One warpgroup: 64 keys against every (head, row block) that sees the key block.
 
     ``FUSED_DQ`` (``fused``: dS's shared buffers and their barriers, dQ's staging buffers and
@@ -199,8 +214,15 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
-    k_t = k_smem.index(half)
-    v_t = v_smem.index(half)
+    # The coordinate bases (``_q_coord``; the kernel's ``at``), from the program ids here:
+    # the producer's way (values passed in) spilled in this partition's loop.
+    if HOST_DESC:
+        at = (gl.program_id(2), 0, gl.program_id(1) * (GROUP * D), D, 0, gl.program_id(2),
+              gl.program_id(1) * D)
+    else:
+        at = (0, 1, 0, 0, 0, 0, 0)
+    k_t = k_smem.index(half).reshape([HALF_N, D])
+    v_t = v_smem.index(half).reshape([HALF_N, D])
     if FUSED_DQ:
         ds_smem, ds_full, ds_empty, dq_smem, dq_desc = fused
         HALF_D: gl.constexpr = D // 2
@@ -208,8 +230,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
         dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
         # dQ's columns of this warpgroup in each K half (a whole 128-byte swizzle atom).
-        k_cols0 = k_smem.index(0).slice(half * HALF_D, HALF_D, dim=1)
-        k_cols1 = k_smem.index(1).slice(half * HALF_D, HALF_D, dim=1)
+        k_cols0 = k_smem.index(0).reshape([HALF_N, D]).slice(half * HALF_D, HALF_D, dim=1)
+        k_cols1 = k_smem.index(1).reshape([HALF_N, D]).slice(half * HALF_D, HALF_D, dim=1)
         dq_t = dq_smem.index(half).reshape([BLOCK_M, HALF_D])
     mbarrier.wait(kv_bar, 0)
 
@@ -282,7 +304,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
             gl.thread_barrier()
             dq_t.store(dq * scale)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [i_g, m0, half * HALF_D], dq_smem.index(half))
+            _tma_reduce_add(dq_desc, _q_coord(at, i_g, m0, half * HALF_D), dq_smem.index(half))
         else:
             dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk,
                                    is_async=True)
@@ -300,8 +322,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
     k_t.store((dk * scale).to(dtype))
     v_t.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [n0 + half * HALF_N, 0], k_t)
-    tma.async_copy_shared_to_global(dv_desc, [n0 + half * HALF_N, 0], v_t)
+    tma.async_copy_shared_to_global(dk_desc, [at[5], n0 + half * HALF_N, at[6]],
+                                    k_smem.index(half))
+    tma.async_copy_shared_to_global(dv_desc, [at[5], n0 + half * HALF_N, at[6]],
+                                    v_smem.index(half))
     tma.store_wait(0)
 
 
@@ -322,6 +346,7 @@ def _dkdv_sm90_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
     STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr = False,
+    HOST_DESC: gl.constexpr = False,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
     i_n = gl.program_id(0)
@@ -338,54 +363,77 @@ def _dkdv_sm90_kernel(
     n_tiles = GROUP * ((m_hi - m_lo + BLOCK_M - 1) // BLOCK_M)
 
     i_h0 = i_hk * GROUP
-    p_q = _slice_ptr(q, i_b, bos, i_h0, stride_qb, stride_qs, stride_qh)
-    p_do = _slice_ptr(dout, i_b, bos, i_h0, stride_dob, stride_dos, stride_doh)
-    p_k, p_v = _kv_ptrs(k, v, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh, stride_vb,
-                        stride_vs, stride_vh)
-    p_dk, p_dv = _kv_ptrs(dk, dv, i_b, bos_k, i_hk, stride_dkb, stride_dks, stride_dkh,
-                          stride_dvb, stride_dvs, stride_dvh)
-    o_t = _stats_offset(i_b, bos, i_h0, stride_tb, stride_th)
-    p_lse = lse_log2 + o_t
-    p_delta = delta + o_t
-
-    dtype: gl.constexpr = q.dtype.element_ty
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, D], dtype)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
-    # Q and dO span the group (heads i_h0 .. i_h0 + GROUP - 1); rows past a sequence's end
-    # read as zeros, and the stores of dK, dV are clipped at T_k.
-    T_q_desc = gl.maximum(T_q, 1)
-    q_desc = tma.make_tensor_descriptor(p_q, [GROUP, T_q_desc, D], [stride_qh, stride_qs, 1],
-                                        [1, BLOCK_M, D], row_layout)
-    do_desc = tma.make_tensor_descriptor(p_do, [GROUP, T_q_desc, D],
-                                         [stride_doh, stride_dos, 1], [1, BLOCK_M, D],
-                                         row_layout)
-    k_desc = tma.make_tensor_descriptor(p_k, [T_k, D], [stride_ks, 1], [HALF_N, D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(p_v, [T_k, D], [stride_vs, 1], [HALF_N, D], kv_layout)
-    dk_desc = tma.make_tensor_descriptor(p_dk, [T_k, D], [stride_dks, 1], [HALF_N, D],
-                                         kv_layout)
-    dv_desc = tma.make_tensor_descriptor(p_dv, [T_k, D], [stride_dvs, 1], [HALF_N, D],
-                                         kv_layout)
-
     # lse_log2 and delta of a (head, row block), by TMA beside Q and dO (the launcher starts
-    # each (sequence, head) row at a 16-byte boundary, ``stats_offset``).
-    # Rows past the end read 0 there: their Q and dO rows are zeros too, so P = 1 meets
-    # dO = 0 and dP - delta = 0, and they add nothing.
+    # each (sequence, head) row at a 16-byte boundary, ``stats_offset``). Rows past the end
+    # read 0 there: their Q and dO rows are zeros too, so P = 1 meets dO = 0 and dP - delta
+    # = 0, and they add nothing.
     stat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,
                                                      element_bitwidth=32, rank=2)
-    if STATS_TMA:
-        lse_desc = tma.make_tensor_descriptor(p_lse, [GROUP, T_q_desc], [stride_th, 1],
-                                              [1, BLOCK_M], stat_layout)
-        dlt_desc = tma.make_tensor_descriptor(p_delta, [GROUP, T_q_desc], [stride_th, 1],
-                                              [1, BLOCK_M], stat_layout)
+    if HOST_DESC:
+        # Dense calls: the launcher's descriptors over whole tensors (Q, dO, dQ as (B, S,
+        # H * D), K, V, dK, dV as (B, S_k, H_kv * D), the stats as (B * H, S)), clipped at
+        # S and S_k as the per-program ones below are at T_q and T_k, so no program writes
+        # descriptors: that setup (a global write and a proxy fence each, one after the
+        # other, while the other warps wait) took ~20% of a program at causal S = 1k (ncu).
+        q_desc = q
+        do_desc = dout
+        k_desc = k
+        v_desc = v
+        dk_desc = dk
+        dv_desc = dv
+        lse_desc = lse_log2
+        dlt_desc = delta
+        dtype: gl.constexpr = q.dtype
+        p_lse = lse_log2  # unused: STATS_TMA (the launcher's condition)
+        p_delta = delta
+        at = (i_b, 0, i_h0 * D, D, i_b * (GROUP * gl.num_programs(1)) + i_h0, i_b, i_hk * D)
     else:
-        lse_desc = q_desc
-        dlt_desc = q_desc
+        p_q = _slice_ptr(q, i_b, bos, i_h0, stride_qb, stride_qs, stride_qh)
+        p_do = _slice_ptr(dout, i_b, bos, i_h0, stride_dob, stride_dos, stride_doh)
+        p_k, p_v = _kv_ptrs(k, v, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh)
+        p_dk, p_dv = _kv_ptrs(dk, dv, i_b, bos_k, i_hk, stride_dkb, stride_dks, stride_dkh,
+                              stride_dvb, stride_dvs, stride_dvh)
+        o_t = _stats_offset(i_b, bos, i_h0, stride_tb, stride_th)
+        p_lse = lse_log2 + o_t
+        p_delta = delta + o_t
+        dtype: gl.constexpr = q.dtype.element_ty
+        q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
+        kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_N, D], dtype)
+        # Q and dO span the group (heads i_h0 .. i_h0 + GROUP - 1); rows past a sequence's
+        # end read as zeros, and the stores of dK, dV are clipped at T_k.
+        T_q_desc = gl.maximum(T_q, 1)
+        q_desc = tma.make_tensor_descriptor(p_q, [GROUP, T_q_desc, D],
+                                            [stride_qh, stride_qs, 1], [1, BLOCK_M, D],
+                                            q_lay)
+        do_desc = tma.make_tensor_descriptor(p_do, [GROUP, T_q_desc, D],
+                                             [stride_doh, stride_dos, 1], [1, BLOCK_M, D],
+                                             q_lay)
+        k_desc = tma.make_tensor_descriptor(p_k, [1, T_k, D], [stride_ks, stride_ks, 1],
+                                            [1, HALF_N, D], kv_lay)
+        v_desc = tma.make_tensor_descriptor(p_v, [1, T_k, D], [stride_vs, stride_vs, 1],
+                                            [1, HALF_N, D], kv_lay)
+        dk_desc = tma.make_tensor_descriptor(p_dk, [1, T_k, D], [stride_dks, stride_dks, 1],
+                                             [1, HALF_N, D], kv_lay)
+        dv_desc = tma.make_tensor_descriptor(p_dv, [1, T_k, D], [stride_dvs, stride_dvs, 1],
+                                             [1, HALF_N, D], kv_lay)
+        if STATS_TMA:
+            lse_desc = tma.make_tensor_descriptor(p_lse, [GROUP, T_q_desc], [stride_th, 1],
+                                                  [1, BLOCK_M], stat_layout)
+            dlt_desc = tma.make_tensor_descriptor(p_delta, [GROUP, T_q_desc], [stride_th, 1],
+                                                  [1, BLOCK_M], stat_layout)
+        else:
+            lse_desc = q_desc
+            dlt_desc = q_desc
+        at = (0, 1, 0, 0, 0, 0, 0)
+    row_layout: gl.constexpr = q_desc.layout
+    kv_layout: gl.constexpr = k_desc.layout
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_layout)
     dlt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF_N, D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -406,13 +454,16 @@ def _dkdv_sm90_kernel(
         for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)
             mbarrier.init(ds_empty.index(i), count=2)
-        dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,
-                                                       element_bitwidth=32, rank=3)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, D // 2], dq_layout)
-        dq_desc = tma.make_tensor_descriptor(
-            _slice_ptr(dq_acc, i_b, bos, i_h0, stride_dqa[0], stride_dqa[1], stride_dqa[2]),
-            [GROUP, T_q_desc, D], [stride_dqa[2], stride_dqa[1], 1], [1, BLOCK_M, D // 2],
-            dq_layout)
+        if HOST_DESC:
+            dq_desc = dq_acc
+        else:
+            dq_desc = tma.make_tensor_descriptor(
+                _slice_ptr(dq_acc, i_b, bos, i_h0, stride_dqa[0], stride_dqa[1],
+                           stride_dqa[2]),
+                [GROUP, T_q_desc, D], [stride_dqa[2], stride_dqa[1], 1], [1, BLOCK_M, D // 2],
+                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, D // 2],
+                                            dq_desc.layout)
         fused = (ds_smem, ds_full, ds_empty, dq_smem, dq_desc)
     else:
         fused = ()
@@ -421,16 +472,16 @@ def _dkdv_sm90_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
                      kv_bar, full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
-                     n_tiles, fused, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP,
-                     STATS_TMA, FUSED_DQ)),
+                     n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
+                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
                      kv_bar, full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
-                     n_tiles, fused, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, EARLY_DP,
-                     STATS_TMA, FUSED_DQ)),
+                     n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
+                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi,
-                     n_tiles, BLOCK_M, STAGES, STATS_TMA)),
+                     n_tiles, at, BLOCK_M, STAGES, STATS_TMA)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -461,18 +512,96 @@ def dkdv_plan(p: BwdPass) -> Launch | None:
     return run
 
 
-def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch:
+def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs:
     """The dK/dV kernel's launch at its shipped tiles (configs.BWD_SM90_DKDV) with ``fused``'s
     arguments (the float32 dQ's strides and ``FUSED_DQ``, or None / False), its first
-    ``n_tensors`` arguments left to the call."""
+    ``n_tensors`` arguments left to the call: as TMA descriptors made on the host for dense
+    calls where :func:`_host_desc_ok` (``HOST_DESC``), else the tensors themselves."""
     args = p.plan.dkdv_kw
     cfg = configs.BWD_SM90_DKDV
+    stats_tma = bool(cfg.stats_tma and args["STATS_TMA"])
+    host = HOST_DESC and stats_tma and _host_desc_ok(p)
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
-                 STATS_TMA=bool(cfg.stats_tma and args["STATS_TMA"]),
-                 CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps, **fused)
+                 STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
+                 num_warps=cfg.num_warps, HOST_DESC=host, **fused)
     grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
-    return Launch(_dkdv_sm90_kernel, grid, *positional(
+    run = Launch(_dkdv_sm90_kernel, grid, *positional(
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
+    return _HostDescs(run, p.q.dtype, p.q.shape[-1], cfg.block_m, p.seqlen_q) if host else run
+
+
+# Dense calls pass the dK/dV kernel descriptors made on the host (one per tensor a call,
+# encoded by Triton's launcher) instead of each of its ~2k programs making ten in global
+# memory before its first load. Session 20 (ncu's source page, causal S = 1k, B*S = 16k,
+# H = 16): that setup and the warps waiting on it held ~20% of the fused kernel's samples.
+HOST_DESC = True
+
+
+def _host_desc_ok(p: BwdPass) -> bool:
+    """Whole-tensor descriptors clip where the per-program ones do only for dense calls (no
+    varlen, no ``seqused_k``), and view Q, dO, K, V as ``(B, S, H * D)``: heads adjacent."""
+    if p.cu_seqlens_q is not None or p.seqused_k is not None:
+        return False
+    return all(t.stride(-2) == t.shape[-1] and t.stride(-1) == 1
+               for t in (p.q, p.k, p.v, p.dout, p.dk, p.dv))
+
+
+_HALF_N = int(getattr(HALF_N, "value", HALF_N))  # a plain int for the host's block shapes
+
+
+@functools.cache
+def _host_layouts(dtype: torch.dtype, d: int, block_m: int) -> tuple:
+    """The shared layouts of the kernel's buffers (``_dkdv_sm90_kernel``'s ``row_layout``,
+    ``kv_layout``, ``stat_layout`` and dQ's), which the host descriptors must carry."""
+    el = gl.float16 if dtype == torch.float16 else gl.bfloat16
+    return (gl.NVMMASharedLayout.get_default_for([1, block_m, d], el),
+            gl.NVMMASharedLayout.get_default_for([1, _HALF_N, d], el),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+
+
+def _desc(t: torch.Tensor, shape: list, strides: list, block: list, layout) -> TensorDescriptor:
+    # TensorDescriptor without its __post_init__ checks (~2 us each): _host_desc_ok and the
+    # launcher's tma_ok have made them for the call's plan.
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = \
+        t, shape, strides, block, layout, "zero"
+    return d
+
+
+class _HostDescs:
+    """A dK/dV launch whose kernel takes host descriptors: the call's tensors (``BwdPass.
+    dkdv_tensors`` order, then the float32 dQ if fused) become descriptors over ``(B, S,
+    H * D)`` (Q, dO, dQ), ``(B, S_k, H_kv * D)`` (K, V, dK, dV) and ``(B * H, S)`` (lse_log2,
+    delta: rows padded, ``bwd.prepare``)."""
+
+    __slots__ = ("run", "layouts", "d", "block_m", "seqlen_q")
+
+    def __init__(self, run: Launch, dtype: torch.dtype, d: int, block_m: int, seqlen_q: int):
+        self.run = run
+        self.layouts = _host_layouts(dtype, d, block_m)
+        self.d, self.block_m, self.seqlen_q = d, block_m, seqlen_q
+
+    def __call__(self, q, k, v, dout, lse_log2, delta, dk, dv, cu_q, cu_k, seqused_k,
+                 *dq_acc) -> None:
+        row, kv, stat, dql = self.layouts
+        d, bm, hn = self.d, self.block_m, _HALF_N
+
+        def rows(t, block, layout, cols=d):
+            b, s, h = t.shape[:3]
+            return _desc(t, [b, s, h * d], [t.stride(0), t.stride(1), 1], [1, block, cols],
+                         layout)
+
+        def stats(t):
+            return _desc(t, [t.shape[0] * t.shape[1], self.seqlen_q], [t.stride(1), 1],
+                         [1, bm], stat)
+
+        descs = (rows(q, bm, row), rows(k, hn, kv), rows(v, hn, kv), rows(dout, bm, row),
+                 stats(lse_log2), stats(delta), rows(dk, hn, kv), rows(dv, hn, kv), cu_q, cu_k,
+                 seqused_k)
+        if dq_acc:
+            descs += (rows(dq_acc[0], bm, dql, d // 2), )
+        self.run(*descs)
 
 
 # dK, dV and dQ in one pass (the dK/dV kernel adding each tile's dS K into a float32 dQ by a
