@@ -26,6 +26,37 @@ import flashlse as fl  # noqa: E402
 from flashlse.kernels import bwd  # noqa: E402
 
 
+def _row(mod, flag: str, s: int, causal: bool, heads: int, dim: int) -> tuple:
+    """Milliseconds of the flag on, off, and cuDNN's SDPA, at one shape."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    b = 16384 // s
+    q, k, v = (t.requires_grad_() for t in bf16_inputs(b, s, s, heads, dim))
+    dout = torch.randn_like(q)
+    qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    douth = dout.transpose(1, 2).contiguous()
+
+    def step(value):
+        def run():
+            if getattr(mod, flag) != value:
+                setattr(mod, flag, value)
+                bwd._BWD_PLANS.clear()
+            q.grad = k.grad = v.grad = None
+            fl.attention(q, k, v, causal=causal).backward(dout)
+        return run
+
+    def cudnn():
+        qh.grad = kh.grad = vh.grad = None
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            sdpa(qh, kh, vh, is_causal=causal).backward(douth)
+
+    times = interleaved_ms([step(True), step(False), cudnn])
+    setattr(mod, flag, True)
+    bwd._BWD_PLANS.clear()
+    return b, times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--flag", required=True, help="module.NAME in flashlse.kernels")
@@ -35,42 +66,16 @@ def main() -> None:
     args = ap.parse_args()
     mod_name, flag = args.flag.rsplit(".", 1)
     mod = importlib.import_module(f"flashlse.kernels.{mod_name}")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; {args.flag} on / off, "
           f"fwd+bwd TFLOP/s (public call), cuDNN beside")
     print(f"{'S':>6} {'causal':>6} {'on':>8} {'off':>8} {'on/off':>7} {'cuDNN':>8} {'on/cuDNN':>8}")
     for s in (int(x) for x in args.seqs.split(",")):
-        b = 16384 // s
         for causal in (False, True):
-            q, k, v = (t.requires_grad_() for t in bf16_inputs(b, s, s, args.heads, args.dim))
-            dout = torch.randn_like(q)
-            qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_()
-                          for t in (q, k, v))
-            douth = dout.transpose(1, 2).contiguous()
-
-            def step(value):
-                def run():
-                    if getattr(mod, flag) != value:
-                        setattr(mod, flag, value)
-                        bwd._BWD_PLANS.clear()
-                    q.grad = k.grad = v.grad = None
-                    fl.attention(q, k, v, causal=causal).backward(dout)
-                return run
-
-            def cudnn():
-                qh.grad = kh.grad = vh.grad = None
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    sdpa(qh, kh, vh, is_causal=causal).backward(douth)
-
-            t_on, t_off, t_cu = interleaved_ms([step(True), step(False), cudnn])
-            fl_ = 3.5 * attn_flops(b, args.heads, s, s, args.dim, causal)
-            tf = lambda ms: fl_ / ms / 1e9
+            b, (t_on, t_off, t_cu) = _row(mod, flag, s, causal, args.heads, args.dim)
+            flops = 3.5 * attn_flops(b, args.heads, s, s, args.dim, causal)
+            tf = lambda ms, f=flops: f / ms / 1e9
             print(f"{s:>6} {str(causal):>6} {tf(t_on):8.1f} {tf(t_off):8.1f} "
                   f"{t_off / t_on:7.3f} {tf(t_cu):8.1f} {t_cu / t_on:8.3f}")
-            setattr(mod, flag, True)
-            bwd._BWD_PLANS.clear()
 
 
 if __name__ == "__main__":
