@@ -42,6 +42,9 @@ def _norm(x):
         return ("T", tuple(x.shape), x.stride(), str(x.dtype), idx, p % 16)
     if isinstance(x, (tuple, list)):
         return tuple(_norm(y) for y in x)
+    if type(x).__name__ == "TensorDescriptor":  # a host TMA descriptor: its tensor and box
+        return ("D", _norm(x.base), _norm(x.shape), _norm(x.strides), _norm(x.block_shape),
+                repr(x.layout), x.padding)
     if type(x).__name__ == "constexpr":
         return ("c", _norm(x.value))
     if isinstance(x, float):
