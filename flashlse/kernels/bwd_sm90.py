@@ -592,35 +592,40 @@ class _HostDescs:
     """A dK/dV launch whose kernel takes host descriptors: the call's tensors (``BwdPass.
     dkdv_tensors`` order, then the float32 dQ if fused) become descriptors over ``(B, S,
     H * D)`` (Q, dO, dQ), ``(B, S_k, H_kv * D)`` (K, V, dK, dV) and ``(B * H, S)`` (lse_log2,
-    delta: rows padded, ``bwd.prepare``)."""
+    delta: rows padded, ``bwd.prepare``). Shapes and strides are the plan's (its key), so
+    each descriptor's fields are worked out on the first call and only the tensors change."""
 
-    __slots__ = ("run", "layouts", "d", "block_m", "seqlen_q")
+    __slots__ = ("run", "layouts", "d", "block_m", "seqlen_q", "fields")
 
     def __init__(self, run: Launch, dtype: torch.dtype, d: int, block_m: int, seqlen_q: int):
         self.run = run
         self.layouts = _host_layouts(dtype, d, block_m)
         self.d, self.block_m, self.seqlen_q = d, block_m, seqlen_q
+        self.fields = None
 
-    def __call__(self, q, k, v, dout, lse_log2, delta, dk, dv, cu_q, cu_k, seqused_k,
-                 *dq_acc) -> None:
+    def _fields(self, tensors) -> tuple:
+        """(shape, strides, block, layout) of each descriptor, None for a plain argument."""
         row, kv, stat, dql = self.layouts
         d, bm, hn = self.d, self.block_m, _HALF_N
 
         def rows(t, block, layout, cols=d):
             b, s, h = t.shape[:3]
-            return _desc(t, [b, s, h * d], [t.stride(0), t.stride(1), 1], [1, block, cols],
-                         layout)
+            return [b, s, h * d], [t.stride(0), t.stride(1), 1], [1, block, cols], layout
 
         def stats(t):
-            return _desc(t, [t.shape[0] * t.shape[1], self.seqlen_q], [t.stride(1), 1],
-                         [1, bm], stat)
+            return [t.shape[0] * t.shape[1], self.seqlen_q], [t.stride(1), 1], [1, bm], stat
 
-        descs = (rows(q, bm, row), rows(k, hn, kv), rows(v, hn, kv), rows(dout, bm, row),
-                 stats(lse_log2), stats(delta), rows(dk, hn, kv), rows(dv, hn, kv), cu_q, cu_k,
-                 seqused_k)
-        if dq_acc:
-            descs += (rows(dq_acc[0], bm, dql, d // 2), )
-        self.run(*descs)
+        q, k, v, dout, lse_log2, delta, dk, dv = tensors[:8]
+        f = (rows(q, bm, row), rows(k, hn, kv), rows(v, hn, kv), rows(dout, bm, row),
+             stats(lse_log2), stats(delta), rows(dk, hn, kv), rows(dv, hn, kv), None, None,
+             None)
+        return f + ((rows(tensors[11], bm, dql, d // 2), ) if len(tensors) > 11 else ())
+
+    def __call__(self, *tensors) -> None:
+        fields = self.fields
+        if fields is None:
+            fields = self.fields = self._fields(tensors)
+        self.run(*[t if f is None else _desc(t, *f) for t, f in zip(tensors, fields)])
 
 
 # dK, dV and dQ in one pass (the dK/dV kernel adding each tile's dS K into a float32 dQ by a
