@@ -29,7 +29,7 @@
 #   bash benchmarks/h200_session.sh fused-bwd  # the fused backward (dQ by TMA reduces in the
 #                                                dK/dV pass): its tests and memcheck
 #   bash benchmarks/h200_session.sh fused-bench # bench_bwd, default against deterministic=True
-#   bash benchmarks/h200_session.sh final20    # DS_ON_EMPTY tests + A/B, bench_bwd, bench_varlen
+#   bash benchmarks/h200_session.sh final20    # bench_varlen, ncu source page, DS_ON_EMPTY tests + A/B
 #   bash benchmarks/h200_session.sh host-desc  # dK/dV on host descriptors: tests, memcheck, A/B
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
@@ -177,16 +177,23 @@ if [ "$1" = s22 ]; then
     exit 0
 fi
 if [ "$1" = final20 ]; then
-    # Session 20's last call: bench_varlen (seeds 0 1 3) and bench_bwd --quick on the tree as
-    # it ships, then the fused pass's dS buffers on the Q/dO ring's barrier
-    # (bwd_sm90.DS_ON_EMPTY, off in the tree): its fused GPU tests with it on and its A/B
-    # (prediction: +0-2%, one BAR.SYNC and one arrive less a tile).
+    # Session 20's last call: bench_varlen (seeds 0 1 3) on the tree as it ships; the ncu
+    # source page of the fused kernel on host descriptors (what per-program cost is left);
+    # then the fused pass's dS buffers on the Q/dO ring's barrier (bwd_sm90.DS_ON_EMPTY, off
+    # in the tree): its fused GPU tests with it on and its A/B (prediction: +0-2%).
     for seed in 0 1 3; do
         timeout 90 python3 benchmarks/bench_varlen.py --seed $seed 2>&1 \
             | grep -E "attention|ratio" | cut -c1-100
     done
-    timeout 200 python3 benchmarks/bench_bwd.py --quick --flex-budget 0 --out "$OUT" 2>&1 \
-        | tail -24
+    timeout 150 ncu --profile-from-start off -k regex:_dkdv_sm90 -c 1 --set full \
+        --import-source yes -f -o "$OUT/fused1k_hd" python3 benchmarks/ncu_bwd.py --run \
+        > "$OUT/ncu_run.log" 2>&1; echo "ncu rc=$?"
+    ncu -i "$OUT/fused1k_hd.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/fused1k_hd_sass.csv" 2> "$OUT/ncu_src.err"
+    python3 benchmarks/ncu_bwd.py --source "$OUT/fused1k_hd_sass.csv" 2>&1 | sed -n 2,20p
+    ncu -i "$OUT/fused1k_hd.ncu-rep" --page details --csv > "$OUT/fused1k_hd_details.csv" 2>&1
+    python3 benchmarks/ncu_bwd.py --read "$OUT/fused1k_hd_details.csv" 2>&1 | tail -2
+    rm -f "$OUT/fused1k_hd.ncu-rep"
     timeout 150 python3 -c "import sys, pytest; import flashlse.kernels.bwd_sm90 as m; \
 m.DS_ON_EMPTY = True; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', \
 'tests/kernels/test_bwd.py', '-k', 'fused or bad_data']))" > "$OUT/test_ds_empty.log" 2>&1
