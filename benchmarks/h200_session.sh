@@ -185,6 +185,13 @@ if [ "$1" = final20 ]; then
         timeout 90 python3 benchmarks/bench_varlen.py --seed $seed 2>&1 \
             | grep -E "attention|ratio" | cut -c1-100
     done
+    timeout 150 python3 -c "import sys, pytest; import flashlse.kernels.bwd_sm90 as m; \
+m.DS_ON_EMPTY = True; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', \
+'tests/kernels/test_bwd.py', '-k', 'fused or bad_data']))" > "$OUT/test_ds_empty.log" 2>&1
+    echo "DS_ON_EMPTY tests: $(tail -1 "$OUT/test_ds_empty.log")"
+    grep -h "^FAILED\|^E " "$OUT"/test_ds_empty.log | head -10
+    timeout 100 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DS_ON_EMPTY \
+        --seqs 1024,4096 2>&1 | tail -6
     timeout 150 ncu --profile-from-start off -k regex:_dkdv_sm90 -c 1 --set full \
         --import-source yes -f -o "$OUT/fused1k_hd" python3 benchmarks/ncu_bwd.py --run \
         > "$OUT/ncu_run.log" 2>&1; echo "ncu rc=$?"
@@ -194,13 +201,6 @@ if [ "$1" = final20 ]; then
     ncu -i "$OUT/fused1k_hd.ncu-rep" --page details --csv > "$OUT/fused1k_hd_details.csv" 2>&1
     python3 benchmarks/ncu_bwd.py --read "$OUT/fused1k_hd_details.csv" 2>&1 | tail -2
     rm -f "$OUT/fused1k_hd.ncu-rep"
-    timeout 150 python3 -c "import sys, pytest; import flashlse.kernels.bwd_sm90 as m; \
-m.DS_ON_EMPTY = True; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', \
-'tests/kernels/test_bwd.py', '-k', 'fused or bad_data']))" > "$OUT/test_ds_empty.log" 2>&1
-    echo "DS_ON_EMPTY tests: $(tail -1 "$OUT/test_ds_empty.log")"
-    grep -h "^FAILED\|^E " "$OUT"/test_ds_empty.log | head -10
-    timeout 100 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DS_ON_EMPTY \
-        --seqs 1024,4096 2>&1 | tail -6
     exit 0
 fi
 if [ "$1" = host-desc ]; then
