@@ -67,7 +67,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 final20 host-desc prof-src varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 final20s final20 host-desc prof-src varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -174,6 +174,21 @@ if [ "$1" = s22 ]; then
         tests/kernels/test_sync_free.py -k "d64 or attn_fwd_gpu_head_dims or paged8 or \
         paged16 or sync"
     timeout 60 python3 benchmarks/host_varlen.py 2>&1 | tail -4
+    exit 0
+fi
+if [ "$1" = final20s ]; then
+    # final20 cut to what a short lease allows: bench_varlen, DS_ON_EMPTY's tests and A/B.
+    for seed in 0 1 3; do
+        timeout 90 python3 benchmarks/bench_varlen.py --seed $seed 2>&1 \
+            | grep -E "attention|ratio" | cut -c1-100
+    done
+    timeout 100 python3 -c "import sys, pytest; import flashlse.kernels.bwd_sm90 as m; \
+m.DS_ON_EMPTY = True; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', \
+'tests/kernels/test_bwd.py', '-k', 'fused or bad_data']))" > "$OUT/test_ds_empty.log" 2>&1
+    echo "DS_ON_EMPTY tests: $(tail -1 "$OUT/test_ds_empty.log")"
+    grep -h "^FAILED\|^E " "$OUT"/test_ds_empty.log | head -10
+    timeout 60 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DS_ON_EMPTY \
+        --seqs 1024 2>&1 | tail -4
     exit 0
 fi
 if [ "$1" = final20 ]; then
