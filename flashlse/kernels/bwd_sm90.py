@@ -217,8 +217,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
-    # The coordinate bases (``_q_coord``; the kernel's ``at``), from the program ids here:
-    # the producer's way (values passed in) spilled in this partition's loop.
+    # The coordinate bases (``_q_coord``; the kernel's ``at``), from the program ids here.
+    # (Host descriptors: 64 bytes of stack with every flag against 16, sm_90 compile; the
+    # measured kernel was faster all the same, RESULTS.md session 20.)
     if HOST_DESC:
         at = (gl.program_id(2), 0, gl.program_id(1) * (GROUP * D), D, 0, gl.program_id(2),
               gl.program_id(1) * D)
