@@ -218,8 +218,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
     dk = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
     # The coordinate bases (``_q_coord``; the kernel's ``at``), from the program ids here.
-    # (Host descriptors: 64 bytes of stack with every flag against 16, sm_90 compile; the
-    # measured kernel was faster all the same, RESULTS.md session 20.)
+    # (The fused causal kernel: 64 bytes of stack on host descriptors, 16 on device ones,
+    # sm_90 compile; it was faster all the same, RESULTS.md session 20.)
     if HOST_DESC:
         at = (gl.program_id(2), 0, gl.program_id(1) * (GROUP * D), D, 0, gl.program_id(2),
               gl.program_id(1) * D)
