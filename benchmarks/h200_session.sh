@@ -55,6 +55,18 @@ gate() {
     grep -h "^FAILED\|^ERROR" "$log" | head
     grep -q " passed" "$log" && ! grep -q "failed\|error" "$log"
 }
+# bwd_checks NAME SECONDS KEXPR: test_bwd.py's tests selected by KEXPR (stopping at the first
+# failure), then compute-sanitizer memcheck of the bad-data and windowed fused cases.
+bwd_checks() {
+    timeout "$2" python3 -m pytest -q -x tests/kernels/test_bwd.py -k "$3" \
+        -p no:cacheprovider > "$OUT/test_$1.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_$1.log")"
+    grep -h "^FAILED\|^E " "$OUT/test_$1.log" | head -20
+    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+        tests/kernels/test_bwd.py -k "bad_data or (fused and window)" -p no:cacheprovider \
+        > "$OUT/memcheck_$1.log" 2>&1
+    echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_$1.log" | tail -1
+}
 # fuzz_bf16 PROCS SEED0 SECONDS: the seeded fuzzer in bf16 on the GPU (bad-data draws
 # included), PROCS processes side by side; prints any failure, then each one's summary.
 fuzz_bf16() {
@@ -176,26 +188,10 @@ if [ "$1" = s22 ]; then
     timeout 60 python3 benchmarks/host_varlen.py 2>&1 | tail -4
     exit 0
 fi
-if [ "$1" = final20s ]; then
-    # final20 cut to what a short lease allows: bench_varlen, DS_ON_EMPTY's tests and A/B.
-    for seed in 0 1 3; do
-        timeout 90 python3 benchmarks/bench_varlen.py --seed $seed 2>&1 \
-            | grep -E "attention|ratio" | cut -c1-100
-    done
-    timeout 100 python3 -c "import sys, pytest; import flashlse.kernels.bwd_sm90 as m; \
-m.DS_ON_EMPTY = True; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', \
-'tests/kernels/test_bwd.py', '-k', 'fused or bad_data']))" > "$OUT/test_ds_empty.log" 2>&1
-    echo "DS_ON_EMPTY tests: $(tail -1 "$OUT/test_ds_empty.log")"
-    grep -h "^FAILED\|^E " "$OUT"/test_ds_empty.log | head -10
-    timeout 60 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DS_ON_EMPTY \
-        --seqs 1024 2>&1 | tail -4
-    exit 0
-fi
-if [ "$1" = final20 ]; then
-    # Session 20's last call: bench_varlen (seeds 0 1 3) on the tree as it ships; the ncu
-    # source page of the fused kernel on host descriptors (what per-program cost is left);
-    # then the fused pass's dS buffers on the Q/dO ring's barrier (bwd_sm90.DS_ON_EMPTY, off
-    # in the tree): its fused GPU tests with it on and its A/B (prediction: +0-2%).
+# Session 20's last measurements: bench_varlen at three document draws on the tree as it
+# ships; the fused pass's dS buffers on the Q/dO ring's barrier (bwd_sm90.DS_ON_EMPTY, off in
+# the tree): its fused GPU tests with it on and its A/B at SEQS (prediction: +0-2%).
+final20_core() {
     for seed in 0 1 3; do
         timeout 90 python3 benchmarks/bench_varlen.py --seed $seed 2>&1 \
             | grep -E "attention|ratio" | cut -c1-100
@@ -206,7 +202,16 @@ m.DS_ON_EMPTY = True; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider'
     echo "DS_ON_EMPTY tests: $(tail -1 "$OUT/test_ds_empty.log")"
     grep -h "^FAILED\|^E " "$OUT"/test_ds_empty.log | head -10
     timeout 100 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DS_ON_EMPTY \
-        --seqs 1024,4096 2>&1 | tail -6
+        --seqs "$1" 2>&1 | tail -6
+}
+if [ "$1" = final20s ]; then
+    final20_core 1024  # what a short lease allows
+    exit 0
+fi
+if [ "$1" = final20 ]; then
+    # ... then the ncu source page of the fused kernel on host descriptors (what per-program
+    # cost is left).
+    final20_core 1024,4096
     timeout 150 ncu --profile-from-start off -k regex:_dkdv_sm90 -c 1 --set full \
         --import-source yes -f -o "$OUT/fused1k_hd" python3 benchmarks/ncu_bwd.py --run \
         > "$OUT/ncu_run.log" 2>&1; echo "ncu rc=$?"
@@ -223,14 +228,7 @@ if [ "$1" = host-desc ]; then
     # (bwd_sm90.HOST_DESC). Its GPU tests (every SM90 case both ways, varlen on the device
     # descriptors, bad data) and a memcheck, then the A/B through the public call (on / off
     # in turn, cuDNN beside). Prediction: causal 1k +10-18%, 2k +6-10%, 4k+ +2-5%.
-    timeout 300 python3 -m pytest -q -x tests/kernels/test_bwd.py -k "sm90 or bad_data or \
-        gpu_varlen" -p no:cacheprovider > "$OUT/test_host_desc.log" 2>&1
-    echo "tests: $(tail -1 "$OUT/test_host_desc.log")"
-    grep -h "^FAILED\|^E " "$OUT"/test_host_desc.log | head -20
-    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
-        tests/kernels/test_bwd.py -k "bad_data or (fused and window)" -p no:cacheprovider \
-        > "$OUT/memcheck_host_desc.log" 2>&1
-    echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_host_desc.log" | tail -1
+    bwd_checks host_desc 300 "sm90 or bad_data or gpu_varlen"
     timeout 200 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.HOST_DESC 2>&1 | tail -10
     exit 0
 fi
@@ -281,15 +279,8 @@ if [ "$1" = fused-bwd ]; then
     # The fused backward (dQ by TMA reduces in the dK/dV pass, the default since session 19):
     # its GPU tests (every SM90 case, its match with the two passes, varlen, bad data), then
     # memcheck of the fused cases.
-    timeout 330 python3 -m pytest -q -x tests/kernels/test_bwd.py -k "fused or \
-        gpu_sm90_varlen or gpu_varlen or bad_data or (test_attn_bwd_gpu_sm90 and bf16)" \
-        -p no:cacheprovider > "$OUT/test_fused.log" 2>&1
-    echo "fused tests: $(tail -1 "$OUT/test_fused.log")"
-    grep -h "^FAILED\|^E " "$OUT"/test_fused.log | head -20
-    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
-        tests/kernels/test_bwd.py -k "bad_data or (fused and window)" -p no:cacheprovider \
-        > "$OUT/memcheck_fused.log" 2>&1
-    echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_fused.log" | tail -1
+    bwd_checks fused 330 "fused or gpu_sm90_varlen or gpu_varlen or bad_data or \
+        (test_attn_bwd_gpu_sm90 and bf16)"
     exit 0
 fi
 if [ "$1" = fused-bench ]; then
