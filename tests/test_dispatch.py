@@ -491,3 +491,5 @@ def test_backward_host_descriptors_cover_the_whole_tensors():
     p.seqused_k = None
     p.q = torch.randn(b, hq, s, d, dtype=torch.bfloat16).transpose(1, 2)  # (B, S, H, D) view
     assert not bwd_sm90._host_desc_ok(p)
+    p.q = q[:1].expand(b, s, hq, d)  # a broadcast batch (stride 0)
+    assert not bwd_sm90._host_desc_ok(p)

@@ -562,8 +562,10 @@ def _host_desc_ok(p: BwdPass) -> bool:
     varlen, no ``seqused_k``), and view Q, dO, K, V as ``(B, S, H * D)``: heads adjacent."""
     if p.cu_seqlens_q is not None or p.seqused_k is not None:
         return False
-    return all(t.stride(-2) == t.shape[-1] and t.stride(-1) == 1
-               for t in (p.q, p.k, p.v, p.dout, p.dk, p.dv))
+    # (Broadcast batch or rows, stride 0, keep the per-program descriptors too: those slice
+    # the batch away.)
+    return all(t.stride(-2) == t.shape[-1] and t.stride(-1) == 1 and t.stride(0) > 0
+               and t.stride(1) > 0 for t in (p.q, p.k, p.v, p.dout, p.dk, p.dv))
 
 
 _HALF_N = int(getattr(HALF_N, "value", HALF_N))  # a plain int for the host's block shapes
