@@ -458,7 +458,8 @@ def test_backward_host_descriptors_cover_the_whole_tensors():
     delta, lse_log2 = torch.empty(2, b, hq, 304)[..., :s].unbind(0)
     dq_acc = torch.zeros(q.shape)
     got = []
-    run = bwd_sm90._HostDescs(lambda *a: got.extend(a), q.dtype, d, bm, s)
+    run = bwd_sm90._HostDescs(lambda *a: got.extend(a),
+                              bwd_sm90._dkdv_host_spec(q.dtype, d, bm), s)
     run(q, k, v, dout, lse_log2, delta, dk, dv, None, None, None, dq_acc)
     row, kv, stat, dql = bwd_sm90._host_layouts(torch.bfloat16, d, bm)
     want = [(q, [b, s, hq * d], [s * hq * d, hq * d, 1], [1, bm, d], row),
@@ -479,6 +480,21 @@ def test_backward_host_descriptors_cover_the_whole_tensors():
     dq = got[11]
     assert dq.base is dq_acc and dq.shape == [b, s, hq * d] and dq.block_shape == [1, bm, d // 2]
     assert dq.layout == dql and len(got) == 12
+
+    # The dQ kernel's (DQ_HOST_DESC): Q, dO, dQ in 64-row boxes, K, V in BLOCK_N-row ones,
+    # the statistics as pointers; run twice (the fields are kept from the first call).
+    bn = configs.BWD_SM90_DQ[d].block_n
+    spec = bwd_sm90._dq_host_spec(q.dtype, d, bn)
+    dq = torch.empty_like(q)
+    for _ in range(2):
+        got.clear()
+        bwd_sm90._HostDescs(lambda *a: got.extend(a), spec, s)(
+            q, k, v, dout, lse_log2, delta, dq, None, None, None)
+        assert got[4] is lse_log2 and got[5] is delta and got[7:] == [None] * 3
+        for i, t, rows in ((0, q, 64), (1, k, bn), (2, v, bn), (3, dout, 64), (6, dq, 64)):
+            assert got[i].base is t and got[i].block_shape == [1, rows, d]
+            assert got[i].shape == [b, t.shape[1], t.shape[2] * d]
+            assert got[i].layout == spec[i][3]
 
     class P:
         cu_seqlens_q = seqused_k = None

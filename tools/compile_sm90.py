@@ -143,6 +143,19 @@ def host_descs(d: int = 128) -> dict:
                 dq_acc=rows(dq, block_m, dql, d // 2))
 
 
+def host_descs_dq(d: int = 128) -> dict:
+    """Signature types of the dQ kernel's host descriptors (``bwd_sm90._dq_host_spec``)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    spec = bwd_sm90._dq_host_spec(torch.bfloat16, d, configs.BWD_SM90_DQ[d].block_n)
+    x = torch.empty(1, 64, 2, d, dtype=torch.bfloat16)
+    names = ("q", "k", "v", "dout", "lse_log2", "delta", "dq")
+    return {n: mangle_type(bwd_sm90._desc(x, [1, 64, 2 * d], [1, 1, 1], [1, sp[1], sp[2]],
+                                          sp[3]))
+            for n, sp in zip(names, spec) if sp is not None}
+
+
 def cases():
     flags = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, IS_VARLEN=False,
                  HAS_SEQUSED_K=False)
@@ -287,9 +300,14 @@ def cases():
                 bwd_sm90._dkdv_sm90_kernel, sm90_bwd, dict(consts, EARLY_DP=True), 4, 1
         consts = dict(GROUP=2, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
-                      HAS_SEQUSED_K=f["HAS_SEQUSED_K"], CONSUMER_REGS=240)
+                      HAS_SEQUSED_K=f["HAS_SEQUSED_K"], CONSUMER_REGS=240, HOST_DESC=False)
         yield "dq", f"bwd dQ sm90 (Gluon) D=128 {label}", bwd_sm90._dq_sm90_kernel, \
             dict(bwd_types, scale="fp32", scale_log2="fp32"), consts, 4, 1
+        if not f["IS_VARLEN"]:
+            yield "dq", f"bwd dQ sm90 (Gluon) D=128 {label} host desc", \
+                bwd_sm90._dq_sm90_kernel, \
+                dict(bwd_types, scale="fp32", scale_log2="fp32", **host_descs_dq()), \
+                dict(consts, HOST_DESC=True), 4, 1
         if label == "causal":
             yield "dq", "bwd dQ sm90 (Gluon) D=256 causal", bwd_sm90._dq_sm90_kernel, \
                 dict(bwd_types, scale="fp32", scale_log2="fp32"), \

@@ -390,14 +390,8 @@ def _dkdv_sm90_kernel(
         # S and S_k as the per-program ones below are at T_q and T_k, so no program writes
         # descriptors: that setup (a global write and a proxy fence each, one after the
         # other, while the other warps wait) took ~20% of a program at causal S = 1k (ncu).
-        q_desc = q
-        do_desc = dout
-        k_desc = k
-        v_desc = v
-        dk_desc = dk
-        dv_desc = dv
-        lse_desc = lse_log2
-        dlt_desc = delta
+        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc = q, dout, k, v, dk, dv
+        lse_desc, dlt_desc = lse_log2, delta
         dtype: gl.constexpr = q.dtype
         p_lse = lse_log2  # unused: STATS_TMA (the launcher's condition)
         p_delta = delta
@@ -542,7 +536,9 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs:
     grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
     run = Launch(_dkdv_sm90_kernel, grid, *positional(
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
-    return _HostDescs(run, p.q.dtype, p.q.shape[-1], cfg.block_m, p.seqlen_q) if host else run
+    if not host:
+        return run
+    return _HostDescs(run, _dkdv_host_spec(p.q.dtype, p.q.shape[-1], cfg.block_m), p.seqlen_q)
 
 
 # Dense calls pass the dK/dV kernel descriptors made on the host (one per tensor a call,
@@ -551,21 +547,27 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs:
 # H = 16): that setup and the warps waiting on it held ~20% of the fused kernel's samples.
 HOST_DESC = True
 
+# The same for the Hopper dQ kernel (the deterministic path's second pass, and D = 256's
+# dQ): prepared in session 20 (five descriptors a program made on the device before), not
+# yet run on the GPU; off until then.
+DQ_HOST_DESC = False
+
 # The fused pass's dS buffers freed by the Q/dO ring's barrier (two stages): prepared in
 # session 20 (its SASS: one BAR.SYNC and one arrive less a tile and warpgroup), not yet
 # measured on the GPU; off until then.
 DS_ON_EMPTY = False
 
 
-def _host_desc_ok(p: BwdPass) -> bool:
+def _host_desc_ok(p: BwdPass, *grads: torch.Tensor) -> bool:
     """Whole-tensor descriptors clip where the per-program ones do only for dense calls (no
-    varlen, no ``seqused_k``), and view Q, dO, K, V as ``(B, S, H * D)``: heads adjacent."""
+    varlen, no ``seqused_k``), and view Q, dO, K, V and the gradients ``grads`` (dK and dV by
+    default) as ``(B, S, H * D)``: heads adjacent."""
     if p.cu_seqlens_q is not None or p.seqused_k is not None:
         return False
     # (Broadcast batch or rows, stride 0, keep the per-program descriptors too: those slice
     # the batch away.)
     return all(t.stride(-2) == t.shape[-1] and t.stride(-1) == 1 and t.stride(0) > 0
-               and t.stride(1) > 0 for t in (p.q, p.k, p.v, p.dout, p.dk, p.dv))
+               and t.stride(1) > 0 for t in (p.q, p.k, p.v, p.dout, *(grads or (p.dk, p.dv))))
 
 
 _HALF_N = int(getattr(HALF_N, "value", HALF_N))  # a plain int for the host's block shapes
@@ -591,38 +593,53 @@ def _desc(t: torch.Tensor, shape: list, strides: list, block: list, layout) -> T
     return d
 
 
+def _dkdv_host_spec(dtype: torch.dtype, d: int, block_m: int) -> tuple:
+    """How each of the dK/dV kernel's tensor arguments (``BwdPass.dkdv_tensors`` order, then
+    the float32 dQ if fused) becomes a host descriptor (``_HostDescs``)."""
+    row, kv, stat, dql = _host_layouts(dtype, d, block_m)
+    rows, keys = ("rows", block_m, d, row), ("rows", _HALF_N, d, kv)
+    return (rows, keys, keys, rows, ("stats", block_m, stat), ("stats", block_m, stat), keys,
+            keys, None, None, None, ("rows", block_m, d // 2, dql))
+
+
+@functools.cache
+def _dq_host_spec(dtype: torch.dtype, d: int, block_n: int) -> tuple:
+    """The dQ kernel's (``BwdPass.dq_tensors`` order): Q, dO, dQ in 64-row boxes, K and V in
+    ``block_n``-row ones; lse_log2 and delta stay pointers there."""
+    el = gl.float16 if dtype == torch.float16 else gl.bfloat16
+    rows = ("rows", _HALF_N, d, gl.NVMMASharedLayout.get_default_for([1, _HALF_N, d], el))
+    keys = ("rows", block_n, d, gl.NVMMASharedLayout.get_default_for([1, block_n, d], el))
+    return (rows, keys, keys, rows, None, None, rows, None, None, None)
+
+
 class _HostDescs:
-    """A dK/dV launch whose kernel takes host descriptors: the call's tensors (``BwdPass.
-    dkdv_tensors`` order, then the float32 dQ if fused) become descriptors over ``(B, S,
-    H * D)`` (Q, dO, dQ), ``(B, S_k, H_kv * D)`` (K, V, dK, dV) and ``(B * H, S)`` (lse_log2,
-    delta: rows padded, ``bwd.prepare``). Shapes and strides are the plan's (its key), so
-    each descriptor's fields are worked out on the first call and only the tensors change."""
+    """A launch whose kernel takes TMA descriptors made on the host: ``spec`` says, for each
+    tensor argument in order, whether it stays a tensor (None) or becomes a descriptor over
+    ``(B, S, H * D)`` (``("rows", box rows, box cols, layout)``: Q, dO, dQ, K, V, dK, dV) or
+    over ``(B * H, S)`` (``("stats", box cols, layout)``: lse_log2, delta, rows padded by
+    ``bwd.prepare``). Shapes and strides are the plan's (its key), so each descriptor's
+    fields are worked out on the first call and only the tensors change."""
 
-    __slots__ = ("run", "layouts", "d", "block_m", "seqlen_q", "fields")
+    __slots__ = ("run", "spec", "seqlen_q", "fields")
 
-    def __init__(self, run: Launch, dtype: torch.dtype, d: int, block_m: int, seqlen_q: int):
-        self.run = run
-        self.layouts = _host_layouts(dtype, d, block_m)
-        self.d, self.block_m, self.seqlen_q = d, block_m, seqlen_q
+    def __init__(self, run: Launch, spec: tuple, seqlen_q: int):
+        self.run, self.spec, self.seqlen_q = run, spec, seqlen_q
         self.fields = None
 
     def _fields(self, tensors) -> tuple:
-        """(shape, strides, block, layout) of each descriptor, None for a plain argument."""
-        row, kv, stat, dql = self.layouts
-        d, bm, hn = self.d, self.block_m, _HALF_N
-
-        def rows(t, block, layout, cols=d):
-            b, s, h = t.shape[:3]
-            return [b, s, h * d], [t.stride(0), t.stride(1), 1], [1, block, cols], layout
-
-        def stats(t):
-            return [t.shape[0] * t.shape[1], self.seqlen_q], [t.stride(1), 1], [1, bm], stat
-
-        q, k, v, dout, lse_log2, delta, dk, dv = tensors[:8]
-        f = (rows(q, bm, row), rows(k, hn, kv), rows(v, hn, kv), rows(dout, bm, row),
-             stats(lse_log2), stats(delta), rows(dk, hn, kv), rows(dv, hn, kv), None, None,
-             None)
-        return f + ((rows(tensors[11], bm, dql, d // 2), ) if len(tensors) > 11 else ())
+        """(shape, strides, box, layout) of each descriptor, None for a plain argument."""
+        out = []
+        for t, sp in zip(tensors, self.spec):
+            if sp is None:
+                out.append(None)
+            elif sp[0] == "stats":
+                out.append(([t.shape[0] * t.shape[1], self.seqlen_q], [t.stride(1), 1],
+                            [1, sp[1]], sp[2]))
+            else:
+                b, s, h, d = t.shape
+                out.append(([b, s, h * d], [t.stride(0), t.stride(1), 1], [1, sp[1], sp[2]],
+                            sp[3]))
+        return tuple(out)
 
     def __call__(self, *tensors) -> None:
         fields = self.fields
@@ -701,16 +718,19 @@ def _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s
     """``dq += dS K`` over the block's key tiles, the ring's ``t0``-th and on (the persistent
     kernel's earlier blocks took the ``t0`` before; 0 elsewhere)."""
     dtype: gl.constexpr = q_t.dtype
+    D: gl.constexpr = q_t.shape[1]
     for it in range(n_tiles):
         s = (t0 + it) % STAGES
         ph = ((t0 + it) // STAGES) & 1
         n0 = n_lo + it * BLOCK_N
         mbarrier.wait(k_full.index(s), ph)
-        s_tok = warpgroup_mma(q_t, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
+        k_t = k_smem.index(s).reshape([BLOCK_N, D])  # rank-3 tiles (host descriptors) too
+        v_t = v_smem.index(s).reshape([BLOCK_N, D])
+        s_tok = warpgroup_mma(q_t, k_t.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
         mbarrier.wait(v_full.index(s), ph)
         # dP runs on the tensor cores while the exponentials of S are computed.
-        dp_tok = warpgroup_mma(do_t, v_smem.index(s).permute((1, 0)), s_zero, use_acc=False,
+        dp_tok = warpgroup_mma(do_t, v_t.permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
         sc = warpgroup_mma_wait(1, deps=(s_tok, ))
         if (n0 < n_full_lo) | (n0 >= n_full_hi):
@@ -726,7 +746,7 @@ def _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s
         dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
         mbarrier.arrive(v_empty.index(s))
         ds = p * (dp - dlt[:, None])
-        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_smem.index(s), dq,
+        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_t, dq,
                                is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
         mbarrier.arrive(k_empty.index(s))
@@ -739,7 +759,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
                  m0, T_q, T_k, shift, left, right, scale, scale_log2,
                  n_lo, n_full_lo, n_full_hi, n_tiles,
                  D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HOST_DESC: gl.constexpr):
     """One warpgroup: dQ of 64 query rows over every key tile the forward visits."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = _wgmma_layout(D)
@@ -754,8 +774,8 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
     dlt = gl.load(p_delta + rows, mask=rows < T_q, other=0.0)
     s_zero = gl.zeros([HALF_N, BLOCK_N], gl.float32, layout=s_layout)
     dq = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
-    q_t = q_smem.index(half)
-    do_t = do_smem.index(half)
+    q_t = q_smem.index(half).reshape([HALF_N, D])
+    do_t = do_smem.index(half).reshape([HALF_N, D])
     mbarrier.wait(q_bar.index(half), 0)
     dq = _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s_zero,
                    rows, col_arange, lse, dlt, T_k, shift, left, right, scale_log2,
@@ -765,7 +785,11 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, dq_desc,
     # Q's buffer is free now: stage dQ there for one clipped TMA store.
     q_t.store((dq * scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [r0, 0], q_t)
+    if HOST_DESC:  # (B, S, H * D): this program's batch and head
+        tma.async_copy_shared_to_global(
+            dq_desc, [gl.program_id(2), r0, gl.program_id(1) * D], q_smem.index(half))
+    else:
+        tma.async_copy_shared_to_global(dq_desc, [r0, 0], q_t)
     tma.store_wait(0)
 
 
@@ -783,6 +807,7 @@ def _dq_sm90_kernel(
     GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    HOST_DESC: gl.constexpr = False,
 ):
     BLOCK_M: gl.constexpr = 2 * HALF_N
     i_h, i_b, i_hk, bos, bos_k, T_q, T_k, i_m, m0, m_last, shift = _row_block(
@@ -795,50 +820,62 @@ def _dq_sm90_kernel(
     # A block that sees no key still stores its dQ = 0 (the launcher does not zero dq).
     n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
 
-    p_q = _slice_ptr(q, i_b, bos, i_h, stride_qb, stride_qs, stride_qh)
-    p_do = _slice_ptr(dout, i_b, bos, i_h, stride_dob, stride_dos, stride_doh)
-    p_dq = _slice_ptr(dq, i_b, bos, i_h, stride_dqb, stride_dqs, stride_dqh)
-    p_k, p_v = _kv_ptrs(k, v, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh, stride_vb,
-                        stride_vs, stride_vh)
     o_t = _stats_offset(i_b, bos, i_h, stride_tb, stride_th)
     p_lse = lse_log2 + o_t
     p_delta = delta + o_t
+    if HOST_DESC:
+        # Dense calls: the launcher's descriptors over (B, S, H * D) and (B, S_k, H_kv * D),
+        # as the dK/dV kernel's (``_HostDescs``).
+        q_desc, do_desc, dq_desc, k_desc, v_desc = q, dout, dq, k, v
+        dtype: gl.constexpr = q.dtype
+    else:
+        p_q = _slice_ptr(q, i_b, bos, i_h, stride_qb, stride_qs, stride_qh)
+        p_do = _slice_ptr(dout, i_b, bos, i_h, stride_dob, stride_dos, stride_doh)
+        p_dq = _slice_ptr(dq, i_b, bos, i_h, stride_dqb, stride_dqs, stride_dqh)
+        p_k, p_v = _kv_ptrs(k, v, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh)
+        dtype: gl.constexpr = q.dtype.element_ty
+        q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, D], dtype)
+        kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+        T_k_desc = gl.maximum(T_k, 1)
+        q_desc = tma.make_tensor_descriptor(p_q, [T_q, D], [stride_qs, 1], [HALF_N, D], q_lay)
+        do_desc = tma.make_tensor_descriptor(p_do, [T_q, D], [stride_dos, 1], [HALF_N, D],
+                                             q_lay)
+        dq_desc = tma.make_tensor_descriptor(p_dq, [T_q, D], [stride_dqs, 1], [HALF_N, D],
+                                             q_lay)
+        k_desc = tma.make_tensor_descriptor(p_k, [T_k_desc, D], [stride_ks, 1], [BLOCK_N, D],
+                                            kv_lay)
+        v_desc = tma.make_tensor_descriptor(p_v, [T_k_desc, D], [stride_vs, 1], [BLOCK_N, D],
+                                            kv_lay)
+    q_layout: gl.constexpr = q_desc.layout
+    kv_layout: gl.constexpr = k_desc.layout
 
-    dtype: gl.constexpr = q.dtype.element_ty
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    T_k_desc = gl.maximum(T_k, 1)
-    q_desc = tma.make_tensor_descriptor(p_q, [T_q, D], [stride_qs, 1], [HALF_N, D], q_layout)
-    do_desc = tma.make_tensor_descriptor(p_do, [T_q, D], [stride_dos, 1], [HALF_N, D],
-                                         q_layout)
-    dq_desc = tma.make_tensor_descriptor(p_dq, [T_q, D], [stride_dqs, 1], [HALF_N, D],
-                                         q_layout)
-    k_desc = tma.make_tensor_descriptor(p_k, [T_k_desc, D], [stride_ks, 1], [BLOCK_N, D],
-                                        kv_layout)
-    v_desc = tma.make_tensor_descriptor(p_v, [T_k_desc, D], [stride_vs, 1], [BLOCK_N, D],
-                                        kv_layout)
-
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
+    # Host descriptors are rank 3: their tiles carry a leading 1 (the consumers reshape).
+    if HOST_DESC:
+        q_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF_N, D], q_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF_N, D], q_layout)
+    else:
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], q_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
     k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
-                                                                kv_layout)
+                                                                kv_layout, HOST_DESC)
 
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_desc, q_bar, k_full, k_empty,
                         v_full, v_empty, p_lse, p_delta, 0, m0, T_q, T_k, shift, left, right,
                         scale, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles,
-                        D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+                        D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HOST_DESC)),
         (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, dq_desc, q_bar, k_full, k_empty,
                         v_full, v_empty, p_lse, p_delta, 1, m0, T_q, T_k, shift, left, right,
                         scale, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles,
-                        D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+                        D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HOST_DESC)),
         (_fwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                         q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, (),
-                         BLOCK_N, STAGES, True, 0)),
+                         q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
+                         (i_b, i_h * D, i_b, i_hk * D), BLOCK_N, STAGES, True, 0, HOST_DESC)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -962,10 +999,17 @@ def dq_plan(p: BwdPass) -> Launch | None:
                          CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
             kernel, grid = _dq_sm90_kernel, (cdiv(p.seqlen_q, 2 * HALF_N), p.hq, p.batch)
             persistent = _dq_persistent(p, args, cfg)
+            host = False
             if persistent is not None:
                 kernel, grid = _dq_sm90_persistent_kernel, persistent[0]
                 tiles.update(persistent[1])
+            else:
+                host = DQ_HOST_DESC and _host_desc_ok(p, p.dq)
+                tiles["HOST_DESC"] = host
             run = Launch(kernel, grid, *positional(kernel, 10, _kernel_args(kernel, args, tiles)))
+            if host:
+                run = _HostDescs(run, _dq_host_spec(p.q.dtype, p.q.shape[-1], cfg.block_n),
+                                 p.seqlen_q)
         p.plan.launches["sm90 dQ"] = run
     return run
 

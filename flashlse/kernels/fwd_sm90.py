@@ -136,24 +136,36 @@ def _row_block(seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
 
 
 @gluon.jit
+def _tile_coord(at, i: gl.constexpr, row, RANK3: gl.constexpr):
+    """TMA coordinates of row ``row``: ``[row, 0]`` in a program's own rank-2 descriptor, or
+    ``[at[i], row, at[i + 1]]`` in a rank-3 one over ``(B, S, H * D)`` (batch, column)."""
+    if RANK3:
+        return [at[i], row, at[i + 1]]
+    else:
+        return [row, 0]
+
+
+@gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               q_bar, k_full, k_empty, v_full, v_empty,
               m0, n_lo, n_tiles, paged_args,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_DO: gl.constexpr,
-              PAGE_SIZE: gl.constexpr):
+              PAGE_SIZE: gl.constexpr, RANK3: gl.constexpr = False):
     """One warp: both Q halves (and dO's, for the backward's dQ: HAS_DO) once, then K_j and
     V_j into the ring, each when it is free (of a paged cache when PAGE_SIZE > 0:
-    ``_paged_tiles``, ``paged_args`` its sources)."""
+    ``_paged_tiles``, ``paged_args`` its sources). ``RANK3`` (the backward dQ on host
+    descriptors, no pages): ``paged_args`` holds Q's batch and column, then K's
+    (``_tile_coord``)."""
     for half in gl.static_range(2):
+        row = _tile_coord(paged_args, 0, m0 + half * HALF_M, RANK3)
         if HAS_DO:
             mbarrier.expect(q_bar.index(half),
                             q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [m0 + half * HALF_M, 0], q_bar.index(half),
+            tma.async_copy_global_to_shared(do_desc, row, q_bar.index(half),
                                             do_smem.index(half))
         else:
             mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0 + half * HALF_M, 0], q_bar.index(half),
-                                        q_smem.index(half))
+        tma.async_copy_global_to_shared(q_desc, row, q_bar.index(half), q_smem.index(half))
     if PAGE_SIZE == 0:
         for it in range(n_tiles):
             s = it % STAGES
@@ -161,12 +173,13 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
             # pass over the ring does not wait.
             ph = ((it // STAGES) & 1) ^ 1
             n0 = n_lo + it * BLOCK_N
+            key = _tile_coord(paged_args, 2, n0, RANK3)
             mbarrier.wait(k_empty.index(s), ph)
             mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [n0, 0], k_full.index(s), k_smem.index(s))
+            tma.async_copy_global_to_shared(k_desc, key, k_full.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [n0, 0], v_full.index(s), v_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, key, v_full.index(s), v_smem.index(s))
     else:
         _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
                      n_tiles, paged_args, BLOCK_N, STAGES, PAGE_SIZE, True, False)
@@ -224,13 +237,18 @@ def _q_buffers(dtype: gl.constexpr, D: gl.constexpr, q_layout: gl.constexpr):
 
 @gluon.jit
 def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, kv_layout: gl.constexpr):
+             STAGES: gl.constexpr, kv_layout: gl.constexpr, LEAD: gl.constexpr = False):
     """The ring ``_producer`` loads K and V tiles into (the forward's and the backward dQ's):
     STAGES buffers of each, a *full* barrier a buffer (the producer's expect, completed by
     the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup).
-    ``kv_layout`` is the caller's, that of its K/V descriptors: TMA copies need the same."""
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+    ``kv_layout`` is the caller's, that of its K/V descriptors: TMA copies need the same
+    (``LEAD``: tiles ``[1, BLOCK_N, D]``, the box of a rank-3 descriptor)."""
+    if LEAD:
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], kv_layout)
+    else:
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
