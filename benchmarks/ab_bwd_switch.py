@@ -26,7 +26,8 @@ import flashlse as fl  # noqa: E402
 from flashlse.kernels import bwd  # noqa: E402
 
 
-def _row(mod, flag: str, s: int, causal: bool, heads: int, dim: int) -> tuple:
+def _row(mod, flag: str, s: int, causal: bool, heads: int, dim: int,
+         deterministic: bool) -> tuple:
     """Milliseconds of the flag on, off, and cuDNN's SDPA, at one shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -43,7 +44,7 @@ def _row(mod, flag: str, s: int, causal: bool, heads: int, dim: int) -> tuple:
                 setattr(mod, flag, value)
                 bwd._BWD_PLANS.clear()
             q.grad = k.grad = v.grad = None
-            fl.attention(q, k, v, causal=causal).backward(dout)
+            fl.attention(q, k, v, causal=causal, deterministic=deterministic).backward(dout)
         return run
 
     def cudnn():
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--seqs", default="1024,2048,4096,8192")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--deterministic", action="store_true", help="the two-pass backward")
     args = ap.parse_args()
     mod_name, flag = args.flag.rsplit(".", 1)
     mod = importlib.import_module(f"flashlse.kernels.{mod_name}")
@@ -71,7 +73,8 @@ def main() -> None:
     print(f"{'S':>6} {'causal':>6} {'on':>8} {'off':>8} {'on/off':>7} {'cuDNN':>8} {'on/cuDNN':>8}")
     for s in (int(x) for x in args.seqs.split(",")):
         for causal in (False, True):
-            b, (t_on, t_off, t_cu) = _row(mod, flag, s, causal, args.heads, args.dim)
+            b, (t_on, t_off, t_cu) = _row(mod, flag, s, causal, args.heads, args.dim,
+                                          args.deterministic)
             flops = 3.5 * attn_flops(b, args.heads, s, s, args.dim, causal)
             tf = lambda ms, f=flops: f / ms / 1e9
             print(f"{s:>6} {str(causal):>6} {tf(t_on):8.1f} {tf(t_off):8.1f} "

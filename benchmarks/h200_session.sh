@@ -79,7 +79,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 final20s final20 host-desc prof-src varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 final20t final20s final20 host-desc prof-src varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -204,6 +204,29 @@ m.DS_ON_EMPTY = True; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider'
     timeout 100 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DS_ON_EMPTY \
         --seqs "$1" 2>&1 | tail -6
 }
+if [ "$1" = final20t ]; then
+    # The shortest lease: the backward's GPU tests with both prepared flags on (DS_ON_EMPTY,
+    # DQ_HOST_DESC; the default paths' tests run the same kernels with them off first), two
+    # varlen draws, then each flag's A/B at S = 1k.
+    timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
+        -k "test_attn_bwd_gpu_sm90 and bf16" > "$OUT/test_default.log" 2>&1
+    echo "default tests: $(tail -1 "$OUT/test_default.log")"
+    timeout 120 python3 -c "import sys, pytest; import flashlse.kernels.bwd_sm90 as m; \
+m.DS_ON_EMPTY = m.DQ_HOST_DESC = True; sys.exit(pytest.main(['-q', '-x', '-p', \
+'no:cacheprovider', 'tests/kernels/test_bwd.py', '-k', \
+'(test_attn_bwd_gpu_sm90 and bf16) or bad_data']))" > "$OUT/test_flags.log" 2>&1
+    echo "flags-on tests: $(tail -1 "$OUT/test_flags.log")"
+    grep -h "^FAILED\|^E " "$OUT"/test_default.log "$OUT"/test_flags.log | head -10
+    for seed in 0 1; do
+        timeout 60 python3 benchmarks/bench_varlen.py --seed $seed 2>&1 \
+            | grep -E "attention|ratio" | cut -c1-100
+    done
+    timeout 50 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DS_ON_EMPTY --seqs 1024 \
+        2>&1 | tail -3
+    timeout 50 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DQ_HOST_DESC --seqs 1024 \
+        --deterministic 2>&1 | tail -3
+    exit 0
+fi
 if [ "$1" = final20s ]; then
     final20_core 1024  # what a short lease allows
     exit 0
