@@ -710,6 +710,16 @@ _MISSING = object()
 
 
 @gluon.jit
+def _ring_tile(ring, s, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """Tile ``s`` of a K/V ring as ``[BLOCK_N, D]`` (rank-3 tiles of host descriptors
+    reshaped; a rank-2 ring's as it is)."""
+    if len(ring.shape) == 4:
+        return ring.index(s).reshape([BLOCK_N, D])
+    else:
+        return ring.index(s)
+
+
+@gluon.jit
 def _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s_zero, rows,
               col_arange, lse, dlt, T_k, shift, left, right, scale_log2,
               n_lo, n_full_lo, n_full_hi, n_tiles, t0,
@@ -724,13 +734,13 @@ def _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s
         ph = ((t0 + it) // STAGES) & 1
         n0 = n_lo + it * BLOCK_N
         mbarrier.wait(k_full.index(s), ph)
-        k_t = k_smem.index(s).reshape([BLOCK_N, D])  # rank-3 tiles (host descriptors) too
-        v_t = v_smem.index(s).reshape([BLOCK_N, D])
-        s_tok = warpgroup_mma(q_t, k_t.permute((1, 0)), s_zero, use_acc=False,
+        s_tok = warpgroup_mma(q_t, _ring_tile(k_smem, s, BLOCK_N, D).permute((1, 0)), s_zero,
+                              use_acc=False,
                               is_async=True)
         mbarrier.wait(v_full.index(s), ph)
         # dP runs on the tensor cores while the exponentials of S are computed.
-        dp_tok = warpgroup_mma(do_t, v_t.permute((1, 0)), s_zero, use_acc=False,
+        dp_tok = warpgroup_mma(do_t, _ring_tile(v_smem, s, BLOCK_N, D).permute((1, 0)), s_zero,
+                               use_acc=False,
                                is_async=True)
         sc = warpgroup_mma_wait(1, deps=(s_tok, ))
         if (n0 < n_full_lo) | (n0 >= n_full_hi):
@@ -746,7 +756,8 @@ def _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s
         dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
         mbarrier.arrive(v_empty.index(s))
         ds = p * (dp - dlt[:, None])
-        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_t, dq,
+        dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout),
+                               _ring_tile(k_smem, s, BLOCK_N, D), dq,
                                is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
         mbarrier.arrive(k_empty.index(s))
