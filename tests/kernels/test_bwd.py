@@ -418,6 +418,50 @@ def test_attn_bwd_gpu_sm90_fused_matches_two_passes(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("heads", ["adjacent", "head_major"])
+def test_attn_bwd_gpu_sm90_host_descriptors_equal_per_program_ones(monkeypatch, heads):
+    """Dense Hopper backward on TMA descriptors made on the host (HOST_DESC; DQ_HOST_DESC
+    for the dQ pass) against the per-program descriptors: deterministic, so the same products
+    in the same order, equal bit for bit, at lengths that are no multiple of a tile, GQA and
+    three sequences (batch and head offsets in every coordinate). A head-major view (heads
+    not adjacent) takes the per-program path both times."""
+    from flashlse.kernels import bwd, bwd_sm90
+
+    g = torch.Generator().manual_seed(61)
+    b, sq, sk, hq, hkv, d = 3, 333, 400, 8, 2, 128
+
+    def mk(s, h):
+        if heads == "head_major":
+            return torch.randn(b, h, s, d, generator=g).to("cuda", torch.bfloat16).transpose(1, 2)
+        return torch.randn(b, s, h, d, generator=g).to("cuda", torch.bfloat16)
+
+    q, k, v, dout = mk(sq, hq), mk(sk, hkv), mk(sk, hkv), mk(sq, hq)
+    kw = dict(left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=None)
+    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+
+    launched = []
+    real_call = bwd_sm90._HostDescs.__call__
+    monkeypatch.setattr(bwd_sm90._HostDescs, "__call__",
+                        lambda self, *t: launched.append(len(t)) or real_call(self, *t))
+
+    def grads(host):
+        monkeypatch.setattr(bwd_sm90, "HOST_DESC", host)
+        monkeypatch.setattr(bwd_sm90, "DQ_HOST_DESC", host)
+        bwd._BWD_PLANS.clear()
+        return dispatch.attn_bwd(dout, None, q, k, v, out, lse, deterministic=True, **kw)[:3]
+
+    on = grads(True)
+    # Both passes on host descriptors (dK/dV's 11 arguments, dQ's 10), or neither.
+    assert launched == ([11, 10] if heads == "adjacent" else [])
+    off = grads(False)
+    bwd._BWD_PLANS.clear()
+    assert len(launched) == (2 if heads == "adjacent" else 0)
+    for x, y in zip(on, off):
+        assert not x.isnan().any() and torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("path", ["sm90", "tl"])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
