@@ -209,7 +209,8 @@ if [ "$1" = final20t ]; then
     # DQ_HOST_DESC; the default paths' tests run the same kernels with them off first), two
     # varlen draws, then each flag's A/B at S = 1k.
     timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
-        -k "test_attn_bwd_gpu_sm90[ and bf16 and not tl" > "$OUT/test_default.log" 2>&1
+        -k "(test_attn_bwd_gpu_sm90[ and bf16 and not tl) or host_descriptors" \
+        > "$OUT/test_default.log" 2>&1
     echo "default tests: $(tail -1 "$OUT/test_default.log")"
     timeout 120 python3 -c "import sys, pytest; import flashlse.kernels.bwd_sm90 as m; \
 m.DS_ON_EMPTY = m.DQ_HOST_DESC = True; sys.exit(pytest.main(['-q', '-x', '-p', \
