@@ -123,24 +123,26 @@ def pipeline(k) -> tuple[list[int], dict[str, int]]:
 
 
 def host_descs(d: int = 128) -> dict:
-    """Signature types of the dK/dV kernel's host descriptors (``bwd_sm90._HostDescs``)."""
+    """Signature types of the dK/dV kernel's host descriptors (``bwd_sm90._dkdv_host_spec``)."""
     import torch
     from triton.runtime.jit import mangle_type
 
-    block_m = configs.BWD_SM90_DKDV.block_m
-    row, kv, stat, dql = bwd_sm90._host_layouts(torch.bfloat16, d, block_m)
+    spec = bwd_sm90._dkdv_host_spec(torch.bfloat16, d, configs.BWD_SM90_DKDV.block_m)
     x = torch.empty(1, 64, 2, d, dtype=torch.bfloat16)
-    st = torch.empty(1, 2, 64, dtype=torch.float32)
-    dq = torch.empty(1, 64, 2, d, dtype=torch.float32)
-    pick = bwd_sm90._HostDescs.__call__.__code__  # noqa: F841 - the order below is its own
-    mk = lambda t, shape, block, lay: mangle_type(bwd_sm90._desc(
-        t, shape, [1] * (len(shape) - 1) + [1], block, lay))
-    rows = lambda t, block, lay, cols=d: mk(t, [1, 64, 2 * d], [1, block, cols], lay)
-    return dict(q=rows(x, block_m, row), dout=rows(x, block_m, row), k=rows(x, 64, kv),
-                v=rows(x, 64, kv), dk=rows(x, 64, kv), dv=rows(x, 64, kv),
-                lse_log2=mk(st, [2, 64], [1, block_m], stat),
-                delta=mk(st, [2, 64], [1, block_m], stat),
-                dq_acc=rows(dq, block_m, dql, d // 2))
+    f32 = torch.empty(1, 64, 2, d, dtype=torch.float32)  # the stats and the float32 dQ
+    names = ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
+             "dq_acc")
+    out = {}
+    for n, sp in zip(names, spec):
+        if sp is None:
+            continue
+        if sp[0] == "stats":
+            desc = bwd_sm90._desc(f32, [2, 64], [1, 1], [1, sp[1]], sp[2])
+        else:
+            t = f32 if n == "dq_acc" else x
+            desc = bwd_sm90._desc(t, [1, 64, 2 * d], [1, 1, 1], [1, sp[1], sp[2]], sp[3])
+        out[n] = mangle_type(desc)
+    return out
 
 
 def host_descs_dq(d: int = 128) -> dict:
