@@ -461,7 +461,13 @@ def test_backward_host_descriptors_cover_the_whole_tensors():
     run = bwd_sm90._HostDescs(lambda *a: got.extend(a),
                               bwd_sm90._dkdv_host_spec(q.dtype, d, bm), s)
     run(q, k, v, dout, lse_log2, delta, dk, dv, None, None, None, dq_acc)
-    row, kv, stat, dql = bwd_sm90._host_layouts(torch.bfloat16, d, bm)
+    # The layouts the kernel gives its buffers (``_dkdv_sm90_kernel``), written out here.
+    from triton.experimental.gluon import language as gl
+
+    row = gl.NVMMASharedLayout.get_default_for([1, bm, d], gl.bfloat16)
+    kv = gl.NVMMASharedLayout.get_default_for([1, 64, d], gl.bfloat16)
+    stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    dql = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     want = [(q, [b, s, hq * d], [s * hq * d, hq * d, 1], [1, bm, d], row),
             (k, [b, sk, hkv * d], [sk * hkv * d, hkv * d, 1], [1, 64, d], kv),
             (v, [b, sk, hkv * d], [sk * hkv * d, hkv * d, 1], [1, 64, d], kv),

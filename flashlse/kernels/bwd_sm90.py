@@ -137,6 +137,22 @@ def _q_coord(at, i_g, m0, col):
 
 
 @gluon.jit
+def _coord_bases(GROUP: gl.constexpr, D: gl.constexpr, HOST_DESC: gl.constexpr):
+    """The program's coordinate bases ``at``: Q's four for ``_q_coord``, the stats row of the
+    group's first head, K's batch and column. Host descriptors (``(B, S, H * D)``, the stats
+    ``(B * H, S)``) take the batch and head from the program ids; a program's own
+    descriptors start at its sequence and group, so only the group's heads step (``(0, 1,
+    0, 0, ...)``)."""
+    if HOST_DESC:
+        i_b = gl.program_id(2)
+        i_hk = gl.program_id(1)
+        return (i_b, 0, i_hk * (GROUP * D), D, i_b * (GROUP * gl.num_programs(1)) + i_hk * GROUP,
+                i_b, i_hk * D)
+    else:
+        return (0, 1, 0, 0, 0, 0, 0)
+
+
+@gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem, k_smem,
               v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi, n_tiles, at,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
@@ -217,14 +233,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
-    # The coordinate bases (``_q_coord``; the kernel's ``at``), from the program ids here.
     # (The fused causal kernel: 64 bytes of stack on host descriptors, 16 on device ones,
     # sm_90 compile; it was faster all the same, RESULTS.md session 20.)
-    if HOST_DESC:
-        at = (gl.program_id(2), 0, gl.program_id(1) * (GROUP * D), D, 0, gl.program_id(2),
-              gl.program_id(1) * D)
-    else:
-        at = (0, 1, 0, 0, 0, 0, 0)
+    at = _coord_bases(GROUP, D, HOST_DESC)
     k_t = k_smem.index(half).reshape([HALF_N, D])
     v_t = v_smem.index(half).reshape([HALF_N, D])
     if FUSED_DQ:
@@ -395,7 +406,6 @@ def _dkdv_sm90_kernel(
         dtype: gl.constexpr = q.dtype
         p_lse = lse_log2  # unused: STATS_TMA (the launcher's condition)
         p_delta = delta
-        at = (i_b, 0, i_h0 * D, D, i_b * (GROUP * gl.num_programs(1)) + i_h0, i_b, i_hk * D)
     else:
         p_q = _slice_ptr(q, i_b, bos, i_h0, stride_qb, stride_qs, stride_qh)
         p_do = _slice_ptr(dout, i_b, bos, i_h0, stride_dob, stride_dos, stride_doh)
@@ -434,7 +444,6 @@ def _dkdv_sm90_kernel(
         else:
             lse_desc = q_desc
             dlt_desc = q_desc
-        at = (0, 1, 0, 0, 0, 0, 0)
     row_layout: gl.constexpr = q_desc.layout
     kv_layout: gl.constexpr = k_desc.layout
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
@@ -490,7 +499,7 @@ def _dkdv_sm90_kernel(
                      EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, SHARED_EMPTY)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi,
-                     n_tiles, at, BLOCK_M, STAGES, STATS_TMA)),
+                     n_tiles, _coord_bases(GROUP, D, HOST_DESC), BLOCK_M, STAGES, STATS_TMA)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -573,15 +582,11 @@ def _host_desc_ok(p: BwdPass, *grads: torch.Tensor) -> bool:
 _HALF_N = int(getattr(HALF_N, "value", HALF_N))  # a plain int for the host's block shapes
 
 
-@functools.cache
-def _host_layouts(dtype: torch.dtype, d: int, block_m: int) -> tuple:
-    """The shared layouts of the kernel's buffers (``_dkdv_sm90_kernel``'s ``row_layout``,
-    ``kv_layout``, ``stat_layout`` and dQ's), which the host descriptors must carry."""
+def _rows_spec(dtype: torch.dtype, rows: int, d: int) -> tuple:
+    """A ``(B, S, H * D)`` descriptor's entry in a ``_HostDescs`` spec: ``[1, rows, d]``
+    boxes in the kernel's default swizzled layout for them."""
     el = gl.float16 if dtype == torch.float16 else gl.bfloat16
-    return (gl.NVMMASharedLayout.get_default_for([1, block_m, d], el),
-            gl.NVMMASharedLayout.get_default_for([1, _HALF_N, d], el),
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+    return ("rows", rows, d, gl.NVMMASharedLayout.get_default_for([1, rows, d], el))
 
 
 def _desc(t: torch.Tensor, shape: list, strides: list, block: list, layout) -> TensorDescriptor:
@@ -593,22 +598,24 @@ def _desc(t: torch.Tensor, shape: list, strides: list, block: list, layout) -> T
     return d
 
 
+@functools.cache
 def _dkdv_host_spec(dtype: torch.dtype, d: int, block_m: int) -> tuple:
     """How each of the dK/dV kernel's tensor arguments (``BwdPass.dkdv_tensors`` order, then
-    the float32 dQ if fused) becomes a host descriptor (``_HostDescs``)."""
-    row, kv, stat, dql = _host_layouts(dtype, d, block_m)
-    rows, keys = ("rows", block_m, d, row), ("rows", _HALF_N, d, kv)
-    return (rows, keys, keys, rows, ("stats", block_m, stat), ("stats", block_m, stat), keys,
-            keys, None, None, None, ("rows", block_m, d // 2, dql))
+    the float32 dQ if fused) becomes a host descriptor (``_HostDescs``), in the layouts of
+    ``_dkdv_sm90_kernel``'s buffers (unswizzled float32 for the stats and dQ)."""
+    rows, keys = _rows_spec(dtype, block_m, d), _rows_spec(dtype, _HALF_N, d)
+    stats = ("stats", block_m, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                    rank=2))
+    dq = ("rows", block_m, d // 2,
+          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+    return (rows, keys, keys, rows, stats, stats, keys, keys, None, None, None, dq)
 
 
 @functools.cache
 def _dq_host_spec(dtype: torch.dtype, d: int, block_n: int) -> tuple:
     """The dQ kernel's (``BwdPass.dq_tensors`` order): Q, dO, dQ in 64-row boxes, K and V in
     ``block_n``-row ones; lse_log2 and delta stay pointers there."""
-    el = gl.float16 if dtype == torch.float16 else gl.bfloat16
-    rows = ("rows", _HALF_N, d, gl.NVMMASharedLayout.get_default_for([1, _HALF_N, d], el))
-    keys = ("rows", block_n, d, gl.NVMMASharedLayout.get_default_for([1, block_n, d], el))
+    rows, keys = _rows_spec(dtype, _HALF_N, d), _rows_spec(dtype, block_n, d)
     return (rows, keys, keys, rows, None, None, rows, None, None, None)
 
 
