@@ -892,7 +892,7 @@ def _dq_sm90_kernel(
                         scale, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles,
                         D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HOST_DESC)),
         (_fwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-                         q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles,
+                         q_bar, k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, (),
                          (i_b, i_h * D, i_b, i_hk * D), BLOCK_N, STAGES, True, 0, HOST_DESC)),
     ], [4, 1], [CONSUMER_REGS, 24])
 

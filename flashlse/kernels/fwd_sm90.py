@@ -148,16 +148,16 @@ def _tile_coord(at, i: gl.constexpr, row, RANK3: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               q_bar, k_full, k_empty, v_full, v_empty,
-              m0, n_lo, n_tiles, paged_args,
+              m0, n_lo, n_tiles, paged_args, at,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_DO: gl.constexpr,
               PAGE_SIZE: gl.constexpr, RANK3: gl.constexpr = False):
     """One warp: both Q halves (and dO's, for the backward's dQ: HAS_DO) once, then K_j and
     V_j into the ring, each when it is free (of a paged cache when PAGE_SIZE > 0:
     ``_paged_tiles``, ``paged_args`` its sources). ``RANK3`` (the backward dQ on host
-    descriptors, no pages): ``paged_args`` holds Q's batch and column, then K's
-    (``_tile_coord``)."""
+    descriptors, no pages): ``at`` holds Q's batch and column, then K's (``_tile_coord``);
+    ``()`` otherwise."""
     for half in gl.static_range(2):
-        row = _tile_coord(paged_args, 0, m0 + half * HALF_M, RANK3)
+        row = _tile_coord(at, 0, m0 + half * HALF_M, RANK3)
         if HAS_DO:
             mbarrier.expect(q_bar.index(half),
                             q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -173,7 +173,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
             # pass over the ring does not wait.
             ph = ((it // STAGES) & 1) ^ 1
             n0 = n_lo + it * BLOCK_N
-            key = _tile_coord(paged_args, 2, n0, RANK3)
+            key = _tile_coord(at, 2, n0, RANK3)
             mbarrier.wait(k_empty.index(s), ph)
             mbarrier.expect(k_full.index(s), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, key, k_full.index(s), k_smem.index(s))
@@ -529,7 +529,7 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
                          HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
             (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar,
                          k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
-                         BLOCK_N, STAGES, False, PAGE_SIZE)),
+                         (), BLOCK_N, STAGES, False, PAGE_SIZE)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         # A second producer warp for V's page boxes (RESULTS.md, session 16: page 16 0.78x ->
@@ -545,7 +545,7 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
                          HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
             (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar,
                          k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
-                         BLOCK_N, STAGES, False, PAGE_SIZE)),
+                         (), BLOCK_N, STAGES, False, PAGE_SIZE)),
             (_paged_tiles, (k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
                             n_lo, n_tiles, producer_args, BLOCK_N, STAGES, PAGE_SIZE, False,
                             True)),
