@@ -31,6 +31,7 @@ import sys
 import tempfile
 from collections import Counter
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -122,40 +123,24 @@ def pipeline(k) -> tuple[list[int], dict[str, int]]:
     return waits, dict(sorted(bufs.items()))
 
 
-def host_descs(d: int = 128) -> dict:
-    """Signature types of the dK/dV kernel's host descriptors (``bwd_sm90._dkdv_host_spec``)."""
-    import torch
+def host_descs(spec: tuple, names: tuple) -> dict:
+    """Signature types of a kernel's host descriptors (a ``bwd_sm90._HostDescs`` spec, the
+    kernel's argument names in its order): bf16 rows, float32 stats and float32 dQ."""
     from triton.runtime.jit import mangle_type
 
-    spec = bwd_sm90._dkdv_host_spec(torch.bfloat16, d, configs.BWD_SM90_DKDV.block_m)
-    x = torch.empty(1, 64, 2, d, dtype=torch.bfloat16)
-    f32 = torch.empty(1, 64, 2, d, dtype=torch.float32)  # the stats and the float32 dQ
-    names = ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
-             "dq_acc")
     out = {}
     for n, sp in zip(names, spec):
         if sp is None:
             continue
         if sp[0] == "stats":
-            desc = bwd_sm90._desc(f32, [2, 64], [1, 1], [1, sp[1]], sp[2])
+            t = torch.empty(2, 64, dtype=torch.float32)
+            desc = bwd_sm90._desc(t, [2, 64], [64, 1], [1, sp[1]], sp[2])
         else:
-            t = f32 if n == "dq_acc" else x
-            desc = bwd_sm90._desc(t, [1, 64, 2 * d], [1, 1, 1], [1, sp[1], sp[2]], sp[3])
+            dt = torch.float32 if n == "dq_acc" else torch.bfloat16
+            t = torch.empty(1, 64, 2, sp[2], dtype=dt)
+            desc = bwd_sm90._desc(t, [1, 64, 2 * sp[2]], [1, 1, 1], [1, sp[1], sp[2]], sp[3])
         out[n] = mangle_type(desc)
     return out
-
-
-def host_descs_dq(d: int = 128) -> dict:
-    """Signature types of the dQ kernel's host descriptors (``bwd_sm90._dq_host_spec``)."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
-    spec = bwd_sm90._dq_host_spec(torch.bfloat16, d, configs.BWD_SM90_DQ[d].block_n)
-    x = torch.empty(1, 64, 2, d, dtype=torch.bfloat16)
-    names = ("q", "k", "v", "dout", "lse_log2", "delta", "dq")
-    return {n: mangle_type(bwd_sm90._desc(x, [1, 64, 2 * d], [1, 1, 1], [1, sp[1], sp[2]],
-                                          sp[3]))
-            for n, sp in zip(names, spec) if sp is not None}
 
 
 def cases():
@@ -281,7 +266,10 @@ def cases():
              "FUSED_DQ": True}, 4, 1
         if not f["IS_VARLEN"]:
             # Dense calls: descriptors made on the host (HOST_DESC), two-pass and fused.
-            hd = host_descs()
+            hd = host_descs(
+                bwd_sm90._dkdv_host_spec(torch.bfloat16, 128, configs.BWD_SM90_DKDV.block_m),
+                ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
+                 "dq_acc"))
             yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd), \
                 dict(consts, HOST_DESC=True), 4, 1
@@ -308,7 +296,9 @@ def cases():
         if not f["IS_VARLEN"]:
             yield "dq", f"bwd dQ sm90 (Gluon) D=128 {label} host desc", \
                 bwd_sm90._dq_sm90_kernel, \
-                dict(bwd_types, scale="fp32", scale_log2="fp32", **host_descs_dq()), \
+                dict(bwd_types, scale="fp32", scale_log2="fp32", **host_descs(
+                    bwd_sm90._dq_host_spec(torch.bfloat16, 128, configs.BWD_SM90_DQ[128].block_n),
+                    ("q", "k", "v", "dout", "lse_log2", "delta", "dq"))), \
                 dict(consts, HOST_DESC=True), 4, 1
         if label == "causal":
             yield "dq", "bwd dQ sm90 (Gluon) D=256 causal", bwd_sm90._dq_sm90_kernel, \
