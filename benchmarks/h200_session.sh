@@ -210,9 +210,9 @@ if [ "$1" = pending20 ]; then
     # DQ_HOST_DESC); bench_varlen at three draws (the varlen backward against the now faster
     # dense one; expected 0.80-0.86x); each flag's A/B at S = 1k (DS_ON_EMPTY +0-2%;
     # DQ_HOST_DESC, deterministic, +5-8%); the fused kernel's source page on host descriptors.
-    timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
-        -k "(test_attn_bwd_gpu_sm90[ and bf16 and not tl) or host_descriptors" \
-        > "$OUT/test_default.log" 2>&1
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
+        tests/kernels/test_nan_kernels.py -k "(test_attn_bwd_gpu_sm90[ and bf16 and not tl) \
+        or host_descriptors or neg_inf_sink or nan_d128" > "$OUT/test_default.log" 2>&1
     echo "default tests: $(tail -1 "$OUT/test_default.log")"
     timeout 120 python3 -c "import sys, pytest; import flashlse.kernels.bwd_sm90 as m; \
 m.DS_ON_EMPTY = m.DQ_HOST_DESC = True; sys.exit(pytest.main(['-q', '-x', '-p', \

@@ -416,6 +416,61 @@ def test_attn_bwd_gpu_sm90_fused_matches_two_passes(case):
     torch.testing.assert_close(fused[0].float(), two[0].float(), rtol=1.6e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two_pass", "default"])
+def test_attn_bwd_varlen_neg_inf_sink_is_no_sink(device, deterministic):
+    """The varlen backward's statistics start each sequence at a 16-byte boundary
+    (``stats_offset``): with sequences whose starts are not multiples of 4, one with no key
+    and some rows that see none (causal, Sq > Sk), a -inf sink gives what no sink gives:
+    empty rows out 0 and lse -inf (the float64 reference's), no NaN anywhere, equal
+    gradients (bit for bit where deterministic), a zero dsink. On an H100 / H200 at D = 128
+    the Hopper kernels (fused by default, two passes when deterministic); elsewhere bwd.py's."""
+    import flashlse as fl
+
+    dtype, d = (torch.bfloat16, 128) if device == "cuda" else (torch.float32, 32)
+    lens_q, lens_k = [5, 3, 7, 0, 6, 9], [4, 0, 9, 2, 3, 9]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                               device=device) for n in (lens_q, lens_k))
+    g = torch.Generator().manual_seed(71)
+    mk = lambda n, h: torch.randn(n, h, d, generator=g).to(device, dtype)
+    q, k, v = mk(sum(lens_q), 4), mk(sum(lens_k), 2), mk(sum(lens_k), 2)
+
+    def run(sink):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        s = None if sink is None else sink.clone().requires_grad_()
+        out, lse = fl.attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k),
+                                       causal=True, sink=s, return_lse=True,
+                                       deterministic=deterministic)
+        (out.float().square().sum() + lse.masked_fill(torch.isneginf(lse), 0).sum()).backward()
+        return out, lse, [t.grad for t in leaves], s
+
+    out, lse, grads, s = run(torch.full((4,), float("-inf"), device=device))
+    out0, lse0, grads0, _ = run(None)
+
+    def ref(dt):  # the reference's out, lse and gradients of the same loss, in dtype dt
+        leaves = [t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v)]
+        o, l = reference.attention_varlen(*leaves, cu_q.cpu(), cu_k.cpu(), max(lens_q),
+                                          max(lens_k), causal=True, return_lse=True)
+        (o.float().square().sum() + l.masked_fill(torch.isneginf(l), 0).sum()).backward()
+        return o.detach(), l.detach(), [t.grad for t in leaves]
+
+    want_out, want_lse, want_grads = ref(torch.float64)
+    for name, ours, r, p in zip(("dq", "dk", "dv"), grads, want_grads, ref(dtype)[2]):
+        _check(name, ours, r, p, dtype)  # every sequence's rows where its own layout puts them
+    empty = torch.isneginf(want_lse)
+    assert empty.any() and (~empty).any()
+    assert torch.isneginf(lse.cpu()[empty]).all() and not torch.isnan(lse).any()
+    assert (out.transpose(0, 1).cpu()[empty] == 0).all()
+    torch.testing.assert_close(out.cpu().double(), want_out, atol=_atol(dtype) * 4, rtol=0)
+    for a, b in zip(grads, grads0):
+        assert not torch.isnan(a).any()
+        if deterministic:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, atol=_atol(dtype), rtol=0)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    assert torch.equal(s.grad, torch.zeros_like(s.grad))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("heads", ["adjacent", "head_major"])
