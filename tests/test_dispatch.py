@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 import triton
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashlse import kernel_options
 from flashlse.kernels import bwd, configs, dispatch, fwd
@@ -350,7 +351,12 @@ def test_backward_takes_both_hopper_kernels_with_their_arguments(kernels):
     cfg = configs.BWD_SM90_DKDV
     for name in ("lse_log2", "delta"):
         assert dkdv.named[name] is pre[name] and dqk.named[name] is pre[name]
-    assert dkdv.named["dk"] is dk and dkdv.named["dv"] is dv and dqk.named["dq"] is dq
+    assert dkdv.named["dk"] is dk and dkdv.named["dv"] is dv
+    # The dense dQ kernel takes descriptors made on the host over Q, K, V, dO and dQ
+    # (DQ_HOST_DESC); the statistics stay pointers.
+    assert bwd_sm90.DQ_HOST_DESC and dqk.named["HOST_DESC"]
+    for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout), ("dq", dq)):
+        assert isinstance(dqk.named[name], TensorDescriptor) and dqk.named[name].base is t
     assert dkdv.named["q"] is q and dkdv.named["dout"] is dout
     common = dict(seqlen_q=300, seqlen_k=333, total_q=0, total_k=0, left=0, right=0,
                   scale=kw["scale"], GROUP=2, D=128, HAS_LEFT=False, HAS_RIGHT=True,
@@ -419,8 +425,7 @@ def test_backward_compile_failure_falls_back_per_pass(kernels):
     # The portable dK/dV gets the arguments the Gluon one was given (the same dict's values).
     assert all(portable[n] is gluon[n] for n in gluon
                if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
-                            "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ", "HOST_DESC",
-                                "DS_ON_EMPTY"))
+                            "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ", "HOST_DESC"))
     assert portable["dk"] is dk and portable["HEAD_LOOP"] == bool(
         configs.BWD_DKDV[128].head_loop)
     assert [key[0] for key in FAILURES] == ["bwd_sm90 dK/dV"]

@@ -254,8 +254,7 @@ def cases():
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
                       STATS_TMA=True, CONSUMER_REGS=240, dq_acc=None,
-                      stride_dqa=None, FUSED_DQ=False, HOST_DESC=False,
-                      DS_ON_EMPTY=False)
+                      stride_dqa=None, FUSED_DQ=False, HOST_DESC=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
@@ -278,11 +277,6 @@ def cases():
                 dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3), \
                 {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
                  "FUSED_DQ": True, "HOST_DESC": True}, 4, 1
-            yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label} host desc " \
-                "DS_ON_EMPTY", bwd_sm90._dkdv_sm90_kernel, \
-                dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3), \
-                {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
-                 "FUSED_DQ": True, "HOST_DESC": True, "DS_ON_EMPTY": True}, 4, 1
         if label == "causal":
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=64 causal", bwd_sm90._dkdv_sm90_kernel, \
                 sm90_bwd, dict(consts, D=64), 4, 1

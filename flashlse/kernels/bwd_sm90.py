@@ -213,7 +213,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               EARLY_DP: gl.constexpr, STATS_TMA: gl.constexpr, FUSED_DQ: gl.constexpr,
-              HOST_DESC: gl.constexpr, SHARED_EMPTY: gl.constexpr):
+              HOST_DESC: gl.constexpr):
     """One warpgroup: 64 keys against every (head, row block) that sees the key block.
 
     ``FUSED_DQ`` (``fused``: dS's shared buffers and their barriers, dQ's staging buffers and
@@ -300,11 +300,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
             # dS^T into buffer b's half (free once both warpgroups' dQ products of tile
             # it - 2 are done), then both halves there before the dQ products.
             b = it % 2
-            if SHARED_EMPTY:
-                # Two stages: Q/dO stage s is buffer b, freed by the same two arrivals.
-                mbarrier.wait(empty.index(b), ((it // 2) & 1) ^ 1)
-            else:
-                mbarrier.wait(ds_empty.index(b), ((it // 2) & 1) ^ 1)
+            mbarrier.wait(ds_empty.index(b), ((it // 2) & 1) ^ 1)
             ds_smem.index(2 * b + half).store(ds16)
             fence_async_shared()
             gl.thread_barrier()  # every thread's part stored before the one arrive
@@ -315,8 +311,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
             dq_tok = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k_cols1, dq_tok,
                                    is_async=True)
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-            if not SHARED_EMPTY:
-                mbarrier.arrive(ds_empty.index(b))
+            mbarrier.arrive(ds_empty.index(b))
             mbarrier.arrive(empty.index(s))
             # The previous tile's reduce has read its staging buffer (its issuing thread
             # waits, the warpgroup's barrier holds the others until it has): reuse it.
@@ -336,10 +331,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
         # Both warpgroups' last dQ products read both K halves: done before K's buffers
         # stage dK below.
         if n_tiles > 0:
-            if SHARED_EMPTY:
-                mbarrier.wait(empty.index((n_tiles - 1) % 2), ((n_tiles - 1) // 2) & 1)
-            else:
-                mbarrier.wait(ds_empty.index((n_tiles - 1) % 2), ((n_tiles - 1) // 2) & 1)
+            mbarrier.wait(ds_empty.index((n_tiles - 1) % 2), ((n_tiles - 1) // 2) & 1)
 
     # K and V are no longer read: stage dK, dV in their buffers for two clipped TMA stores.
     k_t.store((dk * scale).to(dtype))
@@ -369,12 +361,9 @@ def _dkdv_sm90_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
     STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr = False,
-    HOST_DESC: gl.constexpr = False, DS_ON_EMPTY: gl.constexpr = False,
+    HOST_DESC: gl.constexpr = False,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
-    # dS buffers freed by the Q/dO ring's own barrier (one arrive and its warpgroup barrier
-    # less a tile) where the two rings have the same depth.
-    SHARED_EMPTY: gl.constexpr = DS_ON_EMPTY and STAGES == 2
     i_n = gl.program_id(0)
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
@@ -491,12 +480,12 @@ def _dkdv_sm90_kernel(
                      kv_bar, full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                      n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, SHARED_EMPTY)),
+                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
                      kv_bar, full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                      n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, SHARED_EMPTY)),
+                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi,
                      n_tiles, _coord_bases(GROUP, D, HOST_DESC), BLOCK_M, STAGES, STATS_TMA)),
@@ -541,7 +530,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs:
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
-                 num_warps=cfg.num_warps, HOST_DESC=host, DS_ON_EMPTY=DS_ON_EMPTY, **fused)
+                 num_warps=cfg.num_warps, HOST_DESC=host, **fused)
     grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
     run = Launch(_dkdv_sm90_kernel, grid, *positional(
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
@@ -557,14 +546,9 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs:
 HOST_DESC = True
 
 # The same for the Hopper dQ kernel (the deterministic path's second pass, and D = 256's
-# dQ): prepared in session 20 (five descriptors a program made on the device before), not
-# yet run on the GPU; off until then.
-DQ_HOST_DESC = False
-
-# The fused pass's dS buffers freed by the Q/dO ring's barrier (two stages): prepared in
-# session 20 (its SASS: one BAR.SYNC and one arrive less a tile and warpgroup), not yet
-# measured on the GPU; off until then.
-DS_ON_EMPTY = False
+# dQ; five descriptors a program were made on the device). Session 21 (public fwd+bwd,
+# deterministic, B*S = 16k, H = 16): +6% at S = 1k, +10% causal.
+DQ_HOST_DESC = True
 
 
 def _host_desc_ok(p: BwdPass, *grads: torch.Tensor) -> bool:
