@@ -17,6 +17,7 @@ and exit. Against the real row blocks that count says whether those starts can m
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import random
 import sys
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import interleaved_ms, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
-from flashlse.kernels import configs  # noqa: E402
+from flashlse.kernels import bwd, configs  # noqa: E402
 
 
 def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -52,6 +53,9 @@ def main():
                     help="documents all of this length, against the dense kernel at S = it "
                          "(the varlen path's own cost, apart from the mix of lengths)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, one call a row")
+    ap.add_argument("--flag", default=None,
+                    help="MODULE.NAME of flashlse.kernels: the varlen fwd+bwd with it on and "
+                         "off in turn, beside the dense step (an A/B in one process)")
     ap.add_argument("--varlen-l2-mb", type=lambda x: [int(v) for v in x.split(",")], default=[],
                     help="time the persistent varlen forward at these L2 section budgets (MB)")
     args = ap.parse_args()
@@ -104,6 +108,27 @@ def main():
     fwd_ratio = tf(fwd_flops, t_vl) / tf(dense_flops, t_dn)
     bwd_ratio = tf(2.5 * fwd_flops, b_vl) / tf(2.5 * dense_flops, b_dn)
     print(f"ratio: forward {fwd_ratio:.2f}x (bar 0.90), backward {bwd_ratio:.2f}x (bar 0.85)")
+    if args.flag:
+        mod_name, flag = args.flag.rsplit(".", 1)
+        mod = importlib.import_module(f"flashlse.kernels.{mod_name}")
+
+        def with_flag(value):
+            def run():
+                if getattr(mod, flag) != value:
+                    setattr(mod, flag, value)
+                    bwd._BWD_PLANS.clear()
+                vl_step()
+            return run
+
+        s_on, s_off, s_dn2 = interleaved_ms([with_flag(True), with_flag(False), dn_step], smoke)
+        setattr(mod, flag, True)
+        bwd._BWD_PLANS.clear()
+        b_dn2 = max(s_dn2 - t_dn, 1e-9)
+        for label, s_x in (("on", s_on), ("off", s_off)):
+            b_x = max(s_x - t_vl, 1e-9)
+            ratio = tf(2.5 * fwd_flops, b_x) / tf(2.5 * dense_flops, b_dn2)
+            print(f"{f'  backward, {args.flag} {label}':<44} {'':8} {'':8} {b_x:8.3f} "
+                  f"{tf(2.5 * fwd_flops, b_x):8.1f}  ({ratio:.2f}x)")
     if not smoke and d in configs.FWD_SM90:
         # The other Hopper varlen forward in the same process (the persistent kernel over
         # row blocks listed on the device, or the grid kernel), for the A/B.

@@ -29,8 +29,11 @@
 #   bash benchmarks/h200_session.sh fused-bwd  # the fused backward (dQ by TMA reduces in the
 #                                                dK/dV pass): its tests and memcheck
 #   bash benchmarks/h200_session.sh fused-bench # bench_bwd, default against deterministic=True
-#   bash benchmarks/h200_session.sh pending20  # what session 20 could not run (tests, varlen,
-#                                                the prepared flags' A/B, ncu source page)
+#   bash benchmarks/h200_session.sh s21        # varlen dK/dV: descriptors made in parallel,
+#                                                the key-block list; tests, bench_varlen before
+#                                                / after (carry .before), FUSED_DQ A/B, memcheck
+#   bash benchmarks/h200_session.sh host21     # device-descriptor tests, cProfile of the host
+#                                                time (issue 15), one bench_varlen draw
 #   bash benchmarks/h200_session.sh host-desc  # dK/dV on host descriptors: tests, memcheck, A/B
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
@@ -80,7 +83,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 pending20 host-desc prof-src varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 s21 host21 host-desc prof-src varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -203,32 +206,47 @@ ncu_source() {
     python3 benchmarks/ncu_bwd.py --read "$OUT/$1_details.csv" 2>&1 | tail -3
     rm -f "$OUT/$1.ncu-rep"
 }
-if [ "$1" = pending20 ]; then
-    # What session 20 could not run (most needed first, so a short lease cuts the end): the
-    # backward's GPU tests on the shipped flags (host descriptors for dense dK/dV, the
-    # host / per-program equality test), then with both prepared flags on (DS_ON_EMPTY,
-    # DQ_HOST_DESC); bench_varlen at three draws (the varlen backward against the now faster
-    # dense one; expected 0.80-0.86x); each flag's A/B at S = 1k (DS_ON_EMPTY +0-2%;
-    # DQ_HOST_DESC, deterministic, +5-8%); the fused kernel's source page on host descriptors.
-    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
-        tests/kernels/test_nan_kernels.py -k "(test_attn_bwd_gpu_sm90[ and bf16 and not tl) \
-        or host_descriptors or neg_inf_sink or nan_d128" > "$OUT/test_default.log" 2>&1
-    echo "default tests: $(tail -1 "$OUT/test_default.log")"
-    timeout 120 python3 -c "import sys, pytest; import flashlse.kernels.bwd_sm90 as m; \
-m.DS_ON_EMPTY = m.DQ_HOST_DESC = True; sys.exit(pytest.main(['-q', '-x', '-p', \
-'no:cacheprovider', 'tests/kernels/test_bwd.py', '-k', \
-'(test_attn_bwd_gpu_sm90[ and bf16 and not tl) or bad_data']))" > "$OUT/test_flags.log" 2>&1
-    echo "flags-on tests: $(tail -1 "$OUT/test_flags.log")"
-    grep -h "^FAILED\|^E " "$OUT"/test_default.log "$OUT"/test_flags.log | head -10
+if [ "$1" = s21 ]; then
+    # Session 21, issue 16: the varlen Hopper dK/dV (1) makes its descriptors in the producer
+    # and the consumers at once (9 one after another -> 6; predicted +3-6% backward) and (2)
+    # ran over a device-made list of its key blocks (VARLEN_LIST, since removed: slower).
+    # Its GPU tests, bench_varlen of the tree in .before (carried; `before_after.sh prep
+    # HEAD`) and of this one with a flag on / off at three draws, the fused pass against
+    # the two-pass one now that both run on host descriptors (FUSED_DQ, S = 1k-4k), memcheck.
+    timeout 300 python3 -m pytest -q -x tests/kernels/test_bwd.py tests/kernels/test_fuzz_kernels.py \
+        -k "sm90 or varlen or uncovered or bad_data" -p no:cacheprovider > "$OUT/test_s21.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_s21.log")"
+    grep -h "^FAILED\|^ERROR\|^E " "$OUT"/test_s21.log | head
     for seed in 0 1 3; do
-        timeout 60 python3 benchmarks/bench_varlen.py --seed $seed 2>&1 \
-            | grep -E "attention|ratio" | cut -c1-100
+        echo "== before seed $seed"
+        PYTHONPATH=$PWD/.before timeout 60 python3 .before/benchmarks/bench_varlen.py \
+            --seed $seed 2>&1 | grep -E "attention|ratio" | cut -c1-100
+        echo "== after seed $seed"
+        timeout 90 python3 benchmarks/bench_varlen.py --seed $seed ${VARLEN_FLAG:+--flag $VARLEN_FLAG} \
+            2>&1 | grep -E "attention|ratio|backward," | cut -c1-110
     done
-    timeout 50 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DS_ON_EMPTY --seqs 1024 \
-        2>&1 | tail -3
-    timeout 50 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DQ_HOST_DESC --seqs 1024 \
-        --deterministic 2>&1 | tail -3
-    ncu_source fused1k_hd
+    timeout 120 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.FUSED_DQ \
+        --seqs 1024,2048,4096 2>&1 | tail -7
+    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q \
+        tests/kernels/test_bwd.py -k "bad_data or (uncovered and hopper) or gpu_varlen" \
+        -p no:cacheprovider > "$OUT/memcheck_s21.log" 2>&1
+    echo "memcheck rc=$?"; grep -h "ERROR SUMMARY" "$OUT/memcheck_s21.log" | tail -1
+    exit 0
+fi
+if [ "$1" = host21 ]; then
+    # Session 21: the device-descriptor paths' tests again on the final tree (varlen, uncovered
+    # rows, bad data, non-adjacent heads, host / per-program equality), then issue 15: where
+    # the fwd+bwd's host time goes on this host (cProfile of the real launches), and one
+    # bench_varlen draw.
+    timeout 200 python3 -m pytest -q tests/kernels/test_bwd.py tests/kernels/test_fuzz_kernels.py \
+        -k "((varlen or uncovered or bad_data or head_major) and not tl) or host_descriptors" \
+        -p no:cacheprovider > "$OUT/test_h21.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_h21.log")"
+    grep -h "^FAILED\|^ERROR\|^E " "$OUT"/test_h21.log | head
+    timeout 100 python3 benchmarks/profile_host.py --top 30 > "$OUT/prof_tot.txt" 2>&1
+    grep "===" "$OUT/prof_tot.txt"
+    timeout 60 python3 benchmarks/bench_varlen.py --seed 1 2>&1 | grep -E "attention|ratio" \
+        | cut -c1-100
     exit 0
 fi
 if [ "$1" = host-desc ]; then

@@ -152,13 +152,79 @@ def _coord_bases(GROUP: gl.constexpr, D: gl.constexpr, HOST_DESC: gl.constexpr):
         return (0, 1, 0, 0, 0, 0, 0)
 
 
+# The float32 dQ's staging buffers and descriptor boxes (fused pass): no swizzle.
+DQ_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                               rank=3))
+STAT_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                rank=2))
+
+
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem, k_smem,
-              v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi, n_tiles, at,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr):
+def _load_descs(loads, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                STATS_TMA: gl.constexpr, HOST_DESC: gl.constexpr):
+    """The producer's descriptors (Q, dO, K, V, lse_log2, delta): the launcher's with
+    ``HOST_DESC``, else this program's, over its sequence and head group, made here (``loads``:
+    the kernel's pointers, lengths and strides)."""
+    if HOST_DESC:
+        return loads
+    else:
+        p_q, p_do, p_k, p_v, p_lse, p_delta, T_q, T_k, sqh, sqs, sdh, sds, sks, svs, sth = loads
+        dtype: gl.constexpr = p_q.dtype.element_ty
+        q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
+        kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_N, D], dtype)
+        q_desc = tma.make_tensor_descriptor(p_q, [GROUP, T_q, D], [sqh, sqs, 1],
+                                            [1, BLOCK_M, D], q_lay)
+        do_desc = tma.make_tensor_descriptor(p_do, [GROUP, T_q, D], [sdh, sds, 1],
+                                             [1, BLOCK_M, D], q_lay)
+        k_desc = tma.make_tensor_descriptor(p_k, [1, T_k, D], [sks, sks, 1], [1, HALF_N, D],
+                                            kv_lay)
+        v_desc = tma.make_tensor_descriptor(p_v, [1, T_k, D], [svs, svs, 1], [1, HALF_N, D],
+                                            kv_lay)
+        if STATS_TMA:
+            lse_desc = tma.make_tensor_descriptor(p_lse, [GROUP, T_q], [sth, 1], [1, BLOCK_M],
+                                                  STAT_LAYOUT)
+            dlt_desc = tma.make_tensor_descriptor(p_delta, [GROUP, T_q], [sth, 1],
+                                                  [1, BLOCK_M], STAT_LAYOUT)
+        else:
+            lse_desc = q_desc
+            dlt_desc = q_desc
+        return q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc
+
+
+@gluon.jit
+def _store_descs(stores, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                 FUSED_DQ: gl.constexpr, HOST_DESC: gl.constexpr):
+    """A consumer's descriptors (dK, dV, and the float32 dQ if ``FUSED_DQ``), as
+    :func:`_load_descs` gives the producer's."""
+    if HOST_DESC:
+        return stores
+    else:
+        p_dk, p_dv, p_dq, T_q, T_k, sdks, sdvs, sdqa = stores
+        dtype: gl.constexpr = p_dk.dtype.element_ty
+        kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_N, D], dtype)
+        dk_desc = tma.make_tensor_descriptor(p_dk, [1, T_k, D], [sdks, sdks, 1],
+                                             [1, HALF_N, D], kv_lay)
+        dv_desc = tma.make_tensor_descriptor(p_dv, [1, T_k, D], [sdvs, sdvs, 1],
+                                             [1, HALF_N, D], kv_lay)
+        if FUSED_DQ:
+            dq_desc = tma.make_tensor_descriptor(p_dq, [GROUP, T_q, D], [sdqa[2], sdqa[1], 1],
+                                                 [1, BLOCK_M, D // 2], DQ_LAYOUT)
+        else:
+            dq_desc = dk_desc
+        return dk_desc, dv_desc, dq_desc
+
+
+@gluon.jit
+def _producer(loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar, full, empty,
+              n0, m_lo, m_hi, n_tiles, at, GROUP: gl.constexpr, D: gl.constexpr,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
+              HOST_DESC: gl.constexpr):
     """One warp: the K and V halves once, then Q and dO (and with ``STATS_TMA`` lse_log2
     and delta) of every (head, row block). ``at``: the kernel's coordinate bases (Q's four
-    for ``_q_coord``, then the stats row of the group's first head, K's batch and column)."""
+    for ``_q_coord``, then the stats row of the group's first head, K's batch and column).
+    ``loads``: its descriptors, or what :func:`_load_descs` makes them from."""
+    q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc = _load_descs(
+        loads, GROUP, D, BLOCK_M, STATS_TMA, HOST_DESC)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [at[5], n0 + half * HALF_N, at[6]], kv_bar,
@@ -206,7 +272,7 @@ def _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2,
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
+def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
               kv_bar, full, empty, p_lse, p_delta, stride_th, half,
               n0, T_q, T_k, shift, left, right, scale, scale_log2,
               m_lo, m_full_lo, m_full_hi, m_hi, n_tiles, fused,
@@ -236,10 +302,12 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_d
     # (The fused causal kernel: 64 bytes of stack on host descriptors, 16 on device ones,
     # sm_90 compile; it was faster all the same, RESULTS.md session 20.)
     at = _coord_bases(GROUP, D, HOST_DESC)
+    # Made while the producer makes its own and loads K and V.
+    dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, FUSED_DQ, HOST_DESC)
     k_t = k_smem.index(half).reshape([HALF_N, D])
     v_t = v_smem.index(half).reshape([HALF_N, D])
     if FUSED_DQ:
-        ds_smem, ds_full, ds_empty, dq_smem, dq_desc = fused
+        ds_smem, ds_full, ds_empty, dq_smem = fused
         HALF_D: gl.constexpr = D // 2
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
@@ -368,8 +436,8 @@ def _dkdv_sm90_kernel(
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
     bos, bos_k, T_q, T_k, i_n, n0, n_last, shift = _seq_block(
-        i_b, i_n, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k, seqused_k,
-        BLOCK_N, True, False, IS_VARLEN, HAS_SEQUSED_K)
+        i_b, i_n, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
+        seqused_k, BLOCK_N, True, False, IS_VARLEN, HAS_SEQUSED_K)
     if n0 >= T_k:
         return
     m_lo, m_full_lo, m_full_hi, m_hi = _row_ranges(n0, n_last, T_q, T_k, shift, left, right,
@@ -382,20 +450,25 @@ def _dkdv_sm90_kernel(
     # each (sequence, head) row at a 16-byte boundary, ``stats_offset``). Rows past the end
     # read 0 there: their Q and dO rows are zeros too, so P = 1 meets dO = 0 and dP - delta
     # = 0, and they add nothing.
-    stat_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,
-                                                     element_bitwidth=32, rank=2)
     if HOST_DESC:
         # Dense calls: the launcher's descriptors over whole tensors (Q, dO, dQ as (B, S,
         # H * D), K, V, dK, dV as (B, S_k, H_kv * D), the stats as (B * H, S)), clipped at
-        # S and S_k as the per-program ones below are at T_q and T_k, so no program writes
+        # S and S_k as the per-program ones are at T_q and T_k, so no program writes
         # descriptors: that setup (a global write and a proxy fence each, one after the
         # other, while the other warps wait) took ~20% of a program at causal S = 1k (ncu).
-        q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc = q, dout, k, v, dk, dv
-        lse_desc, dlt_desc = lse_log2, delta
+        loads = (q, dout, k, v, lse_log2, delta)
+        if FUSED_DQ:
+            stores = (dk, dv, dq_acc)
+        else:
+            stores = (dk, dv, dk)
         dtype: gl.constexpr = q.dtype
+        row_layout: gl.constexpr = q.layout
+        kv_layout: gl.constexpr = k.layout
         p_lse = lse_log2  # unused: STATS_TMA (the launcher's condition)
         p_delta = delta
     else:
+        # This program's descriptors, made where they are used (``_load_descs`` in the
+        # producer, ``_store_descs`` in each consumer) so the two sides make theirs at once.
         p_q = _slice_ptr(q, i_b, bos, i_h0, stride_qb, stride_qs, stride_qh)
         p_do = _slice_ptr(dout, i_b, bos, i_h0, stride_dob, stride_dos, stride_doh)
         p_k, p_v = _kv_ptrs(k, v, i_b, bos_k, i_hk, stride_kb, stride_ks, stride_kh,
@@ -405,40 +478,24 @@ def _dkdv_sm90_kernel(
         o_t = _stats_offset(i_b, bos, i_h0, stride_tb, stride_th)
         p_lse = lse_log2 + o_t
         p_delta = delta + o_t
-        dtype: gl.constexpr = q.dtype.element_ty
-        q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D], dtype)
-        kv_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_N, D], dtype)
-        # Q and dO span the group (heads i_h0 .. i_h0 + GROUP - 1); rows past a sequence's
-        # end read as zeros, and the stores of dK, dV are clipped at T_k.
+        # Rows past a sequence's end read as zeros; the stores are clipped at T_q and T_k.
         T_q_desc = gl.maximum(T_q, 1)
-        q_desc = tma.make_tensor_descriptor(p_q, [GROUP, T_q_desc, D],
-                                            [stride_qh, stride_qs, 1], [1, BLOCK_M, D],
-                                            q_lay)
-        do_desc = tma.make_tensor_descriptor(p_do, [GROUP, T_q_desc, D],
-                                             [stride_doh, stride_dos, 1], [1, BLOCK_M, D],
-                                             q_lay)
-        k_desc = tma.make_tensor_descriptor(p_k, [1, T_k, D], [stride_ks, stride_ks, 1],
-                                            [1, HALF_N, D], kv_lay)
-        v_desc = tma.make_tensor_descriptor(p_v, [1, T_k, D], [stride_vs, stride_vs, 1],
-                                            [1, HALF_N, D], kv_lay)
-        dk_desc = tma.make_tensor_descriptor(p_dk, [1, T_k, D], [stride_dks, stride_dks, 1],
-                                             [1, HALF_N, D], kv_lay)
-        dv_desc = tma.make_tensor_descriptor(p_dv, [1, T_k, D], [stride_dvs, stride_dvs, 1],
-                                             [1, HALF_N, D], kv_lay)
-        if STATS_TMA:
-            lse_desc = tma.make_tensor_descriptor(p_lse, [GROUP, T_q_desc], [stride_th, 1],
-                                                  [1, BLOCK_M], stat_layout)
-            dlt_desc = tma.make_tensor_descriptor(p_delta, [GROUP, T_q_desc], [stride_th, 1],
-                                                  [1, BLOCK_M], stat_layout)
+        loads = (p_q, p_do, p_k, p_v, p_lse, p_delta, T_q_desc, T_k, stride_qh, stride_qs,
+                 stride_doh, stride_dos, stride_ks, stride_vs, stride_th)
+        if FUSED_DQ:
+            p_dq = _slice_ptr(dq_acc, i_b, bos, i_h0, stride_dqa[0], stride_dqa[1],
+                              stride_dqa[2])
         else:
-            lse_desc = q_desc
-            dlt_desc = q_desc
-    row_layout: gl.constexpr = q_desc.layout
-    kv_layout: gl.constexpr = k_desc.layout
+            p_dq = dk
+        stores = (p_dk, p_dv, p_dq, T_q_desc, T_k, stride_dks, stride_dvs, stride_dqa)
+        dtype: gl.constexpr = q.dtype.element_ty
+        row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, D],
+                                                                        dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, HALF_N, D], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_layout)
-    dlt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], stat_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], STAT_LAYOUT)
+    dlt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], STAT_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF_N, D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -461,34 +518,25 @@ def _dkdv_sm90_kernel(
         for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)
             mbarrier.init(ds_empty.index(i), count=2)
-        if HOST_DESC:
-            dq_desc = dq_acc
-        else:
-            dq_desc = tma.make_tensor_descriptor(
-                _slice_ptr(dq_acc, i_b, bos, i_h0, stride_dqa[0], stride_dqa[1],
-                           stride_dqa[2]),
-                [GROUP, T_q_desc, D], [stride_dqa[2], stride_dqa[1], 1], [1, BLOCK_M, D // 2],
-                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, D // 2],
-                                            dq_desc.layout)
-        fused = (ds_smem, ds_full, ds_empty, dq_smem, dq_desc)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, D // 2], DQ_LAYOUT)
+        fused = (ds_smem, ds_full, ds_empty, dq_smem)
     else:
         fused = ()
 
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
-                     kv_bar, full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
+                     full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                      n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
                      EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, dk_desc, dv_desc,
-                     kv_bar, full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
+                     full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                      n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
                      EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
-        (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc, q_smem, do_smem,
-                     k_smem, v_smem, lse_smem, dlt_smem, kv_bar, full, empty, n0, m_lo, m_hi,
-                     n_tiles, _coord_bases(GROUP, D, HOST_DESC), BLOCK_M, STAGES, STATS_TMA)),
+        (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
+                     full, empty, n0, m_lo, m_hi, n_tiles, _coord_bases(GROUP, D, HOST_DESC),
+                     GROUP, D, BLOCK_M, STAGES, STATS_TMA, HOST_DESC)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
