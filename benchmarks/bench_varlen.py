@@ -53,6 +53,9 @@ def main():
                     help="documents all of this length, against the dense kernel at S = it "
                          "(the varlen path's own cost, apart from the mix of lengths)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, one call a row")
+    ap.add_argument("--model", action="store_true",
+                    help="also the dense forward at each document's length (B * L = the same "
+                         "16k tokens): the varlen forward against that per-length model")
     ap.add_argument("--flag", default=None,
                     help="MODULE.NAME of flashlse.kernels: the varlen fwd+bwd with it on and "
                          "off in turn, beside the dense step (an A/B in one process)")
@@ -108,6 +111,23 @@ def main():
     fwd_ratio = tf(fwd_flops, t_vl) / tf(dense_flops, t_dn)
     bwd_ratio = tf(2.5 * fwd_flops, b_vl) / tf(2.5 * dense_flops, b_dn)
     print(f"ratio: forward {fwd_ratio:.2f}x (bar 0.90), backward {bwd_ratio:.2f}x (bar 0.85)")
+    if args.model:
+        # What the dense kernel does on each document's length alone (B * L of the same 16k
+        # tokens, causal): sum of each document's FLOPs at its length's rate. The varlen
+        # forward against it is the varlen path's own efficiency, the short lengths' lower
+        # rate taken out.
+        model_ms = 0.0
+        with torch.no_grad():
+            for n in sorted(set(lens)):
+                bn = max(1, total // n)
+                qm, km, vm = (torch.randn(bn, n, h, d, generator=g, device=dev, dtype=dt)
+                              for _ in range(3))
+                ms = median_ms(lambda a=qm, b=km, c=vm: fl.attention(a, b, c, causal=True), smoke)
+                model_ms += ms * lens.count(n) / bn
+                del qm, km, vm
+        print(f"{'dense model (each length alone)':<44} {model_ms:8.3f} "
+              f"{tf(fwd_flops, model_ms):8.1f}  varlen / model {model_ms / t_vl:.2f}x, model / "
+              f"dense S={dense_s} {tf(fwd_flops, model_ms) / tf(dense_flops, t_dn):.2f}x")
     if args.flag:
         mod_name, flag = args.flag.rsplit(".", 1)
         mod = importlib.import_module(f"flashlse.kernels.{mod_name}")

@@ -236,17 +236,23 @@ fi
 if [ "$1" = host21 ]; then
     # Session 21: the device-descriptor paths' tests again on the final tree (varlen, uncovered
     # rows, bad data, non-adjacent heads, host / per-program equality), then issue 15: where
-    # the fwd+bwd's host time goes on this host (cProfile of the real launches), and one
-    # bench_varlen draw.
-    timeout 200 python3 -m pytest -q tests/kernels/test_bwd.py tests/kernels/test_fuzz_kernels.py \
+    # the fwd+bwd's host time goes on this host (cProfile of the real launches, the small
+    # shape and B = 16 S = 1k behind a GPU sleep), then issue 16: the varlen forward against
+    # the dense kernel at each document's length (bench_varlen --model).
+    timeout 150 python3 -m pytest -q tests/kernels/test_bwd.py tests/kernels/test_fuzz_kernels.py \
         -k "((varlen or uncovered or bad_data or head_major) and not tl) or host_descriptors" \
         -p no:cacheprovider > "$OUT/test_h21.log" 2>&1
     echo "tests: $(tail -1 "$OUT/test_h21.log")"
     grep -h "^FAILED\|^ERROR\|^E " "$OUT"/test_h21.log | head
-    timeout 100 python3 benchmarks/profile_host.py --top 30 > "$OUT/prof_tot.txt" 2>&1
+    timeout 60 python3 benchmarks/profile_host.py --rows fwd+bwd --top 40 > "$OUT/prof_tot.txt" 2>&1
     grep "===" "$OUT/prof_tot.txt"
-    timeout 60 python3 benchmarks/bench_varlen.py --seed 1 2>&1 | grep -E "attention|ratio" \
-        | cut -c1-100
+    timeout 60 python3 benchmarks/profile_host.py --rows "B=16" --top 40 --sort cumulative \
+        > "$OUT/prof_cum.txt" 2>&1
+    grep "===" "$OUT/prof_cum.txt"
+    for seed in 0 3; do
+        timeout 60 python3 benchmarks/bench_varlen.py --seed $seed --model 2>&1 \
+            | grep -E "attention|ratio|model" | cut -c1-120
+    done
     exit 0
 fi
 if [ "$1" = host-desc ]; then
