@@ -113,21 +113,33 @@ def main():
     print(f"ratio: forward {fwd_ratio:.2f}x (bar 0.90), backward {bwd_ratio:.2f}x (bar 0.85)")
     if args.model:
         # What the dense kernel does on each document's length alone (B * L of the same 16k
-        # tokens, causal): sum of each document's FLOPs at its length's rate. The varlen
-        # forward against it is the varlen path's own efficiency, the short lengths' lower
-        # rate taken out.
-        model_ms = 0.0
-        with torch.no_grad():
-            for n in sorted(set(lens)):
-                bn = max(1, total // n)
-                qm, km, vm = (torch.randn(bn, n, h, d, generator=g, device=dev, dtype=dt)
-                              for _ in range(3))
-                ms = median_ms(lambda a=qm, b=km, c=vm: fl.attention(a, b, c, causal=True), smoke)
-                model_ms += ms * lens.count(n) / bn
-                del qm, km, vm
-        print(f"{'dense model (each length alone)':<44} {model_ms:8.3f} "
-              f"{tf(fwd_flops, model_ms):8.1f}  varlen / model {model_ms / t_vl:.2f}x, model / "
-              f"dense S={dense_s} {tf(fwd_flops, model_ms) / tf(dense_flops, t_dn):.2f}x")
+        # tokens, causal): sum of each document's time at its length's rate, forward and
+        # backward (the step minus the forward). The varlen calls against it are the varlen
+        # path's own efficiency, the short lengths' lower rate taken out.
+        fwd_ms = bwd_ms = 0.0
+        for n in sorted(set(lens)):
+            bn = max(1, total // n)
+            qm, km, vm = (mk(bn, n, h, d) for _ in range(3))
+            dom = torch.randn(bn, n, h, d, generator=g, device=dev, dtype=dt)
+
+            def fwd_m(a=qm, b=km, c=vm):
+                with torch.no_grad():
+                    fl.attention(a, b, c, causal=True)
+
+            def step_m(a=qm, b=km, c=vm, do=dom):
+                a.grad = b.grad = c.grad = None
+                fl.attention(a, b, c, causal=True).backward(do)
+
+            t_f, t_s = (median_ms(fn, smoke) for fn in (fwd_m, step_m))
+            fwd_ms += t_f * lens.count(n) / bn
+            bwd_ms += max(t_s - t_f, 0.0) * lens.count(n) / bn
+            del qm, km, vm, dom
+        for what, m_ms, v_ms, f, ref in (("forward", fwd_ms, t_vl, fwd_flops, t_dn),
+                                         ("backward", bwd_ms, b_vl, 2.5 * fwd_flops, b_dn)):
+            dense_f = dense_flops * (2.5 if what == "backward" else 1)
+            print(f"{f'dense model, {what} (each length alone)':<44} {m_ms:8.3f} "
+                  f"{tf(f, m_ms):8.1f}  varlen / model {m_ms / v_ms:.2f}x, model / dense "
+                  f"S={dense_s} {tf(f, m_ms) / tf(dense_f, ref):.2f}x")
     if args.flag:
         mod_name, flag = args.flag.rsplit(".", 1)
         mod = importlib.import_module(f"flashlse.kernels.{mod_name}")
