@@ -32,6 +32,8 @@
 #   bash benchmarks/h200_session.sh s21        # varlen dK/dV: descriptors made in parallel,
 #                                                the key-block list; tests, bench_varlen before
 #                                                / after (carry .before), FUSED_DQ A/B, memcheck
+#   bash benchmarks/h200_session.sh next21     # session 21's leftovers: backward tests,
+#                                                bench_varlen --model x3, host profile at 1k
 #   bash benchmarks/h200_session.sh host21     # device-descriptor tests, cProfile of the host
 #                                                time (issue 15), one bench_varlen draw
 #   bash benchmarks/h200_session.sh host-desc  # dK/dV on host descriptors: tests, memcheck, A/B
@@ -83,7 +85,7 @@ fuzz_bf16() {
     grep -h "^FAIL" "$OUT"/fuzz*.log | head; grep -h "^fuzz:" "$OUT"/fuzz*.log
 }
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 s21 host21 host-desc prof-src varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla next paged s14 s22 s21 host21 next21 host-desc prof-src varlen-stats fused-bwd fused-bench prof-bwd suite mla-ab pending sparse decode final verify serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -206,6 +208,24 @@ ncu_source() {
     python3 benchmarks/ncu_bwd.py --read "$OUT/$1_details.csv" 2>&1 | tail -3
     rm -f "$OUT/$1.ncu-rep"
 }
+if [ "$1" = next21 ]; then
+    # What session 21 left for the next one's first call: the backward GPU tests on this
+    # tree (SM90 bf16 cases, host / per-program equality, varlen), bench_varlen --model at
+    # three draws (the varlen forward and backward against the dense kernel on each
+    # document's length), then the fwd+bwd host profile at S = 1k again.
+    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
+        -k "(test_attn_bwd_gpu_sm90[ and bf16 and not tl) or host_descriptors or gpu_varlen" \
+        > "$OUT/test_next21.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_next21.log")"
+    grep -h "^FAILED\|^E " "$OUT/test_next21.log" | head
+    for seed in 0 1 3; do
+        timeout 90 python3 benchmarks/bench_varlen.py --seed $seed --model 2>&1 \
+            | grep -E "attention|ratio|model" | cut -c1-120
+    done
+    timeout 60 python3 benchmarks/profile_host.py --rows "B=16" --top 40 > "$OUT/prof_1k.txt" 2>&1
+    grep "===" "$OUT/prof_1k.txt"
+    exit 0
+fi
 if [ "$1" = s21 ]; then
     # Session 21, issue 16: the varlen Hopper dK/dV (1) makes its descriptors in the producer
     # and the consumers at once (9 one after another -> 6; predicted +3-6% backward) and (2)
