@@ -636,10 +636,8 @@ def _dkdv_host_spec(dtype: torch.dtype, d: int, block_m: int) -> tuple:
     the float32 dQ if fused) becomes a host descriptor (``_HostDescs``), in the layouts of
     ``_dkdv_sm90_kernel``'s buffers (unswizzled float32 for the stats and dQ)."""
     rows, keys = _rows_spec(dtype, block_m, d), _rows_spec(dtype, _HALF_N, d)
-    stats = ("stats", block_m, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
-                                                    rank=2))
-    dq = ("rows", block_m, d // 2,
-          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))
+    stats = ("stats", block_m, STAT_LAYOUT.value)
+    dq = ("rows", block_m, d // 2, DQ_LAYOUT.value)
     return (rows, keys, keys, rows, stats, stats, keys, keys, None, None, None, dq)
 
 
@@ -774,13 +772,11 @@ def _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s
         n0 = n_lo + it * BLOCK_N
         mbarrier.wait(k_full.index(s), ph)
         s_tok = warpgroup_mma(q_t, _ring_tile(k_smem, s, BLOCK_N, D).permute((1, 0)), s_zero,
-                              use_acc=False,
-                              is_async=True)
+                              use_acc=False, is_async=True)
         mbarrier.wait(v_full.index(s), ph)
         # dP runs on the tensor cores while the exponentials of S are computed.
         dp_tok = warpgroup_mma(do_t, _ring_tile(v_smem, s, BLOCK_N, D).permute((1, 0)), s_zero,
-                               use_acc=False,
-                               is_async=True)
+                               use_acc=False, is_async=True)
         sc = warpgroup_mma_wait(1, deps=(s_tok, ))
         if (n0 < n_full_lo) | (n0 >= n_full_hi):
             cols = n0 + col_arange
@@ -796,8 +792,7 @@ def _dq_tiles(q_t, do_t, k_smem, v_smem, k_full, k_empty, v_full, v_empty, dq, s
         mbarrier.arrive(v_empty.index(s))
         ds = p * (dp - dlt[:, None])
         dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout),
-                               _ring_tile(k_smem, s, BLOCK_N, D), dq,
-                               is_async=True)
+                               _ring_tile(k_smem, s, BLOCK_N, D), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
         mbarrier.arrive(k_empty.index(s))
     return dq
