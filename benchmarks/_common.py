@@ -100,3 +100,28 @@ def host_loop_s(fn, n: int, *, sync_end: bool) -> float:
     seconds = (time.perf_counter() - t0) / n
     torch.cuda.synchronize()
     return seconds
+
+
+
+def flag_runs(flag: str, fn):
+    """``fn`` with the module flag ``flag`` ("MODULE.NAME" of ``flashlse.kernels``, read when
+    a backward plans its launches) on, and off, and a call that puts its value back: the
+    plans are dropped whenever it changes, so calls timed in turn (``interleaved_ms``) each
+    run their own side."""
+    import importlib
+
+    from flashlse.kernels import bwd
+
+    mod_name, name = flag.rsplit(".", 1)
+    mod = importlib.import_module(f"flashlse.kernels.{mod_name}")
+    original = getattr(mod, name)
+
+    def setting(value, then):
+        def run():
+            if getattr(mod, name) != value:
+                setattr(mod, name, value)
+                bwd._BWD_PLANS.clear()
+            then()
+        return run
+
+    return setting(True, fn), setting(False, fn), setting(original, lambda: None)

@@ -11,7 +11,6 @@ each switch); TFLOP/s count the backward as 2.5 forwards.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -20,13 +19,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import attn_flops, bf16_inputs, interleaved_ms  # noqa: E402
+from _common import attn_flops, bf16_inputs, flag_runs, interleaved_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
-from flashlse.kernels import bwd  # noqa: E402
 
 
-def _row(mod, flag: str, s: int, causal: bool, heads: int, dim: int,
+def _row(flag: str, s: int, causal: bool, heads: int, dim: int,
          deterministic: bool) -> tuple:
     """Milliseconds of the flag on, off, and cuDNN's SDPA, at one shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -38,23 +36,18 @@ def _row(mod, flag: str, s: int, causal: bool, heads: int, dim: int,
     qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     douth = dout.transpose(1, 2).contiguous()
 
-    def step(value):
-        def run():
-            if getattr(mod, flag) != value:
-                setattr(mod, flag, value)
-                bwd._BWD_PLANS.clear()
-            q.grad = k.grad = v.grad = None
-            fl.attention(q, k, v, causal=causal, deterministic=deterministic).backward(dout)
-        return run
+    def step():
+        q.grad = k.grad = v.grad = None
+        fl.attention(q, k, v, causal=causal, deterministic=deterministic).backward(dout)
 
     def cudnn():
         qh.grad = kh.grad = vh.grad = None
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             sdpa(qh, kh, vh, is_causal=causal).backward(douth)
 
-    times = interleaved_ms([step(True), step(False), cudnn])
-    setattr(mod, flag, True)
-    bwd._BWD_PLANS.clear()
+    on, off, restore = flag_runs(flag, step)
+    times = interleaved_ms([on, off, cudnn])
+    restore()
     return b, times
 
 
@@ -66,14 +59,12 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--deterministic", action="store_true", help="the two-pass backward")
     args = ap.parse_args()
-    mod_name, flag = args.flag.rsplit(".", 1)
-    mod = importlib.import_module(f"flashlse.kernels.{mod_name}")
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; {args.flag} on / off, "
           f"fwd+bwd TFLOP/s (public call), cuDNN beside")
     print(f"{'S':>6} {'causal':>6} {'on':>8} {'off':>8} {'on/off':>7} {'cuDNN':>8} {'on/cuDNN':>8}")
     for s in (int(x) for x in args.seqs.split(",")):
         for causal in (False, True):
-            b, (t_on, t_off, t_cu) = _row(mod, flag, s, causal, args.heads, args.dim,
+            b, (t_on, t_off, t_cu) = _row(args.flag, s, causal, args.heads, args.dim,
                                           args.deterministic)
             flops = 3.5 * attn_flops(b, args.heads, s, s, args.dim, causal)
             tf = lambda ms, f=flops: f / ms / 1e9

@@ -17,7 +17,6 @@ and exit. Against the real row blocks that count says whether those starts can m
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import random
 import sys
@@ -26,10 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import interleaved_ms, median_ms  # noqa: E402
+from _common import flag_runs, interleaved_ms, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
-from flashlse.kernels import bwd, configs  # noqa: E402
+from flashlse.kernels import configs  # noqa: E402
 
 
 def doc_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -141,20 +140,9 @@ def main():
                   f"{tf(f, m_ms):8.1f}  varlen / model {m_ms / v_ms:.2f}x, model / dense "
                   f"S={dense_s} {tf(f, m_ms) / tf(dense_f, ref):.2f}x")
     if args.flag:
-        mod_name, flag = args.flag.rsplit(".", 1)
-        mod = importlib.import_module(f"flashlse.kernels.{mod_name}")
-
-        def with_flag(value):
-            def run():
-                if getattr(mod, flag) != value:
-                    setattr(mod, flag, value)
-                    bwd._BWD_PLANS.clear()
-                vl_step()
-            return run
-
-        s_on, s_off, s_dn2 = interleaved_ms([with_flag(True), with_flag(False), dn_step], smoke)
-        setattr(mod, flag, True)
-        bwd._BWD_PLANS.clear()
+        on, off, restore = flag_runs(args.flag, vl_step)
+        s_on, s_off, s_dn2 = interleaved_ms([on, off, dn_step], smoke)
+        restore()
         b_dn2 = max(s_dn2 - t_dn, 1e-9)
         for label, s_x in (("on", s_on), ("off", s_off)):
             b_x = max(s_x - t_vl, 1e-9)
