@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged next21 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged next21 host22 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -120,6 +120,31 @@ if [ "$1" = next21 ]; then
     done
     timeout 60 python3 benchmarks/profile_host.py --rows "B=16" --top 40 > "$OUT/prof_1k.txt" 2>&1
     grep "===" "$OUT/prof_1k.txt"
+    exit 0
+fi
+if [ "$1" = host22 ]; then
+    # Session 22: the backward's host descriptors handed to Triton's C launcher directly
+    # (_common.DescLaunch): its GPU tests and next21's, the host profile of every public
+    # call, host us a fwd+bwd before (.before, carried) / after alternating, then
+    # bench_varlen --model at two draws.
+    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
+        -k "(test_attn_bwd_gpu_sm90[ and bf16 and not tl) or host_descriptors or gpu_varlen" \
+        > "$OUT/test_host22.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_host22.log")"
+    grep -h "^FAILED\|^E " "$OUT/test_host22.log" | head
+    timeout 120 python3 benchmarks/profile_host.py --top 45 > "$OUT/prof_all.txt" 2>&1
+    grep "===" "$OUT/prof_all.txt"
+    for pass in 1 2; do
+        for tree in before after; do
+            root=$PWD; [ $tree = before ] && root=$PWD/.before
+            PYTHONPATH=$root timeout 60 python3 $root/benchmarks/profile_host.py --rows "fwd+bwd" \
+                --top 0 2>&1 | grep "===" | sed "s/^/$tree $pass /"
+        done
+    done
+    for seed in 0 3; do
+        timeout 90 python3 benchmarks/bench_varlen.py --seed $seed --model 2>&1 \
+            | grep -E "attention|ratio|model" | cut -c1-120
+    done
     exit 0
 fi
 if [ "$1" = prof-src ]; then

@@ -520,3 +520,74 @@ def test_backward_host_descriptors_cover_the_whole_tensors():
     assert not bwd_sm90._host_desc_ok(p)
     p.q = q[:1].expand(b, s, hq, d)  # a broadcast batch (stride 0)
     assert not bwd_sm90._host_desc_ok(p)
+
+
+def test_desc_launch_passes_the_launcher_what_tritons_wrapper_would(monkeypatch):
+    """``DescLaunch``'s direct path hands Triton 3.6's C launcher the argument list Triton's
+    own tensor-descriptor wrapper (``wrap_handle_tensordesc``) makes from TensorDescriptor
+    objects, and encodes a descriptor again only for an address it has not seen."""
+    from triton.backends.nvidia import driver as nv
+
+    from flashlse.kernels._common import DescLaunch, Launch
+
+    fills, launched = [], []
+
+    class Utils:  # the driver's encoder: its arguments stand for the encoding
+        @staticmethod
+        def fill_tma_descriptor(*a):
+            fills.append(a)
+            return ("map", *[tuple(x) if isinstance(x, list) else x for x in a])
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", type("D", (), {"utils": Utils})())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 5, raising=False)
+    # Signature: a descriptor, a pointer, a descriptor, an int, a constexpr.
+    sig = {0: "tensordesc<bf16[1, 64, 128]>", 1: "*fp32", 2: "tensordesc<fp32[1, 16]>",
+           3: "i32", 4: "constexpr"}
+    metas = [dict(swizzle=128, elem_size=2, elem_type=10, block_size=[1, 64, 128],
+                  fp4_padded=False),
+             dict(swizzle=0, elem_size=4, elem_type=7, block_size=[1, 16], fp4_padded=False)]
+
+    class Runner:  # CudaLauncher's attributes and call, scratch-free
+        launch = staticmethod(nv.wrap_handle_tensordesc(lambda *a: launched.append(a), sig, metas))
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            self.launch(gx, gy, gz, stream, function, False, True, None, None, *args)
+
+    class Compiled:
+        run, function, packed_metadata = Runner(), 77, (4, 1, 1)
+
+    class Jit:  # kernel[grid](*args): the JIT path's launch of the compiled kernel
+        arg_names = ["a", "b", "c", "n", "C"]
+
+        def __getitem__(self, grid):
+            def go(*args):
+                Compiled.run(*grid, 5, Compiled.function, Compiled.packed_metadata, None, None,
+                             None, *args)
+                return Compiled
+            return go
+
+    a, b, c = torch.zeros(2, 100, 256, dtype=torch.bfloat16), torch.zeros(8), torch.zeros(4, 48)
+    fields = (([2, 100, 256], [25600, 256, 1], [1, 64, 128], 128), None,
+              ([4, 40], [48, 1], [1, 16], 0))
+
+    def desc(t, shape, strides, box, layout):
+        return TensorDescriptor(t, shape, strides, box, bwd_sm90.gl.NVMMASharedLayout(
+            swizzle_byte_width=layout, element_bitwidth=t.element_size() * 8, rank=len(box)))
+
+    run = DescLaunch(Launch(Jit(), (3, 2), (40, 16), {}), fields, desc)
+    run(a, b, c)  # the JIT path, through Triton's wrapper
+    assert run._direct  # this triton's launcher is the one the direct path knows
+    run(a, b, c)  # direct: encodes its own two
+    assert launched[1] == launched[0] and fills[2:] == fills[:2]
+    run(a, b, c)  # direct, nothing to encode: the addresses were seen
+    assert launched[2] == launched[0] and len(fills) == 4
+    c2 = torch.zeros(4, 48)
+    run(a, b, c2)
+    assert len(fills) == 5 and fills[-1][0] == c2.data_ptr()
+    run.run(*[t if f is None else desc(t, *f) for t, f in zip((a, b, c2), fields)])
+    assert launched[-1] == launched[-2]
+    assert launched[0][:13] == (3, 2, 1, 5, 77, False, True, None, None, (4, 1, 1), None, None,
+                                None)

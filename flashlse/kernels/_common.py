@@ -139,6 +139,96 @@ class Launch:
 _HOOKS = triton.knobs.runtime
 
 
+class DescLaunch:
+    """A :class:`Launch` whose leading tensors become TMA descriptors made on the host, after
+    its first call: each call then passes Triton 3.6's C launcher the descriptors' fields
+    itself, where Triton's tensor-descriptor wrapper would loop in Python over every argument
+    and encode each descriptor again (``make_tensordesc_arg``).
+
+    ``fields[i]`` is None for a tensor passed as itself, else ``(shape, strides, box,
+    layout)`` of the descriptor over tensor ``i``, fixed by the launch's plan. A descriptor's
+    encoding (``CUtensorMap``) is a function of its base address and those fields only, so
+    the encodings are kept by address (``maps``): a training loop's buffers come back at the
+    same addresses step after step. The first call, other dtypes, misaligned tensors, launch
+    hooks and a triton whose launcher differs take :class:`Launch`'s path with
+    ``TensorDescriptor`` objects (what ``make`` gives them).
+    """
+
+    __slots__ = ("run", "fields", "make", "_direct", "maps")
+
+    # Encodings kept a launch; past this the cache starts over (a loop of changing addresses).
+    MAX_MAPS = 64
+
+    def __init__(self, run: Launch, fields: tuple, make):
+        self.run, self.fields, self.make = run, fields, make
+        self._direct = None  # (C launcher, per-argument plan, fixed args), or False: never
+        self.maps = {}
+
+    def __call__(self, *tensors) -> None:
+        d = self._direct
+        if d and _no_hook(_HOOKS.launch_enter_hook) and _no_hook(_HOOKS.launch_exit_hook):
+            launcher, plan, head, device, dtypes, tail = d
+            if _signature(tensors) == dtypes and torch.cuda.current_device() == device:
+                maps, args = self.maps, []
+                for i, (t, p) in enumerate(zip(tensors, plan)):
+                    if p is None:
+                        args.append(t)
+                        continue
+                    ptr = t.data_ptr()
+                    m = maps.get((i, ptr))
+                    if m is None:
+                        if len(maps) >= self.MAX_MAPS:
+                            maps.clear()
+                        m = maps[(i, ptr)] = p[0](ptr, *p[1])
+                    args.append(m)
+                    args.extend(p[2])
+                launcher(*head[:3], torch._C._cuda_getCurrentRawStream(device), *head[3:],
+                         *args, *tail)
+                return
+        self.run(*[t if f is None else self.make(t, *f) for t, f in zip(tensors, self.fields)])
+        if d is None and getattr(self.run, "_compiled", None) is not None:
+            self._direct = _direct_plan(self.run, self.fields) or False
+
+
+def _direct_plan(run: Launch, fields: tuple):
+    """:class:`DescLaunch`'s fast path for ``run``'s compiled kernel, or None where this
+    triton's launcher is not the one it was written against (3.6: a C ``launch`` under
+    ``wrap_handle_tensordesc``'s closure) or would allocate scratch."""
+    device, dtypes, kernel = run._compiled
+    runner = kernel.run
+    wrapped = getattr(runner, "launch", None)
+    code, cells = getattr(wrapped, "__code__", None), getattr(wrapped, "__closure__", None)
+    if code is None or cells is None or runner.global_scratch_size or \
+            runner.profile_scratch_size:
+        return None
+    env = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+    launcher, metas = env.get("launcher"), env.get("tensordesc_meta")
+    n_desc = sum(f is not None for f in fields)
+    if launcher is None or not metas or len(metas) != n_desc or len(
+            env.get("tensordesc_indices", ())) != n_desc:
+        return None
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+    plan, metas = [], iter(metas)
+    for f in fields:
+        if f is None:
+            plan.append(None)
+            continue
+        meta, (shape, strides, _, _) = next(metas), f
+        if meta is None or meta["fp4_padded"]:
+            return None
+        # fill_tma_descriptor's arguments after the address, as make_tensordesc_arg passes
+        # them (padding 0: zeros), then the shape and strides the kernel reads beside it.
+        plan.append((fill, (meta["swizzle"], meta["elem_size"],
+                            TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
+                            list(shape), list(strides), 0), (*shape, *strides)))
+    g0, g1, g2 = run.grid
+    head = (g0, g1, g2, kernel.function, runner.launch_cooperative_grid, runner.launch_pdl,
+            None, None, kernel.packed_metadata, None, None, None)
+    return launcher, tuple(plan), head, device, dtypes, run.args
+
+
 def _no_hook(hook) -> bool:
     # Triton 3.6's launch hooks are chains, empty unless a profiler added to them.
     return hook is None or not getattr(hook, "calls", True)

@@ -61,6 +61,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import configs, fwd_sm90
 from ._common import (
+    DescLaunch,
     Launch,
     alloc_scratch,
     capability,
@@ -655,13 +656,14 @@ class _HostDescs:
     ``(B, S, H * D)`` (``("rows", box rows, box cols, layout)``: Q, dO, dQ, K, V, dK, dV) or
     over ``(B * H, S)`` (``("stats", box cols, layout)``: lse_log2, delta, rows padded by
     ``bwd.prepare``). Shapes and strides are the plan's (its key), so each descriptor's
-    fields are worked out on the first call and only the tensors change."""
+    fields are worked out on the first call and only the tensors change: a
+    :class:`DescLaunch` of them launches from then on."""
 
-    __slots__ = ("run", "spec", "seqlen_q", "fields")
+    __slots__ = ("run", "spec", "seqlen_q", "launch")
 
     def __init__(self, run: Launch, spec: tuple, seqlen_q: int):
         self.run, self.spec, self.seqlen_q = run, spec, seqlen_q
-        self.fields = None
+        self.launch = None
 
     def _fields(self, tensors) -> tuple:
         """(shape, strides, box, layout) of each descriptor, None for a plain argument."""
@@ -679,10 +681,10 @@ class _HostDescs:
         return tuple(out)
 
     def __call__(self, *tensors) -> None:
-        fields = self.fields
-        if fields is None:
-            fields = self.fields = self._fields(tensors)
-        self.run(*[t if f is None else _desc(t, *f) for t, f in zip(tensors, fields)])
+        launch = self.launch
+        if launch is None:
+            launch = self.launch = DescLaunch(self.run, self._fields(tensors), _desc)
+        launch(*tensors)
 
 
 # dK, dV and dQ in one pass (the dK/dV kernel adding each tile's dS K into a float32 dQ by a

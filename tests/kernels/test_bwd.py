@@ -508,6 +508,28 @@ def test_attn_bwd_gpu_sm90_host_descriptors_equal_per_program_ones(monkeypatch, 
     on = grads(True)
     # Both passes on host descriptors (dK/dV's 11 arguments, dQ's 10), or neither.
     assert launched == ([11, 10] if heads == "adjacent" else [])
+    # Later calls of the plan launch through DescLaunch's direct path (descriptors encoded
+    # by address, handed to Triton's C launcher): the same inputs again, then copies at new
+    # addresses (and the fused pass, dK and dV bit for bit, dQ to float32 rounding).
+    def again(fresh, deterministic=True):
+        ts = [torch.empty_like(t).copy_(t) if fresh else t for t in (dout, q, k, v, out, lse)]
+        return dispatch.attn_bwd(ts[0], None, *ts[1:], deterministic=deterministic, **kw)[:3]
+
+    for x, y in zip(on, again(False)):
+        assert torch.equal(x, y)
+    for x, y in zip(on, again(True)):
+        assert torch.equal(x, y)
+    for _ in range(2):  # the fused pass's first call (JIT path), then its direct one
+        fused = again(True, deterministic=False)
+        assert torch.equal(fused[1], on[1]) and torch.equal(fused[2], on[2])
+        # The same products summed in another order: a bf16 ulp apart at most.
+        torch.testing.assert_close(fused[0], on[0], rtol=1e-2,
+                                   atol=1e-2 * on[0].abs().max().item())
+    if heads == "adjacent":  # the direct path was taken (this triton's launcher known)
+        runs = [r.kernel if isinstance(r, bwd_sm90._FusedRun) else r
+                for plan in bwd._BWD_PLANS.values() for r in plan.launches.values()
+                if isinstance(r, (bwd_sm90._HostDescs, bwd_sm90._FusedRun))]
+        assert len(runs) == 3 and all(r.launch._direct for r in runs)
     off = grads(False)
     bwd._BWD_PLANS.clear()
     assert len(launched) == (2 if heads == "adjacent" else 0)
