@@ -5,6 +5,7 @@ launched through ``JITFunction.run`` with 1 and with 32 arguments (flashlse's ke
 
     python benchmarks/profile_host.py [--top 18]
     python benchmarks/profile_host.py --cpu-stubbed [--profile NAME] [--n 5000]
+    python benchmarks/profile_host.py --ab MODULE.NAME [--rows SUBSTR] [--rounds 8]
 
 Prints the floor, then per call kind microseconds a call and the functions with the most
 own time.
@@ -225,6 +226,38 @@ def cpu_stubbed(n, profile, top):
             pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
+def ab(flag: str, rows: str | None, rounds: int) -> None:
+    """Host us a call of each GPU row with the module flag ``flag`` on and off, in turns
+    (``rounds`` each, the order flipped every round; the host's load drifts), medians."""
+    from _common import flag_runs
+
+    for name, fn in calls().items():
+        if rows is not None and rows not in name:
+            continue
+        on, off, restore = flag_runs(flag, fn)
+        big = "B=16" in name
+        n = 40 if big else 200
+        got = {"on": [], "off": []}
+        for r in range(rounds):
+            for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                f = on if side == "on" else off
+                for _ in range(5):  # the plans are made again after the flag changed
+                    f()
+                torch.cuda.synchronize()
+                if big:
+                    torch.cuda._sleep(400_000_000)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    f()
+                got[side].append((time.perf_counter() - t0) / n * 1e6)
+                torch.cuda.synchronize()
+        restore()
+        med = {k: sorted(v)[len(v) // 2] for k, v in got.items()}
+        print(f"=== ab {flag} {name}: on {med['on']:.1f} us, off {med['off']:.1f} us a call "
+              f"(medians of {rounds}; min {min(got['on']):.1f} / {min(got['off']):.1f}), "
+              f"on - off {med['on'] - med['off']:+.1f} us")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--top", type=int, default=18)
@@ -235,7 +268,13 @@ def main():
     ap.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumulative")
     ap.add_argument("--rows", default=None,
                     help="only the GPU rows whose names contain this (no floor table)")
+    ap.add_argument("--ab", default=None, metavar="MODULE.NAME",
+                    help="host us a call with this flashlse.kernels flag on / off in turns")
+    ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
+    if args.ab:
+        ab(args.ab, args.rows, args.rounds)
+        return
     if args.cpu_stubbed:
         cpu_stubbed(args.n or 5000, args.profile, args.top)
         return

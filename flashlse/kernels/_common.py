@@ -166,7 +166,8 @@ class DescLaunch:
 
     def __call__(self, *tensors) -> None:
         d = self._direct
-        if d and _no_hook(_HOOKS.launch_enter_hook) and _no_hook(_HOOKS.launch_exit_hook):
+        if d and DESC_DIRECT and _no_hook(_HOOKS.launch_enter_hook) \
+                and _no_hook(_HOOKS.launch_exit_hook):
             launcher, plan, head, device, dtypes, tail = d
             if _signature(tensors) == dtypes and torch.cuda.current_device() == device:
                 maps, args = self.maps, []
@@ -188,6 +189,10 @@ class DescLaunch:
         self.run(*[t if f is None else self.make(t, *f) for t, f in zip(tensors, self.fields)])
         if d is None and getattr(self.run, "_compiled", None) is not None:
             self._direct = _direct_plan(self.run, self.fields) or False
+
+
+# DescLaunch's direct path (off: every call through Triton's wrapper; benchmarks' A/B).
+DESC_DIRECT = True
 
 
 def _direct_plan(run: Launch, fields: tuple):
