@@ -95,9 +95,9 @@ class _Identity(torch.autograd.Function):
         return dout, torch.empty_like(dout), torch.empty_like(dout)
 
 
-def autograd_floor(dev, n):
-    """Host us a call of a no-kernel autograd op's forward + backward, as ``calls()``'s
-    fwd+bwd (fresh .grad each call, ``out.backward(dout)``)."""
+def autograd_floor_fn(dev):
+    """A no-kernel autograd op's forward + backward, as ``calls()``'s fwd+bwd (fresh .grad
+    each call, ``out.backward(dout)``)."""
     q, k, v = (torch.randn(1, 128, 2, 128, device=dev, requires_grad=True) for _ in range(3))
     do = torch.randn(1, 128, 2, 128, device=dev)
 
@@ -105,6 +105,12 @@ def autograd_floor(dev, n):
         q.grad = k.grad = v.grad = None
         _Identity.apply(q, k, v).backward(do)
 
+    return step
+
+
+def autograd_floor(dev, n):
+    """Host us a call of :func:`autograd_floor_fn` (CUDA), or the function (CPU)."""
+    step = autograd_floor_fn(dev)
     return per_call_us(step, n) if dev == "cuda" else step
 
 
@@ -258,6 +264,62 @@ def ab(flag: str, rows: str | None, rounds: int) -> None:
               f"on - off {med['on'] - med['off']:+.1f} us")
 
 
+def parts(rounds: int) -> None:
+    """Host us a call of the pieces of a fwd+bwd at B = 16, S = 1k, H = 16, causal (behind a
+    GPU sleep; medians of ``rounds``): where the public call's host time goes, piece by piece,
+    beside the no-kernel autograd floor."""
+    from flashlse.kernels import bwd, bwd_sm90, dispatch
+
+    dt = torch.bfloat16
+    q, k, v, do = (torch.randn(16, 1024, 16, 128, device="cuda", dtype=dt) for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    kw = dict(left=None, right=0, softcap=0.0, scale=128 ** -0.5, sink=None)
+    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+
+    def fwdbwd():
+        qg.grad = kg.grad = vg.grad = None
+        fl.attention(qg, kg, vg, causal=True).backward(do)
+
+    def fwd_graph():  # the forward with autograd's graph (freed unused)
+        fl.attention(qg, kg, vg, causal=True)
+
+    def prepared():
+        return bwd.prepare(do, None, q, k, v, out, lse, **kw)
+
+    def one_thread():  # the engine's device threads off: the backward runs on this one
+        with torch.autograd.set_multithreading_enabled(False):
+            fwdbwd()
+
+    p = prepared()
+    fused = bwd_sm90.fused_plan(p)
+    rows = {
+        "autograd floor (no kernel, fwd+bwd)": autograd_floor_fn("cuda"),
+        "torch.empty x 8": lambda: [torch.empty(4096, device="cuda") for _ in range(8)],
+        "attention fwd (no grad)": lambda: fl.attention(q, k, v, causal=True),
+        "attention fwd (autograd graph)": fwd_graph,
+        "dispatch.attn_fwd": lambda: dispatch.attn_fwd(q, k, v, **kw),
+        "bwd.prepare (allocs + preprocess)": prepared,
+        "fused run (zeros, kernel, copy_)": lambda: fused(p),
+        "dispatch.attn_bwd": lambda: dispatch.attn_bwd(do, None, q, k, v, out, lse, **kw),
+        "attention fwd+bwd (public)": fwdbwd,
+        "attention fwd+bwd, autograd on this thread": one_thread,
+    }
+    got = {name: [] for name in rows}
+    for _ in range(rounds):
+        for name, fn in rows.items():
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(400_000_000)
+            t0 = time.perf_counter()
+            for _ in range(40):
+                fn()
+            got[name].append((time.perf_counter() - t0) / 40 * 1e6)
+            torch.cuda.synchronize()
+    for name, us in got.items():
+        print(f"=== parts {name:<40} {sorted(us)[len(us) // 2]:7.1f} us (min {min(us):.1f})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--top", type=int, default=18)
@@ -271,7 +333,12 @@ def main():
     ap.add_argument("--ab", default=None, metavar="MODULE.NAME",
                     help="host us a call with this flashlse.kernels flag on / off in turns")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--parts", action="store_true",
+                    help="host us of a B=16 S=1k fwd+bwd's pieces (GPU)")
     args = ap.parse_args()
+    if args.parts:
+        parts(args.rounds)
+        return
     if args.ab:
         ab(args.ab, args.rows, args.rounds)
         return
