@@ -95,6 +95,52 @@ class _Identity(torch.autograd.Function):
         return dout, torch.empty_like(dout), torch.empty_like(dout)
 
 
+class _Busy(torch.autograd.Function):
+    """:class:`_Identity` whose backward also makes ``ctx.n`` torch calls of kind ``ctx.kind``
+    (``empty``: an allocation; ``add``: a kernel launch; ``py``: pure Python of about the
+    same length): what the engine's device thread adds to a backward's host work."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, n, kind):
+        ctx.n, ctx.kind = n, kind
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x = dout.new_zeros(16)
+        for _ in range(ctx.n):
+            if ctx.kind == "empty":
+                torch.empty(16, device=dout.device)
+            elif ctx.kind == "add":
+                x.add_(1)
+            else:
+                sum(range(40))
+        return dout, torch.empty_like(dout), torch.empty_like(dout), None, None
+
+
+def threads(rounds: int) -> None:
+    """Host us of a no-kernel autograd fwd+bwd whose backward makes n torch calls, with the
+    engine's device threads (torch's default) and without (the backward on the caller's
+    thread): whether the handoff's cost grows with the backward's calls."""
+    q, k, v = (torch.randn(1, 128, 2, 128, device="cuda", requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 128, 2, 128, device="cuda")
+
+    def step(n, kind, mt):
+        def run():
+            q.grad = k.grad = v.grad = None
+            with torch.autograd.set_multithreading_enabled(mt):
+                _Busy.apply(q, k, v, n, kind).backward(do)
+        return run
+
+    for kind in ("empty", "add", "py"):
+        for n in (0, 8, 32):
+            us = {mt: sorted(per_call_us(step(n, kind, mt), 300) for _ in range(rounds))
+                  for mt in (True, False)}
+            on, off = us[True][rounds // 2], us[False][rounds // 2]
+            print(f"=== threads {kind:<5} n={n:<3} device thread {on:7.1f} us, caller's thread "
+                  f"{off:7.1f} us, difference {on - off:+7.1f}")
+
+
 def autograd_floor_fn(dev):
     """A no-kernel autograd op's forward + backward, as ``calls()``'s fwd+bwd (fresh .grad
     each call, ``out.backward(dout)``)."""
@@ -338,6 +384,7 @@ def main():
     args = ap.parse_args()
     if args.parts:
         parts(args.rounds)
+        threads(5)
         return
     if args.ab:
         ab(args.ab, args.rows, args.rounds)
