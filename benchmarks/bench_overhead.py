@@ -31,7 +31,8 @@ nature). attention_varlen and sparse_attention rows have no host bar.
     python benchmarks/bench_overhead.py [--out DIR] [--functions kvcache,merge,fwd,...]
     TRITON_INTERPRET=1 python benchmarks/bench_overhead.py --smoke --out /tmp/ovh
 
-``--functions`` picks from kvcache, merge, fwd, fwdbwd, varlen, sparse (default all).
+``--functions`` picks from kvcache, merge, fwd, fwdbwd, fwdbwd_1t, varlen, sparse (default
+all).
 Writes ``overhead.json`` and ``overhead_rows.md`` (rows for benchmarks/RESULTS.md) into
 ``--out`` (default benchmarks/results); prints the table last. ``--smoke`` runs tiny
 shapes on the CPU under the interpreter to check the script: only ``public`` (one
@@ -83,10 +84,14 @@ SPARSE = (1, 32, 2, 1, 8) if SMOKE else (1, 1024, 16, 1, 256)  # (B, S, Hq, Hkv,
 
 N_HOST, CHUNK = 200, 50
 N_PROFILE = 20
-HOST_BAR_US = {"kvcache": 30, "merge": 20, "fwd": 30, "fwdbwd": 100}
+HOST_BAR_US = {"kvcache": 30, "merge": 20, "fwd": 30, "fwdbwd": 100, "fwdbwd_1t": 100}
 RATIO_BAR, RATIO_MIN_MS = 1.05, 0.1
 LABEL = {"kvcache": "attention_with_kvcache", "merge": "merge_states", "fwd": "attention fwd",
-         "fwdbwd": "attention fwd+bwd", "varlen": "attention_varlen fwd",
+         "fwdbwd": "attention fwd+bwd",
+         # The same step with torch's autograd running the backward on the calling thread
+         # (``torch.autograd.set_multithreading_enabled(False)``) instead of its CUDA
+         # device thread: the handoff's share of the host time.
+         "fwdbwd_1t": "attention fwd+bwd, 1 thread", "varlen": "attention_varlen fwd",
          "sparse": "sparse_attention fwd"}
 
 Case = collections.namedtuple("Case", "kind shape build")
@@ -123,7 +128,7 @@ def fwd_call(b, s, h):
     return lambda: fl.attention(q, k, v, causal=True)
 
 
-def fwdbwd_call(b, s, h):
+def fwdbwd_call(b, s, h, threads=True):
     q, k, v = (randn(b, s, h, D, requires_grad=True) for _ in range(3))
     dout = randn(b, s, h, D)
 
@@ -133,7 +138,8 @@ def fwdbwd_call(b, s, h):
         for t in (q, k, v):
             t.grad = None
         out = fl.attention(q, k, v, causal=True)
-        out.backward(dout)
+        with torch.autograd.set_multithreading_enabled(threads):
+            out.backward(dout)
 
     return step
 
@@ -169,7 +175,8 @@ def cases(kinds):
             name = str(dtype).replace("torch.", "")
             out.append(Case("merge", f"N={shape[0]} x ({rows} rows, {shape[-1]}) {name}",
                             functools.partial(merge_call, shape, dtype)))
-    for kind, call in (("fwd", fwd_call), ("fwdbwd", fwdbwd_call)):
+    for kind, call in (("fwd", fwd_call), ("fwdbwd", fwdbwd_call),
+                       ("fwdbwd_1t", functools.partial(fwdbwd_call, threads=False))):
         if kind in kinds:
             for b, s, h in ATTN_SHAPES:
                 out.append(Case(kind, f"B={b} S={s} H={h} D={D} causal",
