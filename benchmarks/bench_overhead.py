@@ -91,7 +91,7 @@ LABEL = {"kvcache": "attention_with_kvcache", "merge": "merge_states", "fwd": "a
          # The same step with torch's autograd running the backward on the calling thread
          # (``torch.autograd.set_multithreading_enabled(False)``) instead of its CUDA
          # device thread: the handoff's share of the host time.
-         "fwdbwd_1t": "attention fwd+bwd, 1 thread", "varlen": "attention_varlen fwd",
+         "fwdbwd_1t": "attn fwd+bwd, 1 thread", "varlen": "attention_varlen fwd",
          "sparse": "sparse_attention fwd"}
 
 Case = collections.namedtuple("Case", "kind shape build")
