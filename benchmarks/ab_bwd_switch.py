@@ -2,6 +2,7 @@
 module flag on and off, timed in turn (``_common.interleaved_ms``), cuDNN's SDPA beside them.
 
     python benchmarks/ab_bwd_switch.py --flag bwd_sm90.HOST_DESC --seqs 1024,2048,4096,8192
+        [--deterministic] [--one-thread]
 
 B*S = 16k, H = 16, D = 128, bf16, causal and not. The flag is a module attribute of
 ``flashlse.kernels`` (read when a backward plans its launches, so the plans are dropped at
@@ -25,7 +26,7 @@ import flashlse as fl  # noqa: E402
 
 
 def _row(flag: str, s: int, causal: bool, heads: int, dim: int,
-         deterministic: bool) -> tuple:
+         deterministic: bool, threads: bool = True) -> tuple:
     """Milliseconds of the flag on, off, and cuDNN's SDPA, at one shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -38,7 +39,9 @@ def _row(flag: str, s: int, causal: bool, heads: int, dim: int,
 
     def step():
         q.grad = k.grad = v.grad = None
-        fl.attention(q, k, v, causal=causal, deterministic=deterministic).backward(dout)
+        out = fl.attention(q, k, v, causal=causal, deterministic=deterministic)
+        with torch.autograd.set_multithreading_enabled(threads):
+            out.backward(dout)
 
     def cudnn():
         qh.grad = kh.grad = vh.grad = None
@@ -58,6 +61,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--deterministic", action="store_true", help="the two-pass backward")
+    ap.add_argument("--one-thread", action="store_true",
+                    help="flashlse's backward on the calling thread (autograd's device "
+                         "thread off: ~half the host time, so short steps stay GPU-bound)")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; {args.flag} on / off, "
           f"fwd+bwd TFLOP/s (public call), cuDNN beside")
@@ -65,7 +71,7 @@ def main() -> None:
     for s in (int(x) for x in args.seqs.split(",")):
         for causal in (False, True):
             b, (t_on, t_off, t_cu) = _row(args.flag, s, causal, args.heads, args.dim,
-                                          args.deterministic)
+                                          args.deterministic, not args.one_thread)
             flops = 3.5 * attn_flops(b, args.heads, s, s, args.dim, causal)
             tf = lambda ms, f=flops: f / ms / 1e9
             print(f"{s:>6} {str(causal):>6} {tf(t_on):8.1f} {tf(t_off):8.1f} "
