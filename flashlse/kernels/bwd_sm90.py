@@ -622,8 +622,8 @@ HOST_DESC = True
 
 # Dense dK/dV grids start their programs longest first, section by section (``_block_ids``).
 # Predicted before its run: causal S = 1k-2k +3-6% (a long key block no longer starts last),
-# non-causal and S >= 4k unchanged.
-LPT = True
+# non-causal and S >= 4k unchanged. Off until measured on the H200.
+LPT = False
 
 # The same for the Hopper dQ kernel (the deterministic path's second pass, and D = 256's
 # dQ; five descriptors a program were made on the device). Session 21 (public fwd+bwd,
