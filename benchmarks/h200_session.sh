@@ -13,8 +13,8 @@
 #                                                Hopper forwards' launches, bench_serving
 #                                                (and bench_varlen.py)
 #   bash benchmarks/h200_session.sh suite      # every GPU test, twelve shards (issue 21's bar)
-#   bash benchmarks/h200_session.sh next21     # session 21's leftovers: backward tests,
-#                                                bench_varlen --model x3, host profile at 1k
+#   bash benchmarks/h200_session.sh host22     # session 22's first call: backward tests,
+#                                                host profile, DescLaunch A/B, varlen model
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
@@ -31,7 +31,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged next21 host22 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -104,27 +104,9 @@ ncu_source() {
     python3 benchmarks/ncu_bwd.py --read "$OUT/$1_details.csv" 2>&1 | tail -3
     rm -f "$OUT/$1.ncu-rep"
 }
-if [ "$1" = next21 ]; then
-    # What session 21 left for the next one's first call: the backward GPU tests on this
-    # tree (SM90 bf16 cases, host / per-program equality, varlen), bench_varlen --model at
-    # three draws (the varlen forward and backward against the dense kernel on each
-    # document's length), then the fwd+bwd host profile at S = 1k again.
-    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
-        -k "(test_attn_bwd_gpu_sm90[ and bf16 and not tl) or host_descriptors or gpu_varlen" \
-        > "$OUT/test_next21.log" 2>&1
-    echo "tests: $(tail -1 "$OUT/test_next21.log")"
-    grep -h "^FAILED\|^E " "$OUT/test_next21.log" | head
-    for seed in 0 1 3; do
-        timeout 90 python3 benchmarks/bench_varlen.py --seed $seed --model 2>&1 \
-            | grep -E "attention|ratio|model" | cut -c1-120
-    done
-    timeout 60 python3 benchmarks/profile_host.py --rows "B=16" --top 40 > "$OUT/prof_1k.txt" 2>&1
-    grep "===" "$OUT/prof_1k.txt"
-    exit 0
-fi
 if [ "$1" = host22 ]; then
     # Session 22: the backward's host descriptors handed to Triton's C launcher directly
-    # (_common.DescLaunch): its GPU tests and next21's, the host profile of every public
+    # (_common.DescLaunch): its GPU tests and session 21's, the host profile of every public
     # call, host us a fwd+bwd before (.before, carried) / after alternating, then
     # bench_varlen --model at two draws.
     timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \

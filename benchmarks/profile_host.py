@@ -54,6 +54,23 @@ def _empty32(x0, x1, x2, x3, x4, x5, x6, x7, a0, a1, a2, a3, a4, a5, a6, a7, a8,
     pass
 
 
+def hidden_host_us(fn, n: int, warm: int = 20, sleep: bool = True) -> float:
+    """Host us a call over ``n`` calls after ``warm`` ones, timed while a 0.2 s GPU sleep
+    (``sleep``) holds the device: the launch queue (about 1k launches) absorbs the work, so
+    a shape whose GPU work outlasts the host's never makes the loop wait on the GPU."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    if sleep:
+        torch.cuda._sleep(400_000_000)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
 def per_call_us(fn, n):
     return host_loop_s(fn, n, sync_end=False) * 1e6
 
@@ -292,17 +309,8 @@ def ab(flag: str, rows: str | None, rounds: int) -> None:
         got = {"on": [], "off": []}
         for r in range(rounds):
             for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                f = on if side == "on" else off
-                for _ in range(5):  # the plans are made again after the flag changed
-                    f()
-                torch.cuda.synchronize()
-                if big:
-                    torch.cuda._sleep(400_000_000)
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    f()
-                got[side].append((time.perf_counter() - t0) / n * 1e6)
-                torch.cuda.synchronize()
+                # (5 warm-up calls: the plans are made again after the flag changed)
+                got[side].append(hidden_host_us(on if side == "on" else off, n, 5, big))
         restore()
         med = {k: sorted(v)[len(v) // 2] for k, v in got.items()}
         print(f"=== ab {flag} {name}: on {med['on']:.1f} us, off {med['off']:.1f} us a call "
@@ -353,15 +361,7 @@ def parts(rounds: int) -> None:
     got = {name: [] for name in rows}
     for _ in range(rounds):
         for name, fn in rows.items():
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            torch.cuda._sleep(400_000_000)
-            t0 = time.perf_counter()
-            for _ in range(40):
-                fn()
-            got[name].append((time.perf_counter() - t0) / 40 * 1e6)
-            torch.cuda.synchronize()
+            got[name].append(hidden_host_us(fn, 40, 5))
     for name, us in got.items():
         print(f"=== parts {name:<40} {sorted(us)[len(us) // 2]:7.1f} us (min {min(us):.1f})")
 
@@ -401,20 +401,10 @@ def main():
     for name, fn in calls().items():
         if args.rows is not None and args.rows not in name:
             continue
-        # A shape whose GPU work outlasts the host's: 40 calls behind a 0.2 s GPU sleep, so
-        # the launch queue (about 1k launches) never fills and the loop never waits on the GPU.
+        # A shape whose GPU work outlasts the host's: 40 calls behind a GPU sleep.
         big = "B=16" in name
         n = 40 if big else args.n
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        if big:
-            torch.cuda._sleep(400_000_000)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        host = (time.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
+        host = hidden_host_us(fn, n, sleep=big)
         if big:
             torch.cuda._sleep(400_000_000)
         prof = cProfile.Profile()
