@@ -156,8 +156,10 @@ class DescLaunch:
 
     __slots__ = ("run", "fields", "make", "_direct", "maps")
 
-    # Encodings kept a launch; past this the cache starts over (a loop of changing addresses).
-    MAX_MAPS = 64
+    # Encodings kept a launch (128-byte objects); past this the cache starts over. One plan
+    # serves every layer of a model (same shapes, other buffers): 9 descriptors x 32 layers
+    # of a training step fit with room for the allocator's address drift.
+    MAX_MAPS = 1024
 
     def __init__(self, run: Launch, fields: tuple, make):
         self.run, self.fields, self.make = run, fields, make
