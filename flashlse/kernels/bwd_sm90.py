@@ -328,8 +328,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
-    # (The fused causal kernel: 64 bytes of stack on host descriptors, 16 on device ones,
-    # sm_90 compile; it was faster all the same, RESULTS.md session 20.)
+    # (The fused causal kernel: 64 bytes of stack on host descriptors, 72 since the LPT
+    # switch, 16 on device ones, sm_90 compile; it was faster all the same, RESULTS.md
+    # session 20.)
     at = _coord_bases(GROUP, D, HOST_DESC, LPT)
     # Made while the producer makes its own and loads K and V.
     dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, FUSED_DQ, HOST_DESC)
