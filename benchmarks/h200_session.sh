@@ -106,16 +106,20 @@ ncu_source() {
     python3 benchmarks/ncu_bwd.py --read "$OUT/$1_details.csv" 2>&1 | tail -3
     rm -f "$OUT/$1.ncu-rep"
 }
+bwd_tests() {
+    # bwd_tests NAME SELECTION: tests/kernels/test_bwd.py -k SELECTION (stops at the first
+    # failure), its log in $OUT/test_NAME.log; prints the summary and the failures.
+    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py -k "$2" \
+        > "$OUT/test_$1.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_$1.log")"
+    grep -h "^FAILED\|^E " "$OUT/test_$1.log" | head
+}
 if [ "$1" = host22 ]; then
     # Session 22: the backward's host descriptors handed to Triton's C launcher directly
     # (_common.DescLaunch): its GPU tests and session 21's, the host profile of every public
     # call, host us a fwd+bwd before (.before, carried) / after alternating, then
     # bench_varlen --model at two draws.
-    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
-        -k "(test_attn_bwd_gpu_sm90[ and bf16 and not tl) or host_descriptors or gpu_varlen" \
-        > "$OUT/test_host22.log" 2>&1
-    echo "tests: $(tail -1 "$OUT/test_host22.log")"
-    grep -h "^FAILED\|^E " "$OUT/test_host22.log" | head
+    bwd_tests host22 "(test_attn_bwd_gpu_sm90[ and bf16 and not tl) or host_descriptors or gpu_varlen"
     timeout 120 python3 benchmarks/profile_host.py --top 45 > "$OUT/prof_all.txt" 2>&1
     grep "===" "$OUT/prof_all.txt"
     for pass in 1 2; do
@@ -134,11 +138,7 @@ fi
 if [ "$1" = lpt ]; then
     # Session 22's prepared switch: the dense dK/dV grid longest first (bwd_sm90.LPT, off):
     # its GPU tests, then its A/B with the backward on the calling thread (GPU-bound at 1k).
-    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_bwd.py \
-        -k "lpt or host_descriptors or (test_attn_bwd_gpu_sm90[ and bf16 and not tl)" \
-        > "$OUT/test_lpt.log" 2>&1
-    echo "tests: $(tail -1 "$OUT/test_lpt.log")"
-    grep -h "^FAILED\|^E " "$OUT/test_lpt.log" | head
+    bwd_tests lpt "lpt or host_descriptors or (test_attn_bwd_gpu_sm90[ and bf16 and not tl)"
     timeout 240 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT --seqs 1024,2048,4096 \
         --one-thread 2>&1 | tail -8
     exit 0
