@@ -15,8 +15,6 @@
 #   bash benchmarks/h200_session.sh suite      # every GPU test, twelve shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh host22     # session 22's first call: backward tests,
 #                                                host profile, DescLaunch A/B, varlen model
-#   bash benchmarks/h200_session.sh lpt        # the next session's first call: bwd_sm90.LPT's
-#                                                tests and A/B (the grid longest first)
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
@@ -33,7 +31,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 lpt prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -133,14 +131,6 @@ if [ "$1" = host22 ]; then
         timeout 90 python3 benchmarks/bench_varlen.py --seed $seed --model 2>&1 \
             | grep -E "attention|ratio|model" | cut -c1-120
     done
-    exit 0
-fi
-if [ "$1" = lpt ]; then
-    # Session 22's prepared switch: the dense dK/dV grid longest first (bwd_sm90.LPT, off):
-    # its GPU tests, then its A/B with the backward on the calling thread (GPU-bound at 1k).
-    bwd_tests lpt "lpt or host_descriptors or (test_attn_bwd_gpu_sm90[ and bf16 and not tl)"
-    timeout 240 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT --seqs 1024,2048,4096 \
-        --one-thread 2>&1 | tail -8
     exit 0
 fi
 if [ "$1" = prof-src ]; then

@@ -269,15 +269,14 @@ def cases():
                 bwd_sm90._dkdv_host_spec(torch.bfloat16, 128, configs.BWD_SM90_DKDV.block_m),
                 ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
                  "dq_acc"))
-            # ... with the grid's longest-first order (LPT), as dispatched.
             yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd), \
-                dict(consts, HOST_DESC=True, LPT=True), 4, 1
+                dict(consts, HOST_DESC=True), 4, 1
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, \
                 dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3), \
                 {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
-                 "FUSED_DQ": True, "HOST_DESC": True, "LPT": True}, 4, 1
+                 "FUSED_DQ": True, "HOST_DESC": True}, 4, 1
         if label == "causal":
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=64 causal", bwd_sm90._dkdv_sm90_kernel, \
                 sm90_bwd, dict(consts, D=64), 4, 1

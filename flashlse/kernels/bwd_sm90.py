@@ -137,44 +137,16 @@ def _q_coord(at, i_g, m0, col):
     return [at[0] + i_g * at[1], m0, at[2] + i_g * at[3] + col]
 
 
-# Programs a section of the dense dK/dV grid's longest-first order (``LPT``): 256 key blocks
-# of 128 keys hold the Q and dO rows of 256 * 128 rows (16 MB at D = 128) between them.
-LPT_PROGRAMS = gl.constexpr(256)
-
-
 @gluon.jit
-def _block_ids(LPT: gl.constexpr):
-    """``(key block, kv head, batch)`` of this program. The grid is ``(key blocks, kv heads,
-    batch)``; programs start in the order of their linear id. ``LPT`` (dense calls): the ids
-    are dealt in sections of ~``LPT_PROGRAMS`` programs, each section a few (batch, kv head)
-    pairs and within it key block by key block, so a causal call starts its longest blocks
-    (block 0 sees every row block) first and ends on short ones, and the Q and dO rows the
-    programs in flight read stay one section's (in L2)."""
-    if LPT:
-        n_n = gl.num_programs(0)
-        n_h = gl.num_programs(1)
-        pid = gl.program_id(0) + n_n * (gl.program_id(1) + n_h * gl.program_id(2))
-        sec = gl.maximum(LPT_PROGRAMS // n_n, 1)  # (batch, kv head) pairs a section
-        i_s = pid // (sec * n_n)
-        r = pid - i_s * (sec * n_n)
-        width = gl.minimum(sec, n_h * gl.num_programs(2) - i_s * sec)  # the last is short
-        i_n = r // width
-        pair = i_s * sec + (r - i_n * width)
-        return i_n, pair % n_h, pair // n_h
-    else:
-        return gl.program_id(0), gl.program_id(1), gl.program_id(2)
-
-
-@gluon.jit
-def _coord_bases(GROUP: gl.constexpr, D: gl.constexpr, HOST_DESC: gl.constexpr,
-                 LPT: gl.constexpr):
+def _coord_bases(GROUP: gl.constexpr, D: gl.constexpr, HOST_DESC: gl.constexpr):
     """The program's coordinate bases ``at``: Q's four for ``_q_coord``, the stats row of the
     group's first head, K's batch and column. Host descriptors (``(B, S, H * D)``, the stats
-    ``(B * H, S)``) take the batch and head from the program's ids; a program's own
+    ``(B * H, S)``) take the batch and head from the program ids; a program's own
     descriptors start at its sequence and group, so only the group's heads step (``(0, 1,
     0, 0, ...)``)."""
     if HOST_DESC:
-        _, i_hk, i_b = _block_ids(LPT)
+        i_b = gl.program_id(2)
+        i_hk = gl.program_id(1)
         return (i_b, 0, i_hk * (GROUP * D), D, i_b * (GROUP * gl.num_programs(1)) + i_hk * GROUP,
                 i_b, i_hk * D)
     else:
@@ -308,7 +280,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               EARLY_DP: gl.constexpr, STATS_TMA: gl.constexpr, FUSED_DQ: gl.constexpr,
-              HOST_DESC: gl.constexpr, LPT: gl.constexpr):
+              HOST_DESC: gl.constexpr):
     """One warpgroup: 64 keys against every (head, row block) that sees the key block.
 
     ``FUSED_DQ`` (``fused``: dS's shared buffers and their barriers, dQ's staging buffers and
@@ -328,10 +300,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
-    # (The fused causal kernel: 64 bytes of stack on host descriptors, 72 since the LPT
-    # switch, 16 on device ones, sm_90 compile; it was faster all the same, RESULTS.md
-    # session 20.)
-    at = _coord_bases(GROUP, D, HOST_DESC, LPT)
+    # (The fused causal kernel: 64 bytes of stack on host descriptors, 16 on device ones,
+    # sm_90 compile; it was faster all the same, RESULTS.md session 20.)
+    at = _coord_bases(GROUP, D, HOST_DESC)
     # Made while the producer makes its own and loads K and V.
     dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, FUSED_DQ, HOST_DESC)
     k_t = k_smem.index(half).reshape([HALF_N, D])
@@ -459,10 +430,12 @@ def _dkdv_sm90_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
     STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr = False,
-    HOST_DESC: gl.constexpr = False, LPT: gl.constexpr = False,
+    HOST_DESC: gl.constexpr = False,
 ):
     BLOCK_N: gl.constexpr = 2 * HALF_N
-    i_n, i_hk, i_b = _block_ids(LPT)
+    i_n = gl.program_id(0)
+    i_hk = gl.program_id(1)
+    i_b = gl.program_id(2)
     bos, bos_k, T_q, T_k, i_n, n0, n_last, shift = _seq_block(
         i_b, i_n, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
         seqused_k, BLOCK_N, True, False, IS_VARLEN, HAS_SEQUSED_K)
@@ -556,14 +529,14 @@ def _dkdv_sm90_kernel(
                      full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                      n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT)),
+                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
                      full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
                      left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                      n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT)),
+                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
         (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
-                     full, empty, n0, m_lo, m_hi, n_tiles, _coord_bases(GROUP, D, HOST_DESC, LPT),
+                     full, empty, n0, m_lo, m_hi, n_tiles, _coord_bases(GROUP, D, HOST_DESC),
                      GROUP, D, BLOCK_M, STAGES, STATS_TMA, HOST_DESC)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -606,7 +579,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs:
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
-                 num_warps=cfg.num_warps, HOST_DESC=host, LPT=host and LPT, **fused)
+                 num_warps=cfg.num_warps, HOST_DESC=host, **fused)
     grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
     run = Launch(_dkdv_sm90_kernel, grid, *positional(
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
@@ -620,11 +593,6 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs:
 # memory before its first load. Session 20 (ncu's source page, causal S = 1k, B*S = 16k,
 # H = 16): that setup and the warps waiting on it held ~20% of the fused kernel's samples.
 HOST_DESC = True
-
-# Dense dK/dV grids start their programs longest first, section by section (``_block_ids``).
-# Predicted before its run: causal S = 1k-2k +3-6% (a long key block no longer starts last),
-# non-causal and S >= 4k unchanged. Off until measured on the H200.
-LPT = False
 
 # The same for the Hopper dQ kernel (the deterministic path's second pass, and D = 256's
 # dQ; five descriptors a program were made on the device). Session 21 (public fwd+bwd,

@@ -473,56 +473,13 @@ def test_attn_bwd_varlen_neg_inf_sink_is_no_sink(device, deterministic):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attn_bwd_gpu_sm90_lpt_order_covers_every_block(monkeypatch, causal):
-    """The dK/dV grid in longest-first sections (``bwd_sm90.LPT``) over several sections and
-    a short last one (80 (batch, kv head) pairs of 4 key blocks: sections of 64 pairs): the
-    deterministic gradients equal the grid order's bit for bit, and the float64 reference's
-    within bf16 tolerance; dK and dV start NaN-poisoned, so a block no program took shows."""
-    from flashlse import kernel_options
-    from flashlse.kernels import bwd_sm90
-
-    g = torch.Generator().manual_seed(62)
-    b, s, hq, hkv, d = 40, 400, 4, 2, 128
-    q, dout = (torch.randn(b, s, hq, d, generator=g).to("cuda", torch.bfloat16)
-               for _ in range(2))
-    k, v = (torch.randn(b, s, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
-    kw = dict(left=None, right=0 if causal else None, softcap=0.0, scale=d ** -0.5, sink=None)
-    out, lse = dispatch.attn_fwd(q, k, v, **kw)
-
-    def grads(lpt):
-        monkeypatch.setattr(bwd_sm90, "LPT", lpt)
-        bwd._BWD_PLANS.clear()
-        with kernel_options(poison_outputs=True):
-            return dispatch.attn_bwd(dout, None, q, k, v, out, lse, deterministic=True,
-                                     **kw)[:3]
-
-    on, off = grads(True), grads(False)
-    bwd._BWD_PLANS.clear()
-    for x, y in zip(on, off):
-        assert not x.isnan().any() and torch.equal(x, y)
-    right = 0 if causal else None
-    dlse = torch.zeros(b, hq, s, device="cuda")
-    ref = _grads(lambda *t: reference.attention(*t, causal=causal, return_lse=True),
-                 [_leaf(t, torch.float64) for t in (q, k, v)], dout, dlse)
-    pt = _grads(lambda *t: _torch_attention(*t, None, right, 0.0, d ** -0.5, None),
-                [_leaf(t) for t in (q, k, v)], dout, dlse)
-    for name, x, r, y in zip(("dq", "dk", "dv"), on, ref, pt):
-        _check(name, x, r, y, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("heads", ["adjacent", "head_major"])
-@pytest.mark.parametrize("lpt", [False, True], ids=["grid_order", "lpt"])
-def test_attn_bwd_gpu_sm90_host_descriptors_equal_per_program_ones(monkeypatch, heads, lpt):
+def test_attn_bwd_gpu_sm90_host_descriptors_equal_per_program_ones(monkeypatch, heads):
     """Dense Hopper backward on TMA descriptors made on the host (HOST_DESC; DQ_HOST_DESC
     for the dQ pass) against the per-program descriptors: deterministic, so the same products
     in the same order, equal bit for bit, at lengths that are no multiple of a tile, GQA and
     three sequences (batch and head offsets in every coordinate). A head-major view (heads
-    not adjacent) takes the per-program path both times. ``lpt``: the host-descriptor grid
-    in longest-first order (``bwd_sm90.LPT``, ``_block_ids``), which must give every program
-    a block exactly once."""
+    not adjacent) takes the per-program path both times."""
     from flashlse.kernels import bwd, bwd_sm90
 
     g = torch.Generator().manual_seed(61)
@@ -541,8 +498,6 @@ def test_attn_bwd_gpu_sm90_host_descriptors_equal_per_program_ones(monkeypatch, 
     real_call = bwd_sm90._HostDescs.__call__
     monkeypatch.setattr(bwd_sm90._HostDescs, "__call__",
                         lambda self, *t: launched.append(len(t)) or real_call(self, *t))
-
-    monkeypatch.setattr(bwd_sm90, "LPT", lpt)
 
     def grads(host):
         monkeypatch.setattr(bwd_sm90, "HOST_DESC", host)
