@@ -86,12 +86,17 @@ def graph_replay(fn):
     return g.replay
 
 
-def host_loop_s(fn, n: int, *, sync_end: bool) -> float:
-    """Seconds a call over ``n`` calls after 20 warm-up calls: host time alone
-    (``sync_end=False``: the clock stops before the GPU finishes) or back to back."""
-    for _ in range(20):
+def host_loop_s(fn, n: int, *, sync_end: bool, warm: int = 20, gpu_sleep: bool = False) -> float:
+    """Seconds a call over ``n`` calls after ``warm`` warm-up calls: host time alone
+    (``sync_end=False``: the clock stops before the GPU finishes) or back to back.
+    ``gpu_sleep``: the calls are timed while a 0.2 s GPU sleep holds the device, so the launch
+    queue (about 1k launches) absorbs work that outlasts the host's and the loop never
+    waits on the GPU."""
+    for _ in range(warm):
         fn()
     torch.cuda.synchronize()
+    if gpu_sleep:
+        torch.cuda._sleep(400_000_000)
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
@@ -101,6 +106,21 @@ def host_loop_s(fn, n: int, *, sync_end: bool) -> float:
     torch.cuda.synchronize()
     return seconds
 
+
+def attention_step(q, k, v, dout, *, threads: bool = True, **kw):
+    """One training step of ``fl.attention(q, k, v, **kw)``: fresh gradients (no accumulate
+    kernel, as the CUDA-graph recipe of the torch docs), forward, ``backward(dout)`` on
+    autograd's CUDA device thread (torch's default) or, ``threads=False``, on the calling
+    thread (``torch.autograd.set_multithreading_enabled(False)``)."""
+    import flashlse as fl
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        out = fl.attention(q, k, v, **kw)
+        with torch.autograd.set_multithreading_enabled(threads):
+            out.backward(dout)
+
+    return step
 
 
 def flag_runs(flag: str, fn):

@@ -20,9 +20,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import attn_flops, bf16_inputs, flag_runs, interleaved_ms  # noqa: E402
-
-import flashlse as fl  # noqa: E402
+from _common import (  # noqa: E402
+    attention_step,
+    attn_flops,
+    bf16_inputs,
+    flag_runs,
+    interleaved_ms,
+)
 
 
 def _row(flag: str, s: int, causal: bool, heads: int, dim: int,
@@ -37,11 +41,8 @@ def _row(flag: str, s: int, causal: bool, heads: int, dim: int,
     qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     douth = dout.transpose(1, 2).contiguous()
 
-    def step():
-        q.grad = k.grad = v.grad = None
-        out = fl.attention(q, k, v, causal=causal, deterministic=deterministic)
-        with torch.autograd.set_multithreading_enabled(threads):
-            out.backward(dout)
+    step = attention_step(q, k, v, dout, threads=threads, causal=causal,
+                          deterministic=deterministic)
 
     def cudnn():
         qh.grad = kh.grad = vh.grad = None

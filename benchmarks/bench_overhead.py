@@ -56,7 +56,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import graph_replay, median_ms  # noqa: E402
+from _common import attention_step, graph_replay, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 
@@ -130,18 +130,8 @@ def fwd_call(b, s, h):
 
 def fwdbwd_call(b, s, h, threads=True):
     q, k, v = (randn(b, s, h, D, requires_grad=True) for _ in range(3))
-    dout = randn(b, s, h, D)
-
-    def step():
-        # Fresh gradients every call (no accumulate kernel), as in the graph-capture recipe
-        # of the torch docs, so eager and replayed calls do the same device work.
-        for t in (q, k, v):
-            t.grad = None
-        out = fl.attention(q, k, v, causal=True)
-        with torch.autograd.set_multithreading_enabled(threads):
-            out.backward(dout)
-
-    return step
+    # Fresh gradients every call, so eager and replayed calls do the same device work.
+    return attention_step(q, k, v, randn(b, s, h, D), threads=threads, causal=True)
 
 
 def varlen_call(n, s, h):

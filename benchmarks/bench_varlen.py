@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import flag_runs, interleaved_ms, median_ms  # noqa: E402
+from _common import attention_step, flag_runs, interleaved_ms, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 from flashlse.kernels import configs  # noqa: E402
@@ -125,10 +125,7 @@ def main():
                 with torch.no_grad():
                     fl.attention(a, b, c, causal=True)
 
-            def step_m(a=qm, b=km, c=vm, do=dom):
-                a.grad = b.grad = c.grad = None
-                fl.attention(a, b, c, causal=True).backward(do)
-
+            step_m = attention_step(qm, km, vm, dom, causal=True)
             t_f, t_s = (median_ms(fn, smoke) for fn in (fwd_m, step_m))
             fwd_ms += t_f * lens.count(n) / bn
             bwd_ms += max(t_s - t_f, 0.0) * lens.count(n) / bn

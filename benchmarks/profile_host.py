@@ -6,6 +6,8 @@ launched through ``JITFunction.run`` with 1 and with 32 arguments (flashlse's ke
     python benchmarks/profile_host.py [--top 18]
     python benchmarks/profile_host.py --cpu-stubbed [--profile NAME] [--n 5000]
     python benchmarks/profile_host.py --ab MODULE.NAME [--rows SUBSTR] [--rounds 8]
+    python benchmarks/profile_host.py --parts [--rounds 8]   # a fwd+bwd's host pieces, and
+                                                             # autograd's device thread
 
 Prints the floor, then per call kind microseconds a call and the functions with the most
 own time.
@@ -37,7 +39,7 @@ import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import graph_replay, host_loop_s  # noqa: E402
+from _common import attention_step, graph_replay, host_loop_s  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 
@@ -54,25 +56,15 @@ def _empty32(x0, x1, x2, x3, x4, x5, x6, x7, a0, a1, a2, a3, a4, a5, a6, a7, a8,
     pass
 
 
-def hidden_host_us(fn, n: int, warm: int = 20, sleep: bool = True) -> float:
-    """Host us a call over ``n`` calls after ``warm`` ones, timed while a 0.2 s GPU sleep
-    (``sleep``) holds the device: the launch queue (about 1k launches) absorbs the work, so
-    a shape whose GPU work outlasts the host's never makes the loop wait on the GPU."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    if sleep:
-        torch.cuda._sleep(400_000_000)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return us
+def _loop(name: str, n: int) -> tuple[int, bool]:
+    """Calls to time a ``calls()`` row, and whether behind a GPU sleep: the B = 16 row's GPU
+    work outlasts the host's, so 40 calls behind the sleep (the launch queue holds them)."""
+    return (40, True) if "B=16" in name else (n, False)
 
 
-def per_call_us(fn, n):
-    return host_loop_s(fn, n, sync_end=False) * 1e6
+def per_call_us(fn, n, warm: int = 20, sleep: bool = False):
+    """Host us a call (``_common.host_loop_s``), behind a GPU sleep if ``sleep``."""
+    return host_loop_s(fn, n, sync_end=False, warm=warm, gpu_sleep=sleep) * 1e6
 
 
 def back_to_back_ms(fn, n=200):
@@ -200,12 +192,7 @@ def calls(dev="cuda"):
     q = torch.randn(1, 128, 2, 128, device=dev, dtype=dt)
     k, v = torch.randn_like(q), torch.randn_like(q)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    do = torch.randn_like(q)
-
-    def fwdbwd():
-        qg.grad = kg.grad = vg.grad = None
-        fl.attention(qg, kg, vg, causal=True).backward(do)
-
+    fwdbwd = attention_step(qg, kg, vg, torch.randn_like(q), causal=True)
     kc = torch.randn(8, 4096, 8, 128, device=dev, dtype=dt)
     qd = torch.randn(8, 1, 32, 128, device=dev, dtype=dt)
     lens = torch.full((8,), 4096, dtype=torch.int32, device=dev)
@@ -228,13 +215,8 @@ def calls(dev="cuda"):
         # ~900 us of host a fwd+bwd against ~500 at the small shape above.
         ql, kl, vl = (torch.randn(16, 1024, 16, 128, device=dev, dtype=dt, requires_grad=True)
                       for _ in range(3))
-        dol = torch.randn_like(ql)
-
-        def fwdbwd_1k():
-            ql.grad = kl.grad = vl.grad = None
-            fl.attention(ql, kl, vl, causal=True).backward(dol)
-
-        rows["attention fwd+bwd B=16 S=1k"] = fwdbwd_1k
+        rows["attention fwd+bwd B=16 S=1k"] = attention_step(ql, kl, vl, torch.randn_like(ql),
+                                                             causal=True)
     return rows
 
 
@@ -304,13 +286,12 @@ def ab(flag: str, rows: str | None, rounds: int) -> None:
         if rows is not None and rows not in name:
             continue
         on, off, restore = flag_runs(flag, fn)
-        big = "B=16" in name
-        n = 40 if big else 200
+        n, big = _loop(name, 200)
         got = {"on": [], "off": []}
         for r in range(rounds):
             for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 # (5 warm-up calls: the plans are made again after the flag changed)
-                got[side].append(hidden_host_us(on if side == "on" else off, n, 5, big))
+                got[side].append(per_call_us(on if side == "on" else off, n, 5, big))
         restore()
         med = {k: sorted(v)[len(v) // 2] for k, v in got.items()}
         print(f"=== ab {flag} {name}: on {med['on']:.1f} us, off {med['off']:.1f} us a call "
@@ -330,19 +311,11 @@ def parts(rounds: int) -> None:
     kw = dict(left=None, right=0, softcap=0.0, scale=128 ** -0.5, sink=None)
     out, lse = dispatch.attn_fwd(q, k, v, **kw)
 
-    def fwdbwd():
-        qg.grad = kg.grad = vg.grad = None
-        fl.attention(qg, kg, vg, causal=True).backward(do)
-
     def fwd_graph():  # the forward with autograd's graph (freed unused)
         fl.attention(qg, kg, vg, causal=True)
 
     def prepared():
         return bwd.prepare(do, None, q, k, v, out, lse, **kw)
-
-    def one_thread():  # the engine's device threads off: the backward runs on this one
-        with torch.autograd.set_multithreading_enabled(False):
-            fwdbwd()
 
     p = prepared()
     fused = bwd_sm90.fused_plan(p)
@@ -355,13 +328,16 @@ def parts(rounds: int) -> None:
         "bwd.prepare (allocs + preprocess)": prepared,
         "fused run (zeros, kernel, copy_)": lambda: fused(p),
         "dispatch.attn_bwd": lambda: dispatch.attn_bwd(do, None, q, k, v, out, lse, **kw),
-        "attention fwd+bwd (public)": fwdbwd,
-        "attention fwd+bwd, autograd on this thread": one_thread,
+        "attention fwd+bwd (public)": attention_step(qg, kg, vg, do, causal=True),
+        # The engine's device thread off: the backward runs on this one.
+        "attention fwd+bwd, autograd on this thread": attention_step(qg, kg, vg, do,
+                                                                     threads=False,
+                                                                     causal=True),
     }
     got = {name: [] for name in rows}
     for _ in range(rounds):
         for name, fn in rows.items():
-            got[name].append(hidden_host_us(fn, 40, 5))
+            got[name].append(per_call_us(fn, 40, 5, True))
     for name, us in got.items():
         print(f"=== parts {name:<40} {sorted(us)[len(us) // 2]:7.1f} us (min {min(us):.1f})")
 
@@ -401,10 +377,8 @@ def main():
     for name, fn in calls().items():
         if args.rows is not None and args.rows not in name:
             continue
-        # A shape whose GPU work outlasts the host's: 40 calls behind a GPU sleep.
-        big = "B=16" in name
-        n = 40 if big else args.n
-        host = hidden_host_us(fn, n, sleep=big)
+        n, big = _loop(name, args.n)
+        host = per_call_us(fn, n, sleep=big)
         if big:
             torch.cuda._sleep(400_000_000)
         prof = cProfile.Profile()

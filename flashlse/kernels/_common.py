@@ -120,15 +120,13 @@ class Launch:
 
     def __call__(self, *tensors) -> None:
         c = self._compiled
-        if c is not None and _no_hook(_HOOKS.launch_enter_hook) \
-                and _no_hook(_HOOKS.launch_exit_hook):
-            device, dtypes, kernel = c
-            if _signature(tensors) == dtypes and torch.cuda.current_device() == device:
-                g0, g1, g2 = self.grid
-                kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device),
-                           kernel.function, kernel.packed_metadata, None, None, None,
-                           *tensors, *self.args)
-                return
+        if c is not None and _fast_path(c[0], c[1], tensors):
+            device, _, kernel = c
+            g0, g1, g2 = self.grid
+            kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device),
+                       kernel.function, kernel.packed_metadata, None, None, None,
+                       *tensors, *self.args)
+            return
         kernel = self.kernel[self.grid](*tensors, *self.args, **self.options)
         if c is None and kernel is not None and not interpreting():
             dtypes = _signature(tensors)
@@ -163,31 +161,31 @@ class DescLaunch:
 
     def __init__(self, run: Launch, fields: tuple, make):
         self.run, self.fields, self.make = run, fields, make
-        self._direct = None  # (C launcher, per-argument plan, fixed args), or False: never
+        # (C launcher, per-argument plan, base args, device, dtypes, fixed args, encoder), or
+        # False: never.
+        self._direct = None
         self.maps = {}
 
     def __call__(self, *tensors) -> None:
         d = self._direct
-        if d and DESC_DIRECT and _no_hook(_HOOKS.launch_enter_hook) \
-                and _no_hook(_HOOKS.launch_exit_hook):
-            launcher, plan, head, device, dtypes, tail = d
-            if _signature(tensors) == dtypes and torch.cuda.current_device() == device:
-                maps, args = self.maps, []
-                for i, (t, p) in enumerate(zip(tensors, plan)):
-                    if p is None:
-                        args.append(t)
-                        continue
-                    ptr = t.data_ptr()
-                    m = maps.get((i, ptr))
-                    if m is None:
-                        if len(maps) >= self.MAX_MAPS:
-                            maps.clear()
-                        m = maps[(i, ptr)] = p[0](ptr, *p[1])
-                    args.append(m)
-                    args.extend(p[2])
-                launcher(*head[:3], torch._C._cuda_getCurrentRawStream(device), *head[3:],
-                         *args, *tail)
-                return
+        if d and DESC_DIRECT and _fast_path(d[3], d[4], tensors):
+            launcher, plan, head, device, _, tail, fill = d
+            maps, args = self.maps, []
+            for i, (t, p) in enumerate(zip(tensors, plan)):
+                if p is None:
+                    args.append(t)
+                    continue
+                ptr = t.data_ptr()
+                m = maps.get((i, ptr))
+                if m is None:
+                    if len(maps) >= self.MAX_MAPS:
+                        maps.clear()
+                    m = maps[(i, ptr)] = fill(ptr, *p[0])
+                args.append(m)
+                args.extend(p[1])
+            launcher(*head[:3], torch._C._cuda_getCurrentRawStream(device), *head[3:], *args,
+                     *tail)
+            return
         self.run(*[t if f is None else self.make(t, *f) for t, f in zip(tensors, self.fields)])
         if d is None and getattr(self.run, "_compiled", None) is not None:
             self._direct = _direct_plan(self.run, self.fields) or False
@@ -216,7 +214,6 @@ def _direct_plan(run: Launch, fields: tuple):
         return None
     from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
 
-    fill = triton.runtime.driver.active.utils.fill_tma_descriptor
     plan, metas = [], iter(metas)
     for f in fields:
         if f is None:
@@ -227,13 +224,22 @@ def _direct_plan(run: Launch, fields: tuple):
             return None
         # fill_tma_descriptor's arguments after the address, as make_tensordesc_arg passes
         # them (padding 0: zeros), then the shape and strides the kernel reads beside it.
-        plan.append((fill, (meta["swizzle"], meta["elem_size"],
-                            TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
-                            list(shape), list(strides), 0), (*shape, *strides)))
+        plan.append(((meta["swizzle"], meta["elem_size"],
+                      TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
+                      list(shape), list(strides), 0), (*shape, *strides)))
     g0, g1, g2 = run.grid
     head = (g0, g1, g2, kernel.function, runner.launch_cooperative_grid, runner.launch_pdl,
             None, None, kernel.packed_metadata, None, None, None)
-    return launcher, tuple(plan), head, device, dtypes, run.args
+    return (launcher, tuple(plan), head, device, dtypes, run.args,
+            triton.runtime.driver.active.utils.fill_tma_descriptor)
+
+
+def _fast_path(device: int, dtypes: list, tensors) -> bool:
+    """Whether a launch may skip Triton's JIT path (:class:`Launch`, :class:`DescLaunch`): no
+    launch hook (profilers) set, the tensors have the dtypes and 16-byte alignment the kernel
+    was compiled for, and the current device is the one it was."""
+    return (_no_hook(_HOOKS.launch_enter_hook) and _no_hook(_HOOKS.launch_exit_hook)
+            and _signature(tensors) == dtypes and torch.cuda.current_device() == device)
 
 
 def _no_hook(hook) -> bool:
