@@ -540,6 +540,87 @@ def test_attn_bwd_gpu_sm90_host_descriptors_equal_per_program_ones(monkeypatch, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("deterministic", [True, False], ids=["two_pass", "fused"])
+def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic):
+    """The dense Hopper backward's later calls of a plan launch through ``DescLaunch``'s
+    direct path (host descriptors handed to Triton's C launcher, encodings kept by address).
+    Each case runs three times and checks the third: causal with Sq > Sk (rows 0-99 see no
+    key): out 0 and lse -inf there, gradients against the float64 reference, empty rows' dq
+    zero, no NaN; a -inf sink gives what no sink gives (bit for bit where deterministic)
+    and a zero dsink. A NaN in one key of batch 0, kv head 0: out and lse NaN in exactly the
+    rows that see it (rows 250-299 of query heads 0 and 1), the rest as the clean call's;
+    the gradients NaN in those rows' dq and in that kv head's dK / dV (a masked 0 times the
+    NaN key inside a tile may reach more of its rows: IEEE), never outside batch 0's kv head
+    0, where they equal the clean call's."""
+    import flashlse as fl
+    from flashlse.kernels import bwd, bwd_sm90
+
+    g = torch.Generator().manual_seed(73)
+    b, sq, sk, hq, hkv, d, dtype = 2, 300, 200, 4, 2, 128, torch.bfloat16
+    mk = lambda s, h: torch.randn(b, s, h, d, generator=g).to("cuda", dtype)
+    q, k, v, dout = mk(sq, hq), mk(sk, hkv), mk(sk, hkv), mk(sq, hq)
+    bwd._BWD_PLANS.clear()
+
+    def run(k_in, sink):
+        for _ in range(3):  # the first call plans and compiles; the later ones go direct
+            leaves = [t.clone().requires_grad_() for t in (q, k_in, v)]
+            s = None if sink is None else sink.clone().requires_grad_()
+            out, lse = fl.attention(*leaves, causal=True, sink=s, return_lse=True,
+                                    deterministic=deterministic)
+            (out.float() * dout.float()).sum().backward()
+        return out.detach(), lse.detach(), [t.grad for t in leaves], s
+
+    out, lse, grads, _ = run(k, None)
+    runs = [r.kernel if isinstance(r, bwd_sm90._FusedRun) else r
+            for plan in bwd._BWD_PLANS.values() for r in plan.launches.values()
+            if isinstance(r, (bwd_sm90._HostDescs, bwd_sm90._FusedRun))]
+    assert runs and all(r.launch._direct for r in runs)  # the direct path ran
+
+    leaves = [_leaf(t, torch.float64) for t in (q, k, v)]
+    want_out, want_lse = reference.attention(*leaves, causal=True, return_lse=True)
+    (want_out * dout.double()).sum().backward()
+    same = [_leaf(t) for t in (q, k, v)]  # the error yardstick: torch in bf16
+    (_torch_attention(*same, None, 0, 0.0, d ** -0.5, None)[0].float()
+     * dout.float()).sum().backward()
+    for name, ours, r, y in zip(("dq", "dk", "dv"), grads, leaves, same):
+        _check(name, ours, r.grad, y.grad, dtype)
+    empty = torch.isneginf(want_lse)  # (B, Hq, Sq): rows 0-99
+    assert empty[:, :, :100].all() and not empty[:, :, 100:].any()
+    assert torch.isneginf(lse[empty]).all() and not lse.isnan().any()
+    assert (out[:, :100] == 0).all() and (grads[0][:, :100] == 0).all()
+
+    sunk = run(k, torch.full((hq,), float("-inf"), device="cuda"))
+    assert torch.equal(sunk[0], out) and torch.equal(sunk[1], lse)
+    for a, b_ in zip(sunk[2], grads):
+        assert not a.isnan().any()
+        if deterministic:
+            assert torch.equal(a, b_)
+        else:
+            torch.testing.assert_close(a, b_, atol=_atol(dtype), rtol=0)
+    assert torch.equal(sunk[3].grad, torch.zeros_like(sunk[3].grad))
+
+    k_bad = k.clone()
+    k_bad[0, 150, 0, 5] = float("nan")
+    out_b, lse_b, bad, _ = run(k_bad, None)
+    sees = torch.zeros(b, sq, hq, dtype=torch.bool, device="cuda")
+    sees[0, 250:, :2] = True  # row i sees keys <= i - 100
+    assert torch.equal(out_b.isnan().any(-1), sees) and out_b[sees].isnan().all()
+    assert torch.equal(lse_b.isnan(), sees.transpose(1, 2))
+    assert torch.equal(out_b[~sees], out[~sees])
+    assert bad[0][sees].isnan().all()
+    # Outside batch 0's kv head 0 (query heads 0, 1) nothing moves.
+    for a, b_, heads in zip(bad, grads, (slice(2, 4), slice(1, 2), slice(1, 2))):
+        for x, y in ((a[1], b_[1]), (a[0, :, heads], b_[0, :, heads])):
+            assert not x.isnan().any()
+            if deterministic:
+                assert torch.equal(x, y)
+            else:
+                torch.testing.assert_close(x, y, atol=_atol(dtype), rtol=0)
+    assert bad[1][0, :, 0].isnan().any() and bad[2][0, :, 0].isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("path", ["sm90", "tl"])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
