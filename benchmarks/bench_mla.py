@@ -12,6 +12,7 @@ sparse decode through ``sparse_attention``) check the Gluon kernel against the p
 ("err g"; "err p" is 0 there).
 
     python benchmarks/bench_mla.py [--out DIR] [--topk-only] [--gluon-only] [--pages 8,16]
+                                   [--topk-patterns random,sorted,hot]
 
 Prints a table last and writes ``mla_rows.md`` (rows for RESULTS.md) into ``--out``.
 """
@@ -85,16 +86,30 @@ def kernels(gluon_only):
     return (("gluon", True),) if gluon_only else (("gluon", True), ("portable", False))
 
 
-def topk_rows(copy, gluon_only):
+# How the top-k rows' lists are drawn (``--topk-patterns``): uniformly at random (the bar's
+# rows); the same lists sorted (each page's rows read together); from the first 128 tokens
+# of each sequence only (two pages: the cache rows stay in L2, a diagnostic of how much of
+# the gap to the dense kernel is memory rather than the gather's issue).
+TOPK_PATTERNS = ("random", "sorted", "hot")
+
+
+def topk_indices(b, skv, topk, pattern):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    hi = 128 if pattern == "hot" else skv
+    idx = torch.randint(0, hi, (b, 1, 1, topk), device="cuda", dtype=torch.int32, generator=g)
+    return idx.sort(-1).values if pattern == "sorted" else idx
+
+
+def topk_rows(copy, gluon_only, patterns=("random",)):
     """Top-k decode (DeepSeek-V3.2): each of B sequences' one query row attends to its own
     2048 listed rows of a paged 64 latent cache of Skv rows, through ``sparse_attention``;
-    FLOPs ``2 B Hq topk (576 + 512)``. The check column compares with the portable kernel."""
+    FLOPs ``2 B Hq topk (576 + 512)``. The check column compares with the portable kernel.
+    ``patterns``: how the lists are drawn (TOPK_PATTERNS; rows other than random say so)."""
     out_rows = []
-    for b, skv, hq, topk in ((64, 8192, 128, 2048), (128, 4096, 128, 2048)):
+    shapes = [(64, 8192, 128, 2048, pat) for pat in patterns] + [(128, 4096, 128, 2048, "random")]
+    for b, skv, hq, topk, pat in shapes:
         q, lat, _, _, table = inputs(b, skv, hq, 1, 64)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        idx = torch.randint(0, skv, (b, 1, 1, topk), device="cuda", dtype=torch.int32,
-                            generator=g)
+        idx = topk_indices(b, skv, topk, pat)
 
         def call(q=q, lat=lat, idx=idx, table=table):
             return fl.sparse_attention(q, lat, lat[..., :512], idx, block_table=table,
@@ -109,7 +124,8 @@ def topk_rows(copy, gluon_only):
             float((res["gluon"][0].float() - res["portable"][0].float()).abs().max())
         g_, p_ = res["gluon"], res["portable"]
         nbytes = b * topk * 576 * 2
-        out_rows.append((f"top-k B={b} Skv={skv} Hq={hq} topk={topk} paged64",
+        tag = "" if pat == "random" else f" ({pat} lists)"
+        out_rows.append((f"top-k B={b} Skv={skv} Hq={hq} topk={topk} paged64{tag}",
                          flops / g_[1] / 1e9, flops / g_[2] / 1e9,
                          nbytes / g_[1] / 1e6 / copy, flops / p_[1] / 1e9, err, 0.0,
                          g_[1], p_[1]))
@@ -119,15 +135,37 @@ def topk_rows(copy, gluon_only):
 
 
 
+def profile_topk(pattern):
+    """One top-k decode call (B=64 Skv=8k Hq=128 topk=2048, paged 64) after a warm-up, alone
+    between cudaProfilerStart and Stop."""
+    q, lat, _, _, table = inputs(64, 8192, 128, 1, 64)
+    idx = topk_indices(64, 8192, 2048, pattern)
+    for _ in range(3):
+        fl.sparse_attention(q, lat, lat[..., :512], idx, block_table=table, scale=1 / 24)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fl.sparse_attention(q, lat, lat[..., :512], idx, block_table=table, scale=1 / 24)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--topk-only", action="store_true", help="only the top-k rows")
     ap.add_argument("--gluon-only", action="store_true",
                     help="not the portable kernel (an A/B of two trees' Gluon kernels)")
+    ap.add_argument("--topk-patterns", default="random",
+                    help=f"top-k B=64 rows with lists drawn so, comma-separated: {TOPK_PATTERNS}")
+    ap.add_argument("--profile-topk", default="", metavar="PATTERN",
+                    help="only: one top-k B=64 call between cudaProfilerStart / Stop (for "
+                         "`ncu --profile-from-start off`), lists drawn so")
     ap.add_argument("--pages", default="",
                     help="only B=64 Skv=8k Hq=128 at these page sizes, e.g. 8,16,32,64")
     args = ap.parse_args()
+    if args.profile_topk:
+        profile_topk(args.profile_topk)
+        return
     date = time.strftime("%Y-%m-%d")
     dev = torch.cuda.get_device_name()
     copy = copy_gbs()
@@ -161,7 +199,7 @@ def main():
         del q, lat, lat_ref
         torch.cuda.empty_cache()
     if not args.pages:
-        rows += topk_rows(copy, args.gluon_only)
+        rows += topk_rows(copy, args.gluon_only, args.topk_patterns.split(","))
     md = []
     for label, tf, tfg, frac, tfp, eg, ep, ms, pms in rows:
         md.append(f"| {date} | MLA decode | {label} | {dev} | torch {torch.__version__}, triton "
@@ -173,10 +211,10 @@ def main():
     with open(os.path.join(args.out, "mla_rows.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print(f"\ncopy {copy:.0f} GB/s")
-    print(f"{'shape':44s} {'gluon TF':>9s} {'graph':>7s} {'xcopy':>6s} {'portable':>9s} "
+    print(f"{'shape':60s} {'gluon TF':>9s} {'graph':>7s} {'xcopy':>6s} {'portable':>9s} "
           f"{'err g':>8s} {'err p':>8s}")
     for label, tf, tfg, frac, tfp, eg, ep, _, _ in rows:
-        print(f"{label:44s} {tf:9.0f} {tfg:7.0f} {frac:6.2f} {tfp:9.0f} {eg:8.2g} {ep:8.2g}")
+        print(f"{label:60s} {tf:9.0f} {tfg:7.0f} {frac:6.2f} {tfp:9.0f} {eg:8.2g} {ep:8.2g}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@
 #   bash benchmarks/h200_session.sh suite      # every GPU test, twelve shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh host22     # session 22's first call: backward tests,
 #                                                host profile, DescLaunch A/B, varlen model
+#   bash benchmarks/h200_session.sh s23        # session 23's first call: the direct launch's
+#                                                GPU tests, the top-k MLA decode by list
+#                                                pattern and its Nsight Compute rows
+#   bash benchmarks/h200_session.sh lpt23      # bwd_sm90.LPT (lpt.patch, applied in a copy):
+#                                                its tests and A/B beside main's step
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
@@ -31,7 +36,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 lpt23 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -131,6 +136,43 @@ if [ "$1" = host22 ]; then
         timeout 90 python3 benchmarks/bench_varlen.py --seed $seed --model 2>&1 \
             | grep -E "attention|ratio|model" | cut -c1-120
     done
+    exit 0
+fi
+if [ "$1" = s23 ]; then
+    # Session 23: session 22's launch refactor and its new contract test on the GPU; where the
+    # top-k MLA decode's time goes (issue 18: 280 TFLOP/s against the dense kernel's 432 on
+    # 2048 keys): lists at random, sorted, and L2-resident ("hot"), then ncu's rows of one
+    # call at random and hot lists.
+    bwd_tests s23 "host_descriptors or direct_launch or (test_attn_bwd_gpu_sm90[ and bf16 and not tl)"
+    timeout 150 python3 benchmarks/bench_mla.py --gluon-only --topk-only \
+        --topk-patterns random,sorted,hot --out "$OUT" > "$OUT/bench_mla.log" 2>&1
+    tail -7 "$OUT/bench_mla.log"
+    for pat in random hot; do
+        timeout 120 ncu --profile-from-start off -k regex:_mla_decode -c 1 --set full \
+            --import-source yes -f -o "$OUT/topk_$pat" python3 benchmarks/bench_mla.py \
+            --profile-topk $pat > "$OUT/ncu_run_$pat.log" 2>&1; echo "ncu $pat rc=$?"
+        ncu -i "$OUT/topk_$pat.ncu-rep" --page details --csv > "$OUT/topk_${pat}_details.csv" 2>&1
+        python3 benchmarks/ncu_bwd.py --read "$OUT/topk_${pat}_details.csv" 2>&1 | tail -2
+        ncu -i "$OUT/topk_$pat.ncu-rep" --page source --csv --print-source sass \
+            > "$OUT/topk_${pat}_sass.csv" 2> /dev/null
+        python3 benchmarks/ncu_bwd.py --source "$OUT/topk_${pat}_sass.csv" 2>&1 | head -30 \
+            > "$OUT/topk_${pat}_src.txt"
+        rm -f "$OUT/topk_$pat.ncu-rep" "$OUT/topk_${pat}_sass.csv"
+    done
+    exit 0
+fi
+if [ "$1" = lpt23 ]; then
+    # bwd_sm90.LPT (the dK/dV grid longest first; out of main since 88a7e92) in a copy of the
+    # tree with lpt.patch applied: its GPU tests, its A/B with the backward on the calling
+    # thread, and main's tree beside it (a neutral flag: its "on" row is main's step) for the
+    # ratio to cuDNN in each process.
+    mkdir -p "$OUT/lpt"; rm -rf /tmp/lpt && cp -r . /tmp/lpt && (cd /tmp/lpt && patch -p1 -s < lpt.patch) || exit 1
+    (cd /tmp/lpt && OUT=$OUT/lpt PYTHONPATH=/tmp/lpt bwd_tests lpt \
+        "lpt or host_descriptors or (test_attn_bwd_gpu_sm90[ and bf16 and not tl)")
+    (cd /tmp/lpt && PYTHONPATH=/tmp/lpt timeout 200 python3 benchmarks/ab_bwd_switch.py \
+        --flag bwd_sm90.LPT --seqs 1024,2048 --one-thread 2>&1 | tail -6)
+    timeout 150 python3 benchmarks/ab_bwd_switch.py --flag _common.DESC_DIRECT --seqs 1024,2048 \
+        --one-thread 2>&1 | tail -6
     exit 0
 fi
 if [ "$1" = prof-src ]; then

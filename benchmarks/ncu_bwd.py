@@ -31,6 +31,8 @@ COLUMNS = OrderedDict([
     ("Achieved Occupancy", "occ %"),
     ("Issue Slots Busy", "issue %"),
     ("Warp Cycles Per Issued Instruction", "cyc/issue"),
+    ("DRAM Throughput", "dram %"),
+    ("L2 Hit Rate", "L2 hit %"),
 ])
 
 
