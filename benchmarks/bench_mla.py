@@ -100,14 +100,32 @@ def topk_indices(b, skv, topk, pattern):
     return idx.sort(-1).values if pattern == "sorted" else idx
 
 
-def topk_rows(copy, gluon_only, patterns=("random",)):
+def topk_split(split):
+    """Sets the top-k kernel's (producer warps, producer registers, consumer registers)
+    (``decode_mla_sm90.TOPK_SPLIT``) and drops the decode plans that hold the old one."""
+    from flashlse.kernels import decode, decode_mla_sm90
+
+    decode_mla_sm90.TOPK_SPLIT = split
+    decode._PLANS.clear()
+
+
+def topk_rows(copy, gluon_only, patterns=("random",), splits=None):
     """Top-k decode (DeepSeek-V3.2): each of B sequences' one query row attends to its own
     2048 listed rows of a paged 64 latent cache of Skv rows, through ``sparse_attention``;
     FLOPs ``2 B Hq topk (576 + 512)``. The check column compares with the portable kernel.
-    ``patterns``: how the lists are drawn (TOPK_PATTERNS; rows other than random say so)."""
+    ``patterns``: how the lists are drawn (TOPK_PATTERNS; rows other than random say so);
+    ``splits``: TOPK_SPLIT values to time one after the other (each row says which), twice
+    in turn."""
+    from flashlse.kernels import decode_mla_sm90
+
     out_rows = []
     shapes = [(64, 8192, 128, 2048, pat) for pat in patterns] + [(128, 4096, 128, 2048, "random")]
-    for b, skv, hq, topk, pat in shapes:
+    runs = [(shape, None) for shape in shapes]
+    if splits:
+        runs = [(shape, split) for _ in range(2) for shape in shapes for split in splits]
+    default = decode_mla_sm90.TOPK_SPLIT
+    for (b, skv, hq, topk, pat), split in runs:
+        topk_split(split or default)
         q, lat, _, _, table = inputs(b, skv, hq, 1, 64)
         idx = topk_indices(b, skv, topk, pat)
 
@@ -125,12 +143,14 @@ def topk_rows(copy, gluon_only, patterns=("random",)):
         g_, p_ = res["gluon"], res["portable"]
         nbytes = b * topk * 576 * 2
         tag = "" if pat == "random" else f" ({pat} lists)"
+        tag += f" split {','.join(map(str, split))}" if split else ""
         out_rows.append((f"top-k B={b} Skv={skv} Hq={hq} topk={topk} paged64{tag}",
                          flops / g_[1] / 1e9, flops / g_[2] / 1e9,
                          nbytes / g_[1] / 1e6 / copy, flops / p_[1] / 1e9, err, 0.0,
                          g_[1], p_[1]))
         del q, lat
         torch.cuda.empty_cache()
+    topk_split(default)
     return out_rows
 
 
@@ -157,6 +177,9 @@ def main():
                     help="not the portable kernel (an A/B of two trees' Gluon kernels)")
     ap.add_argument("--topk-patterns", default="random",
                     help=f"top-k B=64 rows with lists drawn so, comma-separated: {TOPK_PATTERNS}")
+    ap.add_argument("--topk-splits", default="",
+                    help="top-k rows at each of these decode_mla_sm90.TOPK_SPLIT values, e.g. "
+                         "'2,56,240;4,48,224' (two passes in turn)")
     ap.add_argument("--profile-topk", default="", metavar="PATTERN",
                     help="only: one top-k B=64 call between cudaProfilerStart / Stop (for "
                          "`ncu --profile-from-start off`), lists drawn so")
@@ -199,7 +222,8 @@ def main():
         del q, lat, lat_ref
         torch.cuda.empty_cache()
     if not args.pages:
-        rows += topk_rows(copy, args.gluon_only, args.topk_patterns.split(","))
+        splits = [tuple(map(int, x.split(","))) for x in args.topk_splits.split(";") if x]
+        rows += topk_rows(copy, args.gluon_only, args.topk_patterns.split(","), splits)
     md = []
     for label, tf, tfg, frac, tfp, eg, ep, ms, pms in rows:
         md.append(f"| {date} | MLA decode | {label} | {dev} | torch {torch.__version__}, triton "

@@ -18,6 +18,9 @@
 #   bash benchmarks/h200_session.sh s23        # session 23's first call: the direct launch's
 #                                                GPU tests, the top-k MLA decode by list
 #                                                pattern and its Nsight Compute rows
+#   bash benchmarks/h200_session.sh s23b       # the top-k MLA decode's producer-made key mask
+#                                                and register splits: tests, A/B against
+#                                                .before (before_after.sh prep), memcheck
 #   bash benchmarks/h200_session.sh lpt23      # bwd_sm90.LPT (lpt.patch, applied in a copy):
 #                                                its tests and A/B beside main's step
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -36,7 +39,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 lpt23 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 s23b lpt23 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -159,6 +162,44 @@ if [ "$1" = s23 ]; then
             > "$OUT/topk_${pat}_src.txt"
         rm -f "$OUT/topk_$pat.ncu-rep" "$OUT/topk_${pat}_sass.csv"
     done
+    exit 0
+fi
+if [ "$1" = s23b ]; then
+    # Issue 18's top-k decode: the producer hands the consumers each tile's key mask through
+    # shared memory (no list reads in the consumers), and the register split between the
+    # gathering producer and the consumers (decode_mla_sm90.TOPK_SPLIT). One test first (a
+    # hang shows in 2 minutes), the top-k tests at the default and at the old split, then
+    # bench_mla's top-k rows at three splits (Gluon against portable: the err column) beside
+    # .before's kernel, bench_sparse's MLA prefill row both trees, memcheck of the top-k tests.
+    T=tests/kernels/test_decode_mla_sm90.py
+    timeout 120 python3 -m pytest -q -x "$T::test_mla_sm90_topk_matches_reference" \
+        -p no:cacheprovider > "$OUT/test_topk0.log" 2>&1 || { tail -25 "$OUT/test_topk0.log"; exit 1; }
+    timeout 200 python3 -m pytest -q $T tests/kernels/test_sparse_kernels.py -p no:cacheprovider \
+        > "$OUT/test_topk.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_topk.log")"; grep -h "^FAILED" "$OUT/test_topk.log" | head
+    timeout 120 python3 -c "
+import sys, pytest
+from flashlse.kernels import decode_mla_sm90 as m
+m.TOPK_SPLIT = (2, 56, 240)
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '$T', '-k', 'topk',
+                      'tests/kernels/test_sparse_kernels.py']))" > "$OUT/test_topk_old_split.log" 2>&1
+    echo "tests (2, 56, 240): $(tail -1 "$OUT/test_topk_old_split.log")"
+    for pass in 1 2; do
+        PYTHONPATH=$PWD/.before timeout 100 python3 .before/benchmarks/bench_mla.py --gluon-only \
+            --topk-only --out /tmp/b > "$OUT/mla_before$pass.log" 2>&1
+        echo "before $pass:"; grep "^top-k" "$OUT/mla_before$pass.log"
+    done
+    timeout 240 python3 benchmarks/bench_mla.py --topk-only --out "$OUT" \
+        --topk-splits "2,56,240;4,48,224;4,40,232" > "$OUT/mla_after.log" 2>&1
+    grep "^top-k\|^B=" "$OUT/mla_after.log"
+    for tree in before after; do
+        root=$PWD; [ $tree = before ] && root=$PWD/.before
+        PYTHONPATH=$root timeout 90 python3 $root/benchmarks/bench_sparse.py 2>&1 | grep -i "mla" \
+            | head -3 | sed "s/^/$tree: /"
+    done
+    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x \
+        -p no:cacheprovider $T -k "topk_matches or topk_nan" > "$OUT/memcheck_topk.log" 2>&1
+    echo "memcheck rc=$? $(grep -c "Invalid" "$OUT/memcheck_topk.log") invalid; $(tail -1 "$OUT/memcheck_topk.log")"
     exit 0
 fi
 if [ "$1" = lpt23 ]; then

@@ -340,9 +340,10 @@ def cases():
             ("paged 16 (four pages a tile)", True, 16, 1, dict(WHOLE_TILES=True)),
             ("paged 8 (two producer warps)", True, 8, 1, dict(WHOLE_TILES=True)),
             # Sparse top-k lists (token table) over a paged cache of 64-row pages.
-            ("top-k paged 64", True, 1, 1, dict(TOKEN_TABLE=True, TOKEN_PAGE=64, HAS_SEQLENS=False,
-                                                PREFETCH=0, PRODUCER_WARPS=2,
-                                                PRODUCER_REGS=56))):
+            ("top-k paged 64", True, 1, 1, dict(
+                TOKEN_TABLE=True, TOKEN_PAGE=64, HAS_SEQLENS=False, PREFETCH=0,
+                **dict(zip(("PRODUCER_WARPS", "PRODUCER_REGS", "CONSUMER_REGS"),
+                           decode_mla_sm90.TOPK_SPLIT))))):
         consts = dict(SQ=sq, GROUP=128, M_TILES=2 * sq, PAGE_SIZE=page, PAGED=paged,
                       TOKEN_TABLE=False, TOKEN_PAGE=0, HAS_SEQLENS=True, HAS_LEFT=False,
                       HAS_RIGHT=False, HAS_SINK=False, PDL=False, PREFETCH=2, WHOLE_TILES=False,

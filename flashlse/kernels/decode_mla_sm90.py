@@ -43,9 +43,12 @@ no key: its tile is read from past the descriptor's end (zeros) and masked. With
 row tiles a sequence, the producer also asks L2 for the tile two ahead of the one it loads.
 
 Top-k lists (``sparse_attention``'s token table: DeepSeek-V3.2's sparse decode and prefill).
-Hopper has no TMA gather: two producer warps copy a tile's 64 listed rows with cp.async into
-the same swizzled pieces, each thread arriving on a piece's barrier when its copies land; a
-row of no key (-1, outside the cache) is zero-filled and masked.
+Hopper has no TMA gather: producer warps (TOPK_SPLIT) copy a tile's 64 listed rows with
+cp.async into the same swizzled pieces, each thread arriving on a piece's barrier when its
+copies land; a row of no key (-1, outside the cache) is zero-filled and masked. The producer
+also writes which listed keys exist into shared memory with the tile's rope piece, so the
+consumers mask without reading the lists themselves (two dependent global loads a tile,
+and their registers, on the consumers' critical path before).
 
 Domain (``supported``): sm_90, fp16/bf16, ``v`` the view ``k[..., :512]`` of a ``(.., 1, 576)``
 cache, Sq * Hq rows of one latent head, no softcap, contiguous or paged (page size 8, 16, 32
@@ -92,6 +95,12 @@ WHOLE_TILES_BELOW_PAGE = 32
 # tiles). RESULTS.md 2026-12-02, session 18, call 3 (B=64 Skv=8k Hq=128, TFLOP/s, one / two
 # producers, two passes): page 8 199, 200 / 238, 236; page 16 378, 380 / 271, 268.
 TWO_PRODUCERS_BELOW_PAGE = gl.constexpr(16)
+# Top-k lists: (producer warps, their registers, the consumers' registers). The producer
+# gathers each tile's rows with cp.async (addresses in registers); setmaxnreg's budget (64K
+# registers) is shared with the two consumer warpgroups, and the default one gets the rest.
+# (2, 56, 240) left it 208 and spilling (session 14); four warps of 48 leave both consumers
+# 224-232 and the producer unspilled (sm_90 SASS, session 23).
+TOPK_SPLIT = (4, 48, 224)
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
@@ -224,12 +233,14 @@ def _tile_src(keys, i_b, n0, n_end, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr
 
 
 @gluon.jit
-def _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row, ok, s,
-               LO: gl.constexpr, HI: gl.constexpr, ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-               PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr):
+def _load_part(k_desc, k_smem, k_rope, k_full, ok_smem, k, keys, i_b, n_end, stride_kn, row, ok,
+               s, LO: gl.constexpr, HI: gl.constexpr, ROPE: gl.constexpr,
+               PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr):
     """Pieces ``[LO, HI)`` (and the rope piece if ROPE) of a tile into buffer s from where
     :func:`_tile_src` says: by TMA (one box a piece, or a page when pages are smaller than a
-    tile), or gathered row by row for top-k lists."""
+    tile), or gathered row by row for top-k lists. With the rope piece of a top-k tile goes
+    its key mask (``ok_smem[s]``, which listed keys exist), released by the rope piece's
+    barrier: the consumer then reads no list itself."""
     SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
     if TOKEN_TABLE:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -239,6 +250,12 @@ def _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, r
             _gather_piece(k_smem, k_rope, k_full, s, p, src, ok)
         if ROPE:
             _gather_piece(k_smem, k_rope, k_full, s, NP - 1, src, ok)
+        if ROPE or HI == NP:
+            # The buffer's consumer read its previous mask before it wrote the P that the
+            # rope piece held, so before this part was freed.
+            ok_smem.index(s).store(ok.to(gl.int32))
+            gl.thread_barrier()
+            mbarrier.arrive(k_full.index(s * NP + NP - 1))
     else:
         nbytes: gl.constexpr = (KEYS // SUB) * k_desc.block_type.nbytes
         for p in gl.static_range(LO, HI):
@@ -262,8 +279,8 @@ def _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, r
 
 
 @gluon.jit
-def _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn, ph, row, ok,
-            I, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
+def _refill(k_desc, k_smem, k_rope, k_full, k_empty, ok_smem, k, keys, i_b, n_end, stride_kn, ph,
+            row, ok, I, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
             WHOLE_TILES: gl.constexpr):
     """Refill I (a constexpr) of a pair, into buffer ``S = I % 2`` once it is free: warpgroup
     ``W = S ^ (I // 2)``'s part of it (pieces ``[4 W, 4 W + 4)``, and the rope piece when W is
@@ -272,19 +289,19 @@ def _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride
     if WHOLE_TILES:
         mbarrier.wait(k_empty.index(2 * I), ph)
         mbarrier.wait(k_empty.index(2 * I + 1), ph)
-        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row, ok, I,
-                   0, NP, False, PAGE_SIZE, PAGED, TOKEN_TABLE)
+        _load_part(k_desc, k_smem, k_rope, k_full, ok_smem, k, keys, i_b, n_end, stride_kn, row,
+                   ok, I, 0, NP, False, PAGE_SIZE, PAGED, TOKEN_TABLE)
     else:
         S: gl.constexpr = I % 2
         W: gl.constexpr = S ^ (I // 2)
         mbarrier.wait(k_empty.index(2 * S + W), ph)
-        _load_part(k_desc, k_smem, k_rope, k_full, k, keys, i_b, n_end, stride_kn, row, ok, S,
-                   4 * W, 4 * W + 4, W != S, PAGE_SIZE, PAGED, TOKEN_TABLE)
+        _load_part(k_desc, k_smem, k_rope, k_full, ok_smem, k, keys, i_b, n_end, stride_kn, row,
+                   ok, S, 4 * W, 4 * W + 4, W != S, PAGE_SIZE, PAGED, TOKEN_TABLE)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, k, keys,
-              i_b, stride_kn, q_row0, n_start, n_end, n_tiles, PAGE_SIZE: gl.constexpr,
+def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, ok_smem, k,
+              keys, i_b, stride_kn, q_row0, n_start, n_end, n_tiles, PAGE_SIZE: gl.constexpr,
               PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
               PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr, FIRST: gl.constexpr = 0,
               STEP: gl.constexpr = 1):
@@ -310,8 +327,9 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
             n0 = n_start + t * KEYS
             _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, 1, PAGE_SIZE, PAGED, PREFETCH)
             row, ok = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
-            _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end, stride_kn,
-                    ((t // 2) & 1) ^ 1, row, ok, t % 2, PAGE_SIZE, PAGED, TOKEN_TABLE, True)
+            _refill(k_desc, k_smem, k_rope, k_full, k_empty, ok_smem, k, keys, i_b, n_end,
+                    stride_kn, ((t // 2) & 1) ^ 1, row, ok, t % 2, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                    True)
     else:
         for j in range((n_tiles + 1) // 2):
             n0 = n_start + 2 * j * KEYS
@@ -326,11 +344,13 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
             ph = (j & 1) ^ 1
             for i in gl.static_range(4):
                 if i % 2 == 0:
-                    _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end,
-                            stride_kn, ph, row0, ok0, i, PAGE_SIZE, PAGED, TOKEN_TABLE, False)
+                    _refill(k_desc, k_smem, k_rope, k_full, k_empty, ok_smem, k, keys, i_b,
+                            n_end, stride_kn, ph, row0, ok0, i, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                            False)
                 elif has1:
-                    _refill(k_desc, k_smem, k_rope, k_full, k_empty, k, keys, i_b, n_end,
-                            stride_kn, ph, row1, ok1, i, PAGE_SIZE, PAGED, TOKEN_TABLE, False)
+                    _refill(k_desc, k_smem, k_rope, k_full, k_empty, ok_smem, k, keys, i_b,
+                            n_end, stride_kn, ph, row1, ok1, i, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                            False)
 
 
 @gluon.jit
@@ -361,7 +381,8 @@ def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, t
             PAGE_OK_VEC: gl.constexpr, s_layout: gl.constexpr):
     """Base-2 scores ``t = scale log2(e) Q K^T`` of the tile in ``buf`` (warpgroup w's), masked
     keys at -inf; the product is issued piece by piece as the pieces land. ``tile_ok``: the
-    tile's page is in the cache, or (TOKEN_TABLE) which of its listed keys exist."""
+    tile's page is in the cache, or (TOKEN_TABLE) the shared buffer where the producer put
+    which of its listed keys exist (released with the rope piece, waited for below)."""
     if (not TOKEN_TABLE) and (n0 + KEYS > n_end):
         # The sequence's last tile: wait for all of it and zero the rows past the end.
         for p in gl.static_range(NP):
@@ -380,7 +401,8 @@ def _scores(q_smem, q_rope, buf, rope, k_full, w: gl.constexpr, ph, n0, n_end, t
     s = warpgroup_mma_wait(0, deps=(tok, ))
     t = s * scale_log2
     if TOKEN_TABLE:
-        t = gl.where(tile_ok[None, :], t, float("-inf"))
+        ok = tile_ok.load(gl.SliceLayout(0, s_layout)) != 0
+        t = gl.where(ok[None, :], t, float("-inf"))
     elif PAGE_OK_VEC:
         # Pages smaller than a tile: each key has its page's answer; every tile is masked.
         t = _mask(t, n0, n_end, tile_ok[None, :], diag, left, right, HAS_LEFT, HAS_RIGHT,
@@ -409,14 +431,14 @@ def _mask(t, n0, n_end, ok, diag, left, right, HAS_LEFT: gl.constexpr, HAS_RIGHT
 
 
 @gluon.jit
-def _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, keys, i_b, n0, n_end, ph, diag, left,
-                 right, scale_log2, n_safe_lo, n_safe_hi, w: gl.constexpr, PAGE_SIZE: gl.constexpr,
+def _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, ok_smem, keys, i_b, n0, n_end, ph, diag,
+                 left, right, scale_log2, n_safe_lo, n_safe_hi, w: gl.constexpr, PAGE_SIZE: gl.constexpr,
                  PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr):
     """Warpgroup w's scores of the tile at key ``n0`` in buffer w, with its keys' mask."""
     PAGE_OK_VEC: gl.constexpr = PAGED and (not TOKEN_TABLE) and PAGE_SIZE < KEYS
     if TOKEN_TABLE:
-        _, tile_ok = _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE, gl.SliceLayout(0, s_layout))
+        tile_ok = ok_smem.index(w)
     elif PAGE_OK_VEC:
         _, tile_ok = _page_ok(keys, i_b, n0, n_end, PAGE_SIZE, gl.SliceLayout(0, s_layout))
     else:
@@ -439,8 +461,8 @@ def _rows_scale(acc, f, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, keys, i_b,
-          j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
+def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, ok_smem, keys,
+          i_b, j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
           w: gl.constexpr, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
           TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
           HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
@@ -455,7 +477,7 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
     OTHER: gl.constexpr = (w == 1) or HAS1
     ph = j & 1
     if OWN:
-        t = _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, keys, i_b,
+        t = _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, ok_smem, keys, i_b,
                          n_start + (2 * j + w) * KEYS, n_end, ph, diag, left, right, scale_log2,
                          n_safe_lo, n_safe_hi, w, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE,
                          HAS_LEFT, HAS_RIGHT, s_layout)
@@ -503,7 +525,7 @@ def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: 
     ``span``: the program's sequence, split, rows, keys and mask scalars (the kernel's
     tuples; the constexprs are passed one by one)."""
     (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar, l_smem,
-     l_bar) = smem
+     l_bar, ok_smem) = smem
     sink, o, lse, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lq, \
         stride_lh = outs
     i_b, i_s, r0, sk, n_start, n_end, n_tiles, left, right, scale_log2 = span
@@ -526,12 +548,12 @@ def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: 
     mbarrier.wait(q_bar.index(0), 0)
     for j in range(n_tiles // 2):
         acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
-                              p_bar, keys, i_b, j, n_start, n_end, acc, m_i, l_i, diag, left,
+                              p_bar, ok_smem, keys, i_b, j, n_start, n_end, acc, m_i, l_i, diag, left,
                               right, scale_log2, n_safe_lo, n_safe_hi, w, True, PAGE_SIZE, PAGED,
                               TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
     if n_tiles % 2 == 1:
         acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
-                              p_bar, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i, l_i, diag,
+                              p_bar, ok_smem, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i, l_i, diag,
                               left, right, scale_log2, n_safe_lo, n_safe_hi, w, False, PAGE_SIZE,
                               PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout,
                               o_layout)
@@ -622,10 +644,19 @@ def _mla_decode_kernel(
     vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     mx_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS], vec_layout)
     l_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS], vec_layout)
+    if TOKEN_TABLE:
+        # Each buffer's key mask (which listed keys exist), written by the producer.
+        ok_smem = gl.allocate_shared_memory(gl.int32, [2, KEYS], vec_layout)
+    else:
+        ok_smem = l_smem  # (not used)
     mbarrier.init(q_bar.index(0), count=1)
     for i in gl.static_range(2 * NP):
-        # TMA: the producer's expect; gathered: one arrival from each producer thread.
-        mbarrier.init(k_full.index(i), count=32 * PRODUCER_WARPS if TOKEN_TABLE else 1)
+        # TMA: the producer's expect; gathered: one arrival from each producer thread, and on
+        # the rope piece one more for the key mask (_load_part).
+        if TOKEN_TABLE:
+            mbarrier.init(k_full.index(i), count=32 * PRODUCER_WARPS + (i % NP == NP - 1))
+        else:
+            mbarrier.init(k_full.index(i), count=1)
     for i in gl.static_range(4):
         # Buffer s's part freed by warpgroup w: k_empty[2 s + w] (_producer).
         mbarrier.init(k_empty.index(i), count=1)
@@ -638,7 +669,7 @@ def _mla_decode_kernel(
     keys = (block_table, token_pages, stride_tb, stride_pb, num_pages, capacity, table_sk,
             table_per_batch, table_num_pages)
     smem = (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar,
-            l_smem, l_bar)
+            l_smem, l_bar, ok_smem)
     outs = (sink, o, lse, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
             stride_lq, stride_lh)
     span = (i_b, i_s, r0, sk, n_start, n_end, n_tiles, left, right, scale_log2)
@@ -652,10 +683,10 @@ def _mla_decode_kernel(
             (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
                          TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
             (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
-                         k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
+                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
                          TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 0, 2)),
             (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
-                         k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
+                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
                          TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 1, 2)),
         ], [4, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
@@ -665,7 +696,7 @@ def _mla_decode_kernel(
             (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
                          TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
             (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
-                         k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
+                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
                          TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -725,7 +756,8 @@ def kernel_args(kw: dict, q, k_cache, *, token_table) -> dict:
         PREFETCH=PREFETCH_TILES if sq * hq > ROWS and token_table is None else 0,
         WHOLE_TILES=(bool(kw["PAGED"]) and kw["PAGE_SIZE"] < WHOLE_TILES_BELOW_PAGE
                      and token_table is None),
-        # Gathered rows: two producer warps of cp.async (pointers in registers).
-        PRODUCER_WARPS=2 if token_table else 1, PRODUCER_REGS=56 if token_table else 24,
-        CONSUMER_REGS=240, num_warps=4)
+        # Gathered rows: producer warps of cp.async (TOPK_SPLIT).
+        PRODUCER_WARPS=TOPK_SPLIT[0] if token_table else 1,
+        PRODUCER_REGS=TOPK_SPLIT[1] if token_table else 24,
+        CONSUMER_REGS=TOPK_SPLIT[2] if token_table else 240, num_warps=4)
     return args
