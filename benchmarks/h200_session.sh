@@ -21,6 +21,8 @@
 #   bash benchmarks/h200_session.sh s23b       # the top-k MLA decode's producer-made key mask
 #                                                and register splits: tests, A/B against
 #                                                .before (before_after.sh prep), memcheck
+#   bash benchmarks/h200_session.sh s23c       # top-k register splits around the default,
+#                                                then every bench_mla row (Gluon only)
 #   bash benchmarks/h200_session.sh lpt23      # bwd_sm90.LPT (lpt.patch, applied in a copy):
 #                                                its tests and A/B beside main's step
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -39,7 +41,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 s23b lpt23 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 s23b s23c lpt23 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -200,6 +202,16 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '$T', '-k', 'topk',
     timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x \
         -p no:cacheprovider $T -k "topk_matches or topk_nan" > "$OUT/memcheck_topk.log" 2>&1
     echo "memcheck rc=$? $(grep -c "Invalid" "$OUT/memcheck_topk.log") invalid; $(tail -1 "$OUT/memcheck_topk.log")"
+    exit 0
+fi
+if [ "$1" = s23c ]; then
+    # Top-k register splits around s23b's best (4, 48, 224): the default consumer at 240
+    # (its spills 32 -> 26), the producer at 40 or 56; then the whole bench_mla table.
+    timeout 200 python3 benchmarks/bench_mla.py --topk-only --gluon-only --out /tmp/s \
+        --topk-splits "4,48,224;4,48,216;4,56,216;4,40,224" > "$OUT/mla_splits.log" 2>&1
+    grep "^top-k" "$OUT/mla_splits.log"
+    timeout 200 python3 benchmarks/bench_mla.py --gluon-only --out "$OUT" > "$OUT/mla_all.log" 2>&1
+    tail -12 "$OUT/mla_all.log"
     exit 0
 fi
 if [ "$1" = lpt23 ]; then
