@@ -206,10 +206,21 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '$T', '-k', 'topk',
 fi
 if [ "$1" = s23c ]; then
     # Top-k register splits around s23b's best (4, 48, 224): the default consumer at 240
-    # (its spills 32 -> 26), the producer at 40 or 56; then the whole bench_mla table.
-    timeout 200 python3 benchmarks/bench_mla.py --topk-only --gluon-only --out /tmp/s \
-        --topk-splits "4,48,224;4,48,216;4,56,216;4,40,224" > "$OUT/mla_splits.log" 2>&1
+    # (its spills 32 -> 26), the producer at 56; the L2 prefetch of the listed rows 2 and 4
+    # tiles ahead; hot lists (L2-resident) at the default, then the whole bench_mla table.
+    timeout 240 python3 benchmarks/bench_mla.py --topk-only --gluon-only --out /tmp/s \
+        --topk-patterns random,hot \
+        --topk-splits "4,48,224;4,48,216;4,56,216;4,48,224,2;4,48,224,4" > "$OUT/mla_splits.log" 2>&1
     grep "^top-k" "$OUT/mla_splits.log"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_mla_sm90.py \
+        -k topk > "$OUT/test_topk.log" 2>&1; echo "topk tests: $(tail -1 "$OUT/test_topk.log")"
+    timeout 100 python3 -c "
+import sys, pytest
+from flashlse.kernels import decode_mla_sm90 as m
+m.TOPK_PREFETCH = 2
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/kernels/test_decode_mla_sm90.py',
+                      'tests/kernels/test_sparse_kernels.py', '-k', 'topk or mla']))" \
+        > "$OUT/test_topk_pf.log" 2>&1; echo "topk tests, prefetch 2: $(tail -1 "$OUT/test_topk_pf.log")"
     timeout 200 python3 benchmarks/bench_mla.py --gluon-only --out "$OUT" > "$OUT/mla_all.log" 2>&1
     tail -12 "$OUT/mla_all.log"
     exit 0

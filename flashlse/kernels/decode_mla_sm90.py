@@ -101,6 +101,8 @@ TWO_PRODUCERS_BELOW_PAGE = gl.constexpr(16)
 # (2, 56, 240) left it 208 and spilling (session 14); four warps of 48 leave both consumers
 # 224-232 and the producer unspilled (sm_90 SASS, session 23).
 TOPK_SPLIT = (4, 48, 224)
+# Top-k lists: tiles ahead of a pair whose listed rows the producer asks L2 for (0: none).
+TOPK_PREFETCH = 0
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
@@ -176,6 +178,19 @@ def _prefetch_l2(k, keys, i_b, stride_kn, n0, n_end, PAGE_SIZE: gl.constexpr,
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [k + row.to(gl.int64) * stride_kn, nbytes], dtype=gl.int32,
             is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_listed(k, keys, i_b, stride_kn, n0, n_end, TOKEN_PAGE: gl.constexpr):
+    """Asks L2 for the listed rows of keys ``[n0, n0 + KEYS)`` below ``n_end``: one bulk
+    prefetch of a row's 576 columns (1152 bytes) each, rows of no key skipped."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    row, ok = _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE, layout)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], 1152; mov.u32 $0, 0; }",
+        "=r,l,r", [k + row * stride_kn, ok.to(gl.int32)], dtype=gl.int32, is_pure=False,
+        pack=1)
 
 
 @gluon.jit
@@ -334,7 +349,14 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
         for j in range((n_tiles + 1) // 2):
             n0 = n_start + 2 * j * KEYS
             has1 = 2 * j + 1 < n_tiles
-            _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, 2, PAGE_SIZE, PAGED, PREFETCH)
+            if TOKEN_TABLE:
+                if PREFETCH > 0:
+                    for i in gl.static_range(2):
+                        _prefetch_listed(k, keys, i_b, stride_kn, n0 + (PREFETCH + i) * KEYS,
+                                         n_end, TOKEN_PAGE)
+            else:
+                _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, 2, PAGE_SIZE, PAGED,
+                                PREFETCH)
             # Both tiles' rows while the buffers are still in use.
             row0, ok0 = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE,
                                   TOKEN_PAGE)
@@ -753,7 +775,8 @@ def kernel_args(kw: dict, q, k_cache, *, token_table) -> dict:
         # One-row pages of a token table: the row stride is the page stride.
         stride_kn=k_cache.stride(0 if token_table else 1),
         k_rows=k_cache.shape[0] * k_cache.shape[1],
-        PREFETCH=PREFETCH_TILES if sq * hq > ROWS and token_table is None else 0,
+        PREFETCH=(TOPK_PREFETCH if token_table else
+                  PREFETCH_TILES if sq * hq > ROWS else 0),
         WHOLE_TILES=(bool(kw["PAGED"]) and kw["PAGE_SIZE"] < WHOLE_TILES_BELOW_PAGE
                      and token_table is None),
         # Gathered rows: producer warps of cp.async (TOPK_SPLIT).
