@@ -111,7 +111,7 @@ def test_mla_few_heads_prefetch_nothing(kernels):
     assert (n["M_TILES"], n["PREFETCH"]) == (1, 0)
 
 
-def test_mla_token_table_gathers_with_two_producer_warps(kernels):
+def test_mla_token_table_gathers_with_the_topk_split(kernels):
     q = torch.randn(6, 1, 128, 576).half()
     pages = torch.randn(1400, 1, 1, 576).half()
     table = torch.zeros(6, 200, dtype=torch.int32)
@@ -121,7 +121,10 @@ def test_mla_token_table_gathers_with_two_producer_warps(kernels):
     n = kernels.of("mla").named
     assert (n["TOKEN_TABLE"], n["TOKEN_PAGE"], n["table_sk"], n["table_per_batch"]) == (
         True, 0, 700, 3)
-    assert (n["PRODUCER_WARPS"], n["PREFETCH"], n["HAS_SEQLENS"]) == (2, 0, False)
+    # The gathering producer's warps and registers and the consumers' registers: TOPK_SPLIT
+    # (not the dense kernel's one producer warp of 24 registers and consumers of 240).
+    assert (n["PRODUCER_WARPS"], n["PRODUCER_REGS"], n["CONSUMER_REGS"]) == (4, 48, 224)
+    assert (n["PREFETCH"], n["HAS_SEQLENS"]) == (0, False)
     # One-row pages, but top-k lists are refilled in parts (their gather measured no faster
     # whole).
     assert not n["WHOLE_TILES"]
