@@ -23,8 +23,6 @@
 #                                                .before (before_after.sh prep), memcheck
 #   bash benchmarks/h200_session.sh s23c       # top-k register splits around the default,
 #                                                then every bench_mla row (Gluon only)
-#   bash benchmarks/h200_session.sh lpt23      # bwd_sm90.LPT (lpt.patch, applied in a copy):
-#                                                its tests and A/B beside main's step
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
@@ -41,7 +39,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 s23b s23c lpt23 prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 s23b s23c prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -223,20 +221,6 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/kernels/test_decode
         > "$OUT/test_topk_pf.log" 2>&1; echo "topk tests, prefetch 2: $(tail -1 "$OUT/test_topk_pf.log")"
     timeout 200 python3 benchmarks/bench_mla.py --gluon-only --out "$OUT" > "$OUT/mla_all.log" 2>&1
     tail -12 "$OUT/mla_all.log"
-    exit 0
-fi
-if [ "$1" = lpt23 ]; then
-    # bwd_sm90.LPT (the dK/dV grid longest first; out of main since 88a7e92) in a copy of the
-    # tree with lpt.patch applied: its GPU tests, its A/B with the backward on the calling
-    # thread, and main's tree beside it (a neutral flag: its "on" row is main's step) for the
-    # ratio to cuDNN in each process.
-    mkdir -p "$OUT/lpt"; rm -rf /tmp/lpt && cp -r . /tmp/lpt && (cd /tmp/lpt && patch -p1 -s < lpt.patch) || exit 1
-    (cd /tmp/lpt && OUT=$OUT/lpt PYTHONPATH=/tmp/lpt bwd_tests lpt \
-        "lpt or host_descriptors or (test_attn_bwd_gpu_sm90[ and bf16 and not tl)")
-    (cd /tmp/lpt && PYTHONPATH=/tmp/lpt timeout 200 python3 benchmarks/ab_bwd_switch.py \
-        --flag bwd_sm90.LPT --seqs 1024,2048 --one-thread 2>&1 | tail -6)
-    timeout 150 python3 benchmarks/ab_bwd_switch.py --flag _common.DESC_DIRECT --seqs 1024,2048 \
-        --one-thread 2>&1 | tail -6
     exit 0
 fi
 if [ "$1" = prof-src ]; then
