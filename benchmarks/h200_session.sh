@@ -21,6 +21,9 @@
 #   bash benchmarks/h200_session.sh s23b       # the top-k MLA decode's producer-made key mask
 #                                                and register splits: tests, A/B against
 #                                                .before (before_after.sh prep), memcheck
+#   bash benchmarks/h200_session.sh s23d       # the top-k default (4, 48, 216): tests,
+#                                                bench_mla / bench_sparse, sparse host us
+#                                                against .before
 #   bash benchmarks/h200_session.sh s23c       # top-k register splits around the default,
 #                                                then every bench_mla row (Gluon only)
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -39,7 +42,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 s23b s23c prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 s23b s23c s23d prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -221,6 +224,28 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/kernels/test_decode
         > "$OUT/test_topk_pf.log" 2>&1; echo "topk tests, prefetch 2: $(tail -1 "$OUT/test_topk_pf.log")"
     timeout 200 python3 benchmarks/bench_mla.py --gluon-only --out "$OUT" > "$OUT/mla_all.log" 2>&1
     tail -12 "$OUT/mla_all.log"
+    exit 0
+fi
+if [ "$1" = s23d ]; then
+    # The top-k split (4, 48, 216) as the default and sparse_attention's metadata checks
+    # skipped for metadata that passed: the top-k and sparse GPU tests, sync-free; the top-k
+    # rows (public call and graph) and the sparse MLA prefill; host us of the top-k call,
+    # .before's package and this one in turn.
+    K=tests/kernels
+    timeout 150 python3 -m pytest -q -p no:cacheprovider $K/test_decode_mla_sm90.py -k topk \
+        $K/test_sparse_kernels.py $K/test_sync_free.py -k "topk or sparse" \
+        > "$OUT/test_s23d.log" 2>&1; echo "tests: $(tail -1 "$OUT/test_s23d.log")"
+    grep -h "^FAILED" "$OUT/test_s23d.log" | head
+    timeout 100 python3 benchmarks/bench_mla.py --topk-only --gluon-only --out "$OUT" \
+        > "$OUT/mla_topk.log" 2>&1; grep "^top-k\|^B=" "$OUT/mla_topk.log"
+    timeout 60 python3 benchmarks/bench_sparse.py 2>&1 | grep -i "mla" | head -2
+    for pass in 1 2; do
+        for tree in before after; do
+            root=$PWD; [ $tree = before ] && root=$PWD/.before
+            PYTHONPATH=$root timeout 60 python3 benchmarks/profile_host.py --rows sparse --top 0 \
+                2>&1 | grep "===" | sed "s/^/$tree $pass /"
+        done
+    done
     exit 0
 fi
 if [ "$1" = prof-src ]; then

@@ -202,7 +202,15 @@ def calls(dev="cuda"):
     # (its block list made by a second launch, benchmarks/host_varlen.py's A/B).
     qv = torch.randn(2048, 16, 128, device=dev, dtype=dt)
     cu = torch.tensor([0, 1024, 2048], dtype=torch.int32, device=dev)
+    # Top-k MLA decode (issue 18's shape but B = 4): 128 heads on a paged 64 latent cache,
+    # 2048 listed rows a sequence.
+    qm = torch.randn(4, 1, 128, 576, device=dev, dtype=dt)
+    lat = torch.randn(4 * 64, 64, 1, 576, device=dev, dtype=dt)
+    lat_table = torch.arange(4 * 64, dtype=torch.int32, device=dev).view(4, 64)
+    idx = torch.randint(0, 4096, (4, 1, 1, 2048), dtype=torch.int32, device=dev)
     rows = {
+        "sparse top-k MLA decode paged": lambda: fl.sparse_attention(
+            qm, lat, lat[..., :512], idx, block_table=lat_table, scale=0.05),
         "attention_varlen fwd 2 x 1k": lambda: fl.attention_varlen(qv, qv, qv, cu, cu, 1024,
                                                                    1024, causal=True),
         "attention fwd": lambda: fl.attention(q, k, v, causal=True),

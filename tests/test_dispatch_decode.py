@@ -123,7 +123,7 @@ def test_mla_token_table_gathers_with_the_topk_split(kernels):
         True, 0, 700, 3)
     # The gathering producer's warps and registers and the consumers' registers: TOPK_SPLIT
     # (not the dense kernel's one producer warp of 24 registers and consumers of 240).
-    assert (n["PRODUCER_WARPS"], n["PRODUCER_REGS"], n["CONSUMER_REGS"]) == (4, 48, 224)
+    assert (n["PRODUCER_WARPS"], n["PRODUCER_REGS"], n["CONSUMER_REGS"]) == (4, 48, 216)
     assert (n["PREFETCH"], n["HAS_SEQLENS"]) == (0, False)
     # One-row pages, but top-k lists are refilled in parts (their gather measured no faster
     # whole).

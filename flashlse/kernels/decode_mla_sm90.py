@@ -98,10 +98,15 @@ TWO_PRODUCERS_BELOW_PAGE = gl.constexpr(16)
 # Top-k lists: (producer warps, their registers, the consumers' registers). The producer
 # gathers each tile's rows with cp.async (addresses in registers); setmaxnreg's budget (64K
 # registers) is shared with the two consumer warpgroups, and the default one gets the rest.
-# (2, 56, 240) left it 208 and spilling (session 14); four warps of 48 leave both consumers
-# 224-232 and the producer unspilled (sm_90 SASS, session 23).
-TOPK_SPLIT = (4, 48, 224)
+# (2, 56, 240) left it 208 and spilling; four producer warps of 48 leave the producer
+# unspilled, consumer 1 at 216 (3 spilled loads) and the default one at 240. RESULTS.md
+# 2026-12-03, session 23, TFLOP/s B=64 Skv=8k / B=128 Skv=4k topk=2048 (CUDA graphs):
+# (2, 56, 240) 260 / 277, (4, 48, 224) 344 / 374, (4, 48, 216) 379 / 419, (4, 56, 216)
+# 363 / 399, (4, 40, 232) 327 / 348.
+TOPK_SPLIT = (4, 48, 216)
 # Top-k lists: tiles ahead of a pair whose listed rows the producer asks L2 for (0: none).
+# Measured with (4, 48, 224): 2 ahead 317 / 338, 4 ahead 303 / 326 against none 344 / 374
+# (the prefetch instructions cost more than the latency they hide): off.
 TOPK_PREFETCH = 0
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)

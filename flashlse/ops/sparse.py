@@ -221,6 +221,36 @@ class SparseAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, dsink, None
 
 
+def _check_meta(q, k, v, indices, block_table):
+    """:func:`sparse_attention`'s checks of types, dims, dtypes, devices and shapes."""
+    for name, t, layout in (("q", q, "(B, Sq, Hq, D)"), ("k", k, "(B, Sk, Hkv, D)"),
+                            ("v", v, "(B, Sk, Hkv, Dv)")):
+        V.check_tensor(name, t, 4, layout)
+        V.check_float(name, t)
+    V.check_same({"q": q, "k": k, "v": v}, "dtype")
+    V.check_same({"q": q, "k": k, "v": v}, "device")
+    V.check_heads(q.shape[2], k.shape[2], v.shape[2])
+    V.check_head_dim(q.shape[-1], v.shape[-1], False, 0)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share D, got {q.shape[-1]} and {k.shape[-1]}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must agree in their first two dims, got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if block_table is None and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q, k, v must share B: got q {tuple(q.shape)}, k {tuple(k.shape)}; "
+                         f"for a paged cache pass block_table")
+    V.check_int_tensor("indices", indices, "(B, Sq, Hkv, topk)", q.device, 4)
+    want = tuple(q.shape[:2]) + (k.shape[2],)
+    if tuple(indices.shape[:3]) != want:
+        raise ValueError(f"indices must be (B, Sq, Hkv, topk) with (B, Sq, Hkv) = {want}, got "
+                         f"{tuple(indices.shape)}")
+    if block_table is not None:
+        V.check_int_tensor("block_table", block_table, "(B, max_pages)", q.device, 2)
+        if block_table.shape[0] != q.shape[0]:
+            raise ValueError(f"block_table must have B = {q.shape[0]} rows, got "
+                             f"{block_table.shape[0]}")
+
+
 def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=None,
                      return_lse=False):
     """``O_i = sum_{j in I_i} exp(S_ij - L_i) V_j``, ``L_i = log sum_{j in I_i} e^S_ij [+ e^sink]``.
@@ -239,41 +269,19 @@ def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=Non
     Returns:
         ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 if ``return_lse``.
     """
-    for name, t, layout in (("q", q, "(B, Sq, Hq, D)"), ("k", k, "(B, Sk, Hkv, D)"),
-                            ("v", v, "(B, Sk, Hkv, Dv)")):
-        V.check_tensor(name, t, 4, layout)
-        V.check_float(name, t)
-    V.check_same({"q": q, "k": k, "v": v}, "dtype")
-    V.check_same({"q": q, "k": k, "v": v}, "device")
-    V.check_heads(q.shape[2], k.shape[2], v.shape[2])
-    V.check_head_dim(q.shape[-1], v.shape[-1], False, 0)
+    # Metadata checks: skipped for metadata that passed before (V.meta_key).
+    key = V.meta_key("sparse", q, k, v, indices, block_table, sink)
+    if not V.passed(key):
+        _check_meta(q, k, v, indices, block_table)
+        V.check_sink(sink, q.shape[2], q.device)
+        V.remember(key)
     V.check_bool("return_lse", return_lse)
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must share D, got {q.shape[-1]} and {k.shape[-1]}")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k and v must agree in their first two dims, got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
-    if block_table is None and q.shape[0] != k.shape[0]:
-        raise ValueError(f"q, k, v must share B: got q {tuple(q.shape)}, k {tuple(k.shape)}; "
-                         f"for a paged cache pass block_table")
-    V.check_int_tensor("indices", indices, "(B, Sq, Hkv, topk)", q.device, 4)
-    want = tuple(q.shape[:2]) + (k.shape[2],)
-    if tuple(indices.shape[:3]) != want:
-        raise ValueError(f"indices must be (B, Sq, Hkv, topk) with (B, Sq, Hkv) = {want}, got "
-                         f"{tuple(indices.shape)}")
-    length = k.shape[1]
-    if block_table is not None:
-        V.check_int_tensor("block_table", block_table, "(B, max_pages)", q.device, 2)
-        if block_table.shape[0] != q.shape[0]:
-            raise ValueError(f"block_table must have B = {q.shape[0]} rows, got "
-                             f"{block_table.shape[0]}")
-        length = block_table.shape[1] * k.shape[1]
+    length = k.shape[1] if block_table is None else block_table.shape[1] * k.shape[1]
     if indices.numel() and V.values_checkable(indices) and bool(
             ((indices < -1) | (indices >= length)).any()):
         raise ValueError(f"indices must lie in [0, {length}) (the keys of a sequence) or be -1 "
                          f"(no key), got values in [{int(indices.min())}, {int(indices.max())}]")
     scale = V.check_scale(scale, q.shape[-1])
-    sink = V.check_sink(sink, q.shape[2], q.device)
     if block_table is not None:
         return _sparse_paged(q, k, v, indices, block_table, scale, sink, return_lse)
     out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale)
