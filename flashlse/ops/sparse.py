@@ -9,6 +9,8 @@ per occurrence.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..lse import safe_pivot
@@ -125,7 +127,58 @@ def _listed_ok(indices, k, block_table):
     return ok & (page >= 0) & (page < k.shape[0])
 
 
-def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None):
+class _FwdPlan(NamedTuple):
+    """What :func:`sparse_fwd_kernel` derives from the call's metadata (shapes, strides,
+    dtypes, device): whether the kernel takes it, the views it passes the decode kernel, the
+    token table's sizes. Kept in ``_PLANS`` by the public call's metadata key."""
+
+    kernel_ok: bool
+    pages_k: tuple  # k as single-row pages (n_rows * Hkv, 1, 1, D)
+    pages_v: tuple  # v likewise, when it is not k's storage
+    dv: int
+    same_strides: bool  # v could be a view of k's storage (MLA): checked by address a call
+    rows: tuple  # the sequences' q (B * Sq * Hkv, 1, G, D) and their table (.., topk)
+    table: tuple
+    table_copy: bool  # the indices' view has strides the kernel cannot take
+    pages_copy: bool  # the block table's likewise
+    out: tuple  # out (B, Sq, Hq, Dv) and lse (B, Sq, Hq) of the kernel's results
+    lse: tuple
+    token_table: tuple
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
+def _fwd_plan(q, k, v, indices, block_table, key=None) -> _FwdPlan:
+    """The call's :class:`_FwdPlan`, from ``_PLANS`` when ``key`` (its metadata key) has one."""
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        return plan
+    b, sq, hq, d = q.shape
+    n0, n1, hkv = k.shape[:3]
+    dv, topk = v.shape[-1], indices.shape[-1]
+    rows = b * sq * hkv
+    table = (rows, topk)
+    if block_table is None:
+        token_table = (n1, sq * hkv, hkv)
+    else:
+        token_table = (block_table.shape[1] * n1, sq * hkv, hkv, n0, n1)
+    plan = _FwdPlan(
+        kernel_ok=_kernel_ok(q, k, v, indices), pages_k=(n0 * n1 * hkv, 1, 1, d),
+        pages_v=(n0 * n1 * hkv, 1, 1, dv), dv=dv,
+        same_strides=v.stride() == k.stride() and dv <= d, rows=(rows, 1, hq // hkv, d),
+        table=table, table_copy=indices.numel() > 0 and indices.reshape(table).stride(-1) != 1,
+        pages_copy=block_table is not None and block_table.stride(-1) != 1,
+        out=(b, sq, hq, dv), lse=(b, sq, hq), token_table=token_table)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=None):
     """The forward on the split-KV decode kernel (``kernels/decode.py``), no new kernel: each
     (batch, query row, kv head) is one "sequence" whose keys are its top-k list, read by the
     kernel as a table of one-row pages (``decode_fwd(token_table=...)``; through the cache's
@@ -133,6 +186,7 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None):
     each gathered K/V row is read once for the whole group (MLA: 128 heads on one latent row,
     and ``v = k[..., :Dv]`` read once). An index outside the sequence's keys, -1, or on a
     page outside the cache is no key, never read. The sink is merged once afterwards.
+    ``plan``: the call's :func:`_fwd_plan` (made here when None).
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` in q's dtype and ``lse (B, Hq, Sq)`` float32.
@@ -140,40 +194,33 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None):
     from ..kernels.decode import decode_fwd
     from .merge import merge_states_unchecked
 
-    b, sq, hq, d = q.shape
-    hkv, dv = k.shape[2], v.shape[-1]
-    g, topk = hq // hkv, indices.shape[-1]
-    rows = b * sq * hkv
+    plan = plan or _fwd_plan(q, k, v, indices, block_table)
     # The decode kernel's pages are single (token, kv head) rows: row r of kv head h is page
     # r * Hkv + h, r = b * Sk + j contiguous, or (page * page_size + j % page_size) paged.
-    n_rows = k.shape[0] * k.shape[1]
-    pages_k = k.reshape(n_rows * hkv, 1, 1, d)
+    pages_k = k.reshape(plan.pages_k)
     # MLA (v = k[..., :Dv]) keeps v a view of the same pages, so the kernel reads the latent
     # row once; a reshape would give the size-1 dims other strides and hide that.
-    shared = v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and dv <= d
-    pages_v = pages_k[..., :dv] if shared else v.reshape(n_rows * hkv, 1, 1, dv)
+    if plan.same_strides and v.data_ptr() == k.data_ptr():
+        pages_v = pages_k[..., :plan.dv]
+    else:
+        pages_v = v.reshape(plan.pages_v)
     # The kernel reads the indices themselves as its table: sequence (b, i, h) of the rows is
     # kv head h of batch b, key j its cache row r (b * Sk + j contiguous; through the block
     # table when paged), page r * Hkv + h; a position outside the sequence's keys, or on a
     # page outside the cache, is no key. No table is built, no length either (each list is
     # topk long).
-    table = indices.reshape(rows, topk)
-    if table.stride(-1) != 1:
+    table = indices.reshape(plan.table)
+    if plan.table_copy:
         table = table.contiguous()
-    if block_table is None:
-        kw = dict(token_table=(k.shape[1], sq * hkv, hkv))
-    else:
-        page_size = k.shape[1]
-        if block_table.stride(-1) != 1:
-            block_table = block_table.contiguous()
-        kw = dict(token_table=(block_table.shape[1] * page_size, sq * hkv, hkv, k.shape[0],
-                               page_size), token_pages=block_table)
-    out, lse = decode_fwd(q.reshape(rows, 1, g, d), pages_k, pages_v, cache_seqlens=None,
-                          block_table=table, **kw, left=None, right=None, softcap=0.0,
+    if block_table is not None and plan.pages_copy:
+        block_table = block_table.contiguous()
+    out, lse = decode_fwd(q.reshape(plan.rows), pages_k, pages_v, cache_seqlens=None,
+                          block_table=table, token_table=plan.token_table,
+                          token_pages=block_table, left=None, right=None, softcap=0.0,
                           scale=scale, sink=None, num_splits=0,
                           out_dtype=torch.float32 if sink is not None else None)
-    out = out.view(b, sq, hq, dv)
-    lse = lse.view(b, sq, hq)
+    out = out.view(plan.out)
+    lse = lse.view(plan.lse)
     if sink is not None:
         # Merged from float32 and rounded once (a second rounding doubled out's error).
         out, lse = merge_states_unchecked(out[None], lse[None], sink=sink)
@@ -283,20 +330,22 @@ def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=Non
                          f"(no key), got values in [{int(indices.min())}, {int(indices.max())}]")
     scale = V.check_scale(scale, q.shape[-1])
     if block_table is not None:
-        return _sparse_paged(q, k, v, indices, block_table, scale, sink, return_lse)
+        return _sparse_paged(q, k, v, indices, block_table, scale, sink, return_lse, key)
     out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale)
     return (out, lse) if return_lse else out
 
 
-def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return_lse):
+def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return_lse, key=None):
     """Sparse attention over paged caches: the kernel reads the listed rows in place; the
-    PyTorch path gathers each sequence's capacity first. Forward only."""
+    PyTorch path gathers each sequence's capacity first. Forward only. ``key``: the call's
+    metadata key (its plan is kept by it)."""
     if torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
         raise ValueError("sparse_attention with a block_table is forward only (serving); call "
                          "it under torch.no_grad()")
     checked = V.values_checkable(block_table) and indices.numel()
-    kernel = _kernel_ok(q, k_cache, v_cache, indices)
+    plan = _fwd_plan(q, k_cache, v_cache, indices, block_table, key)
+    kernel = plan.kernel_ok
     if checked or not kernel:
         ok = _listed_ok(indices, k_cache, block_table)
     if checked:
@@ -312,7 +361,7 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
                              f"{block_table[rows_b, cols][:4].tolist()}")
     if kernel:
         out, lse = sparse_fwd_kernel(q, k_cache, v_cache, indices, scale=scale, sink=sink,
-                                     block_table=block_table)
+                                     block_table=block_table, plan=plan)
     else:
         from ._paged import gather_pages
 
