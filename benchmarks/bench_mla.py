@@ -102,12 +102,10 @@ def topk_indices(b, skv, topk, pattern):
 
 def topk_split(split):
     """Sets the top-k kernel's (producer warps, producer registers, consumer registers)
-    (``decode_mla_sm90.TOPK_SPLIT``) and, as a fourth value, its L2 prefetch distance
-    (``TOPK_PREFETCH``, tiles; 0 if absent), and drops the decode plans that hold the old."""
+    (``decode_mla_sm90.TOPK_SPLIT``) and drops the decode plans that hold the old one."""
     from flashlse.kernels import decode, decode_mla_sm90
 
-    decode_mla_sm90.TOPK_SPLIT = tuple(split[:3])
-    decode_mla_sm90.TOPK_PREFETCH = split[3] if len(split) > 3 else 0
+    decode_mla_sm90.TOPK_SPLIT = tuple(split)
     decode._PLANS.clear()
 
 
@@ -125,7 +123,7 @@ def topk_rows(copy, gluon_only, patterns=("random",), splits=None):
     runs = [(shape, None) for shape in shapes]
     if splits:
         runs = [(shape, split) for _ in range(2) for shape in shapes for split in splits]
-    default = (*decode_mla_sm90.TOPK_SPLIT, decode_mla_sm90.TOPK_PREFETCH)
+    default = decode_mla_sm90.TOPK_SPLIT
     for (b, skv, hq, topk, pat), split in runs:
         topk_split(split or default)
         q, lat, _, _, table = inputs(b, skv, hq, 1, 64)
@@ -180,9 +178,8 @@ def main():
     ap.add_argument("--topk-patterns", default="random",
                     help=f"top-k B=64 rows with lists drawn so, comma-separated: {TOPK_PATTERNS}")
     ap.add_argument("--topk-splits", default="",
-                    help="top-k rows at each of these decode_mla_sm90.TOPK_SPLIT values (and "
-                         "TOPK_PREFETCH as a fourth), e.g. '2,56,240;4,48,224,2' (two passes "
-                         "in turn)")
+                    help="top-k rows at each of these decode_mla_sm90.TOPK_SPLIT values, e.g. "
+                         "'2,56,240;4,48,216' (two passes in turn)")
     ap.add_argument("--profile-topk", default="", metavar="PATTERN",
                     help="only: one top-k B=64 call between cudaProfilerStart / Stop (for "
                          "`ncu --profile-from-start off`), lists drawn so")

@@ -15,17 +15,9 @@
 #   bash benchmarks/h200_session.sh suite      # every GPU test, twelve shards (issue 21's bar)
 #   bash benchmarks/h200_session.sh host22     # session 22's first call: backward tests,
 #                                                host profile, DescLaunch A/B, varlen model
-#   bash benchmarks/h200_session.sh s23        # session 23's first call: the direct launch's
-#                                                GPU tests, the top-k MLA decode by list
-#                                                pattern and its Nsight Compute rows
-#   bash benchmarks/h200_session.sh s23b       # the top-k MLA decode's producer-made key mask
-#                                                and register splits: tests, A/B against
-#                                                .before (before_after.sh prep), memcheck
-#   bash benchmarks/h200_session.sh s23d       # the top-k default (4, 48, 216): tests,
-#                                                bench_mla / bench_sparse, sparse host us
-#                                                against .before
-#   bash benchmarks/h200_session.sh s23c       # top-k register splits around the default,
-#                                                then every bench_mla row (Gluon only)
+#   bash benchmarks/h200_session.sh topk       # the top-k MLA decode: its GPU tests, bench_mla's
+#                                                top-k rows (public call and graph), host us
+#                                                of the top-k call against .before
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
@@ -42,7 +34,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 s23 s23b s23c s23d prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 topk prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -144,108 +136,28 @@ if [ "$1" = host22 ]; then
     done
     exit 0
 fi
-if [ "$1" = s23 ]; then
-    # Session 23: session 22's launch refactor and its new contract test on the GPU; where the
-    # top-k MLA decode's time goes (issue 18: 280 TFLOP/s against the dense kernel's 432 on
-    # 2048 keys): lists at random, sorted, and L2-resident ("hot"), then ncu's rows of one
-    # call at random and hot lists.
-    bwd_tests s23 "host_descriptors or direct_launch or (test_attn_bwd_gpu_sm90[ and bf16 and not tl)"
-    timeout 150 python3 benchmarks/bench_mla.py --gluon-only --topk-only \
-        --topk-patterns random,sorted,hot --out "$OUT" > "$OUT/bench_mla.log" 2>&1
-    tail -7 "$OUT/bench_mla.log"
-    for pat in random hot; do
-        timeout 120 ncu --profile-from-start off -k regex:_mla_decode -c 1 --set full \
-            --import-source yes -f -o "$OUT/topk_$pat" python3 benchmarks/bench_mla.py \
-            --profile-topk $pat > "$OUT/ncu_run_$pat.log" 2>&1; echo "ncu $pat rc=$?"
-        ncu -i "$OUT/topk_$pat.ncu-rep" --page details --csv > "$OUT/topk_${pat}_details.csv" 2>&1
-        python3 benchmarks/ncu_bwd.py --read "$OUT/topk_${pat}_details.csv" 2>&1 | tail -2
-        ncu -i "$OUT/topk_$pat.ncu-rep" --page source --csv --print-source sass \
-            > "$OUT/topk_${pat}_sass.csv" 2> /dev/null
-        python3 benchmarks/ncu_bwd.py --source "$OUT/topk_${pat}_sass.csv" 2>&1 | head -30 \
-            > "$OUT/topk_${pat}_src.txt"
-        rm -f "$OUT/topk_$pat.ncu-rep" "$OUT/topk_${pat}_sass.csv"
-    done
-    exit 0
-fi
-if [ "$1" = s23b ]; then
-    # Issue 18's top-k decode: the producer hands the consumers each tile's key mask through
-    # shared memory (no list reads in the consumers), and the register split between the
-    # gathering producer and the consumers (decode_mla_sm90.TOPK_SPLIT). One test first (a
-    # hang shows in 2 minutes), the top-k tests at the default and at the old split, then
-    # bench_mla's top-k rows at three splits (Gluon against portable: the err column) beside
-    # .before's kernel, bench_sparse's MLA prefill row both trees, memcheck of the top-k tests.
-    T=tests/kernels/test_decode_mla_sm90.py
-    timeout 120 python3 -m pytest -q -x "$T::test_mla_sm90_topk_matches_reference" \
-        -p no:cacheprovider > "$OUT/test_topk0.log" 2>&1 || { tail -25 "$OUT/test_topk0.log"; exit 1; }
-    timeout 200 python3 -m pytest -q $T tests/kernels/test_sparse_kernels.py -p no:cacheprovider \
-        > "$OUT/test_topk.log" 2>&1
-    echo "tests: $(tail -1 "$OUT/test_topk.log")"; grep -h "^FAILED" "$OUT/test_topk.log" | head
-    timeout 120 python3 -c "
-import sys, pytest
-from flashlse.kernels import decode_mla_sm90 as m
-m.TOPK_SPLIT = (2, 56, 240)
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '$T', '-k', 'topk',
-                      'tests/kernels/test_sparse_kernels.py']))" > "$OUT/test_topk_old_split.log" 2>&1
-    echo "tests (2, 56, 240): $(tail -1 "$OUT/test_topk_old_split.log")"
-    for pass in 1 2; do
-        PYTHONPATH=$PWD/.before timeout 100 python3 .before/benchmarks/bench_mla.py --gluon-only \
-            --topk-only --out /tmp/b > "$OUT/mla_before$pass.log" 2>&1
-        echo "before $pass:"; grep "^top-k" "$OUT/mla_before$pass.log"
-    done
-    timeout 240 python3 benchmarks/bench_mla.py --topk-only --out "$OUT" \
-        --topk-splits "2,56,240;4,48,224;4,40,232" > "$OUT/mla_after.log" 2>&1
-    grep "^top-k\|^B=" "$OUT/mla_after.log"
-    for tree in before after; do
-        root=$PWD; [ $tree = before ] && root=$PWD/.before
-        PYTHONPATH=$root timeout 90 python3 $root/benchmarks/bench_sparse.py 2>&1 | grep -i "mla" \
-            | head -3 | sed "s/^/$tree: /"
-    done
-    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x \
-        -p no:cacheprovider $T -k "topk_matches or topk_nan" > "$OUT/memcheck_topk.log" 2>&1
-    echo "memcheck rc=$? $(grep -c "Invalid" "$OUT/memcheck_topk.log") invalid; $(tail -1 "$OUT/memcheck_topk.log")"
-    exit 0
-fi
-if [ "$1" = s23c ]; then
-    # Top-k register splits around s23b's best (4, 48, 224): the default consumer at 240
-    # (its spills 32 -> 26), the producer at 56; the L2 prefetch of the listed rows 2 and 4
-    # tiles ahead; hot lists (L2-resident) at the default, then the whole bench_mla table.
-    timeout 240 python3 benchmarks/bench_mla.py --topk-only --gluon-only --out /tmp/s \
-        --topk-patterns random,hot \
-        --topk-splits "4,48,224;4,48,216;4,56,216;4,48,224,2;4,48,224,4" > "$OUT/mla_splits.log" 2>&1
-    grep "^top-k" "$OUT/mla_splits.log"
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_mla_sm90.py \
-        -k topk > "$OUT/test_topk.log" 2>&1; echo "topk tests: $(tail -1 "$OUT/test_topk.log")"
-    timeout 100 python3 -c "
-import sys, pytest
-from flashlse.kernels import decode_mla_sm90 as m
-m.TOPK_PREFETCH = 2
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/kernels/test_decode_mla_sm90.py',
-                      'tests/kernels/test_sparse_kernels.py', '-k', 'topk or mla']))" \
-        > "$OUT/test_topk_pf.log" 2>&1; echo "topk tests, prefetch 2: $(tail -1 "$OUT/test_topk_pf.log")"
-    timeout 200 python3 benchmarks/bench_mla.py --gluon-only --out "$OUT" > "$OUT/mla_all.log" 2>&1
-    tail -12 "$OUT/mla_all.log"
-    exit 0
-fi
-if [ "$1" = s23d ]; then
-    # The top-k split (4, 48, 216) as the default and sparse_attention's metadata checks
-    # skipped for metadata that passed: the top-k and sparse GPU tests, sync-free; the top-k
-    # rows (public call and graph) and the sparse MLA prefill; host us of the top-k call,
-    # .before's package and this one in turn.
+if [ "$1" = topk ]; then
+    # Issue 18's top-k decode (decode_mla_sm90's token tables; TOPK_SPLIT): the top-k, sparse
+    # and sync-free GPU tests, bench_mla's top-k rows (public call and graph; B = 64 was
+    # host-bound in session 23), bench_sparse's MLA prefill, then host us of the top-k call,
+    # .before's package (before_after.sh prep REV) and this one in turn.
     K=tests/kernels
-    timeout 150 python3 -m pytest -q -p no:cacheprovider $K/test_decode_mla_sm90.py -k topk \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider $K/test_decode_mla_sm90.py \
         $K/test_sparse_kernels.py $K/test_sync_free.py -k "topk or sparse" \
-        > "$OUT/test_s23d.log" 2>&1; echo "tests: $(tail -1 "$OUT/test_s23d.log")"
-    grep -h "^FAILED" "$OUT/test_s23d.log" | head
+        > "$OUT/test_topk.log" 2>&1; echo "tests: $(tail -1 "$OUT/test_topk.log")"
+    grep -h "^FAILED" "$OUT/test_topk.log" | head
     timeout 100 python3 benchmarks/bench_mla.py --topk-only --gluon-only --out "$OUT" \
         > "$OUT/mla_topk.log" 2>&1; grep "^top-k\|^B=" "$OUT/mla_topk.log"
     timeout 60 python3 benchmarks/bench_sparse.py 2>&1 | grep -i "mla" | head -2
-    for pass in 1 2; do
-        for tree in before after; do
-            root=$PWD; [ $tree = before ] && root=$PWD/.before
-            PYTHONPATH=$root timeout 60 python3 benchmarks/profile_host.py --rows sparse --top 0 \
-                2>&1 | grep "===" | sed "s/^/$tree $pass /"
+    if [ -d .before ]; then
+        for pass in 1 2 3; do
+            for tree in before after; do
+                root=$PWD; [ $tree = before ] && root=$PWD/.before
+                PYTHONPATH=$root timeout 60 python3 benchmarks/profile_host.py --rows sparse \
+                    --top 0 2>&1 | grep "===" | sed "s/^/$tree $pass /"
+            done
         done
-    done
+    fi
     exit 0
 fi
 if [ "$1" = prof-src ]; then

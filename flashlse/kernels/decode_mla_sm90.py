@@ -104,10 +104,9 @@ TWO_PRODUCERS_BELOW_PAGE = gl.constexpr(16)
 # (2, 56, 240) 260 / 277, (4, 48, 224) 344 / 374, (4, 48, 216) 379 / 419, (4, 56, 216)
 # 363 / 399, (4, 40, 232) 327 / 348.
 TOPK_SPLIT = (4, 48, 216)
-# Top-k lists: tiles ahead of a pair whose listed rows the producer asks L2 for (0: none).
-# Measured with (4, 48, 224): 2 ahead 317 / 338, 4 ahead 303 / 326 against none 344 / 374
-# (the prefetch instructions cost more than the latency they hide): off.
-TOPK_PREFETCH = 0
+# (Not done for top-k lists: the producer asking L2 for the listed rows of the next pairs,
+# one bulk prefetch a row. With (4, 48, 224), 2 / 4 tiles ahead: 317 / 303 and 338 / 326
+# against none 344 / 374; in git history, commit 6ee0ea3.)
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
@@ -183,19 +182,6 @@ def _prefetch_l2(k, keys, i_b, stride_kn, n0, n_end, PAGE_SIZE: gl.constexpr,
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [k + row.to(gl.int64) * stride_kn, nbytes], dtype=gl.int32,
             is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_listed(k, keys, i_b, stride_kn, n0, n_end, TOKEN_PAGE: gl.constexpr):
-    """Asks L2 for the listed rows of keys ``[n0, n0 + KEYS)`` below ``n_end``: one bulk
-    prefetch of a row's 576 columns (1152 bytes) each, rows of no key skipped."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    row, ok = _listed_rows(keys, i_b, n0, n_end, TOKEN_PAGE, layout)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], 1152; mov.u32 $0, 0; }",
-        "=r,l,r", [k + row * stride_kn, ok.to(gl.int32)], dtype=gl.int32, is_pure=False,
-        pack=1)
 
 
 @gluon.jit
@@ -354,14 +340,7 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
         for j in range((n_tiles + 1) // 2):
             n0 = n_start + 2 * j * KEYS
             has1 = 2 * j + 1 < n_tiles
-            if TOKEN_TABLE:
-                if PREFETCH > 0:
-                    for i in gl.static_range(2):
-                        _prefetch_listed(k, keys, i_b, stride_kn, n0 + (PREFETCH + i) * KEYS,
-                                         n_end, TOKEN_PAGE)
-            else:
-                _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, 2, PAGE_SIZE, PAGED,
-                                PREFETCH)
+            _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, 2, PAGE_SIZE, PAGED, PREFETCH)
             # Both tiles' rows while the buffers are still in use.
             row0, ok0 = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE,
                                   TOKEN_PAGE)
@@ -459,9 +438,10 @@ def _mask(t, n0, n_end, ok, diag, left, right, HAS_LEFT: gl.constexpr, HAS_RIGHT
 
 @gluon.jit
 def _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, ok_smem, keys, i_b, n0, n_end, ph, diag,
-                 left, right, scale_log2, n_safe_lo, n_safe_hi, w: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                 PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr):
+                 left, right, scale_log2, n_safe_lo, n_safe_hi, w: gl.constexpr,
+                 PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
+                 TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                 s_layout: gl.constexpr):
     """Warpgroup w's scores of the tile at key ``n0`` in buffer w, with its keys' mask."""
     PAGE_OK_VEC: gl.constexpr = PAGED and (not TOKEN_TABLE) and PAGE_SIZE < KEYS
     if TOKEN_TABLE:
@@ -489,10 +469,11 @@ def _rows_scale(acc, f, o_layout: gl.constexpr):
 
 @gluon.jit
 def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, ok_smem, keys,
-          i_b, j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi,
-          w: gl.constexpr, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-          TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
-          HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+          i_b, j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo,
+          n_safe_hi, w: gl.constexpr, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr,
+          PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
+          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr,
+          o_layout: gl.constexpr):
     """Tiles ``2j`` (warpgroup 0's) and ``2j + 1`` (warpgroup 1's; absent unless HAS1) for
     warpgroup w: its scores, the shared max (both maxima swapped), its P to the other, its
     product with its own tile (then that part of its buffer is free), then with the other's
@@ -575,15 +556,16 @@ def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: 
     mbarrier.wait(q_bar.index(0), 0)
     for j in range(n_tiles // 2):
         acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
-                              p_bar, ok_smem, keys, i_b, j, n_start, n_end, acc, m_i, l_i, diag, left,
-                              right, scale_log2, n_safe_lo, n_safe_hi, w, True, PAGE_SIZE, PAGED,
-                              TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout, o_layout)
-    if n_tiles % 2 == 1:
-        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
-                              p_bar, ok_smem, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i, l_i, diag,
-                              left, right, scale_log2, n_safe_lo, n_safe_hi, w, False, PAGE_SIZE,
+                              p_bar, ok_smem, keys, i_b, j, n_start, n_end, acc, m_i, l_i, diag,
+                              left, right, scale_log2, n_safe_lo, n_safe_hi, w, True, PAGE_SIZE,
                               PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout,
                               o_layout)
+    if n_tiles % 2 == 1:
+        acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
+                              p_bar, ok_smem, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i,
+                              l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi, w, False,
+                              PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT,
+                              s_layout, o_layout)
     # l = l_0 + l_1: each warpgroup summed its own tiles' probabilities.
     l_smem.index(w).store(l_i)
     gl.thread_barrier()
@@ -710,11 +692,11 @@ def _mla_decode_kernel(
             (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
                          TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
             (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
-                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
-                         TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 0, 2)),
+                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles,
+                         PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 0, 2)),
             (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
-                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
-                         TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 1, 2)),
+                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles,
+                         PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 1, 2)),
         ], [4, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -723,8 +705,8 @@ def _mla_decode_kernel(
             (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
                          TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK)),
             (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
-                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles, PAGE_SIZE, PAGED,
-                         TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES)),
+                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles,
+                         PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -780,8 +762,7 @@ def kernel_args(kw: dict, q, k_cache, *, token_table) -> dict:
         # One-row pages of a token table: the row stride is the page stride.
         stride_kn=k_cache.stride(0 if token_table else 1),
         k_rows=k_cache.shape[0] * k_cache.shape[1],
-        PREFETCH=(TOPK_PREFETCH if token_table else
-                  PREFETCH_TILES if sq * hq > ROWS else 0),
+        PREFETCH=PREFETCH_TILES if sq * hq > ROWS and token_table is None else 0,
         WHOLE_TILES=(bool(kw["PAGED"]) and kw["PAGE_SIZE"] < WHOLE_TILES_BELOW_PAGE
                      and token_table is None),
         # Gathered rows: producer warps of cp.async (TOPK_SPLIT).
