@@ -31,7 +31,7 @@ nature). attention_varlen and sparse_attention rows have no host bar.
     python benchmarks/bench_overhead.py [--out DIR] [--functions kvcache,merge,fwd,...]
     TRITON_INTERPRET=1 python benchmarks/bench_overhead.py --smoke --out /tmp/ovh
 
-``--functions`` picks from kvcache, merge, fwd, fwdbwd, fwdbwd_1t, varlen, sparse (default
+``--functions`` picks from kvcache, merge, fwd, fwdbwd, fwdbwd_1t, varlen, sparse, topk (default
 all).
 Writes ``overhead.json`` and ``overhead_rows.md`` (rows for benchmarks/RESULTS.md) into
 ``--out`` (default benchmarks/results); prints the table last. ``--smoke`` runs tiny
@@ -92,7 +92,11 @@ LABEL = {"kvcache": "attention_with_kvcache", "merge": "merge_states", "fwd": "a
          # (``torch.autograd.set_multithreading_enabled(False)``) instead of its CUDA
          # device thread: the handoff's share of the host time.
          "fwdbwd_1t": "attn fwd+bwd, 1 thread", "varlen": "attention_varlen fwd",
-         "sparse": "sparse_attention fwd"}
+         "sparse": "sparse_attention fwd",
+         # Issue 18's top-k MLA decode (DeepSeek-V3.2): B=64 queries of 128 heads, each
+         # listing 2048 rows of a paged 64 latent cache of 8k tokens a sequence. Its kernel
+         # takes ~96 us on the H200 (session 23), about the call's host time.
+         "topk": "sparse_attention MLA top-k decode"}
 
 Case = collections.namedtuple("Case", "kind shape build")
 
@@ -147,6 +151,16 @@ def sparse_call(b, s, hq, hkv, topk):
     return lambda: fl.sparse_attention(q, k, v, idx)
 
 
+def topk_call(b, skv, topk):
+    pages = skv // 64
+    q = randn(b, 1, 128, 576)
+    lat = randn(b * pages, 64, 1, 576)
+    table = torch.randperm(b * pages, device=DEV).view(b, pages).to(torch.int32)
+    idx = torch.randint(0, skv, (b, 1, 1, topk), device=DEV, dtype=torch.int32)
+    return lambda: fl.sparse_attention(q, lat, lat[..., :512], idx, block_table=table,
+                                       scale=576 ** -0.5)
+
+
 def cases(kinds):
     hd = f"Hq/Hkv={HQ}/{HKV} D={D}"
     out = []
@@ -179,6 +193,9 @@ def cases(kinds):
         b, s, hq, hkv, topk = SPARSE
         out.append(Case("sparse", f"B={b} S={s} Hq/Hkv={hq}/{hkv} D={D} topk={topk}",
                         functools.partial(sparse_call, b, s, hq, hkv, topk)))
+    if "topk" in kinds:
+        out.append(Case("topk", "B=64 Skv=8192 Hq=128 576/512 topk=2048 paged 64",
+                        functools.partial(topk_call, 64, 8192, 2048)))
     return out
 
 
