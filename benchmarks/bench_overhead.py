@@ -81,6 +81,8 @@ MERGE_SHAPES = ([((2, 4, 8, D), DT), ((4, 2, 4, D), torch.float32), ((8, 4, 8, D
 ATTN_SHAPES = [(1, 64, 2), (1, 32, 2)] if SMOKE else [(16, 1024, 16), (8, 2048, 16)]
 VARLEN = (2, 64, 2) if SMOKE else (16, 1024, 16)  # (sequences, tokens each, H)
 SPARSE = (1, 32, 2, 1, 8) if SMOKE else (1, 1024, 16, 1, 256)  # (B, S, Hq, Hkv, topk)
+# Top-k MLA decode: (B, Skv, Hq, D, Dv, topk) over a paged 64 latent cache.
+TOPK = (2, 128, 4, 48, 32, 16) if SMOKE else (64, 8192, 128, 576, 512, 2048)
 
 N_HOST, CHUNK = 200, 50
 N_PROFILE = 20
@@ -96,7 +98,7 @@ LABEL = {"kvcache": "attention_with_kvcache", "merge": "merge_states", "fwd": "a
          # Issue 18's top-k MLA decode (DeepSeek-V3.2): B=64 queries of 128 heads, each
          # listing 2048 rows of a paged 64 latent cache of 8k tokens a sequence. Its kernel
          # takes ~96 us on the H200 (session 23), about the call's host time.
-         "topk": "sparse_attention MLA top-k decode"}
+         "topk": "sparse MLA top-k"}
 
 Case = collections.namedtuple("Case", "kind shape build")
 
@@ -151,14 +153,14 @@ def sparse_call(b, s, hq, hkv, topk):
     return lambda: fl.sparse_attention(q, k, v, idx)
 
 
-def topk_call(b, skv, topk):
+def topk_call(b, skv, hq, d, dv, topk):
     pages = skv // 64
-    q = randn(b, 1, 128, 576)
-    lat = randn(b * pages, 64, 1, 576)
+    q = randn(b, 1, hq, d)
+    lat = randn(b * pages, 64, 1, d)
     table = torch.randperm(b * pages, device=DEV).view(b, pages).to(torch.int32)
     idx = torch.randint(0, skv, (b, 1, 1, topk), device=DEV, dtype=torch.int32)
-    return lambda: fl.sparse_attention(q, lat, lat[..., :512], idx, block_table=table,
-                                       scale=576 ** -0.5)
+    return lambda: fl.sparse_attention(q, lat, lat[..., :dv], idx, block_table=table,
+                                       scale=d ** -0.5)
 
 
 def cases(kinds):
@@ -194,8 +196,9 @@ def cases(kinds):
         out.append(Case("sparse", f"B={b} S={s} Hq/Hkv={hq}/{hkv} D={D} topk={topk}",
                         functools.partial(sparse_call, b, s, hq, hkv, topk)))
     if "topk" in kinds:
-        out.append(Case("topk", "B=64 Skv=8192 Hq=128 576/512 topk=2048 paged 64",
-                        functools.partial(topk_call, 64, 8192, 2048)))
+        b, skv, hq, d, dv, topk = TOPK
+        out.append(Case("topk", f"B={b} Skv={skv} Hq={hq} {d}/{dv} topk={topk} paged 64",
+                        functools.partial(topk_call, *TOPK)))
     return out
 
 
