@@ -352,12 +352,34 @@ def test_errors_unchanged_after_valid_calls(call, exc, match):
     # The metadata checks are skipped for metadata that passed them before (ops/_validate.py
     # remembers it): after valid calls of every function, and a second time, each bad call
     # still raises its own error.
-    for valid in (attn(), kvcache(), kvcache(paged=True), ms(), mg()):
+    for valid in (attn(), kvcache(), kvcache(paged=True), sparse(), ms(), mg()):
         with pytest.raises(AssertionError, match="before validation finished"):
             valid()
     for _ in range(2):
         with pytest.raises(exc, match=match):
             call()
+
+
+def test_sparse_paged_errors_after_valid_paged_calls():
+    # The paged sparse call keeps its checks' pass and its forward plan by the metadata
+    # key: a call with other metadata is checked again and raises its own error.
+    q = torch.randn(2, 3, 4, 16)
+    k = torch.randn(6, 4, 2, 16)
+    table = torch.arange(6, dtype=I32).view(2, 3)
+    idx = torch.zeros(2, 3, 2, 5, dtype=I32)
+    call = lambda **kw: fl.sparse_attention(**{**dict(q=q, k=k, v=k, indices=idx,
+                                                      block_table=table), **kw})
+    for _ in range(2):
+        with pytest.raises(AssertionError, match="before validation finished"):
+            call()
+    with pytest.raises(TypeError, match="int32"):
+        call(block_table=table.long())
+    with pytest.raises(ValueError, match="B = 2 rows"):
+        call(block_table=table[:1])
+    with pytest.raises(ValueError, match=r"\[0, 12\)"):
+        call(indices=torch.full((2, 3, 2, 5), 12, dtype=I32))
+    with pytest.raises(AssertionError, match="before validation finished"):
+        call()
 
 
 def test_remembered_metadata_still_checks_the_rest():
