@@ -99,3 +99,46 @@ def test_decode_sink_dtype_change_recompiles():
             lambda q, kc, kw=kw: fl.attention_with_kvcache(q, kc, kc, **kw),
             lambda q, kc, kw=kw: R.attention_with_kvcache(q, kc, kc, **kw),
             dict(q=q, kc=kc), grad=False)
+
+
+def _serving_calls():
+    """The serving-side public calls, each on inputs of its own: decode (contiguous, paged
+    64), merge_states, sparse_attention (flat; paged MLA top-k, the Hopper MLA kernel on an
+    H100/H200)."""
+    lens = torch.tensor([700, 3, 0, 517], dtype=torch.int32, device="cuda")
+    q, kc = _rand(4, 1, 8, 128), _rand(4, 700, 2, 128)
+    table = torch.randperm(4 * 11, device="cuda").view(4, 11).to(torch.int32)
+    pages = _rand(4 * 11, 64, 2, 128)
+    outs, lses = torch.randn(3, 64, 8, 128, device="cuda"), torch.randn(3, 64, 8, device="cuda")
+    qs, ks = _rand(2, 5, 8, 64), _rand(2, 40, 2, 64)
+    idx = torch.randint(-1, 40, (2, 5, 2, 16), device="cuda", dtype=torch.int32)
+    qm, lat = _rand(3, 1, 64, 576), _rand(3 * 16, 64, 1, 576)
+    lat_table = torch.randperm(3 * 16, device="cuda").view(3, 16).to(torch.int32)
+    idx_m = torch.randint(-1, 1024, (3, 1, 1, 300), device="cuda", dtype=torch.int32)
+    return {
+        "decode": lambda: fl.attention_with_kvcache(q, kc, kc, cache_seqlens=lens,
+                                                    return_lse=True),
+        "decode paged": lambda: fl.attention_with_kvcache(q, pages, pages, cache_seqlens=lens,
+                                                          block_table=table, return_lse=True),
+        "merge_states": lambda: fl.merge_states(outs, lses),
+        "sparse": lambda: fl.sparse_attention(qs, ks, ks, idx, return_lse=True),
+        "sparse paged MLA": lambda: fl.sparse_attention(qm, lat, lat[..., :512], idx_m,
+                                                        block_table=lat_table,
+                                                        return_lse=True),
+    }
+
+
+@pytest.mark.parametrize("name", ["decode", "decode paged", "merge_states", "sparse",
+                                  "sparse paged MLA"])
+def test_repeated_serving_calls_skip_the_jit_path(jit_calls, name):
+    # After its first call, a public call launches every kernel through the compiled
+    # kernels' own launchers (the host time issue 15 counts), with the same answer.
+    call = _serving_calls()[name]
+    with torch.no_grad():
+        first = call()
+        n_first = len(jit_calls)
+        assert n_first >= 1
+        again = call()
+    assert len(jit_calls) == n_first, f"JIT path taken again: {jit_calls[n_first:]}"
+    for a, b in zip(first, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
