@@ -143,7 +143,8 @@ if [ "$1" = topk ]; then
     # .before's package (before_after.sh prep REV) and this one in turn.
     K=tests/kernels
     timeout 150 python3 -m pytest -q -p no:cacheprovider $K/test_decode_mla_sm90.py \
-        $K/test_sparse_kernels.py $K/test_sync_free.py -k "topk or sparse" \
+        $K/test_sparse_kernels.py $K/test_sync_free.py $K/test_launch_fast_path.py \
+        -k "topk or sparse or serving" \
         > "$OUT/test_topk.log" 2>&1; echo "tests: $(tail -1 "$OUT/test_topk.log")"
     grep -h "^FAILED" "$OUT/test_topk.log" | head
     timeout 100 python3 benchmarks/bench_mla.py --topk-only --gluon-only --out "$OUT" \
