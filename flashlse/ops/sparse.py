@@ -130,20 +130,21 @@ def _listed_ok(indices, k, block_table):
 class _FwdPlan(NamedTuple):
     """What :func:`sparse_fwd_kernel` derives from the call's metadata (shapes, strides,
     dtypes, device): whether the kernel takes it, the views it passes the decode kernel, the
-    token table's sizes. Kept in ``_PLANS`` by the public call's metadata key."""
+    token table's sizes. Kept in ``_PLANS`` by the public call's metadata key. A call the
+    kernel does not take has only ``kernel_ok = False``."""
 
     kernel_ok: bool
-    pages_k: tuple  # k as single-row pages (n_rows * Hkv, 1, 1, D)
-    pages_v: tuple  # v likewise, when it is not k's storage
-    dv: int
-    same_strides: bool  # v could be a view of k's storage (MLA): checked by address a call
-    rows: tuple  # the sequences' q (B * Sq * Hkv, 1, G, D) and their table (.., topk)
-    table: tuple
-    table_copy: bool  # the indices' view has strides the kernel cannot take
-    pages_copy: bool  # the block table's likewise
-    out: tuple  # out (B, Sq, Hq, Dv) and lse (B, Sq, Hq) of the kernel's results
-    lse: tuple
-    token_table: tuple
+    pages_k: tuple = None  # k as single-row pages (n_rows * Hkv, 1, 1, D)
+    pages_v: tuple = None  # v likewise, when it is not k's storage
+    dv: int = None
+    same_strides: bool = None  # v may be a view of k's storage (MLA): its address tells
+    rows: tuple = None  # the sequences' q (B * Sq * Hkv, 1, G, D)
+    table: tuple = None  # their lists (B * Sq * Hkv, topk)
+    table_copy: bool = None  # the indices' view has strides the kernel cannot take
+    pages_copy: bool = None  # the block table's likewise
+    out: tuple = None  # out (B, Sq, Hq, Dv) and lse (B, Sq, Hq) of the kernel's results
+    lse: tuple = None
+    token_table: tuple = None
 
 
 _PLANS: dict = {}
@@ -155,6 +156,19 @@ def _fwd_plan(q, k, v, indices, block_table, key=None) -> _FwdPlan:
     plan = _PLANS.get(key) if key is not None else None
     if plan is not None:
         return plan
+    if not _kernel_ok(q, k, v, indices):
+        plan = _FwdPlan(False)
+    else:
+        plan = _kernel_plan(q, k, v, indices, block_table)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _kernel_plan(q, k, v, indices, block_table) -> _FwdPlan:
+    """The :class:`_FwdPlan` of a call the kernel takes (``_kernel_ok``)."""
     b, sq, hq, d = q.shape
     n0, n1, hkv = k.shape[:3]
     dv, topk = v.shape[-1], indices.shape[-1]
@@ -164,18 +178,12 @@ def _fwd_plan(q, k, v, indices, block_table, key=None) -> _FwdPlan:
         token_table = (n1, sq * hkv, hkv)
     else:
         token_table = (block_table.shape[1] * n1, sq * hkv, hkv, n0, n1)
-    plan = _FwdPlan(
-        kernel_ok=_kernel_ok(q, k, v, indices), pages_k=(n0 * n1 * hkv, 1, 1, d),
-        pages_v=(n0 * n1 * hkv, 1, 1, dv), dv=dv,
-        same_strides=v.stride() == k.stride() and dv <= d, rows=(rows, 1, hq // hkv, d),
-        table=table, table_copy=indices.numel() > 0 and indices.reshape(table).stride(-1) != 1,
+    return _FwdPlan(
+        kernel_ok=True, pages_k=(n0 * n1 * hkv, 1, 1, d), pages_v=(n0 * n1 * hkv, 1, 1, dv),
+        dv=dv, same_strides=v.stride() == k.stride() and dv <= d, rows=(rows, 1, hq // hkv, d),
+        table=table, table_copy=indices.reshape(table).stride(-1) != 1,
         pages_copy=block_table is not None and block_table.stride(-1) != 1,
         out=(b, sq, hq, dv), lse=(b, sq, hq), token_table=token_table)
-    if key is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
 
 
 def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=None):
@@ -194,7 +202,7 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=N
     from ..kernels.decode import decode_fwd
     from .merge import merge_states_unchecked
 
-    plan = plan or _fwd_plan(q, k, v, indices, block_table)
+    plan = plan or _kernel_plan(q, k, v, indices, block_table)
     # The decode kernel's pages are single (token, kv head) rows: row r of kv head h is page
     # r * Hkv + h, r = b * Sk + j contiguous, or (page * page_size + j % page_size) paged.
     pages_k = k.reshape(plan.pages_k)
@@ -241,9 +249,11 @@ def _kernel_ok(q, k, v, indices) -> bool:
 
 class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, indices, sink, scale):
-        if _kernel_ok(q, k, v, indices):
-            out, lse = sparse_fwd_kernel(q, k, v, indices, scale=scale, sink=sink)
+    def forward(ctx, q, k, v, indices, sink, scale, key=None):
+        # key: the call's metadata key, which keeps its forward plan (None: made here).
+        plan = _fwd_plan(q, k, v, indices, None, key)
+        if plan.kernel_ok:
+            out, lse = sparse_fwd_kernel(q, k, v, indices, scale=scale, sink=sink, plan=plan)
         else:
             out, lse = sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
         ctx.save_for_backward(q, k, v, indices, out, lse, sink)
@@ -265,7 +275,7 @@ class SparseAttentionFunction(torch.autograd.Function):
         else:
             dq, dk, dv, dsink = sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse,
                                                  scale=ctx.scale, sink=sink)
-        return dq, dk, dv, None, dsink, None
+        return dq, dk, dv, None, dsink, None, None
 
 
 def _check_meta(q, k, v, indices, block_table):
@@ -331,7 +341,7 @@ def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=Non
     scale = V.check_scale(scale, q.shape[-1])
     if block_table is not None:
         return _sparse_paged(q, k, v, indices, block_table, scale, sink, return_lse, key)
-    out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale)
+    out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale, key)
     return (out, lse) if return_lse else out
 
 

@@ -146,33 +146,38 @@ def test_sparse_paged_pages_outside_the_cache_are_no_key(device, page):
     torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)
 
 
-def test_sparse_paged_plan_takes_v_from_each_call(device):
-    """The paged forward keeps its plan by the call's metadata; whether v is a view of k's
-    storage (MLA: the latent rows read once) or its own tensor of the same shape and strides
-    is decided a call, by address: three calls of one plan, v a view, then its own rows
+@pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
+def test_sparse_plan_takes_v_from_each_call(device, paged):
+    """The forward keeps its plan by the call's metadata; whether v is a view of k's storage
+    (MLA: the latent rows read once) or its own tensor of the same shape and strides is
+    decided a call, by address: three calls of one plan, v a view, then its own rows
     (different values), then a view again, each against the float64 reference."""
     g = torch.Generator().manual_seed(7)
     dt = DTYPES[0]
     b, sq, hq, d, dv, page, n_pages = 2, 3, 4, 48, 32, 4, 3
     total = b * n_pages
-    k_cache = torch.randn(total, page, 1, d, generator=g)
-    v_own = torch.randn(total, page, 1, d, generator=g)[..., :dv]  # k's strides, other rows
+    shape = (total, page, 1, d) if paged else (b, n_pages * page, 1, d)
+    k_cache = torch.randn(*shape, generator=g)
+    v_own = torch.randn(*shape, generator=g)[..., :dv]  # k's strides, other rows
     table = torch.randperm(total, generator=g).view(b, n_pages).to(torch.int32)
     idx = torch.randint(-1, n_pages * page, (b, sq, 1, 6), generator=g, dtype=torch.int32)
     q = torch.randn(b, sq, hq, d, generator=g)
     k_dev = k_cache.to(device, dt)
     v_dev_own = v_own.to(device, dt)
     assert v_dev_own.stride() == k_dev[..., :dv].stride()
+    kw = dict(block_table=table) if paged else {}
     sparse_mod._PLANS.clear()
     for v_kind in ("view", "own", "view"):
         v_dev = k_dev[..., :dv] if v_kind == "view" else v_dev_own
         v_ref = k_cache[..., :dv] if v_kind == "view" else v_own
         with torch.no_grad():
             out, lse = fl.sparse_attention(q.to(device, dt), k_dev, v_dev, idx.to(device),
-                                           block_table=table.to(device), return_lse=True)
+                                           return_lse=True,
+                                           **{n: t.to(device) for n, t in kw.items()})
         want_out, want_lse = R.sparse_attention(q.double(), k_cache.double(), v_ref.double(),
-                                                idx, block_table=table, return_lse=True)
+                                                idx, return_lse=True, **kw)
         tol = 1e-5 if dt == torch.float32 else 2e-2
         torch.testing.assert_close(out.double().cpu(), want_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)
-    assert len(sparse_mod._PLANS) == 1  # one metadata key: the plan was kept and reused
+    # v a view or its own tensor: the same metadata, one key, its plan made once and kept.
+    assert len(sparse_mod._PLANS) == 1
