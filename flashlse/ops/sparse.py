@@ -333,11 +333,12 @@ def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=Non
         V.check_sink(sink, q.shape[2], q.device)
         V.remember(key)
     V.check_bool("return_lse", return_lse)
-    length = k.shape[1] if block_table is None else block_table.shape[1] * k.shape[1]
-    if indices.numel() and V.values_checkable(indices) and bool(
-            ((indices < -1) | (indices >= length)).any()):
-        raise ValueError(f"indices must lie in [0, {length}) (the keys of a sequence) or be -1 "
-                         f"(no key), got values in [{int(indices.min())}, {int(indices.max())}]")
+    if indices.numel() and V.values_checkable(indices):
+        length = k.shape[1] if block_table is None else block_table.shape[1] * k.shape[1]
+        if bool(((indices < -1) | (indices >= length)).any()):
+            raise ValueError(f"indices must lie in [0, {length}) (the keys of a sequence) or "
+                             f"be -1 (no key), got values in [{int(indices.min())}, "
+                             f"{int(indices.max())}]")
     scale = V.check_scale(scale, q.shape[-1])
     if block_table is not None:
         return _sparse_paged(q, k, v, indices, block_table, scale, sink, return_lse, key)

@@ -253,3 +253,42 @@ def test_mla_sm90_topk_nan_reaches_exactly_the_rows_that_list_it():
     assert torch.isnan(lse[0, :, 2]).all() and torch.isnan(out[0, 2]).all()
     for i in (0, 1, 3):
         assert not torch.isnan(out[0, i]).any() and torch.isfinite(lse[0, :, i]).all()
+
+
+def test_mla_sm90_topk_sink_counted_once_and_neg_inf_sink_is_no_sink():
+    """Top-k lists on the Hopper kernel with a sink (merged once after it): against the float64
+    reference, an all -1 row's lse is the sink and its out 0, no NaN; a -inf sink gives the
+    no-sink answer (within 1e-6, as tests/test_nan_propagation.py's paths; an empty row
+    stays out 0, lse -inf). Not yet run on a GPU (written after session 23's last call)."""
+    import flashlse as fl
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b, sq, hq, sk, topk = 2, 2, 128, 500, 130
+    q = torch.randn(b, sq, hq, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(b, sk, 1, 576, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(-1, sk, (b, sq, 1, topk), device="cuda", generator=g,
+                        dtype=torch.int32)
+    idx[1, 0] = -1  # empty
+    sink = torch.randn(hq, device="cuda", generator=g)
+    call = lambda s: fl.sparse_attention(q, kv, kv[..., :512], idx, sink=s, return_lse=True)
+    plan = decode._decode_plan(q.reshape(b * sq, 1, hq, 576), kv.reshape(b * sk, 1, 1, 576),
+                               kv.reshape(b * sk, 1, 1, 576)[..., :512],
+                               idx.reshape(b * sq, topk), False, None, None, None, 0.0, 0.05,
+                               0, 0, None, torch.float32, True, token_table=(sk, sq, 1),
+                               mla=True)
+    assert plan.gluon is not None
+    out, lse = call(sink)
+    want_out, want_lse = reference.sparse_attention(q.double(), kv.double(),
+                                                    kv[..., :512].double(), idx,
+                                                    sink=sink.double(), return_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert (out[1, 0] == 0).all()
+    torch.testing.assert_close(lse[1, :, 0].double(), sink.double())
+    torch.testing.assert_close(out.double(), want_out, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-2, rtol=2e-2)
+    none = call(None)
+    neg = call(torch.full((hq,), float("-inf"), device="cuda"))
+    for a, c in zip(neg, none):
+        assert not torch.isnan(a).any()
+        torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-6)
+    assert torch.isneginf(none[1][1, :, 0]).all() and (none[0][1, 0] == 0).all()

@@ -161,6 +161,7 @@ def test_sparse_plan_takes_v_from_each_call(device, paged):
     v_own = torch.randn(*shape, generator=g)[..., :dv]  # k's strides, other rows
     table = torch.randperm(total, generator=g).view(b, n_pages).to(torch.int32)
     idx = torch.randint(-1, n_pages * page, (b, sq, 1, 6), generator=g, dtype=torch.int32)
+    idx[1, 2] = -1  # an empty row: out 0, lse -inf (the reference's), no NaN
     q = torch.randn(b, sq, hq, d, generator=g)
     k_dev = k_cache.to(device, dt)
     v_dev_own = v_own.to(device, dt)
@@ -177,6 +178,8 @@ def test_sparse_plan_takes_v_from_each_call(device, paged):
         want_out, want_lse = R.sparse_attention(q.double(), k_cache.double(), v_ref.double(),
                                                 idx, return_lse=True, **kw)
         tol = 1e-5 if dt == torch.float32 else 2e-2
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert (out[1, 2] == 0).all() and torch.isneginf(lse[1, :, 2]).all()
         torch.testing.assert_close(out.double().cpu(), want_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)
     # v a view or its own tensor: the same metadata, one key, its plan made once and kept.
