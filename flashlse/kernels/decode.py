@@ -399,9 +399,35 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     # in _PLANS and only allocates and launches.
     if q.stride(-1) != 1:
         q = q.contiguous()
+    key, plan, empty = find_plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                 block_table=block_table, left=left, right=right,
+                                 softcap=softcap, scale=scale, sink=sink,
+                                 num_splits=num_splits, seqlen_add=seqlen_add, config=config,
+                                 out_dtype=out_dtype, token_table=token_table,
+                                 token_pages=token_pages)
+    got = run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink,
+                   token_pages, empty)
+    if got is None:
+        # The Hopper MLA kernel failed to compile (recorded): this signature is planned on
+        # the portable kernel from now on.
+        return decode_fwd(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                          block_table=block_table, left=left, right=right, softcap=softcap,
+                          scale=scale, sink=sink, num_splits=num_splits,
+                          seqlen_add=seqlen_add, config=config, out_dtype=out_dtype,
+                          token_table=token_table, token_pages=token_pages)
+    return got
+
+
+def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
+              sink, num_splits, seqlen_add=0, config=None, out_dtype=None, token_table=None,
+              token_pages=None):
+    """:func:`decode_fwd`'s launch plan for these arguments (q's last dim of stride 1):
+    ``(key, plan, empty)``, the plan from ``_PLANS`` by ``key`` (the call's metadata) or made
+    and kept there (``key`` None with a tile override ``config``), ``empty`` the options'
+    allocator."""
     opts = options.current()
     empty = options.allocator(opts)
-    plan = None
+    key = plan = None
     if not config:
         # What the plan reads: shapes, strides, dtypes and device of the tensors, whether v is
         # k's storage (MLA), which optional tensors are there, the scalars, the options.
@@ -422,9 +448,20 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
+    return key, plan, empty
+
+
+def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, token_pages,
+             empty, out_shape=None, lse_shape=None):
+    """Allocates ``out`` and ``lse`` and launches a :func:`decode_fwd` plan (``key``: its key
+    in ``_PLANS``) on these tensors, which need only the addresses, dtypes and alignment of
+    the tensors the plan was made from (a caller may pass a tensor of which those were
+    views). ``out_shape`` / ``lse_shape``: other shapes of the same contiguous outputs.
+    Returns ``(out, lse)``, or None when the Hopper MLA kernel failed to compile: then the
+    failure is recorded (warned once) and the plan dropped, and the caller plans again."""
     dev = q.device
-    out = empty(plan.out_shape, dtype=plan.out_dtype, device=dev)
-    lse = empty(plan.lse_shape, dtype=torch.float32, device=dev)
+    out = empty(out_shape or plan.out_shape, dtype=plan.out_dtype, device=dev)
+    lse = empty(lse_shape or plan.lse_shape, dtype=torch.float32, device=dev)
     if plan.grid is None:
         return out, lse
     if plan.merge is None:
@@ -444,13 +481,9 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
         except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
             # Gluon is experimental in triton: if this triton cannot compile the MLA kernel,
             # say so once and plan this signature on the portable kernel from now on.
-            FAILURES.add(plan.gluon, e, "the Hopper MLA decode kernel", stacklevel=2)
-            _PLANS.pop(key, None)  # (a Gluon plan is never a tile override's: key is set)
-            return decode_fwd(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                              block_table=block_table, left=left, right=right, softcap=softcap,
-                              scale=scale, sink=sink, num_splits=num_splits,
-                              seqlen_add=seqlen_add, config=config, out_dtype=out_dtype,
-                              token_table=token_table, token_pages=token_pages)
+            FAILURES.add(plan.gluon, e, "the Hopper MLA decode kernel", stacklevel=3)
+            _PLANS.pop(key, None)
+            return None
     if plan.merge is not None:
         # Rows (b, i, h) of the partials, of out (B, Sq, Hq, Dv) and of lse (B, Hq, Sq): the
         # layout is known, so the merge launches without merge_states_fwd's layout analysis.

@@ -129,6 +129,20 @@ def test_mla_sm90_out_of_range_pages_are_no_keys(page):
         torch.testing.assert_close(lse[b].double(), ref_lse, atol=2e-2, rtol=0)
 
 
+def _topk_call(q, cache, idx, table, kv):
+    """The MLA top-k call (``v = cache[..., :512]``) and the float64 reference on the gathered
+    rows ``kv``; no NaN in out or lse."""
+    import flashlse as fl
+
+    out, lse = fl.sparse_attention(q, cache, cache[..., :512], idx, block_table=table,
+                                   return_lse=True)
+    want_out, want_lse = reference.sparse_attention(q.double(), kv.double(),
+                                                    kv[..., :512].double(), idx,
+                                                    return_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    return out, lse, want_out, want_lse
+
+
 @pytest.mark.parametrize("paged", [None, 64], ids=["contiguous", "paged64"])
 def test_mla_sm90_topk_matches_reference(paged):
     """DeepSeek-V3.2 sparse decode / prefill: each query row's own top-k list of latent rows
@@ -163,12 +177,7 @@ def test_mla_sm90_topk_matches_reference(paged):
             cache[table[i].long()] = rows
         kv = torch.stack([reference.gather_cache(cache, i, pages * paged, table)
                           for i in range(b)])
-    out, lse = fl.sparse_attention(q, cache, cache[..., :512], idx, block_table=table,
-                                   return_lse=True)
-    want_out, want_lse = reference.sparse_attention(q.double(), kv.double(),
-                                                    kv[..., :512].double(), idx,
-                                                    return_lse=True)
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    out, lse, want_out, want_lse = _topk_call(q, cache, idx, table, kv)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     assert (out[1, 2] == 0).all()
     torch.testing.assert_close(out.double(), want_out, atol=3e-2, rtol=3e-2)
@@ -292,3 +301,50 @@ def test_mla_sm90_topk_sink_counted_once_and_neg_inf_sink_is_no_sink():
         assert not torch.isnan(a).any()
         torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-6)
     assert torch.isneginf(none[1][1, :, 0]).all() and (none[0][1, 0] == 0).all()
+
+
+def test_mla_sm90_topk_repeated_calls_and_a_failed_kept_plan(monkeypatch, compile_failures):
+    """Serving repeats a top-k call's metadata: from the second call the sparse plan launches
+    its kept Gluon decode plan on the tensors themselves (fresh q and lists each call, against
+    the reference). A kept plan whose kernel fails warns once, the call answers on the
+    portable kernel, and the kept plans are made again."""
+    import dataclasses
+
+    from flashlse.ops import sparse as sparse_mod
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b, hq, sk, topk, page = 3, 128, 512, 256, 64
+    pages = sk // page
+    cache = torch.randn(b * pages, page, 1, 576, device="cuda", generator=g).bfloat16()
+    table = torch.randperm(b * pages, device="cuda", generator=g).view(b, pages).to(torch.int32)
+    kv = torch.stack([reference.gather_cache(cache, i, sk, table) for i in range(b)])
+    sparse_mod._PLANS.clear()
+
+    def call_and_check():
+        q = torch.randn(b, 1, hq, 576, device="cuda", generator=g).bfloat16()
+        idx = torch.randint(-1, sk, (b, 1, 1, topk), device="cuda", generator=g,
+                            dtype=torch.int32)
+        idx[2] = -1  # an empty row
+        out, lse, want_out, want_lse = _topk_call(q, cache, idx, table, kv)
+        assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+        torch.testing.assert_close(out.double(), want_out, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse.double()[:2], want_lse[:2], atol=2e-2, rtol=2e-2)
+
+    for _ in range(3):
+        call_and_check()
+    (plan,) = sparse_mod._PLANS.values()
+    assert plan.direct and len(plan.decode) == 1
+    (sub, (key, dplan)), = plan.decode.items()
+    assert dplan.gluon is not None
+
+    class Broken:
+        def __call__(self, *tensors):
+            raise RuntimeError("injected compile failure")
+
+    plan.decode[sub] = (key, dataclasses.replace(dplan, run=Broken()))
+    with pytest.warns(RuntimeWarning, match="MLA decode kernel failed"):
+        call_and_check()
+    assert len(compile_failures) == 1
+    (sub2, (_, dplan2)), = plan.decode.items()
+    assert sub2 == sub and dplan2.gluon is None  # planned again, on the portable kernel
+    call_and_check()

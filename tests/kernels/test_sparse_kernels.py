@@ -158,13 +158,14 @@ def test_sparse_plan_takes_v_from_each_call(device, paged):
     total = b * n_pages
     shape = (total, page, 1, d) if paged else (b, n_pages * page, 1, d)
     k_cache = torch.randn(*shape, generator=g)
-    v_own = torch.randn(*shape, generator=g)[..., :dv]  # k's strides, other rows
+    v_full = torch.randn(*shape, generator=g)
+    v_own = v_full[..., :dv]  # k's strides, other rows
     table = torch.randperm(total, generator=g).view(b, n_pages).to(torch.int32)
     idx = torch.randint(-1, n_pages * page, (b, sq, 1, 6), generator=g, dtype=torch.int32)
     idx[1, 2] = -1  # an empty row: out 0, lse -inf (the reference's), no NaN
     q = torch.randn(b, sq, hq, d, generator=g)
     k_dev = k_cache.to(device, dt)
-    v_dev_own = v_own.to(device, dt)
+    v_dev_own = v_full.to(device, dt)[..., :dv]  # sliced after the move: .to() packs a slice
     assert v_dev_own.stride() == k_dev[..., :dv].stride()
     kw = dict(block_table=table) if paged else {}
     sparse_mod._PLANS.clear()
@@ -184,3 +185,54 @@ def test_sparse_plan_takes_v_from_each_call(device, paged):
         torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)
     # v a view or its own tensor: the same metadata, one key, its plan made once and kept.
     assert len(sparse_mod._PLANS) == 1
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged"])
+@pytest.mark.parametrize("sq,hkv,head_slice", [(1, 1, False), (2, 2, False), (2, 2, True)],
+                         ids=["sq1", "sq2", "sq2-q-a-head-slice"])
+def test_sparse_repeated_calls_launch_the_kept_decode_plan(device, paged, sq, hkv, head_slice):
+    """After a call's first launch its decode plan is kept in the sparse plan, and calls of the
+    same metadata launch it on the tensors themselves (no views, no decode key): fresh values
+    each call, NaN-poisoned unlisted rows, against the float64 reference. A q the kernel's row
+    view cannot alias (q's heads a slice of more heads: its rows do not merge) keeps the
+    views."""
+    g = torch.Generator().manual_seed(11)
+    dt = DTYPES[0]
+    b, hq, d, dv, page, n_pages, topk = 2, 4, 32, 16, 4, 3, 5
+    total = b * n_pages
+    shape = (total, page, hkv, d) if paged else (b, n_pages * page, hkv, d)
+    table = torch.randperm(total, generator=g).view(b, n_pages).to(torch.int32)
+    kw = dict(block_table=table) if paged else {}
+    sparse_mod._PLANS.clear()
+    for _ in range(3):
+        k_cache = torch.randn(*shape, generator=g)
+        v_cache = torch.randn(*shape[:-1], dv, generator=g)
+        idx = torch.randint(-1, n_pages * page, (b, sq, hkv, topk), generator=g,
+                            dtype=torch.int32)
+        idx[0, -1] = -1  # an empty row
+        listed = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+        for bi in range(b):
+            for j in idx[bi].flatten().tolist():
+                if j >= 0:
+                    pos = (table[bi, j // page], j % page) if paged else (bi, j)
+                    listed[pos] = True
+        k_dev, v_dev = (t.masked_fill(~listed[..., None, None], float("nan")).to(device, dt)
+                        for t in (k_cache, v_cache))
+        wide = torch.randn(b, sq, 2 * hq if head_slice else hq, d, generator=g)
+        q = wide[:, :, :hq]
+        with torch.no_grad():
+            out, lse = fl.sparse_attention(wide.to(device, dt)[:, :, :hq], k_dev, v_dev,
+                                           idx.to(device), return_lse=True,
+                                           **{n: t.to(device) for n, t in kw.items()})
+        want_out, want_lse = R.sparse_attention(q.double(), k_cache.double(), v_cache.double(),
+                                                idx, return_lse=True, **kw)
+        tol = 1e-5 if dt == torch.float32 else 2e-3
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert (out[0, -1] == 0).all() and torch.isneginf(lse[0, :, -1]).all()
+        torch.testing.assert_close(out.double().cpu(), want_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)
+    (plan,) = sparse_mod._PLANS.values()
+    # The row view merges (B, Sq, Hkv): q's heads sliced from more heads merge only at one
+    # kv head.
+    assert plan.direct == (not head_slice or hkv == 1)
+    assert len(plan.decode) == (1 if plan.direct else 0)
