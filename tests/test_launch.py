@@ -40,6 +40,7 @@ def fake_device(monkeypatch):
     dev = {"index": 0}
     monkeypatch.setattr(_common, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: dev["index"])
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: dev["index"], raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1000 + i, raising=False)
     return dev
 
@@ -144,3 +145,63 @@ def test_triton_specialises_tensors_on_dtype_and_alignment_only():
                 assert back.setdefault(theirs, key) == key, (theirs, key)
     # Aligned and misaligned met for each dtype, with and without the None slot.
     assert len(back) == 4 * 2 * 2 and len(seen) == 4 * 2
+
+
+class _CLaunch:
+    """Triton's C ``launch`` (a builtin: no ``__code__``): logs its arguments."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __call__(self, *args):
+        self.log.append(("raw", args))
+
+
+class _Runner:
+    """A compiled kernel's ``run``: Triton 3.6's ``CudaLauncher`` fields around a C launch."""
+
+    num_ctas, launch_cooperative_grid, launch_pdl = 1, False, True
+
+    def __init__(self, log, scratch=0):
+        self.launch = _CLaunch(log)
+        self.global_scratch_size = self.profile_scratch_size = scratch
+        self.global_scratch_align = self.profile_scratch_align = 1
+
+    def __call__(self, *args):
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        CudaLauncher.__call__(self, *args)
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "through_triton"])
+def test_raw_launch_passes_what_triton_launcher_passes(fake_device, monkeypatch, raw):
+    """After the first call a kernel without scratch buffers is launched by Triton's C
+    ``launch`` itself, with the arguments Triton's ``CudaLauncher.__call__`` gives it (that
+    method runs here on the same fake launch, as the reference)."""
+    pytest.importorskip("triton.backends.nvidia.driver")
+    monkeypatch.setattr(_common, "RAW_LAUNCH", raw)
+    k = _Kernel()
+    k.compiled.run = _Runner(k.log)
+    run = _common.Launch(k, (4, 2), (7, 3.5, True), {"num_warps": 4})
+    a, b = _aligned(16), _aligned(16, torch.int32)
+    run(a, None, b)
+    run(a, None, b)
+    g = (4, 2, 1, 1000, "fn")
+    want = ("raw", g + (False, True, None, None, "meta", None, None, None, a, None, b, 7, 3.5,
+                        True))
+    assert k.log[0][0] == "jit" and k.log[1] == want and len(k.log) == 2
+
+
+def test_a_kernel_with_scratch_takes_triton_launcher():
+    """Scratch buffers (Gluon's in-kernel TMA descriptors) are Triton's launcher's to
+    allocate a launch, and a Python ``launch`` (host tensor descriptors) is Triton's to
+    unwrap: neither gets a raw launch."""
+    def kernel(runner):
+        return type("K", (), {"run": runner, "function": "fn", "packed_metadata": "meta"})()
+
+    log = []
+    assert _common._raw_launch(kernel(_Runner(log)), (1, 1, 1)) is not None
+    assert _common._raw_launch(kernel(_Runner(log, scratch=128)), (1, 1, 1)) is None
+    wrapped = _Runner(log)
+    wrapped.launch = lambda *args: None
+    assert _common._raw_launch(kernel(wrapped), (1, 1, 1)) is None

@@ -115,13 +115,18 @@ class Launch:
         self.grid = tuple(int(getattr(g, "value", g)) for g in grid) + (1,) * (3 - len(grid))
         self.args = tuple(args)
         self.options = options
-        # (device index, tensor dtypes, compiled kernel), from the first aligned call.
+        # (device index, tensor dtypes, compiled kernel, raw launch or None), from the first
+        # aligned call.
         self._compiled = None
 
     def __call__(self, *tensors) -> None:
         c = self._compiled
         if c is not None and _fast_path(c[0], c[1], tensors):
-            device, _, kernel = c
+            device, _, kernel, raw = c
+            if raw is not None and RAW_LAUNCH:
+                raw[0](*raw[1], torch._C._cuda_getCurrentRawStream(device), *raw[2], *tensors,
+                       *self.args)
+                return
             g0, g1, g2 = self.grid
             kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device),
                        kernel.function, kernel.packed_metadata, None, None, None,
@@ -131,7 +136,27 @@ class Launch:
         if c is None and kernel is not None and not interpreting():
             dtypes = _signature(tensors)
             if dtypes is not None:
-                self._compiled = (torch.cuda.current_device(), dtypes, kernel)
+                self._compiled = (torch.cuda.current_device(), dtypes, kernel,
+                                  _raw_launch(kernel, self.grid))
+
+
+# Launch's raw path (off: through Triton's CudaLauncher.__call__; benchmarks' A/B).
+RAW_LAUNCH = True
+
+
+def _raw_launch(kernel, grid: tuple):
+    """Triton 3.6's C launch function of a compiled kernel that needs no scratch and takes
+    no host tensor descriptors, with the arguments its ``CudaLauncher.__call__`` puts around
+    the stream: ``(launch, grid, after_stream)``; None for any other launcher (scratch
+    buffers to allocate a launch, a Python wrapper, another triton)."""
+    runner = getattr(kernel, "run", None)
+    launch = getattr(runner, "launch", None)
+    if launch is None or hasattr(launch, "__code__") or not callable(launch) or \
+            getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
+        return None
+    return (launch, tuple(grid), (kernel.function, runner.launch_cooperative_grid,
+                                  runner.launch_pdl, None, None, kernel.packed_metadata,
+                                  None, None, None))
 
 
 _HOOKS = triton.knobs.runtime
@@ -239,7 +264,7 @@ def _fast_path(device: int, dtypes: list, tensors) -> bool:
     launch hook (profilers) set, the tensors have the dtypes and 16-byte alignment the kernel
     was compiled for, and the current device is the one it was."""
     return (_no_hook(_HOOKS.launch_enter_hook) and _no_hook(_HOOKS.launch_exit_hook)
-            and _signature(tensors) == dtypes and torch.cuda.current_device() == device)
+            and _signature(tensors) == dtypes and torch._C._cuda_getDevice() == device)
 
 
 def _no_hook(hook) -> bool:
