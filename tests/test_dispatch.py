@@ -540,6 +540,7 @@ def test_desc_launch_passes_the_launcher_what_tritons_wrapper_would(monkeypatch)
 
     monkeypatch.setattr(triton.runtime.driver, "_active", type("D", (), {"utils": Utils})())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 5, raising=False)
     # Signature: a descriptor, a pointer, a descriptor, an int, a constexpr.
     sig = {0: "tensordesc<bf16[1, 64, 128]>", 1: "*fp32", 2: "tensordesc<fp32[1, 16]>",

@@ -224,7 +224,7 @@ def _direct_plan(run: Launch, fields: tuple):
     """:class:`DescLaunch`'s fast path for ``run``'s compiled kernel, or None where this
     triton's launcher is not the one it was written against (3.6: a C ``launch`` under
     ``wrap_handle_tensordesc``'s closure) or would allocate scratch."""
-    device, dtypes, kernel = run._compiled
+    device, dtypes, kernel = run._compiled[:3]
     runner = kernel.run
     wrapped = getattr(runner, "launch", None)
     code, cells = getattr(wrapped, "__code__", None), getattr(wrapped, "__closure__", None)
