@@ -260,6 +260,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     Returns:
         ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 if ``return_lse``.
     """
+    kept = _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sink,
+                     num_splits, causal, window, softcap, scale, return_lse)
+    if kept is not None:
+        got = _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink)
+        if got is not None:
+            return got if return_lse else got[0]
     lens, s_new = _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                             num_splits)
     V.check_bool("causal", causal)
@@ -282,11 +288,60 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     else:
         out, lse = _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
                                 num_splits, dict(left=left, right=right, softcap=softcap,
-                                                 scale=scale, sink=sink))
+                                                 scale=scale, sink=sink), kept)
     return (out, lse) if return_lse else out
 
 
-def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw):
+# Serving repeats its calls: a decode whose metadata key (tensors' metadata, the scalars as
+# passed, the options that shape the plan, v at k's address, alignment) passed every check
+# before launches the kept decode plan at once (``_run_kept``): the checks, the window and
+# scalar normalisation and decode's own plan key are functions of that key. Value checks,
+# the no-grad check and torch.compile still take the full path.
+_KEPT: dict = {}
+_MAX_KEPT = 1024
+
+
+def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sink, num_splits,
+              causal, window, softcap, scale, return_lse):
+    """The call's key in ``_KEPT``, or None for a call that cannot take the kept path: an
+    append (``k_new``), torch.compile, a scalar not of its canonical type (``True`` and ``1``
+    hash alike; only the full path's checks tell them apart)."""
+    if k_new is not None or v_new is not None or not (
+            num_splits.__class__ is int and causal.__class__ is bool
+            and return_lse.__class__ is bool and softcap.__class__ is float
+            and (scale is None or scale.__class__ is float) and window.__class__ is tuple
+            and len(window) == 2 and (window[0] is None or window[0].__class__ is int)
+            and (window[1] is None or window[1].__class__ is int)):
+        return None
+    key = V.meta_key("kvcache-kept", q, k_cache, v_cache, cache_seqlens, block_table, sink)
+    if key is None:
+        return None
+    opts = kernel_module("options").current()
+    return (key, num_splits, causal, window, softcap, scale, opts.pdl, opts.sm90_mla_decode,
+            v_cache.data_ptr() == k_cache.data_ptr(),
+            (q.data_ptr() | k_cache.data_ptr()) % 16 == 0)
+
+
+def _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink):
+    """``(out, lse)`` from the plan kept for ``kept``, or None: no plan kept, value checks
+    asked for, a tensor needing grad, or the Hopper MLA kernel failed (the plan dropped)."""
+    hit = _KEPT.get(kept)
+    if hit is None or (cache_seqlens is not None and V.values_checkable(cache_seqlens)) or (
+            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                         or v_cache.requires_grad
+                                         or (sink is not None and sink.requires_grad))):
+        return None
+    decode = kernel_module("decode")
+    got = decode.run_plan(hit[1], hit[0], q, k_cache, v_cache, cache_seqlens, block_table, sink,
+                          None, kernel_module("options").allocator())
+    if got is None:
+        _KEPT.pop(kept, None)
+    return got
+
+
+
+def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw,
+                 kept=None):
     """Appends ``k_new``/``v_new`` (when given) and attends, on the path the call belongs to."""
     if use_triton(q) and (q.shape[1] <= DECODE_MAX_SQ or max(
             q.shape[-1], v_cache.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
@@ -295,9 +350,15 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
             decode.append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
                              block_table=block_table)
         if q.shape[1] <= DECODE_MAX_SQ:
-            out, lse = decode.decode_fwd(q, k_cache, v_cache, cache_seqlens=lens,
-                                         seqlen_add=s_new, block_table=block_table,
-                                         num_splits=num_splits, **kw)
+            dkw = dict(cache_seqlens=lens, seqlen_add=s_new, block_table=block_table,
+                       num_splits=num_splits, **kw)
+            if kept is not None:
+                # A call that passed every check: later calls with its key launch this plan.
+                dkey, plan, _ = decode.find_plan(q, k_cache, v_cache, **dkw)
+                if len(_KEPT) >= _MAX_KEPT:
+                    _KEPT.clear()
+                _KEPT[kept] = (dkey, plan)
+            out, lse = decode.decode_fwd(q, k_cache, v_cache, **dkw)
         else:
             out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw)
     else:

@@ -238,3 +238,47 @@ def test_attention_varlen_paged_bad_page_at_tile_boundary(device, page):
         seqused_k=torch.tensor([cut, lens[1]], dtype=torch.int32), **call)
     torch.testing.assert_close(out.cpu().double(), ref_out, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(sink=True, causal=True), dict(window=(3, 0)),
+                                dict(mla=True, softcap=2.0)],
+                         ids=["plain", "sink_causal", "window", "mla_softcap"])
+@pytest.mark.parametrize("page", [None, 4], ids=lambda p: f"page{p}")
+def test_kvcache_repeated_calls_launch_the_kept_plan(device, kw, page):
+    """A decode call that passed every check keeps its plan by its key (ops/kvcache._KEPT);
+    later calls of that key launch it without the checks (values off, as on a GPU by
+    default): fresh values each call against the float64 reference (NaN past each length),
+    then a call needing grad, an int where a bool goes (``causal=1``), and value checks
+    still take the full path and its errors."""
+    from flashlse.ops import kvcache as kv_mod
+
+    make_kw, call_kw = _split(kw)
+    kv_mod._KEPT.clear()
+    dtype = DTYPES[0]
+    for lens in ([7, 12, 0], [12, 1, 5], [3, 3, 12]):
+        t = make(3, 1, 4, 2, 32, 16 if make_kw.get("mla") else 32, 12, lens, 0, dtype,
+                 **make_kw)
+        if page is not None:
+            t = to_paged(t, page)
+        with fl.value_checks(False):
+            run_both(_to(t, device), **call_kw)
+    assert len(kv_mod._KEPT) == 1
+    hits = []
+    real = kv_mod._run_kept
+    kv_mod._run_kept = lambda *a: hits.append(real(*a)) or hits[-1]
+    try:
+        t = _to(t, device)
+        with fl.value_checks(False), torch.no_grad():
+            fl.attention_with_kvcache(**t, **call_kw)
+        assert len(hits) == 1 and hits[0] is not None  # launched the kept plan
+        q = t["q"].clone().requires_grad_()
+        with pytest.raises(ValueError, match="not differentiable"), fl.value_checks(False):
+            fl.attention_with_kvcache(**dict(t, q=q), **call_kw)
+        with pytest.raises(TypeError, match="causal"), fl.value_checks(False):
+            fl.attention_with_kvcache(**t, **dict(call_kw, causal=int(call_kw.get("causal",
+                                                                                  False))))
+        bad = dict(t, cache_seqlens=t["cache_seqlens"] + 100)
+        with pytest.raises(ValueError, match="cache_seqlens"), fl.value_checks():
+            fl.attention_with_kvcache(**bad, **call_kw)
+    finally:
+        kv_mod._run_kept = real
