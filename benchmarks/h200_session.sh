@@ -18,6 +18,9 @@
 #   bash benchmarks/h200_session.sh topk       # the top-k MLA decode: its GPU tests, bench_mla's
 #                                                top-k rows (public call and graph), host us
 #                                                of the top-k call against .before
+#   bash benchmarks/h200_session.sh kept       # attention_with_kvcache's kept decode plan: its
+#                                                GPU tests, bench_overhead kvcache against
+#                                                .before (before_after.sh prep REV) in turns
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
@@ -34,7 +37,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 topk prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -159,6 +162,23 @@ if [ "$1" = topk ]; then
             done
         done
     fi
+    exit 0
+fi
+if [ "$1" = kept ]; then
+    # Session 24: a repeated decode call launches the plan kept by its key (ops/kvcache._KEPT):
+    # the kernel tests of that path, the sync-free and fast-path tests, then host us of
+    # bench_overhead's kvcache rows, .before's package and this one in turn.
+    K=tests/kernels
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
+        $K/test_sync_free.py $K/test_launch_fast_path.py $K/test_cuda_graphs.py \
+        -k "kept or kvcache or serving or decode" > "$OUT/test_kept.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_kept.log")"; grep -h "^FAILED" "$OUT/test_kept.log" | head
+    for tree in before after before after; do
+        root=$PWD; [ $tree = before ] && root=$PWD/.before
+        [ -d "$root" ] || continue
+        PYTHONPATH=$root timeout 60 python3 benchmarks/bench_overhead.py --functions kvcache \
+            --out /tmp/kept_$tree 2>&1 | grep "^attention_with_kvcache " | sed "s/^/$tree /"
+    done
     exit 0
 fi
 if [ "$1" = prof-src ]; then
