@@ -211,6 +211,33 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+def fresh_plan(outs, lses, sink=None):
+    """:func:`merge_states_fwd`'s plan for fresh contiguous outputs, from ``_PLANS`` by the
+    inputs' metadata or made and kept there: a :func:`merge_plan` launch, or ``_EMPTY`` /
+    ``_COPY`` (nothing to launch / contiguous copies first). ``fresh_run`` launches a launch
+    plan on another call of the same metadata."""
+    key = (outs.shape, outs.stride(), outs.dtype, outs.device, lses.shape, lses.stride(),
+           None if sink is None else (sink.shape, sink.stride()))
+    plan = _PLANS.get(key)
+    if plan is None:
+        lead = tuple(outs.shape[1:-1])
+        plan = _states_plan(outs, lses, sink, lead, contiguous_strides(lead + (outs.shape[-1],)),
+                            contiguous_strides(lead), False)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def fresh_run(plan, outs, lses, out_shape: tuple, lse_shape: tuple):
+    """Allocates ``out`` and ``lse`` and launches a :func:`fresh_plan` launch plan (no sink)
+    on states of the metadata it was made for."""
+    out = torch.empty(out_shape, dtype=outs.dtype, device=outs.device)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=outs.device)
+    plan(outs, lses, lses, out, lse)
+    return out, lse
+
+
 def merge_states_fwd(outs, lses, *, sink=None, out=None, lse_out=None):
     """``L = log(sum_s e^(L_s) [+ e^sink])``, ``O = sum_s e^(L_s - L) O_s``, one kernel.
 
@@ -234,15 +261,7 @@ def merge_states_fwd(outs, lses, *, sink=None, out=None, lse_out=None):
         # Fresh contiguous outputs: the launch plan is a function of the inputs' metadata,
         # found in _PLANS on a repeated call (the sink's view broadcast to the rows has the
         # sink's address: the kernel takes the sink itself).
-        key = (outs.shape, outs.stride(), outs.dtype, outs.device, lses.shape, lses.stride(),
-               None if sink is None else (sink.shape, sink.stride()))
-        plan = _PLANS.get(key)
-        if plan is None:
-            plan = _states_plan(outs, lses, sink, lead, contiguous_strides(lead + (d,)),
-                                contiguous_strides(lead), False)
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+        plan = fresh_plan(outs, lses, sink)
         out = torch.empty(lead + (d,), dtype=outs.dtype, device=outs.device)
         lse_out = torch.empty(lead, dtype=torch.float32, device=outs.device)
         if plan is _EMPTY:

@@ -139,6 +139,12 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor |
         in the layout given (``(B, H, Sq)`` for ``"flash"``). All-empty rows give
         ``(0, -inf)``, or ``(0, sink)`` with a sink. A +inf or NaN lse makes its row NaN.
     """
+    kept = _KEPT.get(key) if (key := _kept_key(outs, lses, sink, layout)) is not None else None
+    if kept is not None and not V.values_checkable(lses) and not (
+            torch.is_grad_enabled() and (outs.requires_grad or lses.requires_grad)):
+        plan, out_shape, lse_shape, flash = kept
+        out, lse = kernel_module("combine").fresh_run(plan, outs, lses, out_shape, lse_shape)
+        return (out, lse.transpose(-1, -2)) if flash else (out, lse)
     flash = _resolve_layout(outs, lses, layout) == "flash"
     if flash:
         # The rows layout of the same states: lse (B, Sq, H), the sink broadcast against the
@@ -150,7 +156,30 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor |
     validate_states(outs, lses, sink)
     _check_canonical(lses)
     out, lse = merge_states_unchecked(outs, lses, sink=sink)
+    if key is not None and use_triton(outs) and lses.dtype == torch.float32 and not (
+            torch.is_grad_enabled() and (outs.requires_grad or lses.requires_grad)):
+        # Every check passed: later calls with this key launch the plan at once.
+        plan = kernel_module("combine").fresh_plan(outs, lses)
+        if callable(plan):  # a launch (not nothing to do, nor contiguous copies first)
+            if len(_KEPT) >= _MAX_KEPT:
+                _KEPT.clear()
+            _KEPT[key] = (plan, tuple(out.shape), tuple(lses.shape[1:]), flash)
     return (out, lse.transpose(-1, -2)) if flash else (out, lse)
+
+
+# A decode step merges the same shapes every layer: a call without a sink whose metadata key
+# (outs', lses' metadata and the layout argument) passed every check before launches the
+# merge plan kept for it (``combine.fresh_plan``) at once. Value checks and grad take the
+# full path.
+_KEPT: dict = {}
+_MAX_KEPT = 1024
+
+
+def _kept_key(outs, lses, sink, layout):
+    if sink is not None or not (layout is None or layout.__class__ is str):
+        return None
+    key = V.meta_key("merge-kept", outs, lses)
+    return None if key is None else (key, layout)
 
 
 def _check_canonical(lses: torch.Tensor) -> None:

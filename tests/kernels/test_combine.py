@@ -212,3 +212,45 @@ def test_merge_real_size(n):
     outs, lses = _states(n, (16, 8, 32), 128, torch.bfloat16, "cuda")
     sink = torch.randn(32, device="cuda")
     _check(outs, lses, sink=sink)
+
+
+@pytest.mark.parametrize("layout", ["rows", "flash", None])
+def test_merge_states_repeated_calls_launch_the_kept_plan(device, layout):
+    """``fl.merge_states`` keeps the merge plan of a sink-free call that passed every check
+    (ops/merge._KEPT); later calls of that metadata launch it at once (value checks off, as on
+    a GPU by default): fresh values each call, zero-weight outs NaN, against the float64
+    reference; the flash layout's lse comes back (B, H, Sq). Value checks (a +inf lse) and
+    grad still take the full path."""
+    import importlib
+
+    import flashlse as fl
+
+    merge_mod = importlib.import_module("flashlse.ops.merge")  # (flashlse.ops.merge: a function)
+    merge_mod._KEPT.clear()
+    n, b, sq, h, d = 3, 2, 3, 4, 32
+    flash = layout == "flash"
+    for _ in range(3):
+        outs, lses = _states(n, (b, sq, h), d, _dtypes()[0], device)  # rows: (N, B, Sq, H)
+        clean = _poison_zero_weight(outs, lses)
+        want_out, want_lse = reference.merge_states(clean, lses)
+        arg = lses.transpose(-1, -2) if flash else lses  # flash: (N, B, H, Sq), a view
+        with fl.value_checks(False):
+            out, lse = fl.merge_states(outs, arg, layout=layout)
+        if flash:
+            assert lse.shape == (b, h, sq)
+            lse = lse.transpose(-1, -2)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+        atol = ATOL[outs.dtype]
+        torch.testing.assert_close(out.double(), want_out, atol=atol, rtol=atol)
+        fin = torch.isfinite(want_lse)
+        torch.testing.assert_close(lse.double()[fin], want_lse[fin], atol=1e-5, rtol=1e-5)
+    assert len(merge_mod._KEPT) == 1
+    bad = arg.clone()
+    bad[0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"\+inf/NaN"), fl.value_checks():
+        fl.merge_states(outs, bad, layout=layout)
+    g = outs.float().clone().requires_grad_()
+    with fl.value_checks(False):
+        out_g, _ = fl.merge_states(g, arg, layout=layout)
+    assert out_g.requires_grad
