@@ -18,9 +18,10 @@
 #   bash benchmarks/h200_session.sh topk       # the top-k MLA decode: its GPU tests, bench_mla's
 #                                                top-k rows (public call and graph), host us
 #                                                of the top-k call against .before
-#   bash benchmarks/h200_session.sh kept       # attention_with_kvcache's kept decode plan: its
-#                                                GPU tests, bench_overhead kvcache against
-#                                                .before (before_after.sh prep REV) in turns
+#   bash benchmarks/h200_session.sh kept       # the kept plans of attention_with_kvcache and
+#                                                merge_states: their GPU tests, bench_overhead
+#                                                kvcache and merge rows against .before
+#                                                (before_after.sh prep REV) in turns
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
@@ -165,19 +166,22 @@ if [ "$1" = topk ]; then
     exit 0
 fi
 if [ "$1" = kept ]; then
-    # Session 24: a repeated decode call launches the plan kept by its key (ops/kvcache._KEPT):
+    # Session 24: a repeated decode call launches the plan kept by its key (ops/kvcache._KEPT;
+    # merge_states: ops/merge._KEPT):
     # the kernel tests of that path, the sync-free and fast-path tests, then host us of
-    # bench_overhead's kvcache rows, .before's package and this one in turn.
+    # bench_overhead's kvcache and merge rows, .before's package and this one in turn.
     K=tests/kernels
     timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
         $K/test_sync_free.py $K/test_launch_fast_path.py $K/test_cuda_graphs.py \
-        -k "kept or kvcache or serving or decode" > "$OUT/test_kept.log" 2>&1
+        $K/test_combine.py -k "kept or kvcache or serving or decode or merge" \
+        > "$OUT/test_kept.log" 2>&1
     echo "tests: $(tail -1 "$OUT/test_kept.log")"; grep -h "^FAILED" "$OUT/test_kept.log" | head
     for tree in before after before after; do
         root=$PWD; [ $tree = before ] && root=$PWD/.before
         [ -d "$root" ] || continue
-        PYTHONPATH=$root timeout 60 python3 benchmarks/bench_overhead.py --functions kvcache \
-            --out /tmp/kept_$tree 2>&1 | grep "^attention_with_kvcache " | sed "s/^/$tree /"
+        PYTHONPATH=$root timeout 90 python3 benchmarks/bench_overhead.py \
+            --functions kvcache,merge --out /tmp/kept_$tree 2>&1 \
+            | grep -E "^(attention_with_kvcache|merge_states) " | sed "s/^/$tree /"
     done
     exit 0
 fi
