@@ -232,12 +232,15 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=N
                opts.pdl, opts.sm90_mla_decode)
         hit = plan.decode.get(sub)
         if hit is not None:
+            # The kernel writes lse as (B, Sq, Hq); with one query row that memory is already
+            # the (B, Hq, 1) we return, so it is allocated in that shape.
+            b, sq, hq, _ = plan.out
             got = D.run_plan(hit[1], hit[0], q, k, v, None, indices, None, block_table,
                              options.allocator(opts), plan.out,
-                             plan.lse if q.shape[1] > 1 else plan.out[:1] + plan.out[2:3] + (1,))
+                             (b, hq, 1) if sq == 1 else plan.lse)
             if got is not None:
                 out, lse = got
-                return out, (lse if q.shape[1] == 1 else lse.transpose(1, 2).contiguous())
+                return out, (lse if sq == 1 else lse.transpose(1, 2).contiguous())
             plan.decode.clear()  # the Hopper kernel failed to compile (warned): plan again
     # The decode kernel's pages are single (token, kv head) rows: row r of kv head h is page
     # r * Hkv + h, r = b * Sk + j contiguous, or (page * page_size + j % page_size) paged.
