@@ -339,7 +339,6 @@ def _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink):
     return got
 
 
-
 def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw,
                  kept=None):
     """Appends ``k_new``/``v_new`` (when given) and attends, on the path the call belongs to."""
