@@ -31,7 +31,7 @@ nature). attention_varlen and sparse_attention rows have no host bar.
     python benchmarks/bench_overhead.py [--out DIR] [--functions kvcache,merge,fwd,...]
     TRITON_INTERPRET=1 python benchmarks/bench_overhead.py --smoke --out /tmp/ovh
 
-``--functions`` picks from kvcache, merge, fwd, fwdbwd, fwdbwd_1t, varlen, sparse, topk (default
+``--functions`` picks from kvcache, merge, fwd, fwdbwd, fwdbwd_1t, varlen, sparse, topk, mla (default
 all).
 Writes ``overhead.json`` and ``overhead_rows.md`` (rows for benchmarks/RESULTS.md) into
 ``--out`` (default benchmarks/results); prints the table last. ``--smoke`` runs tiny
@@ -83,6 +83,10 @@ VARLEN = (2, 64, 2) if SMOKE else (16, 1024, 16)  # (sequences, tokens each, H)
 SPARSE = (1, 32, 2, 1, 8) if SMOKE else (1, 1024, 16, 1, 256)  # (B, S, Hq, Hkv, topk)
 # Top-k MLA decode: (B, Skv, Hq, D, Dv, topk) over a paged 64 latent cache.
 TOPK = (2, 128, 4, 48, 32, 16) if SMOKE else (64, 8192, 128, 576, 512, 2048)
+TOPK_SHAPES = [TOPK] if SMOKE else [TOPK, (128, 4096, 128, 576, 512, 2048)]
+# Dense MLA decode (issue 18's bars): (B, Skv, Hq, D, Dv) over a paged 64 latent cache.
+MLA_SHAPES = ([(2, 128, 4, 48, 32)] if SMOKE else
+              [(64, 8192, 128, 576, 512), (128, 4096, 128, 576, 512)])
 
 N_HOST, CHUNK = 200, 50
 N_PROFILE = 20
@@ -98,7 +102,10 @@ LABEL = {"kvcache": "attention_with_kvcache", "merge": "merge_states", "fwd": "a
          # Issue 18's top-k MLA decode (DeepSeek-V3.2): B=64 queries of 128 heads, each
          # listing 2048 rows of a paged 64 latent cache of 8k tokens a sequence. Its kernel
          # takes ~96 us on the H200 (session 23), about the call's host time.
-         "topk": "sparse MLA top-k"}
+         "topk": "sparse MLA top-k",
+         # Issue 18's dense MLA decode through attention_with_kvcache (v = the latent's first
+         # Dv columns, 128 heads on one latent head): its bars are public-call TFLOP/s.
+         "mla": "MLA decode"}
 
 Case = collections.namedtuple("Case", "kind shape build")
 
@@ -163,6 +170,16 @@ def topk_call(b, skv, hq, d, dv, topk):
                                        scale=d ** -0.5)
 
 
+def mla_call(b, skv, hq, d, dv):
+    pages = skv // 64
+    q = randn(b, 1, hq, d)
+    lat = randn(b * pages, 64, 1, d)
+    table = torch.randperm(b * pages, device=DEV).view(b, pages).to(torch.int32)
+    lens = torch.full((b,), skv, dtype=torch.int32, device=DEV)
+    return lambda: fl.attention_with_kvcache(q, lat, lat[..., :dv], cache_seqlens=lens,
+                                             block_table=table, scale=d ** -0.5)
+
+
 def cases(kinds):
     hd = f"Hq/Hkv={HQ}/{HKV} D={D}"
     out = []
@@ -196,9 +213,15 @@ def cases(kinds):
         out.append(Case("sparse", f"B={b} S={s} Hq/Hkv={hq}/{hkv} D={D} topk={topk}",
                         functools.partial(sparse_call, b, s, hq, hkv, topk)))
     if "topk" in kinds:
-        b, skv, hq, d, dv, topk = TOPK
-        out.append(Case("topk", f"B={b} Skv={skv} Hq={hq} {d}/{dv} topk={topk} paged 64",
-                        functools.partial(topk_call, *TOPK)))
+        for shape in TOPK_SHAPES:
+            b, skv, hq, d, dv, topk = shape
+            out.append(Case("topk", f"B={b} Skv={skv} Hq={hq} {d}/{dv} topk={topk} paged 64",
+                            functools.partial(topk_call, *shape)))
+    if "mla" in kinds:
+        for shape in MLA_SHAPES:
+            b, skv, hq, d, dv = shape
+            out.append(Case("mla", f"B={b} Skv={skv} Hq={hq} {d}/{dv} paged 64",
+                            functools.partial(mla_call, *shape)))
     return out
 
 
