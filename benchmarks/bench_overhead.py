@@ -31,8 +31,8 @@ nature). attention_varlen and sparse_attention rows have no host bar.
     python benchmarks/bench_overhead.py [--out DIR] [--functions kvcache,merge,fwd,...]
     TRITON_INTERPRET=1 python benchmarks/bench_overhead.py --smoke --out /tmp/ovh
 
-``--functions`` picks from kvcache, merge, fwd, fwdbwd, fwdbwd_1t, varlen, sparse, topk, mla (default
-all).
+``--functions`` picks from kvcache, merge, fwd, fwdbwd, fwdbwd_1t, varlen, sparse, topk, mla
+(default all).
 Writes ``overhead.json`` and ``overhead_rows.md`` (rows for benchmarks/RESULTS.md) into
 ``--out`` (default benchmarks/results); prints the table last. ``--smoke`` runs tiny
 shapes on the CPU under the interpreter to check the script: only ``public`` (one
