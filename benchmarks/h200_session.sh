@@ -183,6 +183,9 @@ if [ "$1" = kept ]; then
             --functions kvcache,merge --out /tmp/kept_$tree 2>&1 \
             | grep -E "^(attention_with_kvcache|merge_states) " | sed "s/^/$tree /"
     done
+    # Issue 18's public rows with host us (dense MLA and top-k, B = 64 / 128).
+    timeout 120 python3 benchmarks/bench_overhead.py --functions mla,topk --out "$OUT" \
+        2>&1 | grep -E "^(MLA decode|sparse MLA top-k) "
     exit 0
 fi
 if [ "$1" = prof-src ]; then
