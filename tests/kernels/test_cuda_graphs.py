@@ -107,3 +107,52 @@ def test_decode_with_append_graph_replay(paged):
     torch.testing.assert_close(out, want_out, atol=0, rtol=0)
     torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
     assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_and_merge_kept_plans_graph_replay(paged):
+    """A serving step without an append: after its first call ``attention_with_kvcache`` and
+    ``merge_states`` launch the plans kept by their keys (ops/kvcache._KEPT, ops/merge._KEPT),
+    also while a graph captures. Replayed on new q and lengths, the graph gives the eager
+    call's answer, and the full path (value checks on: it reads the lengths) gives the same
+    bits."""
+    import importlib
+
+    kv_mod = importlib.import_module("flashlse.ops.kvcache")
+    merge_mod = importlib.import_module("flashlse.ops.merge")
+    torch.manual_seed(2)
+    b, hq, hkv, d, page = 4, 16, 2, 128, 64
+    lens = torch.tensor([0, 100, 1000, 3000], dtype=torch.int32, device="cuda")
+    if paged:
+        k_cache = torch.randn(4 * 64, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(4 * 64, device="cuda").view(b, 64).int()
+    else:
+        k_cache = torch.randn(b, 64 * page, hkv, d, device="cuda", dtype=torch.bfloat16)
+        table = None
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    other = torch.randn(b, 1, hq, d, device="cuda"), torch.randn(b, hq, 1, device="cuda")
+
+    def step():
+        out, lse = fl.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                             block_table=table, return_lse=True)
+        return fl.merge_states(torch.stack([out.float(), other[0]]),
+                               torch.stack([lse, other[1]]), layout="flash")
+
+    kv_mod._KEPT.clear()
+    merge_mod._KEPT.clear()
+    step()
+    assert len(kv_mod._KEPT) == 1 and len(merge_mod._KEPT) == 1
+    graph, (out, lse) = _capture(step)
+    with torch.no_grad():
+        q.copy_(torch.randn_like(q))
+        lens.add_(7)
+    graph.replay()
+    want_out, want_lse = step()
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    with fl.value_checks():
+        full_out, full_lse = step()
+    torch.testing.assert_close(full_out, want_out, atol=0, rtol=0)
+    torch.testing.assert_close(full_lse, want_lse, atol=0, rtol=0)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
