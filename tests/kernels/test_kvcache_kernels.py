@@ -282,3 +282,20 @@ def test_kvcache_repeated_calls_launch_the_kept_plan(device, kw, page):
             fl.attention_with_kvcache(**bad, **call_kw)
     finally:
         kv_mod._run_kept = real
+
+
+def test_kvcache_kept_plans_tell_their_scalars_apart(device):
+    """Each scalar that shapes the launch is in the kept plan's key: calls of one tensor
+    metadata alternating scale, causal, window, softcap and num_splits (each kept once, then
+    reused) all match the float64 reference."""
+    from flashlse.ops import kvcache as kv_mod
+
+    kv_mod._KEPT.clear()
+    variants = [dict(), dict(scale=0.3), dict(causal=True), dict(window=(2, 1)),
+                dict(softcap=1.5), dict(num_splits=3)]
+    for _ in range(2):
+        for kw in variants:
+            t = make(2, 2, 4, 2, 32, 32, 12, [12, 5], 0, DTYPES[0])
+            with fl.value_checks(False):
+                run_both(_to(t, device), **kw)
+    assert len(kv_mod._KEPT) == len(variants)

@@ -236,3 +236,29 @@ def test_sparse_repeated_calls_launch_the_kept_decode_plan(device, paged, sq, hk
     # kv head.
     assert plan.direct == (not head_slice or hkv == 1)
     assert len(plan.decode) == (1 if plan.direct else 0)
+
+
+def test_sparse_kept_decode_plans_tell_scales_apart(device):
+    """The scale is in the key of the decode plan a sparse plan keeps: calls of one metadata
+    alternating two scales (each plan kept once, then reused) match the float64 reference."""
+    g = torch.Generator().manual_seed(13)
+    dt = DTYPES[0]
+    b, sq, hq, d, sk, topk = 2, 1, 4, 32, 12, 5
+    sparse_mod._PLANS.clear()
+    for _ in range(2):
+        for scale in (0.1, 0.4):
+            q = torch.randn(b, sq, hq, d, generator=g)
+            k = torch.randn(b, sk, 1, d, generator=g)
+            v = torch.randn(b, sk, 1, d, generator=g)
+            idx = torch.randint(-1, sk, (b, sq, 1, topk), generator=g, dtype=torch.int32)
+            with torch.no_grad():
+                out, lse = fl.sparse_attention(q.to(device, dt), k.to(device, dt),
+                                               v.to(device, dt), idx.to(device), scale=scale,
+                                               return_lse=True)
+            want_out, want_lse = R.sparse_attention(q.double(), k.double(), v.double(), idx,
+                                                    scale=scale, return_lse=True)
+            tol = 1e-5 if dt == torch.float32 else 2e-3
+            torch.testing.assert_close(out.double().cpu(), want_out, atol=tol, rtol=tol)
+            torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)
+    (plan,) = sparse_mod._PLANS.values()
+    assert len(plan.decode) == 2
