@@ -119,6 +119,18 @@ bwd_tests() {
     echo "tests: $(tail -1 "$OUT/test_$1.log")"
     grep -h "^FAILED\|^E " "$OUT/test_$1.log" | head
 }
+in_turn() {
+    # in_turn PASSES COMMAND...: COMMAND with .before's package (before_after.sh prep REV) and
+    # with this tree's, in turn, PASSES times; each output line led by "<tree> <pass> ".
+    local passes=$1 pass tree root; shift
+    [ -d .before ] || { echo "(no .before: nothing to compare)"; return 0; }
+    for pass in $(seq 1 "$passes"); do
+        for tree in before after; do
+            root=$PWD; [ $tree = before ] && root=$PWD/.before
+            PYTHONPATH=$root "$@" 2>&1 | sed "s/^/$tree $pass /"
+        done
+    done
+}
 if [ "$1" = host22 ]; then
     # Session 22: the backward's host descriptors handed to Triton's C launcher directly
     # (_common.DescLaunch): its GPU tests and session 21's, the host profile of every public
@@ -154,15 +166,7 @@ if [ "$1" = topk ]; then
     timeout 100 python3 benchmarks/bench_mla.py --topk-only --gluon-only --out "$OUT" \
         > "$OUT/mla_topk.log" 2>&1; grep "^top-k\|^B=" "$OUT/mla_topk.log"
     timeout 60 python3 benchmarks/bench_sparse.py 2>&1 | grep -i "mla" | head -2
-    if [ -d .before ]; then
-        for pass in 1 2 3; do
-            for tree in before after; do
-                root=$PWD; [ $tree = before ] && root=$PWD/.before
-                PYTHONPATH=$root timeout 60 python3 benchmarks/profile_host.py --rows sparse \
-                    --top 0 2>&1 | grep "===" | sed "s/^/$tree $pass /"
-            done
-        done
-    fi
+    in_turn 3 timeout 60 python3 benchmarks/profile_host.py --rows sparse --top 0 | grep "==="
     exit 0
 fi
 if [ "$1" = kept ]; then
@@ -176,13 +180,8 @@ if [ "$1" = kept ]; then
         $K/test_combine.py -k "kept or kvcache or serving or decode or merge" \
         > "$OUT/test_kept.log" 2>&1
     echo "tests: $(tail -1 "$OUT/test_kept.log")"; grep -h "^FAILED" "$OUT/test_kept.log" | head
-    for tree in before after before after; do
-        root=$PWD; [ $tree = before ] && root=$PWD/.before
-        [ -d "$root" ] || continue
-        PYTHONPATH=$root timeout 90 python3 benchmarks/bench_overhead.py \
-            --functions kvcache,merge --out /tmp/kept_$tree 2>&1 \
-            | grep -E "^(attention_with_kvcache|merge_states) " | sed "s/^/$tree /"
-    done
+    in_turn 2 timeout 90 python3 benchmarks/bench_overhead.py --functions kvcache,merge \
+        --out /tmp/kept | grep -E " (attention_with_kvcache|merge_states)  "
     # Issue 18's public rows with host us (dense MLA and top-k, B = 64 / 128).
     timeout 120 python3 benchmarks/bench_overhead.py --functions mla,topk --out "$OUT" \
         2>&1 | grep -E "^(MLA decode|sparse MLA top-k) "

@@ -229,12 +229,14 @@ def fresh_plan(outs, lses, sink=None):
     return plan
 
 
-def fresh_run(plan, outs, lses, out_shape: tuple, lse_shape: tuple):
-    """Allocates ``out`` and ``lse`` and launches a :func:`fresh_plan` launch plan (no sink)
-    on states of the metadata it was made for."""
+def fresh_run(plan, outs, lses, out_shape: tuple, lse_shape: tuple, sink=None):
+    """Allocates ``out`` and ``lse`` (the states' rows as ``out_shape`` / ``lse_shape``) and
+    launches a :func:`fresh_plan` plan other than ``_COPY`` on states of the metadata it was
+    made for."""
     out = torch.empty(out_shape, dtype=outs.dtype, device=outs.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=outs.device)
-    plan(outs, lses, lses, out, lse)
+    if plan is not _EMPTY:
+        merge_run(plan, outs, lses, sink, out, lse)
     return out, lse
 
 
@@ -262,13 +264,10 @@ def merge_states_fwd(outs, lses, *, sink=None, out=None, lse_out=None):
         # found in _PLANS on a repeated call (the sink's view broadcast to the rows has the
         # sink's address: the kernel takes the sink itself).
         plan = fresh_plan(outs, lses, sink)
+        if plan is not _COPY:
+            return fresh_run(plan, outs, lses, lead + (d,), lead, sink)
         out = torch.empty(lead + (d,), dtype=outs.dtype, device=outs.device)
         lse_out = torch.empty(lead, dtype=torch.float32, device=outs.device)
-        if plan is _EMPTY:
-            return out, lse_out
-        if plan is not _COPY:
-            merge_run(plan, outs, lses, sink, out, lse_out)
-            return out, lse_out
     else:
         if out is None:
             out = torch.empty(lead + (d,), dtype=outs.dtype, device=outs.device)

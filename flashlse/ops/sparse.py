@@ -223,13 +223,13 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=N
     from ..kernels import options
 
     plan = plan or _kernel_plan(q, k, v, indices, block_table)
-    same = plan.same_strides and v.data_ptr() == k.data_ptr()
+    alias = v.data_ptr() == k.data_ptr()
     if plan.direct and sink is None:
         # A repeated call: decode's plan for this call's metadata is kept in ours, and the
         # kernel needs only the tensors' addresses, which the views below would share.
         opts = options.current()
-        sub = (scale, v.data_ptr() == k.data_ptr(), (q.data_ptr() | k.data_ptr()) % 16 == 0,
-               opts.pdl, opts.sm90_mla_decode)
+        sub = (scale, alias, (q.data_ptr() | k.data_ptr()) % 16 == 0, opts.pdl,
+               opts.sm90_mla_decode)
         hit = plan.decode.get(sub)
         if hit is not None:
             # The kernel writes lse as (B, Sq, Hq); with one query row that memory is already
@@ -247,7 +247,7 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=N
     pages_k = k.reshape(plan.pages_k)
     # MLA (v = k[..., :Dv]) keeps v a view of the same pages, so the kernel reads the latent
     # row once; a reshape would give the size-1 dims other strides and hide that.
-    if same:
+    if plan.same_strides and alias:
         pages_v = pages_k[..., :plan.dv]
     else:
         pages_v = v.reshape(plan.pages_v)

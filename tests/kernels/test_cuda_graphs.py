@@ -76,19 +76,38 @@ def test_attention_varlen_persistent_graph_replay():
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_decode_with_append_graph_replay(paged):
-    torch.manual_seed(1)
-    b, hq, hkv, d, page = 4, 16, 2, 128, 64
-    lens = torch.tensor([0, 100, 1000, 3000], dtype=torch.int32, device="cuda")
+def _replay_equals_eager(step, change):
+    """Captures ``step`` (returning ``(out, lse)``), runs ``change()`` on its inputs, replays:
+    the graph's outputs equal a fresh eager step's bit for bit. Returns the graph's."""
+    graph, (out, lse) = _capture(step)
+    with torch.no_grad():
+        change()
+    graph.replay()
+    want_out, want_lse = step()
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    return out, lse
+
+
+def _decode_inputs(paged, b, hq, hkv, d, page=64):
+    """q (B, 1, Hq, D), bf16 caches of 64 pages a sequence (contiguous, or paged with a
+    shuffled block table), and lengths from 0 to 3000."""
+    lens = torch.tensor([0, 100, 1000, 3000][:b], dtype=torch.int32, device="cuda")
     if paged:
-        k_cache = torch.randn(4 * 64, page, hkv, d, device="cuda", dtype=torch.bfloat16)
-        table = torch.randperm(4 * 64, device="cuda").view(b, 64).int()
+        k_cache = torch.randn(b * 64, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(b * 64, device="cuda").view(b, 64).int()
     else:
         k_cache = torch.randn(b, 64 * page, hkv, d, device="cuda", dtype=torch.bfloat16)
         table = None
-    v_cache = torch.randn_like(k_cache)
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    return q, k_cache, torch.randn_like(k_cache), lens, table
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_with_append_graph_replay(paged):
+    torch.manual_seed(1)
+    b, hq, hkv, d = 4, 16, 2, 128
+    q, k_cache, v_cache, lens, table = _decode_inputs(paged, b, hq, hkv, d)
     k_new = torch.randn(b, 1, hkv, d, device="cuda", dtype=torch.bfloat16)
     v_new = torch.randn_like(k_new)
 
@@ -97,15 +116,12 @@ def test_decode_with_append_graph_replay(paged):
                                          block_table=table, k_new=k_new, v_new=v_new,
                                          return_lse=True)
 
-    graph, (out, lse) = _capture(step)
-    with torch.no_grad():
+    def change():
         q.copy_(torch.randn_like(q))
         k_new.copy_(torch.randn_like(k_new))
         lens.add_(1)
-    graph.replay()
-    want_out, want_lse = step()
-    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
-    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+
+    out, _ = _replay_equals_eager(step, change)
     assert not torch.isnan(out).any()
 
 
@@ -121,16 +137,8 @@ def test_decode_and_merge_kept_plans_graph_replay(paged):
     kv_mod = importlib.import_module("flashlse.ops.kvcache")
     merge_mod = importlib.import_module("flashlse.ops.merge")
     torch.manual_seed(2)
-    b, hq, hkv, d, page = 4, 16, 2, 128, 64
-    lens = torch.tensor([0, 100, 1000, 3000], dtype=torch.int32, device="cuda")
-    if paged:
-        k_cache = torch.randn(4 * 64, page, hkv, d, device="cuda", dtype=torch.bfloat16)
-        table = torch.randperm(4 * 64, device="cuda").view(b, 64).int()
-    else:
-        k_cache = torch.randn(b, 64 * page, hkv, d, device="cuda", dtype=torch.bfloat16)
-        table = None
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    b, hq, hkv, d = 4, 16, 2, 128
+    q, k_cache, v_cache, lens, table = _decode_inputs(paged, b, hq, hkv, d)
     other = torch.randn(b, 1, hq, d, device="cuda"), torch.randn(b, hq, 1, device="cuda")
 
     def step():
@@ -143,16 +151,14 @@ def test_decode_and_merge_kept_plans_graph_replay(paged):
     merge_mod._KEPT.clear()
     step()
     assert len(kv_mod._KEPT) == 1 and len(merge_mod._KEPT) == 1
-    graph, (out, lse) = _capture(step)
-    with torch.no_grad():
+
+    def change():
         q.copy_(torch.randn_like(q))
         lens.add_(7)
-    graph.replay()
-    want_out, want_lse = step()
-    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
-    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+
+    out, lse = _replay_equals_eager(step, change)
     with fl.value_checks():
         full_out, full_lse = step()
-    torch.testing.assert_close(full_out, want_out, atol=0, rtol=0)
-    torch.testing.assert_close(full_lse, want_lse, atol=0, rtol=0)
+    torch.testing.assert_close(full_out, out, atol=0, rtol=0)
+    torch.testing.assert_close(full_lse, lse, atol=0, rtol=0)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
