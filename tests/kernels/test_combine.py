@@ -246,6 +246,18 @@ def test_merge_states_repeated_calls_launch_the_kept_plan(device, layout):
         fin = torch.isfinite(want_lse)
         torch.testing.assert_close(lse.double()[fin], want_lse[fin], atol=1e-5, rtol=1e-5)
     assert len(merge_mod._KEPT) == 1
+    # A NaN lse (value checks off) reaches exactly its row on the kept path too.
+    lses_nan = lses.clone()
+    lses_nan[0, 0, 0, 0] = float("nan")
+    with fl.value_checks(False):
+        out_n, lse_n = fl.merge_states(outs, lses_nan.transpose(-1, -2) if flash else lses_nan,
+                                       layout=layout)
+    lse_n = lse_n.transpose(-1, -2) if flash else lse_n
+    nan_row = torch.zeros(b, sq, h, dtype=torch.bool, device=lse_n.device)
+    nan_row[0, 0, 0] = True
+    assert torch.equal(torch.isnan(lse_n), nan_row)
+    assert torch.equal(torch.isnan(out_n).all(-1), nan_row) and not torch.isnan(
+        out_n[~nan_row]).any()
     bad = arg.clone()
     bad[0, 0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"\+inf/NaN"), fl.value_checks():

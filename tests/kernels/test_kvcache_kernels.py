@@ -271,6 +271,14 @@ def test_kvcache_repeated_calls_launch_the_kept_plan(device, kw, page):
         with fl.value_checks(False), torch.no_grad():
             fl.attention_with_kvcache(**t, **call_kw)
         assert len(hits) == 1 and hits[0] is not None  # launched the kept plan
+        # A NaN query reaches exactly its own sequence's rows on the kept path too.
+        t_nan = dict(t, q=t["q"].clone())
+        t_nan["q"][1] = float("nan")
+        with fl.value_checks(False), torch.no_grad():
+            out_n, lse_n = fl.attention_with_kvcache(**t_nan, **call_kw, return_lse=True)
+        assert hits[-1] is not None
+        assert torch.isnan(out_n[1]).all() and torch.isnan(lse_n[1]).all()
+        assert not torch.isnan(out_n[[0, 2]]).any() and not torch.isnan(lse_n[[0, 2]]).any()
         q = t["q"].clone().requires_grad_()
         with pytest.raises(ValueError, match="not differentiable"), fl.value_checks(False):
             fl.attention_with_kvcache(**dict(t, q=q), **call_kw)

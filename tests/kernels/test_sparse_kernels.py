@@ -231,6 +231,22 @@ def test_sparse_repeated_calls_launch_the_kept_decode_plan(device, paged, sq, hk
         assert (out[0, -1] == 0).all() and torch.isneginf(lse[0, :, -1]).all()
         torch.testing.assert_close(out.double().cpu(), want_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double().cpu(), want_lse, atol=tol, rtol=tol)
+    # A NaN in a listed key row reaches exactly the rows that list it, through the kept plan
+    # too (the last call's inputs, that row NaN).
+    j = int(idx[1][idx[1] >= 0][0])
+    pos = (table[1, j // page], j % page) if paged else (1, j)
+    k_nan = k_cache.clone()
+    k_nan[pos] = float("nan")
+    with torch.no_grad():
+        out_n, lse_n = fl.sparse_attention(wide.to(device, dt)[:, :, :hq], k_nan.to(device, dt),
+                                           v_dev, idx.to(device), return_lse=True,
+                                           **{n: t.to(device) for n, t in kw.items()})
+    lists = (idx == j).any(-1)  # (B, Sq, Hkv)
+    lists[0] = False  # batch 0's lists name its own rows
+    want_nan = lists.repeat_interleave(hq // hkv, dim=2)  # (B, Sq, Hq)
+    assert torch.equal(torch.isnan(out_n).all(-1).cpu(), want_nan)
+    assert torch.equal(torch.isnan(lse_n).cpu(), want_nan.transpose(1, 2))
+    assert not torch.isnan(out_n.cpu()[~want_nan]).any()
     (plan,) = sparse_mod._PLANS.values()
     # The row view merges (B, Sq, Hkv): q's heads sliced from more heads merge only at one
     # kv head.
