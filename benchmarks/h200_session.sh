@@ -18,9 +18,9 @@
 #   bash benchmarks/h200_session.sh topk       # the top-k MLA decode: its GPU tests, bench_mla's
 #                                                top-k rows (public call and graph), host us
 #                                                of the top-k call against .before
-#   bash benchmarks/h200_session.sh kept       # the kept plans of attention_with_kvcache and
-#                                                merge_states: their GPU tests, bench_overhead
-#                                                kvcache and merge rows against .before
+#   bash benchmarks/h200_session.sh kept       # the kept plans of attention_with_kvcache,
+#                                                merge_states and attention's forward: their
+#                                                GPU tests, bench_overhead rows against .before
 #                                                (before_after.sh prep REV) in turns
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
@@ -177,11 +177,11 @@ if [ "$1" = kept ]; then
     K=tests/kernels
     timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
         $K/test_sync_free.py $K/test_launch_fast_path.py $K/test_cuda_graphs.py \
-        $K/test_combine.py -k "kept or kvcache or serving or decode or merge" \
+        $K/test_combine.py $K/test_fwd.py -k "kept or kvcache or serving or decode or merge" \
         > "$OUT/test_kept.log" 2>&1
     echo "tests: $(tail -1 "$OUT/test_kept.log")"; grep -h "^FAILED" "$OUT/test_kept.log" | head
-    in_turn 2 timeout 90 python3 benchmarks/bench_overhead.py --functions kvcache,merge \
-        --out /tmp/kept | grep -E " (attention_with_kvcache|merge_states)  "
+    in_turn 2 timeout 100 python3 benchmarks/bench_overhead.py --functions kvcache,merge,fwd \
+        --out /tmp/kept | grep -E " (attention_with_kvcache|merge_states|attention fwd) "
     # Issue 18's public rows with host us (dense MLA and top-k, B = 64 / 128).
     timeout 120 python3 benchmarks/bench_overhead.py --functions mla,topk --out "$OUT" \
         2>&1 | grep -E "^(MLA decode|sparse MLA top-k) "

@@ -292,6 +292,42 @@ def test_public_function_reaches_the_dispatcher(kernels, monkeypatch):
     assert kernels.names() == ["fwd_sm90"]
 
 
+def test_public_forward_keeps_its_launch(kernels, monkeypatch):
+    """A repeated ``attention`` without grad launches the launch kept by its key, with fresh
+    buffers and no dispatch; a kept Hopper launch that fails to compile warns once, the
+    portable kernel answers and is kept in its place; another option is another key."""
+    monkeypatch.setattr(attention_ops, "use_triton", lambda t: True)
+    monkeypatch.setattr(attention_ops, "_KEPT", {})
+    asked = []
+    real = dispatch.fwd_launch
+    monkeypatch.setattr(dispatch, "fwd_launch", lambda *a, **kw: asked.append(1) or real(*a, **kw))
+    q, k, v, kw = _dense()
+    call = dict(causal=True, sink=kw["sink"], scale=kw["scale"], return_lse=True)
+    out1, _ = attention_ops.attention(q, k, v, **call)
+    out2, lse2 = attention_ops.attention(q, k, v, **call)
+    assert kernels.names() == ["fwd_sm90", "fwd_sm90"] and len(asked) == 1
+    assert kernels.log[1].args[3] is out2 is not out1 and kernels.log[1].args[4] is lse2
+    assert kernels.log[1].args[9:] == kernels.log[0].args[9:]
+    kernels.log.clear()
+    kernels.failing.add("fwd_sm90")
+    with pytest.warns(RuntimeWarning, match="Hopper forward kernel failed"):
+        out3 = attention_ops.attention(q, k, v, **call)[0]
+    assert kernels.names() == ["fwd_sm90", "fwd"] and kernels.of("fwd").named["o"] is out3
+    kernels.log.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out4 = attention_ops.attention(q, k, v, **call)[0]
+    assert kernels.names() == ["fwd"] and kernels.of("fwd").named["o"] is out4
+    assert len(asked) == 2  # the first call and the failed launch's replan; none for out4
+    kernels.failing.clear()
+    kernels.log.clear()
+    with kernel_options(sm90_fwd=False):
+        attention_ops.attention(q, k, v, **call)
+        attention_ops.attention(q, k, v, **call)
+    assert kernels.names() == ["fwd", "fwd"] and len(asked) == 3
+    assert len(attention_ops._KEPT) == 2
+
+
 def test_portable_launchers_know_no_hopper_kernel():
     for mod in (fwd, bwd):
         assert not any(name.endswith("_sm90") or "FAILED" in name for name in vars(mod)), mod

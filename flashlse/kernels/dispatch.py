@@ -25,6 +25,8 @@ Per call this costs a few attribute lookups and calls (the eager path is timed i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -46,27 +48,68 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None):
     """``(out, lse)`` by the Hopper forward where it is supported, else the portable one.
     Arguments and results as ``fwd.attn_fwd`` (which documents them)."""
-    out, lse = fwd.new_outputs(q, v, cu_seqlens_q)
+    return attn_fwd_launched(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
+                             sink=sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                             seqused_k=seqused_k)[:2]
+
+
+def attn_fwd_launched(q, k, v, **kw):
+    """:func:`attn_fwd`'s ``(out, lse)`` and the :func:`fwd_launch` that filled them."""
+    out, lse = fwd.new_outputs(q, v, kw.get("cu_seqlens_q"))
+    tensors = (q, k, v, out, lse, kw["sink"], kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"),
+               kw.get("seqused_k"))
+    launch = fwd_launch(q, k, v, out, lse, **kw)
+    if not launch(*tensors):
+        # The Hopper kernel failed to compile (warned; its signature is in FAILURES now): the
+        # portable kernel fills the same buffers.
+        launch = fwd_launch(q, k, v, out, lse, **kw)
+        launch(*tensors)
+    return out, lse, launch
+
+
+def fwd_launch(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlens_q=None,
+               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None):
+    """The forward's launch for this call (``fwd.new_outputs``'s ``out`` and ``lse``; the
+    other arguments as ``fwd.attn_fwd``'s): a function of ``(q, k, v, out, lse, sink,
+    cu_seqlens_q, cu_seqlens_k, seqused_k)`` that fills ``out`` and ``lse`` and returns True,
+    or False when the Hopper kernel failed to compile (warned once; ask again for the
+    portable one). A function of the call's metadata and the options, like the plans it
+    holds: ``ops.attention`` keeps it for repeated calls."""
     if options.current().sm90_fwd and fwd_sm90 is not None:
         plan = fwd_sm90.plan(q, k, v, out, lse, softcap=softcap, left=left, right=right,
                              scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                              max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
         if plan is not None and plan.signature not in FAILURES:
-            if plan.run is None:
-                return out, lse
-            try:
-                triton.set_allocator(alloc_scratch)
-                plan.run(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
-                return out, lse
-            except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
-                # Gluon is experimental in triton: if this triton cannot compile the Hopper
-                # kernel, say so once and run the portable kernel for this signature from now on.
-                FAILURES.add(plan.signature, e, "the Hopper forward kernel", stacklevel=2)
-    return fwd.attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
-                        sink=sink, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                        seqused_k=seqused_k, out=out, lse=lse)
+            return _Sm90Fwd(plan)
+    return functools.partial(fwd.run_plan, fwd.find_plan(
+        q, k, v, out, lse, left=left, right=right, softcap=softcap, scale=scale, sink=sink,
+        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        seqused_k=seqused_k))
+
+
+class _Sm90Fwd:
+    """:func:`fwd_launch` of a call in the Hopper forward's domain: its ``fwd_sm90.Plan``."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> bool:
+        plan = self.plan
+        if plan.run is None:
+            return True
+        try:
+            triton.set_allocator(alloc_scratch)
+            plan.run(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
+            return True
+        except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
+            # Gluon is experimental in triton: if this triton cannot compile the Hopper
+            # kernel, say so once and run the portable kernel for this signature from now on.
+            FAILURES.add(plan.signature, e, "the Hopper forward kernel", stacklevel=4)
+            return False
 
 
 def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,

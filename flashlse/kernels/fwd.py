@@ -505,13 +505,14 @@ def new_outputs(q, v, cu_seqlens_q=None):
     Dv)`` in ``q.dtype`` and ``(B, Hq, Sq)`` float32, or varlen ``(total_q, Hq, Dv)`` and
     ``(Hq, total_q)``. Every forward launcher (this module's, ``fwd_sm90``'s) fills these."""
     hq, dv = q.shape[-2], v.shape[-1]
+    empty = options.allocator()
     if cu_seqlens_q is not None:
         total_q = q.shape[0]
-        return (options.empty((total_q, hq, dv), dtype=q.dtype, device=q.device),
-                options.empty((hq, total_q), dtype=torch.float32, device=q.device))
+        return (empty((total_q, hq, dv), dtype=q.dtype, device=q.device),
+                empty((hq, total_q), dtype=torch.float32, device=q.device))
     batch, seqlen_q = q.shape[0], q.shape[1]
-    return (options.empty((batch, seqlen_q, hq, dv), dtype=q.dtype, device=q.device),
-            options.empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device))
+    return (empty((batch, seqlen_q, hq, dv), dtype=q.dtype, device=q.device),
+            empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device))
 
 
 def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
@@ -541,6 +542,16 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
     """
     if out is None:
         out, lse = new_outputs(q, v, cu_seqlens_q)
+    plan = find_plan(q, k, v, out, lse, left=left, right=right, softcap=softcap, scale=scale,
+                     sink=sink, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+    run_plan(plan, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    return out, lse
+
+
+def find_plan(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqlens_q=None,
+              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None):
+    """:func:`attn_fwd`'s launch plan of a call (arguments as its), for :func:`run_plan`."""
     # Everything but the tensors' addresses is a function of the call's metadata: a repeated
     # call finds its launch plan (tiles, grid, scalar and constexpr arguments) in _PLANS and
     # only launches (as kernels.decode). The key: shapes, strides, dtypes and device of the
@@ -565,20 +576,27 @@ def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
+    return plan
+
+
+def run_plan(plan, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> bool:
+    """Launches :func:`find_plan`'s ``plan`` on the call's tensors (those it was planned for,
+    or any with the same metadata), filling ``out`` and ``lse``; True (it always runs: a
+    warp-specialised kernel that fails to compile falls back to the plain one)."""
     if plan.grid is None:
-        return out, lse
+        return True
     if plan.set_allocator:
         triton.set_allocator(alloc_scratch)
     if plan.ws_run is not None and plan.ws_key not in FAILURES:
         try:
             plan.ws_run(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
-            return out, lse
+            return True
         except Exception:  # noqa: BLE001 - compiler failure: the plain kernel is the fallback
             # Warp specialisation is young in Triton 3.6: if its passes reject a kernel,
             # run the same kernel without it rather than fail the call (no warning, as before).
             FAILURES.add(plan.ws_key)
     plan.run(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
-    return out, lse
+    return True
 
 
 # Launch plans of attn_fwd by call metadata; cleared when full (a model's shapes repeat).

@@ -79,6 +79,18 @@ def meta_key(tag, *tensors) -> tuple | None:
     return tuple(key)
 
 
+def canonical_scalars(causal, window, softcap, scale, *flags) -> bool:
+    """Whether a call's scalars are of the types a kept plan's key may hold them as (a bool
+    ``causal`` and ``flags``, a float ``softcap``, a float or None ``scale``, a tuple of two
+    ints or None ``window``): ``True`` and ``1`` hash alike, and only the full path's checks
+    tell them apart."""
+    return (causal.__class__ is bool and softcap.__class__ is float
+            and (scale is None or scale.__class__ is float) and window.__class__ is tuple
+            and len(window) == 2 and (window[0] is None or window[0].__class__ is int)
+            and (window[1] is None or window[1].__class__ is int)
+            and all(f.__class__ is bool for f in flags))
+
+
 def passed(key) -> bool:
     """Whether the checks passed for this key before (a None key never did, nor one that
     does not hash: symbolic sizes outside torch.compile)."""

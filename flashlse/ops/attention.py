@@ -284,18 +284,69 @@ class AttentionFunction(torch.autograd.Function):
 
 
 def _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-          left, right, softcap, scale, deterministic):
-    """``(out, lse)`` through the cheapest entry that keeps autograd and torch.compile right."""
+          left, right, softcap, scale, deterministic, kept=None):
+    """``(out, lse)`` through the cheapest entry that keeps autograd and torch.compile right
+    (a dense call with a ``kept`` key, no grad, keeps its launch in ``_KEPT``)."""
     args = (q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
             left, right, softcap, scale, deterministic)
     if torch.compiler.is_compiling():
         return _attn_fwd_op(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-            sink is not None and sink.requires_grad)):
+    if _needs_grad(q, k, v, sink):
         return AttentionFunction.apply(*args)
+    if kept is not None:
+        dispatch = kernel_module("dispatch")
+        out, lse, launch = dispatch.attn_fwd_launched(q, k, v, left=left, right=right,
+                                                      softcap=softcap, scale=scale, sink=sink)
+        if len(_KEPT) >= _MAX_KEPT:
+            _KEPT.clear()
+        _KEPT[kept] = launch
+        return out, lse
     return attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink,
                     **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  seqused_k))
+
+
+def _needs_grad(q, k, v, sink) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sink is not None and sink.requires_grad))
+
+
+# Inference repeats its calls: a dense forward without grad whose metadata key (the tensors'
+# metadata, the scalars as passed, the Hopper forward's option, 16-byte alignment) passed
+# every check before launches the kept launch at once (``_run_kept``): the checks, the
+# scalars' normalisation and the dispatcher's choice and plan are functions of that key.
+# Grad, torch.compile and kernel tile overrides take the full path.
+_KEPT: dict = {}
+_MAX_KEPT = 1024
+
+
+def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, deterministic):
+    """The call's key in ``_KEPT``, or None for a call that cannot take the kept path: the
+    PyTorch path, torch.compile, a scalar not of its canonical type, tile overrides."""
+    if not (use_triton(q) and V.canonical_scalars(causal, window, softcap, scale, return_lse,
+                                                  deterministic)):
+        return None
+    key = V.meta_key("attention-kept", q, k, v, sink)
+    if key is None:
+        return None
+    opts = kernel_module("options").current()
+    if opts.fwd_config or opts.fwd_sm90_config:
+        return None
+    return (key, causal, window, softcap, scale, opts.sm90_fwd,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0)
+
+
+def _run_kept(kept, q, k, v, sink):
+    """``(out, lse)`` by the launch kept for ``kept``, or None: none kept, a tensor needing
+    grad, or the Hopper kernel failed to compile (the launch dropped)."""
+    launch = _KEPT.get(kept)
+    if launch is None or _needs_grad(q, k, v, sink):
+        return None
+    out, lse = kernel_module("fwd").new_outputs(q, v)
+    if launch(q, k, v, out, lse, sink, None, None, None):
+        return out, lse
+    _KEPT.pop(kept, None)
+    return None
 
 
 @torch.library.custom_op("flashlse::attn_fwd", mutates_args=())
@@ -407,6 +458,11 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     Returns:
         ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 natural log if ``return_lse``.
     """
+    kept = _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, deterministic)
+    if kept is not None:
+        got = _run_kept(kept, q, k, v, sink)
+        if got is not None:
+            return got if return_lse else got[0]
     left, right, softcap, scale, sink = validate_attention_args(
         q, k, v, sink, softcap, scale, window, causal, 4,
         ("(B, Sq, Hq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)"))
@@ -416,7 +472,7 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
         raise ValueError(f"q, k, v must share the batch and k, v the sequence length: got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     out, lse = _attn(q, k, v, sink, None, None, None, None, None, left, right, softcap, scale,
-                     deterministic)
+                     deterministic, kept)
     return (out, lse) if return_lse else out
 
 

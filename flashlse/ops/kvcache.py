@@ -306,12 +306,8 @@ def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sin
     """The call's key in ``_KEPT``, or None for a call that cannot take the kept path: an
     append (``k_new``), torch.compile, a scalar not of its canonical type (``True`` and ``1``
     hash alike; only the full path's checks tell them apart)."""
-    if k_new is not None or v_new is not None or not (
-            num_splits.__class__ is int and causal.__class__ is bool
-            and return_lse.__class__ is bool and softcap.__class__ is float
-            and (scale is None or scale.__class__ is float) and window.__class__ is tuple
-            and len(window) == 2 and (window[0] is None or window[0].__class__ is int)
-            and (window[1] is None or window[1].__class__ is int)):
+    if k_new is not None or v_new is not None or num_splits.__class__ is not int or \
+            not V.canonical_scalars(causal, window, softcap, scale, return_lse):
         return None
     key = V.meta_key("kvcache-kept", q, k_cache, v_cache, cache_seqlens, block_table, sink)
     if key is None:

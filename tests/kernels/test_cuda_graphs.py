@@ -162,3 +162,36 @@ def test_decode_and_merge_kept_plans_graph_replay(paged):
     torch.testing.assert_close(full_out, out, atol=0, rtol=0)
     torch.testing.assert_close(full_lse, lse, atol=0, rtol=0)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+def test_attention_kept_forward_graph_replay():
+    """An inference forward (no grad) launches the launch kept by its key after its first
+    call (ops/attention._KEPT), also while a graph captures; replayed on new inputs the graph
+    gives the eager call's bits, and the full path (the kept launches dropped) the same."""
+    import importlib
+
+    attn_mod = importlib.import_module("flashlse.ops.attention")
+    torch.manual_seed(3)
+    q = torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 200, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    sink = torch.randn(8, device="cuda")
+
+    def step():
+        with torch.no_grad():
+            return fl.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+
+    attn_mod._KEPT.clear()
+    step()
+    assert len(attn_mod._KEPT) == 1
+
+    def change():
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+
+    out, lse = _replay_equals_eager(step, change)
+    attn_mod._KEPT.clear()
+    full_out, full_lse = step()
+    torch.testing.assert_close(full_out, out, atol=0, rtol=0)
+    torch.testing.assert_close(full_lse, lse, atol=0, rtol=0)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()

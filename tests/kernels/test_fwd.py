@@ -235,6 +235,85 @@ def test_attn_fwd_sm90_failure_falls_back(device, monkeypatch, compile_failures)
     assert len(calls) == 1 and [key[0] for key in compile_failures] == ["fwd_sm90"]
 
 
+def _public_fwd(device, dtype, b, sq, sk, hq, hkv, d, causal=False, window=(None, None),
+                softcap=0.0, sink=False, scale=None, seed=0, nan_q=None):
+    """``fl.attention`` without grad on fresh inputs (a NaN query row at ``nan_q``), against
+    the float64 reference (NaN rows left out) and the torch yardstick; returns its out, lse."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to(dtype).to(device)
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    sink_t = (torch.randn(hq, generator=gen) * 2).to(device) if sink else None
+    if nan_q is not None:
+        q[nan_q] = float("nan")
+    kw = dict(causal=causal, window=window, softcap=softcap, scale=scale, sink=sink_t)
+    with torch.no_grad():
+        out, lse = fl.attention(q, k, v, return_lse=True, **kw)
+    if nan_q is not None:
+        return out, lse
+    ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+    left, right = _window(causal, window)
+    pt_out, pt_lse = _torch_attention(q, k, v, left, right, softcap,
+                                      1.0 / math.sqrt(d) if scale is None else scale, sink_t)
+    _check(out, lse, ref_out, ref_lse, pt_out, pt_lse, _atol(dtype))
+    return out, lse
+
+
+# On an H100 / H200 at D = 128 the kept launch is the Hopper kernel's, else fwd.py's.
+KEPT_D = 128 if HAS_CUDA else 32
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, sink=True),
+                                dict(window=(5, 3), softcap=1.5), dict(hkv=1, causal=True)],
+                         ids=["plain", "causal_sink", "window_softcap", "mqa_causal"])
+def test_attention_repeated_calls_launch_the_kept_launch(device, monkeypatch, kw):
+    """A dense forward without grad that passed every check keeps its launch by its key
+    (ops/attention._KEPT); later calls of that key launch it without the checks: fresh values
+    each call against the float64 reference; a NaN query row reaches exactly its own outputs;
+    a call needing grad and an int where a bool goes (``causal=1``) take the full path."""
+    import importlib
+
+    attn_mod = importlib.import_module("flashlse.ops.attention")
+    kw = dict(kw)
+    hkv = kw.pop("hkv", 2)
+    shape = (2, 40, 33, 4, hkv, KEPT_D)
+    attn_mod._KEPT.clear()
+    hits = []
+    real = attn_mod._run_kept
+    monkeypatch.setattr(attn_mod, "_run_kept", lambda *a: hits.append(real(*a)) or hits[-1])
+    for seed in range(3):
+        _public_fwd(device, torch.float16, *shape, seed=seed, **kw)
+    assert len(attn_mod._KEPT) == 1
+    assert hits[0] is None and all(h is not None for h in hits[1:]) and len(hits) == 3
+    out, lse = _public_fwd(device, torch.float16, *shape, seed=5, nan_q=(1, 7, 2), **kw)
+    assert hits[-1] is not None
+    nan_out, nan_lse = torch.isnan(out), torch.isnan(lse)
+    assert nan_out[1, 7, 2].all() and nan_lse[1, 2, 7]
+    assert nan_out.sum() == out.shape[-1] and nan_lse.sum() == 1
+    q = torch.randn(*shape[:2], 4, KEPT_D, device=device, dtype=torch.float16,
+                    requires_grad=True)
+    k = torch.randn(2, 33, hkv, KEPT_D, device=device, dtype=torch.float16)
+    out = fl.attention(q, k, k, **{n: x for n, x in kw.items() if n != "sink"})
+    assert hits[-1] is None and out.grad_fn is not None
+    with pytest.raises(TypeError, match="causal"):
+        fl.attention(q.detach(), k, k, causal=int(kw.get("causal", False)))
+
+
+def test_attention_kept_launches_tell_their_scalars_apart(device):
+    """Each scalar that shapes the launch is in the kept launch's key: calls of one tensor
+    metadata alternating scale, causal, window, softcap and a sink (each kept once, then
+    reused) all match the float64 reference."""
+    import importlib
+
+    attn_mod = importlib.import_module("flashlse.ops.attention")
+    attn_mod._KEPT.clear()
+    variants = [dict(), dict(scale=0.3), dict(causal=True), dict(window=(2, 1)),
+                dict(softcap=1.5), dict(sink=True)]
+    for rnd in range(2):
+        for i, kw in enumerate(variants):
+            _public_fwd(device, torch.float16, 1, 30, 20, 2, 1, KEPT_D, seed=10 * rnd + i, **kw)
+    assert len(attn_mod._KEPT) == len(variants)
+
+
 def _on_sm90():
     return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
