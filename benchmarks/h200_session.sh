@@ -22,6 +22,8 @@
 #                                                merge_states and attention's forward: their
 #                                                GPU tests, bench_overhead rows against .before
 #                                                (before_after.sh prep REV) in turns
+#   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
+#                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
@@ -38,7 +40,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -182,8 +184,14 @@ if [ "$1" = kept ]; then
     echo "tests: $(tail -1 "$OUT/test_kept.log")"; grep -h "^FAILED" "$OUT/test_kept.log" | head
     in_turn 2 timeout 100 python3 benchmarks/bench_overhead.py --functions kvcache,merge,fwd \
         --out /tmp/kept | grep -E " (attention_with_kvcache|merge_states|attention fwd) "
-    # Issue 18's public rows with host us (dense MLA and top-k, B = 64 / 128).
-    timeout 120 python3 benchmarks/bench_overhead.py --functions mla,topk --out "$OUT" \
+    exit 0
+fi
+if [ "$1" = mla-cost ]; then
+    # Issue 18's dense B = 128 Skv = 4k row: a program's fixed cost measured (one wave of
+    # programs, 1 to 128 tiles; benchmarks/mla_fixed_cost.py), then the MLA public rows
+    # with host us (dense MLA and top-k, B = 64 / 128).
+    timeout 200 python3 benchmarks/mla_fixed_cost.py 2>&1 | tee "$OUT/mla_fixed_cost.log"
+    timeout 150 python3 benchmarks/bench_overhead.py --functions mla,topk --out "$OUT" \
         2>&1 | grep -E "^(MLA decode|sparse MLA top-k) "
     exit 0
 fi
