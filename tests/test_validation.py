@@ -45,6 +45,8 @@ ATTENTION = [
     pytest.param(attn(q=torch.randn(3, 4, 16)), ValueError, "must have 4 dims", id="q_rank"),
     pytest.param(attn(k=torch.randn(2, 5, 2, 16, 1)), ValueError, "must have 4 dims",
                  id="k_rank"),
+    pytest.param(attn(q=[1.0]), TypeError, "torch.Tensor", id="q_not_tensor"),
+    pytest.param(attn(q=None), TypeError, "torch.Tensor", id="q_none"),
     pytest.param(attn(v=[1.0]), TypeError, "torch.Tensor", id="v_not_tensor"),
     pytest.param(attn(q=torch.ones(2, 3, 4, 16, dtype=torch.int64)), TypeError,
                  "floating-point", id="q_int"),

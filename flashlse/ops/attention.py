@@ -322,12 +322,13 @@ _MAX_KEPT = 1024
 
 def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, deterministic):
     """The call's key in ``_KEPT``, or None for a call that cannot take the kept path: the
-    PyTorch path, torch.compile, a scalar not of its canonical type, tile overrides."""
-    if not (use_triton(q) and V.canonical_scalars(causal, window, softcap, scale, return_lse,
-                                                  deterministic)):
+    PyTorch path, torch.compile, a tensor needing grad, a scalar not of its canonical type,
+    tile overrides (and anything not a tensor: the checks say what is wrong)."""
+    if not (isinstance(q, torch.Tensor) and use_triton(q) and V.canonical_scalars(
+            causal, window, softcap, scale, return_lse, deterministic)):
         return None
     key = V.meta_key("attention-kept", q, k, v, sink)
-    if key is None:
+    if key is None or _needs_grad(q, k, v, sink):
         return None
     opts = kernel_module("options").current()
     if opts.fwd_config or opts.fwd_sm90_config:
@@ -337,10 +338,10 @@ def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, determi
 
 
 def _run_kept(kept, q, k, v, sink):
-    """``(out, lse)`` by the launch kept for ``kept``, or None: none kept, a tensor needing
-    grad, or the Hopper kernel failed to compile (the launch dropped)."""
+    """``(out, lse)`` by the launch kept for ``kept``, or None: none kept, or the Hopper
+    kernel failed to compile (the launch dropped)."""
     launch = _KEPT.get(kept)
-    if launch is None or _needs_grad(q, k, v, sink):
+    if launch is None:
         return None
     out, lse = kernel_module("fwd").new_outputs(q, v)
     if launch(q, k, v, out, lse, sink, None, None, None):
