@@ -162,10 +162,11 @@ class _Runner:
 
     num_ctas, launch_cooperative_grid, launch_pdl = 1, False, True
 
-    def __init__(self, log, scratch=0):
+    def __init__(self, log, scratch=0, profile=None):
         self.launch = _CLaunch(log)
-        self.global_scratch_size = self.profile_scratch_size = scratch
-        self.global_scratch_align = self.profile_scratch_align = 1
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = scratch if profile is None else profile
+        self.global_scratch_align = self.profile_scratch_align = 128
 
     def __call__(self, *args):
         from triton.backends.nvidia.driver import CudaLauncher
@@ -173,34 +174,52 @@ class _Runner:
         CudaLauncher.__call__(self, *args)
 
 
+@pytest.mark.parametrize("scratch", [0, 96], ids=["no_scratch", "scratch"])
 @pytest.mark.parametrize("raw", [True, False], ids=["raw", "through_triton"])
-def test_raw_launch_passes_what_triton_launcher_passes(fake_device, monkeypatch, raw):
-    """After the first call a kernel without scratch buffers is launched by Triton's C
-    ``launch`` itself, with the arguments Triton's ``CudaLauncher.__call__`` gives it (that
-    method runs here on the same fake launch, as the reference)."""
+def test_raw_launch_passes_what_triton_launcher_passes(fake_device, monkeypatch, raw, scratch):
+    """After the first call a kernel is launched by Triton's C ``launch`` itself, with the
+    arguments Triton's ``CudaLauncher.__call__`` gives it (that method runs here on the same
+    fake launch, as the reference): a kernel with global scratch (Gluon's in-kernel TMA
+    descriptors) gets a fresh buffer of grid x scratch bytes a launch from ``alloc_scratch``,
+    the allocator the dispatcher installs for Triton."""
     pytest.importorskip("triton.backends.nvidia.driver")
+    from triton.runtime import _allocation
+
     monkeypatch.setattr(_common, "RAW_LAUNCH", raw)
+    buffers = []
+
+    def alloc(size, alignment, stream):
+        buffers.append(("buffer", size, len(buffers)))
+        return buffers[-1]
+
+    monkeypatch.setattr(_common, "alloc_scratch", alloc)
     k = _Kernel()
-    k.compiled.run = _Runner(k.log)
+    k.compiled.run = _Runner(k.log, scratch=scratch, profile=0)
     run = _common.Launch(k, (4, 2), (7, 3.5, True), {"num_warps": 4})
     a, b = _aligned(16), _aligned(16, torch.int32)
-    run(a, None, b)
-    run(a, None, b)
+    token = _allocation._allocator.set(alloc)  # Triton's allocator, as dispatch sets it
+    try:
+        for _ in range(3):
+            run(a, None, b)
+    finally:
+        _allocation._allocator.reset(token)
     g = (4, 2, 1, 1000, "fn")
-    want = ("raw", g + (False, True, None, None, "meta", None, None, None, a, None, b, 7, 3.5,
-                        True))
-    assert k.log[0][0] == "jit" and k.log[1] == want and len(k.log) == 2
+    for i, call in enumerate(k.log[1:]):
+        held = ("buffer", 8 * scratch, i) if scratch else None
+        assert call == ("raw", g + (False, True, held, None, "meta", None, None, None, a, None,
+                                    b, 7, 3.5, True))
+    assert k.log[0][0] == "jit" and len(k.log) == 3 and len(buffers) == (2 if scratch else 0)
 
 
-def test_a_kernel_with_scratch_takes_triton_launcher():
-    """Scratch buffers (Gluon's in-kernel TMA descriptors) are Triton's launcher's to
-    allocate a launch, and a Python ``launch`` (host tensor descriptors) is Triton's to
-    unwrap: neither gets a raw launch."""
+def test_raw_launch_only_for_triton_36_launchers():
+    """A Python ``launch`` (host tensor descriptors: Triton unwraps them) and profiling
+    scratch are Triton's launcher's: no raw launch for them."""
     def kernel(runner):
         return type("K", (), {"run": runner, "function": "fn", "packed_metadata": "meta"})()
 
     log = []
     assert _common._raw_launch(kernel(_Runner(log)), (1, 1, 1)) is not None
+    assert _common._raw_launch(kernel(_Runner(log, scratch=128, profile=0)), (2, 1, 1))[3] == 256
     assert _common._raw_launch(kernel(_Runner(log, scratch=128)), (1, 1, 1)) is None
     wrapped = _Runner(log)
     wrapped.launch = lambda *args: None

@@ -124,7 +124,11 @@ class Launch:
         if c is not None and _fast_path(c[0], c[1], tensors):
             device, _, kernel, raw = c
             if raw is not None and RAW_LAUNCH:
-                raw[0](*raw[1], torch._C._cuda_getCurrentRawStream(device), *raw[2], *tensors,
+                after = raw[2]
+                if raw[3]:
+                    # In-kernel TMA descriptors' scratch, a buffer a launch (as Triton's).
+                    after = after[:3] + (alloc_scratch(raw[3], 128, None),) + after[4:]
+                raw[0](*raw[1], torch._C._cuda_getCurrentRawStream(device), *after, *tensors,
                        *self.args)
                 return
             g0, g1, g2 = self.grid
@@ -145,18 +149,24 @@ RAW_LAUNCH = True
 
 
 def _raw_launch(kernel, grid: tuple):
-    """Triton 3.6's C launch function of a compiled kernel that needs no scratch and takes
-    no host tensor descriptors, with the arguments its ``CudaLauncher.__call__`` puts around
-    the stream: ``(launch, grid, after_stream)``; None for any other launcher (scratch
-    buffers to allocate a launch, a Python wrapper, another triton)."""
+    """Triton 3.6's C launch function of a compiled kernel that takes no host tensor
+    descriptors and no profiling scratch, with the arguments its ``CudaLauncher.__call__``
+    puts around the stream: ``(launch, grid, after_stream, scratch_bytes)``, where a kernel
+    with global scratch (Gluon's in-kernel TMA descriptors) gets ``scratch_bytes`` from
+    :func:`alloc_scratch` a launch in ``after_stream``'s fourth place, as Triton's allocator
+    (the one ``dispatch`` installs) would; None for any other launcher (a Python wrapper,
+    another triton)."""
     runner = getattr(kernel, "run", None)
     launch = getattr(runner, "launch", None)
+    scratch = getattr(runner, "global_scratch_size", None)
     if launch is None or hasattr(launch, "__code__") or not callable(launch) or \
-            getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
+            scratch is None or getattr(runner, "profile_scratch_size", 1) or \
+            (scratch and getattr(runner, "global_scratch_align", 1024) > 512):
         return None
+    nbytes = grid[0] * grid[1] * grid[2] * getattr(runner, "num_ctas", 1) * scratch
     return (launch, tuple(grid), (kernel.function, runner.launch_cooperative_grid,
                                   runner.launch_pdl, None, None, kernel.packed_metadata,
-                                  None, None, None))
+                                  None, None, None), nbytes)
 
 
 _HOOKS = triton.knobs.runtime
@@ -316,7 +326,8 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 def alloc_scratch(size: int, alignment: int, stream):
-    # Global scratch where the kernels write their in-kernel TMA descriptors (128 B each).
+    # Global scratch where the kernels write their in-kernel TMA descriptors (128 B each):
+    # the caching allocator's blocks are 512-byte aligned (what Triton asks is less).
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
