@@ -22,6 +22,8 @@
 #                                                merge_states and attention's forward: their
 #                                                GPU tests, bench_overhead rows against .before
 #                                                (before_after.sh prep REV) in turns
+#   bash benchmarks/h200_session.sh raw        # raw launches of Gluon kernels: their GPU tests,
+#                                                host us with RAW_LAUNCH on / off in turns
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -40,7 +42,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost raw paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -184,6 +186,26 @@ if [ "$1" = kept ]; then
     echo "tests: $(tail -1 "$OUT/test_kept.log")"; grep -h "^FAILED" "$OUT/test_kept.log" | head
     in_turn 2 timeout 100 python3 benchmarks/bench_overhead.py --functions kvcache,merge,fwd \
         --out /tmp/kept | grep -E " (attention_with_kvcache|merge_states|attention fwd) "
+    exit 0
+fi
+if [ "$1" = raw ]; then
+    # Session 25: raw launches for kernels with global scratch (every Gluon kernel): the
+    # Gluon kernels' GPU tests in two shards, then host us of the public calls with
+    # _common.RAW_LAUNCH on / off in turns (session 24's A/B had it for scratch-free kernels).
+    K=tests/kernels
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_fwd.py $K/test_launch_fast_path.py \
+        $K/test_cuda_graphs.py $K/test_sync_free.py -k "(sm90 and bf16) or fast or graph or sync or kept" \
+        > "$OUT/test_raw_a.log" 2>&1 &
+    P1=$!
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_decode_mla_sm90.py $K/test_bwd.py \
+        $K/test_fwd_paged_sm90.py -k "mla or (sm90 and bf16 and not tl) or (paged and bf16)" \
+        > "$OUT/test_raw_b.log" 2>&1 &
+    P2=$!
+    wait $P1 $P2
+    for f in "$OUT"/test_raw_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_raw_*.log | head
+    timeout 170 python3 benchmarks/profile_host.py --ab _common.RAW_LAUNCH --rounds 4 2>&1 \
+        | tee "$OUT/ab_raw.log" | tail -12
     exit 0
 fi
 if [ "$1" = mla-cost ]; then
