@@ -31,8 +31,8 @@ nature). attention_varlen and sparse_attention rows have no host bar.
     python benchmarks/bench_overhead.py [--out DIR] [--functions kvcache,merge,fwd,...]
     TRITON_INTERPRET=1 python benchmarks/bench_overhead.py --smoke --out /tmp/ovh
 
-``--functions`` picks from kvcache, merge, fwd, fwdbwd, fwdbwd_1t, varlen, sparse, topk, mla
-(default all).
+``--functions`` picks from kvcache, merge, fwd, fwdbwd, fwdbwd_1t, varlen, sparse, topk, mla,
+paged (default all).
 Writes ``overhead.json`` and ``overhead_rows.md`` (rows for benchmarks/RESULTS.md) into
 ``--out`` (default benchmarks/results); prints the table last. ``--smoke`` runs tiny
 shapes on the CPU under the interpreter to check the script: only ``public`` (one
@@ -87,6 +87,8 @@ TOPK_SHAPES = [TOPK] if SMOKE else [TOPK, (128, 4096, 128, 576, 512, 2048)]
 # Dense MLA decode (issue 18's bars): (B, Skv, Hq, D, Dv) over a paged 64 latent cache.
 MLA_SHAPES = ([(2, 128, 4, 48, 32)] if SMOKE else
               [(64, 8192, 128, 576, 512), (128, 4096, 128, 576, 512)])
+# Paged varlen decode steps: (B, keys a sequence, page size).
+PAGED = (2, 64, 16) if SMOKE else (64, 4096, 16)
 
 N_HOST, CHUNK = 200, 50
 N_PROFILE = 20
@@ -105,7 +107,10 @@ LABEL = {"kvcache": "attention_with_kvcache", "merge": "merge_states", "fwd": "a
          "topk": "sparse MLA top-k",
          # Issue 18's dense MLA decode through attention_with_kvcache (v = the latent's first
          # Dv columns, 128 heads on one latent head): its bars are public-call TFLOP/s.
-         "mla": "MLA decode"}
+         "mla": "MLA decode",
+         # vLLM's decode step through attention_varlen with a block table: one query row a
+         # sequence, max_seqlen_k one longer every call (the engine's steps change it).
+         "paged": "varlen paged decode"}
 
 Case = collections.namedtuple("Case", "kind shape build")
 
@@ -180,6 +185,24 @@ def mla_call(b, skv, hq, d, dv):
                                              block_table=table, scale=d ** -0.5)
 
 
+def paged_call(b, skv, page):
+    pages = skv // page + 1
+    q = randn(b, HQ, D)
+    k = randn(b * pages, page, HKV, D)
+    v = torch.randn_like(k)
+    table = torch.randperm(b * pages, device=DEV).view(b, pages).to(torch.int32)
+    lens = torch.full((b,), skv, dtype=torch.int32, device=DEV)
+    cu = torch.arange(b + 1, device=DEV, dtype=torch.int32)
+    step = [0]
+
+    def call():
+        # The engine's max_seqlen_k moves every step (here within one spare page).
+        step[0] = (step[0] + 1) % page
+        return fl.attention_varlen(q, k, v, cu, None, 1, skv + step[0], seqused_k=lens,
+                                   block_table=table, causal=True)
+    return call
+
+
 def cases(kinds):
     hd = f"Hq/Hkv={HQ}/{HKV} D={D}"
     out = []
@@ -222,6 +245,10 @@ def cases(kinds):
             b, skv, hq, d, dv = shape
             out.append(Case("mla", f"B={b} Skv={skv} Hq={hq} {d}/{dv} paged 64",
                             functools.partial(mla_call, *shape)))
+    if "paged" in kinds:
+        b, skv, page = PAGED
+        out.append(Case("paged", f"B={b} Skv={skv} {hd} page {page}, max_seqlen_k moving",
+                        functools.partial(paged_call, b, skv, page)))
     return out
 
 

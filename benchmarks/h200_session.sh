@@ -24,6 +24,8 @@
 #                                                (before_after.sh prep REV) in turns
 #   bash benchmarks/h200_session.sh raw        # raw launches of Gluon kernels: their GPU tests,
 #                                                host us with RAW_LAUNCH on / off in turns
+#   bash benchmarks/h200_session.sh sized      # the paged forward's length-free plan: its GPU
+#                                                tests, host us of a moving decode step vs .before
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -42,7 +44,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost raw paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost raw sized paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -206,6 +208,23 @@ if [ "$1" = raw ]; then
     grep -h "^FAILED" "$OUT"/test_raw_*.log | head
     timeout 170 python3 benchmarks/profile_host.py --ab _common.RAW_LAUNCH --rounds 4 2>&1 \
         | tee "$OUT/ab_raw.log" | tail -12
+    exit 0
+fi
+if [ "$1" = sized ]; then
+    # Session 25 (not GPU-run there): the portable paged forward's plan no longer keys on the
+    # lengths (fwd._paged_launch, _common.SizedLaunch: total_q, max_seqlen_q / k and the
+    # grid passed each call). Its GPU tests (paged varlen, chunked prefill, the steps sharing
+    # one plan), then host us of a decode step whose max_seqlen_k moves every call, against
+    # .before (before_after.sh prep REV) in turns.
+    K=tests/kernels
+    timeout 240 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
+        $K/test_fwd_paged_sm90.py $K/test_sync_free.py $K/test_launch_fast_path.py \
+        $K/test_cuda_graphs.py -k "paged or prefill or share or varlen or graph or fast" \
+        > "$OUT/test_sized.log" 2>&1
+    echo "tests: $(tail -1 "$OUT/test_sized.log")"; grep -h "^FAILED" "$OUT/test_sized.log" | head
+    in_turn 2 timeout 100 python3 benchmarks/bench_overhead.py --functions paged,kvcache \
+        --out /tmp/sized | grep -E " (varlen paged decode|attention_with_kvcache) "
+    timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -8
     exit 0
 fi
 if [ "$1" = mla-cost ]; then

@@ -33,7 +33,9 @@ def log(monkeypatch):
     monkeypatch.setattr(fwd, "_attn_fwd_paged_kernel",
                         _Kernel("portable", launches, fwd._attn_fwd_paged_kernel))
     monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
+    # Launch plans hold the kernels: fresh ones for each test.
     monkeypatch.setattr(fwd_sm90, "_PLANS", {})
+    monkeypatch.setattr(fwd, "_PLANS", {})
     monkeypatch.setattr(triton, "set_allocator", lambda fn: None)
     FAILING.clear()
     with FAILURES.isolated():

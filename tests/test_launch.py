@@ -224,3 +224,41 @@ def test_raw_launch_only_for_triton_36_launchers():
     wrapped = _Runner(log)
     wrapped.launch = lambda *args: None
     assert _common._raw_launch(kernel(wrapped), (1, 1, 1)) is None
+
+
+def test_sized_launch_passes_each_call_its_grid_and_lengths(fake_device, monkeypatch):
+    """A SizedLaunch (the paged forward's) takes Triton's JIT path once, then launches the
+    compiled kernel with each call's grid and sized arguments in their places among the
+    fixed ones (raw, as Triton's launcher would; and through ``run`` with RAW_LAUNCH off)."""
+    pytest.importorskip("triton.backends.nvidia.driver")
+    k = _Kernel()
+    k.arg_names = ["x", "y", "a", "n", "b", "m", "C"]
+    k.compiled.run = _Runner(k.log)
+    run = _common.SizedLaunch(k, 2, dict(a=7, b=2.5, C=True, n=None, m=None, num_warps=4),
+                              ("m", "n"))
+    x, y = _aligned(16), _aligned(8, torch.int32)
+    run((3, 2), (40, 9), x, y)
+    run((5,), (11, 1), x, y)
+    monkeypatch.setattr(_common, "RAW_LAUNCH", False)
+    run((1, 1, 7), (0, 2), x, y)
+    assert k.log[0] == ("jit", (3, 2, 1), (x, y, 7, 9, 2.5, 40, True), {"num_warps": 4})
+    head = ("fn", False, True, None, None, "meta", None, None, None)
+    assert k.log[1] == ("raw", (5, 1, 1, 1000) + head + (x, y, 7, 1, 2.5, 11, True))
+    assert k.log[2] == ("raw", (1, 1, 7, 1000) + head + (x, y, 7, 2, 2.5, 0, True))
+    assert len(k.log) == 3
+
+
+def test_sized_launch_refuses_a_specialised_argument():
+    """Triton specialises an int argument on its value (1, multiples of 16) unless it is in
+    the kernel's ``do_not_specialize``: a compiled kernel could not serve other values of
+    it, so a SizedLaunch refuses to size it."""
+    from flashlse.kernels import fwd
+
+    kernel = fwd._attn_fwd_paged_kernel
+    if not hasattr(kernel, "params"):
+        pytest.skip("the interpreter's kernels carry no specialisation")
+    kw = {name: 0 for name in kernel.arg_names[9:]}
+    with pytest.raises(ValueError, match="stride_qs is specialised"):
+        _common.SizedLaunch(kernel, 9, kw, ("stride_qs",))
+    run = _common.SizedLaunch(kernel, 9, kw, fwd._PAGED_SIZED)
+    assert [kernel.arg_names[9 + i] for i in run.slots] == list(fwd._PAGED_SIZED)

@@ -136,12 +136,59 @@ class Launch:
                        kernel.function, kernel.packed_metadata, None, None, None,
                        *tensors, *self.args)
             return
-        kernel = self.kernel[self.grid](*tensors, *self.args, **self.options)
-        if c is None and kernel is not None and not interpreting():
+        self._keep(self.kernel[self.grid](*tensors, *self.args, **self.options), tensors)
+
+    def _keep(self, kernel, tensors) -> None:
+        """Keeps the compiled kernel of a JIT launch (the first aligned one)."""
+        if self._compiled is None and kernel is not None and not interpreting():
             dtypes = _signature(tensors)
             if dtypes is not None:
                 self._compiled = (torch.cuda.current_device(), dtypes, kernel,
                                   _raw_launch(kernel, self.grid))
+
+
+class SizedLaunch(Launch):
+    """A :class:`Launch` whose grid and some arguments change from call to call:
+    ``run(grid, sized, *tensors)``, with ``sized`` the values of the arguments named at
+    construction, in that order. Each of those must be one of the kernel's
+    ``do_not_specialize`` arguments (checked here), so that the kernel compiled for one call
+    serves every value: the paged forward's lengths (``max_seqlen_q``, ``max_seqlen_k``, the
+    packed rows), which a serving engine's steps change every call, then need no new plan
+    and no JIT launch."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self, kernel, n_tensors: int, kw: dict, sized: tuple):
+        params = getattr(kernel, "params", None)  # (the interpreter's kernels have none)
+        for name in sized:
+            if params is not None and not params[kernel.arg_names.index(name)].do_not_specialize:
+                raise ValueError(f"{name} is specialised by Triton: a kernel compiled for one "
+                                 f"value would run others; add it to do_not_specialize")
+        args, options = positional(kernel, n_tensors, {**kw, **dict.fromkeys(sized, 0)})
+        names = kernel.arg_names[n_tensors:]
+        super().__init__(kernel, (1,), args, options)
+        self.slots = tuple(names.index(name) for name in sized)
+
+    def __call__(self, grid, sized, *tensors) -> None:
+        args = list(self.args)
+        for i, x in zip(self.slots, sized):
+            args[i] = x
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        c = self._compiled
+        if c is not None and _fast_path(c[0], c[1], tensors):
+            device, _, kernel, raw = c
+            stream = torch._C._cuda_getCurrentRawStream(device)
+            if raw is not None and RAW_LAUNCH:
+                after = raw[2]
+                if raw[3]:  # scratch bytes of one program (planned on a grid of 1)
+                    after = after[:3] + (alloc_scratch(raw[3] * grid[0] * grid[1] * grid[2],
+                                                       128, None),) + after[4:]
+                raw[0](*grid, stream, *after, *tensors, *args)
+                return
+            kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *tensors, *args)
+            return
+        self._keep(self.kernel[grid](*tensors, *args, **self.options), tensors)
 
 
 # Launch's raw path (off: through Triton's CudaLauncher.__call__; benchmarks' A/B).

@@ -84,6 +84,7 @@ import triton.language as tl
 from . import configs, options
 from ._common import (
     Launch,
+    SizedLaunch,
     alloc_scratch,
     cdiv,
     final_stats,
@@ -422,8 +423,9 @@ def _attn_fwd_paged_store(b_acc, b_m, b_l, o_i, o_h, m_r, bos, o, lse, sink,
     tl.store(p_out, b_o.to(p_out.dtype.element_ty), mask=m_r[:, None] & (o_dv < DV)[None, :])
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "total_q", "capacity", "num_pages", "rows_lo", "rows_hi",
-                               "left", "right"])
+# (Every length and the lse stride, total_q, vary call to call: SizedLaunch passes them.)
+@triton.jit(do_not_specialize=["stride_lh", "seqlen_q", "total_q", "capacity", "num_pages",
+                               "rows_lo", "rows_hi", "left", "right"])
 def _attn_fwd_paged_kernel(
     q, k, v, o, lse, sink,
     cu_seqlens_q, seqused_k, block_table,
@@ -723,57 +725,70 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
         return out, lse
     block_d = max(next_pow2(d), 16)
     block_dv = max(next_pow2(dv), 16)
-    scale = float(scale)
-    softcap = float(softcap or 0.0)
     # A cache of empty pages (page_size 0) holds no key.
     n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page)) if page else 0
-
-    def launch(cfg, rows_lo, rows_hi):
-        # The sequences of (rows_lo, rows_hi] packed rows; the others exit at once.
-        _attn_fwd_paged_kernel[(cdiv(rows_hi, cfg.block_m), hkv, batch)](
-            q=q,
-            k=k_cache,
-            v=v_cache,
-            o=out,
-            lse=lse,
-            sink=sink,
-            cu_seqlens_q=cu_seqlens_q,
-            seqused_k=seqused_k,
-            block_table=block_table,
-            stride_qs=q.stride(0),
-            stride_qh=q.stride(1),
-            **stride_args("psh", k=k_cache, v=v_cache),
-            stride_os=out.stride(0),
-            stride_oh=out.stride(1),
-            stride_lh=lse.stride(0),
-            stride_tb=block_table.stride(0),
-            seqlen_q=int(max_seqlen_q),
-            total_q=total_q,
-            capacity=n_cols * page,
-            num_pages=num_pages,
-            rows_lo=rows_lo,
-            rows_hi=rows_hi,
-            **mask_args(left, right, scale, softcap),
-            GROUP=group,
-            D=d,
-            DV=dv,
-            PAGE_SIZE=max(page, 1),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_D=block_d,
-            BLOCK_DV=block_dv,
-            BLOCK_P=128,
-            HAS_SINK=sink is not None,
-            NEG_SCALE=scale < 0,
-            **cfg.launch(),
-        )
-
-    if rows <= SMALL_ROWS:
-        launch(_pick_paged_config(block_d, block_dv, rows), 0, rows)
-    else:
-        # A mixed step: the sequences of up to SMALL_ROWS packed rows (decodes, G <= 16) take
-        # a launch of 16-row tiles of their own instead of a 128-row tile each; both launches
-        # see every sequence and skip the other's (no host sync on the lengths).
-        launch(_pick_paged_config(block_d, block_dv, rows), SMALL_ROWS, rows)
-        launch(_pick_paged_config(block_d, block_dv, SMALL_ROWS), 0, SMALL_ROWS)
+    # The sequences of (rows_lo, rows_hi] packed rows a launch; the others exit at once. A
+    # mixed step: the sequences of up to SMALL_ROWS packed rows (decodes, G <= 16) take a
+    # launch of 16-row tiles of their own instead of a 128-row tile each; both launches see
+    # every sequence and skip the other's (no host sync on the lengths).
+    spans = [(0, rows)] if rows <= SMALL_ROWS else [(SMALL_ROWS, rows), (0, SMALL_ROWS)]
+    cfgs = tuple(_pick_paged_config(block_d, block_dv, hi) for _, hi in spans)
+    # The plan is a function of the call's metadata but the lengths (total_q, max_seqlen_q,
+    # max_seqlen_k: a serving engine's every step changes them), which each launch passes
+    # the compiled kernel afresh (SizedLaunch); a fwd_config override is planned each call.
+    key = runs = None
+    if not options.current().fwd_config:
+        key = ("paged", q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape,
+               k_cache.stride(), v_cache.shape, v_cache.stride(), out.stride(),
+               block_table.stride(), sink is None, left, right, softcap, scale, cfgs)
+        runs = _PLANS.get(key)
+    if runs is None:
+        runs = tuple(_paged_launch(q, k_cache, v_cache, block_table, out, lse, sink, cfg,
+                                   left=left, right=right, softcap=softcap, scale=scale)
+                     for cfg in cfgs)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = runs
+    for run, cfg, (lo, hi) in zip(runs, cfgs, spans):
+        run((cdiv(hi, cfg.block_m), hkv, batch),
+            (lse.stride(0), int(max_seqlen_q), total_q, n_cols * page, lo, hi),
+            q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k, block_table)
     return out, lse
+
+
+# The paged kernel's arguments that change from call to call (SizedLaunch).
+_PAGED_SIZED = ("stride_lh", "seqlen_q", "total_q", "capacity", "rows_lo", "rows_hi")
+
+
+def _paged_launch(q, k_cache, v_cache, block_table, out, lse, sink, cfg, *, left, right,
+                  softcap, scale) -> SizedLaunch:
+    """The paged kernel's launch of tiles ``cfg`` for :func:`attn_fwd_paged`: everything but
+    the tensors and ``_PAGED_SIZED``, from the call's metadata."""
+    d, dv = q.shape[-1], v_cache.shape[-1]
+    num_pages, page, hkv = v_cache.shape[:3]
+    scale = float(scale)
+    softcap = float(softcap or 0.0)
+    kw = dict(
+        stride_qs=q.stride(0),
+        stride_qh=q.stride(1),
+        **stride_args("psh", k=k_cache, v=v_cache),
+        stride_os=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_tb=block_table.stride(0),
+        num_pages=num_pages,
+        **mask_args(left, right, scale, softcap),
+        GROUP=q.shape[1] // hkv,
+        D=d,
+        DV=dv,
+        PAGE_SIZE=max(page, 1),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=max(next_pow2(d), 16),
+        BLOCK_DV=max(next_pow2(dv), 16),
+        BLOCK_P=128,
+        HAS_SINK=sink is not None,
+        NEG_SCALE=scale < 0,
+        **cfg.launch(),
+    )
+    return SizedLaunch(_attn_fwd_paged_kernel, 9, kw, _PAGED_SIZED)

@@ -15,6 +15,7 @@ from test_attention_varlen import PAGED, run_paged
 from test_attention_with_kvcache import make, run_both, to_paged
 
 import flashlse as fl
+from flashlse import kernel_options
 from flashlse import reference as R
 
 HAS_CUDA = torch.cuda.is_available()
@@ -307,3 +308,41 @@ def test_kvcache_kept_plans_tell_their_scalars_apart(device):
             with fl.value_checks(False):
                 run_both(_to(t, device), **kw)
     assert len(kv_mod._KEPT) == len(variants)
+
+
+def test_attention_varlen_paged_steps_share_one_plan(device):
+    """A serving engine's steps change the batch, the packed rows and both max lengths
+    every call: the portable paged kernel's plan (fwd._PLANS) is a function of the rest, its
+    SizedLaunch passes each call's lengths and grid, and every step matches the float64
+    reference over one cache, its pages drawn anew each step."""
+    from flashlse.kernels import fwd
+
+    g = torch.Generator().manual_seed(7)
+    page, n_pages, hq, hkv, d = 3, 30, 4, 2, 16
+    k_cache = torch.randn(n_pages, page, hkv, d, generator=g).half()
+    v_cache = torch.randn(n_pages, page, hkv, d, generator=g).half()
+    table_w = 8
+    steps = [([1, 1, 1], [5, 9, 2]), ([3, 1], [7, 10]), ([1, 2, 1, 1], [11, 4, 1, 24]),
+             ([2], [13]), ([1, 1, 1, 1, 1], [3, 6, 9, 12, 15])]
+    with kernel_options(sm90_fwd_paged=False):
+        fwd._PLANS.clear()
+        for qlens, klens in steps:
+            q = torch.randn(sum(qlens), hq, d, generator=g).half()
+            table = torch.randint(0, n_pages, (len(qlens), table_w), generator=g,
+                                  dtype=torch.int32)
+            cu_q = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+            lens = torch.tensor(klens, dtype=torch.int32)
+            kw = dict(cu_seqlens_k=None, max_seqlen_q=max(qlens), max_seqlen_k=max(klens),
+                      seqused_k=lens, block_table=table, causal=True, return_lse=True)
+            with torch.no_grad(), fl.value_checks(False):
+                out, lse = fl.attention_varlen(
+                    q.to(device), k_cache.to(device), v_cache.to(device), cu_q.to(device),
+                    **{n: x.to(device) if isinstance(x, torch.Tensor) else x
+                       for n, x in kw.items()})
+            ref_out, ref_lse = R.attention_varlen(q.double(), k_cache.double(),
+                                                  v_cache.double(), cu_q, **kw)
+            torch.testing.assert_close(out.cpu().double(), ref_out, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=2e-3, rtol=2e-3)
+        paged = [key for key in fwd._PLANS if key[0] == "paged"]
+        # Every step here has at most 16 packed rows: one launch of 16-row tiles, one plan.
+        assert len(paged) == 1, paged

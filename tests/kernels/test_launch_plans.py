@@ -252,10 +252,14 @@ def _cumsum(xs):
 
 
 def clear_plans():
-    """Empties every launch-plan cache of the attention launchers (those that have one)."""
+    """Empties every launch-plan cache of the attention launchers (those that have one) and
+    the launches ``attention`` keeps for its repeated calls."""
+    import importlib
+
     from flashlse.kernels import bwd, bwd_sm90, fwd, fwd_sm90
-    for mod in (fwd, bwd, fwd_sm90, bwd_sm90, dispatch):
-        for name in ("_PLANS", "_BWD_PLANS", "_SM90_PLANS"):
+    attention_ops = importlib.import_module("flashlse.ops.attention")
+    for mod in (fwd, bwd, fwd_sm90, bwd_sm90, dispatch, attention_ops):
+        for name in ("_PLANS", "_BWD_PLANS", "_SM90_PLANS", "_KEPT"):
             cache = getattr(mod, name, None)
             if cache is not None:
                 cache.clear()
