@@ -325,7 +325,8 @@ def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, determi
     PyTorch path, torch.compile, a tensor needing grad, a scalar not of its canonical type,
     tile overrides (and anything not a tensor: the checks say what is wrong)."""
     if not (isinstance(q, torch.Tensor) and use_triton(q) and V.canonical_scalars(
-            causal, window, softcap, scale, return_lse, deterministic)):
+            causal, window, softcap, scale, return_lse, deterministic)) or (
+            q.requires_grad and torch.is_grad_enabled()):  # (training: no key to build)
         return None
     key = V.meta_key("attention-kept", q, k, v, sink)
     if key is None or _needs_grad(q, k, v, sink):
