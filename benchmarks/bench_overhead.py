@@ -87,8 +87,9 @@ TOPK_SHAPES = [TOPK] if SMOKE else [TOPK, (128, 4096, 128, 576, 512, 2048)]
 # Dense MLA decode (issue 18's bars): (B, Skv, Hq, D, Dv) over a paged 64 latent cache.
 MLA_SHAPES = ([(2, 128, 4, 48, 32)] if SMOKE else
               [(64, 8192, 128, 576, 512), (128, 4096, 128, 576, 512)])
-# Paged varlen decode steps: (B, keys a sequence, page size).
-PAGED = (2, 64, 16) if SMOKE else (64, 4096, 16)
+# Paged varlen steps: (B, keys a sequence, page size, prefill chunks, their query rows).
+PAGED = ([(2, 64, 16, 0, 1), (3, 64, 16, 1, 20)] if SMOKE else
+         [(64, 4096, 16, 0, 1), (64, 4096, 16, 4, 512)])
 
 N_HOST, CHUNK = 200, 50
 N_PROFILE = 20
@@ -108,9 +109,9 @@ LABEL = {"kvcache": "attention_with_kvcache", "merge": "merge_states", "fwd": "a
          # Issue 18's dense MLA decode through attention_with_kvcache (v = the latent's first
          # Dv columns, 128 heads on one latent head): its bars are public-call TFLOP/s.
          "mla": "MLA decode",
-         # vLLM's decode step through attention_varlen with a block table: one query row a
-         # sequence, max_seqlen_k one longer every call (the engine's steps change it).
-         "paged": "varlen paged decode"}
+         # vLLM's step through attention_varlen with a block table (decodes; decodes and
+         # prefill chunks), max_seqlen_k moving every call (the engine's steps change it).
+         "paged": "varlen paged step"}
 
 Case = collections.namedtuple("Case", "kind shape build")
 
@@ -185,21 +186,24 @@ def mla_call(b, skv, hq, d, dv):
                                              block_table=table, scale=d ** -0.5)
 
 
-def paged_call(b, skv, page):
+def paged_call(b, skv, page, prefills=0, rows=1):
+    """``b`` sequences of ``skv`` cached keys on pages of ``page`` rows: decodes (one query
+    row), the first ``prefills`` of them chunks of ``rows`` query rows (a mixed step)."""
     pages = skv // page + 1
-    q = randn(b, HQ, D)
+    qlens = [rows] * prefills + [1] * (b - prefills)
+    q = randn(sum(qlens), HQ, D)
     k = randn(b * pages, page, HKV, D)
     v = torch.randn_like(k)
     table = torch.randperm(b * pages, device=DEV).view(b, pages).to(torch.int32)
     lens = torch.full((b,), skv, dtype=torch.int32, device=DEV)
-    cu = torch.arange(b + 1, device=DEV, dtype=torch.int32)
+    cu = torch.tensor([0] + qlens, device=DEV, dtype=torch.int32).cumsum(0).to(torch.int32)
     step = [0]
 
     def call():
         # The engine's max_seqlen_k moves every step (here within one spare page).
         step[0] = (step[0] + 1) % page
-        return fl.attention_varlen(q, k, v, cu, None, 1, skv + step[0], seqused_k=lens,
-                                   block_table=table, causal=True)
+        return fl.attention_varlen(q, k, v, cu, None, max(qlens), skv + step[0],
+                                   seqused_k=lens, block_table=table, causal=True)
     return call
 
 
@@ -246,9 +250,10 @@ def cases(kinds):
             out.append(Case("mla", f"B={b} Skv={skv} Hq={hq} {d}/{dv} paged 64",
                             functools.partial(mla_call, *shape)))
     if "paged" in kinds:
-        b, skv, page = PAGED
-        out.append(Case("paged", f"B={b} Skv={skv} {hd} page {page}, max_seqlen_k moving",
-                        functools.partial(paged_call, b, skv, page)))
+        for b, skv, page, prefills, rows in PAGED:
+            what = f"{prefills} x {rows} rows + " if prefills else ""
+            out.append(Case("paged", f"B={b} ({what}decodes) Skv={skv} page {page}, moving",
+                            functools.partial(paged_call, b, skv, page, prefills, rows)))
     return out
 
 

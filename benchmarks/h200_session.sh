@@ -211,9 +211,9 @@ if [ "$1" = raw ]; then
     exit 0
 fi
 if [ "$1" = sized ]; then
-    # Session 25 (not GPU-run there): the portable paged forward's plan no longer keys on the
-    # lengths (fwd._paged_launch, _common.SizedLaunch: total_q, max_seqlen_q / k and the
-    # grid passed each call). Its GPU tests (paged varlen, chunked prefill, the steps sharing
+    # Session 25 (not GPU-run there): the paged forward's plans no longer key on the lengths
+    # (fwd._paged_launch, fwd_sm90._PagedRun, _common.SizedLaunch: total_q, max_seqlen_q / k,
+    # the batch and the grid passed each call). Its GPU tests (paged varlen, chunked prefill, the steps sharing
     # one plan), then host us of a decode step whose max_seqlen_k moves every call, against
     # .before (before_after.sh prep REV) in turns.
     K=tests/kernels
@@ -223,7 +223,7 @@ if [ "$1" = sized ]; then
         > "$OUT/test_sized.log" 2>&1
     echo "tests: $(tail -1 "$OUT/test_sized.log")"; grep -h "^FAILED" "$OUT/test_sized.log" | head
     in_turn 2 timeout 100 python3 benchmarks/bench_overhead.py --functions paged,kvcache \
-        --out /tmp/sized | grep -E " (varlen paged decode|attention_with_kvcache) "
+        --out /tmp/sized | grep -E " (varlen paged step|attention_with_kvcache) "
     timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -8
     exit 0
 fi

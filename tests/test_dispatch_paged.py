@@ -45,7 +45,7 @@ def log(monkeypatch):
 FAILING: set[str] = set()
 
 
-def _call(qlens, page=64, hq=8, hkv=2, d=128, pages=40):
+def _call(qlens, page=64, hq=8, hkv=2, d=128, pages=40, max_seqlen_k=512):
     """A paged forward of sequences of ``qlens`` query rows (CPU tensors: nothing runs)."""
     total = sum(qlens)
     q = torch.zeros(total, hq, d, dtype=torch.bfloat16)
@@ -54,7 +54,8 @@ def _call(qlens, page=64, hq=8, hkv=2, d=128, pages=40):
     lens = torch.full((len(qlens),), 300, dtype=torch.int32)
     table = torch.zeros(len(qlens), 8, dtype=torch.int32)
     return dispatch.attn_fwd_paged(q, cache, cache, table, cu_seqlens_q=cu,
-                                   max_seqlen_q=max(qlens), seqused_k=lens, max_seqlen_k=512,
+                                   max_seqlen_q=max(qlens), seqused_k=lens,
+                                   max_seqlen_k=max_seqlen_k,
                                    left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=None)
 
 
@@ -143,3 +144,25 @@ def test_paged_in_place_follows_the_domain_and_option(monkeypatch):
         assert dispatch.paged_in_place(q, cache, cache, softcap=0.0, scale=0.1) is ok
         with kernel_options(sm90_fwd_paged=False):
             assert not dispatch.paged_in_place(q, cache, cache, softcap=0.0, scale=0.1)
+
+
+def test_serving_steps_share_the_plans_and_pass_their_lengths(log):
+    """A serving engine's steps change the packed rows, the batch (here within one power of
+    two) and both max lengths every call: the Gluon and the portable plans are made once
+    (their keys leave those out) and each launch gets its call's grid and lengths."""
+    steps = [([300, 1, 1], 512), ([120, 1, 40, 1], 200), ([17, 1, 1], 64)]
+    for qlens, max_k in steps:
+        log.clear()
+        out, lse = _call(qlens, max_seqlen_k=max_k)
+        gluon, portable = log
+        total, batch, max_q = sum(qlens), len(qlens), max(qlens)
+        assert gluon.grid == (min(-(-total // 128) + batch, batch * -(-max_q // 128)), 8, 1)
+        capacity = min(8, -(-max_k // 64)) * 64
+        for launch in (gluon, portable):
+            assert (launch.named["total_q"], launch.named["seqlen_q"],
+                    launch.named["capacity"]) == (total, max_q, capacity)
+            assert launch.named["stride_lh"] == lse.stride(0) == total
+            assert launch.named["o"] is out and launch.named["lse"] is lse
+        assert gluon.named["batch"] == batch
+        assert portable.grid == (1, 2, batch)  # 16-row tiles of the decodes, kv heads, batch
+    assert len(fwd_sm90._PLANS) == 1 and len([k for k in fwd._PLANS if k[0] == "paged"]) == 1

@@ -133,7 +133,7 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
                 if plan.run is not None:
                     triton.set_allocator(alloc_scratch)
                     plan.run(q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k,
-                             block_table)
+                             block_table, max_seqlen_q, max_seqlen_k)
                 only_small = True
             except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
                 FAILURES.add(plan.signature, e, "the Hopper paged forward kernel", stacklevel=2)

@@ -85,6 +85,7 @@ from . import configs, options
 from ._common import (
     LOG2E,
     Launch,
+    SizedLaunch,
     alloc_scratch,
     capability,
     cdiv,
@@ -1206,8 +1207,9 @@ def _long_block(cu_seqlens_q, i_x, batch, total_q, seqlen_q, rows_lo, GROUP: gl.
     return i_b, bos, gl.sum(gl.where(this, T_q, 0), 0), i_m
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "total_q", "batch", "capacity", "num_pages", "rows_lo",
-                              "left", "right"])
+# (Every length and the lse stride, total_q, vary call to call: _PagedRun passes them.)
+@gluon.jit(do_not_specialize=["stride_lh", "seqlen_q", "total_q", "batch", "capacity",
+                              "num_pages", "rows_lo", "left", "right"])
 def _fwd_sm90_paged_kernel(
     q, k, v, o, lse, sink,
     cu_seqlens_q, seqused_k, block_table,
@@ -1689,23 +1691,22 @@ def paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_
     call's metadata, as :func:`plan`."""
     override = options.current().fwd_sm90_config
     key = None
+    batch = cu_seqlens_q.numel() - 1
     if not override:
-        key = ("paged", q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
-               v_cache.shape, v_cache.stride(), block_table.shape, block_table.stride(),
-               out.stride(), lse.stride(),
-               (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0,
-               cu_seqlens_q.shape, max_seqlen_q, max_seqlen_k, sink is None, left, right,
-               softcap, scale, rows_lo)
+        # Not the lengths a serving step changes (q's rows, lse's stride, the batch up to its
+        # power of two, max_seqlen_q / k): the plan's launch takes them each call.
+        key = ("paged", q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape,
+               k_cache.stride(), v_cache.shape, v_cache.stride(), block_table.stride(),
+               out.stride(), (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0,
+               next_pow2(max(batch, 1)), sink is None, left, right, softcap, scale, rows_lo)
         found = _PLANS.get(key, _MISSING)
         if found is not _MISSING:
             return found
     result = None
-    if paged_supported(q, k_cache, v_cache, softcap=softcap, scale=scale,
-                       batch=cu_seqlens_q.numel() - 1):
-        result = _paged_plan(q, k_cache, v_cache, block_table, out, lse,
-                             cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                             max_seqlen_k=max_seqlen_k, left=left, right=right, scale=scale,
-                             sink=sink, rows_lo=rows_lo, override=override)
+    if paged_supported(q, k_cache, v_cache, softcap=softcap, scale=scale, batch=batch):
+        result = _paged_plan(q, k_cache, v_cache, block_table, out, lse, batch=batch, left=left,
+                             right=right, scale=scale, sink=sink, rows_lo=rows_lo,
+                             override=override)
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
@@ -1713,30 +1714,52 @@ def paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_
     return result
 
 
-def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_seqlen_q,
-                max_seqlen_k, left, right, scale, sink, rows_lo, override) -> Plan:
-    total_q, hq, _ = q.shape
+def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, batch, left, right, scale, sink,
+                rows_lo, override) -> Plan:
+    hq = q.shape[1]
     num_pages, page, hkv = k_cache.shape[:3]
-    batch = cu_seqlens_q.numel() - 1
     signature = ("fwd_sm90 paged", q.dtype, left is None, right is None, sink is None,
                  hq // hkv, min(page, 128))
-    seqlen_q = int(max_seqlen_q)
-    if total_q == 0 or hq == 0 or batch == 0 or seqlen_q == 0:
+    if hq == 0:
         return Plan(None, signature)
-    # Only the table's pages that can hold one of the first max_seqlen_k keys are looked at.
-    n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page))
     kw = dict(stride_q=q.stride()[:2], stride_k=k_cache.stride()[:3],
-              stride_v=v_cache.stride()[:3], stride_o=out.stride()[:2], stride_lh=lse.stride(0),
-              stride_tb=block_table.stride(0), seqlen_q=seqlen_q, total_q=total_q,
-              batch=batch, capacity=n_cols * page, num_pages=num_pages, rows_lo=rows_lo,
+              stride_v=v_cache.stride()[:3], stride_o=out.stride()[:2],
+              stride_tb=block_table.stride(0), num_pages=num_pages, rows_lo=rows_lo,
               PAGE_SIZE=page,
               **_shared_kw(q, k_cache, left, right, scale, sink, _config(q, override)))
     kw["BLOCK_B"] = max(next_pow2(batch), 32 * kw["num_warps"])
-    # Row blocks of the long sequences: at most one partial block each beyond total_q's.
-    blocks = min(cdiv(total_q, 2 * HALF_M) + batch, batch * cdiv(seqlen_q, 2 * HALF_M))
-    grid = (blocks, hq)
-    return Plan(Launch(_fwd_sm90_paged_kernel, grid, *positional(_fwd_sm90_paged_kernel, 9, kw)),
-                signature)
+    launch = SizedLaunch(_fwd_sm90_paged_kernel, 9, kw, _PAGED_SIZED)
+    return Plan(_PagedRun(launch, hq, page), signature)
+
+
+# The paged kernel's arguments that change from call to call (SizedLaunch).
+_PAGED_SIZED = ("stride_lh", "seqlen_q", "total_q", "batch", "capacity")
+
+
+class _PagedRun:
+    """:func:`paged_plan`'s launch: each call's lengths (q's rows, the batch, max_seqlen_q /
+    max_seqlen_k) give the kernel's grid and its sized arguments; a call with no row
+    launches nothing."""
+
+    __slots__ = ("launch", "hq", "page")
+
+    def __init__(self, launch: SizedLaunch, hq: int, page: int):
+        self.launch, self.hq, self.page = launch, hq, page
+
+    def __call__(self, q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k,
+                 block_table, max_seqlen_q, max_seqlen_k) -> None:
+        total_q, batch, seqlen_q = q.shape[0], cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)
+        if total_q == 0 or batch == 0 or seqlen_q == 0:
+            return
+        # Only the table's pages that can hold one of the first max_seqlen_k keys are looked
+        # at. Row blocks of the long sequences: at most one partial block each beyond
+        # total_q's.
+        n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), self.page))
+        m = 2 * HALF_M.value
+        blocks = min(cdiv(total_q, m) + batch, batch * cdiv(seqlen_q, m))
+        self.launch((blocks, self.hq), (lse.stride(0), seqlen_q, total_q, batch,
+                                        n_cols * self.page),
+                    q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k, block_table)
 
 
 def attn_fwd_sm90(q, k, v, out, lse, *, left, right, scale, sink, cu_seqlens_q=None,
