@@ -254,11 +254,14 @@ def test_sized_launch_refuses_a_specialised_argument():
     it, so a SizedLaunch refuses to size it."""
     from flashlse.kernels import fwd
 
-    kernel = fwd._attn_fwd_paged_kernel
-    if not hasattr(kernel, "params"):
+    fwd_sm90 = pytest.importorskip("flashlse.kernels.fwd_sm90")
+    if not hasattr(fwd._attn_fwd_paged_kernel, "params"):
         pytest.skip("the interpreter's kernels carry no specialisation")
-    kw = {name: 0 for name in kernel.arg_names[9:]}
-    with pytest.raises(ValueError, match="stride_qs is specialised"):
-        _common.SizedLaunch(kernel, 9, kw, ("stride_qs",))
-    run = _common.SizedLaunch(kernel, 9, kw, fwd._PAGED_SIZED)
-    assert [kernel.arg_names[9 + i] for i in run.slots] == list(fwd._PAGED_SIZED)
+    for kernel, sized, fixed in ((fwd._attn_fwd_paged_kernel, fwd._PAGED_SIZED, "stride_qs"),
+                                 (fwd_sm90._fwd_sm90_paged_kernel, fwd_sm90._PAGED_SIZED,
+                                  "stride_tb")):
+        kw = {name: 0 for name in kernel.arg_names[9:]}
+        with pytest.raises(ValueError, match=f"{fixed} is specialised"):
+            _common.SizedLaunch(kernel, 9, kw, (fixed,))
+        run = _common.SizedLaunch(kernel, 9, kw, sized)
+        assert [kernel.arg_names[9 + i] for i in run.slots] == list(sized)
