@@ -217,11 +217,16 @@ if [ "$1" = sized ]; then
     # one plan), then host us of a decode step whose max_seqlen_k moves every call, against
     # .before (before_after.sh prep REV) in turns.
     K=tests/kernels
+    timeout 240 python3 -m pytest -q -p no:cacheprovider $K/test_fwd_paged_sm90.py \
+        > "$OUT/test_sized_a.log" 2>&1 &
+    P1=$!
     timeout 240 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
-        $K/test_fwd_paged_sm90.py $K/test_sync_free.py $K/test_launch_fast_path.py \
-        $K/test_cuda_graphs.py -k "paged or prefill or share or varlen or graph or fast" \
-        > "$OUT/test_sized.log" 2>&1
-    echo "tests: $(tail -1 "$OUT/test_sized.log")"; grep -h "^FAILED" "$OUT/test_sized.log" | head
+        $K/test_sync_free.py $K/test_launch_fast_path.py $K/test_cuda_graphs.py \
+        -k "paged or prefill or share or varlen or graph or fast" > "$OUT/test_sized_b.log" 2>&1 &
+    P2=$!
+    wait $P1 $P2
+    for f in "$OUT"/test_sized_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_sized_*.log | head
     in_turn 2 timeout 100 python3 benchmarks/bench_overhead.py --functions paged,kvcache \
         --out /tmp/sized | grep -E " (varlen paged step|attention_with_kvcache) "
     timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -8
