@@ -541,6 +541,14 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
                             max_seqlen_k, seqused_k, block_table, causal, window, softcap, scale,
                             sink, return_lse, deterministic):
     """``attention_varlen`` over paged caches: validation, then ``_paged_fwd``."""
+    kept = _paged_kept_key(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, seqused_k, block_table, causal, window, softcap, scale,
+                           sink, return_lse, deterministic)
+    hit = None if kept is None else _PAGED_KEPT.get(kept)
+    if hit is not None:
+        out, lse = _paged_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q,
+                              seqused_k, max_seqlen_k, sink, *hit)
+        return (out, lse) if return_lse else out
     V.check_tensor("q", q, 3, "(total_q, Hq, D)")
     layout = "(num_pages, page_size, Hkv, D)"
     V.check_tensor("k", k_cache, 4, layout)
@@ -598,8 +606,46 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
                          "under torch.no_grad(), or pack the keys for gradients")
     args = (q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens, max_seqlen_k,
             sink, left, right, softcap, scale)
+    if kept is not None:
+        # Every check passed: later calls of this key (any lengths) skip them.
+        if len(_PAGED_KEPT) >= _MAX_KEPT:
+            _PAGED_KEPT.clear()
+        _PAGED_KEPT[kept] = (left, right, softcap, scale)
     out, lse = _paged_fwd_op(*args) if torch.compiler.is_compiling() else _paged_fwd(*args)
     return (out, lse) if return_lse else out
+
+
+# A serving engine calls the paged forward every step with other lengths: the packed query
+# rows, the batch and both max lengths change, the rest does not. A call whose key (the
+# tensors' metadata less those lengths, the scalars of their canonical types) passed every
+# metadata check before skips them (``_paged_kept_key``): the only checks that read the
+# lengths compare the batch of cu_seqlens_q, the block table and seqused_k, and the key's
+# guard makes them each call. Value checks, grad, torch.compile, the PyTorch path and
+# lengths given by cu_seqlens_k take the full path.
+_PAGED_KEPT: dict = {}
+
+
+def _paged_kept_key(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, seqused_k, block_table, causal, window, softcap, scale, sink,
+                    return_lse, deterministic):
+    """The call's key in ``_PAGED_KEPT``, or None for a call that cannot take the kept path."""
+    if not (isinstance(q, torch.Tensor) and use_triton(q) and cu_seqlens_k is None
+            and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int
+            and V.canonical_scalars(causal, window, softcap, scale, return_lse, deterministic)):
+        return None
+    key = V.meta_key("paged-kept", k_cache, v_cache, sink)
+    tensors = (q, cu_seqlens_q, seqused_k, block_table)
+    if key is None or not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 3 \
+            or cu_seqlens_q.dim() != 1 or block_table.dim() != 2 or seqused_k.dim() != 1:
+        return None
+    bsz = cu_seqlens_q.shape[0] - 1
+    if bsz < 0 or block_table.shape[0] != bsz or seqused_k.shape[0] != bsz or \
+            V.values_checkable(seqused_k) or _needs_grad(q, k_cache, v_cache, sink):
+        return None
+    return (key, q.shape[1:], q.stride(), q.dtype, q.device, cu_seqlens_q.dtype,
+            cu_seqlens_q.device, seqused_k.dtype, seqused_k.device, block_table.shape[1],
+            block_table.stride(), block_table.dtype, block_table.device, causal, window,
+            softcap, scale)
 
 
 def _paged_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens, max_seqlen_k,

@@ -310,12 +310,24 @@ def test_kvcache_kept_plans_tell_their_scalars_apart(device):
     assert len(kv_mod._KEPT) == len(variants)
 
 
-def test_attention_varlen_paged_steps_share_one_plan(device):
+def test_attention_varlen_paged_steps_share_one_plan(device, monkeypatch):
     """A serving engine's steps change the batch, the packed rows and both max lengths
     every call: the portable paged kernel's plan (fwd._PLANS) is a function of the rest, its
     SizedLaunch passes each call's lengths and grid, and every step matches the float64
-    reference over one cache, its pages drawn anew each step."""
+    reference over one cache, its pages drawn anew each step. The checks run on the first
+    step only (ops/attention._PAGED_KEPT); a later call with a bad tensor, a batch that
+    disagrees, grad or value checks still meets them."""
+    import importlib
+
     from flashlse.kernels import fwd
+    from flashlse.ops import _validate
+
+    attn_mod = importlib.import_module("flashlse.ops.attention")
+    attn_mod._PAGED_KEPT.clear()
+    checked = []
+    real_check = _validate.check_tensor
+    monkeypatch.setattr(_validate, "check_tensor", lambda *a: checked.append(a[0]) or
+                        real_check(*a))
 
     g = torch.Generator().manual_seed(7)
     page, n_pages, hq, hkv, d = 3, 30, 4, 2, 16
@@ -346,3 +358,17 @@ def test_attention_varlen_paged_steps_share_one_plan(device):
         paged = [key for key in fwd._PLANS if key[0] == "paged"]
         # Every step here has at most 16 packed rows: one launch of 16-row tiles, one plan.
         assert len(paged) == 1, paged
+        assert len(attn_mod._PAGED_KEPT) == 1 and checked == ["q", "k", "v", "q", "k", "v"]
+        dev = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+        args = (q.to(device), k_cache.to(device), v_cache.to(device), cu_q.to(device))
+        with torch.no_grad(), fl.value_checks(False):
+            with pytest.raises(ValueError, match="block_table must have B"):
+                fl.attention_varlen(*args, **dict(dev, block_table=dev["block_table"][:1]))
+            with pytest.raises(TypeError, match="seqused_k must be int32"):
+                fl.attention_varlen(*args, **dict(dev, seqused_k=dev["seqused_k"].long()))
+            with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+                fl.attention_varlen(*args, **dict(dev, max_seqlen_q=2.0))
+        with pytest.raises(ValueError, match="forward only"), fl.value_checks(False):
+            fl.attention_varlen(args[0].clone().requires_grad_(), *args[1:], **dev)
+        with pytest.raises(ValueError, match="key lengths must lie"), fl.value_checks():
+            fl.attention_varlen(*args, **dict(dev, seqused_k=dev["seqused_k"] + 1000))
