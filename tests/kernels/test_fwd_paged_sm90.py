@@ -380,3 +380,30 @@ def test_fwd_paged_sm90_failure_falls_back(monkeypatch, compile_failures):
         portable = _run(t, causal=True)
     for got in (first, second):
         _assert_close_to(got, portable)
+
+
+def test_fwd_paged_sm90_serving_steps_share_one_plan(gluon_paged, monkeypatch):
+    """A serving engine's steps over one cache: the packed rows, the batch (within one power
+    of two) and both max lengths change every call. One Gluon paged plan and one portable
+    plan serve them all (fwd_sm90._PLANS, fwd._PLANS: their keys leave those out; each
+    launch gets its call's grid and lengths), and every step matches the reference."""
+    from flashlse.kernels import fwd, fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "_PLANS", {})
+    monkeypatch.setattr(fwd, "_PLANS", {})
+    dtype = torch.bfloat16
+    full = [1500, 900, 700, 400]
+    cache = _paged_batch(dtype, [1] * 4, full, 64, 8, 2, seed=3)
+    g = torch.Generator().manual_seed(4)
+    steps = [([300, 1, 1], [1400, 77, 700]), ([1, 130, 1, 40], [900, 600, 1, 400]),
+             ([17, 1, 200], [17, 900, 650]), ([64, 1, 1, 1], [1500, 2, 300, 399])]
+    for qlens, klens in steps:
+        b = len(qlens)
+        t = dict(cache, q=torch.randn(sum(qlens), 8, D, generator=g).to(dtype).to(DEVICE),
+                 cu_seqlens_q=cu(qlens).to(DEVICE), block_table=cache["block_table"][:b],
+                 seqused_k=torch.tensor(klens, dtype=torch.int32, device=DEVICE),
+                 max_seqlen_q=max(qlens), max_seqlen_k=max(klens))
+        _check_case(_run(t, causal=True), t, qlens, klens, dict(causal=True))
+    assert gluon_paged.launched == len(steps)
+    assert len([k for k in fwd_sm90._PLANS if k[0] == "paged"]) == 1
+    assert len([k for k in fwd._PLANS if k[0] == "paged"]) == 1
