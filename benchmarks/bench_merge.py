@@ -21,7 +21,8 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# The repo root last: a PYTHONPATH tree (h200_session.sh in_turn's .before) comes first.
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import median_ms  # noqa: E402
 

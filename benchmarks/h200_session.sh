@@ -213,22 +213,26 @@ fi
 if [ "$1" = sized ]; then
     # Session 25 (not GPU-run there): the paged forward's plans no longer key on the lengths
     # (fwd._paged_launch, fwd_sm90._PagedRun, _common.SizedLaunch: total_q, max_seqlen_q / k,
-    # the batch and the grid passed each call). Its GPU tests (paged varlen, chunked prefill, the steps sharing
-    # one plan), then host us of a decode step whose max_seqlen_k moves every call, against
-    # .before (before_after.sh prep REV) in turns.
+    # the batch and the grid passed each call; ops/attention._PAGED_KEPT). Its GPU tests
+    # (serving steps sharing one plan, paged varlen, chunked prefill), then host us of steps
+    # whose max_seqlen_k moves every call, against .before (before_after.sh prep REV) in
+    # turns, then bench_serving (GPU time, unchanged expected). Under 10 minutes.
     K=tests/kernels
-    timeout 240 python3 -m pytest -q -p no:cacheprovider $K/test_fwd_paged_sm90.py \
-        > "$OUT/test_sized_a.log" 2>&1 &
+    # The new serving-step tests first (a long list may be cut by its limit).
+    timeout 100 python3 -m pytest -q -p no:cacheprovider $K/test_fwd_paged_sm90.py \
+        $K/test_kvcache_kernels.py -k "serving or share_one_plan" > "$OUT/test_sized_0.log" 2>&1
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_fwd_paged_sm90.py \
+        -k "bf16 or failure or bad_page or nan or sink" > "$OUT/test_sized_a.log" 2>&1 &
     P1=$!
-    timeout 240 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
         $K/test_sync_free.py $K/test_launch_fast_path.py $K/test_cuda_graphs.py \
-        -k "paged or prefill or share or varlen or graph or fast" > "$OUT/test_sized_b.log" 2>&1 &
+        -k "paged or prefill or varlen or graph or fast" > "$OUT/test_sized_b.log" 2>&1 &
     P2=$!
     wait $P1 $P2
     for f in "$OUT"/test_sized_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_sized_*.log | head
-    in_turn 2 timeout 100 python3 benchmarks/bench_overhead.py --functions paged,kvcache \
-        --out /tmp/sized | grep -E " (varlen paged step|attention_with_kvcache) "
+    in_turn 2 timeout 60 python3 benchmarks/bench_overhead.py --functions paged \
+        --out /tmp/sized | grep -E " varlen paged step "
     timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -8
     exit 0
 fi
