@@ -33,7 +33,8 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 # Runnable from a checkout that is not pip-installed (the lent machines get a copy).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The repo root last: a PYTHONPATH tree (an in-turn A/B's .before) comes first.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
