@@ -125,15 +125,16 @@ def attention_step(q, k, v, dout, *, threads: bool = True, **kw):
 
 def flag_runs(flag: str, fn):
     """``fn`` with the module flag ``flag`` ("MODULE.NAME" of ``flashlse.kernels``, read when
-    a backward plans its launches) on, and off, and a call that puts its value back: the
-    plans are dropped whenever it changes, so calls timed in turn (``interleaved_ms``) each
-    run their own side."""
+    a backward plans its launches, or a full "flashlse.ops._validate.KEEP_PLANS") on, and
+    off, and a call that puts its value back: the plans are dropped whenever it changes, so
+    calls timed in turn (``interleaved_ms``) each run their own side."""
     import importlib
 
     from flashlse.kernels import bwd
 
     mod_name, name = flag.rsplit(".", 1)
-    mod = importlib.import_module(f"flashlse.kernels.{mod_name}")
+    mod = importlib.import_module(mod_name if mod_name.startswith("flashlse.")
+                                  else f"flashlse.kernels.{mod_name}")
     original = getattr(mod, name)
 
     def setting(value, then):

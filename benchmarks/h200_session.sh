@@ -26,6 +26,7 @@
 #                                                host us with RAW_LAUNCH on / off in turns
 #   bash benchmarks/h200_session.sh sized      # the paged forward's length-free plan: its GPU
 #                                                tests, host us of a moving decode step vs .before
+#   bash benchmarks/h200_session.sh keep-ab    # host us with the kept plans on / off, in turns
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -44,7 +45,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost raw sized paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -234,6 +235,15 @@ if [ "$1" = sized ]; then
     in_turn 2 timeout 60 python3 benchmarks/bench_overhead.py --functions paged \
         --out /tmp/sized | grep -E " varlen paged step "
     timeout 120 python3 benchmarks/bench_serving.py 2>&1 | tail -8
+    exit 0
+fi
+if [ "$1" = keep-ab ]; then
+    # The public calls' kept plans (session 24-25: kvcache, merge, attention's inference
+    # forward, the paged call's checks, sparse's decode plan) on / off in one process, in
+    # turns (_validate.KEEP_PLANS): their host us on the GPU, which session 25's call 1
+    # could not give (its in-turn A/B ran one tree twice).
+    timeout 200 python3 benchmarks/profile_host.py --ab flashlse.ops._validate.KEEP_PLANS \
+        --rounds 6 2>&1 | tee "$OUT/ab_keep.log" | grep "=== ab"
     exit 0
 fi
 if [ "$1" = mla-cost ]; then

@@ -208,7 +208,23 @@ def calls(dev="cuda"):
     lat = torch.randn(4 * 64, 64, 1, 576, device=dev, dtype=dt)
     lat_table = torch.arange(4 * 64, dtype=torch.int32, device=dev).view(4, 64)
     idx = torch.randint(0, 4096, (4, 1, 1, 2048), dtype=torch.int32, device=dev)
+    # A serving step through attention_varlen with a block table: 16 decodes over 4k keys on
+    # pages of 16, max_seqlen_k one longer every call (wrapping within a page), as an
+    # engine's steps change it.
+    pq = torch.randn(16, 32, 128, device=dev, dtype=dt)
+    pk = torch.randn(16 * 257, 16, 8, 128, device=dev, dtype=dt)
+    ptable = torch.arange(16 * 257, dtype=torch.int32, device=dev).view(16, 257)
+    plens = torch.full((16,), 4096, dtype=torch.int32, device=dev)
+    pcu = torch.arange(17, dtype=torch.int32, device=dev)
+    step = [0]
+
+    def paged_step():
+        step[0] = (step[0] + 1) % 16
+        return fl.attention_varlen(pq, pk, pk, pcu, None, 1, 4096 + step[0], seqused_k=plens,
+                                   block_table=ptable, causal=True)
+
     rows = {
+        "varlen paged decode step": paged_step,
         "sparse top-k MLA decode paged": lambda: fl.sparse_attention(
             qm, lat, lat[..., :512], idx, block_table=lat_table, scale=0.05),
         "attention_varlen fwd 2 x 1k": lambda: fl.attention_varlen(qv, qv, qv, cu, cu, 1024,
@@ -361,7 +377,8 @@ def main():
     ap.add_argument("--rows", default=None,
                     help="only the GPU rows whose names contain this (no floor table)")
     ap.add_argument("--ab", default=None, metavar="MODULE.NAME",
-                    help="host us a call with this flashlse.kernels flag on / off in turns")
+                    help="host us a call with this flag on / off in turns (a module of "
+                         "flashlse.kernels, or a full flashlse.* module)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--parts", action="store_true",
                     help="host us of a B=16 S=1k fwd+bwd's pieces (GPU)")

@@ -328,6 +328,23 @@ def test_public_forward_keeps_its_launch(kernels, monkeypatch):
     assert len(attention_ops._KEPT) == 2
 
 
+def test_kept_plans_off_takes_the_full_path(kernels, monkeypatch):
+    """``_validate.KEEP_PLANS`` off (the benchmarks' in-process A/B): every call dispatches
+    again and nothing is kept."""
+    from flashlse.ops import _validate
+
+    monkeypatch.setattr(attention_ops, "use_triton", lambda t: True)
+    monkeypatch.setattr(attention_ops, "_KEPT", {})
+    monkeypatch.setattr(_validate, "KEEP_PLANS", False)
+    asked = []
+    real = dispatch.fwd_launch
+    monkeypatch.setattr(dispatch, "fwd_launch", lambda *a, **kw: asked.append(1) or real(*a, **kw))
+    q, k, v, kw = _dense()
+    for _ in range(3):
+        attention_ops.attention(q, k, v, causal=True, scale=kw["scale"])
+    assert len(asked) == 3 and not attention_ops._KEPT
+
+
 def test_portable_launchers_know_no_hopper_kernel():
     for mod in (fwd, bwd):
         assert not any(name.endswith("_sm90") or "FAILED" in name for name in vars(mod)), mod

@@ -79,6 +79,12 @@ def meta_key(tag, *tensors) -> tuple | None:
     return tuple(key)
 
 
+# The public calls' kept plans (ops/attention, kvcache, merge ``_KEPT``, attention's
+# ``_PAGED_KEPT``, sparse's kept decode plan): off, every call takes the full path (the
+# benchmarks' in-process A/B, ``profile_host.py --ab flashlse.ops._validate.KEEP_PLANS``).
+KEEP_PLANS = True
+
+
 def canonical_scalars(causal, window, softcap, scale, *flags) -> bool:
     """Whether a call's scalars are of the types a kept plan's key may hold them as (a bool
     ``causal`` and ``flags``, a float ``softcap``, a float or None ``scale``, a tuple of two

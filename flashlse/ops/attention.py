@@ -324,9 +324,9 @@ def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, determi
     """The call's key in ``_KEPT``, or None for a call that cannot take the kept path: the
     PyTorch path, torch.compile, a tensor needing grad, a scalar not of its canonical type,
     tile overrides (and anything not a tensor: the checks say what is wrong)."""
-    if not (isinstance(q, torch.Tensor) and use_triton(q) and V.canonical_scalars(
-            causal, window, softcap, scale, return_lse, deterministic)) or (
-            q.requires_grad and torch.is_grad_enabled()):  # (training: no key to build)
+    if not (V.KEEP_PLANS and isinstance(q, torch.Tensor) and use_triton(q)
+            and V.canonical_scalars(causal, window, softcap, scale, return_lse, deterministic)
+            ) or (q.requires_grad and torch.is_grad_enabled()):  # (training: no key to build)
         return None
     key = V.meta_key("attention-kept", q, k, v, sink)
     if key is None or _needs_grad(q, k, v, sink):
@@ -629,7 +629,8 @@ def _paged_kept_key(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                     max_seqlen_k, seqused_k, block_table, causal, window, softcap, scale, sink,
                     return_lse, deterministic):
     """The call's key in ``_PAGED_KEPT``, or None for a call that cannot take the kept path."""
-    if not (isinstance(q, torch.Tensor) and use_triton(q) and cu_seqlens_k is None
+    if not (V.KEEP_PLANS and isinstance(q, torch.Tensor) and use_triton(q)
+            and cu_seqlens_k is None
             and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int
             and V.canonical_scalars(causal, window, softcap, scale, return_lse, deterministic)):
         return None

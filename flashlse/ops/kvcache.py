@@ -307,7 +307,8 @@ def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sin
     append (``k_new``), torch.compile, a scalar not of its canonical type (``True`` and ``1``
     hash alike; only the full path's checks tell them apart)."""
     if k_new is not None or v_new is not None or num_splits.__class__ is not int or \
-            not V.canonical_scalars(causal, window, softcap, scale, return_lse):
+            not V.KEEP_PLANS or not V.canonical_scalars(causal, window, softcap, scale,
+                                                        return_lse):
         return None
     key = V.meta_key("kvcache-kept", q, k_cache, v_cache, cache_seqlens, block_table, sink)
     if key is None:

@@ -176,7 +176,7 @@ _MAX_KEPT = 1024
 
 
 def _kept_key(outs, lses, sink, layout):
-    if sink is not None or not (layout is None or layout.__class__ is str):
+    if sink is not None or not (layout is None or layout.__class__ is str) or not V.KEEP_PLANS:
         return None
     key = V.meta_key("merge-kept", outs, lses)
     return None if key is None else (key, layout)
