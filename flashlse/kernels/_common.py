@@ -124,11 +124,8 @@ class Launch:
         if c is not None and _fast_path(c[0], c[1], tensors):
             device, _, kernel, raw = c
             if raw is not None and RAW_LAUNCH:
-                after = raw[2]
-                if raw[3]:
-                    # In-kernel TMA descriptors' scratch, a buffer a launch (as Triton's).
-                    after = after[:3] + (alloc_scratch(raw[3], 128, None),) + after[4:]
-                raw[0](*raw[1], torch._C._cuda_getCurrentRawStream(device), *after, *tensors,
+                raw[0](*raw[1], torch._C._cuda_getCurrentRawStream(device),
+                       *(_with_scratch(raw[2], raw[3]) if raw[3] else raw[2]), *tensors,
                        *self.args)
                 return
             g0, g1, g2 = self.grid
@@ -179,11 +176,10 @@ class SizedLaunch(Launch):
             device, _, kernel, raw = c
             stream = torch._C._cuda_getCurrentRawStream(device)
             if raw is not None and RAW_LAUNCH:
-                after = raw[2]
-                if raw[3]:  # scratch bytes of one program (planned on a grid of 1)
-                    after = after[:3] + (alloc_scratch(raw[3] * grid[0] * grid[1] * grid[2],
-                                                       128, None),) + after[4:]
-                raw[0](*grid, stream, *after, *tensors, *args)
+                # (raw[3]: the scratch bytes of one program, planned on a grid of 1.)
+                raw[0](*grid, stream, *(_with_scratch(raw[2], raw[3] * grid[0] * grid[1]
+                                                      * grid[2]) if raw[3] else raw[2]),
+                       *tensors, *args)
                 return
             kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None,
                        *tensors, *args)
@@ -193,6 +189,13 @@ class SizedLaunch(Launch):
 
 # Launch's raw path (off: through Triton's CudaLauncher.__call__; benchmarks' A/B).
 RAW_LAUNCH = True
+
+
+def _with_scratch(after: tuple, nbytes: int) -> tuple:
+    """``_raw_launch``'s arguments after the stream with a fresh global scratch buffer of
+    ``nbytes`` in its place (the kernels' in-kernel TMA descriptors), a buffer a launch as
+    Triton's launcher allocates it."""
+    return after[:3] + (alloc_scratch(nbytes, 128, None),) + after[4:]
 
 
 def _raw_launch(kernel, grid: tuple):

@@ -85,6 +85,12 @@ def meta_key(tag, *tensors) -> tuple | None:
 KEEP_PLANS = True
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd records this call: grad mode on and a tensor (None: absent) that
+    requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def canonical_scalars(causal, window, softcap, scale, *flags) -> bool:
     """Whether a call's scalars are of the types a kept plan's key may hold them as (a bool
     ``causal`` and ``flags``, a float ``softcap``, a float or None ``scale``, a tuple of two

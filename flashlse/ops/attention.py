@@ -291,7 +291,7 @@ def _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             left, right, softcap, scale, deterministic)
     if torch.compiler.is_compiling():
         return _attn_fwd_op(*args)
-    if _needs_grad(q, k, v, sink):
+    if V.needs_grad(q, k, v, sink):
         return AttentionFunction.apply(*args)
     if kept is not None:
         dispatch = kernel_module("dispatch")
@@ -304,11 +304,6 @@ def _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink,
                     **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  seqused_k))
-
-
-def _needs_grad(q, k, v, sink) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (sink is not None and sink.requires_grad))
 
 
 # Inference repeats its calls: a dense forward without grad whose metadata key (the tensors'
@@ -329,7 +324,7 @@ def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, determi
             ) or (q.requires_grad and torch.is_grad_enabled()):  # (training: no key to build)
         return None
     key = V.meta_key("attention-kept", q, k, v, sink)
-    if key is None or _needs_grad(q, k, v, sink):
+    if key is None or V.needs_grad(q, k, v, sink):
         return None
     opts = kernel_module("options").current()
     if opts.fwd_config or opts.fwd_sm90_config:
@@ -600,8 +595,7 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
             raise ValueError(f"block_table entries for the pages in use must lie in "
                              f"[0, {k_cache.shape[0]}) (the number of pages), found "
                              f"{block_table[bad][:4].tolist()}")
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
+    if V.needs_grad(q, k_cache, v_cache, sink):
         raise ValueError("attention_varlen with a block_table is forward only (serving); call it "
                          "under torch.no_grad(), or pack the keys for gradients")
     args = (q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens, max_seqlen_k,
@@ -641,7 +635,7 @@ def _paged_kept_key(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         return None
     bsz = cu_seqlens_q.shape[0] - 1
     if bsz < 0 or block_table.shape[0] != bsz or seqused_k.shape[0] != bsz or \
-            V.values_checkable(seqused_k) or _needs_grad(q, k_cache, v_cache, sink):
+            V.values_checkable(seqused_k) or V.needs_grad(q, k_cache, v_cache, sink):
         return None
     return (key, q.shape[1:], q.stride(), q.dtype, q.device, cu_seqlens_q.dtype,
             cu_seqlens_q.device, seqused_k.dtype, seqused_k.device, block_table.shape[1],

@@ -274,9 +274,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     softcap = V.check_softcap(softcap)
     scale = V.check_scale(scale, q.shape[-1])
     sink = V.check_sink(sink, q.shape[2], q.device)
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
-                                    v_cache.requires_grad or
-                                    (sink is not None and sink.requires_grad)):
+    if V.needs_grad(q, k_cache, v_cache, sink):
         raise ValueError("attention_with_kvcache is not differentiable (serving); call it under "
                          "torch.no_grad(), or use flashlse.attention for gradients")
     if torch.compiler.is_compiling():
@@ -323,10 +321,8 @@ def _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink):
     """``(out, lse)`` from the plan kept for ``kept``, or None: no plan kept, value checks
     asked for, a tensor needing grad, or the Hopper MLA kernel failed (the plan dropped)."""
     hit = _KEPT.get(kept)
-    if hit is None or (cache_seqlens is not None and V.values_checkable(cache_seqlens)) or (
-            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
-                                         or v_cache.requires_grad
-                                         or (sink is not None and sink.requires_grad))):
+    if hit is None or (cache_seqlens is not None and V.values_checkable(cache_seqlens)) or \
+            V.needs_grad(q, k_cache, v_cache, sink):
         return None
     decode = kernel_module("decode")
     got = decode.run_plan(hit[1], hit[0], q, k_cache, v_cache, cache_seqlens, block_table, sink,

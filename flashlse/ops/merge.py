@@ -140,8 +140,7 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor |
         ``(0, -inf)``, or ``(0, sink)`` with a sink. A +inf or NaN lse makes its row NaN.
     """
     kept = _KEPT.get(key) if (key := _kept_key(outs, lses, sink, layout)) is not None else None
-    if kept is not None and not V.values_checkable(lses) and not (
-            torch.is_grad_enabled() and (outs.requires_grad or lses.requires_grad)):
+    if kept is not None and not V.values_checkable(lses) and not V.needs_grad(outs, lses):
         plan, out_shape, lse_shape, flash = kept
         out, lse = kernel_module("combine").fresh_run(plan, outs, lses, out_shape, lse_shape)
         return (out, lse.transpose(-1, -2)) if flash else (out, lse)
@@ -156,8 +155,8 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor |
     validate_states(outs, lses, sink)
     _check_canonical(lses)
     out, lse = merge_states_unchecked(outs, lses, sink=sink)
-    if key is not None and use_triton(outs) and lses.dtype == torch.float32 and not (
-            torch.is_grad_enabled() and (outs.requires_grad or lses.requires_grad)):
+    if key is not None and use_triton(outs) and lses.dtype == torch.float32 and \
+            not V.needs_grad(outs, lses):
         # Every check passed: later calls with this key launch the plan at once.
         plan = kernel_module("combine").fresh_plan(outs, lses)
         if callable(plan):  # a launch (not nothing to do, nor contiguous copies first)
@@ -197,9 +196,7 @@ def _check_canonical(lses: torch.Tensor) -> None:
 
 def merge_states_unchecked(outs, lses, *, sink=None):
     """:func:`merge_states` without validation: for internal callers (split-KV, the ring)."""
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (outs, lses, sink))
-    if use_triton(outs) and not needs_grad:
+    if use_triton(outs) and not V.needs_grad(outs, lses, sink):
         return kernel_module("combine").merge_states_fwd(
             outs, lses.float(), sink=None if sink is None else sink.float())
     out, lse = merge_math(outs, lses, sink)

@@ -395,8 +395,7 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
     """Sparse attention over paged caches: the kernel reads the listed rows in place; the
     PyTorch path gathers each sequence's capacity first. Forward only. ``key``: the call's
     metadata key (its plan is kept by it)."""
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k_cache, v_cache, sink)):
+    if V.needs_grad(q, k_cache, v_cache, sink):
         raise ValueError("sparse_attention with a block_table is forward only (serving); call "
                          "it under torch.no_grad()")
     checked = V.values_checkable(block_table) and indices.numel()
