@@ -243,6 +243,8 @@ def _public_fwd(device, dtype, b, sq, sk, hq, hkv, d, causal=False, window=(None
     q, k, v = (torch.randn(b, s, h, d, generator=gen).to(dtype).to(device)
                for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
     sink_t = (torch.randn(hq, generator=gen) * 2).to(device) if sink else None
+    if sink == "neginf":  # a -inf sink is no sink
+        sink_t.fill_(float("-inf"))
     if nan_q is not None:
         q[nan_q] = float("nan")
     kw = dict(causal=causal, window=window, softcap=softcap, scale=scale, sink=sink_t)
@@ -263,8 +265,10 @@ KEPT_D = 128 if HAS_CUDA else 32
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True, sink=True),
+                                dict(causal=True, sink="neginf"),
                                 dict(window=(5, 3), softcap=1.5), dict(hkv=1, causal=True)],
-                         ids=["plain", "causal_sink", "window_softcap", "mqa_causal"])
+                         ids=["plain", "causal_sink", "causal_neginf_sink", "window_softcap",
+                              "mqa_causal"])
 def test_attention_repeated_calls_launch_the_kept_launch(device, monkeypatch, kw):
     """A dense forward without grad that passed every check keeps its launch by its key
     (ops/attention._KEPT); later calls of that key launch it without the checks: fresh values
@@ -281,7 +285,10 @@ def test_attention_repeated_calls_launch_the_kept_launch(device, monkeypatch, kw
     real = attn_mod._run_kept
     monkeypatch.setattr(attn_mod, "_run_kept", lambda *a: hits.append(real(*a)) or hits[-1])
     for seed in range(3):
-        _public_fwd(device, torch.float16, *shape, seed=seed, **kw)
+        out, lse = _public_fwd(device, torch.float16, *shape, seed=seed, **kw)
+        # Causal with Sq > Sk: the first 7 rows see no key (lse -inf or the sink, out 0).
+        if kw.get("causal") and kw.get("sink") in (None, "neginf"):
+            assert torch.isneginf(lse[:, :, :7]).all() and (out[:, :7] == 0).all()
     assert len(attn_mod._KEPT) == 1
     assert hits[0] is None and all(h is not None for h in hits[1:]) and len(hits) == 3
     out, lse = _public_fwd(device, torch.float16, *shape, seed=5, nan_q=(1, 7, 2), **kw)

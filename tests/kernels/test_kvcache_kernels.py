@@ -334,8 +334,11 @@ def test_attention_varlen_paged_steps_share_one_plan(device, monkeypatch):
     k_cache = torch.randn(n_pages, page, hkv, d, generator=g).half()
     v_cache = torch.randn(n_pages, page, hkv, d, generator=g).half()
     table_w = 8
+    # The fourth step has empty rows: a cache of no key, and 3 queries on 2 keys (causal,
+    # bottom-right: the first sees none).
     steps = [([1, 1, 1], [5, 9, 2]), ([3, 1], [7, 10]), ([1, 2, 1, 1], [11, 4, 1, 24]),
-             ([2], [13]), ([1, 1, 1, 1, 1], [3, 6, 9, 12, 15])]
+             ([3, 1, 2], [2, 0, 13]), ([1, 1, 1, 1, 1], [3, 6, 9, 12, 15])]
+    n_empty = 0
     with kernel_options(sm90_fwd_paged=False):
         fwd._PLANS.clear()
         for qlens, klens in steps:
@@ -355,6 +358,12 @@ def test_attention_varlen_paged_steps_share_one_plan(device, monkeypatch):
                                                   v_cache.double(), cu_q, **kw)
             torch.testing.assert_close(out.cpu().double(), ref_out, atol=2e-3, rtol=2e-3)
             torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=2e-3, rtol=2e-3)
+            empty = torch.isneginf(ref_lse[0])
+            n_empty += int(empty.sum())
+            assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+            assert (out.cpu()[empty] == 0).all() and not torch.isnan(out).any()
+            assert not torch.isnan(lse).any()
+        assert n_empty == 2  # the fourth step's: its first query and its keyless sequence
         paged = [key for key in fwd._PLANS if key[0] == "paged"]
         # Every step here has at most 16 packed rows: one launch of 16-row tiles, one plan.
         assert len(paged) == 1, paged
@@ -372,3 +381,10 @@ def test_attention_varlen_paged_steps_share_one_plan(device, monkeypatch):
             fl.attention_varlen(args[0].clone().requires_grad_(), *args[1:], **dev)
         with pytest.raises(ValueError, match="key lengths must lie"), fl.value_checks():
             fl.attention_varlen(*args, **dict(dev, seqused_k=dev["seqused_k"] + 1000))
+        # A NaN query row (the kept path) reaches exactly its own outputs.
+        q_nan = args[0].clone()
+        q_nan[2] = float("nan")
+        with torch.no_grad(), fl.value_checks(False):
+            out, lse = fl.attention_varlen(q_nan, *args[1:], **dev)
+        assert torch.isnan(out[2]).all() and torch.isnan(lse[:, 2]).all()
+        assert torch.isnan(out).sum() == out[2].numel() and torch.isnan(lse).sum() == hq
