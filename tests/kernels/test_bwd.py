@@ -839,3 +839,43 @@ def test_attn_bwd_sm90_dq_persistent_domain(monkeypatch):
     assert call(s=1000) is None  # S % 64
     assert call(b=1, s=16384) is None  # causal 16k: the round robin is uneven
     assert call(dout=empty(8, 16, 2048, 128).transpose(1, 2)) is None  # heads not adjacent
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("sq", [1, 45, 64])
+def test_attn_bwd_preprocess_zeroes_the_fused_dq(device, dtype, sq):
+    """``prepare(defer_pre=True)`` then ``preprocess(zero_dq=True)`` (the fused backward's
+    float32 dQ, ``PRE_ZERO_DQ``): the buffer (allocated NaN-poisoned) comes back all zeros,
+    every row block's last rows included, and the statistics are the plain preprocess's,
+    bit for bit (D against float64 too); a second ``preprocess`` launches nothing. Packed
+    varlen calls have no zeroing form (rows outside every sequence)."""
+    gen = torch.Generator().manual_seed(sq)
+    b, sk, hq, hkv, d = 2, 37, 4, 2, 32
+    q = torch.randn(b, sq, hq, d, generator=gen).to(dtype).to(device)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen).to(dtype).to(device) for _ in range(2))
+    kw = dict(left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=None)
+    out, lse = attn_fwd_torch(q, k, v, **kw)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    p = bwd.prepare(dout, dlse, q, k, v, out, lse, defer_pre=True, **kw)
+    assert p.pre is not None and p.plan.pre_zero_run is not None
+    acc = p.preprocess(zero_dq=True)
+    assert acc.dtype == torch.float32 and acc.shape == q.shape and p.pre is None
+    assert torch.equal(acc, torch.zeros_like(acc))
+    plain = bwd.prepare(dout, dlse, q, k, v, out, lse, **kw)
+    assert torch.equal(p.delta, plain.delta) and torch.equal(p.lse_log2, plain.lse_log2)
+    ref = ((out.double() * dout.double()).sum(-1).transpose(1, 2) - dlse.double())
+    torch.testing.assert_close(p.delta.double(), ref, atol=1e-2, rtol=1e-3)
+    p.delta.fill_(float("nan"))
+    assert p.preprocess() is None and torch.isnan(p.delta).all()  # not launched again
+    # Asked for after the preprocess ran: torch's zeros.
+    assert torch.equal(p.preprocess(zero_dq=True), torch.zeros_like(acc))
+    cu = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device=device)
+    pv = bwd.prepare(dout.flatten(0, 1), dlse.transpose(0, 1).flatten(1), q.flatten(0, 1),
+                     k.flatten(0, 1), v.flatten(0, 1), out.flatten(0, 1),
+                     lse.transpose(0, 1).flatten(1).contiguous(), cu_seqlens_q=cu,
+                     cu_seqlens_k=torch.tensor([0, sk, 2 * sk], dtype=torch.int32,
+                                               device=device),
+                     max_seqlen_q=sq, max_seqlen_k=sk, defer_pre=True, **kw)
+    assert pv.plan.pre_zero_run is None
+    assert torch.equal(pv.preprocess(zero_dq=True), torch.zeros(q.flatten(0, 1).shape,
+                                                                device=device))
