@@ -27,8 +27,6 @@
 #   bash benchmarks/h200_session.sh sized      # the paged forward's length-free plan: its GPU
 #                                                tests, host us of a moving decode step vs .before
 #   bash benchmarks/h200_session.sh keep-ab    # host us with the kept plans on / off, in turns
-#   bash benchmarks/h200_session.sh prezero    # the fused backward's dQ zeroed by the
-#                                                preprocess: its tests, fwd+bwd on / off
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -47,7 +45,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost prezero raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -246,21 +244,6 @@ if [ "$1" = keep-ab ]; then
     # could not give (its in-turn A/B ran one tree twice).
     timeout 200 python3 benchmarks/profile_host.py --ab flashlse.ops._validate.KEEP_PLANS \
         --rounds 6 2>&1 | tee "$OUT/ab_keep.log" | grep "=== ab"
-    exit 0
-fi
-if [ "$1" = prezero ]; then
-    # Session 26: the fused backward's float32 dQ zeroed by the preprocess kernel
-    # (bwd.PRE_ZERO_DQ; one fill launch less a backward): the backward's GPU tests on the
-    # fused path, then public fwd+bwd TFLOP/s and host us with it on / off, in turns.
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_bwd.py \
-        tests/kernels/test_cuda_graphs.py tests/kernels/test_sync_free.py \
-        -k "preprocess_zeroes or fused or (sm90 and bf16 and not tl and not varlen) or (graph and (bwd or train or step)) or (sync and (attention or bwd))" \
-        > "$OUT/test_prezero.log" 2>&1
-    echo "tests: $(tail -1 "$OUT/test_prezero.log")"; grep -h "^FAILED" "$OUT/test_prezero.log" | head
-    timeout 150 python3 benchmarks/ab_bwd_switch.py --flag bwd.PRE_ZERO_DQ --seqs 1024,2048 \
-        --one-thread 2>&1 | tee "$OUT/ab_prezero.log" | tail -6
-    timeout 120 python3 benchmarks/profile_host.py --ab flashlse.kernels.bwd.PRE_ZERO_DQ \
-        --rows "fwd+bwd" --rounds 8 2>&1 | grep "=== ab" | tee -a "$OUT/ab_prezero.log"
     exit 0
 fi
 if [ "$1" = mla-cost ]; then

@@ -376,16 +376,10 @@ def test_backward_fused_by_default(kernels):
     assert g.named["FUSED_DQ"] and acc.dtype == torch.float32 and acc.shape == q.shape
     assert g.named["stride_dqa"] == dq.stride()[:3] and g.args[6] is dk
     assert g.grid == (3, 2, 2)  # (ceil(333 / 128) key blocks, Hkv, B)
-    # The float32 dQ is zeroed by the preprocess launch (PRE_ZERO_DQ), not by a fill of its
-    # own; the two-pass backward's preprocess writes none.
-    pre = kernels.of("bwd_pre").named
-    assert pre["dq_acc"] is acc and (pre["stride_zb"], pre["stride_zs"], pre["stride_zh"]) \
-        == acc.stride()[:3]
     for opts in (dict(deterministic=True), dict(deterministic=False, sm90_dq=False)):
         kernels.log.clear()
         _backward(q, k, v, kw, **opts)
         assert kernels.names() != ["bwd_pre", "dkdv_sm90"]
-        assert kernels.names()[0] == "bwd_pre" and kernels.of("bwd_pre").named["dq_acc"] is None
     # torch's deterministic mode keeps the two passes as deterministic=True does.
     kernels.log.clear()
     torch.use_deterministic_algorithms(True)
@@ -395,34 +389,6 @@ def test_backward_fused_by_default(kernels):
         torch.use_deterministic_algorithms(False)
     assert kernels.names() != ["bwd_pre", "dkdv_sm90"] and not kernels.of("dkdv_sm90").named[
         "FUSED_DQ"]
-
-
-def test_backward_fused_failure_runs_the_preprocess_once(kernels, monkeypatch):
-    """A fused kernel that fails to compile after the preprocess ran (zeroing the float32 dQ):
-    the two passes follow with that preprocess's statistics and launch it no second time;
-    with ``PRE_ZERO_DQ`` off the float32 dQ is zeroed by torch and the preprocess writes
-    none."""
-    q, k, v, kw = _dense()
-    # Only the fused launch fails (FUSED_DQ): the two-pass dK/dV kernel compiles.
-    monkeypatch.setattr(bwd_sm90._dkdv_sm90_kernel, "fails",
-                        lambda named: bool(named["FUSED_DQ"]))
-    with pytest.warns(RuntimeWarning, match="fused backward kernel failed"):
-        _backward(q, k, v, kw, deterministic=False)
-    assert kernels.names() == ["bwd_pre", "dkdv_sm90", "dkdv_sm90", "dq_sm90"]
-    pre = kernels.of("bwd_pre").named
-    fused, two = [g for g in kernels.log if g.kernel == "dkdv_sm90"]
-    assert pre["dq_acc"] is fused.args[11] and not two.named["FUSED_DQ"]
-    assert two.named["delta"] is pre["delta"] and two.named["lse_log2"] is pre["lse_log2"]
-    # PRE_ZERO_DQ off: the preprocess writes no dQ, torch zeroes the float32 one.
-    monkeypatch.setattr(bwd_sm90._dkdv_sm90_kernel, "fails", lambda named: False)
-    monkeypatch.setattr(bwd, "PRE_ZERO_DQ", False)
-    monkeypatch.setattr(bwd, "_BWD_PLANS", {})
-    kernels.log.clear()
-    with FAILURES.isolated():
-        _backward(q, k, v, kw, deterministic=False)
-    assert kernels.names() == ["bwd_pre", "dkdv_sm90"]
-    acc = kernels.of("dkdv_sm90").args[11]
-    assert kernels.of("bwd_pre").named["dq_acc"] is None and not acc.any()
 
 
 def test_backward_takes_both_hopper_kernels_with_their_arguments(kernels):

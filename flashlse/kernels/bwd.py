@@ -158,13 +158,12 @@ def _zero_uncovered_rows(
 @triton.jit(do_not_specialize=["seqlen_q", "total_q"])
 def _attn_bwd_preprocess_kernel(
     out, dout, lse, dlse, delta, lse_log2, sink, dsink_part,
-    cu_seqlens_q, dq_acc,
+    cu_seqlens_q,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh, stride_ls,
     stride_dlb, stride_dlh, stride_dls,
     stride_tb, stride_th,
-    stride_zb, stride_zs, stride_zh,
     seqlen_q, total_q, n_m, n_part,
     DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -197,12 +196,6 @@ def _attn_bwd_preprocess_kernel(
     b_lse = tl.load(lse + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh
                     + o_tok * stride_ls, mask=m_m, other=0.0)
     b_delta = tl.sum(b_o * b_do, 1)
-    if dq_acc is not None:
-        # The fused backward's float32 dQ (dense, D == DV), zeroed here before its TMA
-        # reduces add into it: one launch (a fill) less a backward.
-        p_z = (dq_acc + i_b.to(tl.int64) * stride_zb + i_h.to(tl.int64) * stride_zh
-               + o_tok[:, None] * stride_zs + o_dv[None, :])
-        tl.store(p_z, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), mask=m_x)
     if dlse is not None:  # None: lse has no gradient (unused, so autograd passes none)
         b_delta -= tl.load(dlse + i_b.to(tl.int64) * stride_dlb + i_h.to(tl.int64) * stride_dlh
                            + o_tok * stride_dls, mask=m_m, other=0.0)
@@ -732,26 +725,6 @@ class BwdPass:
     cu_seqlens_k: torch.Tensor | None = None
     seqused_k: torch.Tensor | None = None
     plan: BwdPlan | None = None
-    # The preprocess kernel's tensors while ``prepare(defer_pre=True)`` has not launched it.
-    pre: tuple | None = None
-
-    def preprocess(self, zero_dq: bool = False) -> torch.Tensor | None:
-        """Launches the preprocess kernel if :func:`prepare` deferred it (once; later calls
-        do not launch it again). With ``zero_dq``, returns a zeroed float32 buffer shaped as
-        q for a dQ that passes add into: zeroed by the preprocess kernel where the plan has
-        that form and it had not run, else by torch."""
-        pre, self.pre = self.pre, None
-        if zero_dq and pre is not None and self.plan.pre_zero_run is not None:
-            # (The allocator's: poisoned with NaN under KernelOptions.poison_outputs.)
-            dq_acc = options.allocator(self.opts)(self.q.shape, dtype=torch.float32,
-                                                  device=self.q.device)
-            self.plan.pre_zero_run(*pre, dq_acc)
-            return dq_acc
-        if pre is not None:
-            self.plan.pre_run(*pre, None)
-        if zero_dq:
-            return torch.zeros(self.q.shape, dtype=torch.float32, device=self.q.device)
-        return None
 
     def grads(self):
         """``dq, dk, dv, dsink`` once the dK/dV and dQ launchers have run (dsink: the
@@ -812,10 +785,8 @@ class BwdPlan:
     dq_cfg: configs.TileConfig | None = None
     tune: bool = False
     set_allocator: bool = False
-    # The preprocess kernel's launch, and its form that also zeroes a float32 dQ (dense
-    # calls with D == DV, ``PRE_ZERO_DQ``; ``BwdPass.preprocess``).
+    # The preprocess kernel's launch.
     pre_run: Launch | None = None
-    pre_zero_run: Launch | None = None
     # The dK/dV and dQ kernels' non-tensor keywords (dkdv_kw None: no key), and their
     # portable launches (None: autotuned).
     dkdv_kw: dict | None = None
@@ -834,10 +805,6 @@ for _name in ("softcap", "batch", "seqlen_q", "seqlen_k", "hq", "hkv", "signatur
               "dq_cfg", "tune"):
     setattr(BwdPass, _name, property(operator.attrgetter(f"plan.{_name}")))
 
-# The fused backward's float32 dQ zeroed by the preprocess kernel (dense calls, D == DV)
-# rather than by a fill launch of its own; off for an A/B (read when a call is planned).
-PRE_ZERO_DQ = True
-
 # Launch plans of prepare by call metadata; cleared when full.
 _BWD_PLANS: dict = {}
 _MAX_PLANS = 4096
@@ -845,12 +812,10 @@ _MAX_PLANS = 4096
 
 def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-            seqused_k=None, defer_pre=False) -> BwdPass:
+            seqused_k=None) -> BwdPass:
     """The backward up to dK/dV and dQ: the gradients' buffers, the preprocess kernel (``D``,
     ``lse_log2``, dsink's partial sums) and the arguments of the two passes, with their tiles
-    (configs.py and ``KernelOptions.bwd_config``). Arguments as :func:`attn_bwd`; with
-    ``defer_pre`` the preprocess kernel waits for :meth:`BwdPass.preprocess` (the fused
-    backward's float32 dQ is then zeroed by it).
+    (configs.py and ``KernelOptions.bwd_config``). Arguments as :func:`attn_bwd`.
 
     Everything but the tensors' addresses is a function of the call's metadata: a repeated
     call finds its :class:`BwdPlan` in ``_BWD_PLANS`` and only allocates and launches."""
@@ -907,12 +872,9 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
         plan.zero_kv_run(dk, dv, cu_seqlens_k, seqused_k)
     if plan.set_allocator:
         triton.set_allocator(alloc_scratch)
-    pre = (out, dout, lse, dlse, delta, lse_log2, sink, dsink_part, cu_seqlens_q)
-    if not defer_pre:
-        plan.pre_run(*pre, None)
-        pre = None
+    plan.pre_run(out, dout, lse, dlse, delta, lse_log2, sink, dsink_part, cu_seqlens_q)
     return BwdPass(dq, dk, dv, sink, dsink_part, False, opts, q, k, v, dout, lse_log2, delta,
-                   cu_seqlens_q, cu_seqlens_k, seqused_k, plan, pre)
+                   cu_seqlens_q, cu_seqlens_k, seqused_k, plan)
 
 
 def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
@@ -959,15 +921,13 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
     use_tma = (dq_cfg.use_tma and min(q.numel(), k.numel(), v.numel()) > 0
                and tma_ok(q, k, v, dout))
 
-    pre_kw = dict(
+    pre_run = Launch(_attn_bwd_preprocess_kernel, (n_m_pre, hq, batch),
+                     *positional(_attn_bwd_preprocess_kernel, 9, dict(
         **stride_args("bsh", is_varlen, o=out, do=dout),
         # No dlse: its strides are not read (lse's stand in).
         **stride_args("bhs", is_varlen, l=lse, dl=lse if dlse is None else dlse),
         stride_tb=st_b,
         stride_th=st_h,
-        stride_zb=0,
-        stride_zs=0,
-        stride_zh=0,
         seqlen_q=seqlen_q,
         total_q=lens["total_q"],
         n_m=n_m_pre,
@@ -978,17 +938,7 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
         HAS_SINK=sink is not None,
         IS_VARLEN=is_varlen,
         **configs.BWD_PREPROCESS.launch(),
-    )
-    pre_run = Launch(_attn_bwd_preprocess_kernel, (n_m_pre, hq, batch),
-                     *positional(_attn_bwd_preprocess_kernel, 10, pre_kw))
-    pre_zero_run = None
-    if PRE_ZERO_DQ and not is_varlen and d == dv_dim:
-        # Its programs cover every (batch, row, head) of a dense call: the whole buffer.
-        st_z = contiguous_strides(q.shape)
-        pre_zero_run = Launch(_attn_bwd_preprocess_kernel, (n_m_pre, hq, batch),
-                              *positional(_attn_bwd_preprocess_kernel, 10, dict(
-                                  pre_kw, stride_zb=st_z[0], stride_zs=st_z[1],
-                                  stride_zh=st_z[2])))
+    )))
 
     # dq, dk, dv: fresh tensors shaped as q, k, v (contiguous strides).
     st_dq, st_dk, st_dv = (contiguous_strides(t.shape) for t in (q, k, v))
@@ -1039,7 +989,7 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
                    hq // hkv),
         dkdv_cfg=dkdv_cfg, dq_cfg=dq_cfg, tune=tune,
         set_allocator=use_tma and not interpret,
-        pre_run=pre_run, pre_zero_run=pre_zero_run, dkdv_kw=dkdv_kw, dq_kw=dq_kw, dkdv_run=dkdv_run, dq_run=dq_run,
+        pre_run=pre_run, dkdv_kw=dkdv_kw, dq_kw=dq_kw, dkdv_run=dkdv_run, dq_run=dq_run,
         zero_q_run=_zero_launch(q, None, batch, seqlen_q, False) if is_varlen else None,
         zero_kv_run=(_zero_launch(k, v, batch, seqlen_k, seqused_k is not None)
                      if is_varlen else None))

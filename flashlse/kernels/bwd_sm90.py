@@ -698,8 +698,7 @@ FUSED_DQ = True
 
 
 class _FusedRun:
-    """The fused backward's launches: the float32 dQ zeroed (by the preprocess kernel, if
-    not run yet), the dK/dV kernel with
+    """The fused backward's launches: the float32 dQ zeroed, the dK/dV kernel with
     ``FUSED_DQ``, then dQ converted to q's dtype (scaled in the kernel)."""
 
     __slots__ = ("kernel", )
@@ -708,8 +707,7 @@ class _FusedRun:
         self.kernel = kernel
 
     def __call__(self, p: BwdPass) -> None:
-        # (Zeroed by the preprocess kernel when the dispatcher deferred it: bwd.PRE_ZERO_DQ.)
-        dq_acc = p.preprocess(zero_dq=True)
+        dq_acc = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)
         self.kernel(*p.dkdv_tensors(), dq_acc)
         p.dq.copy_(dq_acc)
 

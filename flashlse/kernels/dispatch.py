@@ -160,7 +160,7 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     p = bwd.prepare(dout, dlse, q, k, v, out, lse, left=left, right=right, softcap=softcap,
                     scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, defer_pre=True)
+                    max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
     if p.empty:
         return p.grads()
     opts = p.opts
@@ -170,8 +170,6 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
             and _gluon(("bwd_sm90 fused", p.signature), "the Hopper fused backward kernel",
                        bwd_sm90.fused_plan, p, lambda: (p, ))):
         return p.grads()
-    # (A no-op if the fused attempt launched it before failing.)
-    p.preprocess()
     if p.has_keys and not (opts.sm90_dkdv and bwd_sm90 is not None and _gluon(
             ("bwd_sm90 dK/dV", p.signature), "the Hopper backward dK/dV kernel",
             bwd_sm90.dkdv_plan, p, p.dkdv_tensors)):
