@@ -27,6 +27,8 @@
 #   bash benchmarks/h200_session.sh sized      # the paged forward's length-free plan: its GPU
 #                                                tests, host us of a moving decode step vs .before
 #   bash benchmarks/h200_session.sh keep-ab    # host us with the kept plans on / off, in turns
+#   bash benchmarks/h200_session.sh readme     # README's speed table: fwd / bwd / decode /
+#                                                merge with peers, host us, one run
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -45,7 +47,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost readme raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -244,6 +246,22 @@ if [ "$1" = keep-ab ]; then
     # could not give (its in-turn A/B ran one tree twice).
     timeout 200 python3 benchmarks/profile_host.py --ab flashlse.ops._validate.KEEP_PLANS \
         --rounds 6 2>&1 | tee "$OUT/ab_keep.log" | grep "=== ab"
+    exit 0
+fi
+if [ "$1" = readme ]; then
+    # README's speed table from one run (issue 15's "rebuilt from public calls, with a
+    # host-us column"): the forward and backward at D = 128 with FA-2 / cuDNN, decode and
+    # merge against cuDNN / device copy, and bench_overhead's host us a call. Under 9 min.
+    timeout 150 python3 benchmarks/bench_fwd.py --full --dims 128 --flex-budget 0 --out /tmp/fwd \
+        > "$OUT/readme_fwd.txt" 2>&1; tail -14 "$OUT/readme_fwd.txt"
+    timeout 150 python3 benchmarks/bench_bwd.py --quick --flex-budget 0 --out /tmp/bwd \
+        > "$OUT/readme_bwd.txt" 2>&1; tail -14 "$OUT/readme_bwd.txt"
+    timeout 80 python3 benchmarks/bench_decode.py --quick --out /tmp/dec > "$OUT/readme_decode.txt" \
+        2>&1; tail -8 "$OUT/readme_decode.txt"
+    timeout 50 python3 benchmarks/bench_merge.py --out /tmp/merge > "$OUT/readme_merge.txt" 2>&1
+    tail -7 "$OUT/readme_merge.txt"
+    timeout 110 python3 benchmarks/bench_overhead.py --out /tmp/oh > "$OUT/readme_overhead.txt" 2>&1
+    grep "|" "$OUT/readme_overhead.txt" | tail -24
     exit 0
 fi
 if [ "$1" = mla-cost ]; then
