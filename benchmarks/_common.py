@@ -125,13 +125,14 @@ def attention_step(q, k, v, dout, *, threads: bool = True, **kw):
 
 def flag_runs(flag: str, fn):
     """``fn`` with the module flag ``flag`` ("MODULE.NAME" of ``flashlse.kernels``, read when
-    a backward plans its launches, or a full "flashlse.ops._validate.KEEP_PLANS") on, and
+    a call plans its launches, or a full "flashlse.ops._validate.KEEP_PLANS") on, and
     off, and a call that puts its value back: the plans are dropped whenever it changes, so
     calls timed in turn (``interleaved_ms``) each run their own side."""
     import importlib
 
-    from flashlse.kernels import bwd
+    from flashlse.kernels import bwd, fwd_sm90
 
+    attention_ops = importlib.import_module("flashlse.ops.attention")
     mod_name, name = flag.rsplit(".", 1)
     mod = importlib.import_module(mod_name if mod_name.startswith("flashlse.")
                                   else f"flashlse.kernels.{mod_name}")
@@ -141,7 +142,11 @@ def flag_runs(flag: str, fn):
         def run():
             if getattr(mod, name) != value:
                 setattr(mod, name, value)
-                bwd._BWD_PLANS.clear()
+                # Every plan a flag can shape: the backward's, the Hopper forward's, and the
+                # launches the public calls keep.
+                for plans in (bwd._BWD_PLANS, fwd_sm90._PLANS, attention_ops._KEPT,
+                              attention_ops._PAGED_KEPT):
+                    plans.clear()
             then()
         return run
 
