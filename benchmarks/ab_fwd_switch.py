@@ -3,7 +3,7 @@
 flag on and off, timed in turn (``_common.interleaved_ms``), cuDNN's SDPA beside the dense
 rows.
 
-    python benchmarks/ab_fwd_switch.py --flag fwd_sm90.HALF_LAST [--seqs 1024,2048,4096]
+    python benchmarks/ab_fwd_switch.py --flag MODULE.NAME [--seqs 1024,2048,4096]
 
 Dense rows: B*S = 16k, H = 16, D = 128, bf16, causal and not. Varlen: bench_varlen's 16k
 tokens in causal documents of 64-4k tokens (seed 0), H = 16. Chunked prefill: bench_serving's
