@@ -3,7 +3,9 @@ the bar rows. One program walks the 64-key tiles of one (sequence, head tile) wi
 ``num_splits=1``; at B = 66 (132 programs of 64 heads on the H200's 132 SMs: one wave) the
 kernel's time is ``t0 + b n`` for n tiles, and t0 is the program's fixed part plus the
 launch. B = 132 (two waves) should read ``2 (t0 + b n)`` less one launch. Timed as CUDA-graph
-replays of the public call (paged 64, Hq = 128, 576 / 512), n = 1 .. 128.
+replays of the public call (paged 64, Hq = 128, 576 / 512), n = 1 .. 128. Last, t0 at one
+and two tiles for 2 to 132 programs: whether the fixed part is a latency chain (the same at
+every count) or a wave's start contending for memory (growing with the count).
 
     python benchmarks/mla_fixed_cost.py
 """
@@ -66,6 +68,13 @@ def main():
         print(f"B={b}: fit n>=4: t0 {t0:.1f} us, {slope:.3f} us a tile ({waves} wave(s)); "
               f"per wave t0 {t0 / waves:.1f}, tile {slope / waves:.3f}; at n=64 t0 is "
               f"{t0 / (t0 + 64 * slope):.0%} of the time")
+    # Whether the fixed part is a latency chain or the wave's start contending for memory
+    # (132 programs loading Q and a first K tile of 74 KB each at once): one and two tiles
+    # at 2 to 132 programs in one wave. A latency chain reads the same at every B.
+    print(f"{'programs':>9s} {'n=1 us':>8s} {'n=2 us':>8s} {'t0 (n=1 less a tile)':>22s}")
+    for b in (1, 4, 16, 33, 66):
+        t1, t2 = time_us(b, 1), time_us(b, 2)
+        print(f"{2 * b:9d} {t1:8.1f} {t2:8.1f} {t1 - (t2 - t1):22.1f}")
 
 
 if __name__ == "__main__":
