@@ -21,3 +21,45 @@ def test_benchmarks_put_the_repo_root_last():
            for m in _ROOT_FIRST.finditer(p.read_text())]
     assert not bad, "insert the repo root with sys.path.append, not at the front:\n" + \
         "\n".join(bad)
+
+
+def test_flag_runs_switch_the_flag_and_drop_every_plan_it_shapes():
+    """``_common.flag_runs`` (the in-process A/Bs: ab_bwd_switch, ab_fwd_switch, profile_host
+    --ab): each side sets its value and, when the value changes, drops the plans a flag can
+    shape (the backward's, the Hopper forward's, the launches the public calls keep), so
+    neither side runs a plan the other made; ``restore`` puts the original back."""
+    import importlib
+    import sys
+
+    pytest = importlib.import_module("pytest")
+    pytest.importorskip("flashlse.kernels.fwd_sm90")
+    bwd_sm90 = pytest.importorskip("flashlse.kernels.bwd_sm90")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        common = importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from flashlse.kernels import bwd, fwd_sm90
+
+    ops = importlib.import_module("flashlse.ops.attention")
+    caches = (bwd._BWD_PLANS, fwd_sm90._PLANS, ops._KEPT, ops._PAGED_KEPT)
+    original = bwd_sm90.FUSED_DQ
+    assert original is True  # (the test's sides: on leaves it, off changes it)
+    seen = []
+    on, off, restore = common.flag_runs("bwd_sm90.FUSED_DQ",
+                                         lambda: seen.append(bwd_sm90.FUSED_DQ))
+    try:
+        for value, side in ((False, off), (True, on)):
+            for cache in caches:
+                cache["planned before"] = None
+            side()
+            assert seen[-1] is value and not any(caches)
+        for cache in caches:
+            cache["planned before"] = None
+        on()  # no change: the plans stay
+        assert seen[-1] is True and all("planned before" in c for c in caches)
+    finally:
+        restore()
+        for cache in caches:
+            cache.pop("planned before", None)
+    assert bwd_sm90.FUSED_DQ == original
