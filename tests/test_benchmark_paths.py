@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # sys.path.insert(0, <the folder above the script's>): "..", parents[1], dirname(dirname(..)).
 _ROOT_FIRST = re.compile(r"sys\.path\.insert\(\s*0\s*,[^\n]*(\"\.\.\"|parents\[1\]|"
@@ -31,7 +33,6 @@ def test_flag_runs_switch_the_flag_and_drop_every_plan_it_shapes():
     import importlib
     import sys
 
-    pytest = importlib.import_module("pytest")
     pytest.importorskip("flashlse.kernels.fwd_sm90")
     bwd_sm90 = pytest.importorskip("flashlse.kernels.bwd_sm90")
     sys.path.insert(0, str(ROOT / "benchmarks"))
