@@ -29,6 +29,7 @@
 #   bash benchmarks/h200_session.sh keep-ab    # host us with the kept plans on / off, in turns
 #   bash benchmarks/h200_session.sh readme     # README's speed table: fwd / bwd / decode /
 #                                                merge with peers, host us, one run
+#   bash benchmarks/h200_session.sh readme2    # its D = 64 / 256 rows and decode at every B
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -47,7 +48,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost readme raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -262,6 +263,17 @@ if [ "$1" = readme ]; then
     tail -7 "$OUT/readme_merge.txt"
     timeout 110 python3 benchmarks/bench_overhead.py --out /tmp/oh > "$OUT/readme_overhead.txt" 2>&1
     grep "|" "$OUT/readme_overhead.txt" | tail -24
+    exit 0
+fi
+if [ "$1" = readme2 ]; then
+    # The README's rows the first call leaves out: the forward and backward at D = 64 and
+    # 256 with FA-2 / cuDNN, and decode at every batch (B = 64 / 128 too, MLA, FlexAttention).
+    timeout 200 python3 benchmarks/bench_fwd.py --full --dims 64,256 --flex-budget 0 \
+        --out /tmp/fwd2 > "$OUT/readme2_fwd.txt" 2>&1; tail -22 "$OUT/readme2_fwd.txt"
+    timeout 180 python3 benchmarks/bench_bwd.py --dims 64,256 --flex-budget 0 --out /tmp/bwd2 \
+        > "$OUT/readme2_bwd.txt" 2>&1; tail -24 "$OUT/readme2_bwd.txt"
+    timeout 180 python3 benchmarks/bench_decode.py --out /tmp/dec2 > "$OUT/readme2_decode.txt" \
+        2>&1; tail -14 "$OUT/readme2_decode.txt"
     exit 0
 fi
 if [ "$1" = mla-cost ]; then
