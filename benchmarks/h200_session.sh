@@ -30,6 +30,8 @@
 #   bash benchmarks/h200_session.sh readme     # README's speed table: fwd / bwd / decode /
 #                                                merge with peers, host us, one run
 #   bash benchmarks/h200_session.sh readme2    # its D = 64 / 256 rows and decode at every B
+#   bash benchmarks/h200_session.sh mla-why    # issue 18: the fixed cost's program sweep,
+#                                                ncu over one and two MLA waves
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -48,7 +50,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -274,6 +276,19 @@ if [ "$1" = readme2 ]; then
         > "$OUT/readme2_bwd.txt" 2>&1; tail -24 "$OUT/readme2_bwd.txt"
     timeout 180 python3 benchmarks/bench_decode.py --out /tmp/dec2 > "$OUT/readme2_decode.txt" \
         2>&1; tail -14 "$OUT/readme2_decode.txt"
+    exit 0
+fi
+if [ "$1" = mla-why ]; then
+    # Issue 18's B = 128 Skv = 4k: where a program's fixed ~19 us and the second wave's
+    # slower tile come from (NOTES, session 26's next steps): mla_fixed_cost.py with its
+    # program-count sweep, then Nsight Compute over one and two waves (benchmarks/ncu_mla.py:
+    # DRAM throughput and L2 hit rate per launch).
+    timeout 240 python3 benchmarks/mla_fixed_cost.py 2>&1 | tee "$OUT/mla_fixed_cost.log"
+    timeout 200 ncu --profile-from-start off --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --csv --page details python3 benchmarks/ncu_mla.py \
+        --run > "$OUT/ncu_mla.csv" 2> "$OUT/ncu_mla.err"
+    echo "ncu rc=$?"
+    python3 benchmarks/ncu_bwd.py --read "$OUT/ncu_mla.csv" | cut -c1-150
     exit 0
 fi
 if [ "$1" = mla-cost ]; then
