@@ -22,6 +22,13 @@ calls it) four ways, in one process:
   If the sleep has already ended when a chunk's loop ends (the call synchronized, or the
   queue filled), the host time includes GPU time: the column is marked ``!``.
 - ``sync``: whether one call runs under ``torch.cuda.set_sync_debug_mode("error")``.
+- ``floor``: what the call's launches and allocations cost on this host by themselves:
+  its device events a call (profiler) times an empty 24-argument Triton kernel launched as
+  flashlse launches its kernels (``_common.Launch``), plus its allocator requests a call
+  (``torch.cuda.memory_stats``) times a ``torch.empty``, plus, for a forward + backward, a
+  no-kernel ``autograd.Function``'s forward and backward (on the thread the row's backward
+  runs on), each timed here like ``host``. ``over`` = host - floor: flashlse's own Python a
+  call (the bar form proposed in issue 15's closing notes: host <= floor + 25 us).
 
 Bars (issue "Public calls at kernel speed"): host us a call <= 30 (attention forward and
 attention_with_kvcache), <= 100 (attention forward + backward), <= 20 (merge_states);
@@ -300,7 +307,76 @@ def kernel_ms(step) -> float:
         if t1 > end:
             us += t1 - max(t0, end)
             end = t1
+    kernel_ms.events = len(spans) / N_PROFILE
     return us / N_PROFILE / 1e3
+
+
+def allocs_per_call(step) -> float:
+    """Requests to torch's CUDA allocator a call (tensors, Triton's scratch)."""
+    step()
+    torch.cuda.synchronize()
+    key = "allocation.all.allocated"
+    before = torch.cuda.memory_stats()[key]
+    for _ in range(N_PROFILE):
+        step()
+    torch.cuda.synchronize()
+    return (torch.cuda.memory_stats()[key] - before) / N_PROFILE
+
+
+@triton.jit
+def _empty24(x0, x1, x2, x3, x4, x5, x6, x7, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11,
+             a12, a13, a14, a15):
+    pass
+
+
+class _NoKernel(torch.autograd.Function):
+    """An attention-shaped autograd op with no kernel: what torch's autograd alone costs a
+    forward + backward called eagerly (as profile_host.py's autograd floor)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, torch.empty_like(dout), torch.empty_like(dout)
+
+
+@functools.cache
+def unit_costs() -> dict:
+    """Host us of one launch, one allocation and the no-kernel autograd round trip (device
+    thread and calling thread), timed as ``host_us`` times a row."""
+    from flashlse.kernels._common import Launch
+
+    ts = [torch.empty(16, device="cuda") for _ in range(8)]
+    # (No 0 or 1, which Triton would specialise.) Launched as flashlse launches its kernels.
+    launch = Launch(_empty24, (1,), tuple(range(3, 19)), {})
+    q, k, v = (torch.randn(1, 128, 2, 128, device="cuda", requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(1, 128, 2, 128, device="cuda")
+
+    def round_trip(threads=True):
+        def step():
+            q.grad = k.grad = v.grad = None
+            if threads:
+                _NoKernel.apply(q, k, v).backward(dout)
+            else:
+                with torch.autograd.set_multithreading_enabled(False):
+                    _NoKernel.apply(q, k, v).backward(dout)
+        return step
+
+    return dict(launch=host_us(lambda: launch(*ts))[0],
+                alloc=host_us(lambda: torch.empty(4096, device="cuda"))[0],
+                autograd=host_us(round_trip())[0],
+                autograd_1t=host_us(round_trip(False))[0])
+
+
+def floor_us(kind, events, allocs) -> float:
+    """The row's floor (module docstring): its launches, allocations and, for a forward +
+    backward, torch's autograd round trip, at this host's unit costs."""
+    u = unit_costs()
+    extra = {"fwdbwd": u["autograd"], "fwdbwd_1t": u["autograd_1t"]}.get(kind, 0.0)
+    return events * u["launch"] + allocs * u["alloc"] + extra
 
 
 @functools.cache
@@ -347,7 +423,8 @@ def measure(case) -> dict:
     row["public_ms"] = bench(step)
     if not SMOKE:
         # Graph capture last: it holds a memory pool and, for fwd+bwd, the gradients.
-        for key, fn in (("host_us", host_us), ("kernel_ms", kernel_ms), ("sync_free", sync_free),
+        for key, fn in (("host_us", host_us), ("kernel_ms", kernel_ms),
+                        ("allocs", allocs_per_call), ("sync_free", sync_free),
                         ("graph_ms", graph_ms)):
             try:
                 res = fn(step)
@@ -358,6 +435,10 @@ def measure(case) -> dict:
             if key == "host_us" and res is not None:
                 res, row["host_clean"] = res
             row[key] = res
+            if key == "kernel_ms" and res is not None:
+                row["events"] = kernel_ms.events
+        if row.get("events") is not None and row.get("allocs") is not None:
+            row["floor_us"] = floor_us(case.kind, row["events"], row["allocs"])
     del step
     gc.collect()
     if not SMOKE:
@@ -398,7 +479,8 @@ def finish(args, info, rows):
         md.append(
             f"| {info['date']} | {info['device']} | torch {info['torch']} | triton "
             f"{info['triton']} | overhead | {r['label']} {r['shape']} | public "
-            f"{fmt(r['public_ms'])} ms, host {host_cell(r)} us | graph {fmt(r.get('graph_ms'))} "
+            f"{fmt(r['public_ms'])} ms, host {host_cell(r)} us (floor "
+            f"{fmt(r.get('floor_us'), '.1f')}) | graph {fmt(r.get('graph_ms'))} "
             f"ms, kernel {fmt(r.get('kernel_ms'))} ms; {host_bar}, sync-free "
             f"{mark(r.get('sync_free'))} | x{fmt(r['ratio'], '.2f')} graph "
             f"{mark(r['ratio_ok'])} |")
@@ -414,16 +496,24 @@ def finish(args, info, rows):
           f"({info['date']}; host: {N_HOST} calls behind a GPU sleep, ! = the loop waited "
           f"on the GPU)")
     hdr = ["function", "shape", "public ms", "graph ms", "kernel ms", "host us", "pub/graph",
-           "host bar", "ratio bar", "sync-free"]
-    widths = [22, 42, 9, 9, 9, 8, 9, 9, 9, 9]
+           "host bar", "ratio bar", "sync-free", "launches", "allocs", "floor us", "over"]
+    widths = [22, 42, 9, 9, 9, 8, 9, 9, 9, 9, 8, 6, 8, 6]
     print(" | ".join(f"{h:<{w}}" for h, w in zip(hdr, widths)))
     for r in rows:
         bar = r["host_bar_us"]
+        floor, host = r.get("floor_us"), r.get("host_us")
         vals = [r["label"], r["shape"], fmt(r["public_ms"]), fmt(r.get("graph_ms")),
                 fmt(r.get("kernel_ms")), host_cell(r), fmt(r["ratio"], ".2f"),
                 "-" if bar is None else f"{mark(r['host_ok'])} <={bar}",
-                mark(r["ratio_ok"]), mark(r.get("sync_free"))]
+                mark(r["ratio_ok"]), mark(r.get("sync_free")), fmt(r.get("events"), ".1f"),
+                fmt(r.get("allocs"), ".1f"), fmt(floor, ".1f"),
+                "-" if floor is None or host is None else f"{host - floor:.1f}"]
         print(" | ".join(f"{str(x)[:w]:<{w}}" for x, w in zip(vals, widths)))
+    if not SMOKE:
+        u = unit_costs()
+        print(f"floor's unit costs on this host, us: a launch {u['launch']:.1f}, an allocation "
+              f"{u['alloc']:.1f}, a no-kernel autograd fwd+bwd {u['autograd']:.1f} (on the "
+              f"calling thread {u['autograd_1t']:.1f})")
 
 
 def main():
