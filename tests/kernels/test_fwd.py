@@ -982,3 +982,97 @@ def test_attn_fwd_sm90_persistent_table():
         avg = sum(loads) / 132  # (or within the cheapest block of it, for few blocks)
         assert max(loads) <= max(1.03 * avg, avg + cost.min().item()), (s, heads, loads)
     assert fwd_sm90._greedy_table(cost, fwd_sm90.MAX_TABLE_ITEMS, 132, kv_bytes) is None
+
+
+def _drop_fwd_plans():
+    """Forget the Hopper forward's plans and the launches ``fl.attention`` keeps (a module
+    flag read at planning takes effect on the next call)."""
+    import importlib
+
+    from flashlse.kernels import fwd_sm90
+
+    fwd_sm90._PLANS.clear()
+    importlib.import_module("flashlse.ops.attention")._KEPT.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("kw", [
+    dict(b=2, sq=1024, sk=1024, causal=True),   # persistent: every block's diagonal
+    dict(b=2, sq=700, sk=1000, causal=True),    # grid kernel: bottom-right shifted diagonal
+    dict(b=2, sq=512, sk=512, causal=True, window=(100, 0), sink=True),
+    dict(b=3, sq=200, sk=950),                  # no mask: the last tile's half past Sk
+    dict(b=1, sq=1024, sk=1024, causal=True, window=(None, 40)),
+], ids=["persistent_causal", "grid_shifted", "window_sink", "ragged_keys", "right_window"])
+def test_attn_fwd_gpu_sm90_half_last_tile(monkeypatch, kw):
+    """``fwd_sm90.HALF_LAST``: a warpgroup's last key tile whose second half none of its rows
+    sees runs as a half tile. On and off, each against the float64 reference (NaN-poisoned
+    outputs), and the two within bf16 rounding of each other."""
+    from flashlse.kernels import fwd_sm90
+
+    kw = dict(kw)
+    shape = (kw.pop("b"), kw.pop("sq"), kw.pop("sk"), 8, 2, 128)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(fwd_sm90, "HALF_LAST", on)
+        _drop_fwd_plans()
+        got[on] = _public_fwd("cuda", torch.bfloat16, *shape, seed=3, **kw)
+        assert any(p is not None for p in fwd_sm90._PLANS.values())  # the Hopper kernel ran
+    for a, w in zip(got[True], got[False]):
+        assert torch.equal(torch.isneginf(a), torch.isneginf(w))
+        torch.testing.assert_close(a.float(), w.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+def test_attn_fwd_gpu_sm90_half_last_tile_skips_the_hidden_keys(monkeypatch):
+    """The half tile reads no key of the hidden half: a NaN value at key 228 (in the second
+    key tile of row block 1, rows 128-255) reaches rows 228 on (which see it), rows 0-127
+    not at all, and rows 128-191 (block 1's first warpgroup, whose last tile is a half
+    tile) stay as in the clean call, bit for bit; with HALF_LAST off the whole tile's
+    ``P V`` puts 0 * NaN in them too (which is how this test knows the half tile ran).
+    Dense persistent, packed varlen and paged-prefill calls."""
+    from flashlse.kernels import fwd_sm90
+
+    g = torch.Generator().manual_seed(8)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    b, s, hq, hkv, d = 2, 1024, 8, 2, 128
+    q, k, v = mk(b, s, hq, d), mk(b, s, hkv, d), mk(b, s, hkv, d)
+    v_bad = v.clone()
+    v_bad[:, 228, 1, 9] = float("nan")  # key 228 of every sequence, kv head 1 (heads 4-7)
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
+    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    table = torch.randperm(b * s // 16, device="cuda").view(b, -1).to(torch.int32)
+
+    def pages(x):
+        out = torch.empty(b * s // 16, 16, hkv, d, dtype=x.dtype, device="cuda")
+        out[table.flatten().long()] = x.reshape(-1, 16, hkv, d)
+        return out
+
+    calls = {
+        "dense": lambda vv: fl.attention(q, k, vv, causal=True),
+        "varlen": lambda vv: fl.attention_varlen(
+            q.flatten(0, 1), k.flatten(0, 1), vv.flatten(0, 1), cu, cu, s, s,
+            causal=True).view(b, s, hq, d),
+        "paged": lambda vv: fl.attention_with_kvcache(
+            q[:, -256:], pages(k), pages(vv), cache_seqlens=lens, block_table=table,
+            causal=True),
+    }
+    for name, call in calls.items():
+        # (The paged call's rows are the last 256 of 1024: row r there is row 768 + r,
+        # which sees key 228, so every row is bad; the first two calls show the half tile.)
+        for on in (True, False):
+            monkeypatch.setattr(fwd_sm90, "HALF_LAST", on)
+            _drop_fwd_plans()
+            with torch.no_grad():
+                clean, bad = call(v), call(v_bad)
+            nan = torch.isnan(bad[:, :, 4:]).any(-1)  # (b, row, head) of kv head 1
+            if name == "paged":
+                assert nan.all() and not torch.isnan(bad[:, :, :4]).any(), (name, on)
+                continue
+            assert nan[:, 228:].all() and not nan[:, :128].any(), (name, on)
+            assert not torch.isnan(bad[:, :, :4]).any(), (name, on)
+            if on:
+                assert torch.equal(bad[:, 128:192], clean[:, 128:192]), name
+            else:
+                assert nan[:, 128:192].all(), (name, "the whole tile's 0 * NaN")
