@@ -32,8 +32,6 @@
 #   bash benchmarks/h200_session.sh readme2    # its D = 64 / 256 rows and decode at every B
 #   bash benchmarks/h200_session.sh mla-why    # issue 18: the fixed cost's program sweep,
 #                                                ncu over one and two MLA waves
-#   bash benchmarks/h200_session.sh half       # the diagonal tile's hidden half: its tests,
-#                                                the forward A/B (ab_fwd_switch.py), more tests
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -52,7 +50,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why readme readme2 half raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -291,26 +289,6 @@ if [ "$1" = mla-why ]; then
         --run > "$OUT/ncu_mla.csv" 2> "$OUT/ncu_mla.err"
     echo "ncu rc=$?"
     python3 benchmarks/ncu_bwd.py --read "$OUT/ncu_mla.csv" | cut -c1-150
-    exit 0
-fi
-if [ "$1" = half ]; then
-    # Session 26: the diagonal tile's hidden half (fwd_sm90.HALF_LAST): its GPU tests, the
-    # forward A/B in turns (dense with cuDNN, packed varlen, chunked prefill), then the
-    # Hopper forwards' other GPU tests in two shards.
-    K=tests/kernels
-    timeout 110 python3 -m pytest -q -p no:cacheprovider $K/test_fwd.py -k half_last \
-        > "$OUT/test_half0.log" 2>&1
-    echo "half tests: $(tail -1 "$OUT/test_half0.log")"; grep -h "^FAILED\|^E  " "$OUT/test_half0.log" | head
-    timeout 160 python3 benchmarks/ab_fwd_switch.py --flag fwd_sm90.HALF_LAST \
-        --seqs 1024,2048,4096 2>&1 | tee "$OUT/ab_half.log" | tail -12
-    timeout 170 python3 -m pytest -q -p no:cacheprovider $K/test_fwd.py \
-        -k "(sm90 or gpu or kept) and not half_last" > "$OUT/test_half_a.log" 2>&1 &
-    timeout 170 python3 -m pytest -q -p no:cacheprovider $K/test_fwd_paged_sm90.py \
-        $K/test_kvcache_kernels.py -k "bf16 or prefill or paged or serving" \
-        > "$OUT/test_half_b.log" 2>&1 &
-    wait
-    for f in "$OUT"/test_half_[ab].log; do echo "$f: $(tail -1 "$f")"; done
-    grep -h "^FAILED" "$OUT"/test_half_[ab].log | head
     exit 0
 fi
 if [ "$1" = mla-cost ]; then

@@ -156,7 +156,7 @@ def test_forward_takes_the_hopper_kernel_with_its_arguments(kernels):
     assert flags == dict(GROUP=2, D=128, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
                          HAS_LEFT=False, HAS_RIGHT=True, HAS_SINK=True, IS_VARLEN=False,
                          HAS_SEQUSED_K=False, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
-                         CONSUMER_REGS=cfg.consumer_regs, HALF_LAST=fwd_sm90.HALF_LAST)
+                         CONSUMER_REGS=cfg.consumer_regs)
     assert g.kwargs == dict(num_warps=cfg.num_warps)
     assert out.shape == (2, 300, 4, 128) and lse.shape == (2, 4, 300)
 

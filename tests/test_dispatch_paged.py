@@ -74,8 +74,7 @@ def test_long_sequences_on_gluon_decodes_on_the_portable_kernel(log):
     assert flags == dict(GROUP=4, D=128, PAGE_SIZE=64, BLOCK_B=flags["BLOCK_B"],
                          BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, HAS_LEFT=False,
                          HAS_RIGHT=True, HAS_SINK=False, PINGPONG=cfg.pingpong,
-                         OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs,
-                         HALF_LAST=fwd_sm90.HALF_LAST)
+                         OVERLAP=cfg.overlap, CONSUMER_REGS=cfg.consumer_regs)
     assert (gluon.named["left"], gluon.named["right"]) == (0, 0)
     assert gluon.named["scale_log2"] == pytest.approx(128 ** -0.5 * 1.4426950408889634)
     assert gluon.kwargs == dict(num_warps=cfg.num_warps)

@@ -179,7 +179,7 @@ def cases():
         consts = dict(GROUP=2, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, HAS_SINK=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], PINGPONG=pingpong, OVERLAP=overlap,
-                      CONSUMER_REGS=240, HALF_LAST=fwd_sm90.HALF_LAST)
+                      CONSUMER_REGS=240)
         yield "fwd", f"fwd sm90 (Gluon) D=128 {label}", fwd_sm90._fwd_sm90_kernel, \
             sm90_types, consts, 4, 1
         if label == "causal":
@@ -190,16 +190,12 @@ def cases():
                             ("causal table", flags, True)):
         consts = dict(GROUP=2, HQ=16, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, HAS_SINK=True, TABLE=table, O_IN_Q=False,
-                      CONSUMER_REGS=240, HALF_LAST=fwd_sm90.HALF_LAST)
+                      CONSUMER_REGS=240)
         if not table:
             consts["sched"] = None
         yield "fwd", f"fwd sm90 persistent (Gluon) D=128 {label}", \
             fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), consts, 4, 1
         if label == "causal":
-            # The whole last tile (HALF_LAST off: the kernel before it).
-            yield "fwd", "fwd sm90 persistent (Gluon) D=128 causal whole tiles", \
-                fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
-                dict(consts, HALF_LAST=False), 4, 1
             # D = 256: out staged in Q's buffer.
             yield "fwd", "fwd sm90 persistent (Gluon) D=256 causal", \
                 fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
@@ -215,7 +211,7 @@ def cases():
                              ("causal", False, 256)):
         consts = dict(GROUP=2, HQ=16, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, STAGES=2,
                       HAS_LEFT=window, HAS_RIGHT=True, HAS_SINK=True, O_IN_Q=d == 256,
-                      CONSUMER_REGS=240, HALF_LAST=fwd_sm90.HALF_LAST)
+                      CONSUMER_REGS=240)
         yield "fwd", f"fwd sm90 persistent varlen (Gluon) D={d} {label}", \
             fwd_sm90._fwd_sm90_varlen_kernel, varlen_types, consts, 4, 1
     yield "fwd", "fwd sm90 varlen blocks (list)", fwd_sm90._varlen_blocks_kernel, \
@@ -231,7 +227,7 @@ def cases():
         consts = dict(GROUP=4, D=128, PAGE_SIZE=page, BLOCK_B=256, BLOCK_N=128, STAGES=2,
                       HAS_LEFT=window,
                       HAS_RIGHT=True, HAS_SINK=True, PINGPONG=False, OVERLAP=True,
-                      CONSUMER_REGS=240, HALF_LAST=fwd_sm90.HALF_LAST)
+                      CONSUMER_REGS=240)
         yield "fwd", f"fwd sm90 paged (Gluon) D=128 {label}", fwd_sm90._fwd_sm90_paged_kernel, \
             paged_sm90, consts, 4, 1
     bwd_types = dict(q=BF16, k=BF16, v=BF16, dout=BF16, dq=BF16, dk=BF16, dv=BF16,

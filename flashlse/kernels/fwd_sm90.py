@@ -112,10 +112,6 @@ _paged_keys = gluon.jit(paged_keys.fn)
 _seq_spans = gluon.jit(seq_spans.fn)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
-# A block's last key tile as a half tile where no row of a warpgroup sees its second half
-# (the causal diagonal tile of a block's first warpgroup: ``_consumer_loop_half``); off for
-# an A/B (read when a call is planned).
-HALF_LAST = True
 # Ints a row block of the persistent varlen kernel's list: bos, bos_k, T_q, T_k, first row.
 VARLEN_ITEM = gl.constexpr(5)
 
@@ -331,68 +327,7 @@ def _zero_rows(tile, n_valid, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _last_half_hidden(r_last, n_last, T_k, shift, right, HAS_RIGHT: gl.constexpr,
-                      BLOCK_N: gl.constexpr):
-    """Whether no row up to ``r_last`` sees a key of the second half of the key tile at
-    ``n_last`` (past the length, or past the last row's diagonal: the causal diagonal tile
-    of a block's first warpgroup). Scalars: the warpgroup's threads all branch alike."""
-    c1 = n_last + BLOCK_N // 2
-    hidden = c1 >= T_k
-    if HAS_RIGHT:
-        hidden = hidden | (c1 > r_last + shift + right)
-    return hidden
-
-
-@gluon.jit
-def _last_half(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, acc, m_i, l_i, p,
-               alpha, t_last, n_last, rows, T_k, shift, left, right, scale_log2, n_full_lo,
-               n_full_hi, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr,
-               o_layout: gl.constexpr, p_layout: gl.constexpr, V_TAIL: gl.constexpr):
-    """The block's last key tile (ring slot ``t_last``, after at least one other) when its
-    second half is hidden from this warpgroup's rows (``_last_half_hidden``): ``S = Q K^T``
-    and ``P V`` over its first ``BLOCK_N / 2`` keys only, issued beside the tile before's
-    ``P V`` (``p``, ``alpha``: that tile's probabilities and rescale) as in the overlapped
-    loop. Returns ``acc, m_i, l_i`` in the loop's layouts."""
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    h_layout: gl.constexpr = _wgmma_layout(HALF_N)
-    dtype: gl.constexpr = q_tile.dtype
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    h_rows: gl.constexpr = gl.SliceLayout(1, h_layout)
-    s = t_last % STAGES
-    mbarrier.wait(k_full.index(s), (t_last // STAGES) & 1)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(s).slice(0, HALF_N).permute((1, 0)),
-                          gl.zeros([HALF_M, HALF_N], gl.float32, layout=h_layout),
-                          use_acc=False, is_async=True)
-    t_prev = t_last - 1
-    sp = t_prev % STAGES
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    mbarrier.wait(v_full.index(sp), (t_prev // STAGES) & 1)
-    o_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-    s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(s))
-    ph, alpha_h, m_h, l_h = _softmax_any(s_acc, gl.convert_layout(m_i, h_rows),
-                                         gl.convert_layout(l_i, h_rows), n_last,
-                                         gl.convert_layout(rows, h_rows), T_k, shift, left,
-                                         right, scale_log2, n_full_lo, n_full_hi, HAS_LEFT,
-                                         HAS_RIGHT, HALF_N, h_layout)
-    acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-    mbarrier.arrive(v_empty.index(sp))
-    acc = acc * gl.convert_layout(alpha_h, o_rows)[:, None]
-    p_op = gl.convert_layout(ph.to(dtype), p_layout)
-    mbarrier.wait(v_full.index(s), (t_last // STAGES) & 1)
-    if V_TAIL:
-        _zero_rows(v_smem.index(s), T_k - n_last, BLOCK_N)
-    o_tok = warpgroup_mma(p_op, v_smem.index(s).slice(0, HALF_N), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-    mbarrier.arrive(v_empty.index(s))
-    return acc, gl.convert_layout(m_h, gl.SliceLayout(1, s_layout)), \
-        gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
-
-
-@gluon.jit
-def _consumer_loop_whole(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
+def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
                            acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
                            n_lo, n_full_lo, n_full_hi, n_tiles, t0,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -400,7 +335,12 @@ def _consumer_loop_whole(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empt
                            PINGPONG: gl.constexpr, s_layout: gl.constexpr,
                            o_layout: gl.constexpr, p_layout: gl.constexpr,
                            V_TAIL: gl.constexpr = False):
-    """``_consumer_loop_overlap`` with every tile whole."""
+    """FA-3's intra-warpgroup overlap: ``S_{j+1} = Q K_{j+1}^T`` and ``acc += P_j V_j`` are
+    issued together, and the softmax of tile j + 1 runs while ``P_j V_j`` is in flight.
+    The block's tiles are the ring's ``t0``-th and on (the persistent kernel's earlier
+    blocks took the ``t0`` before; 0 elsewhere). ``V_TAIL`` (the persistent varlen kernel,
+    whose tiles come from descriptors over the whole packed tensor): the last V tile's rows
+    from ``T_k`` on, the next sequence's, are zeroed before its product (``_zero_rows``)."""
     dtype: gl.constexpr = q_tile.dtype
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     if n_tiles > 0:
@@ -456,106 +396,6 @@ def _consumer_loop_whole(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empt
 
 
 @gluon.jit
-def _consumer_loop_half(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, acc, m_i, l_i,
-                        s_zero, rows, T_k, shift, left, right, scale_log2, n_lo, n_full_lo,
-                        n_full_hi, n_tiles, t0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                        s_layout: gl.constexpr, o_layout: gl.constexpr,
-                        p_layout: gl.constexpr, V_TAIL: gl.constexpr, r0):
-    """``_consumer_loop_whole`` (no ping-pong) whose last tile, when no row of this
-    warpgroup (rows ``r0 .. r0 + 63``) sees its second half (``_last_half_hidden``) and a
-    tile comes before it, runs as a half tile (``_last_half``, which also issues the tile
-    before's product)."""
-    dtype: gl.constexpr = q_tile.dtype
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    if n_tiles > 0:
-        n_last = n_lo + (n_tiles - 1) * BLOCK_N
-        # (A single tile stays whole: the half path only where a tile comes before it.)
-        hidden = (n_tiles > 1) & _last_half_hidden(r0 + HALF_M - 1, n_last, T_k, shift, right,
-                                                   HAS_RIGHT, BLOCK_N)
-        if n_tiles > 0:
-            mbarrier.wait(k_full.index(t0 % STAGES), (t0 // STAGES) & 1)
-            s_tok = warpgroup_mma(q_tile, k_smem.index(t0 % STAGES).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
-            mbarrier.arrive(k_empty.index(t0 % STAGES))
-            p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo, rows, T_k, shift, left,
-                                              right, scale_log2, n_full_lo, n_full_hi,
-                                              HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
-            # With a hidden half, _last_half computes the last tile's scores.
-            for it in range(n_tiles - 1 - hidden.to(gl.int32)):
-                s = (t0 + it) % STAGES
-                s1 = (t0 + it + 1) % STAGES
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.wait(k_full.index(s1), ((t0 + it + 1) // STAGES) & 1)
-                s_tok = warpgroup_mma(q_tile, k_smem.index(s1).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                mbarrier.wait(v_full.index(s), ((t0 + it) // STAGES) & 1)
-                o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
-                s_acc = warpgroup_mma_wait(1, deps=(s_tok, ))
-                mbarrier.arrive(k_empty.index(s1))
-                p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo + (it + 1) * BLOCK_N,
-                                                  rows, T_k, shift, left, right, scale_log2,
-                                                  n_full_lo, n_full_hi,
-                                                  HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
-                acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-                mbarrier.arrive(v_empty.index(s))
-            if hidden:
-                acc, m_i, l_i = _last_half(q_tile, k_smem, v_smem, k_full, k_empty, v_full,
-                                           v_empty, acc, m_i, l_i, p, alpha,
-                                           t0 + n_tiles - 1, n_last, rows, T_k, shift, left,
-                                           right, scale_log2, n_full_lo, n_full_hi, BLOCK_N,
-                                           STAGES, HAS_LEFT, HAS_RIGHT, s_layout, o_layout,
-                                           p_layout, V_TAIL)
-            else:
-                last = t0 + n_tiles - 1
-                s = last % STAGES
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                mbarrier.wait(v_full.index(s), (last // STAGES) & 1)
-                if V_TAIL:
-                    _zero_rows(v_smem.index(s), T_k - n_last, BLOCK_N)
-                o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-                mbarrier.arrive(v_empty.index(s))
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
-                           acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
-                           n_lo, n_full_lo, n_full_hi, n_tiles, t0,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                           PINGPONG: gl.constexpr, s_layout: gl.constexpr,
-                           o_layout: gl.constexpr, p_layout: gl.constexpr,
-                           V_TAIL: gl.constexpr = False, HALF_LAST: gl.constexpr = False,
-                           r0=0):
-    """FA-3's intra-warpgroup overlap: ``S_{j+1} = Q K_{j+1}^T`` and ``acc += P_j V_j`` are
-    issued together, and the softmax of tile j + 1 runs while ``P_j V_j`` is in flight.
-    The block's tiles are the ring's ``t0``-th and on (the persistent kernel's earlier
-    blocks took the ``t0`` before; 0 elsewhere). ``V_TAIL`` (the persistent varlen kernel,
-    whose tiles come from descriptors over the whole packed tensor): the last V tile's rows
-    from ``T_k`` on, the next sequence's, are zeroed before its product (``_zero_rows``).
-    ``HALF_LAST`` (128-key tiles, no ping-pong; ``fwd_sm90.HALF_LAST``): the last tile's
-    second half is skipped where no row of the warpgroup sees it, as in the causal diagonal
-    tile of a block's first warpgroup (``_consumer_loop_half``)."""
-    if HALF_LAST and (not PINGPONG) and BLOCK_N == 128:
-        acc, m_i, l_i = _consumer_loop_half(
-            q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, acc, m_i, l_i, s_zero,
-            rows, T_k, shift, left, right, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles, t0,
-            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, s_layout, o_layout, p_layout, V_TAIL, r0)
-    else:
-        acc, m_i, l_i = _consumer_loop_whole(
-            q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half, acc, m_i, l_i,
-            s_zero, rows, T_k, shift, left, right, scale_log2, n_lo, n_full_lo, n_full_hi,
-            n_tiles, t0, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, s_layout, o_layout,
-            p_layout, V_TAIL)
-    return acc, m_i, l_i
-
-
-@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, o_desc,
               q_bar, k_full, k_empty, v_full, v_empty, turn,
               p_lse, sink, i_h, half,
@@ -563,7 +403,7 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
               n_lo, n_full_lo, n_full_hi, n_tiles,
               D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, HALF_LAST: gl.constexpr):
+              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
     """One warpgroup: 64 query rows against every key tile of the block, then the epilogue."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(D)
@@ -585,8 +425,7 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
             q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
             acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
             n_lo, n_full_lo, n_full_hi, n_tiles, 0,
-            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, s_layout, o_layout, p_layout,
-            HALF_LAST=HALF_LAST, r0=r0)
+            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, s_layout, o_layout, p_layout)
     else:
         for it in range(n_tiles):
             s = it % STAGES
@@ -633,7 +472,7 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
             D: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
             HAS_SINK: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-            CONSUMER_REGS: gl.constexpr, HALF_LAST: gl.constexpr):
+            CONSUMER_REGS: gl.constexpr):
     """A block with keys to see (``n_tiles > 0``), after its kernel's prologue: the TMA
     descriptors, the shared memory (the Q halves, the K/V ring, their barriers) and the three
     partitions (two consumer warpgroups, the producer). ``p_k`` / ``p_v`` are the kv head's
@@ -684,11 +523,11 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
             (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty,
                          turn, p_lse, sink, i_h, 0, m0, T_q, T_k, shift, left, right, scale_log2,
                          n_lo, n_full_lo, n_full_hi, n_tiles, D, BLOCK_N, STAGES, HAS_LEFT,
-                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP, HALF_LAST)),
+                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
             (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty,
                          turn, p_lse, sink, i_h, 1, m0, T_q, T_k, shift, left, right, scale_log2,
                          n_lo, n_full_lo, n_full_hi, n_tiles, D, BLOCK_N, STAGES, HAS_LEFT,
-                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP, HALF_LAST)),
+                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
             (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar,
                          k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
                          (), BLOCK_N, STAGES, False, PAGE_SIZE)),
@@ -700,11 +539,11 @@ def _attend(p_q, p_o, p_k, p_v, p_lse, sink, kv_args, i_h, m0, T_q, T_k, shift, 
             (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty,
                          turn, p_lse, sink, i_h, 0, m0, T_q, T_k, shift, left, right, scale_log2,
                          n_lo, n_full_lo, n_full_hi, n_tiles, D, BLOCK_N, STAGES, HAS_LEFT,
-                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP, HALF_LAST)),
+                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
             (_consumer, (q_smem, k_smem, v_smem, o_desc, q_bar, k_full, k_empty, v_full, v_empty,
                          turn, p_lse, sink, i_h, 1, m0, T_q, T_k, shift, left, right, scale_log2,
                          n_lo, n_full_lo, n_full_hi, n_tiles, D, BLOCK_N, STAGES, HAS_LEFT,
-                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP, HALF_LAST)),
+                         HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP)),
             (_producer, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q_bar,
                          k_full, k_empty, v_full, v_empty, m0, n_lo, n_tiles, producer_args,
                          (), BLOCK_N, STAGES, False, PAGE_SIZE)),
@@ -746,7 +585,7 @@ def _fwd_sm90_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, PINGPONG: gl.constexpr,
-    OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr, HALF_LAST: gl.constexpr,
+    OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """The dense and varlen forward. Strides come as tuples (``_common.strides``): q, k, v and
     o (batch, row, head), lse (batch, head); varlen tensors have batch stride 0."""
@@ -781,7 +620,7 @@ def _fwd_sm90_kernel(
     _attend(p_q, p_o, p_k, p_v, p_lse, sink, (stride_ks, stride_vs), i_h, m0, T_q, T_k, shift,
             left, right, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles, stride_qs, stride_os,
             D, 0, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG, OVERLAP,
-            CONSUMER_REGS, HALF_LAST)
+            CONSUMER_REGS)
 
 
 @gluon.jit
@@ -895,8 +734,7 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                          HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-                         TABLE: gl.constexpr, O_IN_Q: gl.constexpr,
-                         HALF_LAST: gl.constexpr):
+                         TABLE: gl.constexpr, O_IN_Q: gl.constexpr):
     """``_consumer`` (the overlapped schedule) over the program's work items. Q's buffer is
     handed back right after the item's last product; out goes through its own buffer, whose
     previous TMA store is waited for only when the next item's epilogue needs it. With
@@ -927,8 +765,7 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
             q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
             acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
             n_lo, n_full_lo, n_full_hi, n_tiles, t,
-            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout,
-            HALF_LAST=HALF_LAST, r0=r0)
+            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
         if not O_IN_Q:
             mbarrier.arrive(q_empty.index(half))
         t += n_tiles
@@ -989,7 +826,6 @@ def _fwd_sm90_persistent_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     TABLE: gl.constexpr, O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    HALF_LAST: gl.constexpr,
 ):
     """The dense forward as a persistent kernel: a program per SM (at most) walks work items
     ``program_id, program_id + num_programs, ...`` (``_dense_item``), or with ``TABLE`` its
@@ -1024,12 +860,12 @@ def _fwd_sm90_persistent_kernel(
                                 k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
                                 sink, 0, n_items, n_m, seqlen_q, seqlen_k, left, right,
                                 scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, HALF_LAST)),
+                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q)),
         (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
                                 sink, 1, n_items, n_m, seqlen_q, seqlen_k, left, right,
                                 scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, HALF_LAST)),
+                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q)),
         (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
                                 q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                                 n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
@@ -1187,8 +1023,7 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
                      scale_log2,
                      HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                     HAS_SINK: gl.constexpr, O_IN_Q: gl.constexpr, ITEM: gl.constexpr,
-                     HALF_LAST: gl.constexpr):
+                     HAS_SINK: gl.constexpr, O_IN_Q: gl.constexpr, ITEM: gl.constexpr):
     """``_consumer_persistent`` over ``_varlen_load``'s items. Rows of a Q half past its
     sequence's end hold the next sequence's rows (or zeros): each row's result is its own,
     and only rows below ``T_q`` are stored. A half wholly inside its sequence is stored by
@@ -1224,7 +1059,7 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
                 acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
                 n_lo, n_full_lo, n_full_hi, n_tiles, t,
                 BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout,
-                True, HALF_LAST, r0)
+                True)
             if not O_IN_Q:
                 mbarrier.arrive(q_empty.index(half))
             t += n_tiles
@@ -1270,7 +1105,7 @@ def _fwd_sm90_varlen_kernel(
     GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr, HALF_LAST: gl.constexpr,
+    O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """The packed varlen forward as a persistent kernel: a program per SM walks the row
     blocks that ``_varlen_blocks_kernel`` listed in ``blocks`` (dealt by ``_varlen_load``),
@@ -1296,11 +1131,11 @@ def _fwd_sm90_varlen_kernel(
         (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                             k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
                             0, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N, STAGES,
-                            HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM, HALF_LAST)),
+                            HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
         (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                             k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
                             1, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N, STAGES,
-                            HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM, HALF_LAST)),
+                            HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
         (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                             k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
                             GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN_ITEM)),
@@ -1384,7 +1219,6 @@ def _fwd_sm90_paged_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    HALF_LAST: gl.constexpr,
 ):
     """The Hopper forward over paged K/V (``attention_varlen`` with a block table, paged
     prefill of ``attention_with_kvcache``): the dense kernel's program and consumers, a
@@ -1428,7 +1262,7 @@ def _fwd_sm90_paged_kernel(
             sink, (p_bt, num_pages, stride_kp, stride_ks, stride_vp, stride_vs), i_h, m0, T_q,
             T_k, shift, left, right, scale_log2, n_lo, n_full_lo, n_full_hi, n_tiles, stride_qs,
             stride_os, D, PAGE_SIZE, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, PINGPONG,
-            OVERLAP, CONSUMER_REGS, HALF_LAST)
+            OVERLAP, CONSUMER_REGS)
 
 
 def supported(q, k, v, *, softcap, scale, batch) -> bool:
@@ -1537,7 +1371,7 @@ def _shared_kw(q, k, left, right, scale, sink, cfg) -> dict:
                 D=q.shape[-1], BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
                 HAS_LEFT=left is not None, HAS_RIGHT=right is not None,
                 HAS_SINK=sink is not None, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap,
-                CONSUMER_REGS=cfg.consumer_regs, HALF_LAST=HALF_LAST, num_warps=cfg.num_warps)
+                CONSUMER_REGS=cfg.consumer_regs, num_warps=cfg.num_warps)
 
 
 def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens, seqused_k,
