@@ -107,6 +107,37 @@ def host_loop_s(fn, n: int, *, sync_end: bool, warm: int = 20, gpu_sleep: bool =
     return seconds
 
 
+class NoKernelOp(torch.autograd.Function):
+    """The cheapest attention-shaped autograd op: out = q's storage reused, grads = the
+    incoming gradient for q and fresh buffers for k, v; no kernel. Its fwd+bwd host time is
+    what torch's autograd (Function.apply, the engine, the gradient checks) costs any
+    attention op called eagerly with ``.backward``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, torch.empty_like(dout), torch.empty_like(dout)
+
+
+def autograd_floor_fn(dev, threads: bool = True):
+    """A :class:`NoKernelOp` forward + backward, as :func:`attention_step` makes a step
+    (fresh .grad each call, ``out.backward(dout)``, on autograd's device thread or, with
+    ``threads=False``, on the calling thread)."""
+    q, k, v = (torch.randn(1, 128, 2, 128, device=dev, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 128, 2, 128, device=dev)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        out = NoKernelOp.apply(q, k, v)
+        with torch.autograd.set_multithreading_enabled(threads):
+            out.backward(do)
+
+    return step
+
+
 def attention_step(q, k, v, dout, *, threads: bool = True, **kw):
     """One training step of ``fl.attention(q, k, v, **kw)``: fresh gradients (no accumulate
     kernel, as the CUDA-graph recipe of the torch docs), forward, ``backward(dout)`` on

@@ -25,9 +25,9 @@ calls it) four ways, in one process:
 - ``floor``: what the call's launches and allocations cost on this host by themselves:
   its device events a call (profiler) times an empty 24-argument Triton kernel launched as
   flashlse launches its kernels (``_common.Launch``), plus its allocator requests a call
-  (``torch.cuda.memory_stats``) times a ``torch.empty``, plus, for a forward + backward, a
-  no-kernel ``autograd.Function``'s forward and backward (on the thread the row's backward
-  runs on), each timed here like ``host``. ``over`` = host - floor: flashlse's own Python a
+  (``torch.cuda.memory_stats``) times a ``torch.empty``, plus, for a forward + backward,
+  ``_common.NoKernelOp``'s forward and backward (on the thread the row's backward runs on),
+  each timed here like ``host``. ``over`` = host - floor: flashlse's own Python a
   call (the bar form proposed in issue 15's closing notes: host <= floor + 25 us).
 
 Bars (issue "Public calls at kernel speed"): host us a call <= 30 (attention forward and
@@ -64,7 +64,7 @@ import triton
 # The repo root last: a PYTHONPATH tree (h200_session.sh in_turn's .before) comes first.
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 
-from _common import attention_step, graph_replay, median_ms  # noqa: E402
+from _common import attention_step, autograd_floor_fn, graph_replay, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 
@@ -289,9 +289,10 @@ def graph_ms(step) -> float:
     return bench(replay)
 
 
-def kernel_ms(step) -> float:
+def kernel_ms(step) -> tuple[float, float]:
     """Device time of one call by torch.profiler: the time covered by the device events
-    (kernels, memsets, copies) of N_PROFILE calls, gaps between them left out."""
+    (kernels, memsets, copies) of N_PROFILE calls, gaps between them left out; and those
+    events a call."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -307,8 +308,7 @@ def kernel_ms(step) -> float:
         if t1 > end:
             us += t1 - max(t0, end)
             end = t1
-    kernel_ms.events = len(spans) / N_PROFILE
-    return us / N_PROFILE / 1e3
+    return us / N_PROFILE / 1e3, len(spans) / N_PROFILE
 
 
 def allocs_per_call(step) -> float:
@@ -329,19 +329,6 @@ def _empty24(x0, x1, x2, x3, x4, x5, x6, x7, a0, a1, a2, a3, a4, a5, a6, a7, a8,
     pass
 
 
-class _NoKernel(torch.autograd.Function):
-    """An attention-shaped autograd op with no kernel: what torch's autograd alone costs a
-    forward + backward called eagerly (as profile_host.py's autograd floor)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        return q.view_as(q)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return dout, torch.empty_like(dout), torch.empty_like(dout)
-
-
 @functools.cache
 def unit_costs() -> dict:
     """Host us of one launch, one allocation and the no-kernel autograd round trip (device
@@ -351,24 +338,10 @@ def unit_costs() -> dict:
     ts = [torch.empty(16, device="cuda") for _ in range(8)]
     # (No 0 or 1, which Triton would specialise.) Launched as flashlse launches its kernels.
     launch = Launch(_empty24, (1,), tuple(range(3, 19)), {})
-    q, k, v = (torch.randn(1, 128, 2, 128, device="cuda", requires_grad=True)
-               for _ in range(3))
-    dout = torch.randn(1, 128, 2, 128, device="cuda")
-
-    def round_trip(threads=True):
-        def step():
-            q.grad = k.grad = v.grad = None
-            if threads:
-                _NoKernel.apply(q, k, v).backward(dout)
-            else:
-                with torch.autograd.set_multithreading_enabled(False):
-                    _NoKernel.apply(q, k, v).backward(dout)
-        return step
-
     return dict(launch=host_us(lambda: launch(*ts))[0],
                 alloc=host_us(lambda: torch.empty(4096, device="cuda"))[0],
-                autograd=host_us(round_trip())[0],
-                autograd_1t=host_us(round_trip(False))[0])
+                autograd=host_us(autograd_floor_fn("cuda"))[0],
+                autograd_1t=host_us(autograd_floor_fn("cuda", threads=False))[0])
 
 
 def floor_us(kind, events, allocs) -> float:
@@ -434,9 +407,9 @@ def measure(case) -> dict:
                 torch.cuda.synchronize()
             if key == "host_us" and res is not None:
                 res, row["host_clean"] = res
-            row[key] = res
             if key == "kernel_ms" and res is not None:
-                row["events"] = kernel_ms.events
+                res, row["events"] = res
+            row[key] = res
         if row.get("events") is not None and row.get("allocs") is not None:
             row["floor_us"] = floor_us(case.kind, row["events"], row["allocs"])
     del step

@@ -39,7 +39,12 @@ import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import attention_step, graph_replay, host_loop_s  # noqa: E402
+from _common import (  # noqa: E402
+    attention_step,
+    autograd_floor_fn,
+    graph_replay,
+    host_loop_s,
+)
 
 import flashlse as fl  # noqa: E402
 
@@ -89,23 +94,9 @@ def back_to_back():
               f"{pub / gr:.2f}x")
 
 
-class _Identity(torch.autograd.Function):
-    """The cheapest attention-shaped autograd op: out = q's storage reused, grads = the
-    incoming gradient for q and fresh buffers for k, v; no kernel. Its fwd+bwd host time is
-    what torch's autograd (Function.apply, the engine, the gradient checks) costs any
-    attention op called eagerly with ``.backward``."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        return q.view_as(q)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return dout, torch.empty_like(dout), torch.empty_like(dout)
-
-
 class _Busy(torch.autograd.Function):
-    """:class:`_Identity` whose backward also makes ``ctx.n`` torch calls of kind ``ctx.kind``
+    """``_common.NoKernelOp`` whose backward also makes ``ctx.n`` torch calls of kind
+    ``ctx.kind``
     (``empty``: an allocation; ``add``: a kernel launch; ``py``: pure Python of about the
     same length): what the engine's device thread adds to a backward's host work."""
 
@@ -148,19 +139,6 @@ def threads(rounds: int) -> None:
             on, off = us[True][rounds // 2], us[False][rounds // 2]
             print(f"=== threads {kind:<5} n={n:<3} device thread {on:7.1f} us, caller's thread "
                   f"{off:7.1f} us, difference {on - off:+7.1f}")
-
-
-def autograd_floor_fn(dev):
-    """A no-kernel autograd op's forward + backward, as ``calls()``'s fwd+bwd (fresh .grad
-    each call, ``out.backward(dout)``)."""
-    q, k, v = (torch.randn(1, 128, 2, 128, device=dev, requires_grad=True) for _ in range(3))
-    do = torch.randn(1, 128, 2, 128, device=dev)
-
-    def step():
-        q.grad = k.grad = v.grad = None
-        _Identity.apply(q, k, v).backward(do)
-
-    return step
 
 
 def autograd_floor(dev, n):
