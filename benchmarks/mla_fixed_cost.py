@@ -27,7 +27,9 @@ import flashlse as fl  # noqa: E402
 PAGE = 64
 
 
-def time_us(b: int, n: int) -> float:
+def mla_call(b: int, n: int):
+    """The public dense MLA decode of ``b`` sequences of ``n`` 64-key tiles (Hq = 128,
+    576 / 512, paged 64, ``num_splits=1``: a program per (sequence, 64-head tile))."""
     skv = n * 64
     pages = max(skv // PAGE, 1)
     q = torch.randn(b, 1, 128, 576, device="cuda", dtype=torch.bfloat16)
@@ -40,7 +42,11 @@ def time_us(b: int, n: int) -> float:
                                          block_table=table, scale=1 / math.sqrt(576),
                                          num_splits=1)
 
-    return median_ms(graph_replay(call), rep=200) * 1e3
+    return call
+
+
+def time_us(b: int, n: int) -> float:
+    return median_ms(graph_replay(mla_call(b, n)), rep=200) * 1e3
 
 
 def fit(ns, ts):

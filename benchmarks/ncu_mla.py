@@ -18,26 +18,17 @@ at B = 66 and one at B = 132, n = 64 (``--tiles``).
 from __future__ import annotations
 
 import argparse
-import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(tiles: int) -> None:
     import torch
+    from mla_fixed_cost import mla_call
 
-    import flashlse as fl
-
-    page = 64
-    calls = []
-    for b in (66, 132):
-        skv = tiles * 64
-        pages = skv // page
-        q = torch.randn(b, 1, 128, 576, device="cuda", dtype=torch.bfloat16)
-        cache = torch.randn(b * pages, page, 1, 576, device="cuda", dtype=torch.bfloat16)
-        table = torch.randperm(b * pages, device="cuda").view(b, pages).to(torch.int32)
-        lens = torch.full((b,), skv, dtype=torch.int32, device="cuda")
-        calls.append(lambda q=q, cache=cache, table=table, lens=lens: fl.attention_with_kvcache(
-            q, cache, cache[..., :512], cache_seqlens=lens, block_table=table,
-            scale=1 / math.sqrt(576), num_splits=1))
+    calls = [mla_call(b, tiles) for b in (66, 132)]
     for _ in range(3):
         for call in calls:
             call()
