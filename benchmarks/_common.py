@@ -161,9 +161,11 @@ def flag_runs(flag: str, fn):
     calls timed in turn (``interleaved_ms``) each run their own side."""
     import importlib
 
-    from flashlse.kernels import bwd, fwd_sm90
+    from flashlse.kernels import bwd, decode, fwd_sm90
 
     attention_ops = importlib.import_module("flashlse.ops.attention")
+    kvcache_ops = importlib.import_module("flashlse.ops.kvcache")
+    sparse_ops = importlib.import_module("flashlse.ops.sparse")
     mod_name, name = flag.rsplit(".", 1)
     mod = importlib.import_module(mod_name if mod_name.startswith("flashlse.")
                                   else f"flashlse.kernels.{mod_name}")
@@ -173,10 +175,12 @@ def flag_runs(flag: str, fn):
         def run():
             if getattr(mod, name) != value:
                 setattr(mod, name, value)
-                # Every plan a flag can shape: the backward's, the Hopper forward's, and the
-                # launches the public calls keep.
-                for plans in (bwd._BWD_PLANS, fwd_sm90._PLANS, attention_ops._KEPT,
-                              attention_ops._PAGED_KEPT):
+                # Every plan a flag can shape: the backward's, the Hopper forward's, the
+                # decode's, and the launches the public calls keep (sparse's plans hold
+                # their decode plans).
+                for plans in (bwd._BWD_PLANS, fwd_sm90._PLANS, decode._PLANS,
+                              attention_ops._KEPT, attention_ops._PAGED_KEPT, kvcache_ops._KEPT,
+                              sparse_ops._PLANS):
                     plans.clear()
             then()
         return run

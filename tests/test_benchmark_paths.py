@@ -28,7 +28,8 @@ def test_benchmarks_put_the_repo_root_last():
 def test_flag_runs_switch_the_flag_and_drop_every_plan_it_shapes():
     """``_common.flag_runs`` (the in-process A/Bs: ab_bwd_switch, ab_fwd_switch, profile_host
     --ab): each side sets its value and, when the value changes, drops the plans a flag can
-    shape (the backward's, the Hopper forward's, the launches the public calls keep), so
+    shape (the backward's, the Hopper forward's, the decode's, the launches the public calls
+    keep), so
     neither side runs a plan the other made; ``restore`` puts the original back."""
     import importlib
     import sys
@@ -40,10 +41,13 @@ def test_flag_runs_switch_the_flag_and_drop_every_plan_it_shapes():
         common = importlib.import_module("_common")
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    from flashlse.kernels import bwd, fwd_sm90
+    from flashlse.kernels import bwd, decode, fwd_sm90
 
     ops = importlib.import_module("flashlse.ops.attention")
-    caches = (bwd._BWD_PLANS, fwd_sm90._PLANS, ops._KEPT, ops._PAGED_KEPT)
+    kv_ops = importlib.import_module("flashlse.ops.kvcache")
+    sparse_ops = importlib.import_module("flashlse.ops.sparse")
+    caches = (bwd._BWD_PLANS, fwd_sm90._PLANS, decode._PLANS, ops._KEPT, ops._PAGED_KEPT,
+              kv_ops._KEPT, sparse_ops._PLANS)
     original = bwd_sm90.FUSED_DQ
     assert original is True  # (the test's sides: on leaves it, off changes it)
     seen = []
