@@ -2,15 +2,17 @@
 latent cache and ``sparse_attention``'s top-k decode, with a module flag on and off, timed in
 turn (``_common.interleaved_ms``).
 
-    python benchmarks/ab_mla_switch.py --flag decode_mla_sm90.PERSISTENT
+    python benchmarks/ab_mla_switch.py --flag decode_mla_sm90.NAME
 
 Rows (Hq = 128 unless said, 576 / 512, bf16, paged 64 unless said): issue 18's bar shapes
 (B = 64 Skv = 8k, one wave of 128 programs; B = 128 Skv = 4k and Sq = 2, two waves), B = 256
 Skv = 2k (four), B = 128 at ragged lengths (uniform in [512, 7680], seed 0: a static schedule
 meets uneven items), contiguous B = 128 Skv = 4k, Hq = 16 B = 256 Skv = 8k (memory-bound:
 GB/s of latent cache) and the top-k decode (B = 128, topk = 2048). Each row also says whether
-both sides wrote the same bits. The flag is a module attribute of ``flashlse.kernels`` (the
-plans, kept launches included, are dropped at each switch, ``_common.flag_runs``).
+both sides wrote the same bits. The flag is a boolean module attribute of
+``flashlse.kernels`` (the plans, kept launches included, are dropped at each switch,
+``_common.flag_runs``). Written for session 27's persistent MLA grid (commit 34fae50, slower:
+benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

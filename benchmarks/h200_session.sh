@@ -32,8 +32,6 @@
 #   bash benchmarks/h200_session.sh readme2    # its D = 64 / 256 rows and decode at every B
 #   bash benchmarks/h200_session.sh mla-why    # issue 18: the fixed cost's program sweep,
 #                                                ncu over one and two MLA waves
-#   bash benchmarks/h200_session.sh persist    # issue 18: the MLA persistent grid's GPU tests,
-#                                                its A/B (ab_mla_switch.py), bench_mla
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -52,7 +50,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why persist readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -278,22 +276,6 @@ if [ "$1" = readme2 ]; then
         > "$OUT/readme2_bwd.txt" 2>&1; tail -24 "$OUT/readme2_bwd.txt"
     timeout 180 python3 benchmarks/bench_decode.py --out /tmp/dec2 > "$OUT/readme2_decode.txt" \
         2>&1; tail -14 "$OUT/readme2_decode.txt"
-    exit 0
-fi
-if [ "$1" = persist ]; then
-    # Issue 18: the MLA decode's persistent grid (decode_mla_sm90.PERSISTENT). Its GPU tests
-    # (one persistent case first: a barrier phase gone wrong hangs, and shows in 2 minutes),
-    # the whole MLA file, then the in-process A/B (benchmarks/ab_mla_switch.py) and bench_mla.
-    T=tests/kernels/test_decode_mla_sm90.py
-    timeout 150 python3 -m pytest -q -x "$T::test_mla_sm90_persistent_matches_reference[contiguous_4sms]" \
-        -p no:cacheprovider > "$OUT/test_persist0.log" 2>&1 || { tail -30 "$OUT/test_persist0.log"; exit 1; }
-    timeout 240 python3 -m pytest -q $T tests/kernels/test_sparse_kernels.py -p no:cacheprovider \
-        > "$OUT/test_persist.log" 2>&1
-    tail -1 "$OUT/test_persist.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_persist.log" | head
-    timeout 200 python3 benchmarks/ab_mla_switch.py --flag decode_mla_sm90.PERSISTENT \
-        > "$OUT/ab_persist.txt" 2>&1; tail -12 "$OUT/ab_persist.txt"
-    timeout 150 python3 benchmarks/bench_mla.py --gluon-only --out "$OUT" > "$OUT/bench_mla.log" 2>&1
-    tail -16 "$OUT/bench_mla.log"
     exit 0
 fi
 if [ "$1" = mla-why ]; then
