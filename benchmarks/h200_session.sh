@@ -32,6 +32,8 @@
 #   bash benchmarks/h200_session.sh readme2    # its D = 64 / 256 rows and decode at every B
 #   bash benchmarks/h200_session.sh mla-why    # issue 18: the fixed cost's program sweep,
 #                                                ncu over one and two MLA waves
+#   bash benchmarks/h200_session.sh rebuild    # issue 18: MLA descriptors rebuilt in the loop,
+#                                                the persistent grid on it (A/Bs), MLA tests
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -50,7 +52,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -276,6 +278,23 @@ if [ "$1" = readme2 ]; then
         > "$OUT/readme2_bwd.txt" 2>&1; tail -24 "$OUT/readme2_bwd.txt"
     timeout 180 python3 benchmarks/bench_decode.py --out /tmp/dec2 > "$OUT/readme2_decode.txt" \
         2>&1; tail -14 "$OUT/readme2_decode.txt"
+    exit 0
+fi
+if [ "$1" = rebuild ]; then
+    # Issue 18: the MLA decode's key-buffer descriptors rebuilt in the loop
+    # (decode_mla_sm90.REBUILD_DESCRIPTORS, no spills in warpgroup 0's loop), then the
+    # persistent grid on top of it (PERSISTENT), each in-process through the public calls
+    # (ab_mla_switch.py: same bits on both sides), then the MLA GPU tests.
+    F=REBUILD_DESCRIPTORS
+    timeout 150 python3 benchmarks/ab_mla_switch.py --flag decode_mla_sm90.$F \
+        > "$OUT/ab_$F.txt" 2>&1; tail -11 "$OUT/ab_$F.txt"
+    timeout 100 python3 -m pytest -q tests/kernels/test_decode_mla_sm90.py \
+        -k "matches_reference and not persistent or nan or topk_matches" -p no:cacheprovider \
+        > "$OUT/test_rebuild.log" 2>&1
+    tail -1 "$OUT/test_rebuild.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_rebuild.log" | head
+    F=PERSISTENT
+    timeout 150 python3 benchmarks/ab_mla_switch.py --flag decode_mla_sm90.$F \
+        > "$OUT/ab_$F.txt" 2>&1; tail -11 "$OUT/ab_$F.txt"
     exit 0
 fi
 if [ "$1" = mla-why ]; then
