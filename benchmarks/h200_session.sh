@@ -32,9 +32,8 @@
 #   bash benchmarks/h200_session.sh readme2    # its D = 64 / 256 rows and decode at every B
 #   bash benchmarks/h200_session.sh mla-why    # issue 18: the fixed cost's program sweep,
 #                                                ncu over one and two MLA waves
-#   bash benchmarks/h200_session.sh rebuild [persistent]  # issue 18: MLA descriptors rebuilt
-#                                                in the loop (A/B), MLA tests, [the persistent
-#                                                grid's A/B on top]
+#   bash benchmarks/h200_session.sh rebuild    # issue 18: MLA descriptors rebuilt in the loop
+#                                                (A/B through the public calls), MLA tests
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -283,9 +282,9 @@ if [ "$1" = readme2 ]; then
 fi
 if [ "$1" = rebuild ]; then
     # Issue 18: the MLA decode's key-buffer descriptors rebuilt in the loop
-    # (decode_mla_sm90.REBUILD_DESCRIPTORS, no spills in warpgroup 0's loop), then the
-    # persistent grid on top of it (PERSISTENT), each in-process through the public calls
-    # (ab_mla_switch.py: same bits on both sides), then the MLA GPU tests.
+    # (decode_mla_sm90.REBUILD_DESCRIPTORS, no spills in warpgroup 0's loop), in-process
+    # through the public calls (ab_mla_switch.py: same bits on both sides), then the MLA
+    # GPU tests.
     F=REBUILD_DESCRIPTORS
     timeout 150 python3 benchmarks/ab_mla_switch.py --flag decode_mla_sm90.$F \
         > "$OUT/ab_$F.txt" 2>&1; tail -11 "$OUT/ab_$F.txt"
@@ -293,11 +292,6 @@ if [ "$1" = rebuild ]; then
         -k "matches_reference and not persistent or nan or topk_matches" -p no:cacheprovider \
         > "$OUT/test_rebuild.log" 2>&1
     tail -1 "$OUT/test_rebuild.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_rebuild.log" | head
-    if [ "${2:-}" = persistent ]; then
-        F=PERSISTENT
-        timeout 150 python3 benchmarks/ab_mla_switch.py --flag decode_mla_sm90.$F \
-            > "$OUT/ab_$F.txt" 2>&1; tail -11 "$OUT/ab_$F.txt"
-    fi
     exit 0
 fi
 if [ "$1" = mla-why ]; then
