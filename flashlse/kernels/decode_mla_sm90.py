@@ -110,7 +110,8 @@ TOPK_SPLIT = (4, 48, 216)
 # The wgmma descriptors of a key buffer's pieces rebuilt in the loop from a value the compiler
 # cannot see through (_buffer), not hoisted out of it: hoisted, they outgrew warpgroup 0's
 # registers (sm_90 compile, paged 64: 160 bytes of stack, 34 local loads a step in its loop;
-# rebuilt: 16 bytes, 2). benchmarks/NOTES.md, session 27.
+# rebuilt: 16 bytes, 2). RESULTS.md 2026-12-03, session 27, call 6 (public calls in turns,
+# same bits): +2.0 to +6.4% on every MLA row, B=128 Skv=4k 490 -> 521 TFLOP/s.
 REBUILD_DESCRIPTORS = True
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
