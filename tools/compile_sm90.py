@@ -8,6 +8,7 @@ became wgmma, at no device time:
     python -m tools.compile_sm90 fwd dq     # only those
     python -m tools.compile_sm90 --loops dkdv   # and the instruction mix of each loop
     python -m tools.compile_sm90 --pipeline fwd # and the cp.async pipeline (TTGIR)
+    python -m tools.compile_sm90 --spills mla   # and the local loads inside each loop
 
 ``--loops`` reads the SASS: for every backward branch (a loop) of 50 or more instructions it
 prints the instruction count and the most frequent opcodes, which is how the notes count
@@ -91,8 +92,9 @@ def report(name: str, k) -> str:
             f"wgmma={wgmma}")
 
 
-def loop_mix(k, top: int = 14) -> list[str]:
-    """One line per loop of the kernel's SASS: first address, instruction count, opcodes."""
+def _loops(k, min_instructions: int) -> list[tuple[int, list[str]]]:
+    """``(first address, opcodes)`` of every loop (a backward branch) of the kernel's SASS
+    of at least ``min_instructions``, predicates dropped."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -102,16 +104,31 @@ def loop_mix(k, top: int = 14) -> list[str]:
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)"
                      r"([^;]*);", sass)
     where = {int(a, 16): i for i, (a, _, _) in enumerate(ins)}
-    lines = []
+    loops = []
     for i, (a, op, rest) in enumerate(ins):
         m = re.match(r"\s*0x([0-9a-f]+)", rest) if op == "BRA" else None
         target = int(m.group(1), 16) if m else None
         if target is not None and target < int(a, 16) and target in where:
             body = [o for _, o, _ in ins[where[target]:i + 1]]
-            if len(body) >= 50:
-                mix = ", ".join(f"{o} {n}" for o, n in Counter(body).most_common(top))
-                lines.append(f"  loop at {target:#06x}: {len(body)} instructions: {mix}")
-    return lines
+            if len(body) >= min_instructions:
+                loops.append((target, body))
+    return loops
+
+
+def loop_mix(k, top: int = 14) -> list[str]:
+    """One line per loop of the kernel's SASS: first address, instruction count, opcodes."""
+    return [f"  loop at {target:#06x}: {len(body)} instructions: "
+            + ", ".join(f"{o} {n}" for o, n in Counter(body).most_common(top))
+            for target, body in _loops(k, 50)]
+
+
+def loop_spills(k, min_instructions: int = 150) -> list[tuple[int, int, int, int]]:
+    """``(first address, instructions, local loads, wgmma)`` of every loop of the kernel's SASS
+    of at least ``min_instructions``: a spilled value reloaded inside a loop costs every
+    iteration (benchmarks/NOTES.md, session 27: the MLA decode's wgmma descriptors)."""
+    return [(target, len(body), sum(o.startswith("LDL") for o in body),
+             sum(o.startswith("HGMMA") for o in body))
+            for target, body in _loops(k, min_instructions)]
 
 
 def pipeline(k) -> tuple[list[int], dict[str, int]]:
@@ -365,8 +382,8 @@ def cases():
 
 def main(argv=None):
     want = set(argv if argv is not None else sys.argv[1:])
-    loops, pipe = "--loops" in want, "--pipeline" in want
-    want -= {"--loops", "--pipeline"}
+    loops, pipe, spills = "--loops" in want, "--pipeline" in want, "--spills" in want
+    want -= {"--loops", "--pipeline", "--spills"}
     for key, name, fn, types, consts, warps, stages in cases():
         if want and key not in want:
             continue
@@ -378,6 +395,10 @@ def main(argv=None):
                 print(f"  cp.async waits {waits}, buffers {bufs}", flush=True)
             if loops:
                 print("\n".join(loop_mix(k)), flush=True)
+            if spills:
+                for target, n, ldl, wgmma in loop_spills(k):
+                    print(f"  loop at {target:#06x}: {n} instructions, {ldl} local loads, "
+                          f"{wgmma} wgmma", flush=True)
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
             msg = str(e) if os.environ.get("VERBOSE") else str(e).splitlines()[0][:120]
             print(f"{name:44s} FAILED: {type(e).__name__}: {msg}")
