@@ -32,8 +32,9 @@
 #   bash benchmarks/h200_session.sh readme2    # its D = 64 / 256 rows and decode at every B
 #   bash benchmarks/h200_session.sh mla-why    # issue 18: the fixed cost's program sweep,
 #                                                ncu over one and two MLA waves
-#   bash benchmarks/h200_session.sh rebuild    # issue 18: MLA descriptors rebuilt in the loop
-#                                                (A/B through the public calls), MLA tests
+#   bash benchmarks/h200_session.sh rebuild [FLAG]  # issue 18: MLA descriptors rebuilt in the
+#                                                loop (A/B of decode_mla_sm90.FLAG, default
+#                                                REBUILD_DESCRIPTORS, public calls), MLA tests
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -285,7 +286,7 @@ if [ "$1" = rebuild ]; then
     # (decode_mla_sm90.REBUILD_DESCRIPTORS, no spills in warpgroup 0's loop), in-process
     # through the public calls (ab_mla_switch.py: same bits on both sides), then the MLA
     # GPU tests.
-    F=REBUILD_DESCRIPTORS
+    F=${2:-REBUILD_DESCRIPTORS}
     timeout 150 python3 benchmarks/ab_mla_switch.py --flag decode_mla_sm90.$F \
         > "$OUT/ab_$F.txt" 2>&1; tail -11 "$OUT/ab_$F.txt"
     timeout 75 python3 -m pytest -q tests/kernels/test_decode_mla_sm90.py \
