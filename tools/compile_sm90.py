@@ -364,7 +364,7 @@ def cases():
         consts = dict(SQ=sq, GROUP=128, M_TILES=2 * sq, PAGE_SIZE=page, PAGED=paged,
                       TOKEN_TABLE=False, TOKEN_PAGE=0, HAS_SEQLENS=True, HAS_LEFT=False,
                       HAS_RIGHT=False, HAS_SINK=False, PDL=False, PREFETCH=2, WHOLE_TILES=False,
-                      REBUILD=2, PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240)
+                      REBUILD=True, PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240)
         consts.update(flags_)
         yield "mla", f"decode MLA sm90 (Gluon) {label}", decode_mla_sm90._mla_decode_kernel, \
             mla_types, consts, 4, 1

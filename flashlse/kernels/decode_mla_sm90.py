@@ -113,10 +113,6 @@ TOPK_SPLIT = (4, 48, 216)
 # rebuilt: 16 bytes, 2). RESULTS.md 2026-12-03, session 27, call 6 (public calls in turns,
 # same bits): +2.0 to +6.4% on every MLA row, B=128 Skv=4k 490 -> 521 TFLOP/s.
 REBUILD_DESCRIPTORS = True
-# Q's nine pieces' descriptors rebuilt the same way (q_smem indexed by _buffer like a key
-# buffer). Compile: stack 16 -> 0 bytes at paged 64, 88 -> 0 at page 16 (warpgroup 0's step
-# loop there 16 -> 0 local loads), 104 -> 16 at page 8. Not GPU-run (session 27).
-REBUILD_Q = True
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
 _final_stats = gluon.jit(final_stats.fn)
@@ -336,7 +332,7 @@ def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_e
         mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
         for p in gl.static_range(NP):
             tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
-                                            _piece(q_smem.index(0), q_rope.index(0), p))
+                                            _piece(q_smem, q_rope, p))
     if WHOLE_TILES:
         # One tile an iteration (buffer t % 2): a loop body of one tile's copies.
         for t in range(FIRST, n_tiles, STEP):
@@ -461,9 +457,7 @@ def _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, ok_smem, keys, i_b, n0,
     else:
         _, tile_ok = _tile_row(keys, i_b, n0, PAGE_SIZE, PAGED)
     wb = _buffer(w, n0, REBUILD)
-    qb = _buffer(0, n0, REBUILD > 1)
-    return _scores(q_smem.index(qb), q_rope.index(qb), k_smem.index(wb), k_rope.index(wb), k_full,
-                   w, ph, n0, n_end,
+    return _scores(q_smem, q_rope, k_smem.index(wb), k_rope.index(wb), k_full, w, ph, n0, n_end,
                    tile_ok, diag, left, right, scale_log2, n_safe_lo, n_safe_hi, HAS_LEFT,
                    HAS_RIGHT, TOKEN_TABLE, PAGE_OK_VEC, s_layout)
 
@@ -475,7 +469,7 @@ def _buffer(s: gl.constexpr, j, REBUILD: gl.constexpr):
     buffer's pieces are rebuilt each iteration from its base (a few integer instructions)
     instead of hoisted out of the loop, where 18-odd 64-bit descriptors outgrew warpgroup
     0's registers and were spilled, then reloaded before every product (REBUILD_DESCRIPTORS)."""
-    if REBUILD > 0:
+    if REBUILD:
         return s + gl.inline_asm_elementwise("and.b32 $0, $1, 0;", "=r,r", [j],
                                              dtype=gl.int32, is_pure=True, pack=1)
     else:
@@ -668,9 +662,8 @@ def _mla_decode_kernel(
     SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
     k_desc = tma.make_tensor_descriptor(k, [k_rows, D_K], [stride_kn, 1], [SUB, PIECE], layout)
     # Shapes are powers of two: the 512 V columns and the 64 rope columns apart.
-    # (A leading dim of one: the products index it like the key buffers, _buffer.)
-    q_smem = gl.allocate_shared_memory(dtype, [1, ROWS, D_V], layout)
-    q_rope = gl.allocate_shared_memory(dtype, [1, ROWS, PIECE], layout)
+    q_smem = gl.allocate_shared_memory(dtype, [ROWS, D_V], layout)
+    q_rope = gl.allocate_shared_memory(dtype, [ROWS, PIECE], layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, KEYS, D_V], layout)
     k_rope = gl.allocate_shared_memory(dtype, [2, KEYS, PIECE], layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -793,8 +786,7 @@ def kernel_args(kw: dict, q, k_cache, *, token_table) -> dict:
         stride_kn=k_cache.stride(0 if token_table else 1),
         k_rows=k_cache.shape[0] * k_cache.shape[1],
         PREFETCH=PREFETCH_TILES if sq * hq > ROWS and token_table is None else 0,
-        # 0: descriptors hoisted; 1: the key buffers' rebuilt; 2: Q's pieces' too.
-        REBUILD=(1 + REBUILD_Q) if REBUILD_DESCRIPTORS else 0,
+        REBUILD=REBUILD_DESCRIPTORS,
         WHOLE_TILES=(bool(kw["PAGED"]) and kw["PAGE_SIZE"] < WHOLE_TILES_BELOW_PAGE
                      and token_table is None),
         # Gathered rows: producer warps of cp.async (TOPK_SPLIT).
