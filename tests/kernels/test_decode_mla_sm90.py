@@ -81,6 +81,104 @@ def test_mla_sm90_matches_reference(b, sq, hq, smax, lens, page, causal, window,
     torch.testing.assert_close(lse[fin], lse_p[fin], atol=1e-3, rtol=1e-3)
 
 
+PERSISTENT_CASES = [
+    # (b, sq, hq, smax, lens, page_size, causal, window, sink, num_splits, SMs): more items
+    # (sequences x row tiles x splits) than the SM count the plan is told, so each program
+    # takes several; odd tile counts (130 keys: 3 tiles, 700: 11) move buffer 1's barriers'
+    # phases apart from buffer 0's between items, and an empty sequence has no tile.
+    pytest.param(5, 1, 128, 1024, (1024, 130, 0, 65, 700), None, False, (None, None), False, 1,
+                 4, id="contiguous_4sms"),
+    pytest.param(5, 1, 128, 1024, (1024, 130, 0, 65, 700), 64, False, (None, None), True, 1,
+                 3, id="paged64_sink_3sms"),
+    pytest.param(3, 2, 128, 1024, (1024, 65, 700), 64, True, (None, None), False, 3, 8,
+                 id="mtp_causal_paged64_splits3_8sms"),
+    pytest.param(4, 1, 64, 2048, (2048, 1500, 1, 190), 32, False, (200, 0), False, 2, 3,
+                 id="hq64_window_paged32_splits2_3sms"),
+    pytest.param(3, 1, 128, 1000, (999, 130, 700), 16, False, (None, None), False, 1, 2,
+                 id="paged16_2sms"),
+    pytest.param(3, 2, 128, 1000, (999, 40, 700), 8, True, (None, None), True, 1, 4,
+                 id="mtp_causal_sink_paged8_4sms"),
+    pytest.param(9, 1, 16, 512, (512, 1, 63, 64, 0, 130, 7, 300, 511), None, False,
+                 (None, None), True, 1, 4, id="hq16_nine_sequences_4sms"),
+]
+
+
+@pytest.fixture
+def sm_count(monkeypatch):
+    """``set(n)``: the decode plans are made as if the GPU had n SMs (fresh plan caches)."""
+    monkeypatch.setattr(decode, "_PLANS", {})
+
+    def set_count(n):
+        monkeypatch.setattr(decode, "_num_sms", lambda device: n)
+    return set_count
+
+
+@pytest.mark.parametrize("b, sq, hq, smax, lens, page, causal, window, with_sink, num_splits, "
+                         "sms", PERSISTENT_CASES)
+def test_mla_sm90_persistent_matches_reference(sm_count, monkeypatch, b, sq, hq, smax, lens,
+                                               page, causal, window, with_sink, num_splits, sms):
+    """The persistent grid (``decode_mla_sm90.PERSISTENT``): programs take items one after
+    another, each item's Q and tiles through the same buffers and barriers. Same checks as
+    above, and the same output bits as one program an item."""
+    from flashlse.kernels import decode_mla_sm90
+
+    monkeypatch.setattr(decode_mla_sm90, "PERSISTENT", True)
+    sm_count(sms)
+    q, k, v, lens_t, table, k_ref, v_ref = _make(
+        "cuda", torch.bfloat16, b=b, sq=sq, hq=hq, hkv=1, d=576, dv=512, smax=smax, lens=lens,
+        mla=True, page_size=page)
+    sink = torch.randn(hq, device="cuda") if with_sink else None
+    left, right = normalize_window(causal, window)
+    plan = _plan(q, k, v, lens_t, table, left, right, sink, num_splits)
+    items = b * -(-sq * hq // 64) * max(num_splits, 1)
+    assert plan.gluon is not None and items > sms
+    assert plan.run.grid[0] < items and plan.run.grid[1] == 1, plan.run.grid
+    out, lse = _check(q, k, v, lens_t, table, k_ref, v_ref, causal=causal, window=window,
+                      sink=sink, num_splits=num_splits)
+    decode._PLANS.clear()
+    try:
+        decode_mla_sm90.PERSISTENT = False
+        grid = _plan(q, k, v, lens_t, table, left, right, sink, num_splits).run.grid
+        assert grid[0] * grid[1] == items
+        out_1, lse_1 = decode.decode_fwd(
+            q, k, v, cache_seqlens=lens_t, block_table=table, left=left, right=right,
+            softcap=0.0, scale=1 / math.sqrt(576), sink=sink, num_splits=num_splits)
+    finally:
+        decode_mla_sm90.PERSISTENT = True
+        decode._PLANS.clear()
+    assert torch.equal(out, out_1) and torch.equal(lse, lse_1)
+
+
+def test_mla_sm90_persistent_topk_matches_one_program_an_item(sm_count, monkeypatch):
+    """Top-k lists (the token table) on the persistent grid: the same bits as one program an
+    item, and the reference."""
+    import flashlse as fl
+    from flashlse.kernels import decode_mla_sm90
+    from flashlse.ops import _validate
+
+    monkeypatch.setattr(_validate, "KEEP_PLANS", False)  # every call plans (decode._PLANS)
+    monkeypatch.setattr(decode_mla_sm90, "PERSISTENT", True)
+    sm_count(3)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b, sq, hq, sk, topk = 3, 2, 128, 700, 200
+    q = torch.randn(b, sq, hq, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(b, sk, 1, 576, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(-1, sk, (b, sq, 1, topk), device="cuda", generator=g, dtype=torch.int32)
+    idx[1, 1, 0, 130:] = -1  # 130 listed: three tiles, an odd count
+    idx[2, 0] = -1  # empty row
+    out, lse, want_out, want_lse = _topk_call(q, kv, idx, None, kv)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(out.double(), want_out, atol=3e-2, rtol=3e-2)
+    decode._PLANS.clear()
+    try:
+        decode_mla_sm90.PERSISTENT = False
+        out_1, lse_1 = fl.sparse_attention(q, kv, kv[..., :512], idx, return_lse=True)
+    finally:
+        decode_mla_sm90.PERSISTENT = True
+        decode._PLANS.clear()
+    assert torch.equal(out, out_1) and torch.equal(lse, lse_1)
+
+
 def test_mla_sm90_nan_propagates():
     """A NaN in q, in a visible latent row, or in the sink gives NaN rows (never a clean
     output); a NaN cache row past the length is never read."""
