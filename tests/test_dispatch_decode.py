@@ -43,8 +43,6 @@ def kernels(monkeypatch):
 
     monkeypatch.setattr(mla, "supported", supported)
     monkeypatch.setattr(decode, "_PLANS", {})
-    # An H200's SM count (the CPU's is 1): these calls have fewer items than SMs.
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
     with FAILURES.isolated():
         yield k
 
@@ -81,7 +79,6 @@ def test_mla_call_takes_the_hopper_kernel_with_every_argument(kernels):
     assert launch.kwargs == {"num_warps": 4}
     assert launch.grid == (2 * 2, 1, 1)  # B x row tiles of 64, one split
     n = launch.named
-    assert n["n_items"] == 4 and not n["PERSISTENT"]
     assert (n["SQ"], n["GROUP"], n["M_TILES"], n["PAGED"], n["TOKEN_TABLE"]) == (1, 128, 2, False,
                                                                                 False)
     assert n["HAS_SINK"] and n["HAS_SEQLENS"] and n["PREFETCH"] == mla.PREFETCH_TILES
@@ -89,50 +86,6 @@ def test_mla_call_takes_the_hopper_kernel_with_every_argument(kernels):
     assert (n["PRODUCER_WARPS"], n["PRODUCER_REGS"], n["CONSUMER_REGS"]) == (1, 24, 240)
     assert n["k_rows"] == 2 * 256 and n["stride_kn"] == 576 and n["stride_qh"] == 576
     assert n["sink"] is sink and n["v"] is v
-
-
-@pytest.mark.parametrize("b, sq, splits, sms, grid", [
-    (66, 1, 1, 132, None),  # one wave: a program an item
-    (67, 1, 1, 132, 132),  # 134 items: the persistent grid
-    (40, 2, 3, 132, 132),  # 40 x 4 row tiles x 3 splits
-    (5, 1, 1, 3, 2),  # fewer SMs than row tiles a sequence... a multiple of them
-    (3, 2, 1, 7, 4),
-])
-def test_mla_more_items_than_sms_take_the_persistent_grid(kernels, monkeypatch, b, sq, splits,
-                                                          sms, grid):
-    """More items (sequences x row tiles x splits) than SMs: ``PERSISTENT`` with a grid of
-    the SM count rounded down to a multiple of the row tiles a sequence (its row tiles share
-    its key tiles through L2 on neighbouring programs), ``n_items`` telling the kernel how
-    many; else one program an item."""
-    monkeypatch.setattr(decode, "_num_sms", lambda device: sms)
-    monkeypatch.setattr(mla, "PERSISTENT", True)
-    q, k, v, lens, table = _mla(b=b, sq=sq, smax=64, page=64)
-    lens = torch.full((b,), 64, dtype=torch.int32)
-    _call(q, k, v, lens, table, num_splits=splits)
-    n = kernels.of("mla").named
-    items = b * 2 * sq * splits
-    assert n["n_items"] == items and n["PERSISTENT"] == (grid is not None)
-    assert kernels.of("mla").grid == ((grid, 1, 1) if grid else (b * 2 * sq, splits, 1))
-
-
-def test_mla_persistent_needs_evenly_strided_q_and_the_flag(kernels, monkeypatch):
-    """The persistent grid reads every sequence's Q through one descriptor: a q whose
-    sequences are not evenly strided rows (a slice of a longer batch stride) keeps one
-    program an item, and so does ``PERSISTENT = False``."""
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 3)
-    q, k, v, lens, table = _mla()
-    wide = torch.zeros(2, 2, 128, 576, dtype=q.dtype)
-    wide[:, :1] = q
-    _call(wide[:, :1], k, v, lens, table)
-    assert not kernels.of("mla").named["PERSISTENT"]
-    assert kernels.of("mla").grid == (4, 1, 1)
-    for flag, grid in ((False, (4, 1, 1)), (True, (2, 1, 1))):
-        monkeypatch.setattr(mla, "PERSISTENT", flag)
-        decode._PLANS.clear()
-        kernels.log.clear()
-        _call(q, k, v, lens, table)
-        assert kernels.of("mla").named["PERSISTENT"] == flag
-        assert kernels.of("mla").grid == grid
 
 
 @pytest.mark.parametrize("page", [8, 16, 32, 64])

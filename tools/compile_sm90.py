@@ -356,14 +356,6 @@ def cases():
             ("Sq=2 causal paged 256", True, 256, 2, dict(HAS_RIGHT=True)),
             ("paged 16 (four pages a tile)", True, 16, 1, dict(WHOLE_TILES=True)),
             ("paged 8 (two producer warps)", True, 8, 1, dict(WHOLE_TILES=True)),
-            # The persistent grid (more items than SMs): the bar's paged 64, page 8's two
-            # producers, and the top-k lists.
-            ("persistent paged 64", True, 64, 1, dict(PERSISTENT=True)),
-            ("persistent paged 8", True, 8, 1, dict(WHOLE_TILES=True, PERSISTENT=True)),
-            ("persistent top-k paged 64", True, 1, 1, dict(
-                TOKEN_TABLE=True, TOKEN_PAGE=64, HAS_SEQLENS=False, PREFETCH=0,
-                PERSISTENT=True, **dict(zip(("PRODUCER_WARPS", "PRODUCER_REGS",
-                                             "CONSUMER_REGS"), decode_mla_sm90.TOPK_SPLIT)))),
             # Sparse top-k lists (token table) over a paged cache of 64-row pages.
             ("top-k paged 64", True, 1, 1, dict(
                 TOKEN_TABLE=True, TOKEN_PAGE=64, HAS_SEQLENS=False, PREFETCH=0,
@@ -372,8 +364,7 @@ def cases():
         consts = dict(SQ=sq, GROUP=128, M_TILES=2 * sq, PAGE_SIZE=page, PAGED=paged,
                       TOKEN_TABLE=False, TOKEN_PAGE=0, HAS_SEQLENS=True, HAS_LEFT=False,
                       HAS_RIGHT=False, HAS_SINK=False, PDL=False, PREFETCH=2, WHOLE_TILES=False,
-                      PERSISTENT=False, REBUILD=True, PRODUCER_WARPS=1, PRODUCER_REGS=24,
-                      CONSUMER_REGS=240)
+                      REBUILD=True, PRODUCER_WARPS=1, PRODUCER_REGS=24, CONSUMER_REGS=240)
         consts.update(flags_)
         yield "mla", f"decode MLA sm90 (Gluon) {label}", decode_mla_sm90._mla_decode_kernel, \
             mla_types, consts, 4, 1

@@ -625,8 +625,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     kernel = _decode_fwd_kernel
     if gluon is not None:
         kernel = decode_mla_sm90._mla_decode_kernel
-        kw, grid = decode_mla_sm90.kernel_args(kw, q, k_cache, token_table=token_table,
-                                               grid=grid, num_sms=_num_sms(q.device))
+        kw = decode_mla_sm90.kernel_args(kw, q, k_cache, token_table=token_table)
     return _DecodePlan(out_shape, out_dtype, lse_shape, grid, o_buf_shape,
                        Launch(kernel, grid, *positional(kernel, 9, kw)), merge, gluon)
 

@@ -107,17 +107,11 @@ TOPK_SPLIT = (4, 48, 216)
 # (Not done for top-k lists: the producer asking L2 for the listed rows of the next pairs,
 # one bulk prefetch a row. With (4, 48, 224), 2 / 4 tiles ahead: 317 / 303 and 338 / 326
 # against none 344 / 374; in git history, commit 6ee0ea3.)
-# More items (sequences x row tiles x splits) than SMs: a persistent grid, each program taking
-# items ``program_id, program_id + num_programs, ...``, its producer loading the next item's Q
-# and first key tiles while the consumers finish the last one (``persistent``). A program's
-# fixed cost measured at B = 66 / 132, one / two waves (RESULTS.md 2026-12-03, session 27):
-# ~15 us of latency for a one-tile program alone, 20-26 us with every SM busy, against 1.8-1.9
-# us a 64-key tile.
-PERSISTENT = False
-# The wgmma descriptors of a key buffer's pieces (and Q's) rebuilt in the loop from a value the compiler
+# The wgmma descriptors of a key buffer's pieces rebuilt in the loop from a value the compiler
 # cannot see through (_buffer), not hoisted out of it: hoisted, they outgrew warpgroup 0's
 # registers (sm_90 compile, paged 64: 160 bytes of stack, 34 local loads a step in its loop;
-# rebuilt: 16 bytes, 2). RESULTS.md 2026-12-03, session 27.
+# rebuilt: 16 bytes, 2). RESULTS.md 2026-12-03, session 27, call 6 (public calls in turns,
+# same bits): +2.0 to +6.4% on every MLA row, B=128 Skv=4k 490 -> 521 TFLOP/s.
 REBUILD_DESCRIPTORS = True
 # The shared scalar helpers (_common), compiled as Gluon functions.
 _decode_split = gluon.jit(decode_split.fn)
@@ -318,37 +312,36 @@ def _refill(k_desc, k_smem, k_rope, k_full, k_empty, ok_smem, k, keys, i_b, n_en
 
 
 @gluon.jit
-def _producer_item(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, q_empty, k_full, k_empty,
-                   ok_smem, k, keys, span, stride_kn, c0, c1, it, SQ: gl.constexpr,
-                   GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-                   TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, PREFETCH: gl.constexpr,
-                   WHOLE_TILES: gl.constexpr, PERSISTENT: gl.constexpr, FIRST: gl.constexpr,
-                   STEP: gl.constexpr):
-    """One item's loads (see :func:`_producer`): ``c0`` / ``c1`` tiles went through buffer
-    0 / 1 before it and ``it`` items (the barriers' phases)."""
-    i_b, _, r0, _, n_start, n_end, n_tiles, _, _, _ = span
+def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, ok_smem, k,
+              keys, i_b, stride_kn, q_row0, n_start, n_end, n_tiles, PAGE_SIZE: gl.constexpr,
+              PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
+              PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr, FIRST: gl.constexpr = 0,
+              STEP: gl.constexpr = 1):
+    """Q's nine pieces once, then the tiles in pairs (tile 2j into buffer 0, 2j + 1 into
+    buffer 1), each buffer in two parts as the warpgroups free them: the columns of
+    warpgroup w's V half are free when w's product with them is done (``k_empty[2 s + w]``),
+    and the rope piece (holding the P of the buffer's own warpgroup) goes with the other
+    warpgroup's part. In the order they free: buffer 0's pieces 0-3, buffer 1's 4-7,
+    buffer 0's 4-8, buffer 1's 0-3 and 8 (warpgroup 1 computes its scores in that order).
+    WHOLE_TILES: one tile at a time, each buffer refilled in one pass when both its parts are
+    free (session 11's loop; pages smaller than 32 rows, where the pair loop's unrolled copies
+    cost the consumers registers: see WHOLE_TILES_BELOW_PAGE). With ``STEP = 2`` (whole
+    tiles: two producer warps, each issuing a page's nine boxes after its table lookup) this
+    warp takes the tiles ``FIRST, FIRST + 2, ...``, buffer FIRST's; the first one loads Q."""
     if FIRST == 0:
-        if PERSISTENT:
-            # The consumers are done with the last item's Q; one descriptor over every
-            # sequence's rows (rows past a sequence's are the next one's, or zeros).
-            mbarrier.wait(q_empty.index(0), (it & 1) ^ 1)
-            q_row0 = i_b * (SQ * GROUP) + r0
-        else:
-            q_row0 = r0
         mbarrier.expect(q_bar.index(0), NP * q_desc.block_type.nbytes)
         for p in gl.static_range(NP):
             tma.async_copy_global_to_shared(q_desc, [q_row0, p * PIECE], q_bar.index(0),
-                                            _piece(q_smem.index(0), q_rope.index(0), p))
+                                            _piece(q_smem, q_rope, p))
     if WHOLE_TILES:
         # One tile an iteration (buffer t % 2): a loop body of one tile's copies.
         for t in range(FIRST, n_tiles, STEP):
             n0 = n_start + t * KEYS
             _prefetch_ahead(k, keys, i_b, stride_kn, n0, n_end, 1, PAGE_SIZE, PAGED, PREFETCH)
             row, ok = _tile_src(keys, i_b, n0, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE)
-            c = gl.where(t % 2 == 0, c0, c1)
             _refill(k_desc, k_smem, k_rope, k_full, k_empty, ok_smem, k, keys, i_b, n_end,
-                    stride_kn, ((c + t // 2) & 1) ^ 1, row, ok, t % 2, PAGE_SIZE, PAGED,
-                    TOKEN_TABLE, True)
+                    stride_kn, ((t // 2) & 1) ^ 1, row, ok, t % 2, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                    True)
     else:
         for j in range((n_tiles + 1) // 2):
             n0 = n_start + 2 * j * KEYS
@@ -360,59 +353,16 @@ def _producer_item(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, q_empt
             row1, ok1 = _tile_src(keys, i_b, n0 + KEYS, n_end, PAGE_SIZE, PAGED, TOKEN_TABLE,
                                   TOKEN_PAGE)
             # A fresh barrier counts as having completed the phase before 0.
-            ph0 = ((c0 + j) & 1) ^ 1
-            ph1 = ((c1 + j) & 1) ^ 1
+            ph = (j & 1) ^ 1
             for i in gl.static_range(4):
                 if i % 2 == 0:
                     _refill(k_desc, k_smem, k_rope, k_full, k_empty, ok_smem, k, keys, i_b,
-                            n_end, stride_kn, ph0, row0, ok0, i, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                            n_end, stride_kn, ph, row0, ok0, i, PAGE_SIZE, PAGED, TOKEN_TABLE,
                             False)
                 elif has1:
                     _refill(k_desc, k_smem, k_rope, k_full, k_empty, ok_smem, k, keys, i_b,
-                            n_end, stride_kn, ph1, row1, ok1, i, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                            n_end, stride_kn, ph, row1, ok1, i, PAGE_SIZE, PAGED, TOKEN_TABLE,
                             False)
-
-
-@gluon.jit
-def _producer(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, q_empty, k_full, k_empty,
-              ok_smem, k, keys, span, job, stride_kn, SQ: gl.constexpr, GROUP: gl.constexpr,
-              M_TILES: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-              TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_SEQLENS: gl.constexpr,
-              HAS_LEFT: gl.constexpr, PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr,
-              PERSISTENT: gl.constexpr, FIRST: gl.constexpr = 0, STEP: gl.constexpr = 1):
-    """Q's nine pieces once an item, then the tiles in pairs (tile 2j into buffer 0, 2j + 1
-    into buffer 1), each buffer in two parts as the warpgroups free them: the columns of
-    warpgroup w's V half are free when w's product with them is done (``k_empty[2 s + w]``),
-    and the rope piece (holding the P of the buffer's own warpgroup) goes with the other
-    warpgroup's part. In the order they free: buffer 0's pieces 0-3, buffer 1's 4-7,
-    buffer 0's 4-8, buffer 1's 0-3 and 8 (warpgroup 1 computes its scores in that order).
-    WHOLE_TILES: one tile at a time, each buffer refilled in one pass when both its parts are
-    free (session 11's loop; pages smaller than 32 rows, where the pair loop's unrolled copies
-    cost the consumers registers: see WHOLE_TILES_BELOW_PAGE). With ``STEP = 2`` (whole
-    tiles: two producer warps, each issuing a page's nine boxes after its table lookup) this
-    warp takes the tiles ``FIRST, FIRST + 2, ...``, buffer FIRST's; the first one loads Q.
-    PERSISTENT: the items ``program_id, program_id + num_programs, ...`` one after another
-    (:func:`_span`), the next item's Q and first tiles loading as the last one's end."""
-    if PERSISTENT:
-        c0 = 0
-        c1 = 0
-        it = 0
-        for item in range(gl.program_id(0), job[1], gl.num_programs(0)):
-            # (A name of its own: ``span`` would be carried through the loop.)
-            here = _span(job, item, SQ, M_TILES, HAS_SEQLENS, HAS_LEFT)
-            _producer_item(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, q_empty,
-                           k_full, k_empty, ok_smem, k, keys, here, stride_kn, c0, c1, it, SQ,
-                           GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, PREFETCH,
-                           WHOLE_TILES, True, FIRST, STEP)
-            n_tiles = here[6]
-            c0 += (n_tiles + 1) // 2
-            c1 += n_tiles // 2
-            it += 1
-    else:
-        _producer_item(q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, q_empty, k_full,
-                       k_empty, ok_smem, k, keys, span, stride_kn, 0, 0, 0, SQ, GROUP,
-                       PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, False,
-                       FIRST, STEP)
 
 
 @gluon.jit
@@ -507,9 +457,7 @@ def _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, ok_smem, keys, i_b, n0,
     else:
         _, tile_ok = _tile_row(keys, i_b, n0, PAGE_SIZE, PAGED)
     wb = _buffer(w, n0, REBUILD)
-    qb = _buffer(0, n0, REBUILD)
-    return _scores(q_smem.index(qb), q_rope.index(qb), k_smem.index(wb), k_rope.index(wb), k_full,
-                   w, ph, n0, n_end,
+    return _scores(q_smem, q_rope, k_smem.index(wb), k_rope.index(wb), k_full, w, ph, n0, n_end,
                    tile_ok, diag, left, right, scale_log2, n_safe_lo, n_safe_hi, HAS_LEFT,
                    HAS_RIGHT, TOKEN_TABLE, PAGE_OK_VEC, s_layout)
 
@@ -542,30 +490,24 @@ def _rows_scale(acc, f, o_layout: gl.constexpr):
 
 @gluon.jit
 def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_bar, ok_smem, keys,
-          i_b, j, ph0, ph1, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2,
-          n_safe_lo, n_safe_hi, w: gl.constexpr, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr,
+          i_b, j, n_start, n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo,
+          n_safe_hi, w: gl.constexpr, HAS1: gl.constexpr, PAGE_SIZE: gl.constexpr,
           PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, s_layout: gl.constexpr,
           o_layout: gl.constexpr, REBUILD: gl.constexpr):
     """Tiles ``2j`` (warpgroup 0's) and ``2j + 1`` (warpgroup 1's; absent unless HAS1) for
     warpgroup w: its scores, the shared max (both maxima swapped), its P to the other, its
     product with its own tile (then that part of its buffer is free), then with the other's
-    (then that part of the other buffer). ``ph0`` / ``ph1``: the phases of buffer 0's and
-    1's barriers this step (a step always has a tile in buffer 0: ``ph0`` is the step's)."""
+    (then that part of the other buffer)."""
     dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     OWN: gl.constexpr = (w == 0) or HAS1
     OTHER: gl.constexpr = (w == 1) or HAS1
-    if w == 0:
-        ph_own = ph0
-        ph_other = ph1
-    else:
-        ph_own = ph1
-        ph_other = ph0
+    ph = j & 1
     if OWN:
         t = _tile_scores(q_smem, q_rope, k_smem, k_rope, k_full, ok_smem, keys, i_b,
-                         n_start + (2 * j + w) * KEYS, n_end, ph_own, diag, left, right, scale_log2,
+                         n_start + (2 * j + w) * KEYS, n_end, ph, diag, left, right, scale_log2,
                          n_safe_lo, n_safe_hi, w, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE,
                          HAS_LEFT, HAS_RIGHT, s_layout, REBUILD)
         m_own = gl.max(t, 1)
@@ -574,7 +516,7 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
     mx_smem.index(w).store(m_own)
     gl.thread_barrier()
     mbarrier.arrive(mx_bar.index(w))
-    mbarrier.wait(mx_bar.index(1 - w), ph0)
+    mbarrier.wait(mx_bar.index(1 - w), ph)
     m_new = gl.maximum(m_i, gl.maximum(m_own, mx_smem.index(1 - w).load(row_layout)))
     piv = _pivot(m_new)
     alpha = gl.exp2(m_i - piv)
@@ -595,7 +537,7 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
         acc = warpgroup_mma_wait(0, deps=(tok, ))
         mbarrier.arrive(k_empty.index(2 * w + w))
     if OTHER:
-        mbarrier.wait(p_bar.index(1 - w), ph_other)
+        mbarrier.wait(p_bar.index(1 - w), ph)
         o = _buffer(1 - w, j, REBUILD)
         tok = warpgroup_mma(k_rope.index(o), k_smem.index(o).slice(w * HALF, HALF, 1), acc,
                             is_async=True)
@@ -605,46 +547,16 @@ def _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar, p_ba
 
 
 @gluon.jit
-def _consumer(smem, keys, outs, span, job, w: gl.constexpr, SQ: gl.constexpr,
-              GROUP: gl.constexpr, M_TILES: gl.constexpr, PAGE_SIZE: gl.constexpr,
-              PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr,
-              HAS_SEQLENS: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-              HAS_SINK: gl.constexpr, PERSISTENT: gl.constexpr, REBUILD: gl.constexpr):
-    """Warpgroup w: output columns ``[256 w, 256 w + 256)`` of the program's 64 rows, for its
-    item (``span``) or, PERSISTENT, for the items ``program_id, program_id + num_programs,
-    ...`` (:func:`_span` from ``job``). ``smem``: the shared buffers and barriers, ``outs``:
-    the outputs and their strides (the kernel's tuples; the constexprs are passed one by
-    one)."""
-    if PERSISTENT:
-        c0 = 0
-        c1 = 0
-        it = 0
-        for item in range(gl.program_id(0), job[1], gl.num_programs(0)):
-            # (A name of its own: ``span`` would be carried through the loop.)
-            here = _span(job, item, SQ, M_TILES, HAS_SEQLENS, HAS_LEFT)
-            _consumer_item(smem, keys, outs, here, c0, c1, it, w, SQ, GROUP, PAGE_SIZE, PAGED,
-                           TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, True,
-                           REBUILD)
-            n_tiles = here[6]
-            c0 += (n_tiles + 1) // 2
-            c1 += n_tiles // 2
-            it += 1
-    else:
-        _consumer_item(smem, keys, outs, span, 0, 0, 0, w, SQ, GROUP, PAGE_SIZE, PAGED,
-                       TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, False, REBUILD)
-
-
-@gluon.jit
-def _consumer_item(smem, keys, outs, span, c0, c1, it, w: gl.constexpr, SQ: gl.constexpr,
-                   GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-                   TOKEN_TABLE: gl.constexpr, TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr,
-                   HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr, PERSISTENT: gl.constexpr,
-                   REBUILD: gl.constexpr):
-    """One item of :func:`_consumer`: ``span`` holds its sequence, split, rows, keys and mask
-    scalars; ``c0`` / ``c1`` tiles went through buffer 0 / 1 before it and ``it`` items (the
-    barriers' phases)."""
-    (q_smem, q_rope, k_smem, k_rope, q_bar, q_empty, k_full, k_empty, mx_smem, mx_bar, p_bar,
-     l_smem, l_bar, ok_smem) = smem
+def _consumer(smem, keys, outs, span, w: gl.constexpr, SQ: gl.constexpr, GROUP: gl.constexpr,
+              PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
+              TOKEN_PAGE: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              HAS_SINK: gl.constexpr, REBUILD: gl.constexpr):
+    """Warpgroup w: output columns ``[256 w, 256 w + 256)`` of the program's 64 rows.
+    ``smem``: the shared buffers and barriers, ``outs``: the outputs and their strides,
+    ``span``: the program's sequence, split, rows, keys and mask scalars (the kernel's
+    tuples; the constexprs are passed one by one)."""
+    (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar, l_smem,
+     l_bar, ok_smem) = smem
     sink, o, lse, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lq, \
         stride_lh = outs
     i_b, i_s, r0, sk, n_start, n_end, n_tiles, left, right, scale_log2 = span
@@ -664,28 +576,24 @@ def _consumer_item(smem, keys, outs, span, c0, c1, it, w: gl.constexpr, SQ: gl.c
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
     acc = gl.zeros([ROWS, HALF], gl.float32, layout=o_layout)
-    mbarrier.wait(q_bar.index(0), it & 1)
+    mbarrier.wait(q_bar.index(0), 0)
     for j in range(n_tiles // 2):
         acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
-                              p_bar, ok_smem, keys, i_b, j, (c0 + j) & 1, (c1 + j) & 1, n_start,
-                              n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo,
-                              n_safe_hi, w, True, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE,
-                              HAS_LEFT, HAS_RIGHT, s_layout, o_layout, REBUILD)
+                              p_bar, ok_smem, keys, i_b, j, n_start, n_end, acc, m_i, l_i, diag,
+                              left, right, scale_log2, n_safe_lo, n_safe_hi, w, True, PAGE_SIZE,
+                              PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, s_layout,
+                              o_layout, REBUILD)
     if n_tiles % 2 == 1:
-        j = n_tiles // 2
         acc, m_i, l_i = _step(q_smem, q_rope, k_smem, k_rope, k_full, k_empty, mx_smem, mx_bar,
-                              p_bar, ok_smem, keys, i_b, j, (c0 + j) & 1, (c1 + j) & 1, n_start,
-                              n_end, acc, m_i, l_i, diag, left, right, scale_log2, n_safe_lo,
-                              n_safe_hi, w, False, PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE,
-                              HAS_LEFT, HAS_RIGHT, s_layout, o_layout, REBUILD)
-    if PERSISTENT:
-        # Q is free for the next item's (every product with it has been waited for).
-        mbarrier.arrive(q_empty.index(0))
+                              p_bar, ok_smem, keys, i_b, n_tiles // 2, n_start, n_end, acc, m_i,
+                              l_i, diag, left, right, scale_log2, n_safe_lo, n_safe_hi, w, False,
+                              PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_LEFT, HAS_RIGHT,
+                              s_layout, o_layout, REBUILD)
     # l = l_0 + l_1: each warpgroup summed its own tiles' probabilities.
     l_smem.index(w).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(l_bar.index(w))
-    mbarrier.wait(l_bar.index(1 - w), it & 1)
+    mbarrier.wait(l_bar.index(1 - w), 0)
     l_i = l_i + l_smem.index(1 - w).load(row_layout)
 
     # Epilogue: out = 0 and lse = -inf (or the sink) for a row with no visible key; a NaN
@@ -711,16 +619,29 @@ def _consumer_item(smem, keys, outs, span, c0, c1, it, w: gl.constexpr, SQ: gl.c
              mask=(rows_o < SQ * GROUP)[:, None])
 
 
-@gluon.jit
-def _span(job, item, SQ: gl.constexpr, M_TILES: gl.constexpr, HAS_SEQLENS: gl.constexpr,
-          HAS_LEFT: gl.constexpr):
-    """Item ``item``'s sequence, split, rows, keys and mask scalars (the partitions' ``span``):
-    items are numbered row tile fastest, then sequence, then split. ``job``: the kernel's
-    arguments that say it (lengths, item count, splits, mask scalars)."""
-    cache_seqlens, n_items, num_splits, seqlen_add, capacity, left, right, scale_log2 = job
-    bm = n_items // num_splits
-    i_bm = item % bm
-    i_s = item // bm
+# Lengths and window bounds change per call; specialising on them only recompiles.
+@gluon.jit(do_not_specialize=["num_splits", "capacity", "num_pages", "k_rows", "seqlen_add",
+                              "left", "right"])
+def _mla_decode_kernel(
+    q, k, v, cache_seqlens, block_table, sink, o, lse, token_pages,
+    stride_qb, stride_qh, stride_kn, stride_tb, stride_pb,
+    stride_os, stride_ob, stride_oq, stride_oh,
+    stride_ls, stride_lb, stride_lq, stride_lh,
+    num_splits, capacity, num_pages, k_rows, table_sk, table_per_batch, table_num_pages,
+    seqlen_add, left, right, scale_log2,
+    SQ: gl.constexpr, GROUP: gl.constexpr, M_TILES: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
+    TOKEN_PAGE: gl.constexpr, HAS_SEQLENS: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
+    PDL: gl.constexpr, PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr, REBUILD: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    if PDL:
+        # Let the merge kernel launch now (it waits for this grid before reading).
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    i_bm, i_s = gl.program_id(0), gl.program_id(1)
     # Row tiles vary fastest: the tiles of one (sequence, split) read each K tile once from
     # memory and again from L2.
     i_m = i_bm % M_TILES
@@ -730,65 +651,23 @@ def _span(job, item, SQ: gl.constexpr, M_TILES: gl.constexpr, HAS_SEQLENS: gl.co
     sk, n_start, n_end = _decode_split(cache_seqlens, i_b, i_s, seqlen_add, capacity, num_splits,
                                        left, SQ, KEYS, 2, HAS_SEQLENS, HAS_LEFT)
     n_tiles = (gl.maximum(n_end - n_start, 0) + KEYS - 1) // KEYS
-    return i_b, i_s, i_m * ROWS, sk, n_start, n_end, n_tiles, left, right, scale_log2
-
-
-# Lengths and window bounds change per call; specialising on them only recompiles.
-@gluon.jit(do_not_specialize=["num_splits", "n_items", "capacity", "num_pages", "k_rows",
-                              "seqlen_add", "left", "right"])
-def _mla_decode_kernel(
-    q, k, v, cache_seqlens, block_table, sink, o, lse, token_pages,
-    stride_qb, stride_qh, stride_kn, stride_tb, stride_pb,
-    stride_os, stride_ob, stride_oq, stride_oh,
-    stride_ls, stride_lb, stride_lq, stride_lh,
-    num_splits, n_items, capacity, num_pages, k_rows, table_sk, table_per_batch,
-    table_num_pages, seqlen_add, left, right, scale_log2,
-    SQ: gl.constexpr, GROUP: gl.constexpr, M_TILES: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, TOKEN_TABLE: gl.constexpr,
-    TOKEN_PAGE: gl.constexpr, HAS_SEQLENS: gl.constexpr,
-    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    PDL: gl.constexpr, PREFETCH: gl.constexpr, WHOLE_TILES: gl.constexpr,
-    PERSISTENT: gl.constexpr, REBUILD: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-):
-    if PDL:
-        # Let the merge kernel launch now (it waits for this grid before reading).
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    # ``n_items`` (sequences x row tiles x splits) items: one a program, grid (row tiles x
-    # sequences, splits), or PERSISTENT, ``program_id, program_id + num_programs, ...``.
-    job = (cache_seqlens, n_items, num_splits, seqlen_add, capacity, left, right, scale_log2)
-    if PERSISTENT:
-        # (Each partition computes its items' spans: nothing of the body's is kept live.)
-        span = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    else:
-        span = _span(job, gl.program_id(0) + gl.program_id(1) * gl.num_programs(0), SQ,
-                     M_TILES, HAS_SEQLENS, HAS_LEFT)
 
     dtype: gl.constexpr = q.dtype.element_ty
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, PIECE], dtype)
-    if PERSISTENT:
-        # Every sequence's Q rows evenly strided (the launcher checks): one descriptor; the
-        # rows past a sequence's are the next one's (rows of their own, never stored), then
-        # zeros.
-        q_desc = tma.make_tensor_descriptor(q, [(n_items // (M_TILES * num_splits)) * SQ * GROUP,
-                                                D_K], [stride_qh, 1], [ROWS, PIECE], layout)
-    else:
-        # Q's rows (position, head) of sequence i_b are contiguous (the launcher checks):
-        # rows past Sq * Hq read as zeros.
-        q_desc = tma.make_tensor_descriptor(q + span[0].to(gl.int64) * stride_qb,
-                                            [SQ * GROUP, D_K], [stride_qh, 1], [ROWS, PIECE],
-                                            layout)
+    r0 = i_m * ROWS
+    # Q's rows (position, head) of sequence i_b are contiguous (the launcher checks):
+    # rows past Sq * Hq read as zeros.
+    q_desc = tma.make_tensor_descriptor(q + i_b.to(gl.int64) * stride_qb, [SQ * GROUP, D_K],
+                                        [stride_qh, 1], [ROWS, PIECE], layout)
     SUB: gl.constexpr = PAGE_SIZE if PAGED and PAGE_SIZE < 64 else 64
     k_desc = tma.make_tensor_descriptor(k, [k_rows, D_K], [stride_kn, 1], [SUB, PIECE], layout)
     # Shapes are powers of two: the 512 V columns and the 64 rope columns apart.
-    q_smem = gl.allocate_shared_memory(dtype, [1, ROWS, D_V], layout)
-    q_rope = gl.allocate_shared_memory(dtype, [1, ROWS, PIECE], layout)
+    q_smem = gl.allocate_shared_memory(dtype, [ROWS, D_V], layout)
+    q_rope = gl.allocate_shared_memory(dtype, [ROWS, PIECE], layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, KEYS, D_V], layout)
     k_rope = gl.allocate_shared_memory(dtype, [2, KEYS, PIECE], layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
     k_full = gl.allocate_shared_memory(gl.int64, [2 * NP, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
     mx_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
@@ -803,8 +682,6 @@ def _mla_decode_kernel(
     else:
         ok_smem = l_smem  # (not used)
     mbarrier.init(q_bar.index(0), count=1)
-    # PERSISTENT: both warpgroups are done with the item's Q.
-    mbarrier.init(q_empty.index(0), count=2)
     for i in gl.static_range(2 * NP):
         # TMA: the producer's expect; gathered: one arrival from each producer thread, and on
         # the rope piece one more for the key mask (_load_part).
@@ -823,42 +700,36 @@ def _mla_decode_kernel(
     # The key-table arguments, passed as one tuple (_tile_row, _listed_rows).
     keys = (block_table, token_pages, stride_tb, stride_pb, num_pages, capacity, table_sk,
             table_per_batch, table_num_pages)
-    smem = (q_smem, q_rope, k_smem, k_rope, q_bar, q_empty, k_full, k_empty, mx_smem, mx_bar,
-            p_bar, l_smem, l_bar, ok_smem)
+    smem = (q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty, mx_smem, mx_bar, p_bar,
+            l_smem, l_bar, ok_smem)
     outs = (sink, o, lse, stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb,
             stride_lq, stride_lh)
+    span = (i_b, i_s, r0, sk, n_start, n_end, n_tiles, left, right, scale_log2)
     if WHOLE_TILES and PAGE_SIZE < TWO_PRODUCERS_BELOW_PAGE:
         # Pages of 8 rows: a producer warp a buffer (even tiles; odd tiles), each waiting on
         # its own table lookups and issuing its own boxes (72 a tile): the paged forward's
         # lesson (session 16: one warp's issue was its limit). At page 16 it lost 29%.
         gl.warp_specialize([
-            (_consumer, (smem, keys, outs, span, job, 0, SQ, GROUP, M_TILES, PAGE_SIZE, PAGED,
-                         TOKEN_TABLE, TOKEN_PAGE, HAS_SEQLENS, HAS_LEFT, HAS_RIGHT, HAS_SINK,
-                         PERSISTENT, REBUILD)),
-            (_consumer, (smem, keys, outs, span, job, 1, SQ, GROUP, M_TILES, PAGE_SIZE, PAGED,
-                         TOKEN_TABLE, TOKEN_PAGE, HAS_SEQLENS, HAS_LEFT, HAS_RIGHT, HAS_SINK,
-                         PERSISTENT, REBUILD)),
-            (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, q_empty, k_full,
-                         k_empty, ok_smem, k, keys, span, job, stride_kn, SQ, GROUP, M_TILES,
-                         PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_SEQLENS, HAS_LEFT,
-                         PREFETCH, WHOLE_TILES, PERSISTENT, 0, 2)),
-            (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, q_empty, k_full,
-                         k_empty, ok_smem, k, keys, span, job, stride_kn, SQ, GROUP, M_TILES,
-                         PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_SEQLENS, HAS_LEFT,
-                         PREFETCH, WHOLE_TILES, PERSISTENT, 1, 2)),
+            (_consumer, (smem, keys, outs, span, 0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                         TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, REBUILD)),
+            (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                         TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, REBUILD)),
+            (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
+                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles,
+                         PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 0, 2)),
+            (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
+                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles,
+                         PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES, 1, 2)),
         ], [4, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (smem, keys, outs, span, job, 0, SQ, GROUP, M_TILES, PAGE_SIZE, PAGED,
-                         TOKEN_TABLE, TOKEN_PAGE, HAS_SEQLENS, HAS_LEFT, HAS_RIGHT, HAS_SINK,
-                         PERSISTENT, REBUILD)),
-            (_consumer, (smem, keys, outs, span, job, 1, SQ, GROUP, M_TILES, PAGE_SIZE, PAGED,
-                         TOKEN_TABLE, TOKEN_PAGE, HAS_SEQLENS, HAS_LEFT, HAS_RIGHT, HAS_SINK,
-                         PERSISTENT, REBUILD)),
-            (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, q_empty, k_full,
-                         k_empty, ok_smem, k, keys, span, job, stride_kn, SQ, GROUP, M_TILES,
-                         PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, HAS_SEQLENS, HAS_LEFT,
-                         PREFETCH, WHOLE_TILES, PERSISTENT)),
+            (_consumer, (smem, keys, outs, span, 0, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                         TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, REBUILD)),
+            (_consumer, (smem, keys, outs, span, 1, SQ, GROUP, PAGE_SIZE, PAGED, TOKEN_TABLE,
+                         TOKEN_PAGE, HAS_LEFT, HAS_RIGHT, HAS_SINK, REBUILD)),
+            (_producer, (q_desc, k_desc, q_smem, q_rope, k_smem, k_rope, q_bar, k_full, k_empty,
+                         ok_smem, k, keys, i_b, stride_kn, r0, n_start, n_end, n_tiles,
+                         PAGE_SIZE, PAGED, TOKEN_TABLE, TOKEN_PAGE, PREFETCH, WHOLE_TILES)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -904,39 +775,22 @@ def fits(q, k_cache, v_cache, *, paged: bool, softcap, token_table, window=False
             and (k_cache.stride(1) * es) % 16 == 0 and sq * hq < 2 ** 31)
 
 
-def persistent(q, items: int, m_tiles: int, num_sms: int) -> int:
-    """Programs of the persistent grid (PERSISTENT), or 0 for one program an item: more items
-    than SMs and every sequence's Q rows evenly strided (one descriptor over them). The count
-    is a multiple of the row tiles a sequence, so a sequence's row tiles, which share its key
-    tiles through L2, run side by side on neighbouring programs."""
-    b, sq, hq, _ = q.shape
-    if not PERSISTENT or items <= num_sms or (b > 1 and q.stride(0) != sq * hq * q.stride(2)):
-        return 0
-    return max(m_tiles, num_sms - num_sms % m_tiles)
-
-
-def kernel_args(kw: dict, q, k_cache, *, token_table, grid, num_sms) -> tuple[dict, tuple]:
-    """The launch keywords of :func:`_mla_decode_kernel` after its nine tensors, and its grid
-    (``grid``: one program an item, ``(row tiles x sequences, splits)``; or the persistent
-    grid): those it shares with ``decode.py``'s kernel taken from that kernel's keywords
-    ``kw`` (the plan's: output strides, splits, lengths, mask scalars, table sizes, flags),
-    and its own."""
+def kernel_args(kw: dict, q, k_cache, *, token_table) -> dict:
+    """The launch keywords of :func:`_mla_decode_kernel` after its nine tensors: those it
+    shares with ``decode.py``'s kernel taken from that kernel's keywords ``kw`` (the plan's:
+    output strides, splits, lengths, mask scalars, table sizes, flags), and its own."""
     sq, hq = q.shape[1], q.shape[2]
-    items = grid[0] * grid[1]
-    programs = persistent(q, items, kw["M_TILES"], num_sms)
     args = {name: kw[name] for name in _mla_decode_kernel.arg_names[9:] if name in kw}
     args.update(
-        n_items=items,
-        PERSISTENT=programs > 0,
-        REBUILD=REBUILD_DESCRIPTORS,
         # One-row pages of a token table: the row stride is the page stride.
         stride_kn=k_cache.stride(0 if token_table else 1),
         k_rows=k_cache.shape[0] * k_cache.shape[1],
         PREFETCH=PREFETCH_TILES if sq * hq > ROWS and token_table is None else 0,
+        REBUILD=REBUILD_DESCRIPTORS,
         WHOLE_TILES=(bool(kw["PAGED"]) and kw["PAGE_SIZE"] < WHOLE_TILES_BELOW_PAGE
                      and token_table is None),
         # Gathered rows: producer warps of cp.async (TOPK_SPLIT).
         PRODUCER_WARPS=TOPK_SPLIT[0] if token_table else 1,
         PRODUCER_REGS=TOPK_SPLIT[1] if token_table else 24,
         CONSUMER_REGS=TOPK_SPLIT[2] if token_table else 240, num_warps=4)
-    return args, ((programs, 1) if programs else grid)
+    return args
