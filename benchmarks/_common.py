@@ -158,7 +158,8 @@ def flag_runs(flag: str, fn):
     """``fn`` with the module flag ``flag`` ("MODULE.NAME" of ``flashlse.kernels``, read when
     a call plans its launches, or a full "flashlse.ops._validate.KEEP_PLANS") on, and
     off, and a call that puts its value back: the plans are dropped whenever it changes, so
-    calls timed in turn (``interleaved_ms``) each run their own side."""
+    calls timed in turn (``interleaved_ms``) each run their own side. Each side returns
+    what ``fn`` returns."""
     import importlib
 
     from flashlse.kernels import bwd, decode, fwd_sm90
@@ -182,7 +183,18 @@ def flag_runs(flag: str, fn):
                               attention_ops._KEPT, attention_ops._PAGED_KEPT, kvcache_ops._KEPT,
                               sparse_ops._PLANS):
                     plans.clear()
-            then()
+            return then()
         return run
 
     return setting(True, fn), setting(False, fn), setting(original, lambda: None)
+
+
+def flag_ab_ms(flag: str, fn, peers=(), smoke: bool = False) -> list[float]:
+    """Milliseconds of ``fn`` with the module flag ``flag`` on, off, then of each of
+    ``peers``, timed in turn (:func:`flag_runs`, :func:`interleaved_ms`); the flag's value
+    is put back."""
+    on, off, restore = flag_runs(flag, fn)
+    try:
+        return interleaved_ms([on, off, *peers], smoke)
+    finally:
+        restore()

@@ -1,5 +1,5 @@
 """A kernel switch's A/B through the public call: ``fl.attention`` forward + backward with a
-module flag on and off, timed in turn (``_common.interleaved_ms``), cuDNN's SDPA beside them.
+module flag on and off, timed in turn (``_common.flag_ab_ms``), cuDNN's SDPA beside them.
 
     python benchmarks/ab_bwd_switch.py --flag bwd_sm90.HOST_DESC --seqs 1024,2048,4096,8192
         [--deterministic] [--one-thread]
@@ -25,8 +25,7 @@ from _common import (  # noqa: E402
     attention_step,
     attn_flops,
     bf16_inputs,
-    flag_runs,
-    interleaved_ms,
+    flag_ab_ms,
 )
 
 
@@ -50,10 +49,7 @@ def _row(flag: str, s: int, causal: bool, heads: int, dim: int,
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             sdpa(qh, kh, vh, is_causal=causal).backward(douth)
 
-    on, off, restore = flag_runs(flag, step)
-    times = interleaved_ms([on, off, cudnn])
-    restore()
-    return b, times
+    return b, flag_ab_ms(flag, step, [cudnn])
 
 
 def main() -> None:

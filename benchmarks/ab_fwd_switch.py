@@ -1,6 +1,6 @@
 """A kernel switch's A/B through the public forward: ``fl.attention`` (no grad), packed
 ``attention_varlen`` and a chunked prefill through ``attention_with_kvcache`` with a module
-flag on and off, timed in turn (``_common.interleaved_ms``), cuDNN's SDPA beside the dense
+flag on and off, timed in turn (``_common.flag_ab_ms``), cuDNN's SDPA beside the dense
 rows.
 
     python benchmarks/ab_fwd_switch.py --flag MODULE.NAME [--seqs 1024,2048,4096]
@@ -24,19 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The repo root last: a PYTHONPATH tree (an in-turn A/B's .before) comes first.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import attn_flops, bf16_inputs, flag_runs, interleaved_ms  # noqa: E402
+from _common import attn_flops, bf16_inputs, flag_ab_ms  # noqa: E402
 from bench_serving import paged  # noqa: E402
 from bench_varlen import doc_lengths  # noqa: E402
 
 import flashlse as fl  # noqa: E402
-
-
-def _ab(flag: str, call, peer=None) -> list[float]:
-    """Milliseconds of ``call`` with the flag on, off (and ``peer``), timed in turn."""
-    on, off, restore = flag_runs(flag, call)
-    times = interleaved_ms([on, off] + ([peer] if peer else []))
-    restore()
-    return times
 
 
 def main() -> None:
@@ -61,8 +53,9 @@ def main() -> None:
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         sdpa(qh, kh, vh, is_causal=causal)
 
-                t_on, t_off, t_cu = _ab(args.flag, lambda q=q, k=k, v=v, c=causal: fl.attention(
-                    q, k, v, causal=c), cudnn)
+                t_on, t_off, t_cu = flag_ab_ms(
+                    args.flag, lambda q=q, k=k, v=v, c=causal: fl.attention(q, k, v, causal=c),
+                    [cudnn])
                 f = attn_flops(b, h, s, s, d, causal)
                 tf = lambda ms, f=f: f / ms / 1e9
                 print(f"{f'dense S={s} causal={causal}':<34} {tf(t_on):8.1f} {tf(t_off):8.1f} "
@@ -73,8 +66,8 @@ def main() -> None:
         q, k, v = mk(16384, h, d), mk(16384, h, d), mk(16384, h, d)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                           device="cuda")
-        t_on, t_off = _ab(args.flag, lambda: fl.attention_varlen(q, k, v, cu, cu, max(lens),
-                                                                  max(lens), causal=True))
+        t_on, t_off = flag_ab_ms(args.flag, lambda: fl.attention_varlen(
+            q, k, v, cu, cu, max(lens), max(lens), causal=True))
         f = sum(2 * n * n * h * d for n in lens)
         print(f"{'varlen 16k tokens, docs 64-4k':<34} {f / t_on / 1e9:8.1f} "
               f"{f / t_off / 1e9:8.1f} {t_off / t_on:7.3f}")
@@ -90,7 +83,7 @@ def main() -> None:
                     q, k, v, cache_seqlens=seqlens, causal=True)),
                 ("chunked prefill paged 16", lambda: fl.attention_with_kvcache(
                     q, kp, vp, cache_seqlens=seqlens, block_table=table, causal=True))):
-            t_on, t_off = _ab(args.flag, call)
+            t_on, t_off = flag_ab_ms(args.flag, call)
             print(f"{label:<34} {f / t_on / 1e9:8.1f} {f / t_off / 1e9:8.1f} "
                   f"{t_off / t_on:7.3f}")
 

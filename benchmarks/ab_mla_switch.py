@@ -1,6 +1,6 @@
 """A kernel switch's A/B through the public MLA decode calls: ``attention_with_kvcache`` on a
 latent cache and ``sparse_attention``'s top-k decode, with a module flag on and off, timed in
-turn (``_common.interleaved_ms``).
+turn (``_common.flag_ab_ms``).
 
     python benchmarks/ab_mla_switch.py --flag decode_mla_sm90.NAME
 
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The repo root last: a PYTHONPATH tree (an in-turn A/B's .before) comes first.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import flag_runs, interleaved_ms  # noqa: E402
+from _common import flag_ab_ms, flag_runs  # noqa: E402
 from bench_mla import inputs, topk_indices  # noqa: E402
 
 import flashlse as fl  # noqa: E402
@@ -46,12 +46,9 @@ ROWS = [("B=64 Skv=8k", 64, 8192, 128, 1, 64, False),
 def _ab(flag, call):
     """Milliseconds of ``call`` with the flag on and off, timed in turn, and whether both
     sides wrote the same bits."""
+    ms = flag_ab_ms(flag, call)
     on, off, restore = flag_runs(flag, call)
-    ms = interleaved_ms([on, off])
-    on()
-    a = call()
-    off()
-    same = torch.equal(a, call())
+    same = torch.equal(on(), off())
     restore()
     return ms, same
 

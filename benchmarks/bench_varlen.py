@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import attention_step, flag_runs, interleaved_ms, median_ms  # noqa: E402
+from _common import attention_step, flag_ab_ms, interleaved_ms, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 from flashlse.kernels import configs  # noqa: E402
@@ -137,9 +137,7 @@ def main():
                   f"{tf(f, m_ms):8.1f}  varlen / model {m_ms / v_ms:.2f}x, model / dense "
                   f"S={dense_s} {tf(f, m_ms) / tf(dense_f, ref):.2f}x")
     if args.flag:
-        on, off, restore = flag_runs(args.flag, vl_step)
-        s_on, s_off, s_dn2 = interleaved_ms([on, off, dn_step], smoke)
-        restore()
+        s_on, s_off, s_dn2 = flag_ab_ms(args.flag, vl_step, [dn_step], smoke)
         b_dn2 = max(s_dn2 - t_dn, 1e-9)
         for label, s_x in (("on", s_on), ("off", s_off)):
             b_x = max(s_x - t_vl, 1e-9)

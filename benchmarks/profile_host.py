@@ -96,9 +96,8 @@ def back_to_back():
 
 class _Busy(torch.autograd.Function):
     """``_common.NoKernelOp`` whose backward also makes ``ctx.n`` torch calls of kind
-    ``ctx.kind``
-    (``empty``: an allocation; ``add``: a kernel launch; ``py``: pure Python of about the
-    same length): what the engine's device thread adds to a backward's host work."""
+    ``ctx.kind`` (``empty``: an allocation; ``add``: a kernel launch; ``py``: pure Python of
+    about the same length): what the engine's device thread adds to a backward's host work."""
 
     @staticmethod
     def forward(ctx, q, k, v, n, kind):

@@ -16,6 +16,18 @@ _ROOT_FIRST = re.compile(r"sys\.path\.insert\(\s*0\s*,[^\n]*(\"\.\.\"|parents\[1
                          r"dirname\(os\.path\.dirname\()")
 
 
+def _bench_common():
+    """``benchmarks/_common.py`` as the scripts import it (their folder on the path)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
 def test_benchmarks_put_the_repo_root_last():
     scripts = sorted((ROOT / "benchmarks").glob("*.py"))
     assert scripts
@@ -29,18 +41,13 @@ def test_flag_runs_switch_the_flag_and_drop_every_plan_it_shapes():
     """``_common.flag_runs`` (the in-process A/Bs: ab_bwd_switch, ab_fwd_switch, profile_host
     --ab): each side sets its value and, when the value changes, drops the plans a flag can
     shape (the backward's, the Hopper forward's, the decode's, the launches the public calls
-    keep), so
-    neither side runs a plan the other made; ``restore`` puts the original back."""
+    keep), so neither side runs a plan the other made, and returns what the timed function
+    returns; ``restore`` puts the original back."""
     import importlib
-    import sys
 
     pytest.importorskip("flashlse.kernels.fwd_sm90")
     bwd_sm90 = pytest.importorskip("flashlse.kernels.bwd_sm90")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        common = importlib.import_module("_common")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    common = _bench_common()
     from flashlse.kernels import bwd, decode, fwd_sm90
 
     ops = importlib.import_module("flashlse.ops.attention")
@@ -57,8 +64,7 @@ def test_flag_runs_switch_the_flag_and_drop_every_plan_it_shapes():
         for value, side in ((False, off), (True, on)):
             for cache in caches:
                 cache["planned before"] = None
-            side()
-            assert seen[-1] is value and not any(caches)
+            assert side() is None and seen[-1] is value and not any(caches)
         for cache in caches:
             cache["planned before"] = None
         on()  # no change: the plans stay
@@ -68,3 +74,23 @@ def test_flag_runs_switch_the_flag_and_drop_every_plan_it_shapes():
         for cache in caches:
             cache.pop("planned before", None)
     assert bwd_sm90.FUSED_DQ == original
+
+
+def test_flag_ab_ms_times_on_off_and_peers_and_puts_the_flag_back():
+    """``_common.flag_ab_ms`` (the A/B scripts' timing): the flag on, then off, then each
+    peer, timed in turn; the original value back afterwards, also when a side raises."""
+
+    bwd_sm90 = pytest.importorskip("flashlse.kernels.bwd_sm90")
+    common = _bench_common()
+    seen = []
+    times = common.flag_ab_ms("bwd_sm90.FUSED_DQ", lambda: seen.append(bwd_sm90.FUSED_DQ),
+                              [lambda: seen.append("peer")], smoke=True)
+    assert len(times) == 3 and seen == [True, False, "peer"] and bwd_sm90.FUSED_DQ is True
+
+    def boom():  # the off side fails, with the flag switched
+        if not bwd_sm90.FUSED_DQ:
+            raise RuntimeError("side failed")
+
+    with pytest.raises(RuntimeError):
+        common.flag_ab_ms("bwd_sm90.FUSED_DQ", boom, smoke=True)
+    assert bwd_sm90.FUSED_DQ is True

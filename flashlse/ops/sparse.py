@@ -224,7 +224,8 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=N
 
     plan = plan or _kernel_plan(q, k, v, indices, block_table)
     alias = v.data_ptr() == k.data_ptr()
-    if plan.direct and sink is None and V.KEEP_PLANS:
+    keep = plan.direct and sink is None and V.KEEP_PLANS
+    if keep:
         # A repeated call: decode's plan for this call's metadata is kept in ours, and the
         # kernel needs only the tensors' addresses, which the views below would share.
         opts = options.current()
@@ -265,7 +266,7 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=N
     kw = dict(cache_seqlens=None, block_table=table, token_table=plan.token_table,
               token_pages=block_table, left=None, right=None, softcap=0.0, scale=scale,
               sink=None, num_splits=0, out_dtype=torch.float32 if sink is not None else None)
-    if plan.direct and sink is None and V.KEEP_PLANS:
+    if keep:
         key, dplan, _ = D.find_plan(rows, pages_k, pages_v, **kw)
         if len(plan.decode) < 16:
             plan.decode[sub] = (key, dplan)
