@@ -287,10 +287,10 @@ if [ "$1" = rebuild ]; then
     # through the public calls (ab_mla_switch.py: same bits on both sides), then the MLA
     # GPU tests.
     F=${2:-REBUILD_DESCRIPTORS}
-    timeout 150 python3 benchmarks/ab_mla_switch.py --flag decode_mla_sm90.$F \
-        > "$OUT/ab_$F.txt" 2>&1; tail -11 "$OUT/ab_$F.txt"
-    timeout 75 python3 -m pytest -q tests/kernels/test_decode_mla_sm90.py \
-        -k "matches_reference and not persistent or nan or topk_matches" -p no:cacheprovider \
+    timeout 200 python3 benchmarks/ab_mla_switch.py --flag decode_mla_sm90.$F \
+        > "$OUT/ab_$F.txt" 2>&1; tail -12 "$OUT/ab_$F.txt"
+    # The whole file: 23 tests, 86-123 s on the H200 (session 28).
+    timeout 200 python3 -m pytest -q tests/kernels/test_decode_mla_sm90.py -p no:cacheprovider \
         > "$OUT/test_rebuild.log" 2>&1
     tail -1 "$OUT/test_rebuild.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_rebuild.log" | head
     exit 0
