@@ -5,7 +5,10 @@ B=4 sequences, Sq=512 new query rows against an 8k-token cache, Hq/Hkv=32/8, D=1
 (bottom-right: row i sees cache keys up to 8k - 512 + i), bf16. FLOPs counted as the dense
 causal call's (``4 B H Sq Sk D`` minus the masked half of the last 512 x 512 block).
 
-    python benchmarks/bench_serving.py [--smoke]
+    python benchmarks/bench_serving.py [--smoke] [--flag MODULE.NAME]
+
+``--flag`` (a module flag of flashlse.kernels, e.g. ``fwd_sm90.PAGED_PERSISTENT``): every row
+with the flag on and off, timed in turn with the dense call (an A/B in one process).
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import interleaved_ms, median_ms  # noqa: E402
+from _common import flag_ab_ms, interleaved_ms, median_ms  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv
+FLAG = sys.argv[sys.argv.index("--flag") + 1] if "--flag" in sys.argv else None
 
 
 def paged(cache, page, perm=None):
@@ -50,8 +54,13 @@ def main():
     def timed(label, call):
         # Each row timed in turn with the dense call, three rounds: its ratio is against
         # the dense kernel's time on the same clocks (a later row ran up to 8% slower).
-        t_call, t_dense = interleaved_ms([call, dense], SMOKE)
-        rows.append((label, t_call, t_dense))
+        if FLAG is None:
+            t_call, t_dense = interleaved_ms([call, dense], SMOKE)
+            rows.append((label, t_call, t_dense))
+            return
+        t_on, t_off, t_dense = flag_ab_ms(FLAG, call, [dense], SMOKE)
+        rows.append((f"{label} [on]", t_on, t_dense))
+        rows.append((f"{label} [off]", t_off, t_dense))
 
     rows.append(("fl.attention (dense kernel, same work)", median_ms(dense, SMOKE), None))
     call = lambda: fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=True)
@@ -67,8 +76,9 @@ def main():
         err = float((call().float() - ref.float()).abs().max())
         timed(f"attention_with_kvcache paged {page} (max diff {err:.1e})", call)
         # The same call without the Hopper paged kernel (its pages gathered for the dense one).
-        with fl.kernel_options(sm90_fwd_paged=False):
-            timed(f"  paged {page}, sm90_fwd_paged=False", call)
+        if FLAG is None:
+            with fl.kernel_options(sm90_fwd_paged=False):
+                timed(f"  paged {page}, sm90_fwd_paged=False", call)
         if page == 16:
             # A block table as vLLM sizes it, for the longest context (16x these sequences'
             # 8k; the entries past them point at page 0): pages read in place, never gathered
@@ -125,7 +135,12 @@ def mixed_step(dev, dt):
         o_one, o_pre, o_dec = one(), pre(), dec()
         err = max(float((o_one[:n_pre * new].float() - o_pre.flatten(0, 1).float()).abs().max()),
                   float((o_one[n_pre * new:].float() - o_dec.flatten(0, 1).float()).abs().max()))
-        t_one, t_pre, t_dec = interleaved_ms([one, pre, dec], SMOKE)
+        if FLAG is None:
+            t_one, t_pre, t_dec = interleaved_ms([one, pre, dec], SMOKE)
+        else:
+            t_one, t_flag_off, t_pre, t_dec = flag_ab_ms(FLAG, one, [pre, dec], SMOKE)
+            print(f"mixed step, {FLAG} off: {t_flag_off:.3f} ms "
+                  f"({t_flag_off / (t_pre + t_dec):.2f} of the separate calls)")
         with fl.kernel_options(sm90_fwd_paged=False):
             t_old = median_ms(one, SMOKE)
     print(f"mixed step ({n_pre} prefills {new} on {cached} + {n_dec} decodes at {ctx}, page "

@@ -35,6 +35,10 @@
 #   bash benchmarks/h200_session.sh rebuild [FLAG]  # issue 18: MLA descriptors rebuilt in the
 #                                                loop (A/B of decode_mla_sm90.FLAG, default
 #                                                REBUILD_DESCRIPTORS, public calls), MLA tests
+#   bash benchmarks/h200_session.sh paged-persistent  # issue 16: a paged call's long
+#                                                sequences on the persistent varlen kernel
+#                                                (fwd_sm90.PAGED_PERSISTENT): paged GPU tests
+#                                                on both forms, bench_serving A/B
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -53,7 +57,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -293,6 +297,23 @@ if [ "$1" = rebuild ]; then
     timeout 200 python3 -m pytest -q tests/kernels/test_decode_mla_sm90.py -p no:cacheprovider \
         > "$OUT/test_rebuild.log" 2>&1
     tail -1 "$OUT/test_rebuild.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_rebuild.log" | head
+    exit 0
+fi
+if [ "$1" = paged-persistent ]; then
+    # Issue 16: the persistent varlen kernel over paged caches. The Hopper paged tests run
+    # every case on both forms (persistent, grid); the serving paths that reach it; then the
+    # chunked-prefill rows and the mixed step with the flag on and off in turn.
+    timeout 240 python3 -m pytest -q tests/kernels/test_fwd_paged_sm90.py -p no:cacheprovider \
+        > "$OUT/test_paged.log" 2>&1
+    echo "paged tests: $(tail -1 "$OUT/test_paged.log")"
+    grep -h "^FAILED\|^ERROR" "$OUT/test_paged.log" | head -12
+    timeout 120 python3 -m pytest -q tests/kernels/test_kvcache_kernels.py tests/test_sync_free.py \
+        tests/test_cuda_graphs.py -k "paged or prefill or varlen or serving" -p no:cacheprovider \
+        > "$OUT/test_serving.log" 2>&1
+    echo "serving tests: $(tail -1 "$OUT/test_serving.log")"
+    grep -h "^FAILED\|^ERROR" "$OUT/test_serving.log" | head -8
+    timeout 180 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_PERSISTENT \
+        > "$OUT/serving_ab.txt" 2>&1; tail -14 "$OUT/serving_ab.txt"
     exit 0
 fi
 if [ "$1" = mla-why ]; then

@@ -195,9 +195,12 @@ def test_forward_varlen_persistent_lists_the_blocks_then_walks_them(kernels, mon
     assert blocks.dtype == torch.int32 and blocks.shape == (1 + 5 * 6, )
     assert lst.grid == (2, 1, 1)
     assert lst.args[:4] == (kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["seqused_k"], blocks)
-    assert lst.args[4:12] == (3, 350, 700, 250, 400, 6, 128, 128) and lst.args[12] is True
+    # No block table; its stride, the page count and rows_lo 0.
+    assert lst.args[4:14] == (None, 3, 350, 700, 250, 400, 6, 0, 0, 0)
+    assert lst.args[14:17] == (128, 128, True) and lst.named["PAGE_SIZE"] == 0
     assert run.grid == (16, 1, 1)  # 16 SMs, 6 blocks x 4 heads
-    assert run.args[:7] == (q, k, v, out, lse, None, blocks)
+    assert run.args[:8] == (q, k, v, out, lse, None, blocks, None)
+    assert run.named["PAGE_SIZE"] == 0
     assert (run.named["stride_qs"], run.named["stride_os"], run.named["stride_lh"]) == \
         (q.stride(0), out.stride(0), lse.stride(0))
     assert (run.named["total_q"], run.named["total_k"], run.named["heads"]) == (350, 700, 4)

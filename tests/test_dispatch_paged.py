@@ -32,7 +32,15 @@ def log(monkeypatch):
                                 lambda kw: "gluon" in FAILING))
     monkeypatch.setattr(fwd, "_attn_fwd_paged_kernel",
                         _Kernel("portable", launches, fwd._attn_fwd_paged_kernel))
+    monkeypatch.setattr(fwd_sm90, "_varlen_blocks_kernel",
+                        _Kernel("blocks", launches, fwd_sm90._varlen_blocks_kernel))
+    monkeypatch.setattr(fwd_sm90, "_fwd_sm90_varlen_kernel",
+                        _Kernel("persistent", launches, fwd_sm90._fwd_sm90_varlen_kernel,
+                                lambda kw: "persistent" in FAILING))
     monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 132)
+    # The paged grid kernel here; the persistent varlen form in the tests that say so.
+    monkeypatch.setattr(fwd_sm90, "PAGED_PERSISTENT", False)
     # Launch plans hold the kernels: fresh ones for each test.
     monkeypatch.setattr(fwd_sm90, "_PLANS", {})
     monkeypatch.setattr(fwd, "_PLANS", {})
@@ -166,3 +174,65 @@ def test_serving_steps_share_the_plans_and_pass_their_lengths(log):
         assert gluon.named["batch"] == batch
         assert portable.grid == (1, 2, batch)  # 16-row tiles of the decodes, kv heads, batch
     assert len(fwd_sm90._PLANS) == 1 and len([k for k in fwd._PLANS if k[0] == "paged"]) == 1
+
+
+def test_persistent_paged_lists_the_long_sequences_then_walks_them(log, monkeypatch):
+    """``fwd_sm90.PAGED_PERSISTENT``: a mixed step's long sequences on the persistent varlen
+    kernel over the pages. ``_varlen_blocks_kernel`` lists their row blocks (a program a block
+    index; the decodes left out by ``rows_lo``, lengths and bad pages read on the device),
+    then the kernel walks them, a program an SM (here fewer items than SMs), over the cache
+    as ``(pages * page, H_kv * D)`` rows; the decodes go to the portable kernel as before.
+    The serving steps' lengths reach both launches without a new plan."""
+    monkeypatch.setattr(fwd_sm90, "PAGED_PERSISTENT", True)
+    steps = [([300, 1, 0, 20], 512), ([120, 1, 40, 1], 200), ([17, 1, 1], 64)]
+    for qlens, max_k in steps:
+        log.clear()
+        out, lse = _call(qlens, max_seqlen_k=max_k)
+        assert [x.kernel for x in log] == ["blocks", "persistent", "portable"]
+        blocks, run, portable = log
+        total, batch, max_q = sum(qlens), len(qlens), max(qlens)
+        n_blocks = min(-(-total // 128) + batch, batch * -(-max_q // 128))
+        keys = min(8, -(-max_k // 64)) * 64
+        assert blocks.grid == (-(-max_q // 128), 1, 1)
+        lst = blocks.named["blocks"]
+        assert lst.dtype == torch.int32 and lst.shape == (1 + 5 * n_blocks, )
+        assert blocks.named["block_table"] is run.named["block_table"]
+        assert blocks.named["cu_seqlens_k"] is None
+        assert (blocks.named["batch"], blocks.named["total_q"], blocks.named["seqlen_q"],
+                blocks.named["seqlen_k"], blocks.named["capacity"]) == (
+                    batch, total, max_q, keys, n_blocks)
+        assert (blocks.named["num_pages"], blocks.named["rows_lo"], blocks.named["GROUP"],
+                blocks.named["PAGE_SIZE"]) == (40, fwd.SMALL_ROWS, 4, 64)
+        assert run.grid == (min(132, n_blocks * 8), 1, 1)
+        assert run.named["blocks"] is lst
+        assert run.named["o"] is out and run.named["lse"] is lse
+        assert run.named["stride_lh"] == lse.stride(0) == total
+        assert run.named["total_q"] == total and run.named["total_k"] == 40 * 64
+        assert run.named["stride_ks"] == 2 * 128 and run.named["PAGE_SIZE"] == 64
+        # One L2 section of 8 heads: the K/V of batch x keys rows of a kv head fit.
+        assert run.named["heads"] == 8
+        assert (portable.named["rows_lo"], portable.named["rows_hi"]) == (0, fwd.SMALL_ROWS)
+    assert len(fwd_sm90._PLANS) == 1
+
+
+def test_persistent_paged_takes_only_heads_adjacent_layouts(log, monkeypatch):
+    """A cache whose heads are not adjacent in a page row (a view of a wider cache) runs the
+    paged grid kernel, which reads each head through its own pointer."""
+    monkeypatch.setattr(fwd_sm90, "PAGED_PERSISTENT", True)
+    q = torch.zeros(300, 8, 128, dtype=torch.bfloat16)
+    wide = torch.zeros(40, 64, 2, 256, dtype=torch.bfloat16)[..., :128]
+    cu = torch.tensor([0, 300], dtype=torch.int32)
+    dispatch.attn_fwd_paged(q, wide, wide, torch.zeros(1, 8, dtype=torch.int32),
+                            cu_seqlens_q=cu, max_seqlen_q=300,
+                            seqused_k=torch.tensor([300], dtype=torch.int32), max_seqlen_k=512,
+                            left=None, right=0, softcap=0.0, scale=0.1, sink=None)
+    assert [x.kernel for x in log] == ["gluon", "portable"]
+
+
+def test_persistent_paged_compile_failure_runs_the_portable_kernel(log, monkeypatch):
+    monkeypatch.setattr(fwd_sm90, "PAGED_PERSISTENT", True)
+    FAILING.add("persistent")
+    with pytest.warns(RuntimeWarning, match="Hopper paged forward"):
+        _call([300, 1])
+    assert [x.kernel for x in log] == ["blocks", "persistent", "portable", "portable"]
+    assert [key[0] for key in FAILURES] == ["fwd_sm90 paged"]

@@ -223,17 +223,29 @@ def cases():
                 dict(consts, D=64, BLOCK_N=configs.FWD_SM90[64].block_n), 4, 1
     # Its persistent varlen form (packed sequences, row blocks listed on the device).
     varlen_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, blocks=I32,
-                        scale_log2="fp32")
+                        block_table=I32, scale_log2="fp32")
     for label, window, d in (("causal", False, 128), ("window", True, 128),
                              ("causal", False, 256)):
         consts = dict(GROUP=2, HQ=16, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, STAGES=2,
                       HAS_LEFT=window, HAS_RIGHT=True, HAS_SINK=True, O_IN_Q=d == 256,
-                      CONSUMER_REGS=240)
+                      CONSUMER_REGS=240, PAGE_SIZE=0, block_table=None)
         yield "fwd", f"fwd sm90 persistent varlen (Gluon) D={d} {label}", \
+            fwd_sm90._fwd_sm90_varlen_kernel, varlen_types, consts, 4, 1
+    # The same kernel over paged caches (a paged call's long sequences).
+    for page in (16, 64, 256):
+        consts = dict(GROUP=4, HQ=32, D=128, BLOCK_N=configs.FWD_SM90[128].block_n, STAGES=2,
+                      HAS_LEFT=False, HAS_RIGHT=True, HAS_SINK=False, O_IN_Q=False,
+                      CONSUMER_REGS=240, PAGE_SIZE=page)
+        yield "fwd", f"fwd sm90 persistent paged (Gluon) D=128 page {page} causal", \
             fwd_sm90._fwd_sm90_varlen_kernel, varlen_types, consts, 4, 1
     yield "fwd", "fwd sm90 varlen blocks (list)", fwd_sm90._varlen_blocks_kernel, \
         dict(cu_seqlens_q=I32, cu_seqlens_k=I32, seqused_k=I32, blocks=I32), \
-        dict(BLOCK_M=128, BLOCK_B=128, HAS_SEQUSED_K=True), 4, 1
+        dict(BLOCK_M=128, BLOCK_B=128, HAS_SEQUSED_K=True, block_table=None, GROUP=1,
+             PAGE_SIZE=0, BLOCK_P=1), 4, 1
+    yield "fwd", "fwd sm90 varlen blocks (paged list)", fwd_sm90._varlen_blocks_kernel, \
+        dict(cu_seqlens_q=I32, seqused_k=I32, blocks=I32, block_table=I32), \
+        dict(BLOCK_M=128, BLOCK_B=128, HAS_SEQUSED_K=True, cu_seqlens_k=None, GROUP=4,
+             PAGE_SIZE=16, BLOCK_P=32), 4, 1
     # Its paged variant: pages smaller than a tile (a TMA box a page), of a tile, and larger.
     paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                       seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,

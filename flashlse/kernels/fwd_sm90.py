@@ -798,15 +798,17 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
 
 @gluon.jit
 def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D: gl.constexpr,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_layout: gl.constexpr):
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_layout: gl.constexpr,
+                        BOX: gl.constexpr = 0):
     """The persistent kernels' (the forward's, bwd_sm90's dQ) K and V descriptors over
-    ``(B * S_k, H_kv * D)``, the Q halves' buffer with its full / empty barriers, and the K/V
-    ring (``_kv_ring``)."""
+    ``(B * S_k, H_kv * D)`` (boxes of ``BOX`` rows, a page's over a paged cache; 0: a tile's),
+    the Q halves' buffer with its full / empty barriers, and the K/V ring (``_kv_ring``)."""
     dtype: gl.constexpr = k.dtype.element_ty
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    k_desc = tma.make_tensor_descriptor(k, [rows_k, HKV * D], [stride_ks, 1], [BLOCK_N, D],
+    ROWS: gl.constexpr = BOX if BOX > 0 else BLOCK_N
+    k_desc = tma.make_tensor_descriptor(k, [rows_k, HKV * D], [stride_ks, 1], [ROWS, D],
                                         kv_layout)
-    v_desc = tma.make_tensor_descriptor(v, [rows_k, HKV * D], [stride_vs, 1], [BLOCK_N, D],
+    v_desc = tma.make_tensor_descriptor(v, [rows_k, HKV * D], [stride_vs, 1], [ROWS, D],
                                         kv_layout)
     q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout)
     k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
@@ -874,11 +876,15 @@ def _fwd_sm90_persistent_kernel(
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-@triton.jit
-def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
+# (Lengths change per call: the paged plan passes them without a new plan, SizedLaunch.)
+@triton.jit(do_not_specialize=["batch", "total_q", "total_k", "seqlen_q", "seqlen_k", "capacity",
+                               "num_pages", "rows_lo"])
+def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks, block_table,
                           batch, total_q, total_k, seqlen_q, seqlen_k, capacity,
+                          stride_tb, num_pages, rows_lo,
                           BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-                          HAS_SEQUSED_K: tl.constexpr):
+                          HAS_SEQUSED_K: tl.constexpr, GROUP: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
     """The persistent varlen kernel's row blocks, listed on the device (the host cannot read
     ``cu_seqlens_q`` without a sync): ``blocks[0]`` their count, then ``VARLEN_ITEM`` ints a
     block: its sequence's ``seq_bounds`` (``bos, bos_k, T_q, T_k``) and its first row, so
@@ -891,6 +897,12 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
     count), ranked by a prefix sum. Offsets and lengths clamped as ``seq_spans`` (any values
     stay in bounds); the list holds at most ``capacity`` blocks (the buffer's: only bad
     offsets, sequences that overlap, have more, and the blocks past it are left out).
+
+    Over a paged cache (``PAGE_SIZE > 0``: ``block_table``, no ``cu_seqlens_k``) a block's
+    ``bos_k`` is its sequence's index (its block-table row) and ``T_k`` its keys:
+    ``seqused_k`` clamped to ``[0, seqlen_k]`` (the table's pages) and ended before the
+    first entry outside ``[0, num_pages)`` (``_paged_lens``); sequences of at most
+    ``rows_lo`` packed rows (``T_q * GROUP``, decodes: another launch's) have no block.
     Triton, not Gluon: CI runs it under the interpreter."""
     i = tl.program_id(0)
     o_b = tl.arange(0, BLOCK_B)
@@ -898,15 +910,26 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
     for b0 in range(0, batch, BLOCK_B):
         m_b = b0 + o_b < batch
         _, T_q = seq_spans(cu_seqlens_q, b0 + o_b, m_b, total_q, seqlen_q)
+        if PAGE_SIZE > 0:
+            T_q = tl.where(T_q * GROUP > rows_lo, T_q, 0)
         start += tl.sum(tl.maximum((T_q + BLOCK_M - 1) // BLOCK_M - 1 - i, 0), 0)
     for b0 in range(0, batch, BLOCK_B):
         m_b = b0 + o_b < batch
         bos, T_q = seq_spans(cu_seqlens_q, b0 + o_b, m_b, total_q, seqlen_q)
-        bos_k, T_k = seq_spans(cu_seqlens_k, b0 + o_b, m_b, total_k, seqlen_k)
-        if HAS_SEQUSED_K:
-            T_k = tl.minimum(tl.maximum(tl.load(seqused_k + b0 + o_b, mask=m_b, other=0), 0),
-                             T_k)
+        if PAGE_SIZE > 0:
+            T_q = tl.where(T_q * GROUP > rows_lo, T_q, 0)
         has = ((T_q + BLOCK_M - 1) // BLOCK_M > i).to(tl.int32)
+        if PAGE_SIZE > 0:
+            bos_k = b0 + o_b
+            T_k = tl.minimum(tl.maximum(tl.load(seqused_k + b0 + o_b, mask=m_b, other=0), 0),
+                             seqlen_k)
+            T_k = _paged_lens(block_table, stride_tb, num_pages, b0 + o_b, has != 0, T_k,
+                              PAGE_SIZE, BLOCK_P)
+        else:
+            bos_k, T_k = seq_spans(cu_seqlens_k, b0 + o_b, m_b, total_k, seqlen_k)
+            if HAS_SEQUSED_K:
+                T_k = tl.minimum(tl.maximum(tl.load(seqused_k + b0 + o_b, mask=m_b, other=0),
+                                            0), T_k)
         pos = start + tl.cumsum(has, 0) - 1
         listed = (has != 0) & (pos < capacity)
         p = blocks + 1 + VARLEN_ITEM * pos
@@ -918,6 +941,25 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks,
         start += tl.sum(has, 0)
     if i == 0:
         tl.store(blocks, tl.minimum(start, capacity))
+
+
+@triton.jit
+def _paged_lens(block_table, stride_tb, num_pages, o_b, m_b, T_k, PAGE_SIZE: tl.constexpr,
+                BLOCK_P: tl.constexpr):
+    """``paged_keys`` of the sequences ``o_b`` at once (``m_b``: which to look at; the others
+    keep ``T_k``): each length ended before its row's first block-table entry outside
+    ``[0, num_pages)``, looking at ``BLOCK_P`` entries of every row a step."""
+    n_pages = tl.where(m_b, (T_k + PAGE_SIZE - 1) // PAGE_SIZE, 0)
+    first_bad = n_pages
+    rows = block_table + o_b.to(tl.int64)[:, None] * stride_tb
+    o_p = tl.arange(0, BLOCK_P)
+    for p0 in range(0, tl.max(n_pages, 0), BLOCK_P):
+        cols = p0 + o_p[None, :]
+        m_p = cols < n_pages[:, None]
+        page = tl.load(rows + cols, mask=m_p, other=0)
+        bad = m_p & ((page < 0) | (page >= num_pages))
+        first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, cols, n_pages[:, None]), 1))
+    return tl.minimum(T_k, first_bad * PAGE_SIZE)
 
 
 @gluon.jit
@@ -1017,6 +1059,62 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
 
 
 @gluon.jit
+def _producer_varlen_paged(q_desc, kv_desc, q_smem, kv_smem, q_bar, q_empty, kv_full, kv_empty,
+                           blocks, heads, left, right, block_table, stride_tb,
+                           GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
+                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, ITEM: gl.constexpr,
+                           PAGE_SIZE: gl.constexpr, WITH_Q: gl.constexpr):
+    """``_producer_varlen`` over a paged cache: one warp for the K tiles (and the Q halves:
+    WITH_Q), one for the V tiles, as the paged grid kernel's two (two warps wait on
+    block-table loads and issue page boxes). A tile is loaded page box by page box
+    (``_page_boxes``), its entries loaded a tile ahead (``_tile_pages``); boxes past the
+    item's length read page 0 (the consumers mask those keys and zero those V rows)."""
+    t = 0
+    j = 0
+    n_blocks = gl.load(blocks)
+    ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM)
+    for r in range(_varlen_rounds(n_blocks, heads, HQ)):
+        ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,
+                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        valid, i_h, bos, i_b, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = item
+        if n_tiles > 0:
+            col = (i_h // GROUP) * D
+            if WITH_Q:
+                _item_loads(q_desc, q_desc, kv_desc, kv_desc, q_smem, q_smem, kv_smem, kv_smem,
+                            q_bar, q_empty, kv_full, kv_empty, kv_full, kv_empty, bos + m0, 0,
+                            col, i_h, 0, t, j, D, BLOCK_N, STAGES, False)
+            p_bt = block_table + i_b.to(gl.int64) * stride_tb
+            pages = _tile_pages(p_bt, n_lo, T_k, PAGE_SIZE, BLOCK_N, False)
+            for it in range(n_tiles):
+                s = t % STAGES
+                n0 = n_lo + it * BLOCK_N
+                mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
+                _page_boxes(kv_desc, kv_full.index(s), kv_smem.index(s), pages, n0, col,
+                            PAGE_SIZE, BLOCK_N)
+                pages = _tile_pages(p_bt, n0 + BLOCK_N, T_k, PAGE_SIZE, BLOCK_N, False)
+                t += 1
+            j += 1
+
+
+@gluon.jit
+def _page_boxes(desc, bar, dst, pages, n0, col, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tile ``[n0, n0 + BLOCK_N)`` into ``dst`` from ``desc`` (the cache as rows, column
+    ``col``), one TMA box a page or a BLOCK_N-row box of a larger page, ``pages`` their
+    block-table entries (``_tile_pages``), all arriving on ``bar``."""
+    BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+    mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
+    for i in gl.static_range(BLOCK_N // BOX):
+        n_i = n0 + i * BOX
+        if BOX < BLOCK_N:
+            box = dst.slice(i * BOX, BOX, 0)
+        else:
+            box = dst
+        tma.async_copy_global_to_shared(desc, [pages[i] * PAGE_SIZE + n_i % PAGE_SIZE, col],
+                                        bar, box)
+
+
+@gluon.jit
 def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
                      q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                      o, stride_os, lse, stride_lh, sink, half, blocks, heads, left, right,
@@ -1097,15 +1195,15 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
 
 
 # Lengths change per call; specialising on them only recompiles.
-@gluon.jit(do_not_specialize=["total_q", "total_k", "heads", "left", "right"])
+@gluon.jit(do_not_specialize=["stride_lh", "total_q", "total_k", "heads", "left", "right"])
 def _fwd_sm90_varlen_kernel(
-    q, k, v, o, lse, sink, blocks,
-    stride_qs, stride_ks, stride_vs, stride_os, stride_lh,
+    q, k, v, o, lse, sink, blocks, block_table,
+    stride_qs, stride_ks, stride_vs, stride_os, stride_lh, stride_tb,
     total_q, total_k, heads, left, right, scale_log2,
     GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-    O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr, PAGE_SIZE: gl.constexpr,
 ):
     """The packed varlen forward as a persistent kernel: a program per SM walks the row
     blocks that ``_varlen_blocks_kernel`` listed in ``blocks`` (dealt by ``_varlen_load``),
@@ -1113,45 +1211,77 @@ def _fwd_sm90_varlen_kernel(
     bounds. q, k, v, out are ``(total, H * D)`` matrices (heads adjacent); the descriptors
     span them whole, so no descriptor is made per sequence and a tile may cross into the
     next sequence: ``_consumer_varlen`` says how its rows are kept out. lse is
-    ``(H, total_q)``."""
+    ``(H, total_q)``.
+
+    Over paged caches (``PAGE_SIZE > 0``): k and v are the caches as ``(num_pages *
+    PAGE_SIZE, H_kv * D)`` matrices (``total_k`` rows), a block's key tiles are read page by
+    page through ``block_table`` (``_producer_varlen_paged``: a producer warp for K, one for
+    V), and the consumers are the same (a key past the length is masked, its V row zeroed)."""
     dtype: gl.constexpr = q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
     q_desc = tma.make_tensor_descriptor(q, [total_q, HQ * D], [stride_qs, 1], [HALF_M, D],
                                         q_layout)
     o_desc = tma.make_tensor_descriptor(o, [total_q, HQ * D], [stride_os, 1], [HALF_M, D],
                                         q_layout)
+    BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N  # (0: a tile)
     k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
         = _persistent_buffers(k, v, stride_ks, stride_vs, total_k, HQ // GROUP, D, BLOCK_N,
-                              STAGES, q_layout)
+                              STAGES, q_layout, BOX)
     if O_IN_Q:
         o_smem = q_smem
     else:
         o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
-    gl.warp_specialize([
-        (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
-                            k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
-                            0, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N, STAGES,
-                            HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
-        (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
-                            k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
-                            1, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N, STAGES,
-                            HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
-        (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
-                            k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
-                            GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN_ITEM)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if PAGE_SIZE == 0:
+        gl.warp_specialize([
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                0, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
+                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                1, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
+                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+            (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
+                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
+                                VARLEN_ITEM)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                0, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
+                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                1, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
+                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+            (_producer_varlen_paged, (q_desc, k_desc, q_smem, k_smem, q_bar, q_empty, k_full,
+                                      k_empty, blocks, heads, left, right, block_table,
+                                      stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
+                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, True)),
+            (_producer_varlen_paged, (q_desc, v_desc, q_smem, v_smem, q_bar, q_empty, v_full,
+                                      v_empty, blocks, heads, left, right, block_table,
+                                      stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
+                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False)),
+        ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
 @gluon.jit
-def _tile_pages(p_bt, n0, T_k, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile_pages(p_bt, n0, T_k, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                WHOLE: gl.constexpr = True):
     """The block-table entries of key tile ``[n0, n0 + BLOCK_N)``'s boxes (see
-    ``_paged_copy``), a tuple: 0 for a box the tail descriptor copies or past the length,
-    whose entry is not read (the row holds the length's pages only)."""
+    ``_paged_copy``), a tuple: 0 for a box past the length, whose entry is not read (the row
+    holds the length's pages only), and (WHOLE) for the box the tail descriptor copies."""
     BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
     pages = ()
     for i in gl.static_range(BLOCK_N // BOX):
         n_i = n0 + i * BOX
-        pages = pages + (gl.load(p_bt + n_i // PAGE_SIZE, mask=n_i + BOX <= T_k, other=0),)
+        if WHOLE:
+            inside = n_i + BOX <= T_k
+        else:
+            inside = n_i < T_k
+        pages = pages + (gl.load(p_bt + n_i // PAGE_SIZE, mask=inside, other=0),)
     return pages
 
 
@@ -1479,8 +1609,8 @@ class _VarlenLaunch:
 
     def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
         blocks = torch.empty(self.size, dtype=torch.int32, device=q.device)
-        self.plan_blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks)
-        self.kernel(q, k, v, out, lse, sink, blocks)
+        self.plan_blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks, None)
+        self.kernel(q, k, v, out, lse, sink, blocks, None)
 
 
 def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> Plan:
@@ -1492,7 +1622,8 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> 
     block_b = min(max(next_pow2(batch), 128), 1024)
     plan_blocks = Launch(_varlen_blocks_kernel, (cdiv(seqlen_q, 2 * HALF_M), ),
                          (batch, total_q, lens["total_k"], seqlen_q, lens["seqlen_k"], n_blocks,
-                          2 * HALF_M.value, block_b, seqused_k is not None), dict(num_warps=4))
+                          0, 0, 0, 2 * HALF_M.value, block_b, seqused_k is not None, 1, 0, 1),
+                         dict(num_warps=4))
     # Sections of query heads whose K/V (every sequence's) fits VARLEN_L2_BYTES: whole groups.
     kv_head_bytes = lens["total_k"] * 2 * q.shape[-1] * q.element_size()
     heads = min(hq, max(1, VARLEN_L2_BYTES // kv_head_bytes) * kw["GROUP"])
@@ -1502,7 +1633,7 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> 
                 **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
     programs = min(_sm_count(q.device), n_blocks * hq)
     kernel = Launch(_fwd_sm90_varlen_kernel, (programs, ),
-                    *positional(_fwd_sm90_varlen_kernel, 7, args))
+                    *positional(_fwd_sm90_varlen_kernel, 8, dict(args, stride_tb=0, PAGE_SIZE=0)))
     return Plan(_VarlenLaunch(plan_blocks, kernel, 1 + VARLEN_ITEM.value * n_blocks),
                 (*signature, "persistent varlen"))
 
@@ -1727,9 +1858,92 @@ def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, batch, left, righ
               stride_tb=block_table.stride(0), num_pages=num_pages, rows_lo=rows_lo,
               PAGE_SIZE=page,
               **_shared_kw(q, k_cache, left, right, scale, sink, _config(q, override)))
+    cfg = _config(q, override)
+    shared = _shared_kw(q, k_cache, left, right, scale, sink, cfg)
+    if PAGED_PERSISTENT and _paged_varlen_ok(q, k_cache, v_cache, out, lse, shared, cfg):
+        return Plan(_paged_varlen_run(q, k_cache, v_cache, block_table, out, shared,
+                                      rows_lo),
+                    (*signature, "persistent"))
     kw["BLOCK_B"] = max(next_pow2(batch), 32 * kw["num_warps"])
     launch = SizedLaunch(_fwd_sm90_paged_kernel, 9, kw, _PAGED_SIZED)
     return Plan(_PagedRun(launch, hq, page), signature)
+
+
+# A paged call's long sequences on the persistent varlen kernel (its PAGE_SIZE form) where
+# the layouts allow, else on the paged grid kernel (a program a row block and head).
+PAGED_PERSISTENT = True
+
+
+def _paged_varlen_ok(q, k_cache, v_cache, out, lse, shared, cfg) -> bool:
+    """Whether a paged call's long sequences take the persistent varlen kernel: its config
+    asks for it (the overlapped schedule), q and out are ``(total, H * D)`` matrices and each
+    cache page's rows ``(page_size, H_kv * D)`` ones (heads adjacent), lse's rows are
+    contiguous, and Q and the ring fit in shared memory."""
+    if not cfg.persistent_varlen or cfg.pingpong or not cfg.overlap:
+        return False
+    if lse.stride(-1) != 1 or _ring_bytes(q, shared, 1) > SMEM_BYTES:
+        return False
+    d = q.shape[-1]
+    return (all(t.stride(-1) == 1 and t.stride(-2) == d for t in (q, out, k_cache, v_cache))
+            and q.shape[0] < 2**31)
+
+
+def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo):
+    """:class:`_PagedVarlenRun` of a call that :func:`_paged_varlen_ok` admitted."""
+    hq = q.shape[1]
+    num_pages, page, hkv, d = k_cache.shape
+    group = hq // hkv
+    # (Sized per call: batch, total_q, max_seqlen_q, the keys' capacity, the list's.)
+    blocks_kw = dict(total_k=0, stride_tb=block_table.stride(0), num_pages=num_pages,
+                     rows_lo=rows_lo, BLOCK_M=2 * HALF_M.value, BLOCK_B=128,
+                     HAS_SEQUSED_K=True, GROUP=group, PAGE_SIZE=page, BLOCK_P=32,
+                     num_warps=4)
+    plan_blocks = SizedLaunch(_varlen_blocks_kernel, 5, blocks_kw, _BLOCKS_SIZED)
+    args = dict(stride_qs=q.stride(0), stride_ks=k_cache.stride(1), stride_vs=v_cache.stride(1),
+                stride_os=out.stride(0), stride_tb=block_table.stride(0),
+                total_k=num_pages * page, HQ=hq, O_IN_Q=_out_in_q(q, shared), PAGE_SIZE=page,
+                **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
+    kernel = SizedLaunch(_fwd_sm90_varlen_kernel, 8, args, _VARLEN_SIZED)
+    return _PagedVarlenRun(plan_blocks, kernel, hq, page, group,
+                           2 * d * k_cache.element_size(), _sm_count(q.device))
+
+
+# The arguments of the list and of the persistent varlen kernel that change per paged call.
+_BLOCKS_SIZED = ("batch", "total_q", "seqlen_q", "seqlen_k", "capacity")
+_VARLEN_SIZED = ("stride_lh", "total_q", "heads")
+
+
+class _PagedVarlenRun:
+    """A paged call's launches on the persistent varlen kernel: ``_varlen_blocks_kernel``
+    lists the long sequences' row blocks (their lengths, the table's bad pages, a program a
+    block index) into a fresh buffer, then the kernel walks them, a program an SM, in
+    sections of heads whose K/V fits in L2 (as :func:`_varlen_plan`). Each call's lengths give
+    the grids and the sized arguments; a call with no row launches nothing."""
+
+    __slots__ = ("plan_blocks", "kernel", "hq", "page", "group", "kv_row_bytes", "n_sm")
+
+    def __init__(self, plan_blocks, kernel, hq, page, group, kv_row_bytes, n_sm):
+        self.plan_blocks, self.kernel, self.hq, self.page = plan_blocks, kernel, hq, page
+        self.group, self.kv_row_bytes, self.n_sm = group, kv_row_bytes, n_sm
+
+    def __call__(self, q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k,
+                 block_table, max_seqlen_q, max_seqlen_k) -> None:
+        total_q, batch, seqlen_q = q.shape[0], cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)
+        if total_q == 0 or batch == 0 or seqlen_q == 0:
+            return
+        # Only the table's pages that can hold one of the first max_seqlen_k keys are looked
+        # at (as _PagedRun).
+        keys = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), self.page)) * self.page
+        n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
+        blocks = torch.empty(1 + VARLEN_ITEM.value * n_blocks, dtype=torch.int32,
+                             device=q.device)
+        self.plan_blocks((cdiv(seqlen_q, 2 * HALF_M.value), ),
+                         (batch, total_q, seqlen_q, keys, n_blocks),
+                         cu_seqlens_q, None, seqused_k, blocks, block_table)
+        kv_head_bytes = max(batch * keys * self.kv_row_bytes, 1)
+        heads = min(self.hq, max(1, VARLEN_L2_BYTES // kv_head_bytes) * self.group)
+        self.kernel((min(self.n_sm, n_blocks * self.hq), ), (lse.stride(0), total_q, heads),
+                    q, k_cache, v_cache, out, lse, sink, blocks, block_table)
 
 
 # The paged kernel's arguments that change from call to call (SizedLaunch).

@@ -855,12 +855,68 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
         blocks = torch.full((1 + n * cap + 6, ), -7, dtype=torch.int32, device=device)
         as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
         fwd_sm90._varlen_blocks_kernel[(-(-max_q // bm), )](
-            as_t(cu_q), as_t(cu_k), as_t(used) if with_used else None, blocks, batch, total_q,
-            total_k, max_q, max_k, cap, BLOCK_M=bm, BLOCK_B=4, HAS_SEQUSED_K=with_used)
+            as_t(cu_q), as_t(cu_k), as_t(used) if with_used else None, blocks, None, batch,
+            total_q, total_k, max_q, max_k, cap, 0, 0, 0, BLOCK_M=bm, BLOCK_B=4,
+            HAS_SEQUSED_K=with_used, GROUP=1, PAGE_SIZE=0, BLOCK_P=1)
         got = blocks.cpu().tolist()
         assert got[0] == cap
         assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(cap)] == want
         assert got[1 + n * cap:] == [-7] * 6
+
+
+@pytest.mark.parametrize("page", [1, 3, 16])
+def test_attn_fwd_sm90_varlen_blocks_list_paged(device, page):
+    """``_varlen_blocks_kernel`` over a paged cache (a paged call's long sequences on the
+    persistent varlen kernel): a block's ``bos_k`` is its sequence's index, its ``T_k``
+    seqused_k clamped to ``[0, seqlen_k]`` (the table's pages) and ended before the first
+    block-table entry outside ``[0, num_pages)`` (negative, or past the cache); sequences of
+    at most ``rows_lo`` packed rows (``T_q * GROUP``) have no block; table rows longer than a
+    program's look (BLOCK_P entries) and more sequences than its vector (BLOCK_B)."""
+    from flashlse.kernels import fwd_sm90
+
+    bm, group, rows_lo, num_pages = 4, 2, 4, 40
+    cu_q = [0, 5, 5, 18, 20, 30, 31, 40]  # T_q 5 0 13 2 10 1 9: rows 10 0 26 4 20 2 18
+    used = [70, 9, 200, -3, 33, 50, 0]
+    seqlen_k = 60 // page * page  # the table's pages
+    max_q, total_q = 13, 40
+    batch = len(cu_q) - 1
+    cols = -(-200 // page)
+    g = torch.Generator().manual_seed(page)
+    table = torch.randint(0, num_pages, (batch, cols), generator=g, dtype=torch.int32)
+    # Bad entries: sequence 0 at key 23's page, sequence 4 at key 0's (past the cache),
+    # sequence 6 at key 25's (negative); sequence 2's bad page lies past its length.
+    table[0, 23 // page] = num_pages
+    table[4, 0] = -1
+    table[6, 25 // page] = -5
+    table[2, cols - 1] = 10**6
+
+    seq = []
+    for b in range(batch):
+        t_q = cu_q[b + 1] - cu_q[b]
+        if t_q * group <= rows_lo:
+            t_q = 0
+        t_k = min(max(used[b], 0), seqlen_k)
+        n_pages = -(-t_k // page)
+        bad = [j for j in range(n_pages) if not 0 <= int(table[b, j]) < num_pages]
+        if bad:
+            t_k = min(t_k, bad[0] * page)
+        seq.append((cu_q[b], b, t_q, t_k))
+    n_blk = [-(-s[2] // bm) for s in seq]
+    want = [(*seq[b], i * bm) for i in range(max(n_blk) - 1, -1, -1) for b in range(batch)
+            if n_blk[b] > i]
+    assert {s[3] for s in seq if s[2]} >= {0}  # some empty key range among the listed
+    n = fwd_sm90.VARLEN_ITEM.value
+    cap = len(want)
+    blocks = torch.full((1 + n * cap + 6, ), -7, dtype=torch.int32, device=device)
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+    fwd_sm90._varlen_blocks_kernel[(-(-max_q // bm), )](
+        as_t(cu_q), None, as_t(used), blocks, table.to(device), batch, total_q, 0, max_q,
+        seqlen_k, cap, table.stride(0), num_pages, rows_lo, BLOCK_M=bm, BLOCK_B=4,
+        HAS_SEQUSED_K=True, GROUP=group, PAGE_SIZE=page, BLOCK_P=4)
+    got = blocks.cpu().tolist()
+    assert got[0] == cap
+    assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(cap)] == want
+    assert got[1 + n * cap:] == [-7] * 6
 
 
 def test_attn_fwd_sm90_persistent_varlen_domain(monkeypatch):

@@ -46,6 +46,26 @@ DECODE_ROWS = 16
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["persistent", "grid"])
+def paged_form(request, monkeypatch):
+    """Every case on both forms of the Hopper paged forward: the persistent varlen kernel
+    over the pages (``fwd_sm90.PAGED_PERSISTENT``, the default) and the paged grid kernel
+    (layouts the persistent one does not take). Plans and kept launches are dropped: their
+    keys leave the flag out."""
+    import importlib
+
+    from flashlse.kernels import fwd_sm90
+
+    # (flashlse.ops re-exports functions of these modules' names.)
+    attention_ops = importlib.import_module("flashlse.ops.attention")
+    kvcache_ops = importlib.import_module("flashlse.ops.kvcache")
+    monkeypatch.setattr(fwd_sm90, "PAGED_PERSISTENT", request.param)
+    for plans in (fwd_sm90._PLANS, attention_ops._KEPT, attention_ops._PAGED_KEPT,
+                  kvcache_ops._KEPT):
+        plans.clear()
+    return request.param
+
+
 @pytest.fixture
 def gluon_paged(monkeypatch):
     """Counts the Gluon paged plans ``fwd_sm90.paged_plan`` returns with a launch
