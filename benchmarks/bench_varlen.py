@@ -58,6 +58,9 @@ def main():
     ap.add_argument("--flag", default=None,
                     help="MODULE.NAME of flashlse.kernels: the varlen fwd+bwd with it on and "
                          "off in turn, beside the dense step (an A/B in one process)")
+    ap.add_argument("--flex", action="store_true",
+                    help="also FlexAttention (torch.compile'd, a document-causal block mask) "
+                         "on the same packed tokens: forward and step, in turn with varlen")
     ap.add_argument("--varlen-l2-mb", type=lambda x: [int(v) for v in x.split(",")], default=[],
                     help="time the persistent varlen forward at these L2 section budgets (MB)")
     args = ap.parse_args()
@@ -136,6 +139,8 @@ def main():
             print(f"{f'dense model, {what} (each length alone)':<44} {m_ms:8.3f} "
                   f"{tf(f, m_ms):8.1f}  varlen / model {m_ms / v_ms:.2f}x, model / dense "
                   f"S={dense_s} {tf(f, m_ms) / tf(dense_f, ref):.2f}x")
+    if args.flex and not smoke:
+        flex_peer(q, k, v, dout, lens, vl, vl_step, fwd_flops, t_dn, dense_flops, tf)
     if args.flag:
         s_on, s_off, s_dn2 = flag_ab_ms(args.flag, vl_step, [dn_step], smoke)
         b_dn2 = max(s_dn2 - t_dn, 1e-9)
@@ -170,6 +175,41 @@ def main():
     grid = -(-max(lens) // 128) * h * len(lens)
     print(f"forward grid (128-row blocks): {grid} programs for {blocks} row blocks "
           f"({grid - blocks} start and exit)")
+
+
+def flex_peer(q, k, v, dout, lens, vl, vl_step, fwd_flops, t_dn, dense_flops, tf):
+    """FlexAttention on the same packed documents (one sequence of ``total`` tokens, a
+    block mask that keeps each query in its document and causal), compiled once, timed in
+    turn with the varlen call: the peer a FlexAttention user would compare with."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    total = q.shape[0]
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=q.device),
+                                  torch.tensor(lens, device=q.device))
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    mask = create_block_mask(document_causal, None, None, total, total, device=q.device)
+    flex = torch.compile(flex_attention)
+    as_bhsd = lambda x: x.transpose(0, 1).unsqueeze(0)
+    fx = lambda: flex(as_bhsd(q), as_bhsd(k), as_bhsd(v), block_mask=mask)
+
+    def fx_step():
+        q.grad = k.grad = v.grad = None
+        fx().backward(as_bhsd(dout))
+
+    with torch.no_grad():
+        err = float((fx()[0].transpose(0, 1).float() - vl().float()).abs().max())
+        t_vl, t_fx = interleaved_ms([vl, fx], False)
+    s_vl, s_fx = interleaved_ms([vl_step, fx_step], False)
+    for label, t, st in (("attention_varlen (in turn with flex)", t_vl, s_vl),
+                         ("FlexAttention, document-causal mask", t_fx, s_fx)):
+        b_ms = max(st - t, 1e-9)
+        print(f"{label:<44} {t:8.3f} {tf(fwd_flops, t):8.1f} {b_ms:8.3f} "
+              f"{tf(2.5 * fwd_flops, b_ms):8.1f}")
+    print(f"  flex max diff against varlen {err:.1e}; varlen / flex: forward {t_fx / t_vl:.2f}x, "
+          f"backward {(s_fx - t_fx) / max(s_vl - t_vl, 1e-9):.2f}x")
 
 
 if __name__ == "__main__":
