@@ -213,6 +213,12 @@ def test_persistent_paged_lists_the_long_sequences_then_walks_them(log, monkeypa
         assert run.named["heads"] == 8
         assert (portable.named["rows_lo"], portable.named["rows_hi"]) == (0, fwd.SMALL_ROWS)
     assert len(fwd_sm90._PLANS) == 1
+    # A kv head's K/V over the L2 budget (4 x 512 keys x 512 bytes = 1 MB here): sections
+    # of one kv head's group.
+    monkeypatch.setattr(fwd_sm90, "VARLEN_L2_BYTES", 1 << 20)
+    log.clear()
+    _call([300, 1, 0, 20], max_seqlen_k=512)
+    assert log[1].named["heads"] == 4
 
 
 def test_persistent_paged_takes_only_heads_adjacent_layouts(log, monkeypatch):
