@@ -872,13 +872,10 @@ def test_attn_fwd_sm90_varlen_blocks_list_paged(device, page):
     block-table entry outside ``[0, num_pages)`` (negative, or past the cache); sequences of
     at most ``rows_lo`` packed rows (``T_q * GROUP``) have no block; table rows longer than a
     program's look (BLOCK_P entries) and more sequences than its vector (BLOCK_B)."""
-    from flashlse.kernels import fwd_sm90
-
     bm, group, rows_lo, num_pages = 4, 2, 4, 40
     cu_q = [0, 5, 5, 18, 20, 30, 31, 40]  # T_q 5 0 13 2 10 1 9: rows 10 0 26 4 20 2 18
     used = [70, 9, 200, -3, 33, 50, 0]
     seqlen_k = 60 // page * page  # the table's pages
-    max_q, total_q = 13, 40
     batch = len(cu_q) - 1
     cols = -(-200 // page)
     g = torch.Generator().manual_seed(page)
@@ -890,6 +887,43 @@ def test_attn_fwd_sm90_varlen_blocks_list_paged(device, page):
     table[6, 25 // page] = -5
     table[2, cols - 1] = 10**6
 
+    seq = _check_paged_list(device, cu_q, used, table, page, num_pages, group, rows_lo,
+                            seqlen_k, bm)
+    assert any(t_q and not t_k for _, _, t_q, t_k in seq)  # an empty key range listed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_attn_fwd_sm90_varlen_blocks_list_paged_random(device, seed):
+    """The same list on random batches: lengths (zero among them) and offsets, seqused_k
+    from negative to past the table, block tables whose entries are valid or not at random,
+    page sizes from 1 to 16, several programs' block indices."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))
+    batch, page, num_pages, group = rand(1, 9), [1, 2, 5, 16][seed], rand(1, 30), rand(1, 4)
+    lens = [rand(0, 20) for _ in range(batch)]
+    cu_q = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    cols = rand(1, 12)
+    used = [rand(-5, cols * page + 20) for _ in range(batch)]
+    # About one entry in six outside [0, num_pages): negative or past the cache.
+    table = torch.randint(0, num_pages, (batch, cols), generator=g, dtype=torch.int32)
+    bad = torch.rand(batch, cols, generator=g) < 1 / 6
+    table[bad] = torch.where(torch.rand(batch, cols, generator=g) < 0.5, -1,
+                             num_pages).to(torch.int32)[bad]
+    seqlen_k = rand(0, cols) * page
+    _check_paged_list(device, cu_q, used, table, page, num_pages, group, rand(0, 8),
+                      seqlen_k, 4)
+
+
+def _check_paged_list(device, cu_q, used, table, page, num_pages, group, rows_lo, seqlen_k,
+                      bm):
+    """Launch ``_varlen_blocks_kernel``'s paged form and compare its list with this model:
+    ``(bos, sequence, T_q, T_k, first row)`` for the row blocks of every sequence of more
+    than ``rows_lo`` packed rows, the highest block index first; returns the sequences'
+    ``(bos, b, T_q, T_k)``."""
+    from flashlse.kernels import fwd_sm90
+
+    batch, total_q = len(cu_q) - 1, cu_q[-1]
+    max_q = max(max(cu_q[b + 1] - cu_q[b] for b in range(batch)), 1)
     seq = []
     for b in range(batch):
         t_q = cu_q[b + 1] - cu_q[b]
@@ -904,7 +938,6 @@ def test_attn_fwd_sm90_varlen_blocks_list_paged(device, page):
     n_blk = [-(-s[2] // bm) for s in seq]
     want = [(*seq[b], i * bm) for i in range(max(n_blk) - 1, -1, -1) for b in range(batch)
             if n_blk[b] > i]
-    assert {s[3] for s in seq if s[2]} >= {0}  # some empty key range among the listed
     n = fwd_sm90.VARLEN_ITEM.value
     cap = len(want)
     blocks = torch.full((1 + n * cap + 6, ), -7, dtype=torch.int32, device=device)
@@ -917,6 +950,7 @@ def test_attn_fwd_sm90_varlen_blocks_list_paged(device, page):
     assert got[0] == cap
     assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(cap)] == want
     assert got[1 + n * cap:] == [-7] * 6
+    return seq
 
 
 def test_attn_fwd_sm90_persistent_varlen_domain(monkeypatch):
