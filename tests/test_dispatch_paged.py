@@ -203,6 +203,8 @@ def test_persistent_paged_lists_the_long_sequences_then_walks_them(log, monkeypa
                     batch, total, max_q, keys, n_blocks)
         assert (blocks.named["num_pages"], blocks.named["rows_lo"], blocks.named["GROUP"],
                 blocks.named["PAGE_SIZE"]) == (40, fwd.SMALL_ROWS, 4, 64)
+        # Few sequences: 16 a step, 256 of their block-table entries each.
+        assert (blocks.named["BLOCK_B"], blocks.named["BLOCK_P"]) == (16, 256)
         assert run.grid == (min(132, n_blocks * 8), 1, 1)
         assert run.named["blocks"] is lst
         assert run.named["o"] is out and run.named["lse"] is lse

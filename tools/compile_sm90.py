@@ -244,8 +244,8 @@ def cases():
              PAGE_SIZE=0, BLOCK_P=1), 4, 1
     yield "fwd", "fwd sm90 varlen blocks (paged list)", fwd_sm90._varlen_blocks_kernel, \
         dict(cu_seqlens_q=I32, seqused_k=I32, blocks=I32, block_table=I32), \
-        dict(BLOCK_M=128, BLOCK_B=128, HAS_SEQUSED_K=True, cu_seqlens_k=None, GROUP=4,
-             PAGE_SIZE=16, BLOCK_P=32), 4, 1
+        dict(BLOCK_M=128, BLOCK_B=16, HAS_SEQUSED_K=True, cu_seqlens_k=None, GROUP=4,
+             PAGE_SIZE=16, BLOCK_P=256), 4, 1
     # Its paged variant: pages smaller than a tile (a TMA box a page), of a tile, and larger.
     paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                       seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,

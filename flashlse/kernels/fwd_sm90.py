@@ -1862,7 +1862,7 @@ def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, batch, left, righ
     shared = _shared_kw(q, k_cache, left, right, scale, sink, cfg)
     if PAGED_PERSISTENT and _paged_varlen_ok(q, k_cache, v_cache, out, lse, shared, cfg):
         return Plan(_paged_varlen_run(q, k_cache, v_cache, block_table, out, shared,
-                                      rows_lo),
+                                      rows_lo, batch),
                     (*signature, "persistent"))
     kw["BLOCK_B"] = max(next_pow2(batch), 32 * kw["num_warps"])
     launch = SizedLaunch(_fwd_sm90_paged_kernel, 9, kw, _PAGED_SIZED)
@@ -1888,16 +1888,20 @@ def _paged_varlen_ok(q, k_cache, v_cache, out, lse, shared, cfg) -> bool:
             and q.shape[0] < 2**31)
 
 
-def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo):
-    """:class:`_PagedVarlenRun` of a call that :func:`_paged_varlen_ok` admitted."""
+def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo, batch):
+    """:class:`_PagedVarlenRun` of a call that :func:`_paged_varlen_ok` admitted (``batch``:
+    the plan's; its power of two is in the plan's key)."""
     hq = q.shape[1]
     num_pages, page, hkv, d = k_cache.shape
     group = hq // hkv
+    # The list reads (sequences x table entries) tiles of PAGED_LIST_TILE: the fewer the
+    # sequences, the more entries a step (a long context's row in few steps).
+    block_b = min(max(next_pow2(batch), 16), 128)
     # (Sized per call: batch, total_q, max_seqlen_q, the keys' capacity, the list's.)
     blocks_kw = dict(total_k=0, stride_tb=block_table.stride(0), num_pages=num_pages,
-                     rows_lo=rows_lo, BLOCK_M=2 * HALF_M.value, BLOCK_B=128,
-                     HAS_SEQUSED_K=True, GROUP=group, PAGE_SIZE=page, BLOCK_P=32,
-                     num_warps=4)
+                     rows_lo=rows_lo, BLOCK_M=2 * HALF_M.value, BLOCK_B=block_b,
+                     HAS_SEQUSED_K=True, GROUP=group, PAGE_SIZE=page,
+                     BLOCK_P=PAGED_LIST_TILE // block_b, num_warps=4)
     plan_blocks = SizedLaunch(_varlen_blocks_kernel, 5, blocks_kw, _BLOCKS_SIZED)
     args = dict(stride_qs=q.stride(0), stride_ks=k_cache.stride(1), stride_vs=v_cache.stride(1),
                 stride_os=out.stride(0), stride_tb=block_table.stride(0),
@@ -1907,6 +1911,9 @@ def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo):
     return _PagedVarlenRun(plan_blocks, kernel, hq, page, group,
                            2 * d * k_cache.element_size(), _sm_count(q.device))
 
+
+# Block-table entries the paged list reads a step (``_paged_lens``), over its sequences.
+PAGED_LIST_TILE = 4096
 
 # The arguments of the list and of the persistent varlen kernel that change per paged call.
 _BLOCKS_SIZED = ("batch", "total_q", "seqlen_q", "seqlen_k", "capacity")

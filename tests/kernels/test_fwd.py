@@ -911,11 +911,11 @@ def test_attn_fwd_sm90_varlen_blocks_list_paged_random(device, seed):
                              num_pages).to(torch.int32)[bad]
     seqlen_k = rand(0, cols) * page
     _check_paged_list(device, cu_q, used, table, page, num_pages, group, rand(0, 8),
-                      seqlen_k, 4)
+                      seqlen_k, 4, block_b=[4, 2, 8, 1][seed], block_p=[4, 8, 2, 16][seed])
 
 
 def _check_paged_list(device, cu_q, used, table, page, num_pages, group, rows_lo, seqlen_k,
-                      bm):
+                      bm, block_b=4, block_p=4):
     """Launch ``_varlen_blocks_kernel``'s paged form and compare its list with this model:
     ``(bos, sequence, T_q, T_k, first row)`` for the row blocks of every sequence of more
     than ``rows_lo`` packed rows, the highest block index first; returns the sequences'
@@ -944,8 +944,8 @@ def _check_paged_list(device, cu_q, used, table, page, num_pages, group, rows_lo
     as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
     fwd_sm90._varlen_blocks_kernel[(-(-max_q // bm), )](
         as_t(cu_q), None, as_t(used), blocks, table.to(device), batch, total_q, 0, max_q,
-        seqlen_k, cap, table.stride(0), num_pages, rows_lo, BLOCK_M=bm, BLOCK_B=4,
-        HAS_SEQUSED_K=True, GROUP=group, PAGE_SIZE=page, BLOCK_P=4)
+        seqlen_k, cap, table.stride(0), num_pages, rows_lo, BLOCK_M=bm, BLOCK_B=block_b,
+        HAS_SEQUSED_K=True, GROUP=group, PAGE_SIZE=page, BLOCK_P=block_p)
     got = blocks.cpu().tolist()
     assert got[0] == cap
     assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(cap)] == want
