@@ -5,10 +5,12 @@ B=4 sequences, Sq=512 new query rows against an 8k-token cache, Hq/Hkv=32/8, D=1
 (bottom-right: row i sees cache keys up to 8k - 512 + i), bf16. FLOPs counted as the dense
 causal call's (``4 B H Sq Sk D`` minus the masked half of the last 512 x 512 block).
 
-    python benchmarks/bench_serving.py [--smoke] [--flag MODULE.NAME]
+    python benchmarks/bench_serving.py [--smoke] [--flag MODULE.NAME] [--shape B,SQ,SKV]
 
 ``--flag`` (a module flag of flashlse.kernels, e.g. ``fwd_sm90.PAGED_PERSISTENT``): every row
 with the flag on and off, timed in turn with the dense call (an A/B in one process).
+``--shape B,SQ,SKV`` (default 4,512,8192): the chunked-prefill rows at another shape, e.g. a
+long context's chunk, 1,512,65536.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import flashlse as fl  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv
 FLAG = sys.argv[sys.argv.index("--flag") + 1] if "--flag" in sys.argv else None
+SHAPE = (tuple(int(x) for x in sys.argv[sys.argv.index("--shape") + 1].split(","))
+         if "--shape" in sys.argv else (4, 512, 8192))
 
 
 def paged(cache, page, perm=None):
@@ -41,7 +45,7 @@ def paged(cache, page, perm=None):
 
 def main():
     dev, dt = ("cpu", torch.float16) if SMOKE else ("cuda", torch.bfloat16)
-    b, sq, sk, hq, hkv, d = (2, 20, 64, 4, 2, 32) if SMOKE else (4, 512, 8192, 32, 8, 128)
+    b, sq, sk, hq, hkv, d = (2, 20, 64, 4, 2, 32) if SMOKE else (*SHAPE, 32, 8, 128)
     q = torch.randn(b, sq, hq, d, device=dev, dtype=dt)
     k = torch.randn(b, sk, hkv, d, device=dev, dtype=dt)
     v = torch.randn(b, sk, hkv, d, device=dev, dtype=dt)

@@ -39,6 +39,9 @@
 #                                                sequences on the persistent varlen kernel
 #                                                (fwd_sm90.PAGED_PERSISTENT): paged GPU tests
 #                                                on both forms, bench_serving A/B
+#   bash benchmarks/h200_session.sh paged-next # session 28's next steps: the paged list's
+#                                                tile (bench_serving at 8k and at a 64k
+#                                                context), the paged steps' host time
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -57,7 +60,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -319,6 +322,18 @@ if [ "$1" = paged-persistent ]; then
     [ -n "${NO_BENCH:-}" ] && exit 0
     timeout 180 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_PERSISTENT \
         > "$OUT/serving_ab.txt" 2>&1; tail -14 "$OUT/serving_ab.txt"
+    exit 0
+fi
+if [ "$1" = paged-next ]; then
+    # NOTES session 28, next: the chunked-prefill rows at the bar's shape and at a long
+    # context (the paged list's table-scan tile), the paged steps' host time (one launch
+    # and one allocation more than the grid kernel), the paged list's GPU tests.
+    timeout 150 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_PERSISTENT \
+        > "$OUT/serving_8k.txt" 2>&1; tail -12 "$OUT/serving_8k.txt"
+    timeout 150 python3 benchmarks/bench_serving.py --shape 1,512,65536 \
+        > "$OUT/serving_64k.txt" 2>&1; grep -h "paged\|dense" "$OUT/serving_64k.txt" | head -8
+    timeout 150 python3 benchmarks/bench_overhead.py --functions paged,kvcache --out "$OUT" \
+        > "$OUT/overhead_paged.txt" 2>&1; tail -12 "$OUT/overhead_paged.txt"
     exit 0
 fi
 if [ "$1" = mla-why ]; then
