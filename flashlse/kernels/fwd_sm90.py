@@ -238,14 +238,12 @@ def _q_buffers(dtype: gl.constexpr, D: gl.constexpr, q_layout: gl.constexpr):
 
 @gluon.jit
 def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, kv_layout: gl.constexpr, LEAD: gl.constexpr = False,
-             FULL: gl.constexpr = 1):
+             STAGES: gl.constexpr, kv_layout: gl.constexpr, LEAD: gl.constexpr = False):
     """The ring ``_producer`` loads K and V tiles into (the forward's and the backward dQ's):
     STAGES buffers of each, a *full* barrier a buffer (the producer's expect, completed by
     the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup).
     ``kv_layout`` is the caller's, that of its K/V descriptors: TMA copies need the same
-    (``LEAD``: tiles ``[1, BLOCK_N, D]``, the box of a rank-3 descriptor; ``FULL``: the
-    producer warps that each expect a part of a tile's bytes)."""
+    (``LEAD``: tiles ``[1, BLOCK_N, D]``, the box of a rank-3 descriptor)."""
     if LEAD:
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], kv_layout)
@@ -258,8 +256,8 @@ def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=FULL)
-        mbarrier.init(v_full.index(i), count=FULL)
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
     return k_smem, v_smem, k_full, k_empty, v_full, v_empty
@@ -801,7 +799,7 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
 @gluon.jit
 def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_layout: gl.constexpr,
-                        BOX: gl.constexpr = 0, FULL: gl.constexpr = 1):
+                        BOX: gl.constexpr = 0):
     """The persistent kernels' (the forward's, bwd_sm90's dQ) K and V descriptors over
     ``(B * S_k, H_kv * D)`` (boxes of ``BOX`` rows, a page's over a paged cache; 0: a tile's),
     the Q halves' buffer with its full / empty barriers, and the K/V ring (``_kv_ring``)."""
@@ -814,7 +812,7 @@ def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D
                                         kv_layout)
     q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout)
     k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
-                                                                kv_layout, False, FULL)
+                                                                kv_layout)
     return k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, \
         v_empty
 
@@ -1066,12 +1064,10 @@ def _producer_varlen_paged(q_desc, kv_desc, q_smem, kv_smem, q_bar, q_empty, kv_
                            GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, ITEM: gl.constexpr,
-                           PAGE_SIZE: gl.constexpr, WITH_Q: gl.constexpr,
-                           PART: gl.constexpr, PARTS: gl.constexpr):
+                           PAGE_SIZE: gl.constexpr, WITH_Q: gl.constexpr):
     """``_producer_varlen`` over a paged cache: one warp for the K tiles (and the Q halves:
     WITH_Q), one for the V tiles, as the paged grid kernel's two (two warps wait on
-    block-table loads and issue page boxes), or ``PARTS`` of each, warp ``PART`` issuing
-    every PARTS-th box of a tile. A tile is loaded page box by page box
+    block-table loads and issue page boxes). A tile is loaded page box by page box
     (``_page_boxes``), its entries loaded a tile ahead (``_tile_pages``); boxes past the
     item's length read page 0 (the consumers mask those keys and zero those V rows)."""
     t = 0
@@ -1089,36 +1085,33 @@ def _producer_varlen_paged(q_desc, kv_desc, q_smem, kv_smem, q_bar, q_empty, kv_
                             q_bar, q_empty, kv_full, kv_empty, kv_full, kv_empty, bos + m0, 0,
                             col, i_h, 0, t, j, D, BLOCK_N, STAGES, False)
             p_bt = block_table + i_b.to(gl.int64) * stride_tb
-            pages = _tile_pages(p_bt, n_lo, T_k, PAGE_SIZE, BLOCK_N, False, PART, PARTS)
+            pages = _tile_pages(p_bt, n_lo, T_k, PAGE_SIZE, BLOCK_N, False)
             for it in range(n_tiles):
                 s = t % STAGES
                 n0 = n_lo + it * BLOCK_N
                 mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
                 _page_boxes(kv_desc, kv_full.index(s), kv_smem.index(s), pages, n0, col,
-                            PAGE_SIZE, BLOCK_N, PART, PARTS)
-                pages = _tile_pages(p_bt, n0 + BLOCK_N, T_k, PAGE_SIZE, BLOCK_N, False, PART,
-                                    PARTS)
+                            PAGE_SIZE, BLOCK_N)
+                pages = _tile_pages(p_bt, n0 + BLOCK_N, T_k, PAGE_SIZE, BLOCK_N, False)
                 t += 1
             j += 1
 
 
 @gluon.jit
-def _page_boxes(desc, bar, dst, pages, n0, col, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                PART: gl.constexpr = 0, PARTS: gl.constexpr = 1):
+def _page_boxes(desc, bar, dst, pages, n0, col, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key tile ``[n0, n0 + BLOCK_N)`` into ``dst`` from ``desc`` (the cache as rows, column
     ``col``), one TMA box a page or a BLOCK_N-row box of a larger page, ``pages`` their
-    block-table entries (``_tile_pages``), all arriving on ``bar``: boxes ``PART``,
-    ``PART + PARTS``, ... (this warp's part of the tile's bytes)."""
+    block-table entries (``_tile_pages``), all arriving on ``bar``."""
     BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
-    mbarrier.expect(bar, (BLOCK_N // BOX // PARTS) * desc.block_type.nbytes)
-    for i in gl.static_range(PART, BLOCK_N // BOX, PARTS):
+    mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
+    for i in gl.static_range(BLOCK_N // BOX):
         n_i = n0 + i * BOX
         if BOX < BLOCK_N:
             box = dst.slice(i * BOX, BOX, 0)
         else:
             box = dst
-        tma.async_copy_global_to_shared(desc, [pages[(i - PART) // PARTS] * PAGE_SIZE
-                                               + n_i % PAGE_SIZE, col], bar, box)
+        tma.async_copy_global_to_shared(desc, [pages[i] * PAGE_SIZE + n_i % PAGE_SIZE, col],
+                                        bar, box)
 
 
 @gluon.jit
@@ -1211,7 +1204,6 @@ def _fwd_sm90_varlen_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    PAGE_PARTS: gl.constexpr,
 ):
     """The packed varlen forward as a persistent kernel: a program per SM walks the row
     blocks that ``_varlen_blocks_kernel`` listed in ``blocks`` (dealt by ``_varlen_load``),
@@ -1234,7 +1226,7 @@ def _fwd_sm90_varlen_kernel(
     BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N  # (0: a tile)
     k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
         = _persistent_buffers(k, v, stride_ks, stride_vs, total_k, HQ // GROUP, D, BLOCK_N,
-                              STAGES, q_layout, BOX, PAGE_PARTS)
+                              STAGES, q_layout, BOX)
     if O_IN_Q:
         o_smem = q_smem
     else:
@@ -1254,27 +1246,7 @@ def _fwd_sm90_varlen_kernel(
                                 GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
                                 VARLEN_ITEM)),
         ], [4, 1], [CONSUMER_REGS, 24])
-    elif PAGE_PARTS == 1:
-        gl.warp_specialize([
-            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
-                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
-                                0, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
-                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
-            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
-                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
-                                1, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
-                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
-            (_producer_varlen_paged, (q_desc, k_desc, q_smem, k_smem, q_bar, q_empty, k_full,
-                                      k_empty, blocks, heads, left, right, block_table,
-                                      stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, True, 0, 1)),
-            (_producer_varlen_paged, (q_desc, v_desc, q_smem, v_smem, q_bar, q_empty, v_full,
-                                      v_empty, blocks, heads, left, right, block_table,
-                                      stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False, 0, 1)),
-        ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
     else:
-        # Two warps per operand, each issuing every other page box of a tile.
         gl.warp_specialize([
             (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                                 k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
@@ -1287,32 +1259,23 @@ def _fwd_sm90_varlen_kernel(
             (_producer_varlen_paged, (q_desc, k_desc, q_smem, k_smem, q_bar, q_empty, k_full,
                                       k_empty, blocks, heads, left, right, block_table,
                                       stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, True, 0, 2)),
-            (_producer_varlen_paged, (q_desc, k_desc, q_smem, k_smem, q_bar, q_empty, k_full,
-                                      k_empty, blocks, heads, left, right, block_table,
-                                      stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False, 1, 2)),
+                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, True)),
             (_producer_varlen_paged, (q_desc, v_desc, q_smem, v_smem, q_bar, q_empty, v_full,
                                       v_empty, blocks, heads, left, right, block_table,
                                       stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False, 0, 2)),
-            (_producer_varlen_paged, (q_desc, v_desc, q_smem, v_smem, q_bar, q_empty, v_full,
-                                      v_empty, blocks, heads, left, right, block_table,
-                                      stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False, 1, 2)),
-        ], [4, 1, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24, 24])
+                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False)),
+        ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
 @gluon.jit
 def _tile_pages(p_bt, n0, T_k, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                WHOLE: gl.constexpr = True, PART: gl.constexpr = 0, PARTS: gl.constexpr = 1):
+                WHOLE: gl.constexpr = True):
     """The block-table entries of key tile ``[n0, n0 + BLOCK_N)``'s boxes (see
     ``_paged_copy``), a tuple: 0 for a box past the length, whose entry is not read (the row
-    holds the length's pages only), and (WHOLE) for the box the tail descriptor copies;
-    boxes ``PART``, ``PART + PARTS``, ... only."""
+    holds the length's pages only), and (WHOLE) for the box the tail descriptor copies."""
     BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
     pages = ()
-    for i in gl.static_range(PART, BLOCK_N // BOX, PARTS):
+    for i in gl.static_range(BLOCK_N // BOX):
         n_i = n0 + i * BOX
         if WHOLE:
             inside = n_i + BOX <= T_k
@@ -1670,7 +1633,7 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> 
                 **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
     programs = min(_sm_count(q.device), n_blocks * hq)
     kernel = Launch(_fwd_sm90_varlen_kernel, (programs, ),
-                    *positional(_fwd_sm90_varlen_kernel, 8, dict(args, stride_tb=0, PAGE_SIZE=0, PAGE_PARTS=1)))
+                    *positional(_fwd_sm90_varlen_kernel, 8, dict(args, stride_tb=0, PAGE_SIZE=0)))
     return Plan(_VarlenLaunch(plan_blocks, kernel, 1 + VARLEN_ITEM.value * n_blocks),
                 (*signature, "persistent varlen"))
 
@@ -1909,8 +1872,6 @@ def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, batch, left, righ
 # A paged call's long sequences on the persistent varlen kernel (its PAGE_SIZE form) where
 # the layouts allow, else on the paged grid kernel (a program a row block and head).
 PAGED_PERSISTENT = True
-# Its pages smaller than a tile issued by two producer warps per operand (every other box).
-PAGED_SPLIT = True
 
 
 def _paged_varlen_ok(q, k_cache, v_cache, out, lse, shared, cfg) -> bool:
@@ -1945,7 +1906,6 @@ def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo, ba
     args = dict(stride_qs=q.stride(0), stride_ks=k_cache.stride(1), stride_vs=v_cache.stride(1),
                 stride_os=out.stride(0), stride_tb=block_table.stride(0),
                 total_k=num_pages * page, HQ=hq, O_IN_Q=_out_in_q(q, shared), PAGE_SIZE=page,
-                PAGE_PARTS=2 if PAGED_SPLIT and page < shared["BLOCK_N"] else 1,
                 **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
     kernel = SizedLaunch(_fwd_sm90_varlen_kernel, 8, args, _VARLEN_SIZED)
     return _PagedVarlenRun(plan_blocks, kernel, hq, page, group,
