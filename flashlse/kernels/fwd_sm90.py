@@ -189,28 +189,31 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 @gluon.jit
 def _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, n_lo,
                  n_tiles, paged_args, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 PAGE_SIZE: gl.constexpr, DO_K: gl.constexpr, DO_V: gl.constexpr):
+                 PAGE_SIZE: gl.constexpr, DO_K: gl.constexpr, DO_V: gl.constexpr, t0=0, col=0,
+                 TAIL: gl.constexpr = True):
     """The K tiles (DO_K: ``_producer``) or the V tiles (DO_V: the paged kernel's second
     producer warp, this function itself as its partition) of a paged cache (``paged_args``:
     the tail descriptors of K and V, the block-table row, the length, the last page's first
-    key), page by page (``_paged_copy``). A tile's block-table entries are loaded together,
-    a tile ahead (``_tile_pages``): the warp waits for a free buffer while they arrive,
-    instead of on each entry's load between two copies."""
+    key), page by page (``_paged_copy``), into the ring from its ``t0``-th buffer (the
+    persistent kernel's count runs across items), at column ``col`` of the descriptors. A
+    tile's block-table entries are loaded together, a tile ahead (``_tile_pages``): the warp
+    waits for a free buffer while they arrive, instead of on each entry's load between two
+    copies. ``TAIL``: see ``_paged_copy``."""
     k_tail, v_tail, p_bt, T_k, last_start = paged_args
-    pages = _tile_pages(p_bt, n_lo, T_k, PAGE_SIZE, BLOCK_N)
+    pages = _tile_pages(p_bt, n_lo, T_k, PAGE_SIZE, BLOCK_N, TAIL)
     for it in range(n_tiles):
-        s = it % STAGES
-        ph = ((it // STAGES) & 1) ^ 1
+        s = (t0 + it) % STAGES
+        ph = (((t0 + it) // STAGES) & 1) ^ 1
         n0 = n_lo + it * BLOCK_N
         if DO_K:
             mbarrier.wait(k_empty.index(s), ph)
             _paged_copy(k_desc, k_tail, k_full.index(s), k_smem.index(s), pages, n0, T_k,
-                        last_start, PAGE_SIZE, BLOCK_N)
-        later = _tile_pages(p_bt, n0 + BLOCK_N, T_k, PAGE_SIZE, BLOCK_N)
+                        last_start, col, PAGE_SIZE, BLOCK_N, TAIL)
+        later = _tile_pages(p_bt, n0 + BLOCK_N, T_k, PAGE_SIZE, BLOCK_N, TAIL)
         if DO_V:
             mbarrier.wait(v_empty.index(s), ph)
             _paged_copy(v_desc, v_tail, v_full.index(s), v_smem.index(s), pages, n0, T_k,
-                        last_start, PAGE_SIZE, BLOCK_N)
+                        last_start, col, PAGE_SIZE, BLOCK_N, TAIL)
         pages = later
 
 
@@ -1036,12 +1039,20 @@ def _varlen_rounds(n_blocks, heads, HQ: gl.constexpr):
 @gluon.jit
 def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                      q_bar, q_empty, k_full, k_empty, v_full, v_empty, blocks, heads,
-                     left, right, GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, ITEM: gl.constexpr):
+                     left, right, block_table, stride_tb, GROUP: gl.constexpr,
+                     HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                     ITEM: gl.constexpr, PAGE_SIZE: gl.constexpr, DO_K: gl.constexpr,
+                     DO_V: gl.constexpr):
     """``_producer_persistent`` over ``_varlen_load``'s items (an item with no key tile
     loads nothing). Coordinates are rows of the packed ``(total, H * D)`` matrices: a tile
-    may reach into the next sequence, whose rows the consumers mask (K, Q) or zero (V)."""
+    may reach into the next sequence, whose rows the consumers mask (K, Q) or zero (V).
+
+    Over a paged cache (``PAGE_SIZE > 0``; an item's ``bos_k`` is its block-table row) the
+    K tiles with the Q halves (DO_K) and the V tiles (DO_V) are two warps' work, as in the
+    paged grid kernel (two warps wait on block-table loads and issue page boxes): each
+    item's tiles by ``_paged_tiles`` with no tail descriptor (boxes past the item's length
+    read page 0, whose keys the consumers mask and whose V rows they zero)."""
     t = 0
     j = 0
     n_blocks = gl.load(blocks)
@@ -1051,67 +1062,23 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                                    BLOCK_N, HAS_LEFT, HAS_RIGHT)
         valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = item
         if n_tiles > 0:
-            t = _item_loads(q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
-                            q_bar, q_empty, k_full, k_empty, v_full, v_empty, bos + m0,
-                            bos_k + n_lo, (i_h // GROUP) * D, i_h, n_tiles, t, j, D, BLOCK_N,
-                            STAGES, False)
-            j += 1
-
-
-@gluon.jit
-def _producer_varlen_paged(q_desc, kv_desc, q_smem, kv_smem, q_bar, q_empty, kv_full, kv_empty,
-                           blocks, heads, left, right, block_table, stride_tb,
-                           GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
-                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, ITEM: gl.constexpr,
-                           PAGE_SIZE: gl.constexpr, WITH_Q: gl.constexpr):
-    """``_producer_varlen`` over a paged cache: one warp for the K tiles (and the Q halves:
-    WITH_Q), one for the V tiles, as the paged grid kernel's two (two warps wait on
-    block-table loads and issue page boxes). A tile is loaded page box by page box
-    (``_page_boxes``), its entries loaded a tile ahead (``_tile_pages``); boxes past the
-    item's length read page 0 (the consumers mask those keys and zero those V rows)."""
-    t = 0
-    j = 0
-    n_blocks = gl.load(blocks)
-    ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM)
-    for r in range(_varlen_rounds(n_blocks, heads, HQ)):
-        ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,
-                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        valid, i_h, bos, i_b, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = item
-        if n_tiles > 0:
             col = (i_h // GROUP) * D
-            if WITH_Q:
-                _item_loads(q_desc, q_desc, kv_desc, kv_desc, q_smem, q_smem, kv_smem, kv_smem,
-                            q_bar, q_empty, kv_full, kv_empty, kv_full, kv_empty, bos + m0, 0,
-                            col, i_h, 0, t, j, D, BLOCK_N, STAGES, False)
-            p_bt = block_table + i_b.to(gl.int64) * stride_tb
-            pages = _tile_pages(p_bt, n_lo, T_k, PAGE_SIZE, BLOCK_N, False)
-            for it in range(n_tiles):
-                s = t % STAGES
-                n0 = n_lo + it * BLOCK_N
-                mbarrier.wait(kv_empty.index(s), ((t // STAGES) & 1) ^ 1)
-                _page_boxes(kv_desc, kv_full.index(s), kv_smem.index(s), pages, n0, col,
-                            PAGE_SIZE, BLOCK_N)
-                pages = _tile_pages(p_bt, n0 + BLOCK_N, T_k, PAGE_SIZE, BLOCK_N, False)
-                t += 1
+            if PAGE_SIZE == 0:
+                t = _item_loads(q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
+                                q_bar, q_empty, k_full, k_empty, v_full, v_empty, bos + m0,
+                                bos_k + n_lo, col, i_h, n_tiles, t, j, D, BLOCK_N, STAGES,
+                                False)
+            else:
+                if DO_K:  # the Q halves (no tile)
+                    _item_loads(q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
+                                q_bar, q_empty, k_full, k_empty, v_full, v_empty, bos + m0, 0,
+                                col, i_h, 0, t, j, D, BLOCK_N, STAGES, False)
+                p_bt = block_table + bos_k.to(gl.int64) * stride_tb
+                _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
+                             n_lo, n_tiles, (k_desc, v_desc, p_bt, T_k, 0), BLOCK_N, STAGES,
+                             PAGE_SIZE, DO_K, DO_V, t, col, False)
+                t += n_tiles
             j += 1
-
-
-@gluon.jit
-def _page_boxes(desc, bar, dst, pages, n0, col, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Key tile ``[n0, n0 + BLOCK_N)`` into ``dst`` from ``desc`` (the cache as rows, column
-    ``col``), one TMA box a page or a BLOCK_N-row box of a larger page, ``pages`` their
-    block-table entries (``_tile_pages``), all arriving on ``bar``."""
-    BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
-    mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
-    for i in gl.static_range(BLOCK_N // BOX):
-        n_i = n0 + i * BOX
-        if BOX < BLOCK_N:
-            box = dst.slice(i * BOX, BOX, 0)
-        else:
-            box = dst
-        tma.async_copy_global_to_shared(desc, [pages[i] * PAGE_SIZE + n_i % PAGE_SIZE, col],
-                                        bar, box)
 
 
 @gluon.jit
@@ -1215,8 +1182,7 @@ def _fwd_sm90_varlen_kernel(
 
     Over paged caches (``PAGE_SIZE > 0``): k and v are the caches as ``(num_pages *
     PAGE_SIZE, H_kv * D)`` matrices (``total_k`` rows), a block's key tiles are read page by
-    page through ``block_table`` (``_producer_varlen_paged``: a producer warp for K, one for
-    V), and the consumers are the same (a key past the length is masked, its V row zeroed)."""
+    page through ``block_table`` (``_producer_varlen``: a producer warp for K, one for V), and the consumers are the same (a key past the length is masked, its V row zeroed)."""
     dtype: gl.constexpr = q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
     q_desc = tma.make_tensor_descriptor(q, [total_q, HQ * D], [stride_qs, 1], [HALF_M, D],
@@ -1243,8 +1209,8 @@ def _fwd_sm90_varlen_kernel(
                                 STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
             (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
-                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
-                                VARLEN_ITEM)),
+                                block_table, stride_tb, GROUP, HQ, D, BLOCK_N, STAGES,
+                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, 0, True, True)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
@@ -1256,28 +1222,28 @@ def _fwd_sm90_varlen_kernel(
                                 k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
                                 1, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
                                 STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
-            (_producer_varlen_paged, (q_desc, k_desc, q_smem, k_smem, q_bar, q_empty, k_full,
-                                      k_empty, blocks, heads, left, right, block_table,
-                                      stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, True)),
-            (_producer_varlen_paged, (q_desc, v_desc, q_smem, v_smem, q_bar, q_empty, v_full,
-                                      v_empty, blocks, heads, left, right, block_table,
-                                      stride_tb, GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                      HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False)),
+            (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
+                                block_table, stride_tb, GROUP, HQ, D, BLOCK_N, STAGES,
+                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, True, False)),
+            (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
+                                block_table, stride_tb, GROUP, HQ, D, BLOCK_N, STAGES,
+                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False, True)),
         ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
 @gluon.jit
 def _tile_pages(p_bt, n0, T_k, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                WHOLE: gl.constexpr = True):
+                TAIL: gl.constexpr):
     """The block-table entries of key tile ``[n0, n0 + BLOCK_N)``'s boxes (see
     ``_paged_copy``), a tuple: 0 for a box past the length, whose entry is not read (the row
-    holds the length's pages only), and (WHOLE) for the box the tail descriptor copies."""
+    holds the length's pages only), and (TAIL) for the box the tail descriptor copies."""
     BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
     pages = ()
     for i in gl.static_range(BLOCK_N // BOX):
         n_i = n0 + i * BOX
-        if WHOLE:
+        if TAIL:
             inside = n_i + BOX <= T_k
         else:
             inside = n_i < T_k
@@ -1286,14 +1252,16 @@ def _tile_pages(p_bt, n0, T_k, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _paged_copy(desc, tail, bar, dst, pages, n0, T_k, last_start, PAGE_SIZE: gl.constexpr,
-                BLOCK_N: gl.constexpr):
-    """Key tile ``[n0, n0 + BLOCK_N)`` of a paged sequence into ``dst``, one TMA box a page
-    (or a BLOCK_N-row box of a page holding several tiles; ``pages`` their block-table
-    entries, ``_tile_pages``), all arriving on ``bar``. A box whose keys reach ``T_k`` comes
-    from ``tail``, the descriptor of the last page's first ``T_k - last_start`` rows: the
-    rows past the length (cache memory, NaN possible) and boxes past the last page read as
-    zeros, so a masked key has P = 0 and V = 0."""
+def _paged_copy(desc, tail, bar, dst, pages, n0, T_k, last_start, col, PAGE_SIZE: gl.constexpr,
+                BLOCK_N: gl.constexpr, TAIL: gl.constexpr):
+    """Key tile ``[n0, n0 + BLOCK_N)`` of a paged sequence into ``dst`` (column ``col`` of
+    the descriptors), one TMA box a page (or a BLOCK_N-row box of a page holding several
+    tiles; ``pages`` their block-table entries, ``_tile_pages``), all arriving on ``bar``.
+    TAIL (the grid kernel): a box whose keys reach ``T_k`` comes from ``tail``, the
+    descriptor of the last page's first ``T_k - last_start`` rows: the rows past the length
+    (cache memory, NaN possible) and boxes past the last page read as zeros, so a masked
+    key has P = 0 and V = 0. Without (the persistent kernel, whose consumers mask those keys
+    and zero their V rows) every box comes from its page, page 0 past the length."""
     BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
     mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
     for i in gl.static_range(BLOCK_N // BOX):
@@ -1303,11 +1271,11 @@ def _paged_copy(desc, tail, bar, dst, pages, n0, T_k, last_start, PAGE_SIZE: gl.
             box = dst.slice(i * BOX, BOX, 0)
         else:
             box = dst
-        if n_i + BOX <= T_k:
-            tma.async_copy_global_to_shared(desc, [pages[i] * PAGE_SIZE + n_i % PAGE_SIZE, 0],
-                                            bar, box)
+        if TAIL and n_i + BOX > T_k:
+            tma.async_copy_global_to_shared(tail, [n_i - last_start, col], bar, box)
         else:
-            tma.async_copy_global_to_shared(tail, [n_i - last_start, 0], bar, box)
+            tma.async_copy_global_to_shared(desc, [pages[i] * PAGE_SIZE + n_i % PAGE_SIZE,
+                                                   col], bar, box)
 
 
 @gluon.jit
@@ -1589,6 +1557,18 @@ def _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens) -> bool:
 VARLEN_L2_BYTES = 32 << 20
 
 
+def _section_heads(hq, group, kv_head_bytes) -> int:
+    """The query heads of one of the persistent varlen kernel's sections: whole groups whose
+    K/V (``kv_head_bytes`` a kv head, every sequence's) fits in VARLEN_L2_BYTES."""
+    return min(hq, max(1, VARLEN_L2_BYTES // max(kv_head_bytes, 1)) * group)
+
+
+def _table_keys(block_table, max_seqlen_k, page) -> int:
+    """The keys a paged call's sequences can have: those of the table's pages that can hold
+    one of the first ``max_seqlen_k`` keys (only those entries are looked at)."""
+    return min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page)) * page
+
+
 def _varlen_blocks(batch, total_q, seqlen_q) -> int:
     """The most row blocks a varlen call can have: one partial block a sequence beyond
     ``total_q``'s full ones, and at most the grid's ``batch x cdiv(seqlen_q, 128)``."""
@@ -1621,12 +1601,13 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> 
     n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
     block_b = min(max(next_pow2(batch), 128), 1024)
     plan_blocks = Launch(_varlen_blocks_kernel, (cdiv(seqlen_q, 2 * HALF_M), ),
-                         (batch, total_q, lens["total_k"], seqlen_q, lens["seqlen_k"], n_blocks,
-                          0, 0, 0, 2 * HALF_M.value, block_b, seqused_k is not None, 1, 0, 1),
-                         dict(num_warps=4))
-    # Sections of query heads whose K/V (every sequence's) fits VARLEN_L2_BYTES: whole groups.
-    kv_head_bytes = lens["total_k"] * 2 * q.shape[-1] * q.element_size()
-    heads = min(hq, max(1, VARLEN_L2_BYTES // kv_head_bytes) * kw["GROUP"])
+                         *positional(_varlen_blocks_kernel, 5, dict(
+                             batch=batch, total_q=total_q, total_k=lens["total_k"],
+                             seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], capacity=n_blocks,
+                             stride_tb=0, num_pages=0, rows_lo=0, BLOCK_M=2 * HALF_M.value,
+                             BLOCK_B=block_b, HAS_SEQUSED_K=seqused_k is not None, GROUP=1,
+                             PAGE_SIZE=0, BLOCK_P=1, num_warps=4)))
+    heads = _section_heads(hq, kw["GROUP"], lens["total_k"] * 2 * q.shape[-1] * q.element_size())
     args = dict(stride_qs=q.stride(0), stride_ks=kw["stride_k"][1], stride_vs=kw["stride_v"][1],
                 stride_os=out.stride(0), stride_lh=lse.stride(0), total_q=total_q,
                 total_k=lens["total_k"], heads=heads, HQ=hq, O_IN_Q=_out_in_q(q, shared),
@@ -1853,17 +1834,16 @@ def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, batch, left, righ
                  hq // hkv, min(page, 128))
     if hq == 0:
         return Plan(None, signature)
-    kw = dict(stride_q=q.stride()[:2], stride_k=k_cache.stride()[:3],
-              stride_v=v_cache.stride()[:3], stride_o=out.stride()[:2],
-              stride_tb=block_table.stride(0), num_pages=num_pages, rows_lo=rows_lo,
-              PAGE_SIZE=page,
-              **_shared_kw(q, k_cache, left, right, scale, sink, _config(q, override)))
     cfg = _config(q, override)
     shared = _shared_kw(q, k_cache, left, right, scale, sink, cfg)
     if PAGED_PERSISTENT and _paged_varlen_ok(q, k_cache, v_cache, out, lse, shared, cfg):
         return Plan(_paged_varlen_run(q, k_cache, v_cache, block_table, out, shared,
                                       rows_lo, batch),
                     (*signature, "persistent"))
+    kw = dict(stride_q=q.stride()[:2], stride_k=k_cache.stride()[:3],
+              stride_v=v_cache.stride()[:3], stride_o=out.stride()[:2],
+              stride_tb=block_table.stride(0), num_pages=num_pages, rows_lo=rows_lo,
+              PAGE_SIZE=page, **shared)
     kw["BLOCK_B"] = max(next_pow2(batch), 32 * kw["num_warps"])
     launch = SizedLaunch(_fwd_sm90_paged_kernel, 9, kw, _PAGED_SIZED)
     return Plan(_PagedRun(launch, hq, page), signature)
@@ -1938,17 +1918,14 @@ class _PagedVarlenRun:
         total_q, batch, seqlen_q = q.shape[0], cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)
         if total_q == 0 or batch == 0 or seqlen_q == 0:
             return
-        # Only the table's pages that can hold one of the first max_seqlen_k keys are looked
-        # at (as _PagedRun).
-        keys = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), self.page)) * self.page
+        keys = _table_keys(block_table, max_seqlen_k, self.page)
         n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
         blocks = torch.empty(1 + VARLEN_ITEM.value * n_blocks, dtype=torch.int32,
                              device=q.device)
         self.plan_blocks((cdiv(seqlen_q, 2 * HALF_M.value), ),
                          (batch, total_q, seqlen_q, keys, n_blocks),
                          cu_seqlens_q, None, seqused_k, blocks, block_table)
-        kv_head_bytes = max(batch * keys * self.kv_row_bytes, 1)
-        heads = min(self.hq, max(1, VARLEN_L2_BYTES // kv_head_bytes) * self.group)
+        heads = _section_heads(self.hq, self.group, batch * keys * self.kv_row_bytes)
         self.kernel((min(self.n_sm, n_blocks * self.hq), ), (lse.stride(0), total_q, heads),
                     q, k_cache, v_cache, out, lse, sink, blocks, block_table)
 
@@ -1972,14 +1949,9 @@ class _PagedRun:
         total_q, batch, seqlen_q = q.shape[0], cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)
         if total_q == 0 or batch == 0 or seqlen_q == 0:
             return
-        # Only the table's pages that can hold one of the first max_seqlen_k keys are looked
-        # at. Row blocks of the long sequences: at most one partial block each beyond
-        # total_q's.
-        n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), self.page))
-        m = 2 * HALF_M.value
-        blocks = min(cdiv(total_q, m) + batch, batch * cdiv(seqlen_q, m))
+        blocks = _varlen_blocks(batch, total_q, seqlen_q)
         self.launch((blocks, self.hq), (lse.stride(0), seqlen_q, total_q, batch,
-                                        n_cols * self.page),
+                                        _table_keys(block_table, max_seqlen_k, self.page)),
                     q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k, block_table)
 
 
