@@ -997,6 +997,16 @@ def _varlen_load(blocks, r, n_blocks, heads, HQ: gl.constexpr, ITEM: gl.constexp
 
 
 @gluon.jit
+def _dealt_heads(n_blocks, heads, HQ: gl.constexpr):
+    """The heads of ``_varlen_load``'s sections: the host's ``heads`` (K/V in L2), or every
+    head when a section would hold fewer items than there are programs. Such sections go
+    each to the first (or last) programs of one round; with many of them a few programs do
+    all the work (a 512-row chunk on a 64k context: 8 sections of 16 items, 32 of 128
+    programs busy, 0.27x the dense kernel), and their K/V is all in flight at once anyway."""
+    return gl.where(n_blocks * heads < gl.num_programs(0), HQ, heads)
+
+
+@gluon.jit
 def _section_rounds(n_blocks, heads):
     """The rounds of one section of ``_varlen_load``'s dealing, an even count."""
     n_p = gl.num_programs(0)
@@ -1056,6 +1066,7 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
     t = 0
     j = 0
     n_blocks = gl.load(blocks)
+    heads = _dealt_heads(n_blocks, heads, HQ)
     ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM)
     for r in range(_varlen_rounds(n_blocks, heads, HQ)):
         ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,
@@ -1107,6 +1118,7 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
     j = 0
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
     n_blocks = gl.load(blocks)
+    heads = _dealt_heads(n_blocks, heads, HQ)
     ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM)
     for r in range(_varlen_rounds(n_blocks, heads, HQ)):
         ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,

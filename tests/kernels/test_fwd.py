@@ -987,6 +987,54 @@ def test_attn_fwd_sm90_persistent_varlen_domain(monkeypatch):
     assert ok(empty(16384, 17, 128), empty(16384, 1, 128), seqlen_q=100)
 
 
+
+def _varlen_deal(r, p, n_p, n_blocks, heads, hq):
+    """``fwd_sm90._varlen_load``'s arithmetic in Python (Gluon does not run on the CPU),
+    ``heads`` from ``_dealt_heads``: (valid, block, head) of program ``p``'s round ``r``,
+    and the rounds of every section."""
+    heads = hq if n_blocks * heads < n_p else heads
+    rounds = max((n_blocks * heads + 2 * n_p - 1) // (2 * n_p) * 2, 1)
+    sec, rr = divmod(r, rounds)
+    p = p + (sec & 1) * (n_p - 1 - 2 * p)
+    o = rr * n_p + p + (rr & 1) * (n_p - 1 - 2 * p)
+    n_h = min(heads, hq - sec * heads)
+    valid = n_h > 0 and o < n_blocks * n_h
+    o = o if valid else 0
+    return valid, o // max(n_h, 1), sec * heads + o % max(n_h, 1), rounds * -(-hq // heads)
+
+
+@pytest.mark.parametrize("n_p", [1, 7, 128, 132])
+def test_attn_fwd_sm90_persistent_varlen_dealing(n_p):
+    """The persistent varlen kernel's dealing (a model of its arithmetic, checked on the
+    GPU by the persistent varlen and paged tests): every (block, head) item dealt once, the
+    sections one after another, a section's blocks in the list's order (longest first)
+    round by round; no program idles while another has two more items when the items fit
+    in two rounds (a 512-row chunk on a 64k context, 4 blocks x 32 heads in sections of 4
+    heads, ran on 32 of 128 programs before ``_dealt_heads``); and the look-ahead past the
+    last round reads block 0."""
+    for n_blocks in (0, 1, 3, 4, 17, 130):
+        for hq, heads in ((1, 1), (32, 4), (32, 32), (16, 5), (12, 12), (32, 8)):
+            rounds = _varlen_deal(0, 0, n_p, n_blocks, heads, hq)[3]
+            dealt = [[_varlen_deal(r, p, n_p, n_blocks, heads, hq)[:3] for p in range(n_p)]
+                     for r in range(rounds + 1)]
+            got = [(r, b, h) for r, row in enumerate(dealt[:rounds]) for v, b, h in row if v]
+            assert sorted((b, h) for r, b, h in got) == [
+                (b, h) for b in range(n_blocks) for h in range(hq)]
+            sec = {h: h // (hq if n_blocks * heads < n_p else heads) for h in range(hq)}
+            assert [(sec[h], r) for r, b, h in got] == sorted((sec[h], r) for r, b, h in got)
+            for s in set(sec.values()):
+                by_round = {}
+                for r, b, h in got:
+                    if sec[h] == s:
+                        by_round.setdefault(r, []).append(b)
+                spans = [by_round[r] for r in sorted(by_round)]
+                assert all(max(a) <= min(b) for a, b in zip(spans, spans[1:]))
+            counts = [sum(row[p][0] for row in dealt[:rounds]) for p in range(n_p)]
+            if n_blocks * hq <= 2 * n_p:
+                assert max(counts) - min(counts) <= 1
+            assert all(not v and b == 0 for v, b, h in dealt[rounds])
+
+
 def test_attn_fwd_sm90_persistent_domain():
     """Which calls the persistent kernel takes (no device needed: ``_persistent_ok`` reads
     metadata): dense, sequences back to back, S_q % 64 and S_k % BLOCK_N zero."""
