@@ -6,11 +6,13 @@ B=4 sequences, Sq=512 new query rows against an 8k-token cache, Hq/Hkv=32/8, D=1
 causal call's (``4 B H Sq Sk D`` minus the masked half of the last 512 x 512 block).
 
     python benchmarks/bench_serving.py [--smoke] [--flag MODULE.NAME] [--shape B,SQ,SKV]
+                                       [--heads HQ,HKV]
 
 ``--flag`` (a module flag of flashlse.kernels, e.g. ``fwd_sm90.PAGED_PERSISTENT``): every row
 with the flag on and off, timed in turn with the dense call (an A/B in one process).
 ``--shape B,SQ,SKV`` (default 4,512,8192): the chunked-prefill rows at another shape, e.g. a
-long context's chunk, 1,512,65536.
+long context's chunk, 1,512,65536. ``--heads HQ,HKV`` (default 32,8): fewer heads, as one GPU
+of a tensor-parallel model holds (8,2 at TP = 4): fewer row blocks x heads than SMs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ SMOKE = "--smoke" in sys.argv
 FLAG = sys.argv[sys.argv.index("--flag") + 1] if "--flag" in sys.argv else None
 SHAPE = (tuple(int(x) for x in sys.argv[sys.argv.index("--shape") + 1].split(","))
          if "--shape" in sys.argv else (4, 512, 8192))
+HEADS = (tuple(int(x) for x in sys.argv[sys.argv.index("--heads") + 1].split(","))
+         if "--heads" in sys.argv else (32, 8))
 
 
 def paged(cache, page, perm=None):
@@ -45,7 +49,7 @@ def paged(cache, page, perm=None):
 
 def main():
     dev, dt = ("cpu", torch.float16) if SMOKE else ("cuda", torch.bfloat16)
-    b, sq, sk, hq, hkv, d = (2, 20, 64, 4, 2, 32) if SMOKE else (*SHAPE, 32, 8, 128)
+    b, sq, sk, hq, hkv, d = (2, 20, 64, 4, 2, 32) if SMOKE else (*SHAPE, *HEADS, 128)
     q = torch.randn(b, sq, hq, d, device=dev, dtype=dt)
     k = torch.randn(b, sk, hkv, d, device=dev, dtype=dt)
     v = torch.randn(b, sk, hkv, d, device=dev, dtype=dt)

@@ -39,9 +39,9 @@
 #                                                sequences on the persistent varlen kernel
 #                                                (fwd_sm90.PAGED_PERSISTENT): paged GPU tests
 #                                                on both forms, bench_serving A/B
-#   bash benchmarks/h200_session.sh paged-next # session 28's next steps: the paged list's
-#                                                tile (bench_serving at 8k and at a 64k
-#                                                context), the paged steps' host time
+#   bash benchmarks/h200_session.sh paged-next # chunked prefill at 8k and at a 64k context
+#                                                (32 and 8 query heads: one GPU of TP = 4),
+#                                                the paged steps' host time
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -325,13 +325,17 @@ if [ "$1" = paged-persistent ]; then
     exit 0
 fi
 if [ "$1" = paged-next ]; then
-    # NOTES session 28, next: the chunked-prefill rows at the bar's shape and at a long
-    # context (the paged list's table-scan tile), the paged steps' host time (one launch
-    # and one allocation more than the grid kernel), the paged list's GPU tests.
+    # The chunked-prefill rows at the bar's shape and at a long context (32 heads, and 8 as
+    # one GPU of a TP = 4 model holds: fewer items than SMs), the paged steps' host time.
     timeout 150 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_PERSISTENT \
         > "$OUT/serving_8k.txt" 2>&1; tail -12 "$OUT/serving_8k.txt"
     timeout 150 python3 benchmarks/bench_serving.py --shape 1,512,65536 \
         > "$OUT/serving_64k.txt" 2>&1; grep -h "paged\|dense" "$OUT/serving_64k.txt" | head -8
+    # One GPU of a TP = 4 model (8 / 2 heads): 4 row blocks x 8 heads = 32 items, 132 SMs.
+    for sq in 512 2048; do
+        timeout 100 python3 benchmarks/bench_serving.py --shape 1,$sq,65536 --heads 8,2 \
+            >> "$OUT/serving_64k.txt" 2>&1
+    done; grep -h "serving prefill\|paged [0-9]* (\|dense kernel" "$OUT/serving_64k.txt" | tail -8
     timeout 150 python3 benchmarks/bench_overhead.py --functions paged,kvcache --out "$OUT" \
         > "$OUT/overhead_paged.txt" 2>&1; tail -12 "$OUT/overhead_paged.txt"
     exit 0
