@@ -42,6 +42,9 @@
 #   bash benchmarks/h200_session.sh paged-next # chunked prefill at 8k and at a 64k context
 #                                                (32 and 8 query heads: one GPU of TP = 4),
 #                                                the paged steps' host time
+#   bash benchmarks/h200_session.sh split-kv   # the paged forward's key splits (experiment,
+#                                                fwd_sm90.PAGED_SPLIT_KV): its GPU tests,
+#                                                memcheck, bench_serving A/B at few heads
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -60,7 +63,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -322,6 +325,27 @@ if [ "$1" = paged-persistent ]; then
     [ -n "${NO_BENCH:-}" ] && exit 0
     timeout 180 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_PERSISTENT \
         > "$OUT/serving_ab.txt" 2>&1; tail -14 "$OUT/serving_ab.txt"
+    exit 0
+fi
+if [ "$1" = split-kv ]; then
+    # NOTES session 30: key splits for paged calls of few row blocks x heads. The paged GPU
+    # tests' "split" form (two shards), a few of them under memcheck, then the A/B.
+    P=tests/kernels/test_fwd_paged_sm90.py
+    timeout 240 python3 -m pytest -q $P -k "split and matches_reference" -p no:cacheprovider \
+        > "$OUT/test_split_a.log" 2>&1 &
+    timeout 240 python3 -m pytest -q $P -k "split and not matches_reference" \
+        -p no:cacheprovider > "$OUT/test_split_b.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_split_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_split_*.log | head
+    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q $P \
+        -k "split and (bad_page or kvcache_prefill)" -p no:cacheprovider \
+        > "$OUT/memcheck_split.log" 2>&1; echo "memcheck rc=$?: $(tail -1 "$OUT/memcheck_split.log")"
+    for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,2048,65536 --heads 8,2" \
+                "--shape 1,512,65536" "--shape 4,512,8192 --heads 8,2"; do
+        timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_SPLIT_KV $args \
+            2>&1 | grep "serving prefill\|paged [0-9]* (" | cut -c1-120
+    done
     exit 0
 fi
 if [ "$1" = paged-next ]; then

@@ -244,3 +244,38 @@ def test_persistent_paged_compile_failure_runs_the_portable_kernel(log, monkeypa
         _call([300, 1])
     assert [x.kernel for x in log] == ["blocks", "persistent", "portable", "portable"]
     assert [key[0] for key in FAILURES] == ["fwd_sm90 paged"]
+
+
+def test_persistent_paged_key_splits_then_merge(log, monkeypatch):
+    """``fwd_sm90.PAGED_SPLIT_KV`` (an experiment, off by default): a call whose row blocks x
+    heads fill at most half the SMs splits each block's key tiles (``_split_count``), the
+    kernel writes float32 partial states of every split to workspaces (no sink: the merge
+    adds it), ``merge_states``' kernel merges them into out / lse (lse through its
+    transpose), then the portable kernel writes the decodes' rows over the merge's."""
+    from flashlse.kernels import combine
+
+    monkeypatch.setattr(fwd_sm90, "PAGED_PERSISTENT", True)
+    monkeypatch.setattr(fwd_sm90, "PAGED_SPLIT_KV", True)
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(combine, "_merge_states_fwd_kernel",
+                        _Kernel("merge", log, combine._merge_states_fwd_kernel))
+    # 300 + 1 rows: the host's bound of 5 row blocks x 8 heads = 40 items; 512 keys = 4 tiles.
+    out, lse = _call([300, 1], max_seqlen_k=512)
+    assert [x.kernel for x in log] == ["blocks", "persistent", "merge", "portable"]
+    _, run, merge, portable = log
+    n = 2  # the most of (2, 4, 8, 16) with 40 x n <= 132 SMs and a tile a split
+    assert run.named["SPLITS"] == n and run.named["HAS_SINK"] is False
+    assert run.grid == (40 * n, 1, 1)
+    part_o, part_lse = run.named["o"], run.named["lse"]
+    assert part_o.shape == (n, 301, 8, 128) and part_o.dtype == torch.float32
+    assert part_lse.shape == (n, 8, 301) and run.named["stride_lh"] == 301
+    assert run.named["total_q"] == 301 and run.named["stride_os"] == 8 * 128
+    assert merge.named["N"] == n and merge.named["D"] == 128 and merge.named["R"] == 301 * 8
+    assert merge.named["out"].data_ptr() == out.data_ptr()
+    assert merge.named["lse"].data_ptr() == lse.data_ptr()
+    assert (portable.named["rows_lo"], portable.named["rows_hi"]) == (0, fwd.SMALL_ROWS)
+    # Items that fill more than half the SMs: no split, the kernel writes out itself.
+    assert [fwd_sm90._split_count(items, 64, 132) for items in (67, 66, 34, 33, 8)] == [
+        1, 2, 2, 4, 16]
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 4)
+    assert [fwd_sm90._split_count(8, tiles, 132) for tiles in (7, 8, 64)] == [1, 2, 16]

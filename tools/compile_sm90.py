@@ -228,16 +228,19 @@ def cases():
                              ("causal", False, 256)):
         consts = dict(GROUP=2, HQ=16, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, STAGES=2,
                       HAS_LEFT=window, HAS_RIGHT=True, HAS_SINK=True, O_IN_Q=d == 256,
-                      CONSUMER_REGS=240, PAGE_SIZE=0, block_table=None)
+                      CONSUMER_REGS=240, PAGE_SIZE=0, block_table=None, SPLITS=1)
         yield "fwd", f"fwd sm90 persistent varlen (Gluon) D={d} {label}", \
             fwd_sm90._fwd_sm90_varlen_kernel, varlen_types, consts, 4, 1
     # The same kernel over paged caches (a paged call's long sequences).
-    for page in (16, 64, 256):
+    for page, splits in ((16, 1), (64, 1), (256, 1), (16, 4)):
         consts = dict(GROUP=4, HQ=32, D=128, BLOCK_N=configs.FWD_SM90[128].block_n, STAGES=2,
                       HAS_LEFT=False, HAS_RIGHT=True, HAS_SINK=False, O_IN_Q=False,
-                      CONSUMER_REGS=240, PAGE_SIZE=page)
-        yield "fwd", f"fwd sm90 persistent paged (Gluon) D=128 page {page} causal", \
-            fwd_sm90._fwd_sm90_varlen_kernel, varlen_types, consts, 4, 1
+                      CONSUMER_REGS=240, PAGE_SIZE=page, SPLITS=splits)
+        # Key splits: partial states in float32 workspaces.
+        types = dict(varlen_types, o=F32) if splits > 1 else varlen_types
+        yield "fwd", f"fwd sm90 persistent paged (Gluon) D=128 page {page} causal" + (
+            f" {splits} splits" if splits > 1 else ""), \
+            fwd_sm90._fwd_sm90_varlen_kernel, types, consts, 4, 1
     yield "fwd", "fwd sm90 varlen blocks (list)", fwd_sm90._varlen_blocks_kernel, \
         dict(cu_seqlens_q=I32, cu_seqlens_k=I32, seqused_k=I32, blocks=I32), \
         dict(BLOCK_M=128, BLOCK_B=128, HAS_SEQUSED_K=True, block_table=None, GROUP=1,

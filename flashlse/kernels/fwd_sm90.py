@@ -81,7 +81,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import configs, options
+from . import combine, configs, options
 from ._common import (
     LOG2E,
     Launch,
@@ -966,7 +966,8 @@ def _paged_lens(block_table, stride_tb, num_pages, o_b, m_b, T_k, PAGE_SIZE: tl.
 
 
 @gluon.jit
-def _varlen_load(blocks, r, n_blocks, heads, HQ: gl.constexpr, ITEM: gl.constexpr):
+def _varlen_load(blocks, r, n_blocks, heads, HQ: gl.constexpr, ITEM: gl.constexpr,
+                 SPLITS: gl.constexpr):
     """The persistent varlen kernel's item of round ``r``. The items are the blocks of
     ``_varlen_blocks_kernel``'s list (longest first) times the query heads, in sections of
     ``heads`` heads (the last may have fewer) whose K/V the host sized to stay in L2, as its
@@ -991,9 +992,13 @@ def _varlen_load(blocks, r, n_blocks, heads, HQ: gl.constexpr, ITEM: gl.constexp
     valid = (n_h > 0) & (o < n_blocks * n_h)
     n_h = gl.maximum(n_h, 1)
     o = gl.where(valid, o, 0)
-    item = blocks + 1 + ITEM * (o // n_h)
+    # With SPLITS key splits, ``n_blocks`` counts (block, split) pairs, a block's together.
+    split = 0
+    if SPLITS > 1:
+        split = o // n_h % SPLITS
+    item = blocks + 1 + ITEM * (o // n_h // SPLITS)
     return (valid, h0 + o % n_h, gl.load(item), gl.load(item + 1), gl.load(item + 2),
-            gl.load(item + 3), gl.load(item + 4))
+            gl.load(item + 3), gl.load(item + 4), split)
 
 
 @gluon.jit
@@ -1028,16 +1033,22 @@ def _varlen_ranges(valid, T_q, T_k, m0, left, right, BLOCK_N: gl.constexpr,
 @gluon.jit
 def _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ: gl.constexpr,
                  ITEM: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, SPLITS: gl.constexpr):
     """Round ``r``'s item from ``ahead`` (its ``_varlen_load``, issued a round before) with
-    its ``_varlen_ranges``, and the next round's loads issued."""
-    valid, i_h, bos, bos_k, T_q, T_k, m0 = ahead
-    ahead = _varlen_load(blocks, r + 1, n_blocks, heads, HQ, ITEM)
+    its ``_varlen_ranges``, and the next round's loads issued. With key splits, the item's
+    tiles are its split's share of the block's (``ceil(n / SPLITS)`` each, the last ones
+    fewer or none); the masks read absolute key positions, so they hold in any share."""
+    valid, i_h, bos, bos_k, T_q, T_k, m0, split = ahead
+    ahead = _varlen_load(blocks, r + 1, n_blocks, heads, HQ, ITEM, SPLITS)
     shift, n_lo, n_full_lo, n_full_hi, n_tiles = _varlen_ranges(valid, T_q, T_k, m0, left,
                                                                 right, BLOCK_N, HAS_LEFT,
                                                                 HAS_RIGHT)
+    if SPLITS > 1:
+        share = (n_tiles + SPLITS - 1) // SPLITS
+        n_lo = n_lo + split * share * BLOCK_N
+        n_tiles = gl.minimum(gl.maximum(n_tiles - split * share, 0), share)
     return ahead, (valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi,
-                   n_tiles)
+                   n_tiles, split)
 
 
 @gluon.jit
@@ -1053,7 +1064,7 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                      HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                      ITEM: gl.constexpr, PAGE_SIZE: gl.constexpr, DO_K: gl.constexpr,
-                     DO_V: gl.constexpr):
+                     DO_V: gl.constexpr, SPLITS: gl.constexpr):
     """``_producer_persistent`` over ``_varlen_load``'s items (an item with no key tile
     loads nothing). Coordinates are rows of the packed ``(total, H * D)`` matrices: a tile
     may reach into the next sequence, whose rows the consumers mask (K, Q) or zero (V).
@@ -1065,13 +1076,14 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
     read page 0, whose keys the consumers mask and whose V rows they zero)."""
     t = 0
     j = 0
-    n_blocks = gl.load(blocks)
+    n_blocks = gl.load(blocks) * SPLITS  # (block, key split) pairs
     heads = _dealt_heads(n_blocks, heads, HQ)
-    ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM)
+    ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM, SPLITS)
     for r in range(_varlen_rounds(n_blocks, heads, HQ)):
         ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,
-                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = item
+                                   BLOCK_N, HAS_LEFT, HAS_RIGHT, SPLITS)
+        valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles, \
+            split = item
         if n_tiles > 0:
             col = (i_h // GROUP) * D
             if PAGE_SIZE == 0:
@@ -1096,16 +1108,22 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
 def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
                      q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                      o, stride_os, lse, stride_lh, sink, half, blocks, heads, left, right,
-                     scale_log2,
+                     scale_log2, total_q,
                      HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                     HAS_SINK: gl.constexpr, O_IN_Q: gl.constexpr, ITEM: gl.constexpr):
+                     HAS_SINK: gl.constexpr, O_IN_Q: gl.constexpr, ITEM: gl.constexpr,
+                     SPLITS: gl.constexpr):
     """``_consumer_persistent`` over ``_varlen_load``'s items. Rows of a Q half past its
     sequence's end hold the next sequence's rows (or zeros): each row's result is its own,
     and only rows below ``T_q`` are stored. A half wholly inside its sequence is stored by
     TMA (as ``_consumer_persistent``), a half that ends past it (and an item with no key:
     the empty state) from registers, masked. V's last tile is cut at ``T_k``
-    (``_consumer_loop_overlap``'s V_TAIL); K's columns past it are masked as anywhere."""
+    (``_consumer_loop_overlap``'s V_TAIL); K's columns past it are masked as anywhere.
+
+    With key splits (``SPLITS > 1``) every item's state is a partial one, stored from
+    registers in float32 to split ``split``'s slice of ``o`` (``(SPLITS * total_q, H * D)``)
+    and ``lse`` (``(SPLITS * H, total_q)``), the empty state where the split has no key;
+    the host merges the splits (``merge_states``' kernel, the sink there)."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -1117,13 +1135,14 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
     t = 0
     j = 0
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-    n_blocks = gl.load(blocks)
+    n_blocks = gl.load(blocks) * SPLITS  # (block, key split) pairs
     heads = _dealt_heads(n_blocks, heads, HQ)
-    ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM)
+    ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM, SPLITS)
     for r in range(_varlen_rounds(n_blocks, heads, HQ)):
         ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,
-                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = item
+                                   BLOCK_N, HAS_LEFT, HAS_RIGHT, SPLITS)
+        valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles, \
+            split = item
         r0 = m0 + half * HALF_M
         rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
@@ -1141,7 +1160,17 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
                 mbarrier.arrive(q_empty.index(half))
             t += n_tiles
             j += 1
-        if valid & (r0 < T_q):
+        if SPLITS > 1:
+            if valid & (r0 < T_q):
+                o_scale, lse_row = _final_stats(m_i, l_i, 0.0, False)
+                gl.store(lse + (split * HQ + i_h).to(gl.int64) * stride_lh + bos + rows,
+                         lse_row, mask=rows < T_q)
+                out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
+                o_rows = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+                p_o = o + (split * total_q + bos + o_rows)[:, None].to(gl.int64) * stride_os \
+                    + i_h.to(gl.int64) * D + o_cols[None, :]
+                gl.store(p_o, out, mask=o_rows[:, None] < T_q)
+        elif valid & (r0 < T_q):
             sink_nat = 0.0
             if HAS_SINK:
                 sink_nat = gl.load(sink + i_h).to(gl.float32)
@@ -1183,6 +1212,7 @@ def _fwd_sm90_varlen_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    SPLITS: gl.constexpr = 1,
 ):
     """The packed varlen forward as a persistent kernel: a program per SM walks the row
     blocks that ``_varlen_blocks_kernel`` listed in ``blocks`` (dealt by ``_varlen_load``),
@@ -1194,13 +1224,21 @@ def _fwd_sm90_varlen_kernel(
 
     Over paged caches (``PAGE_SIZE > 0``): k and v are the caches as ``(num_pages *
     PAGE_SIZE, H_kv * D)`` matrices (``total_k`` rows), a block's key tiles are read page by
-    page through ``block_table`` (``_producer_varlen``: a producer warp for K, one for V), and the consumers are the same (a key past the length is masked, its V row zeroed)."""
+    page through ``block_table`` (``_producer_varlen``: a producer warp for K, one for V), and the consumers are the same (a key past the length is masked, its V row zeroed).
+
+    ``SPLITS > 1``: each block's key tiles in that many shares, an item each, whose partial
+    states go to ``o`` / ``lse`` as float32 workspaces (``_consumer_varlen``)."""
     dtype: gl.constexpr = q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
     q_desc = tma.make_tensor_descriptor(q, [total_q, HQ * D], [stride_qs, 1], [HALF_M, D],
                                         q_layout)
-    o_desc = tma.make_tensor_descriptor(o, [total_q, HQ * D], [stride_os, 1], [HALF_M, D],
-                                        q_layout)
+    split_rows = 0  # (the rows a split's partial states are apart; none read without splits)
+    if SPLITS > 1:  # (partial states are stored from registers: no descriptor of o)
+        o_desc = q_desc
+        split_rows = total_q
+    else:
+        o_desc = tma.make_tensor_descriptor(o, [total_q, HQ * D], [stride_os, 1],
+                                            [HALF_M, D], q_layout)
     BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N  # (0: a tile)
     k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
         = _persistent_buffers(k, v, stride_ks, stride_vs, total_k, HQ // GROUP, D, BLOCK_N,
@@ -1213,35 +1251,41 @@ def _fwd_sm90_varlen_kernel(
         gl.warp_specialize([
             (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                                 k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
-                                0, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
-                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+                                0, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS)),
             (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                                 k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
-                                1, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
-                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+                                1, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS)),
             (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
                                 block_table, stride_tb, GROUP, HQ, D, BLOCK_N, STAGES,
-                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, 0, True, True)),
+                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, 0, True, True, SPLITS)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.warp_specialize([
             (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                                 k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
-                                0, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
-                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+                                0, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS)),
             (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                                 k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
-                                1, blocks, heads, left, right, scale_log2, HQ, D, BLOCK_N,
-                                STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q, VARLEN_ITEM)),
+                                1, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS)),
             (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
                                 block_table, stride_tb, GROUP, HQ, D, BLOCK_N, STAGES,
-                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, True, False)),
+                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, True, False,
+                                SPLITS)),
             (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
                                 block_table, stride_tb, GROUP, HQ, D, BLOCK_N, STAGES,
-                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False, True)),
+                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False, True,
+                                SPLITS)),
         ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
@@ -1626,7 +1670,8 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> 
                 **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
     programs = min(_sm_count(q.device), n_blocks * hq)
     kernel = Launch(_fwd_sm90_varlen_kernel, (programs, ),
-                    *positional(_fwd_sm90_varlen_kernel, 8, dict(args, stride_tb=0, PAGE_SIZE=0)))
+                    *positional(_fwd_sm90_varlen_kernel, 8, dict(args, stride_tb=0, PAGE_SIZE=0,
+                                                                 SPLITS=1)))
     return Plan(_VarlenLaunch(plan_blocks, kernel, 1 + VARLEN_ITEM.value * n_blocks),
                 (*signature, "persistent varlen"))
 
@@ -1898,14 +1943,41 @@ def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo, ba
     args = dict(stride_qs=q.stride(0), stride_ks=k_cache.stride(1), stride_vs=v_cache.stride(1),
                 stride_os=out.stride(0), stride_tb=block_table.stride(0),
                 total_k=num_pages * page, HQ=hq, O_IN_Q=_out_in_q(q, shared), PAGE_SIZE=page,
-                **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
+                SPLITS=1, **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
     kernel = SizedLaunch(_fwd_sm90_varlen_kernel, 8, args, _VARLEN_SIZED)
+    # Key splits (PAGED_SPLIT_KV): partial states in float32 workspaces whose rows are
+    # ``H * D`` apart, no sink in the kernel (the merge adds it), a launch per split count.
+    split_args = dict(args, stride_os=hq * d, HAS_SINK=False)
+    splits = {n: SizedLaunch(_fwd_sm90_varlen_kernel, 8, dict(split_args, SPLITS=n),
+                             _VARLEN_SIZED) for n in _SPLIT_COUNTS} if PAGED_SPLIT_KV else {}
     return _PagedVarlenRun(plan_blocks, kernel, hq, page, group,
-                           2 * d * k_cache.element_size(), _sm_count(q.device))
+                           2 * d * k_cache.element_size(), _sm_count(q.device), splits,
+                           shared["BLOCK_N"])
 
 
 # Block-table entries the paged list reads a step (``_paged_lens``), over its sequences.
 PAGED_LIST_TILE = 4096
+
+# Experiment (not yet run on a GPU; off): a paged call whose row blocks x heads fill at most
+# half the SMs (a long context's chunk on few heads, as one GPU of a tensor-parallel model
+# holds) splits each block's key tiles into 2-16 shares, an item each, and merges the
+# partial states (``_PagedVarlenRun``). NOTES.md, session 30.
+PAGED_SPLIT_KV = False
+_SPLIT_COUNTS = (2, 4, 8, 16)
+# A split takes at least this many key tiles.
+SPLIT_MIN_TILES = 4
+
+
+def _split_count(items: int, key_tiles: int, n_sm: int) -> int:
+    """The key splits of a paged call of ``items`` (row blocks x heads, the host's bound)
+    whose sequences have at most ``key_tiles`` key tiles: the largest of ``_SPLIT_COUNTS``
+    that keeps ``items x splits`` within the SMs and ``SPLIT_MIN_TILES`` tiles a split, or 1
+    (no split) when the items fill more than half the SMs."""
+    best = 1
+    for n in _SPLIT_COUNTS:
+        if items * n <= n_sm and key_tiles >= n * SPLIT_MIN_TILES:
+            best = n
+    return best
 
 # The arguments of the list and of the persistent varlen kernel that change per paged call.
 _BLOCKS_SIZED = ("batch", "total_q", "seqlen_q", "seqlen_k", "capacity")
@@ -1919,11 +1991,14 @@ class _PagedVarlenRun:
     sections of heads whose K/V fits in L2 (as :func:`_varlen_plan`). Each call's lengths give
     the grids and the sized arguments; a call with no row launches nothing."""
 
-    __slots__ = ("plan_blocks", "kernel", "hq", "page", "group", "kv_row_bytes", "n_sm")
+    __slots__ = ("plan_blocks", "kernel", "hq", "page", "group", "kv_row_bytes", "n_sm",
+                 "splits", "block_n")
 
-    def __init__(self, plan_blocks, kernel, hq, page, group, kv_row_bytes, n_sm):
+    def __init__(self, plan_blocks, kernel, hq, page, group, kv_row_bytes, n_sm, splits=None,
+                 block_n=128):
         self.plan_blocks, self.kernel, self.hq, self.page = plan_blocks, kernel, hq, page
         self.group, self.kv_row_bytes, self.n_sm = group, kv_row_bytes, n_sm
+        self.splits, self.block_n = splits or {}, block_n
 
     def __call__(self, q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k,
                  block_table, max_seqlen_q, max_seqlen_k) -> None:
@@ -1938,8 +2013,22 @@ class _PagedVarlenRun:
                          (batch, total_q, seqlen_q, keys, n_blocks),
                          cu_seqlens_q, None, seqused_k, blocks, block_table)
         heads = _section_heads(self.hq, self.group, batch * keys * self.kv_row_bytes)
-        self.kernel((min(self.n_sm, n_blocks * self.hq), ), (lse.stride(0), total_q, heads),
-                    q, k_cache, v_cache, out, lse, sink, blocks, block_table)
+        n = (_split_count(n_blocks * self.hq, cdiv(keys, self.block_n), self.n_sm)
+             if self.splits else 1)
+        if n == 1:
+            self.kernel((min(self.n_sm, n_blocks * self.hq), ), (lse.stride(0), total_q, heads),
+                        q, k_cache, v_cache, out, lse, sink, blocks, block_table)
+            return
+        # Each split's partial state, then their merge into every row of out / lse: the rows
+        # of sequences the list leaves out (decodes) are written after, by fwd.py's kernel.
+        hq, d = self.hq, out.shape[-1]
+        part_o = torch.empty((n, total_q, hq, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((n, hq, total_q), dtype=torch.float32, device=q.device)
+        self.splits[n]((min(self.n_sm, n_blocks * n * hq), ), (total_q, total_q, heads),
+                       q, k_cache, v_cache, part_o, part_lse, None, blocks, block_table)
+        combine.merge_states_fwd(part_o, part_lse.transpose(1, 2),
+                                 sink=None if sink is None else sink.float(), out=out,
+                                 lse_out=lse.transpose(0, 1))
 
 
 # The paged kernel's arguments that change from call to call (SizedLaunch).

@@ -46,12 +46,15 @@ DECODE_ROWS = 16
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
 
-@pytest.fixture(autouse=True, params=[True, False], ids=["persistent", "grid"])
+@pytest.fixture(autouse=True, params=["persistent", "grid", "split"])
 def paged_form(request, monkeypatch):
-    """Every case on both forms of the Hopper paged forward: the persistent varlen kernel
-    over the pages (``fwd_sm90.PAGED_PERSISTENT``, the default) and the paged grid kernel
-    (layouts the persistent one does not take). Plans and kept launches are dropped: their
-    keys leave the flag out."""
+    """Every case on each form of the Hopper paged forward: the persistent varlen kernel
+    over the pages (``fwd_sm90.PAGED_PERSISTENT``, the default), the paged grid kernel
+    (layouts the persistent one does not take), and the persistent kernel with key splits
+    (``PAGED_SPLIT_KV``, an experiment, off by default; here from one key tile a split, so
+    that the tests' small calls split: empty splits, the diagonal in any split, decode rows
+    written after the merge). Plans and kept launches are dropped: their keys leave the
+    flags out."""
     import importlib
 
     from flashlse.kernels import fwd_sm90
@@ -59,7 +62,9 @@ def paged_form(request, monkeypatch):
     # (flashlse.ops re-exports functions of these modules' names.)
     attention_ops = importlib.import_module("flashlse.ops.attention")
     kvcache_ops = importlib.import_module("flashlse.ops.kvcache")
-    monkeypatch.setattr(fwd_sm90, "PAGED_PERSISTENT", request.param)
+    monkeypatch.setattr(fwd_sm90, "PAGED_PERSISTENT", request.param != "grid")
+    monkeypatch.setattr(fwd_sm90, "PAGED_SPLIT_KV", request.param == "split")
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
     for plans in (fwd_sm90._PLANS, attention_ops._KEPT, attention_ops._PAGED_KEPT,
                   kvcache_ops._KEPT):
         plans.clear()
