@@ -1167,7 +1167,7 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
                          lse_row, mask=rows < T_q)
                 out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
                 o_rows = r0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
-                p_o = o + (split * total_q + bos + o_rows)[:, None].to(gl.int64) * stride_os \
+                p_o = o + (split.to(gl.int64) * total_q + bos + o_rows)[:, None] * stride_os \
                     + i_h.to(gl.int64) * D + o_cols[None, :]
                 gl.store(p_o, out, mask=o_rows[:, None] < T_q)
         elif valid & (r0 < T_q):
