@@ -2026,9 +2026,16 @@ class _PagedVarlenRun:
         part_lse = torch.empty((n, hq, total_q), dtype=torch.float32, device=q.device)
         self.splits[n]((min(self.n_sm, n_blocks * n * hq), ), (total_q, total_q, heads),
                        q, k_cache, v_cache, part_o, part_lse, None, blocks, block_table)
-        combine.merge_states_fwd(part_o, part_lse.transpose(1, 2),
-                                 sink=None if sink is None else sink.float(), out=out,
-                                 lse_out=lse.transpose(0, 1))
+        merge_splits(part_o, part_lse, sink, out, lse)
+
+
+def merge_splits(part_o, part_lse, sink, out, lse) -> None:
+    """Merges key splits' partial states (``part_o (S, total_q, H, D)``, ``part_lse (S, H,
+    total_q)``, float32) into ``out (total_q, H, D)`` and ``lse (H, total_q)`` (any row
+    stride), adding the sink once: ``merge_states``' kernel, through lse's transposes."""
+    combine.merge_states_fwd(part_o, part_lse.transpose(1, 2),
+                             sink=None if sink is None else sink.float(), out=out,
+                             lse_out=lse.transpose(0, 1))
 
 
 # The paged kernel's arguments that change from call to call (SizedLaunch).

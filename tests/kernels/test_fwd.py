@@ -1035,6 +1035,50 @@ def test_attn_fwd_sm90_persistent_varlen_dealing(n_p):
             assert all(not v and b == 0 for v, b, h in dealt[rounds])
 
 
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("with_sink", [False, True], ids=["no_sink", "sink"])
+def test_fwd_sm90_merge_splits_gives_the_whole_attention(device, out_dtype, with_sink):
+    """The key-split experiment's merge (``fwd_sm90.merge_splits``, PAGED_SPLIT_KV): partial
+    states of key slices, as its kernel stores them (float32, ``(S, total_q, H, D)`` and
+    ``(S, H, total_q)``, an empty slice (0, -inf)), merged into out and a row-padded lse
+    with the sink added once, equal the whole causal attention's. Rows that see no key (the
+    first ``Sq - Sk``) get (0, -inf), or (0, sink). The split kernel itself runs on the GPU
+    only (tests/kernels/test_fwd_paged_sm90.py, its "split" form)."""
+    from flashlse.kernels import fwd_sm90
+
+    torch.manual_seed(0)
+    sq, sk, h, d = 37, 29, 3, 16
+    q, k, v = (torch.randn(n, h, d, dtype=torch.float64) for n in (sq, sk, sk))
+    sink = torch.randn(h, dtype=torch.float32) if with_sink else None
+    s = torch.einsum("ihd,jhd->hij", q, k) * d ** -0.5
+    seen = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
+    bounds = [(0, 8), (8, 16), (16, 24), (24, 29), (32, 29)]  # the last one empty
+    part_o = torch.empty(len(bounds), sq, h, d)
+    part_lse = torch.empty(len(bounds), h, sq)
+    for i, (a, b) in enumerate(bounds):
+        cols = (torch.arange(sk) >= a) & (torch.arange(sk) < b)
+        masked = s.masked_fill(~(seen & cols)[None], float("-inf"))
+        lse = torch.logsumexp(masked, -1)
+        p = torch.exp(masked - lse[..., None]).nan_to_num(0.0)  # (rows of no key: 0)
+        part_o[i] = torch.einsum("hij,jhd->ihd", p, v).float()
+        part_lse[i] = lse.float()
+    out = torch.full((sq, h, d), float("nan"), dtype=out_dtype, device=device)
+    lse = torch.full((h, sq + 3), float("nan"), device=device)[:, :sq]  # rows padded
+    fwd_sm90.merge_splits(part_o.to(device), part_lse.to(device),
+                          None if sink is None else sink.to(device), out, lse)
+    want, want_lse = reference.attention(q[None], k[None], v[None], causal=True,
+                                         sink=sink, return_lse=True)
+    torch.testing.assert_close(out.cpu().double(), want[0],
+                               atol=2e-3 if out_dtype == torch.float16 else 1e-5, rtol=0)
+    torch.testing.assert_close(lse.cpu().double(), want_lse[0], atol=1e-5, rtol=0)
+    empty = sq - sk
+    assert (out[:empty] == 0).all()
+    want_empty = (torch.full((h, empty), float("-inf")) if sink is None
+                  else sink[:, None].expand(h, empty))
+    assert torch.equal(lse[:, :empty].cpu(), want_empty)
+
+
 def test_attn_fwd_sm90_persistent_domain():
     """Which calls the persistent kernel takes (no device needed: ``_persistent_ok`` reads
     metadata): dense, sequences back to back, S_q % 64 and S_k % BLOCK_N zero."""
