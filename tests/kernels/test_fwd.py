@@ -1036,6 +1036,22 @@ def test_attn_fwd_sm90_persistent_varlen_dealing(n_p):
 
 
 
+
+def test_fwd_sm90_key_split_shares_cover_each_tile_once():
+    """``_varlen_step``'s key split (a model of its arithmetic): split ``s`` of ``S`` takes
+    tiles ``[n_lo + s * share, ...)``, ``share = ceil(n / S)``, clamped to the block's
+    ``n`` tiles; together the splits take each tile once, in order, and the splits past the
+    last tile take none (they store the empty state)."""
+    for n in range(0, 41):
+        for splits in (2, 4, 8, 16):
+            share = (n + splits - 1) // splits
+            taken = []
+            for split in range(splits):
+                lo = split * share
+                count = min(max(n - lo, 0), share)
+                taken += range(lo, lo + count)
+            assert taken == list(range(n))
+
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("with_sink", [False, True], ids=["no_sink", "sink"])
 def test_fwd_sm90_merge_splits_gives_the_whole_attention(device, out_dtype, with_sink):
