@@ -42,9 +42,9 @@
 #   bash benchmarks/h200_session.sh paged-next # chunked prefill at 8k and at a 64k context
 #                                                (32 and 8 query heads: one GPU of TP = 4),
 #                                                the paged steps' host time
-#   bash benchmarks/h200_session.sh split-kv   # the paged forward's key splits (experiment,
-#                                                fwd_sm90.PAGED_SPLIT_KV): its GPU tests,
-#                                                memcheck, bench_serving A/B at few heads
+#   bash benchmarks/h200_session.sh split-kv   # key splits for few-item forwards (experiment,
+#                                                fwd_sm90.PAGED_SPLIT_KV / VARLEN_SPLIT_KV):
+#                                                GPU tests, memcheck, bench_serving A/B
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -336,6 +336,8 @@ if [ "$1" = split-kv ]; then
     timeout 240 python3 -m pytest -q $P -k "split and not matches_reference" \
         -p no:cacheprovider > "$OUT/test_split_b.log" 2>&1 &
     wait
+    timeout 120 python3 -m pytest -q tests/kernels/test_fwd.py -k "key_splits or merge_splits" \
+        -p no:cacheprovider > "$OUT/test_split_c.log" 2>&1
     for f in "$OUT"/test_split_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_split_*.log | head
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q $P \
@@ -346,6 +348,9 @@ if [ "$1" = split-kv ]; then
         timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_SPLIT_KV $args \
             2>&1 | grep "serving prefill\|paged [0-9]* (" | cut -c1-120
     done
+    # The contiguous cache's rows (packed varlen form, VARLEN_SPLIT_KV).
+    timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.VARLEN_SPLIT_KV \
+        --shape 1,512,65536 --heads 8,2 2>&1 | grep "contiguous" | cut -c1-120
     exit 0
 fi
 if [ "$1" = paged-next ]; then

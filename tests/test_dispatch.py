@@ -209,6 +209,35 @@ def test_forward_varlen_persistent_lists_the_blocks_then_walks_them(kernels, mon
     assert out.shape == (350, 4, 128) and lse.shape == (4, 350)
 
 
+def test_forward_varlen_key_splits_then_merge(kernels, monkeypatch):
+    """``fwd_sm90.VARLEN_SPLIT_KV`` (an experiment, off by default): a call of at most half
+    the SMs' items (6 blocks x 4 heads = 24 on 132 SMs) takes the persistent varlen kernel
+    with key splits (``_split_count``: 4 x 24 <= 132, 4 key tiles of 400 keys, a tile a
+    split), whose float32 partial states ``merge_states``' kernel merges into out and lse,
+    the sink once."""
+    from flashlse.kernels import combine
+
+    q, k, v, kw = _varlen()
+    kw["sink"] = torch.randn(4)
+    monkeypatch.setattr(fwd_sm90, "VARLEN_SPLIT_KV", True)
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(combine, "_merge_states_fwd_kernel",
+                        _Kernel("merge", kernels.log, combine._merge_states_fwd_kernel))
+    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["varlen_blocks", "fwd_sm90_varlen", "merge"]
+    run, merge = kernels.of("fwd_sm90_varlen"), kernels.of("merge")
+    assert run.named["SPLITS"] == 4 and run.grid == (4 * 24, 1, 1)
+    part_o, part_lse = run.args[3], run.args[4]
+    assert part_o.shape == (4, 350, 4, 128) and part_o.dtype == torch.float32
+    assert part_lse.shape == (4, 4, 350) and run.args[5] is None
+    assert not run.named["HAS_SINK"]
+    assert (run.named["stride_os"], run.named["stride_lh"]) == (4 * 128, 350)
+    assert merge.named["N"] == 4 and merge.named["HAS_SINK"] and merge.named["R"] == 350 * 4
+    assert merge.named["out"].data_ptr() == out.data_ptr()
+    assert merge.named["lse"].data_ptr() == lse.data_ptr()
+    assert fwd_sm90._PLANS and all(
+        p.signature[-1] == "4 splits" for p in fwd_sm90._PLANS.values() if p is not None)
+
 def test_forward_d64_takes_the_persistent_kernel_or_the_portable_one(kernels):
     """D = 64 (``FWD_SM90[64].grid`` off): the dense calls the persistent kernel takes run
     it; varlen calls and layouts it refuses run fwd.py's kernel, never the Hopper grid

@@ -224,13 +224,17 @@ def cases():
     # Its persistent varlen form (packed sequences, row blocks listed on the device).
     varlen_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, blocks=I32,
                         block_table=I32, scale_log2="fp32")
-    for label, window, d in (("causal", False, 128), ("window", True, 128),
-                             ("causal", False, 256)):
+    for label, window, d, splits in (("causal", False, 128, 1), ("window", True, 128, 1),
+                                     ("causal", False, 256, 1), ("causal", False, 256, 4)):
         consts = dict(GROUP=2, HQ=16, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, STAGES=2,
-                      HAS_LEFT=window, HAS_RIGHT=True, HAS_SINK=True, O_IN_Q=d == 256,
-                      CONSUMER_REGS=240, PAGE_SIZE=0, block_table=None, SPLITS=1)
-        yield "fwd", f"fwd sm90 persistent varlen (Gluon) D={d} {label}", \
-            fwd_sm90._fwd_sm90_varlen_kernel, varlen_types, consts, 4, 1
+                      HAS_LEFT=window, HAS_RIGHT=True, HAS_SINK=splits == 1,
+                      O_IN_Q=d == 256, CONSUMER_REGS=240, PAGE_SIZE=0, block_table=None,
+                      SPLITS=splits)
+        # Key splits: partial states in float32 workspaces.
+        types = dict(varlen_types, o=F32) if splits > 1 else varlen_types
+        yield "fwd", f"fwd sm90 persistent varlen (Gluon) D={d} {label}" + (
+            f" {splits} splits" if splits > 1 else ""), \
+            fwd_sm90._fwd_sm90_varlen_kernel, types, consts, 4, 1
     # The same kernel over paged caches (a paged call's long sequences).
     for page, splits in ((16, 1), (64, 1), (256, 1), (16, 4)):
         consts = dict(GROUP=4, HQ=32, D=128, BLOCK_N=configs.FWD_SM90[128].block_n, STAGES=2,

@@ -1600,7 +1600,8 @@ def _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens) -> bool:
     if total_k == 0 or max(total_q, total_k) >= 2**31 or lse.stride(1) != 1:
         return False
     items = _varlen_blocks(batch, total_q, lens["seqlen_q"]) * q.shape[-2]
-    if items >= 2**31 or items <= _sm_count(q.device):
+    if items >= 2**31 or items <= _sm_count(q.device) and _varlen_splits(items, lens, shared,
+                                                                          q.device) == 1:
         return False
     if _ring_bytes(q, shared, 1) > SMEM_BYTES:
         return False
@@ -1631,22 +1632,43 @@ def _varlen_blocks(batch, total_q, seqlen_q) -> int:
     return min(cdiv(total_q, 2 * HALF_M) + batch, batch * cdiv(seqlen_q, 2 * HALF_M))
 
 
+def _varlen_splits(items, lens, shared, device) -> int:
+    """The key splits of a packed varlen call of ``items`` (row blocks x heads, the host's
+    bound): ``_split_count``'s with VARLEN_SPLIT_KV on, else 1."""
+    if not VARLEN_SPLIT_KV:
+        return 1
+    return _split_count(items, cdiv(lens["seqlen_k"], shared["BLOCK_N"]), _sm_count(device))
+
+
 class _VarlenLaunch:
     """The persistent varlen kernel's two launches: ``_varlen_blocks_kernel`` lists the row
     blocks into a fresh buffer on the call's stream (the caching allocator keeps it for the
-    stream, so calls on several streams never share one), then the kernel walks them."""
+    stream, so calls on several streams never share one), then the kernel walks them. With
+    key splits (``splits > 1``) the kernel writes the splits' partial states to float32
+    workspaces and ``merge_splits`` merges them into out and lse (every row: the list holds
+    every sequence's blocks)."""
 
-    __slots__ = ("plan_blocks", "kernel", "size")
+    __slots__ = ("plan_blocks", "kernel", "size", "splits")
 
-    def __init__(self, plan_blocks: Launch, kernel: Launch, size: int):
+    def __init__(self, plan_blocks: Launch, kernel: Launch, size: int, splits: int = 1):
         self.plan_blocks = plan_blocks
         self.kernel = kernel
         self.size = size
+        self.splits = splits
 
     def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
         blocks = torch.empty(self.size, dtype=torch.int32, device=q.device)
         self.plan_blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks, None)
-        self.kernel(q, k, v, out, lse, sink, blocks, None)
+        if self.splits == 1:
+            self.kernel(q, k, v, out, lse, sink, blocks, None)
+            return
+        total_q, hq, d = out.shape
+        part_o = torch.empty((self.splits, total_q, hq, d), dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty((self.splits, hq, total_q), dtype=torch.float32,
+                               device=q.device)
+        self.kernel(q, k, v, part_o, part_lse, None, blocks, None)
+        merge_splits(part_o, part_lse, sink, out, lse)
 
 
 def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> Plan:
@@ -1668,12 +1690,18 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> 
                 stride_os=out.stride(0), stride_lh=lse.stride(0), total_q=total_q,
                 total_k=lens["total_k"], heads=heads, HQ=hq, O_IN_Q=_out_in_q(q, shared),
                 **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
-    programs = min(_sm_count(q.device), n_blocks * hq)
+    splits = _varlen_splits(n_blocks * hq, lens, shared, q.device)
+    if splits > 1:
+        # Partial states to float32 workspaces (rows H * D apart, lse rows total_q); the
+        # sink is added by the merge.
+        args.update(stride_os=hq * out.shape[-1], stride_lh=total_q, HAS_SINK=False)
+    programs = min(_sm_count(q.device), n_blocks * splits * hq)
     kernel = Launch(_fwd_sm90_varlen_kernel, (programs, ),
                     *positional(_fwd_sm90_varlen_kernel, 8, dict(args, stride_tb=0, PAGE_SIZE=0,
-                                                                 SPLITS=1)))
-    return Plan(_VarlenLaunch(plan_blocks, kernel, 1 + VARLEN_ITEM.value * n_blocks),
-                (*signature, "persistent varlen"))
+                                                                 SPLITS=splits)))
+    return Plan(_VarlenLaunch(plan_blocks, kernel, 1 + VARLEN_ITEM.value * n_blocks, splits),
+                (*signature, "persistent varlen") + ((f"{splits} splits", ) if splits > 1
+                                                      else ()))
 
 
 def _ring_bytes(q, shared, row_buffers) -> int:
@@ -1963,6 +1991,10 @@ PAGED_LIST_TILE = 4096
 # holds) splits each block's key tiles into 2-16 shares, an item each, and merges the
 # partial states (``_PagedVarlenRun``). NOTES.md, session 30.
 PAGED_SPLIT_KV = False
+# The same for packed varlen calls (attention_varlen, attention_with_kvcache's contiguous
+# chunked prefill), which then take the persistent varlen kernel with at most as many items
+# as SMs (``_varlen_ok``).
+VARLEN_SPLIT_KV = False
 _SPLIT_COUNTS = (2, 4, 8, 16)
 # A split takes at least this many key tiles.
 SPLIT_MIN_TILES = 4

@@ -616,13 +616,18 @@ def test_attn_fwd_sm90_tables_kept_within_their_budget(monkeypatch):
                  id="seqused_sink"),
     pytest.param(dict(window=(200, 0)), id="window"),
     pytest.param(dict(causal=True, hq=12, hkv=3, sections=True), id="head_sections"),
+    pytest.param(dict(causal=True, splits=True), id="key_splits"),
+    pytest.param(dict(window=(200, 0), used=[900, 300, 1000, 0, 64, 0, 3], sink=True,
+                      splits=True), id="key_splits_window_seqused_sink"),
 ])
 def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d, case):
     """The persistent varlen forward (row blocks listed on the device) against the float64
     reference, outputs NaN-poisoned: lengths off the 128-row and 64-row grids (tiles and Q
     halves that reach into the next sequence, halves stored from registers), empty
     sequences, a sequence with no key, GQA 4:1; and with the heads dealt in L2 sections
-    of 8 and 4 (the L2 budget made two kv heads' K/V)."""
+    of 8 and 4 (the L2 budget made two kv heads' K/V). ``splits``: the key-split experiment
+    (VARLEN_SPLIT_KV, off by default) with 2000 "SMs" and a tile a split, so that the call
+    takes 8 splits (many of them empty for the short sequences), merged by merge_splits."""
     from flashlse.kernels import fwd_sm90
 
     kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
@@ -634,8 +639,15 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
     lens_q, lens_k = [700, 0, 1300, 1, 129, 63, 65], [900, 300, 1300, 0, 129, 200, 70]
     if case.pop("sections", False):
         monkeypatch.setattr(fwd_sm90, "VARLEN_L2_BYTES", 2 * sum(lens_k) * 2 * d * 2)
+    want = "persistent varlen"
+    if case.pop("splits", False):
+        monkeypatch.setattr(fwd_sm90, "VARLEN_SPLIT_KV", True)
+        monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+        monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 2000)
+        fwd_sm90._PLANS.clear()
+        want = "8 splits"  # 25 row blocks (the bound) x 8 heads x 8 <= 2000; 11 key tiles
     _run_varlen(device, torch.bfloat16, lens_q, lens_k, hq, hkv, d, d, **case)
-    assert plans and all(p.signature[-1] == "persistent varlen" for p in plans)
+    assert plans and all(p.signature[-1] == want for p in plans)
 
 
 @pytest.mark.gpu
@@ -964,12 +976,12 @@ def test_attn_fwd_sm90_persistent_varlen_domain(monkeypatch):
     empty = functools.partial(torch.empty, dtype=torch.bfloat16)
     on = {"PERSISTENT_VARLEN": True}
 
-    def ok(q, k, override=on, total_k=None, batch=8, seqlen_q=4096):
+    def ok(q, k, override=on, total_k=None, batch=8, seqlen_q=4096, seqlen_k=None):
         cfg = fwd_sm90._config(q, override)
         shared = dict(BLOCK_N=cfg.block_n, STAGES=cfg.num_stages)
         lse = torch.empty(q.shape[1], q.shape[0])
         lens = dict(total_q=q.shape[0], total_k=k.shape[0] if total_k is None else total_k,
-                    seqlen_q=seqlen_q, seqlen_k=seqlen_q)
+                    seqlen_q=seqlen_q, seqlen_k=seqlen_k or seqlen_q)
         return fwd_sm90._varlen_ok(q, k, k, q, lse, shared, cfg, batch, lens)
 
     q, k = empty(16384, 16, 128), empty(16384, 4, 128)
@@ -985,6 +997,12 @@ def test_attn_fwd_sm90_persistent_varlen_domain(monkeypatch):
     # At most one item an SM (8 blocks x 16 heads = 128, x 17 heads = 136): the grid kernel.
     assert not ok(q, k, seqlen_q=100)
     assert ok(empty(16384, 17, 128), empty(16384, 1, 128), seqlen_q=100)
+    # Unless the key-split experiment splits it (VARLEN_SPLIT_KV: at most half the SMs'
+    # items, 4 key tiles a split): 64 items on 8 tiles of keys, 2 splits.
+    monkeypatch.setattr(fwd_sm90, "VARLEN_SPLIT_KV", True)
+    assert not ok(q, k, seqlen_q=100, seqlen_k=1024)  # 128 items: more than half
+    assert ok(empty(16384, 8, 128), k, seqlen_q=100, seqlen_k=1024)
+    assert not ok(empty(16384, 8, 128), k, seqlen_q=100, seqlen_k=896)  # 7 tiles
 
 
 
