@@ -2001,8 +2001,8 @@ SPLIT_MIN_TILES = 4
 
 
 def _split_count(items: int, key_tiles: int, n_sm: int) -> int:
-    """The key splits of a paged call of ``items`` (row blocks x heads, the host's bound)
-    whose sequences have at most ``key_tiles`` key tiles: the largest of ``_SPLIT_COUNTS``
+    """The key splits of a call of ``items`` (row blocks x heads, the host's bound) whose
+    sequences have at most ``key_tiles`` key tiles: the largest of ``_SPLIT_COUNTS``
     that keeps ``items x splits`` within the SMs and ``SPLIT_MIN_TILES`` tiles a split, or 1
     (no split) when the items fill more than half the SMs."""
     best = 1
@@ -2010,6 +2010,7 @@ def _split_count(items: int, key_tiles: int, n_sm: int) -> int:
         if items * n <= n_sm and key_tiles >= n * SPLIT_MIN_TILES:
             best = n
     return best
+
 
 # The arguments of the list and of the persistent varlen kernel that change per paged call.
 _BLOCKS_SIZED = ("batch", "total_q", "seqlen_q", "seqlen_k", "capacity")
