@@ -1232,7 +1232,9 @@ def _fwd_sm90_varlen_kernel(
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
     q_desc = tma.make_tensor_descriptor(q, [total_q, HQ * D], [stride_qs, 1], [HALF_M, D],
                                         q_layout)
-    split_rows = 0  # (the rows a split's partial states are apart; none read without splits)
+    # The rows a split's partial states are apart (0 without splits, where the consumers
+    # never read it: a constant keeps the shipped kernels' code as it was).
+    split_rows = 0
     if SPLITS > 1:  # (partial states are stored from registers: no descriptor of o)
         o_desc = q_desc
         split_rows = total_q
@@ -1600,8 +1602,9 @@ def _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens) -> bool:
     if total_k == 0 or max(total_q, total_k) >= 2**31 or lse.stride(1) != 1:
         return False
     items = _varlen_blocks(batch, total_q, lens["seqlen_q"]) * q.shape[-2]
-    if items >= 2**31 or items <= _sm_count(q.device) and _varlen_splits(items, lens, shared,
-                                                                          q.device) == 1:
+    if items >= 2**31:
+        return False
+    if items <= _sm_count(q.device) and _varlen_splits(items, lens, shared, q.device) == 1:
         return False
     if _ring_bytes(q, shared, 1) > SMEM_BYTES:
         return False
@@ -1662,11 +1665,7 @@ class _VarlenLaunch:
         if self.splits == 1:
             self.kernel(q, k, v, out, lse, sink, blocks, None)
             return
-        total_q, hq, d = out.shape
-        part_o = torch.empty((self.splits, total_q, hq, d), dtype=torch.float32,
-                             device=q.device)
-        part_lse = torch.empty((self.splits, hq, total_q), dtype=torch.float32,
-                               device=q.device)
+        part_o, part_lse = split_states(self.splits, out)
         self.kernel(q, k, v, part_o, part_lse, None, blocks, None)
         merge_splits(part_o, part_lse, sink, out, lse)
 
@@ -2027,11 +2026,12 @@ class _PagedVarlenRun:
     __slots__ = ("plan_blocks", "kernel", "hq", "page", "group", "kv_row_bytes", "n_sm",
                  "splits", "block_n")
 
-    def __init__(self, plan_blocks, kernel, hq, page, group, kv_row_bytes, n_sm, splits=None,
-                 block_n=128):
+    def __init__(self, plan_blocks, kernel, hq, page, group, kv_row_bytes, n_sm, splits,
+                 block_n):
         self.plan_blocks, self.kernel, self.hq, self.page = plan_blocks, kernel, hq, page
         self.group, self.kv_row_bytes, self.n_sm = group, kv_row_bytes, n_sm
-        self.splits, self.block_n = splits or {}, block_n
+        # (splits: the launch of each split count, PAGED_SPLIT_KV; empty when off)
+        self.splits, self.block_n = splits, block_n
 
     def __call__(self, q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k,
                  block_table, max_seqlen_q, max_seqlen_k) -> None:
@@ -2054,12 +2054,19 @@ class _PagedVarlenRun:
             return
         # Each split's partial state, then their merge into every row of out / lse: the rows
         # of sequences the list leaves out (decodes) are written after, by fwd.py's kernel.
-        hq, d = self.hq, out.shape[-1]
-        part_o = torch.empty((n, total_q, hq, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((n, hq, total_q), dtype=torch.float32, device=q.device)
-        self.splits[n]((min(self.n_sm, n_blocks * n * hq), ), (total_q, total_q, heads),
+        part_o, part_lse = split_states(n, out)
+        self.splits[n]((min(self.n_sm, n_blocks * n * self.hq), ), (total_q, total_q, heads),
                        q, k_cache, v_cache, part_o, part_lse, None, blocks, block_table)
         merge_splits(part_o, part_lse, sink, out, lse)
+
+
+def split_states(n: int, out):
+    """The float32 workspaces of ``n`` key splits' partial states for a varlen ``out
+    (total_q, H, D)``: ``(n, total_q, H, D)`` and ``(n, H, total_q)``, as the persistent
+    varlen kernel stores them with ``SPLITS = n`` (and :func:`merge_splits` reads them)."""
+    total_q, hq, d = out.shape
+    return (torch.empty((n, total_q, hq, d), dtype=torch.float32, device=out.device),
+            torch.empty((n, hq, total_q), dtype=torch.float32, device=out.device))
 
 
 def merge_splits(part_o, part_lse, sink, out, lse) -> None:

@@ -1070,48 +1070,89 @@ def test_fwd_sm90_key_split_shares_cover_each_tile_once():
                 taken += range(lo, lo + count)
             assert taken == list(range(n))
 
-@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("with_sink", [False, True], ids=["no_sink", "sink"])
-def test_fwd_sm90_merge_splits_gives_the_whole_attention(device, out_dtype, with_sink):
-    """The key-split experiment's merge (``fwd_sm90.merge_splits``, PAGED_SPLIT_KV): partial
-    states of key slices, as its kernel stores them (float32, ``(S, total_q, H, D)`` and
-    ``(S, H, total_q)``, an empty slice (0, -inf)), merged into out and a row-padded lse
-    with the sink added once, equal the whole causal attention's. Rows that see no key (the
-    first ``Sq - Sk``) get (0, -inf), or (0, sink). The split kernel itself runs on the GPU
-    only (tests/kernels/test_fwd_paged_sm90.py, its "split" form)."""
+def _merged_splits(device, q, k, v, sink, out_dtype, bounds):
+    """``fwd_sm90.merge_splits`` of the causal partial states of the key slices ``bounds``
+    (computed in float64, stored as the split kernel stores them: ``split_states``' float32
+    workspaces, an empty slice (0, -inf), a NaN score making its rows' state NaN), into a
+    NaN-poisoned out and a row-padded lse."""
     from flashlse.kernels import fwd_sm90
 
-    torch.manual_seed(0)
-    sq, sk, h, d = 37, 29, 3, 16
-    q, k, v = (torch.randn(n, h, d, dtype=torch.float64) for n in (sq, sk, sk))
-    sink = torch.randn(h, dtype=torch.float32) if with_sink else None
+    sq, h, d = q.shape
+    sk = k.shape[0]
     s = torch.einsum("ihd,jhd->hij", q, k) * d ** -0.5
     seen = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
-    bounds = [(0, 8), (8, 16), (16, 24), (24, 29), (32, 29)]  # the last one empty
-    part_o = torch.empty(len(bounds), sq, h, d)
-    part_lse = torch.empty(len(bounds), h, sq)
+    out = torch.full((sq, h, d), float("nan"), dtype=out_dtype, device=device)
+    lse = torch.full((h, sq + 3), float("nan"), device=device)[:, :sq]  # rows padded
+    part_o, part_lse = fwd_sm90.split_states(len(bounds), out)
     for i, (a, b) in enumerate(bounds):
         cols = (torch.arange(sk) >= a) & (torch.arange(sk) < b)
         masked = s.masked_fill(~(seen & cols)[None], float("-inf"))
-        lse = torch.logsumexp(masked, -1)
-        p = torch.exp(masked - lse[..., None]).nan_to_num(0.0)  # (rows of no key: 0)
+        part = torch.logsumexp(masked, -1)
+        p = torch.exp(masked - part[..., None])
+        p = torch.where(torch.isneginf(part)[..., None], 0.0, p)  # (rows of no key: 0)
         part_o[i] = torch.einsum("hij,jhd->ihd", p, v).float()
-        part_lse[i] = lse.float()
-    out = torch.full((sq, h, d), float("nan"), dtype=out_dtype, device=device)
-    lse = torch.full((h, sq + 3), float("nan"), device=device)[:, :sq]  # rows padded
-    fwd_sm90.merge_splits(part_o.to(device), part_lse.to(device),
-                          None if sink is None else sink.to(device), out, lse)
+        part_lse[i] = part.float()
+    fwd_sm90.merge_splits(part_o, part_lse, None if sink is None else sink.to(device), out,
+                          lse)
+    return out.cpu(), lse.cpu()
+
+
+# Key slices of 29 keys, the last one empty.
+SPLIT_BOUNDS = [(0, 8), (8, 16), (16, 24), (24, 29), (32, 29)]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("sink", ["none", "sink", "neginf_sink"])
+def test_fwd_sm90_merge_splits_gives_the_whole_attention(device, out_dtype, sink):
+    """The key-split experiment's merge (``fwd_sm90.merge_splits``; PAGED_SPLIT_KV,
+    VARLEN_SPLIT_KV): the splits' partial states merged into out and lse, the sink added
+    once, equal the whole causal attention's (float64 reference). Rows that see no key (the
+    first ``Sq - Sk``) get exactly (0, -inf), or (0, sink); a -inf sink is no sink, bit for
+    bit. The split kernel itself runs on the GPU only (test_fwd_paged_sm90.py's "split"
+    form, the persistent varlen test's key-split cases)."""
+    torch.manual_seed(0)
+    sq, sk, h, d = 37, 29, 3, 16
+    q, k, v = (torch.randn(n, h, d, dtype=torch.float64) for n in (sq, sk, sk))
+    sink_t = {"none": None, "sink": torch.randn(h),
+              "neginf_sink": torch.full((h, ), float("-inf"))}[sink]
+    out, lse = _merged_splits(device, q, k, v, sink_t, out_dtype, SPLIT_BOUNDS)
     want, want_lse = reference.attention(q[None], k[None], v[None], causal=True,
-                                         sink=sink, return_lse=True)
-    torch.testing.assert_close(out.cpu().double(), want[0],
+                                         sink=sink_t, return_lse=True)
+    torch.testing.assert_close(out.double(), want[0],
                                atol=2e-3 if out_dtype == torch.float16 else 1e-5, rtol=0)
-    torch.testing.assert_close(lse.cpu().double(), want_lse[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse[0], atol=1e-5, rtol=0)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     empty = sq - sk
     assert (out[:empty] == 0).all()
-    want_empty = (torch.full((h, empty), float("-inf")) if sink is None
-                  else sink[:, None].expand(h, empty))
-    assert torch.equal(lse[:, :empty].cpu(), want_empty)
+    want_empty = (sink_t[:, None].expand(h, empty) if sink == "sink"
+                  else torch.full((h, empty), float("-inf")))
+    assert torch.equal(lse[:, :empty], want_empty)
+    if sink == "neginf_sink":
+        plain = _merged_splits(device, q, k, v, None, out_dtype, SPLIT_BOUNDS)
+        assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
 
+
+def test_fwd_sm90_merge_splits_nan_reaches_exactly_the_rows_that_see_it(device):
+    """A NaN key (key 20 of head 1, in the third split) makes that split's state NaN on the
+    rows that see it; the merge gives NaN out and lse on exactly those rows (rows from
+    20 + Sq - Sk of head 1), as the reference, and every other row equals the clean merge
+    bit for bit: the NaN is neither dropped nor spread, and no row looks empty."""
+    torch.manual_seed(1)
+    sq, sk, h, d = 37, 29, 3, 16
+    q, k, v = (torch.randn(n, h, d, dtype=torch.float64) for n in (sq, sk, sk))
+    k_bad = k.clone()
+    k_bad[20, 1, 3] = float("nan")
+    clean = _merged_splits(device, q, k, v, None, torch.float32, SPLIT_BOUNDS)
+    out, lse = _merged_splits(device, q, k_bad, v, None, torch.float32, SPLIT_BOUNDS)
+    bad = torch.zeros(h, sq, dtype=torch.bool)
+    bad[1, 20 + sq - sk:] = True
+    want, want_lse = reference.attention(q[None], k_bad[None], v[None], causal=True,
+                                         return_lse=True)
+    assert torch.equal(torch.isnan(want_lse[0]), bad)
+    assert torch.equal(torch.isnan(lse), bad)
+    assert torch.equal(torch.isnan(out.transpose(0, 1)).any(-1), bad)
+    assert torch.equal(lse[~bad], clean[1][~bad])
+    assert torch.equal(out.transpose(0, 1)[~bad], clean[0].transpose(0, 1)[~bad])
 
 def test_attn_fwd_sm90_persistent_domain():
     """Which calls the persistent kernel takes (no device needed: ``_persistent_ok`` reads
