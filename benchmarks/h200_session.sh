@@ -335,6 +335,9 @@ if [ "$1" = split-kv ]; then
         > "$OUT/test_split_a.log" 2>&1 &
     timeout 240 python3 -m pytest -q $P -k "split and not matches_reference" \
         -p no:cacheprovider > "$OUT/test_split_b.log" 2>&1 &
+    # (session 30's kept dealing on every persistent case: NaN keys, sink edges)
+    timeout 240 python3 -m pytest -q $P -k "persistent" -p no:cacheprovider \
+        > "$OUT/test_split_p.log" 2>&1 &
     wait
     timeout 120 python3 -m pytest -q tests/kernels/test_fwd.py -k "key_splits or merge_splits" \
         -p no:cacheprovider > "$OUT/test_split_c.log" 2>&1
