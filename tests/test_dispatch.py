@@ -210,7 +210,7 @@ def test_forward_varlen_persistent_lists_the_blocks_then_walks_them(kernels, mon
 
 
 def test_forward_varlen_key_splits_then_merge(kernels, monkeypatch):
-    """``fwd_sm90.VARLEN_SPLIT_KV`` (an experiment, off by default): a call of at most half
+    """``fwd_sm90.VARLEN_SPLIT_KV`` (on): a call of at most half
     the SMs' items (6 blocks x 4 heads = 24 on 132 SMs) takes the persistent varlen kernel
     with key splits (``_split_count``: 4 x 24 <= 132, 4 key tiles of 400 keys, a tile a
     split), whose float32 partial states ``merge_states``' kernel merges into out and lse,

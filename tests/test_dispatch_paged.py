@@ -247,7 +247,7 @@ def test_persistent_paged_compile_failure_runs_the_portable_kernel(log, monkeypa
 
 
 def test_persistent_paged_key_splits_then_merge(log, monkeypatch):
-    """``fwd_sm90.PAGED_SPLIT_KV`` (an experiment, off by default): a call whose row blocks x
+    """``fwd_sm90.PAGED_SPLIT_KV`` (on): a call whose row blocks x
     heads fill at most half the SMs splits each block's key tiles (``_split_count``), the
     kernel writes float32 partial states of every split to workspaces (no sink: the merge
     adds it), ``merge_states``' kernel merges them into out / lse (lse through its

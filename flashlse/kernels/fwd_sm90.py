@@ -1985,18 +1985,22 @@ def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo, ba
 # Block-table entries the paged list reads a step (``_paged_lens``), over its sequences.
 PAGED_LIST_TILE = 4096
 
-# Experiment (not yet run on a GPU; off): a paged call whose row blocks x heads fill at most
-# half the SMs (a long context's chunk on few heads, as one GPU of a tensor-parallel model
-# holds) splits each block's key tiles into 2-16 shares, an item each, and merges the
-# partial states (``_PagedVarlenRun``). NOTES.md, session 30.
-PAGED_SPLIT_KV = False
+# Key splits (on since session 31, NOTES.md): a paged call whose row blocks x heads fill at
+# most half the SMs (a long context's chunk on few heads, as one GPU of a tensor-parallel
+# model holds) splits each block's key tiles into 2-16 shares, an item each, and merges the
+# partial states (``_PagedVarlenRun``). H200, 512 rows on a 64k cache, 8 / 2 heads: the
+# kernel 0.74 -> 0.21 ms (4 splits) plus a 4 us merge.
+PAGED_SPLIT_KV = True
 # The same for packed varlen calls (attention_varlen, attention_with_kvcache's contiguous
 # chunked prefill), which then take the persistent varlen kernel with at most as many items
 # as SMs (``_varlen_ok``).
-VARLEN_SPLIT_KV = False
+VARLEN_SPLIT_KV = True
 _SPLIT_COUNTS = (2, 4, 8, 16)
-# A split takes at least this many key tiles.
-SPLIT_MIN_TILES = 4
+# A split takes at least this many key tiles (4k keys at BLOCK_N = 128): a split costs the
+# call two workspaces and the merge's launch (~20-30 us of host and 4 us of GPU time on the
+# H200's hosts), which a shorter split would not earn back (B=1, 128 rows on a 4k cache split
+# 8 ways: 0.43 against 0.35 ms a host-bound public call, session 31).
+SPLIT_MIN_TILES = 32
 
 
 def _split_count(items: int, key_tiles: int, n_sm: int) -> int:

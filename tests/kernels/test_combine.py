@@ -104,10 +104,25 @@ def test_merge_all_empty(device):
 
 def test_merge_two_empty_states_with_sink(device):
     outs, lses = _states(2, (3, 4), 16, _dtypes()[0], device, empty_frac=1.0)
-    sink = torch.randn(4, device=device)
+    # (Logits up to ~30: where sink * log2(e) rounds, a fused base-2 pivot missed the sink.)
+    sink = torch.randn(4, device=device) * 10
     _, lse = _check(outs, lses, sink=sink)
     # No key at all: lse is exactly the sink.
     assert torch.equal(lse, sink.expand(3, 4))
+
+
+def test_merge_one_state_among_empty_keeps_it_bit_for_bit(device):
+    """A row whose states are all empty but one gets that state's (out, lse) exactly: its
+    weight is exactly 1 (the key-split merge relies on it: a split that holds all of a row's
+    keys, the rest empty, must give the unsplit kernel's result)."""
+    n, lead, d = 4, (6, 5), 32
+    outs = torch.randn(n, *lead, d, device=device)
+    lses = torch.randn(n, *lead, device=device) * 10
+    keep = torch.randint(0, n, lead, device=device)
+    lses[torch.arange(n, device=device)[:, None, None] != keep] = float("-inf")
+    out, lse = _check(outs, lses)
+    assert torch.equal(lse, lses.gather(0, keep[None])[0])
+    assert torch.equal(out, outs.gather(0, keep[None, ..., None].expand(1, *lead, d))[0])
 
 
 @pytest.mark.parametrize("sink_shape", [pytest.param((4,), id="per_head_last"),

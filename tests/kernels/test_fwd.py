@@ -625,8 +625,8 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
     reference, outputs NaN-poisoned: lengths off the 128-row and 64-row grids (tiles and Q
     halves that reach into the next sequence, halves stored from registers), empty
     sequences, a sequence with no key, GQA 4:1; and with the heads dealt in L2 sections
-    of 8 and 4 (the L2 budget made two kv heads' K/V). ``splits``: the key-split experiment
-    (VARLEN_SPLIT_KV, off by default) with 2000 "SMs" and a tile a split, so that the call
+    of 8 and 4 (the L2 budget made two kv heads' K/V). ``splits``: key splits
+    (VARLEN_SPLIT_KV) with 2000 "SMs" and a tile a split, so that the call
     takes 8 splits (many of them empty for the short sequences), merged by merge_splits."""
     from flashlse.kernels import fwd_sm90
 
@@ -997,9 +997,14 @@ def test_attn_fwd_sm90_persistent_varlen_domain(monkeypatch):
     # At most one item an SM (8 blocks x 16 heads = 128, x 17 heads = 136): the grid kernel.
     assert not ok(q, k, seqlen_q=100)
     assert ok(empty(16384, 17, 128), empty(16384, 1, 128), seqlen_q=100)
-    # Unless the key-split experiment splits it (VARLEN_SPLIT_KV: at most half the SMs'
-    # items, 4 key tiles a split): 64 items on 8 tiles of keys, 2 splits.
+    # Unless key splits split it (VARLEN_SPLIT_KV: at most half the SMs' items, at least
+    # SPLIT_MIN_TILES key tiles a split): by default 32, so 8 tiles of keys stay whole ...
     monkeypatch.setattr(fwd_sm90, "VARLEN_SPLIT_KV", True)
+    assert fwd_sm90.SPLIT_MIN_TILES == 32
+    assert not ok(empty(16384, 8, 128), k, seqlen_q=100, seqlen_k=1024)
+    assert ok(empty(16384, 8, 128), k, seqlen_q=100, seqlen_k=8192)  # 64 tiles: 2 splits
+    # ... and at 4 tiles a split, 64 items on 8 tiles of keys take 2 splits.
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 4)
     assert not ok(q, k, seqlen_q=100, seqlen_k=1024)  # 128 items: more than half
     assert ok(empty(16384, 8, 128), k, seqlen_q=100, seqlen_k=1024)
     assert not ok(empty(16384, 8, 128), k, seqlen_q=100, seqlen_k=896)  # 7 tiles
@@ -1104,7 +1109,7 @@ SPLIT_BOUNDS = [(0, 8), (8, 16), (16, 24), (24, 29), (32, 29)]
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("sink", ["none", "sink", "neginf_sink"])
 def test_fwd_sm90_merge_splits_gives_the_whole_attention(device, out_dtype, sink):
-    """The key-split experiment's merge (``fwd_sm90.merge_splits``; PAGED_SPLIT_KV,
+    """The key splits' merge (``fwd_sm90.merge_splits``; PAGED_SPLIT_KV,
     VARLEN_SPLIT_KV): the splits' partial states merged into out and lse, the sink added
     once, equal the whole causal attention's (float64 reference). Rows that see no key (the
     first ``Sq - Sk``) get exactly (0, -inf), or (0, sink); a -inf sink is no sink, bit for

@@ -51,7 +51,7 @@ def paged_form(request, monkeypatch):
     """Every case on each form of the Hopper paged forward: the persistent varlen kernel
     over the pages (``fwd_sm90.PAGED_PERSISTENT``, the default), the paged grid kernel
     (layouts the persistent one does not take), and the persistent kernel with key splits
-    (``PAGED_SPLIT_KV``, an experiment, off by default; here from one key tile a split, so
+    (``PAGED_SPLIT_KV``, on by default; here from one key tile a split, so
     that the tests' small calls split: empty splits, the diagonal in any split, decode rows
     written after the merge). Plans and kept launches are dropped: their keys leave the
     flags out."""
