@@ -286,7 +286,8 @@ class AttentionFunction(torch.autograd.Function):
 def _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
           left, right, softcap, scale, deterministic, kept=None):
     """``(out, lse)`` through the cheapest entry that keeps autograd and torch.compile right
-    (a dense call with a ``kept`` key, no grad, keeps its launch in ``_KEPT``)."""
+    (a call with a ``kept`` key, dense or packed varlen, no grad, keeps its launch in
+    ``_KEPT``)."""
     args = (q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
             left, right, softcap, scale, deterministic)
     if torch.compiler.is_compiling():
@@ -295,8 +296,9 @@ def _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         return AttentionFunction.apply(*args)
     if kept is not None:
         dispatch = kernel_module("dispatch")
-        out, lse, launch = dispatch.attn_fwd_launched(q, k, v, left=left, right=right,
-                                                      softcap=softcap, scale=scale, sink=sink)
+        out, lse, launch = dispatch.attn_fwd_launched(
+            q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink,
+            **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k))
         if len(_KEPT) >= _MAX_KEPT:
             _KEPT.clear()
         _KEPT[kept] = launch
@@ -333,14 +335,14 @@ def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, determi
             (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0)
 
 
-def _run_kept(kept, q, k, v, sink):
+def _run_kept(kept, q, k, v, sink, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None):
     """``(out, lse)`` by the launch kept for ``kept``, or None: none kept, or the Hopper
     kernel failed to compile (the launch dropped)."""
     launch = _KEPT.get(kept)
     if launch is None:
         return None
-    out, lse = kernel_module("fwd").new_outputs(q, v)
-    if launch(q, k, v, out, lse, sink, None, None, None):
+    out, lse = kernel_module("fwd").new_outputs(q, v, cu_seqlens_q)
+    if launch(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k):
         return out, lse
     _KEPT.pop(kept, None)
     return None
@@ -501,6 +503,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, seqused_k, block_table, causal, window,
                                        softcap, scale, sink, return_lse, deterministic)
+    kept = _varlen_kept_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_k, sink, causal, window, softcap, scale, return_lse,
+                            deterministic)
+    if kept is not None:
+        got = _run_kept(kept, q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        if got is not None:
+            return got if return_lse else got[0]
     left, right, softcap, scale, sink = validate_attention_args(
         q, k, v, sink, softcap, scale, window, causal, 3,
         ("(total_q, Hq, D)", "(total_k, Hkv, D)", "(total_k, Hkv, Dv)"))
@@ -528,8 +537,25 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                     f"seqused_k must satisfy 0 <= seqused_k[b] <= the length of key sequence b "
                     f"({lens.tolist()}), got {seqused_k.tolist()}")
     out, lse = _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     seqused_k, left, right, softcap, scale, deterministic)
+                     seqused_k, left, right, softcap, scale, deterministic, kept)
     return (out, lse) if return_lse else out
+
+
+def _varlen_kept_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                     sink, causal, window, softcap, scale, return_lse, deterministic):
+    """A packed varlen call's key in ``_KEPT`` (:func:`_kept_key`'s, with the length tensors'
+    metadata and both max lengths: the launch's grid and its plans are functions of them),
+    or None for a call that cannot take the kept path, and for any call whose value checks
+    run (the CPU path, ``value_checks(True)``): they read the lengths every call."""
+    if max_seqlen_q.__class__ is not int or max_seqlen_k.__class__ is not int or \
+            not isinstance(cu_seqlens_q, torch.Tensor) or \
+            not isinstance(cu_seqlens_k, torch.Tensor):
+        return None
+    key = _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, deterministic)
+    if key is None or V.values_checkable(cu_seqlens_q):
+        return None
+    lens = V.meta_key("varlen-kept", cu_seqlens_q, cu_seqlens_k, seqused_k)
+    return None if lens is None else (key, lens, max_seqlen_q, max_seqlen_k)
 
 
 def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

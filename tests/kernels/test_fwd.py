@@ -145,7 +145,12 @@ def test_attn_fwd_load_paths(device, kernel_opts, monkeypatch, use_tma, dtype):
 
 
 def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=False,
-                window=(None, None), used=None, sink=False, softcap=0.0, seed=0):
+                window=(None, None), used=None, sink=False, softcap=0.0, seed=0, public=None,
+                nan_q=None):
+    """The varlen forward on fresh inputs against the float64 reference and the torch
+    yardstick: the dispatcher's, or with ``public=(max_seqlen_q, max_seqlen_k)`` the public
+    ``attention_varlen`` without grad (value checks off, as on a GPU by default), a NaN
+    query row at ``nan_q`` (then unchecked). Returns out, lse."""
     gen = torch.Generator().manual_seed(seed)
     cu_q = torch.tensor([0, *torch.tensor(seqlens_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(seqlens_k).cumsum(0).tolist()], dtype=torch.int32)
@@ -157,10 +162,20 @@ def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=Fals
     cu_q, cu_k = cu_q.to(device), cu_k.to(device)
     scale = 1.0 / math.sqrt(d)
     left, right = _window(causal, window)
-    out, lse = dispatch.attn_fwd(q, k, v, left=left, right=right, softcap=softcap,
-                                 scale=scale, sink=sink_t, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                 max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-                                 seqused_k=seqused)
+    if public is None:
+        out, lse = dispatch.attn_fwd(q, k, v, left=left, right=right, softcap=softcap,
+                                     scale=scale, sink=sink_t, cu_seqlens_q=cu_q,
+                                     cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q),
+                                     max_seqlen_k=max(seqlens_k), seqused_k=seqused)
+    else:
+        if nan_q is not None:
+            q[nan_q] = float("nan")
+        with torch.no_grad(), fl.value_checks(False):
+            out, lse = fl.attention_varlen(q, k, v, cu_q, cu_k, *public, seqused_k=seqused,
+                                           causal=causal, window=window, softcap=softcap,
+                                           scale=scale, sink=sink_t, return_lse=True)
+        if nan_q is not None:
+            return out, lse
     assert out.shape == (q.shape[0], hq, dv) and lse.shape == (hq, q.shape[0])
     ref_out, ref_lse = reference.attention_varlen(
         q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k), seqused_k=seqused, causal=causal,
@@ -176,6 +191,51 @@ def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=Fals
         pt_lse.append(l_i[0])
     _check(out, lse, ref_out, ref_lse, torch.cat(pt_out, 0), torch.cat(pt_lse, 1),
            _atol(dtype))
+    return out, lse
+
+
+def test_attention_varlen_repeated_calls_launch_the_kept_launch(device, monkeypatch):
+    """A packed varlen forward without grad whose checks passed keeps its launch by its key
+    (the dense key, the length tensors' metadata, both max lengths); later calls of that key
+    launch it without the checks or the dispatcher: other sequence lengths (the same totals,
+    batch and max lengths; an empty query sequence) and values each call against the float64
+    reference, seqused_k and a sink; a NaN query row reaches exactly its own outputs. Another
+    max_seqlen_q is another key; value checks (the CPU's default) take the full path and
+    its errors."""
+    import importlib
+
+    attn_mod = importlib.import_module("flashlse.ops.attention")
+    attn_mod._KEPT.clear()
+    hits = []
+    real = attn_mod._run_kept
+    monkeypatch.setattr(attn_mod, "_run_kept", lambda *a: hits.append(real(*a)) or hits[-1])
+    lens_q = [[30, 18, 12], [12, 30, 18], [0, 30, 30]]
+    lens_k = [[45, 40, 5], [5, 45, 40], [45, 20, 25]]
+    used = [[40, 33, 5], [0, 45, 21], [45, 20, 1]]
+    kw = dict(causal=True, sink=True)
+    for seed in range(3):
+        _run_varlen(device, torch.float16, lens_q[seed], lens_k[seed], 4, 2, KEPT_D, KEPT_D,
+                    used=used[seed], seed=seed, public=(30, 45), **kw)
+    assert len(attn_mod._KEPT) == 1
+    assert hits[0] is None and all(h is not None for h in hits[1:]) and len(hits) == 3
+    out, lse = _run_varlen(device, torch.float16, lens_q[1], lens_k[1], 4, 2, KEPT_D, KEPT_D,
+                           used=used[1], seed=7, public=(30, 45), nan_q=(20, 3), **kw)
+    assert hits[-1] is not None
+    nan_out, nan_lse = torch.isnan(out), torch.isnan(lse)
+    assert nan_out[20, 3].all() and nan_lse[3, 20]
+    assert nan_out.sum() == out.shape[-1] and nan_lse.sum() == 1
+    _run_varlen(device, torch.float16, lens_q[0], lens_k[0], 4, 2, KEPT_D, KEPT_D,
+                used=used[0], seed=8, public=(31, 45), **kw)
+    assert hits[-1] is None and len(attn_mod._KEPT) == 2
+    if device == "cpu":  # value checks on: the full path, which reads cu_seqlens' values
+        q = torch.randn(60, 4, KEPT_D, dtype=torch.float16)
+        k = torch.randn(90, 2, KEPT_D, dtype=torch.float16)
+        cu_k = torch.tensor([0, 45, 85, 90], dtype=torch.int32)
+        bad = torch.tensor([0, 30, 20, 60], dtype=torch.int32)  # decreasing
+        n_hits = len(hits)
+        with torch.no_grad(), pytest.raises(ValueError, match="non-decreasing"):
+            fl.attention_varlen(q, k, k, bad, cu_k, 30, 45, causal=True)
+        assert len(hits) == n_hits
 
 
 
