@@ -387,10 +387,16 @@ def cases():
         consts.update(flags_)
         yield "mla", f"decode MLA sm90 (Gluon) {label}", decode_mla_sm90._mla_decode_kernel, \
             mla_types, consts, 4, 1
-    consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, PDL=True)
+    consts = dict(D=512, HAS_SINK=True, BLOCK_S=1, BLOCK_R=1, BLOCK_D=512, PDL=True, PAIR=False)
     yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
-        dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32,
+        dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32, outs_b=F32, lses_b=F32,
              **{f"stride_{t}": ("i32",) * 3 for t in "olkyz"}), consts, 1, 3
+    # merge's two states at two addresses (combine.merge_pair_fwd).
+    consts = dict(D=128, HAS_SINK=False, BLOCK_S=2, BLOCK_R=16, BLOCK_D=128, PDL=False,
+                  PAIR=True)
+    yield "combine", "combine pair D=128", combine._merge_states_fwd_kernel, \
+        dict(outs=BF16, lses=F32, sink=F32, out=BF16, lse=F32, outs_b=BF16, lses_b=F32,
+             **{f"stride_{t}": ("i32",) * 3 for t in "olkyz"}), consts, 4, 3
     # The sparse top-k backward (kernels/sparse.py) at issue 17's GQA shape: 8 heads a kv head.
     yield "sparse", "sparse bwd D=128 G=8", sparse._sparse_bwd_kernel, \
         dict(q=BF16, k=BF16, v=BF16, dout=BF16, indices=I32, lse_log2=F32, delta=F32, dq=BF16,

@@ -53,18 +53,31 @@ from ._common import LOG2E, Launch, cdiv, contiguous_strides, positional
 
 
 @triton.jit
-def _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S: tl.constexpr):
+def _state(base, base_b, i_s, j, N, stride_s, m_r, PAIR: tl.constexpr):
+    """State ``i_s + j``'s address and which rows it has: ``base`` plus ``i_s + j`` state
+    strides, or with ``PAIR`` (two states at two addresses, ``merge``'s; one step of two)
+    ``base`` for state 0 and ``base_b`` for state 1."""
+    if PAIR:
+        return base if j == 0 else base_b, m_r
+    return base + tl.cast(i_s + j, tl.int64) * stride_s, m_r & (i_s + j < N)
+
+
+@triton.jit
+def _merge_max_step(b_m, lses, lses_b, i_s, N, o_l, m_r, stride_ls, BLOCK_S: tl.constexpr,
+                    PAIR: tl.constexpr):
     """``max(b_m, max_s L_s)`` over states ``[i_s, i_s + BLOCK_S)``."""
     for j in tl.static_range(BLOCK_S):
+        p_l, m_s = _state(lses, lses_b, i_s, j, N, stride_ls, m_r, PAIR)
         # [BLOCK_R]
-        b_l = tl.load(lses + tl.cast(i_s + j, tl.int64) * stride_ls + o_l, mask=m_r & (i_s + j < N), other=float("-inf"))
+        b_l = tl.load(p_l + o_l, mask=m_s, other=float("-inf"))
         b_m = tl.maximum(b_m, b_l)
     return b_m
 
 
 @triton.jit
-def _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot,
-                    stride_ls, stride_os, stride_od, BLOCK_S: tl.constexpr):
+def _merge_sum_step(b_acc, b_sum, outs, lses, outs_b, lses_b, i_s, N, o_l, o_o, o_d, m_r, m_d,
+                    b_pivot, stride_ls, stride_os, stride_od, BLOCK_S: tl.constexpr,
+                    PAIR: tl.constexpr):
     """Adds ``w_s`` and ``w_s O_s`` of states ``[i_s, i_s + BLOCK_S)``; ``w_s == 0`` is not loaded.
 
     The states are unrolled, not a third tensor dim: their loads are independent (all in
@@ -75,12 +88,13 @@ def _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b
     state merged with empty ones, or a sink with empty states, keeps its lse bit for bit.
     """
     for j in tl.static_range(BLOCK_S):
-        o_s = tl.cast(i_s + j, tl.int64)
-        b_l = tl.load(lses + o_s * stride_ls + o_l, mask=m_r & (i_s + j < N), other=float("-inf"))
+        p_l, m_s = _state(lses, lses_b, i_s, j, N, stride_ls, m_r, PAIR)
+        b_l = tl.load(p_l + o_l, mask=m_s, other=float("-inf"))
         # [BLOCK_R]
         b_w = tl.exp2((b_l - b_pivot) * LOG2E)
         # [BLOCK_R, BLOCK_D]
-        p_o = outs + o_s * stride_os + o_o[:, None] + o_d[None, :] * stride_od
+        p_s, _ = _state(outs, outs_b, i_s, j, N, stride_os, m_r, PAIR)
+        p_o = p_s + o_o[:, None] + o_d[None, :] * stride_od
         b_o = tl.load(p_o, mask=(b_w > 0)[:, None] & m_d[None, :], other=0.0)
         b_acc += b_w[:, None] * b_o.to(tl.float32)
         b_sum += b_w
@@ -115,6 +129,8 @@ def _merge_states_fwd_kernel(
     sink,
     out,
     lse,
+    outs_b,
+    lses_b,
     N,
     R,
     R1,
@@ -130,6 +146,7 @@ def _merge_states_fwd_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
+    PAIR: tl.constexpr,
 ):
     if PDL:
         # Launched early behind the split-KV kernel (programmatic dependent launch): wait
@@ -148,7 +165,7 @@ def _merge_states_fwd_kernel(
     # 1/D of the outs traffic and keeps no per-state array in registers.
     b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     for i_s in tl.range(0, N, BLOCK_S):
-        b_m = _merge_max_step(b_m, lses, i_s, N, o_l, m_r, stride_ls, BLOCK_S)
+        b_m = _merge_max_step(b_m, lses, lses_b, i_s, N, o_l, m_r, stride_ls, BLOCK_S, PAIR)
     if HAS_SINK:
         b_sink = tl.load(sink + _row_offset(o_rows, stride_k), mask=m_r, other=float("-inf"))
         b_m = tl.maximum(b_m, b_sink)
@@ -160,7 +177,7 @@ def _merge_states_fwd_kernel(
     # [BLOCK_R, BLOCK_D]
     b_acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for i_s in tl.range(0, N, BLOCK_S):
-        b_acc, b_sum = _merge_sum_step(b_acc, b_sum, outs, lses, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot, stride_ls, stride_os, stride_od, BLOCK_S)
+        b_acc, b_sum = _merge_sum_step(b_acc, b_sum, outs, lses, outs_b, lses_b, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot, stride_ls, stride_os, stride_od, BLOCK_S, PAIR)
     if HAS_SINK:
         b_sum += tl.exp2((b_sink - b_pivot) * LOG2E)
     b_inv_sum = tl.where(b_sum == 0, 0.0, 1.0 / b_sum)
@@ -314,6 +331,49 @@ def merge_states_fwd(outs, lses, *, sink=None, out=None, lse_out=None):
     return out, lse_out
 
 
+def pair_plan(out_a, lse_a, out_b, lse_b):
+    """:func:`merge_pair_fwd`'s plan for fresh contiguous outputs, from ``_PLANS`` by the
+    four tensors' metadata or made and kept there: a ``pair`` launch, ``_EMPTY``, or
+    ``_COPY`` where the two states' strides or dtypes differ or the layout does not
+    coalesce (the states are then stacked)."""
+    key = ("pair", out_a.shape, out_a.stride(), out_a.dtype, out_a.device, lse_a.shape,
+           lse_a.stride(), out_b.stride(), out_b.dtype, lse_b.stride(), lse_b.dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if (out_b.stride(), out_b.dtype, lse_b.stride()) != (out_a.stride(), out_a.dtype,
+                                                             lse_a.stride()):
+            plan = _COPY
+        else:
+            lead = tuple(out_a.shape[:-1])
+            plan = _states_plan(out_a.unsqueeze(0), lse_a.unsqueeze(0), None, lead,
+                                contiguous_strides(lead + (out_a.shape[-1],)),
+                                contiguous_strides(lead), False, pair=True)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def pair_run(plan, out_a, lse_a, out_b, lse_b):
+    """Allocates ``out`` and ``lse`` and launches a :func:`pair_plan` plan other than
+    ``_COPY`` on two states of the metadata it was made for."""
+    out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty(out_a.shape[:-1], dtype=torch.float32, device=out_a.device)
+    if plan is not _EMPTY:
+        merge_run(plan, out_a, lse_a, None, out, lse, out_b, lse_b)
+    return out, lse
+
+
+def merge_pair_fwd(out_a, lse_a, out_b, lse_b):
+    """:func:`merge_states_fwd` of the two states ``(out_a, lse_a)`` and ``(out_b, lse_b)``
+    (``(..., D)`` and float32 ``(...)`` each) read where they are: stacking them first
+    would write and read both once more (7 passes over a state's bytes instead of 3)."""
+    plan = pair_plan(out_a, lse_a, out_b, lse_b)
+    if plan is _COPY:
+        return merge_states_fwd(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]))
+    return pair_run(plan, out_a, lse_a, out_b, lse_b)
+
+
 # Launch plans of merge_states_fwd by input metadata; cleared when full.
 _PLANS: dict = {}
 _MAX_PLANS = 4096
@@ -321,9 +381,11 @@ _MAX_PLANS = 4096
 _EMPTY, _COPY = object(), object()
 
 
-def _states_plan(outs, lses, sink, lead, st_out, st_lse, alias):
+def _states_plan(outs, lses, sink, lead, st_out, st_lse, alias, pair=False):
     """merge_states_fwd's launch plan for outputs of strides ``st_out`` / ``st_lse``, or
-    ``_EMPTY`` (no rows) / ``_COPY`` (the layout does not coalesce to three dims)."""
+    ``_EMPTY`` (no rows) / ``_COPY`` (the layout does not coalesce to three dims). ``pair``:
+    ``outs`` / ``lses`` are the first of two states at two addresses (``(1, ..., D)``
+    views), the second of the same strides (:func:`pair_plan`)."""
     r = 1
     for size in lead:
         r *= size
@@ -340,19 +402,22 @@ def _states_plan(outs, lses, sink, lead, st_out, st_lse, alias):
     sizes = [1] * pad + sizes
     strides = [[0] * pad + st for st in strides]
     st_k = strides[4] if sink_b is not None else [0, 0, 0]
-    return merge_plan(outs.shape[0], outs.shape[-1], outs.device, sink is not None, r=r,
+    return merge_plan(2 if pair else outs.shape[0], outs.shape[-1], outs.device,
+                      sink is not None, pair=pair, r=r,
                       r1=sizes[1], r2=sizes[2], st_os=outs.stride(0), st_o=strides[0],
                       st_od=outs.stride(-1), st_ls=lses.stride(0), st_l=strides[1], st_k=st_k,
                       st_y=strides[2], st_yd=st_out[-1], st_z=strides[3], alias=alias)
 
 
 def merge_plan(n, d, device, has_sink, *, r, r1, r2, st_os, st_o, st_od, st_ls, st_l, st_k,
-               st_y, st_yd, st_z, alias=False, pdl=False) -> Launch:
+               st_y, st_yd, st_z, alias=False, pdl=False, pair=False) -> Launch:
     """The merge of ``n`` states of ``d`` columns over ``r`` rows indexed ``(r0, r1, r2)``,
     one stride per index and tensor (``st_*``, three each) for outs, lses, sink, out and
     lse_out (``st_os`` / ``st_ls`` the state strides, ``st_od`` / ``st_yd`` the columns').
     ``kernels.decode`` plans it with the layout of its split partials, with ``pdl=True``
-    (sm90+, not the interpreter) to launch it while the decode kernel runs."""
+    (sm90+, not the interpreter) to launch it while the decode kernel runs. ``pair``: two
+    states at two addresses of the same strides (:func:`merge_pair_fwd`; ``n == 2``, the
+    state strides unused)."""
     cfg = configs.merge_config(n, r, d, alias, _num_sms(device))
     grid = (cdiv(r, cfg.block_m), cdiv(max(d, 1), cfg.block_d))
     kw = dict(
@@ -371,13 +436,16 @@ def merge_plan(n, d, device, has_sink, *, r, r1, r2, st_os, st_o, st_od, st_ls, 
         BLOCK_R=cfg.block_m,
         BLOCK_D=cfg.block_d,
         PDL=pdl,
+        PAIR=pair,
         **cfg.launch(),
     )
     if pdl:
         kw["launch_pdl"] = True
-    return Launch(_merge_states_fwd_kernel, grid, *positional(_merge_states_fwd_kernel, 5, kw))
+    return Launch(_merge_states_fwd_kernel, grid, *positional(_merge_states_fwd_kernel, 7, kw))
 
 
-def merge_run(plan: Launch, outs, lses, sink, out, lse_out) -> None:
-    """Launches a :func:`merge_plan` on these tensors; no checks."""
-    plan(outs, lses, lses if sink is None else sink, out, lse_out)
+def merge_run(plan: Launch, outs, lses, sink, out, lse_out, outs_b=None, lses_b=None) -> None:
+    """Launches a :func:`merge_plan` on these tensors (a ``pair`` plan: state 0 in ``outs`` /
+    ``lses``, state 1 in ``outs_b`` / ``lses_b``); no checks."""
+    plan(outs, lses, lses if sink is None else sink, out, lse_out,
+         outs if outs_b is None else outs_b, lses if lses_b is None else lses_b)

@@ -172,6 +172,9 @@ def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor |
 # full path.
 _KEPT: dict = {}
 _MAX_KEPT = 1024
+# ``merge``'s: a call whose key (``_pair_key``) passed every check before launches its
+# kept pair plan (``combine.pair_plan``) at once.
+_PAIR_KEPT: dict = {}
 
 
 def _kept_key(outs, lses, sink, layout):
@@ -215,6 +218,13 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     Returns:
         ``(out (..., D), lse (...))`` as :func:`merge_states`.
     """
+    kept = _pair_key(out_a, lse_a, out_b, lse_b, layout)
+    if kept is not None and (hit := _PAIR_KEPT.get(kept)) is not None:
+        plan, flash = hit
+        # (The plan holds the strides of the flash layout's transposed lses; a launch reads
+        # only the tensors' addresses, which the views share.)
+        out, lse = kernel_module("combine").pair_run(plan, out_a, lse_a, out_b, lse_b)
+        return (out, lse.transpose(-1, -2)) if flash else (out, lse)
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -228,4 +238,45 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
     if len(devices) > 1:
         raise ValueError(f"the two states must be on one device, got {sorted(map(str, devices))}")
-    return merge_states(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]), layout=layout)
+    if not use_triton(out_a) or V.needs_grad(out_a, lse_a, out_b, lse_b):
+        return merge_states(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]),
+                            layout=layout)
+    # The kernel reads both states where they are (no stacked copy): merge_states' checks
+    # on each, through (1, ..., D) views.
+    a, b = (out_a.unsqueeze(0), lse_a.unsqueeze(0)), (out_b.unsqueeze(0), lse_b.unsqueeze(0))
+    flash = _resolve_layout(*a, layout) == "flash"
+    if flash:
+        lse_a, lse_b = lse_a.transpose(-1, -2), lse_b.transpose(-1, -2)
+        a, b = (a[0], lse_a.unsqueeze(0)), (b[0], lse_b.unsqueeze(0))
+    for outs, lses in (a, b):
+        validate_states(outs, lses, None)
+        _check_canonical(lses)
+    combine = kernel_module("combine")
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    plan = combine.pair_plan(out_a, lse_a, out_b, lse_b)
+    if plan is combine._COPY:
+        out, lse = combine.merge_states_fwd(torch.stack([out_a, out_b]),
+                                            torch.stack([lse_a, lse_b]))
+    else:
+        out, lse = combine.pair_run(plan, out_a, lse_a, out_b, lse_b)
+        if kept is not None:
+            # Every check passed: later calls of this key launch the plan at once.
+            if len(_PAIR_KEPT) >= _MAX_KEPT:
+                _PAIR_KEPT.clear()
+            _PAIR_KEPT[kept] = (plan, flash)
+    return (out, lse.transpose(-1, -2)) if flash else (out, lse)
+
+
+def _pair_key(out_a, lse_a, out_b, lse_b, layout):
+    """``merge``'s key in ``_KEPT`` (the four tensors' metadata and the layout argument), or
+    None for a call that cannot take the kept path: value checks (the CPU's default, or
+    asked for: they read the lses), grad, the PyTorch path, float lses other than float32."""
+    if not (V.KEEP_PLANS and (layout is None or layout.__class__ is str)) or \
+            lse_a.__class__ is not torch.Tensor or lse_b.__class__ is not torch.Tensor or \
+            lse_a.dtype != torch.float32 or lse_b.dtype != torch.float32 or \
+            V.values_checkable(lse_a):
+        return None
+    key = V.meta_key("merge-pair", out_a, lse_a, out_b, lse_b)
+    if key is None or not use_triton(out_a) or V.needs_grad(out_a, lse_a, out_b, lse_b):
+        return None
+    return key, layout

@@ -281,3 +281,78 @@ def test_merge_states_repeated_calls_launch_the_kept_plan(device, layout):
     with fl.value_checks(False):
         out_g, _ = fl.merge_states(g, arg, layout=layout)
     assert out_g.requires_grad
+
+
+@pytest.mark.parametrize("layout", ["rows", "flash"])
+def test_merge_of_two_states_reads_them_in_place_and_keeps_its_plan(device, layout,
+                                                                    monkeypatch):
+    """``fl.merge`` of two states launches the pair kernel on the states where they are
+    (``combine.merge_pair_fwd``: no stacked copy) and keeps its plan (ops/merge._PAIR_KEPT)
+    for later calls of that metadata (value checks off, as on a GPU by default): fresh
+    values each call, empty rows in both states, a zero-weight state's out NaN, against the
+    float64 reference; the flash layout's lse comes back (B, H, Sq). A NaN lse reaches
+    exactly its row; value checks (a +inf lse) and grad take the full path; states of
+    different strides are merged stacked."""
+    import importlib
+
+    import flashlse as fl
+
+    merge_mod = importlib.import_module("flashlse.ops.merge")
+    merge_mod._PAIR_KEPT.clear()
+    b, sq, h, d = 2, 3, 4, 32
+    flash = layout == "flash"
+    stacked = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacked.append(1) or real_stack(*a, **k))
+    for _ in range(3):
+        outs, lses = _states(2, (b, sq, h), d, _dtypes()[0], device)  # rows: (2, B, Sq, H)
+        clean = _poison_zero_weight(outs, lses)
+        want_out, want_lse = reference.merge_states(clean, lses)
+        args = [lses[i].transpose(-1, -2) if flash else lses[i] for i in (0, 1)]
+        with fl.value_checks(False):
+            out, lse = fl.merge(outs[0], args[0], outs[1], args[1], layout=layout)
+        if flash:
+            assert lse.shape == (b, h, sq)
+            lse = lse.transpose(-1, -2)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+        atol = ATOL[outs.dtype]
+        torch.testing.assert_close(out.double(), want_out, atol=atol, rtol=atol)
+        fin = torch.isfinite(want_lse)
+        torch.testing.assert_close(lse.double()[fin], want_lse[fin], atol=1e-5, rtol=1e-5)
+    assert not stacked and len(merge_mod._PAIR_KEPT) == 1
+    lse_nan = lses[0].clone()
+    lse_nan[0, 0, 0] = float("nan")
+    with fl.value_checks(False):
+        out_n, lse_n = fl.merge(outs[0], lse_nan.transpose(-1, -2) if flash else lse_nan,
+                                outs[1], args[1], layout=layout)
+    lse_n = lse_n.transpose(-1, -2) if flash else lse_n
+    nan_row = torch.zeros(b, sq, h, dtype=torch.bool, device=lse_n.device)
+    nan_row[0, 0, 0] = True
+    assert torch.equal(torch.isnan(lse_n), nan_row)
+    assert torch.equal(torch.isnan(out_n).all(-1), nan_row) and not torch.isnan(
+        out_n[~nan_row]).any()
+    bad = args[0].clone()
+    bad[0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"\+inf/NaN"), fl.value_checks():
+        fl.merge(outs[0], bad, outs[1], args[1], layout=layout)
+    g = outs[0].float().clone().requires_grad_()
+    with fl.value_checks(False):
+        out_g, _ = fl.merge(g, args[0], outs[1].float(), args[1], layout=layout)
+    assert out_g.requires_grad
+    # State b in another memory order (its lse a contiguous copy of a transposed view, or
+    # the other way round): the strides differ, the states are stacked, the result the same.
+    other = args[1].contiguous() if flash else args[1].transpose(-1, -2).contiguous(
+    ).transpose(-1, -2)
+    assert other.stride() != args[1].stride()
+    stacked.clear()
+    with fl.value_checks(False):
+        out_s, lse_s = fl.merge(outs[0], args[0], outs[1], other, layout=layout)
+    assert stacked
+    lse_s = lse_s.transpose(-1, -2) if flash else lse_s
+    clean_last = outs.clone()
+    clean_last[torch.isneginf(lses)] = 0
+    ref_out, ref_lse = reference.merge_states(clean_last, lses)
+    atol = ATOL[outs.dtype]
+    torch.testing.assert_close(out_s.double(), ref_out, atol=atol, rtol=atol)
+    assert torch.equal(torch.isneginf(lse_s), torch.isneginf(ref_lse))
