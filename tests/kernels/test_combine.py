@@ -229,6 +229,30 @@ def test_merge_real_size(n):
     _check(outs, lses, sink=sink)
 
 
+def _check_public(out, lse, want_out, want_lse, dtype, flash):
+    """A public merge's result (the flash layout's lse ``(B, H, Sq)``) against the float64
+    reference's rows-layout one."""
+    if flash:
+        assert lse.shape == want_lse.shape[:-2] + want_lse.shape[-2:][::-1]
+        lse = lse.transpose(-1, -2)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(out.double(), want_out, atol=ATOL[dtype], rtol=ATOL[dtype])
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[fin], want_lse[fin], atol=1e-5, rtol=1e-5)
+
+
+def _check_nan_row(out, lse, flash):
+    """Row (0, 0, 0) of a merge whose first state's lse is NaN there: NaN in that row's lse
+    and whole out row, nowhere else."""
+    lse = lse.transpose(-1, -2) if flash else lse
+    nan_row = torch.zeros(lse.shape, dtype=torch.bool, device=lse.device)
+    nan_row[0, 0, 0] = True
+    assert torch.equal(torch.isnan(lse), nan_row)
+    assert torch.equal(torch.isnan(out).all(-1), nan_row) and not torch.isnan(
+        out[~nan_row]).any()
+
+
 @pytest.mark.parametrize("layout", ["rows", "flash", None])
 def test_merge_states_repeated_calls_launch_the_kept_plan(device, layout):
     """``fl.merge_states`` keeps the merge plan of a sink-free call that passed every check
@@ -251,15 +275,7 @@ def test_merge_states_repeated_calls_launch_the_kept_plan(device, layout):
         arg = lses.transpose(-1, -2) if flash else lses  # flash: (N, B, H, Sq), a view
         with fl.value_checks(False):
             out, lse = fl.merge_states(outs, arg, layout=layout)
-        if flash:
-            assert lse.shape == (b, h, sq)
-            lse = lse.transpose(-1, -2)
-        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
-        atol = ATOL[outs.dtype]
-        torch.testing.assert_close(out.double(), want_out, atol=atol, rtol=atol)
-        fin = torch.isfinite(want_lse)
-        torch.testing.assert_close(lse.double()[fin], want_lse[fin], atol=1e-5, rtol=1e-5)
+        _check_public(out, lse, want_out, want_lse, outs.dtype, flash)
     assert len(merge_mod._KEPT) == 1
     # A NaN lse (value checks off) reaches exactly its row on the kept path too.
     lses_nan = lses.clone()
@@ -267,12 +283,7 @@ def test_merge_states_repeated_calls_launch_the_kept_plan(device, layout):
     with fl.value_checks(False):
         out_n, lse_n = fl.merge_states(outs, lses_nan.transpose(-1, -2) if flash else lses_nan,
                                        layout=layout)
-    lse_n = lse_n.transpose(-1, -2) if flash else lse_n
-    nan_row = torch.zeros(b, sq, h, dtype=torch.bool, device=lse_n.device)
-    nan_row[0, 0, 0] = True
-    assert torch.equal(torch.isnan(lse_n), nan_row)
-    assert torch.equal(torch.isnan(out_n).all(-1), nan_row) and not torch.isnan(
-        out_n[~nan_row]).any()
+    _check_nan_row(out_n, lse_n, flash)
     bad = arg.clone()
     bad[0, 0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"\+inf/NaN"), fl.value_checks():
@@ -311,27 +322,14 @@ def test_merge_of_two_states_reads_them_in_place_and_keeps_its_plan(device, layo
         args = [lses[i].transpose(-1, -2) if flash else lses[i] for i in (0, 1)]
         with fl.value_checks(False):
             out, lse = fl.merge(outs[0], args[0], outs[1], args[1], layout=layout)
-        if flash:
-            assert lse.shape == (b, h, sq)
-            lse = lse.transpose(-1, -2)
-        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-        assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
-        atol = ATOL[outs.dtype]
-        torch.testing.assert_close(out.double(), want_out, atol=atol, rtol=atol)
-        fin = torch.isfinite(want_lse)
-        torch.testing.assert_close(lse.double()[fin], want_lse[fin], atol=1e-5, rtol=1e-5)
+        _check_public(out, lse, want_out, want_lse, outs.dtype, flash)
     assert not stacked and len(merge_mod._PAIR_KEPT) == 1
     lse_nan = lses[0].clone()
     lse_nan[0, 0, 0] = float("nan")
     with fl.value_checks(False):
         out_n, lse_n = fl.merge(outs[0], lse_nan.transpose(-1, -2) if flash else lse_nan,
                                 outs[1], args[1], layout=layout)
-    lse_n = lse_n.transpose(-1, -2) if flash else lse_n
-    nan_row = torch.zeros(b, sq, h, dtype=torch.bool, device=lse_n.device)
-    nan_row[0, 0, 0] = True
-    assert torch.equal(torch.isnan(lse_n), nan_row)
-    assert torch.equal(torch.isnan(out_n).all(-1), nan_row) and not torch.isnan(
-        out_n[~nan_row]).any()
+    _check_nan_row(out_n, lse_n, flash)
     bad = args[0].clone()
     bad[0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"\+inf/NaN"), fl.value_checks():
