@@ -1,5 +1,6 @@
-"""Merge bandwidth: the public ``flashlse.merge_states`` merging N states of 256 MB in total
-(``--kernel-only``: the launcher ``kernels.combine.merge_states_fwd``).
+"""Merge bandwidth: the public ``flashlse.merge_states`` merging N states of 256 MB in total,
+and at N = 2 the public ``flashlse.merge`` of two separate tensors (``--kernel-only``: the
+launcher ``kernels.combine.merge_states_fwd`` alone).
 
 Bandwidth = (bytes of the N outs and lses read + bytes of out and lse written) / time,
 against a device-to-device copy (bytes read plus written) measured in the same process,
@@ -73,8 +74,18 @@ def main():
             merge = merge_states_fwd if args.kernel_only else fl.merge_states
             ms = bench(lambda outs=outs, lses=lses, merge=merge: merge(outs, lses))
             ms_t = bench(lambda outs=outs, lses=lses: torch_merge(outs, lses))
-            rows.append(dict(n=n, d=d, rows=r, ms=ms, gbs=nbytes / ms / 1e6, torch_ms=ms_t,
-                             torch_gbs=nbytes / ms_t / 1e6, maxdiff=maxdiff))
+            row = dict(n=n, d=d, rows=r, ms=ms, gbs=nbytes / ms / 1e6, torch_ms=ms_t,
+                       torch_gbs=nbytes / ms_t / 1e6, maxdiff=maxdiff)
+            if n == 2 and not args.kernel_only:
+                # The public two-state ``merge`` of two separate tensors (read in place, not
+                # stacked first): the same bytes as merge_states' N = 2.
+                pa, pb = (outs[0].clone(), lses[0].clone()), (outs[1].clone(), lses[1].clone())
+                pair = functools.partial(fl.merge, *pa, *pb, layout="rows")
+                diff = float((pair()[0].float() - out.float()).abs().max())
+                ms_p = bench(pair)
+                row.update(pair_ms=ms_p, pair_gbs=nbytes / ms_p / 1e6, pair_maxdiff=diff)
+                del pa, pb
+            rows.append(row)
             del outs, lses
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "merge.json"), "w") as f:
@@ -84,6 +95,10 @@ def main():
           f"torch {torch.__version__}, triton {triton.__version__} | {r['gbs']:.0f} GB/s "
           f"({r['gbs'] / copy_gbs:.2f}x copy {copy_gbs:.0f}); eager torch {r['torch_gbs']:.0f} |"
           for r in rows]
+    md += [f"| {date} | merge (two tensors) | D={r['d']} bf16, 256 MB of states | {dev} | "
+           f"torch {torch.__version__}, triton {triton.__version__} | {r['pair_gbs']:.0f} GB/s "
+           f"({r['pair_gbs'] / copy_gbs:.2f}x copy {copy_gbs:.0f}) |"
+           for r in rows if "pair_gbs" in r]
     with open(os.path.join(args.out, "merge_rows.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print(f"\nmerge: {dev} torch {torch.__version__} triton {triton.__version__} "
@@ -91,6 +106,9 @@ def main():
     for r in rows:
         print(f"N={r['n']} D={r['d']:>3}  {r['gbs']:6.0f} GB/s  {r['gbs'] / copy_gbs:.2f}x copy  "
               f"torch eager {r['torch_gbs']:6.0f} GB/s  maxdiff {r['maxdiff']:.2e}")
+        if "pair_gbs" in r:
+            print(f"  merge of two tensors: {r['pair_gbs']:6.0f} GB/s  "
+                  f"{r['pair_gbs'] / copy_gbs:.2f}x copy  vs merge_states {r['pair_maxdiff']:.1e}")
 
 
 if __name__ == "__main__":

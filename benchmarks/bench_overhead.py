@@ -150,6 +150,13 @@ def merge_call(shape, dtype):
     return lambda: fl.merge_states(outs, lses)
 
 
+def merge_pair_call(shape, dtype):
+    """``fl.merge`` of two separate states (read in place by the pair kernel)."""
+    a, b = (randn(*shape[1:], dtype=dtype) for _ in range(2))
+    la, lb = (randn(*shape[1:-1], dtype=torch.float32) * 3 for _ in range(2))
+    return lambda: fl.merge(a, la, b, lb, layout="rows")
+
+
 def fwd_call(b, s, h):
     q, k, v = (randn(b, s, h, D) for _ in range(3))
     return lambda: fl.attention(q, k, v, causal=True)
@@ -233,6 +240,9 @@ def cases(kinds):
             name = str(dtype).replace("torch.", "")
             out.append(Case("merge", f"N={shape[0]} x ({rows} rows, {shape[-1]}) {name}",
                             functools.partial(merge_call, shape, dtype)))
+            if shape[0] == 2:
+                out.append(Case("merge", f"fl.merge of two ({rows} rows, {shape[-1]}) {name}",
+                                functools.partial(merge_pair_call, shape, dtype)))
     for kind, call in (("fwd", fwd_call), ("fwdbwd", fwdbwd_call),
                        ("fwdbwd_1t", functools.partial(fwdbwd_call, threads=False))):
         if kind in kinds:

@@ -42,9 +42,13 @@
 #   bash benchmarks/h200_session.sh paged-next # chunked prefill at 8k and at a 64k context
 #                                                (32 and 8 query heads: one GPU of TP = 4),
 #                                                the paged steps' host time
-#   bash benchmarks/h200_session.sh split-kv   # key splits for few-item forwards (experiment,
-#                                                fwd_sm90.PAGED_SPLIT_KV / VARLEN_SPLIT_KV):
+#   bash benchmarks/h200_session.sh split-kv   # key splits for few-item forwards
+#                                                (fwd_sm90.PAGED_SPLIT_KV / VARLEN_SPLIT_KV):
 #                                                GPU tests, memcheck, bench_serving A/B
+#   bash benchmarks/h200_session.sh s31        # session 31's host-side changes not yet run on
+#                                                a GPU: the merge's pair kernel and kept plan,
+#                                                attention_varlen's kept launch; bench_merge,
+#                                                bench_overhead merge / varlen, the split rows
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -63,7 +67,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -354,6 +358,29 @@ if [ "$1" = split-kv ]; then
     # The contiguous cache's rows (packed varlen form, VARLEN_SPLIT_KV).
     timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.VARLEN_SPLIT_KV \
         --shape 1,512,65536 --heads 8,2 2>&1 | grep "contiguous" | cut -c1-120
+    exit 0
+fi
+if [ "$1" = s31 ]; then
+    # NOTES session 31: fl.merge's pair kernel (PAIR) and kept plan, the merge pivot in
+    # natural units (the decode's combine too), attention_varlen's kept launch: their GPU
+    # tests (sync-debug and CUDA graphs among them), then the public figures.
+    K=tests/kernels
+    timeout 240 python3 -m pytest -q $K/test_combine.py $K/test_sync_free.py \
+        $K/test_cuda_graphs.py -p no:cacheprovider > "$OUT/test_s31_a.log" 2>&1 &
+    timeout 240 python3 -m pytest -q $K/test_decode.py $K/test_fwd.py -k "kept or decode" \
+        -p no:cacheprovider > "$OUT/test_s31_b.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_s31_*.log | head
+    timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
+    timeout 120 python3 benchmarks/bench_overhead.py --functions merge,varlen --out "$OUT" \
+        2>&1 | tail -8
+    # The split rows, flags on: the 64k chunk at 8 / 2 heads (4 splits), and 128 rows on 4k
+    # (no split since SPLIT_MIN_TILES = 32: on and off should read alike).
+    for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,128,4096 --heads 8,2"; do
+        timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_SPLIT_KV $args \
+            2>&1 | grep "serving prefill\|paged [0-9]* (\|contiguous\|dense kernel"
+    done
     exit 0
 fi
 if [ "$1" = paged-next ]; then
