@@ -91,7 +91,7 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     chunk. A page out of range ends its sequence there: it and later pages hold no key."""
     dispatch = kernel_module("dispatch")
     b, sq, hq, d = q.shape
-    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * sq
+    cu_q = _starts(b, sq, q.device)
     used = None if lens is None else (lens + s_new if s_new else lens)
     capacity = 0 if block_table is None else block_table.shape[1] * k_cache.shape[1]
     if block_table is not None and (
@@ -107,13 +107,21 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
         smax = k.shape[0] // max(b, 1)
     else:
         smax = k_cache.shape[1]
-        cu_k = torch.arange(b + 1, dtype=torch.int32, device=q.device) * smax
+        cu_k = _starts(b, smax, q.device)
         k, v = k_cache.reshape(b * smax, *k_cache.shape[2:]), v_cache.reshape(
             b * smax, *v_cache.shape[2:])
     out, lse = dispatch.attn_fwd(
         q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
+
+
+def _starts(b: int, step: int, device) -> torch.Tensor:
+    """``[0, step, ..., b * step]`` int32, the rows' starts of ``b`` sequences of ``step``
+    rows: one launch (an arange times ``step`` is two)."""
+    if step == 0:
+        return torch.zeros(b + 1, dtype=torch.int32, device=device)
+    return torch.arange(0, (b + 1) * step, step, dtype=torch.int32, device=device)
 
 
 def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw):
