@@ -71,6 +71,10 @@ def main():
         rows.append((f"{label} [off]", t_off, t_dense))
 
     rows.append(("fl.attention (dense kernel, same work)", median_ms(dense, SMOKE), None))
+    if FLAG is not None:
+        # The dense call itself with the flag on and off (a flag of the dense path:
+        # fwd_sm90.DENSE_SPLIT_KV), against the dense call as it runs by default.
+        timed("fl.attention, the dense call", dense)
     call = lambda: fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=True)
     err = float((call().float() - ref.float()).abs().max())
     timed(f"attention_with_kvcache contiguous (max diff {err:.1e})", call)

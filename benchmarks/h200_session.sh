@@ -367,8 +367,8 @@ if [ "$1" = s31 ]; then
     K=tests/kernels
     timeout 240 python3 -m pytest -q $K/test_combine.py $K/test_sync_free.py \
         $K/test_cuda_graphs.py -p no:cacheprovider > "$OUT/test_s31_a.log" 2>&1 &
-    timeout 240 python3 -m pytest -q $K/test_decode.py $K/test_fwd.py -k "kept or decode" \
-        -p no:cacheprovider > "$OUT/test_s31_b.log" 2>&1 &
+    timeout 240 python3 -m pytest -q $K/test_decode.py $K/test_fwd.py \
+        -k "kept or decode or dense_key_splits" -p no:cacheprovider > "$OUT/test_s31_b.log" 2>&1 &
     wait
     for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_s31_*.log | head
@@ -381,6 +381,9 @@ if [ "$1" = s31 ]; then
         timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_SPLIT_KV $args \
             2>&1 | grep "serving prefill\|paged [0-9]* (\|contiguous\|dense kernel"
     done
+    # The dense experiment (DENSE_SPLIT_KV, off): fl.attention on the 64k chunk at 8 / 2 heads.
+    timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.DENSE_SPLIT_KV \
+        --shape 1,512,65536 --heads 8,2 2>&1 | grep "fl.attention"
     exit 0
 fi
 if [ "$1" = paged-next ]; then

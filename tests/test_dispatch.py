@@ -238,6 +238,50 @@ def test_forward_varlen_key_splits_then_merge(kernels, monkeypatch):
     assert fwd_sm90._PLANS and all(
         p.signature[-1] == "4 splits" for p in fwd_sm90._PLANS.values() if p is not None)
 
+def test_dense_forward_key_splits_then_merge(kernels, monkeypatch):
+    """``fwd_sm90.DENSE_SPLIT_KV`` (an experiment, off by default): a dense call of at most
+    half the SMs' items (2 batches x 3 row blocks x 4 heads = 24 on 132 SMs) runs as packed
+    sequences of equal lengths on the persistent varlen kernel with key splits (4 x 24 <=
+    132, 3 key tiles of 333 keys, a tile a split: at most 3, so 2): the list reads cu_seqlens
+    of [0, 300, 600] and [0, 333, 666], the kernel q, k, v as rows, and the merge writes the
+    dense out (B, Sq, H, D) and lse (B, H, Sq) through its transpose, the sink once. Off,
+    or with keys too short to split, the dense kernels run as before."""
+    from flashlse.kernels import combine
+
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(combine, "_merge_states_fwd_kernel",
+                        _Kernel("merge", kernels.log, combine._merge_states_fwd_kernel))
+    q, k, v, kw = _dense()
+    fwd_sm90._PLANS.clear()
+    dispatch.attn_fwd(q, k, v, **kw)
+    assert "merge" not in kernels.names()  # the flag is off
+    kernels.log.clear()
+    monkeypatch.setattr(fwd_sm90, "DENSE_SPLIT_KV", True)
+    fwd_sm90._PLANS.clear()
+    out, lse = dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["varlen_blocks", "fwd_sm90_varlen", "merge"]
+    blocks, run, merge = kernels.log
+    assert blocks.args[0].tolist() == [0, 300, 600] and blocks.args[1].tolist() == [0, 333, 666]
+    assert run.named["SPLITS"] == 2 and run.grid == (2 * 24, 1, 1)
+    assert run.args[0].shape == (600, 4, 128) and run.args[0].data_ptr() == q.data_ptr()
+    assert run.args[1].shape == (666, 2, 128) and run.args[1].data_ptr() == k.data_ptr()
+    part_o, part_lse = run.args[3], run.args[4]
+    assert part_o.shape == (2, 600, 4, 128) and part_lse.shape == (2, 4, 600)
+    assert run.args[5] is None and not run.named["HAS_SINK"]
+    assert (run.named["total_q"], run.named["total_k"]) == (600, 666)
+    assert merge.named["N"] == 2 and merge.named["HAS_SINK"] and merge.named["R"] == 600 * 4
+    assert merge.named["out"].data_ptr() == out.data_ptr() and out.shape == (2, 300, 4, 128)
+    assert merge.named["lse"].data_ptr() == lse.data_ptr() and lse.shape == (2, 4, 300)
+    assert all(p.signature[-1] == "dense" for p in fwd_sm90._PLANS.values() if p is not None)
+    # Keys too short for two splits of SPLIT_MIN_TILES: the dense kernels.
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 4)
+    fwd_sm90._PLANS.clear()
+    kernels.log.clear()
+    dispatch.attn_fwd(q, k, v, **kw)
+    assert "merge" not in kernels.names()
+
+
 def test_forward_d64_takes_the_persistent_kernel_or_the_portable_one(kernels):
     """D = 64 (``FWD_SM90[64].grid`` off): the dense calls the persistent kernel takes run
     it; varlen calls and layouts it refuses run fwd.py's kernel, never the Hopper grid

@@ -1544,6 +1544,10 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     cfg = _config(q, override)
     shared = _shared_kw(q, k, left, right, scale, sink, cfg)
     kw = dict(stride_q=sq, stride_k=sk, stride_v=sv, stride_o=so, stride_l=sl, **shared)
+    if DENSE_SPLIT_KV and not is_varlen and seqused_k is None:
+        dense = _dense_split_plan(q, k, v, out, lse, shared, cfg, batch, lens, signature)
+        if dense is not None:
+            return dense
     programs, sched = 0, None
     n_items = batch * hq * cdiv(seqlen_q, 2 * HALF_M)
     if _persistent_ok(q, k, v, out, shared, cfg, is_varlen=is_varlen, seqused_k=seqused_k):
@@ -1568,7 +1572,9 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
             run = _TableLaunch(run, q.device)
         return Plan(run, (*signature, "persistent"))
     if is_varlen and _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens):
-        return _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature)
+        splits = _varlen_splits(_varlen_blocks(batch, lens["total_q"], seqlen_q) * hq, lens,
+                                shared, q.device)
+        return _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature, splits)
     if not cfg.grid:
         return None  # fwd.py's kernel
     kw.update(**lens, IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None)
@@ -1660,19 +1666,84 @@ class _VarlenLaunch:
         self.splits = splits
 
     def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> None:
-        blocks = torch.empty(self.size, dtype=torch.int32, device=q.device)
-        self.plan_blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks, None)
         if self.splits == 1:
+            blocks = self._blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, q.device)
             self.kernel(q, k, v, out, lse, sink, blocks, None)
             return
-        part_o, part_lse = split_states(self.splits, out)
-        self.kernel(q, k, v, part_o, part_lse, None, blocks, None)
+        part_o, part_lse = self.states(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k)
         merge_splits(part_o, part_lse, sink, out, lse)
 
+    def _blocks(self, cu_seqlens_q, cu_seqlens_k, seqused_k, device):
+        blocks = torch.empty(self.size, dtype=torch.int32, device=device)
+        self.plan_blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks, None)
+        return blocks
 
-def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> Plan:
+    def states(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k):
+        """The key splits' partial states (:func:`split_states`, shaped by ``out``'s rows),
+        not merged: ``splits > 1``."""
+        blocks = self._blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, q.device)
+        part_o, part_lse = split_states(self.splits, out)
+        self.kernel(q, k, v, part_o, part_lse, None, blocks, None)
+        return part_o, part_lse
+
+
+class _DenseSplit:
+    """A dense call on the persistent varlen kernel with key splits (DENSE_SPLIT_KV): q, k,
+    v and out read as the packed rows of ``batch`` sequences of equal lengths (views; the
+    ``cu_seqlens`` made on the call's stream, a launch each), the splits' partial states
+    merged into the dense out ``(B, Sq, H, Dv)`` and lse ``(B, H, Sq)``, the sink once."""
+
+    __slots__ = ("varlen", "batch", "seqlen_q", "seqlen_k")
+
+    def __init__(self, varlen: _VarlenLaunch, batch: int, seqlen_q: int, seqlen_k: int):
+        self.varlen, self.batch, self.seqlen_q, self.seqlen_k = varlen, batch, seqlen_q, seqlen_k
+
+    def __call__(self, q, k, v, out, lse, sink, *_) -> None:
+        b, sq, sk = self.batch, self.seqlen_q, self.seqlen_k
+        starts = [torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
+                  for n in (sq, sk)]
+        part_o, part_lse = self.varlen.states(*(_rows(t) for t in (q, k, v, out)), *starts,
+                                              None)
+        merge_dense_splits(part_o, part_lse, sink, out, lse)
+
+
+def _rows(t):
+    """A dense ``(B, S, H, D)`` tensor whose sequences lie back to back as ``(B * S, H, D)``
+    rows (a view: :func:`_dense_split_plan` checked the strides)."""
+    return t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+
+def _dense_split_plan(q, k, v, out, lse, shared, cfg, batch, lens, signature) -> Plan | None:
+    """A dense call of at most half the SMs' items (row blocks x heads) on keys long enough to
+    split (``_split_count``) as packed varlen sequences of equal lengths on the persistent
+    varlen kernel with key splits (DENSE_SPLIT_KV), or None: its config does not run that
+    kernel, the layout does not pack (heads adjacent, sequences back to back, Dv = D), or
+    the call would not split."""
+    sq, sk, hq, d = lens["seqlen_q"], lens["seqlen_k"], q.shape[2], q.shape[3]
+    if not cfg.persistent_varlen or cfg.pingpong or not cfg.overlap or sk == 0:
+        return None
+    if max(batch * sq, batch * sk) >= 2**31 or _ring_bytes(q, shared, 1) > SMEM_BYTES:
+        return None
+    if not all(t.shape[3] == d and t.stride(3) == 1 and t.stride(2) == d
+               and (t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1))
+               for t in (q, k, v, out)):
+        return None
+    splits = _split_count(batch * cdiv(sq, 2 * HALF_M) * hq, cdiv(sk, shared["BLOCK_N"]),
+                          _sm_count(q.device))
+    if splits == 1:
+        return None
+    rows = dict(seqlen_q=sq, seqlen_k=sk, total_q=batch * sq, total_k=batch * sk)
+    kw = dict(stride_k=strides(k), stride_v=strides(v), **shared)
+    varlen = _varlen_plan(_rows(q), _rows(out), lse, kw, shared, batch, rows, None,
+                          signature, splits)
+    return Plan(_DenseSplit(varlen.run, batch, sq, sk), (*varlen.signature, "dense"))
+
+
+def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature,
+                 splits: int) -> Plan:
     """The persistent varlen kernel's plan (``_varlen_ok`` admitted the call; ``kw`` the grid
-    kernel's launch keywords, ``shared`` the ``_shared_kw`` among them)."""
+    kernel's launch keywords, ``shared`` the ``_shared_kw`` among them) with ``splits`` key
+    splits (1: none)."""
     hq = q.shape[-2]
     seqlen_q, total_q = lens["seqlen_q"], lens["total_q"]
     n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
@@ -1689,7 +1760,6 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature) -> 
                 stride_os=out.stride(0), stride_lh=lse.stride(0), total_q=total_q,
                 total_k=lens["total_k"], heads=heads, HQ=hq, O_IN_Q=_out_in_q(q, shared),
                 **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
-    splits = _varlen_splits(n_blocks * hq, lens, shared, q.device)
     if splits > 1:
         # Partial states to float32 workspaces (rows H * D apart, lse rows total_q); the
         # sink is added by the merge.
@@ -1995,6 +2065,10 @@ PAGED_SPLIT_KV = True
 # chunked prefill), which then take the persistent varlen kernel with at most as many items
 # as SMs (``_varlen_ok``).
 VARLEN_SPLIT_KV = True
+# Experiment (not yet run on a GPU; off): the same for dense calls (``_dense_split_plan``),
+# whose few items (512 rows on 64k keys at 8 heads: 32) leave the persistent kernel at
+# ~185 TFLOP/s on 132 SMs (NOTES.md, session 31).
+DENSE_SPLIT_KV = False
 _SPLIT_COUNTS = (2, 4, 8, 16)
 # A split takes at least this many key tiles (4k keys at BLOCK_N = 128): a split costs the
 # call two workspaces and the merge's launch (~20-30 us of host and 4 us of GPU time on the
@@ -2080,6 +2154,16 @@ def merge_splits(part_o, part_lse, sink, out, lse) -> None:
     combine.merge_states_fwd(part_o, part_lse.transpose(1, 2),
                              sink=None if sink is None else sink.float(), out=out,
                              lse_out=lse.transpose(0, 1))
+
+
+def merge_dense_splits(part_o, part_lse, sink, out, lse) -> None:
+    """:func:`merge_splits` into a dense call's ``out (B, Sq, H, D)`` and ``lse (B, H, Sq)``:
+    the partial states' rows are the B sequences' rows back to back."""
+    n, b, sq, hq = part_o.shape[0], out.shape[0], out.shape[1], out.shape[2]
+    combine.merge_states_fwd(part_o.view(n, b, sq, hq, part_o.shape[-1]),
+                             part_lse.view(n, hq, b, sq).permute(0, 2, 3, 1),
+                             sink=None if sink is None else sink.float(), out=out,
+                             lse_out=lse.transpose(1, 2))
 
 
 # The paged kernel's arguments that change from call to call (SizedLaunch).

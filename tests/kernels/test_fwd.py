@@ -712,6 +712,34 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256_out_in_q"])
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,kw", [
+    pytest.param(2, 200, 700, 8, 2, dict(causal=True, sink=True), id="causal_gqa_sink"),
+    pytest.param(1, 300, 260, 4, 4, dict(causal=True), id="causal_sq_gt_sk_empty_rows"),
+    pytest.param(3, 129, 1000, 4, 1, dict(window=(200, 0)), id="window_mqa"),
+    pytest.param(2, 64, 513, 4, 2, dict(), id="full"),
+])
+def test_attn_fwd_gpu_sm90_dense_key_splits(device, monkeypatch, d, b, sq, sk, hq, hkv, kw):
+    """The dense key-split experiment (DENSE_SPLIT_KV): a dense call as packed sequences of
+    equal lengths on the persistent varlen kernel with key splits (2000 "SMs" and a tile a
+    split, so that these small calls split), merged into the dense out and lse, against the
+    float64 reference: GQA and MQA, a sink, rows that see no key, a window, lengths off the
+    64- and 128-row grids."""
+    from flashlse.kernels import fwd_sm90
+
+    plans = []
+    real = fwd_sm90.plan
+    monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    monkeypatch.setattr(fwd_sm90, "DENSE_SPLIT_KV", True)
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 2000)
+    fwd_sm90._PLANS.clear()
+    _run_dense(device, torch.bfloat16, b, sq, sk, hq, hkv, d, d, **kw)
+    assert plans and all(p.signature[-1] == "dense" for p in plans)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_attn_fwd_gpu_sm90_persistent_lse_contract_and_nan(d):
     """The LSE contract on the dense persistent kernel (the default at every Hopper head
@@ -1143,23 +1171,60 @@ def _merged_splits(device, q, k, v, sink, out_dtype, bounds):
     from flashlse.kernels import fwd_sm90
 
     sq, h, d = q.shape
-    sk = k.shape[0]
-    s = torch.einsum("ihd,jhd->hij", q, k) * d ** -0.5
-    seen = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
     out = torch.full((sq, h, d), float("nan"), dtype=out_dtype, device=device)
     lse = torch.full((h, sq + 3), float("nan"), device=device)[:, :sq]  # rows padded
     part_o, part_lse = fwd_sm90.split_states(len(bounds), out)
-    for i, (a, b) in enumerate(bounds):
+    part_o[:], part_lse[:] = _split_parts(q, k, v, bounds)
+    fwd_sm90.merge_splits(part_o, part_lse, None if sink is None else sink.to(device), out,
+                          lse)
+    return out.cpu(), lse.cpu()
+
+
+def _split_parts(q, k, v, bounds):
+    """The causal partial states ``(n, Sq, H, D)``, ``(n, H, Sq)`` float32 of one sequence's
+    key slices ``bounds``, computed in float64 (an empty slice (0, -inf), a NaN score making
+    its rows' state NaN)."""
+    sq, h, d = q.shape
+    sk = k.shape[0]
+    s = torch.einsum("ihd,jhd->hij", q, k) * d ** -0.5
+    seen = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
+    outs, lses = [], []
+    for a, b in bounds:
         cols = (torch.arange(sk) >= a) & (torch.arange(sk) < b)
         masked = s.masked_fill(~(seen & cols)[None], float("-inf"))
         part = torch.logsumexp(masked, -1)
         p = torch.exp(masked - part[..., None])
         p = torch.where(torch.isneginf(part)[..., None], 0.0, p)  # (rows of no key: 0)
-        part_o[i] = torch.einsum("hij,jhd->ihd", p, v).float()
-        part_lse[i] = part.float()
-    fwd_sm90.merge_splits(part_o, part_lse, None if sink is None else sink.to(device), out,
-                          lse)
-    return out.cpu(), lse.cpu()
+        outs.append(torch.einsum("hij,jhd->ihd", p, v).float())
+        lses.append(part.float())
+    return torch.stack(outs), torch.stack(lses)
+
+
+def test_fwd_sm90_merge_dense_splits_gives_the_whole_attention(device):
+    """The dense key-split experiment's merge (``fwd_sm90.merge_dense_splits``,
+    DENSE_SPLIT_KV): partial states whose rows are two sequences' rows back to back merged
+    into a dense out (B, Sq, H, D) and lse (B, H, Sq), the sink once, equal the whole causal
+    attention's (float64 reference); the first ``Sq - Sk`` rows of each sequence see no key:
+    exactly (0, sink). The split kernel itself runs on the GPU only."""
+    from flashlse.kernels import fwd_sm90
+
+    torch.manual_seed(1)
+    b, sq, sk, h, d = 2, 37, 29, 3, 16
+    q, k, v = (torch.randn(b, n, h, d, dtype=torch.float64) for n in (sq, sk, sk))
+    sink = torch.randn(h)
+    out = torch.full((b, sq, h, d), float("nan"), dtype=torch.float16, device=device)
+    lse = torch.full((b, h, sq), float("nan"), device=device)
+    parts = [_split_parts(q[i], k[i], v[i], SPLIT_BOUNDS) for i in range(b)]
+    part_o = torch.cat([o for o, _ in parts], 1).to(device)  # (n, B * Sq, H, D)
+    part_lse = torch.cat([l for _, l in parts], 2).to(device)  # (n, H, B * Sq)
+    fwd_sm90.merge_dense_splits(part_o, part_lse, sink.to(device), out, lse)
+    want, want_lse = reference.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
+    empty = sq - sk
+    assert (out[:, :empty] == 0).all()
+    assert torch.equal(lse[:, :, :empty], sink[None, :, None].expand(b, h, empty))
 
 
 # Key slices of 29 keys, the last one empty.
