@@ -234,8 +234,10 @@ def stubbed_calls():
     pages = torch.randn(8 * 256, 16, 8, 128, dtype=dt)
     table = torch.arange(8 * 256, dtype=torch.int32).view(8, 256)
     kn = torch.randn(8, 1, 8, 128, dtype=dt)
-    # Small: merge stacks its two states (a copy, on the CPU here).
+    # Small: two states of merge (read in place by the pair kernel).
     oa, la = torch.randn(2, 1, 4, 2, 64, dtype=dt), torch.randn(2, 1, 2, 4)
+    qs, ks = torch.randn(1, 64, 4, 128, dtype=dt), torch.randn(1, 64, 1, 128, dtype=dt)
+    idx = torch.randint(0, 64, (1, 64, 1, 16), dtype=torch.int32)
     rows.update({
         "attention_varlen fwd": lambda: fl.attention_varlen(q, q, q, cu, cu, 64, 64, causal=True),
         "kvcache decode paged": lambda: fl.attention_with_kvcache(
@@ -243,6 +245,7 @@ def stubbed_calls():
         "kvcache decode + append": lambda: fl.attention_with_kvcache(
             qd, kc, kc, cache_seqlens=lens, k_new=kn, v_new=kn),
         "merge (flash layout)": lambda: fl.merge(oa[0], la[0], oa[1], la[1]),
+        "sparse_attention fwd": lambda: fl.sparse_attention(qs, ks, ks, idx),
     })
     return rows
 

@@ -117,6 +117,26 @@ def test_sparse_equals_dense_when_all_keys_listed():
     assert_close_to_ref(l_s, l_d, name="lse")
 
 
+def test_sparse_without_grad_skips_autograd_function(monkeypatch):
+    """A call with nothing to differentiate runs the forward itself (no autograd.Function
+    between: its host cost); its results equal the differentiable call's bit for bit, and
+    a call needing grad still goes through the Function."""
+    q, k, v = rand(1, 6, 4, 16), rand(1, 9, 2, 16), rand(1, 9, 2, 16)
+    idx = torch.randint(-1, 9, (1, 6, 2, 5), dtype=torch.int32)
+    sink = rand(4)
+    o_g, l_g = fl.sparse_attention(q.requires_grad_(), k, v, idx, sink=sink, return_lse=True)
+    assert o_g.grad_fn is not None
+    applied = []
+    real = sparse_mod.SparseAttentionFunction.apply
+    monkeypatch.setattr(sparse_mod.SparseAttentionFunction, "apply",
+                        lambda *a: applied.append(1) or real(*a))
+    with torch.no_grad():
+        o, l = fl.sparse_attention(q, k, v, idx, sink=sink, return_lse=True)
+    assert not applied and torch.equal(o, o_g.detach()) and torch.equal(l, l_g.detach())
+    fl.sparse_attention(q, k, v, idx, sink=sink)
+    assert applied
+
+
 def test_sparse_chunked_topk(monkeypatch):
     # Tiny tiles: the top-k list is walked in many chunks; result unchanged.
     diff, const = make(1, 4, 40, 4, 2, 16, 16, 33, dict(sink=True, empty_rows=(2,)),

@@ -293,15 +293,19 @@ def _kernel_ok(q, k, v, indices) -> bool:
             and k.stride(0) == n1 * k.stride(1) and v.stride(0) == n1 * v.stride(1))
 
 
+def _sparse_fwd(q, k, v, indices, sink, scale, key=None):
+    """``(out, lse)`` of a dense-cache call on the path its plan chose. ``key``: the call's
+    metadata key, which keeps its forward plan (None: made here)."""
+    plan = _fwd_plan(q, k, v, indices, None, key)
+    if plan.kernel_ok:
+        return sparse_fwd_kernel(q, k, v, indices, scale=scale, sink=sink, plan=plan)
+    return sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
+
+
 class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, sink, scale, key=None):
-        # key: the call's metadata key, which keeps its forward plan (None: made here).
-        plan = _fwd_plan(q, k, v, indices, None, key)
-        if plan.kernel_ok:
-            out, lse = sparse_fwd_kernel(q, k, v, indices, scale=scale, sink=sink, plan=plan)
-        else:
-            out, lse = sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
+        out, lse = _sparse_fwd(q, k, v, indices, sink, scale, key)
         ctx.save_for_backward(q, k, v, indices, out, lse, sink)
         ctx.scale = scale
         ctx.mark_non_differentiable(indices)
@@ -388,7 +392,11 @@ def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=Non
     scale = V.check_scale(scale, q.shape[-1])
     if block_table is not None:
         return _sparse_paged(q, k, v, indices, block_table, scale, sink, return_lse, key)
-    out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale, key)
+    if V.needs_grad(q, k, v, sink) or torch.compiler.is_compiling():
+        out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale, key)
+    else:
+        # Nothing to differentiate: the forward itself, without autograd.Function's cost.
+        out, lse = _sparse_fwd(q, k, v, indices, sink, scale, key)
     return (out, lse) if return_lse else out
 
 
