@@ -366,15 +366,19 @@ if [ "$1" = s31 ]; then
     # tests (sync-debug and CUDA graphs among them), then the public figures.
     K=tests/kernels
     timeout 240 python3 -m pytest -q $K/test_combine.py $K/test_sync_free.py \
-        $K/test_cuda_graphs.py -p no:cacheprovider > "$OUT/test_s31_a.log" 2>&1 &
+        $K/test_cuda_graphs.py $K/test_sparse_kernels.py -p no:cacheprovider \
+        > "$OUT/test_s31_a.log" 2>&1 &
+    # (attention_with_kvcache's paged chunks no longer launch the portable kernel: min_seqlen_q)
+    timeout 240 python3 -m pytest -q $K/test_fwd_paged_sm90.py $K/test_kvcache_kernels.py \
+        -k "kvcache or prefill" -p no:cacheprovider > "$OUT/test_s31_c.log" 2>&1 &
     timeout 240 python3 -m pytest -q $K/test_decode.py $K/test_fwd.py \
         -k "kept or decode or dense_key_splits" -p no:cacheprovider > "$OUT/test_s31_b.log" 2>&1 &
     wait
     for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_s31_*.log | head
     timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
-    timeout 120 python3 benchmarks/bench_overhead.py --functions merge,varlen --out "$OUT" \
-        2>&1 | tail -8
+    timeout 150 python3 benchmarks/bench_overhead.py --functions merge,varlen,sparse,paged \
+        --out "$OUT" 2>&1 | tail -10
     # The split rows, flags on: the 64k chunk at 8 / 2 heads (4 splits), and 128 rows on 4k
     # (no split since SPLIT_MIN_TILES = 32: on and off should read alike).
     for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,128,4096 --heads 8,2"; do

@@ -53,7 +53,7 @@ def log(monkeypatch):
 FAILING: set[str] = set()
 
 
-def _call(qlens, page=64, hq=8, hkv=2, d=128, pages=40, max_seqlen_k=512):
+def _call(qlens, page=64, hq=8, hkv=2, d=128, pages=40, max_seqlen_k=512, min_seqlen_q=0):
     """A paged forward of sequences of ``qlens`` query rows (CPU tensors: nothing runs)."""
     total = sum(qlens)
     q = torch.zeros(total, hq, d, dtype=torch.bfloat16)
@@ -64,7 +64,25 @@ def _call(qlens, page=64, hq=8, hkv=2, d=128, pages=40, max_seqlen_k=512):
     return dispatch.attn_fwd_paged(q, cache, cache, table, cu_seqlens_q=cu,
                                    max_seqlen_q=max(qlens), seqused_k=lens,
                                    max_seqlen_k=max_seqlen_k,
-                                   left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=None)
+                                   left=None, right=0, softcap=0.0, scale=d ** -0.5, sink=None,
+                                   min_seqlen_q=min_seqlen_q)
+
+
+def test_no_portable_launch_when_every_sequence_is_long(log):
+    """``min_seqlen_q`` (attention_with_kvcache's chunks: every sequence has Sq rows): when
+    its packed rows exceed SMALL_ROWS, every sequence runs on the Hopper kernel and the
+    portable kernel is not launched; a bound that leaves small sequences possible, or the
+    Hopper kernel failing, launches it as before."""
+    _call([300, 40, 100], min_seqlen_q=40)
+    assert [x.kernel for x in log] == ["gluon"]
+    log.clear()
+    _call([300, 2, 100], min_seqlen_q=2)  # 2 rows x 4 heads a kv head: 8 <= 16
+    assert [x.kernel for x in log] == ["gluon", "portable"]
+    log.clear()
+    FAILING.add("gluon")
+    with pytest.warns(RuntimeWarning, match="Hopper paged forward kernel failed"):
+        _call([300, 40, 100], min_seqlen_q=40)
+    assert [x.kernel for x in log] == ["gluon", "portable", "portable"]  # its two spans
 
 
 def test_long_sequences_on_gluon_decodes_on_the_portable_kernel(log):

@@ -113,12 +113,15 @@ class _Sm90Fwd:
 
 
 def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
-                   max_seqlen_k, left, right, softcap, scale, sink):
+                   max_seqlen_k, left, right, softcap, scale, sink, min_seqlen_q=0):
     """``(out, lse)`` of a varlen forward over paged caches (arguments and results as
     ``fwd.attn_fwd_paged``'s). The sequences of more than ``fwd.SMALL_ROWS`` packed rows
     (prefills, chunked prefills) run the Hopper paged kernel where it is supported, the rest
     (decodes: the query heads of a kv head packed into 16-row tiles) the portable one; each
-    launch sees every sequence and skips the other's, so nothing reads the lengths on the host."""
+    launch sees every sequence and skips the other's, so nothing reads the lengths on the host.
+    ``min_seqlen_q``: a bound below every sequence's query rows that the caller knows on the
+    host (``attention_with_kvcache``: each has Sq); when it leaves no sequence to the
+    portable kernel, that kernel is not launched."""
     out, lse = fwd.new_outputs(q, v_cache, cu_seqlens_q)
     kw = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seqused_k,
               max_seqlen_k=max_seqlen_k, left=left, right=right, softcap=softcap, scale=scale,
@@ -137,6 +140,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
                 only_small = True
             except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
                 FAILURES.add(plan.signature, e, "the Hopper paged forward kernel", stacklevel=2)
+    if only_small and int(min_seqlen_q) * (q.shape[-2] // max(k_cache.shape[-2], 1)) > \
+            fwd.SMALL_ROWS:
+        return out, lse  # every sequence ran on the Hopper kernel
     return fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
                               only_small=only_small)
 

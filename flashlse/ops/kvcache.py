@@ -100,7 +100,7 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
                                        scale=kw["scale"])):
         out, lse = dispatch.attn_fwd_paged(
             q.reshape(b * sq, hq, d), k_cache, v_cache, block_table, cu_seqlens_q=cu_q,
-            max_seqlen_q=sq, seqused_k=used, max_seqlen_k=capacity, **kw)
+            max_seqlen_q=sq, seqused_k=used, max_seqlen_k=capacity, min_seqlen_q=sq, **kw)
         return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
     if block_table is not None:
         k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, used)
