@@ -238,6 +238,7 @@ def stubbed_calls():
     oa, la = torch.randn(2, 1, 4, 2, 64, dtype=dt), torch.randn(2, 1, 2, 4)
     qs, ks = torch.randn(1, 64, 4, 128, dtype=dt), torch.randn(1, 64, 1, 128, dtype=dt)
     idx = torch.randint(0, 64, (1, 64, 1, 16), dtype=torch.int32)
+    qc = torch.randn(8, 64, 32, 128, dtype=dt)
     rows.update({
         "attention_varlen fwd": lambda: fl.attention_varlen(q, q, q, cu, cu, 64, 64, causal=True),
         "kvcache decode paged": lambda: fl.attention_with_kvcache(
@@ -246,6 +247,10 @@ def stubbed_calls():
             qd, kc, kc, cache_seqlens=lens, k_new=kn, v_new=kn),
         "merge (flash layout)": lambda: fl.merge(oa[0], la[0], oa[1], la[1]),
         "sparse_attention fwd": lambda: fl.sparse_attention(qs, ks, ks, idx),
+        "kvcache chunk (64 rows) paged": lambda: fl.attention_with_kvcache(
+            qc, pages, pages, cache_seqlens=lens, block_table=table, causal=True),
+        "kvcache chunk (64 rows)": lambda: fl.attention_with_kvcache(
+            qc, kc, kc, cache_seqlens=lens, causal=True),
     })
     return rows
 
