@@ -391,7 +391,7 @@ def cases():
     yield "combine", "combine D=512 sink", combine._merge_states_fwd_kernel, \
         dict(outs=F32, lses=F32, sink=F32, out=BF16, lse=F32, outs_b=F32, lses_b=F32,
              **{f"stride_{t}": ("i32",) * 3 for t in "olkyz"}), consts, 1, 3
-    # merge's two states at two addresses (combine.merge_pair_fwd).
+    # merge's two states at two addresses (combine.pair_plan).
     consts = dict(D=128, HAS_SINK=False, BLOCK_S=2, BLOCK_R=16, BLOCK_D=128, PDL=False,
                   PAIR=True)
     yield "combine", "combine pair D=128", combine._merge_states_fwd_kernel, \

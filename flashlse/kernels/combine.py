@@ -332,10 +332,12 @@ def merge_states_fwd(outs, lses, *, sink=None, out=None, lse_out=None):
 
 
 def pair_plan(out_a, lse_a, out_b, lse_b):
-    """:func:`merge_pair_fwd`'s plan for fresh contiguous outputs, from ``_PLANS`` by the
-    four tensors' metadata or made and kept there: a ``pair`` launch, ``_EMPTY``, or
-    ``_COPY`` where the two states' strides or dtypes differ or the layout does not
-    coalesce (the states are then stacked)."""
+    """The merge of two states ``(out_a, lse_a)`` and ``(out_b, lse_b)`` (``(..., D)`` and
+    float32 ``(...)`` each) read where they are (``merge``'s: stacking them first would
+    write and read both once more, 7 passes over a state's bytes instead of 3) into fresh
+    contiguous outputs: its plan from ``_PLANS`` by the four tensors' metadata or made and
+    kept there, a ``pair`` launch (:func:`pair_run`), ``_EMPTY``, or ``_COPY`` where the two
+    states' strides or dtypes differ or the layout does not coalesce (stack them)."""
     key = ("pair", out_a.shape, out_a.stride(), out_a.dtype, out_a.device, lse_a.shape,
            lse_a.stride(), out_b.stride(), out_b.dtype, lse_b.stride(), lse_b.dtype)
     plan = _PLANS.get(key)
@@ -362,16 +364,6 @@ def pair_run(plan, out_a, lse_a, out_b, lse_b):
     if plan is not _EMPTY:
         merge_run(plan, out_a, lse_a, None, out, lse, out_b, lse_b)
     return out, lse
-
-
-def merge_pair_fwd(out_a, lse_a, out_b, lse_b):
-    """:func:`merge_states_fwd` of the two states ``(out_a, lse_a)`` and ``(out_b, lse_b)``
-    (``(..., D)`` and float32 ``(...)`` each) read where they are: stacking them first
-    would write and read both once more (7 passes over a state's bytes instead of 3)."""
-    plan = pair_plan(out_a, lse_a, out_b, lse_b)
-    if plan is _COPY:
-        return merge_states_fwd(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]))
-    return pair_run(plan, out_a, lse_a, out_b, lse_b)
 
 
 # Launch plans of merge_states_fwd by input metadata; cleared when full.
@@ -416,7 +408,7 @@ def merge_plan(n, d, device, has_sink, *, r, r1, r2, st_os, st_o, st_od, st_ls, 
     lse_out (``st_os`` / ``st_ls`` the state strides, ``st_od`` / ``st_yd`` the columns').
     ``kernels.decode`` plans it with the layout of its split partials, with ``pdl=True``
     (sm90+, not the interpreter) to launch it while the decode kernel runs. ``pair``: two
-    states at two addresses of the same strides (:func:`merge_pair_fwd`; ``n == 2``, the
+    states at two addresses of the same strides (:func:`pair_plan`; ``n == 2``, the
     state strides unused)."""
     cfg = configs.merge_config(n, r, d, alias, _num_sms(device))
     grid = (cdiv(r, cfg.block_m), cdiv(max(d, 1), cfg.block_d))

@@ -298,7 +298,7 @@ def test_merge_states_repeated_calls_launch_the_kept_plan(device, layout):
 def test_merge_of_two_states_reads_them_in_place_and_keeps_its_plan(device, layout,
                                                                     monkeypatch):
     """``fl.merge`` of two states launches the pair kernel on the states where they are
-    (``combine.merge_pair_fwd``: no stacked copy) and keeps its plan (ops/merge._PAIR_KEPT)
+    (``combine.pair_plan``: no stacked copy) and keeps its plan (ops/merge._PAIR_KEPT)
     for later calls of that metadata (value checks off, as on a GPU by default): fresh
     values each call, empty rows in both states, a zero-weight state's out NaN, against the
     float64 reference; the flash layout's lse comes back (B, H, Sq). A NaN lse reaches
