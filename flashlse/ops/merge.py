@@ -268,9 +268,10 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
 
 
 def _pair_key(out_a, lse_a, out_b, lse_b, layout):
-    """``merge``'s key in ``_KEPT`` (the four tensors' metadata and the layout argument), or
-    None for a call that cannot take the kept path: value checks (the CPU's default, or
-    asked for: they read the lses), grad, the PyTorch path, float lses other than float32."""
+    """``merge``'s key in ``_PAIR_KEPT`` (the four tensors' metadata and the layout
+    argument), or None for a call that cannot take the kept path: value checks (the CPU's
+    default, or asked for: they read the lses), grad, the PyTorch path, lses other than
+    float32."""
     if not (V.KEEP_PLANS and (layout is None or layout.__class__ is str)) or \
             lse_a.__class__ is not torch.Tensor or lse_b.__class__ is not torch.Tensor or \
             lse_a.dtype != torch.float32 or lse_b.dtype != torch.float32 or \
