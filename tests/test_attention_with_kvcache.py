@@ -66,6 +66,7 @@ def run_both(t, **kw):
     caches after the append. Returns ours (out, lse, tensors)."""
     ours = clone(t)
     out, lse = fl.attention_with_kvcache(**ours, **kw, return_lse=True)
+    assert lse.is_contiguous()  # (B, Hq, Sq) as returned, whatever the kernels wrote
     ref_t = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
              for n, x in clone(t).items()}
     ref_out, ref_lse = R.attention_with_kvcache(**ref_t, **kw, return_lse=True)

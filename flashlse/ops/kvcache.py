@@ -88,7 +88,9 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     paged cache is read in place by the paged kernels (``dispatch.attn_fwd_paged``), except
     for long chunks that the Hopper paged kernel does not take: their pages are gathered
     into rows first for the dense kernel, when the block table is not much wider than the
-    chunk. A page out of range ends its sequence there: it and later pages hold no key."""
+    chunk. A page out of range ends its sequence there: it and later pages hold no key.
+    lse ``(B, Hq, Sq)`` is a view of the kernels' ``(Hq, B * Sq)``, copied contiguous only
+    where it is returned."""
     dispatch = kernel_module("dispatch")
     b, sq, hq, d = q.shape
     cu_q = _starts(b, sq, q.device)
@@ -101,7 +103,7 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
         out, lse = dispatch.attn_fwd_paged(
             q.reshape(b * sq, hq, d), k_cache, v_cache, block_table, cu_seqlens_q=cu_q,
             max_seqlen_q=sq, seqused_k=used, max_seqlen_k=capacity, min_seqlen_q=sq, **kw)
-        return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
+        return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
     if block_table is not None:
         k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, used)
         smax = k.shape[0] // max(b, 1)
@@ -113,7 +115,7 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     out, lse = dispatch.attn_fwd(
         q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
-    return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1).contiguous()
+    return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
 def _starts(b: int, step: int, device) -> torch.Tensor:
@@ -295,7 +297,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
         out, lse = _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
                                 num_splits, dict(left=left, right=right, softcap=softcap,
                                                  scale=scale, sink=sink), kept)
-    return (out, lse) if return_lse else out
+    return (out, lse.contiguous()) if return_lse else out
 
 
 # Serving repeats its calls: a decode whose metadata key (tensors' metadata, the scalars as
@@ -390,7 +392,7 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out, lse = _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, s_new, block_table, None, None,
                             num_splits, dict(left=left, right=right, softcap=softcap,
                                              scale=scale, sink=sink))
-    return out, lse
+    return out, lse.contiguous()
 
 
 @_kvcache_op.register_fake
