@@ -206,7 +206,8 @@ def _is_view(t, shape) -> bool:
     return True
 
 
-def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=None):
+def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=None,
+                      lse_contiguous=True):
     """The forward on the split-KV decode kernel (``kernels/decode.py``), no new kernel: each
     (batch, query row, kv head) is one "sequence" whose keys are its top-k list, read by the
     kernel as a table of one-row pages (``decode_fwd(token_table=...)``; through the cache's
@@ -214,7 +215,9 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=N
     each gathered K/V row is read once for the whole group (MLA: 128 heads on one latent row,
     and ``v = k[..., :Dv]`` read once). An index outside the sequence's keys, -1, or on a
     page outside the cache is no key, never read. The sink is merged once afterwards.
-    ``plan``: the call's :func:`_fwd_plan` (made here when None).
+    ``plan``: the call's :func:`_fwd_plan` (made here when None). ``lse_contiguous=False``
+    (a caller that drops lse): lse is a transposed view of the kernel's ``(B, Sq, Hq)``, not
+    a copy.
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` in q's dtype and ``lse (B, Hq, Sq)`` float32.
@@ -241,7 +244,7 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=N
                              (b, hq, 1) if sq == 1 else plan.lse)
             if got is not None:
                 out, lse = got
-                return out, (lse if sq == 1 else lse.transpose(1, 2).contiguous())
+                return out, (lse if sq == 1 else _lse_rows(lse, lse_contiguous))
             plan.decode.clear()  # the Hopper kernel failed to compile (warned): plan again
     # The decode kernel's pages are single (token, kv head) rows: row r of kv head h is page
     # r * Hkv + h, r = b * Sk + j contiguous, or (page * page_size + j % page_size) paged.
@@ -279,7 +282,13 @@ def sparse_fwd_kernel(q, k, v, indices, *, scale, sink, block_table=None, plan=N
         # Merged from float32 and rounded once (a second rounding doubled out's error).
         out, lse = merge_states_unchecked(out[None], lse[None], sink=sink)
         out = out.to(q.dtype)
-    return out, lse.transpose(1, 2).contiguous()
+    return out, _lse_rows(lse, lse_contiguous)
+
+
+def _lse_rows(lse, contiguous):
+    """The kernel's lse ``(B, Sq, Hq)`` as ``(B, Hq, Sq)``: a copy when ``contiguous``."""
+    lse = lse.transpose(1, 2)
+    return lse.contiguous() if contiguous else lse
 
 
 def _kernel_ok(q, k, v, indices) -> bool:
@@ -293,12 +302,14 @@ def _kernel_ok(q, k, v, indices) -> bool:
             and k.stride(0) == n1 * k.stride(1) and v.stride(0) == n1 * v.stride(1))
 
 
-def _sparse_fwd(q, k, v, indices, sink, scale, key=None):
+def _sparse_fwd(q, k, v, indices, sink, scale, key=None, lse_contiguous=True):
     """``(out, lse)`` of a dense-cache call on the path its plan chose. ``key``: the call's
-    metadata key, which keeps its forward plan (None: made here)."""
+    metadata key, which keeps its forward plan (None: made here); ``lse_contiguous``: as
+    :func:`sparse_fwd_kernel`'s."""
     plan = _fwd_plan(q, k, v, indices, None, key)
     if plan.kernel_ok:
-        return sparse_fwd_kernel(q, k, v, indices, scale=scale, sink=sink, plan=plan)
+        return sparse_fwd_kernel(q, k, v, indices, scale=scale, sink=sink, plan=plan,
+                                 lse_contiguous=lse_contiguous)
     return sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
 
 
@@ -395,8 +406,9 @@ def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=Non
     if V.needs_grad(q, k, v, sink) or torch.compiler.is_compiling():
         out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale, key)
     else:
-        # Nothing to differentiate: the forward itself, without autograd.Function's cost.
-        out, lse = _sparse_fwd(q, k, v, indices, sink, scale, key)
+        # Nothing to differentiate: the forward itself, without autograd.Function's cost
+        # (and lse's copy to (B, Hq, Sq) only when it is returned).
+        out, lse = _sparse_fwd(q, k, v, indices, sink, scale, key, lse_contiguous=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -425,7 +437,8 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
                              f"{block_table[rows_b, cols][:4].tolist()}")
     if kernel:
         out, lse = sparse_fwd_kernel(q, k_cache, v_cache, indices, scale=scale, sink=sink,
-                                     block_table=block_table, plan=plan)
+                                     block_table=block_table, plan=plan,
+                                     lse_contiguous=return_lse)
     else:
         from ._paged import gather_pages
 

@@ -227,6 +227,7 @@ def test_sparse_repeated_calls_launch_the_kept_decode_plan(device, paged, sq, hk
         want_out, want_lse = R.sparse_attention(q.double(), k_cache.double(), v_cache.double(),
                                                 idx, return_lse=True, **kw)
         tol = 1e-5 if dt == torch.float32 else 2e-3
+        assert lse.is_contiguous()  # (B, Hq, Sq) as returned (the kernel writes (B, Sq, Hq))
         assert not torch.isnan(out).any() and not torch.isnan(lse).any()
         assert (out[0, -1] == 0).all() and torch.isneginf(lse[0, :, -1]).all()
         torch.testing.assert_close(out.double().cpu(), want_out, atol=tol, rtol=tol)
