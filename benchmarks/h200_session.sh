@@ -45,10 +45,12 @@
 #   bash benchmarks/h200_session.sh split-kv   # key splits for few-item forwards
 #                                                (fwd_sm90.PAGED_SPLIT_KV / VARLEN_SPLIT_KV):
 #                                                GPU tests, memcheck, bench_serving A/B
-#   bash benchmarks/h200_session.sh s31        # session 31's host-side changes not yet run on
-#                                                a GPU: the merge's pair kernel and kept plan,
-#                                                attention_varlen's kept launch; bench_merge,
-#                                                bench_overhead merge / varlen, the split rows
+#   bash benchmarks/h200_session.sh s31        # session 31's changes not yet run on a GPU:
+#                                                their GPU tests (the merge's pair kernel,
+#                                                the kept launches, the paged chunks, the
+#                                                dense split experiment), bench_merge
+#   bash benchmarks/h200_session.sh s31b       # then bench_overhead (merge, varlen, sparse,
+#                                                paged), the split rows, the dense A/B
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -67,7 +69,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -377,6 +379,10 @@ if [ "$1" = s31 ]; then
     for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_s31_*.log | head
     timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
+    exit 0
+fi
+if [ "$1" = s31b ]; then
+    # Session 31's public figures (after `s31`'s tests: one call each stays under 600 s).
     timeout 150 python3 benchmarks/bench_overhead.py --functions merge,varlen,sparse,paged \
         --out "$OUT" 2>&1 | tail -10
     # The split rows, flags on: the 64k chunk at 8 / 2 heads (4 splits), and 128 rows on 4k
