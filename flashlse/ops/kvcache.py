@@ -82,7 +82,7 @@ _GATHER_MIN_ROWS = 128
 _GATHER_MAX_TABLE_ROWS_PER_QUERY = 16
 
 
-def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
+def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None):
     """Queries longer than the decode kernel takes: the varlen forward kernel, one sequence
     per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k). A
     paged cache is read in place by the paged kernels (``dispatch.attn_fwd_paged``), except
@@ -90,7 +90,8 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     into rows first for the dense kernel, when the block table is not much wider than the
     chunk. A page out of range ends its sequence there: it and later pages hold no key.
     lse ``(B, Hq, Sq)`` is a view of the kernels' ``(Hq, B * Sq)``, copied contiguous only
-    where it is returned."""
+    where it is returned. ``kept``: the call's key when it passed every check; a contiguous
+    cache's launch is kept by it (``_run_kept_chunk``)."""
     dispatch = kernel_module("dispatch")
     b, sq, hq, d = q.shape
     cu_q = _starts(b, sq, q.device)
@@ -110,11 +111,52 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw):
     else:
         smax = k_cache.shape[1]
         cu_k = _starts(b, smax, q.device)
-        k, v = k_cache.reshape(b * smax, *k_cache.shape[2:]), v_cache.reshape(
-            b * smax, *v_cache.shape[2:])
-    out, lse = dispatch.attn_fwd(
+        k, v = _cache_rows(k_cache), _cache_rows(v_cache)
+    out, lse, launch = dispatch.attn_fwd_launched(
         q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
+    if kept is not None and block_table is None:
+        if len(_CHUNK_KEPT) >= _MAX_KEPT:
+            _CHUNK_KEPT.clear()
+        _CHUNK_KEPT[kept] = (launch, _fwd_options())
+    return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
+
+
+def _cache_rows(cache):
+    """A contiguous cache ``(B, Smax, Hkv, D)`` as packed rows ``(B * Smax, Hkv, D)``."""
+    return cache.reshape(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+
+
+# A chunk (more query rows than the decode kernel takes) on a contiguous cache whose key
+# (``_kept_key``: no append) passed every check before: the forward's launch the dispatcher
+# chose for it (``dispatch.fwd_launch``, a function of the call's metadata), launched at
+# once on the cache's rows. Value checks, grad and torch.compile take the full path.
+_CHUNK_KEPT: dict = {}
+
+
+def _fwd_options():
+    """The options the forward's dispatcher reads (not in ``_kept_key``, which the decode's
+    plan shares): a kept chunk launch is used only under the options it was chosen under."""
+    opts = kernel_module("options").current()
+    return opts.sm90_fwd, opts.fwd_config, opts.fwd_sm90_config
+
+
+def _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, sink):
+    """``(out, lse)`` of a chunk by the launch kept for ``kept``, or None: none kept, other
+    forward options, value checks asked for, a tensor needing grad, or the Hopper kernel
+    failed to compile (the launch dropped)."""
+    hit = _CHUNK_KEPT.get(kept)
+    if hit is None or hit[1] != _fwd_options() or V.needs_grad(q, k_cache, v_cache, sink) or \
+            (cache_seqlens is not None and V.values_checkable(cache_seqlens)):
+        return None
+    launch = hit[0]
+    b, sq, hq, d = q.shape
+    rows, k, v = q.reshape(b * sq, hq, d), _cache_rows(k_cache), _cache_rows(v_cache)
+    cu_q, cu_k = _starts(b, sq, q.device), _starts(b, k_cache.shape[1], q.device)
+    out, lse = kernel_module("fwd").new_outputs(rows, v, cu_q)
+    if not launch(rows, k, v, out, lse, sink, cu_q, cu_k, cache_seqlens):
+        _CHUNK_KEPT.pop(kept, None)
+        return None
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
@@ -274,8 +316,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
                      num_splits, causal, window, softcap, scale, return_lse)
     if kept is not None:
         got = _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink)
+        if got is None and block_table is None:
+            got = _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, sink)
         if got is not None:
-            return got if return_lse else got[0]
+            return (got[0], got[1].contiguous()) if return_lse else got[0]
     lens, s_new = _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                             num_splits)
     V.check_bool("causal", causal)
@@ -362,7 +406,7 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
                 _KEPT[kept] = (dkey, plan)
             out, lse = decode.decode_fwd(q, k_cache, v_cache, **dkw)
         else:
-            out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw)
+            out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept)
     else:
         out, lse = _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
                               num_splits, kw)

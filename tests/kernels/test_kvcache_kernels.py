@@ -293,6 +293,45 @@ def test_kvcache_repeated_calls_launch_the_kept_plan(device, kw, page):
         kv_mod._run_kept = real
 
 
+def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch):
+    """A chunk on a contiguous cache (more query rows than the decode kernel takes) that
+    passed every check keeps the forward's launch by its key (ops/kvcache._CHUNK_KEPT);
+    later chunks of that key launch it on the cache's rows without the checks or the
+    dispatcher (value checks off, as on a GPU by default): fresh lengths and values each
+    call against the float64 reference, a sink, causal rows that see no key; a NaN query
+    reaches only its own sequence; other forward options, and value checks, take the full
+    path (and its errors)."""
+    from flashlse.ops import kvcache as kv_mod
+
+    kv_mod._CHUNK_KEPT.clear()
+    hits = []
+    real = kv_mod._run_kept_chunk
+    monkeypatch.setattr(kv_mod, "_run_kept_chunk", lambda *a: hits.append(real(*a)) or hits[-1])
+    call_kw = dict(causal=True)
+    for lens in ([30, 12, 0], [12, 40, 25], [40, 3, 40]):
+        t = make(3, 20, 4, 2, 32, 32, 40, lens, 0, DTYPES[0], sink=True)
+        with fl.value_checks(False):
+            run_both(_to(t, device), **call_kw)
+    assert len(kv_mod._CHUNK_KEPT) == 1
+    assert hits[0] is None and all(h is not None for h in hits[1:]) and len(hits) == 3
+    t = _to(t, device)
+    t_nan = dict(t, q=t["q"].clone())
+    t_nan["q"][0] = float("nan")  # (sequence 0 has 40 keys: every row sees one)
+    with fl.value_checks(False), torch.no_grad():
+        out_n, lse_n = fl.attention_with_kvcache(**t_nan, **call_kw, return_lse=True)
+    assert hits[-1] is not None and lse_n.is_contiguous()
+    assert torch.isnan(out_n[0]).all() and torch.isnan(lse_n[0]).all()
+    assert not torch.isnan(out_n[1:]).any() and not torch.isnan(lse_n[1:]).any()
+    with fl.value_checks(False), kernel_options(sm90_fwd=False):
+        run_both(t, **call_kw)
+    assert hits[-1] is None  # other forward options: the full path
+    bad = dict(t, cache_seqlens=t["cache_seqlens"] + 100)
+    n_hits = len(hits)
+    with pytest.raises(ValueError, match="cache_seqlens"), fl.value_checks():
+        fl.attention_with_kvcache(**bad, **call_kw)
+    assert hits[n_hits:] == [None]
+
+
 def test_kvcache_kept_plans_tell_their_scalars_apart(device):
     """Each scalar that shapes the launch is in the kept plan's key: calls of one tensor
     metadata alternating scale, causal, window, softcap and num_splits (each kept once, then
