@@ -181,7 +181,7 @@ def flag_runs(flag: str, fn):
                 # their decode plans).
                 for plans in (bwd._BWD_PLANS, fwd_sm90._PLANS, decode._PLANS,
                               attention_ops._KEPT, attention_ops._PAGED_KEPT, kvcache_ops._KEPT,
-                              sparse_ops._PLANS):
+                              kvcache_ops._CHUNK_KEPT, sparse_ops._PLANS):
                     plans.clear()
             return then()
         return run

@@ -54,7 +54,7 @@ def test_flag_runs_switch_the_flag_and_drop_every_plan_it_shapes():
     kv_ops = importlib.import_module("flashlse.ops.kvcache")
     sparse_ops = importlib.import_module("flashlse.ops.sparse")
     caches = (bwd._BWD_PLANS, fwd_sm90._PLANS, decode._PLANS, ops._KEPT, ops._PAGED_KEPT,
-              kv_ops._KEPT, sparse_ops._PLANS)
+              kv_ops._KEPT, kv_ops._CHUNK_KEPT, sparse_ops._PLANS)
     original = bwd_sm90.FUSED_DQ
     assert original is True  # (the test's sides: on leaves it, off changes it)
     seen = []

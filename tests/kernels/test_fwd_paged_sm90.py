@@ -66,7 +66,7 @@ def paged_form(request, monkeypatch):
     monkeypatch.setattr(fwd_sm90, "PAGED_SPLIT_KV", request.param == "split")
     monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
     for plans in (fwd_sm90._PLANS, attention_ops._KEPT, attention_ops._PAGED_KEPT,
-                  kvcache_ops._KEPT):
+                  kvcache_ops._KEPT, kvcache_ops._CHUNK_KEPT):
         plans.clear()
     return request.param
 
