@@ -238,7 +238,8 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
     if len(devices) > 1:
         raise ValueError(f"the two states must be on one device, got {sorted(map(str, devices))}")
-    if not use_triton(out_a) or V.needs_grad(out_a, lse_a, out_b, lse_b):
+    if not use_triton(out_a) or V.needs_grad(out_a, lse_a, out_b, lse_b) or \
+            torch.compiler.is_compiling():
         return merge_states(torch.stack([out_a, out_b]), torch.stack([lse_a, lse_b]),
                             layout=layout)
     # The kernel reads both states where they are (no stacked copy): merge_states' checks
