@@ -46,6 +46,14 @@ def seq_args(q, k, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None) -> t
                                           total_q=q.shape[0], total_k=k.shape[0])
 
 
+def row_starts(b: int, step: int, device) -> torch.Tensor:
+    """``[0, step, ..., b * step]`` int32: the ``cu_seqlens`` of ``b`` sequences of ``step``
+    rows each, in one launch (an arange times ``step`` is two)."""
+    if step == 0:
+        return torch.zeros(b + 1, dtype=torch.int32, device=device)
+    return torch.arange(0, (b + 1) * step, step, dtype=torch.int32, device=device)
+
+
 def cdiv(a: int, b: int) -> int:
     # Plain ints: triton.cdiv on the host goes through the JIT's call path (~6 us a call).
     return -(-a // b)

@@ -239,11 +239,17 @@ def fresh_plan(outs, lses, sink=None):
     plan on another call of the same metadata."""
     key = (outs.shape, outs.stride(), outs.dtype, outs.device, lses.shape, lses.stride(),
            None if sink is None else (sink.shape, sink.stride()))
+    lead = tuple(outs.shape[1:-1])
+    return _kept_plan(key, lambda: _states_plan(
+        outs, lses, sink, lead, contiguous_strides(lead + (outs.shape[-1],)),
+        contiguous_strides(lead), False))
+
+
+def _kept_plan(key, make):
+    """The plan kept in ``_PLANS`` under ``key``, or ``make()``'s, kept there."""
     plan = _PLANS.get(key)
     if plan is None:
-        lead = tuple(outs.shape[1:-1])
-        plan = _states_plan(outs, lses, sink, lead, contiguous_strides(lead + (outs.shape[-1],)),
-                            contiguous_strides(lead), False)
+        plan = make()
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -260,14 +266,8 @@ def given_plan(outs, lses, sink, out, lse_out):
     key = ("given", outs.shape, outs.stride(), outs.dtype, outs.device, lses.shape,
            lses.stride(), None if sink is None else (sink.shape, sink.stride()), out.shape,
            out.stride(), out.dtype, lse_out.shape, lse_out.stride(), alias)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _states_plan(outs, lses, sink, tuple(outs.shape[1:-1]), out.stride(),
-                            lse_out.stride(), alias)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
+    return _kept_plan(key, lambda: _states_plan(outs, lses, sink, tuple(outs.shape[1:-1]),
+                                                out.stride(), lse_out.stride(), alias))
 
 
 def fresh_run(plan, outs, lses, out_shape: tuple, lse_shape: tuple, sink=None):
@@ -340,20 +340,16 @@ def pair_plan(out_a, lse_a, out_b, lse_b):
     states' strides or dtypes differ or the layout does not coalesce (stack them)."""
     key = ("pair", out_a.shape, out_a.stride(), out_a.dtype, out_a.device, lse_a.shape,
            lse_a.stride(), out_b.stride(), out_b.dtype, lse_b.stride(), lse_b.dtype)
-    plan = _PLANS.get(key)
-    if plan is None:
+    def make():
         if (out_b.stride(), out_b.dtype, lse_b.stride()) != (out_a.stride(), out_a.dtype,
                                                              lse_a.stride()):
-            plan = _COPY
-        else:
-            lead = tuple(out_a.shape[:-1])
-            plan = _states_plan(out_a.unsqueeze(0), lse_a.unsqueeze(0), None, lead,
-                                contiguous_strides(lead + (out_a.shape[-1],)),
-                                contiguous_strides(lead), False, pair=True)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
+            return _COPY
+        lead = tuple(out_a.shape[:-1])
+        return _states_plan(out_a.unsqueeze(0), lse_a.unsqueeze(0), None, lead,
+                            contiguous_strides(lead + (out_a.shape[-1],)),
+                            contiguous_strides(lead), False, pair=True)
+
+    return _kept_plan(key, make)
 
 
 def pair_run(plan, out_a, lse_a, out_b, lse_b):

@@ -94,6 +94,7 @@ from ._common import (
     next_pow2,
     paged_keys,
     positional,
+    row_starts,
     seq_args,
     seq_block,
     seq_spans,
@@ -1699,12 +1700,11 @@ class _DenseSplit:
         self.varlen, self.batch, self.seqlen_q, self.seqlen_k = varlen, batch, seqlen_q, seqlen_k
 
     def __call__(self, q, k, v, out, lse, sink, *_) -> None:
-        b, sq, sk = self.batch, self.seqlen_q, self.seqlen_k
-        starts = [torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
-                  for n in (sq, sk)]
+        b = self.batch
+        starts = [row_starts(b, n, q.device) for n in (self.seqlen_q, self.seqlen_k)]
         part_o, part_lse = self.varlen.states(*(_rows(t) for t in (q, k, v, out)), *starts,
                                               None)
-        merge_dense_splits(part_o, part_lse, sink, out, lse)
+        merge_splits(part_o, part_lse, sink, out, lse)
 
 
 def _rows(t):
@@ -2149,16 +2149,12 @@ def split_states(n: int, out):
 
 def merge_splits(part_o, part_lse, sink, out, lse) -> None:
     """Merges key splits' partial states (``part_o (S, total_q, H, D)``, ``part_lse (S, H,
-    total_q)``, float32) into ``out (total_q, H, D)`` and ``lse (H, total_q)`` (any row
-    stride), adding the sink once: ``merge_states``' kernel, through lse's transposes."""
-    combine.merge_states_fwd(part_o, part_lse.transpose(1, 2),
-                             sink=None if sink is None else sink.float(), out=out,
-                             lse_out=lse.transpose(0, 1))
-
-
-def merge_dense_splits(part_o, part_lse, sink, out, lse) -> None:
-    """:func:`merge_splits` into a dense call's ``out (B, Sq, H, D)`` and ``lse (B, H, Sq)``:
-    the partial states' rows are the B sequences' rows back to back."""
+    total_q)``, float32) into a varlen ``out (total_q, H, D)`` and ``lse (H, total_q)`` (any
+    row stride), or a dense call's ``out (B, Sq, H, D)`` and ``lse (B, H, Sq)`` whose
+    sequences' rows lie back to back in the partial states' (DENSE_SPLIT_KV), adding the
+    sink once: ``merge_states``' kernel, through views of lse."""
+    if out.dim() == 3:  # varlen: one "batch" of total_q rows
+        out, lse = out[None], lse[None]
     n, b, sq, hq = part_o.shape[0], out.shape[0], out.shape[1], out.shape[2]
     combine.merge_states_fwd(part_o.view(n, b, sq, hq, part_o.shape[-1]),
                              part_lse.view(n, hq, b, sq).permute(0, 2, 3, 1),

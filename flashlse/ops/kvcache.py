@@ -94,27 +94,26 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None):
     cache's launch is kept by it (``_run_kept_chunk``)."""
     dispatch = kernel_module("dispatch")
     b, sq, hq, d = q.shape
-    cu_q = _starts(b, sq, q.device)
     used = None if lens is None else (lens + s_new if s_new else lens)
-    capacity = 0 if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    if block_table is not None and (
-            sq < _GATHER_MIN_ROWS or capacity > _GATHER_MAX_TABLE_ROWS_PER_QUERY * sq
-            or dispatch.paged_in_place(q, k_cache, v_cache, softcap=kw["softcap"],
-                                       scale=kw["scale"])):
-        out, lse = dispatch.attn_fwd_paged(
-            q.reshape(b * sq, hq, d), k_cache, v_cache, block_table, cu_seqlens_q=cu_q,
-            max_seqlen_q=sq, seqused_k=used, max_seqlen_k=capacity, min_seqlen_q=sq, **kw)
-        return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
-    if block_table is not None:
+    if block_table is None:
+        rows, k, v, cu_q, cu_k = _chunk_rows(q, k_cache, v_cache)
+        smax = k_cache.shape[1]
+    else:
+        rows = q.reshape(b * sq, hq, d)
+        cu_q = kernel_module("_common").row_starts(b, sq, q.device)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        if (sq < _GATHER_MIN_ROWS or capacity > _GATHER_MAX_TABLE_ROWS_PER_QUERY * sq
+                or dispatch.paged_in_place(q, k_cache, v_cache, softcap=kw["softcap"],
+                                           scale=kw["scale"])):
+            out, lse = dispatch.attn_fwd_paged(
+                rows, k_cache, v_cache, block_table, cu_seqlens_q=cu_q, max_seqlen_q=sq,
+                seqused_k=used, max_seqlen_k=capacity, min_seqlen_q=sq, **kw)
+            return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
         k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, used)
         smax = k.shape[0] // max(b, 1)
-    else:
-        smax = k_cache.shape[1]
-        cu_k = _starts(b, smax, q.device)
-        k, v = _cache_rows(k_cache), _cache_rows(v_cache)
     out, lse, launch = dispatch.attn_fwd_launched(
-        q.reshape(b * sq, hq, d), k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=sq, max_seqlen_k=smax, seqused_k=used, **kw)
+        rows, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=sq, max_seqlen_k=smax,
+        seqused_k=used, **kw)
     if kept is not None and block_table is None:
         if len(_CHUNK_KEPT) >= _MAX_KEPT:
             _CHUNK_KEPT.clear()
@@ -122,9 +121,14 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None):
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
-def _cache_rows(cache):
-    """A contiguous cache ``(B, Smax, Hkv, D)`` as packed rows ``(B * Smax, Hkv, D)``."""
-    return cache.reshape(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+def _chunk_rows(q, k_cache, v_cache):
+    """A chunk on a contiguous cache as the varlen forward takes it: q's rows ``(B * Sq,
+    Hq, D)``, the caches' rows ``(B * Smax, Hkv, D)`` and both ``cu_seqlens``."""
+    b, sq, smax = q.shape[0], q.shape[1], k_cache.shape[1]
+    starts = kernel_module("_common").row_starts
+    return (q.reshape(b * sq, *q.shape[2:]), k_cache.reshape(b * smax, *k_cache.shape[2:]),
+            v_cache.reshape(b * smax, *v_cache.shape[2:]), starts(b, sq, q.device),
+            starts(b, smax, q.device))
 
 
 # A chunk (more query rows than the decode kernel takes) on a contiguous cache whose key
@@ -149,23 +153,13 @@ def _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, sink):
     if hit is None or hit[1] != _fwd_options() or V.needs_grad(q, k_cache, v_cache, sink) or \
             (cache_seqlens is not None and V.values_checkable(cache_seqlens)):
         return None
-    launch = hit[0]
-    b, sq, hq, d = q.shape
-    rows, k, v = q.reshape(b * sq, hq, d), _cache_rows(k_cache), _cache_rows(v_cache)
-    cu_q, cu_k = _starts(b, sq, q.device), _starts(b, k_cache.shape[1], q.device)
+    b, sq, hq, _ = q.shape
+    rows, k, v, cu_q, cu_k = _chunk_rows(q, k_cache, v_cache)
     out, lse = kernel_module("fwd").new_outputs(rows, v, cu_q)
-    if not launch(rows, k, v, out, lse, sink, cu_q, cu_k, cache_seqlens):
+    if not hit[0](rows, k, v, out, lse, sink, cu_q, cu_k, cache_seqlens):
         _CHUNK_KEPT.pop(kept, None)
         return None
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
-
-
-def _starts(b: int, step: int, device) -> torch.Tensor:
-    """``[0, step, ..., b * step]`` int32, the rows' starts of ``b`` sequences of ``step``
-    rows: one launch (an arange times ``step`` is two)."""
-    if step == 0:
-        return torch.zeros(b + 1, dtype=torch.int32, device=device)
-    return torch.arange(0, (b + 1) * step, step, dtype=torch.int32, device=device)
 
 
 def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw):

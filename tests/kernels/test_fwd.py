@@ -1200,8 +1200,8 @@ def _split_parts(q, k, v, bounds):
     return torch.stack(outs), torch.stack(lses)
 
 
-def test_fwd_sm90_merge_dense_splits_gives_the_whole_attention(device):
-    """The dense key-split experiment's merge (``fwd_sm90.merge_dense_splits``,
+def test_fwd_sm90_merge_splits_into_a_dense_call_gives_the_whole_attention(device):
+    """The dense key-split experiment's merge (``fwd_sm90.merge_splits`` into a dense out,
     DENSE_SPLIT_KV): partial states whose rows are two sequences' rows back to back merged
     into a dense out (B, Sq, H, D) and lse (B, H, Sq), the sink once, equal the whole causal
     attention's (float64 reference); the first ``Sq - Sk`` rows of each sequence see no key:
@@ -1217,7 +1217,7 @@ def test_fwd_sm90_merge_dense_splits_gives_the_whole_attention(device):
     parts = [_split_parts(q[i], k[i], v[i], SPLIT_BOUNDS) for i in range(b)]
     part_o = torch.cat([o for o, _ in parts], 1).to(device)  # (n, B * Sq, H, D)
     part_lse = torch.cat([l for _, l in parts], 2).to(device)  # (n, H, B * Sq)
-    fwd_sm90.merge_dense_splits(part_o, part_lse, sink.to(device), out, lse)
+    fwd_sm90.merge_splits(part_o, part_lse, sink.to(device), out, lse)
     want, want_lse = reference.attention(q, k, v, causal=True, sink=sink, return_lse=True)
     out, lse = out.cpu(), lse.cpu()
     torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=0)
