@@ -736,6 +736,32 @@ def test_attn_fwd_gpu_sm90_dense_key_splits(device, monkeypatch, d, b, sq, sk, h
     fwd_sm90._PLANS.clear()
     _run_dense(device, torch.bfloat16, b, sq, sk, hq, hkv, d, d, **kw)
     assert plans and all(p.signature[-1] == "dense" for p in plans)
+    # A NaN key reaches exactly the rows that see it (its batch, its kv head's query heads,
+    # within the mask) and no empty-looking row; every other row equals the clean call's
+    # bit for bit.
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
+               for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    left, right = _window(kw.get("causal", False), kw.get("window", (None, None)))
+    call = lambda k: dispatch.attn_fwd(q, k, v, left=left, right=right, softcap=0.0,
+                                       scale=d ** -0.5, sink=None)
+    out, lse = call(k)
+    j = sk - 1  # the last key: every row that sees any key near the end sees it
+    k_nan = k.clone()
+    k_nan[0, j, 0] = float("nan")
+    out_n, lse_n = call(k_nan)
+    i = torch.arange(sq, device="cuda")[:, None]
+    sees = torch.ones(sq, 1, dtype=torch.bool, device="cuda")
+    if right is not None:
+        sees &= j <= i + sk - sq + right
+    if left is not None:
+        sees &= j >= i + sk - sq - left
+    want = torch.zeros(b, hq, sq, dtype=torch.bool, device="cuda")
+    want[0, : hq // hkv] = sees[:, 0]
+    assert torch.equal(torch.isnan(lse_n), want)
+    assert torch.equal(torch.isnan(out_n).any(-1), want.transpose(1, 2))
+    assert torch.equal(lse_n[~want], lse[~want])
+    assert torch.equal(out_n[~want.transpose(1, 2)], out[~want.transpose(1, 2)])
 
 
 @pytest.mark.gpu
