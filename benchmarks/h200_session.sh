@@ -368,7 +368,7 @@ if [ "$1" = s31 ]; then
     # tests (sync-debug and CUDA graphs among them), then the public figures.
     K=tests/kernels
     timeout 240 python3 -m pytest -q $K/test_combine.py $K/test_sync_free.py \
-        $K/test_cuda_graphs.py $K/test_sparse_kernels.py $K/test_compile_gpu.py \
+        $K/test_cuda_graphs.py $K/test_sparse_kernels.py $K/test_compile_kernels.py \
         -p no:cacheprovider \
         > "$OUT/test_s31_a.log" 2>&1 &
     # (attention_with_kvcache's paged chunks no longer launch the portable kernel: min_seqlen_q)

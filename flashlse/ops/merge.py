@@ -200,10 +200,24 @@ def _check_canonical(lses: torch.Tensor) -> None:
 def merge_states_unchecked(outs, lses, *, sink=None):
     """:func:`merge_states` without validation: for internal callers (split-KV, the ring)."""
     if use_triton(outs) and not V.needs_grad(outs, lses, sink):
-        return kernel_module("combine").merge_states_fwd(
-            outs, lses.float(), sink=None if sink is None else sink.float())
+        sink = None if sink is None else sink.float()
+        if torch.compiler.is_compiling():
+            return _merge_states_op(outs, lses.float(), sink)
+        return kernel_module("combine").merge_states_fwd(outs, lses.float(), sink=sink)
     out, lse = merge_math(outs, lses, sink)
     return out.to(outs.dtype), lse if outs.dtype == torch.float64 else lse.float()
+
+
+# torch.compile sees the merge kernel as an op (its launcher reads addresses, keeps plans).
+@torch.library.custom_op("flashlse::merge_states", mutates_args=())
+def _merge_states_op(outs: torch.Tensor, lses: torch.Tensor,
+                     sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernel_module("combine").merge_states_fwd(outs, lses, sink=sink)
+
+
+@_merge_states_op.register_fake
+def _(outs, lses, sink):
+    return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:])
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,

@@ -313,6 +313,17 @@ def _sparse_fwd(q, k, v, indices, sink, scale, key=None, lse_contiguous=True):
     return sparse_fwd_torch(q, k, v, indices, scale=scale, sink=sink)
 
 
+def _sparse_bwd(dout, dlse, q, k, v, indices, out, lse, sink, scale):
+    """``dq, dk, dv, dsink`` on the kernel or, in deterministic mode (the kernel scatters
+    dK/dV with atomics: not bitwise repeatable) and above its head dims, the PyTorch path."""
+    if (use_triton(q) and not torch.are_deterministic_algorithms_enabled()
+            and max(q.shape[-1], v.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
+        from ..kernels.sparse import sparse_bwd
+
+        return sparse_bwd(dout, dlse, q, k, v, indices, out, lse, scale=scale, sink=sink)
+    return sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse, scale=scale, sink=sink)
+
+
 class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, indices, sink, scale, key=None):
@@ -325,18 +336,59 @@ class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, indices, out, lse, sink = ctx.saved_tensors
-        # The kernel scatters dK/dV with atomics: not bitwise repeatable, so deterministic
-        # mode takes the PyTorch path.
-        if (use_triton(q) and not torch.are_deterministic_algorithms_enabled()
-                and max(q.shape[-1], v.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
-            from ..kernels.sparse import sparse_bwd
-
-            dq, dk, dv, dsink = sparse_bwd(dout, dlse, q, k, v, indices, out, lse,
-                                           scale=ctx.scale, sink=sink)
-        else:
-            dq, dk, dv, dsink = sparse_bwd_torch(dout, dlse, q, k, v, indices, out, lse,
-                                                 scale=ctx.scale, sink=sink)
+        dq, dk, dv, dsink = _sparse_bwd(dout, dlse, q, k, v, indices, out, lse, sink,
+                                        ctx.scale)
         return dq, dk, dv, None, dsink, None, None
+
+
+# torch.compile sees the forward and backward as ops (fake kernels give their shapes).
+@torch.library.custom_op("flashlse::sparse_fwd", mutates_args=())
+def _sparse_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                   sink: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _sparse_fwd(q, k, v, indices, sink, scale)
+
+
+def _sparse_fakes(q, v):
+    b, sq, hq, _ = q.shape
+    lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=lse_dt)
+
+
+@_sparse_fwd_op.register_fake
+def _(q, k, v, indices, sink, scale):
+    return _sparse_fakes(q, v)
+
+
+@torch.library.custom_op("flashlse::sparse_bwd", mutates_args=())
+def _sparse_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   sink: torch.Tensor | None, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dsink = _sparse_bwd(dout, dlse, q, k, v, indices, out, lse, sink, scale)
+    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsink is None else dsink
+
+
+@_sparse_bwd_op.register_fake
+def _(dout, dlse, q, k, v, indices, out, lse, sink, scale):
+    dsink = q.new_empty(0, dtype=torch.float32) if sink is None else torch.empty_like(sink)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+def _sparse_setup(ctx, inputs, output):
+    q, k, v, indices, sink, scale = inputs
+    ctx.save_for_backward(q, k, v, indices, output[0], output[1], sink)
+    ctx.scale = scale
+
+
+def _sparse_backward(ctx, dout, dlse):
+    q, k, v, indices, out, lse, sink = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    dq, dk, dv, dsink = _sparse_bwd_op(dout, dlse, q, k, v, indices, out, lse, sink, ctx.scale)
+    return dq, dk, dv, None, None if sink is None else dsink, None
+
+
+_sparse_fwd_op.register_autograd(_sparse_backward, setup_context=_sparse_setup)
 
 
 def _check_meta(q, k, v, indices, block_table):
@@ -403,7 +455,11 @@ def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=Non
     scale = V.check_scale(scale, q.shape[-1])
     if block_table is not None:
         return _sparse_paged(q, k, v, indices, block_table, scale, sink, return_lse, key)
-    if V.needs_grad(q, k, v, sink) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        # An opaque op to the tracer (the launchers read addresses and keep plans), with its
+        # backward registered.
+        out, lse = _sparse_fwd_op(q, k, v, indices, sink, scale)
+    elif V.needs_grad(q, k, v, sink):
         out, lse = SparseAttentionFunction.apply(q, k, v, indices, sink, scale, key)
     else:
         # Nothing to differentiate: the forward itself, without autograd.Function's cost
@@ -419,6 +475,18 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
     if V.needs_grad(q, k_cache, v_cache, sink):
         raise ValueError("sparse_attention with a block_table is forward only (serving); call "
                          "it under torch.no_grad()")
+    if torch.compiler.is_compiling():
+        out, lse = _sparse_paged_op(q, k_cache, v_cache, indices, block_table, sink, scale)
+    else:
+        out, lse = _paged_fwd(q, k_cache, v_cache, indices, block_table, scale, sink,
+                              return_lse, key)
+    return (out, lse) if return_lse else out
+
+
+def _paged_fwd(q, k_cache, v_cache, indices, block_table, scale, sink, lse_contiguous=True,
+               key=None):
+    """``(out, lse)`` of a paged call (its metadata checked) on the path its plan chose,
+    with the block table's values checked where they can be."""
     checked = V.values_checkable(block_table) and indices.numel()
     plan = _fwd_plan(q, k_cache, v_cache, indices, block_table, key)
     kernel = plan.kernel_ok
@@ -438,7 +506,7 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
     if kernel:
         out, lse = sparse_fwd_kernel(q, k_cache, v_cache, indices, scale=scale, sink=sink,
                                      block_table=block_table, plan=plan,
-                                     lse_contiguous=return_lse)
+                                     lse_contiguous=lse_contiguous)
     else:
         from ._paged import gather_pages
 
@@ -450,4 +518,16 @@ def _sparse_paged(q, k_cache, v_cache, indices, block_table, scale, sink, return
         # A listed key on a page outside the cache is no key here too (checks off).
         out, lse = sparse_fwd_torch(q, k, v, torch.where(ok, indices, -1), scale=scale,
                                     sink=sink)
-    return (out, lse) if return_lse else out
+    return out, lse
+
+
+@torch.library.custom_op("flashlse::sparse_fwd_paged", mutates_args=())
+def _sparse_paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     indices: torch.Tensor, block_table: torch.Tensor, sink: torch.Tensor | None,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _paged_fwd(q, k_cache, v_cache, indices, block_table, scale, sink)
+
+
+@_sparse_paged_op.register_fake
+def _(q, k_cache, v_cache, indices, block_table, sink, scale):
+    return _sparse_fakes(q, v_cache)
