@@ -51,6 +51,8 @@
 #                                                dense split experiment), bench_merge
 #   bash benchmarks/h200_session.sh s31b       # then bench_overhead (merge, varlen, sparse,
 #                                                paged), the split rows, the dense A/B
+#   bash benchmarks/h200_session.sh s32        # dense key splits on: the forward's GPU tests,
+#                                                memcheck, fl.attention on / off at 4 shapes
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -69,7 +71,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -380,6 +382,31 @@ if [ "$1" = s31 ]; then
     for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_s31_*.log | head
     timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
+    exit 0
+fi
+if [ "$1" = s32 ]; then
+    # Dense key splits on (DENSE_SPLIT_KV): the Hopper forward's GPU tests in three shards,
+    # the sync-free and graph tests, memcheck of the split test, then the public calls with
+    # the flag on / off in turn at shapes that split 2-16 ways and one that does not.
+    K=tests/kernels
+    timeout 300 python3 -m pytest -q $K/test_fwd.py -k "(sm90 or gpu) and not varlen" \
+        -p no:cacheprovider > "$OUT/test_s32_a.log" 2>&1 &
+    timeout 300 python3 -m pytest -q $K/test_fwd.py -k "varlen or split or kvcache" \
+        -p no:cacheprovider > "$OUT/test_s32_b.log" 2>&1 &
+    timeout 300 python3 -m pytest -q $K/test_sync_free.py $K/test_cuda_graphs.py \
+        $K/test_compile_kernels.py $K/test_bwd.py -k "sync or graph or compile or sm90" \
+        -p no:cacheprovider > "$OUT/test_s32_c.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_s32_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_s32_*.log | head
+    timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -q \
+        $K/test_fwd.py -k "dense_key_splits and d128 and (gqa_sink or window)" \
+        -p no:cacheprovider 2>&1 | grep -E "ERROR SUMMARY|passed|failed" | tail -3
+    for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,128,8192 --heads 8,2" \
+            "--shape 1,1024,32768 --heads 8,2" "--shape 2,512,16384 --heads 16,4"; do
+        timeout 60 python3 benchmarks/bench_serving.py --flag fwd_sm90.DENSE_SPLIT_KV $args \
+            2>&1 | grep "serving prefill\|fl.attention, the dense"
+    done
     exit 0
 fi
 if [ "$1" = s31b ]; then

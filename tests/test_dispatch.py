@@ -239,7 +239,7 @@ def test_forward_varlen_key_splits_then_merge(kernels, monkeypatch):
         p.signature[-1] == "4 splits" for p in fwd_sm90._PLANS.values() if p is not None)
 
 def test_dense_forward_key_splits_then_merge(kernels, monkeypatch):
-    """``fwd_sm90.DENSE_SPLIT_KV`` (an experiment, off by default): a dense call of at most
+    """``fwd_sm90.DENSE_SPLIT_KV`` (on since session 32): a dense call of at most
     half the SMs' items (2 batches x 3 row blocks x 4 heads = 24 on 132 SMs) runs as packed
     sequences of equal lengths on the persistent varlen kernel with key splits (4 x 24 <=
     132, 3 key tiles of 333 keys, a tile a split: at most 3, so 2): the list reads cu_seqlens
@@ -253,6 +253,7 @@ def test_dense_forward_key_splits_then_merge(kernels, monkeypatch):
     monkeypatch.setattr(combine, "_merge_states_fwd_kernel",
                         _Kernel("merge", kernels.log, combine._merge_states_fwd_kernel))
     q, k, v, kw = _dense()
+    monkeypatch.setattr(fwd_sm90, "DENSE_SPLIT_KV", False)
     fwd_sm90._PLANS.clear()
     dispatch.attn_fwd(q, k, v, **kw)
     assert "merge" not in kernels.names()  # the flag is off

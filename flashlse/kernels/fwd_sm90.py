@@ -2065,10 +2065,11 @@ PAGED_SPLIT_KV = True
 # chunked prefill), which then take the persistent varlen kernel with at most as many items
 # as SMs (``_varlen_ok``).
 VARLEN_SPLIT_KV = True
-# Experiment (not yet run on a GPU; off): the same for dense calls (``_dense_split_plan``),
-# whose few items (512 rows on 64k keys at 8 heads: 32) leave the persistent kernel at
-# ~185 TFLOP/s on 132 SMs (NOTES.md, session 31).
-DENSE_SPLIT_KV = False
+# The same for dense calls (``_dense_split_plan``; on since session 32), whose few items
+# (512 rows on 64k keys at 8 heads: 32) leave the persistent kernel at ~185 TFLOP/s on 132
+# SMs: fl.attention there 0.767 -> 0.222 ms (RESULTS.md, session 32, call 2). D = 256 has no
+# persistent varlen kernel and stays unsplit.
+DENSE_SPLIT_KV = True
 _SPLIT_COUNTS = (2, 4, 8, 16)
 # A split takes at least this many key tiles (4k keys at BLOCK_N = 128): a split costs the
 # call two workspaces and the merge's launch (~20-30 us of host and 4 us of GPU time on the

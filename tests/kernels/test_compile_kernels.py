@@ -62,7 +62,7 @@ def test_sparse_attention_compiles_fullgraph_forward_and_backward(device):
         torch.testing.assert_close(got, fl.sparse_attention(q, k, v, idx, sink=sink,
                                                             return_lse=True))
     # The backward: the op's registered autograd against eager's autograd.Function.
-    leaves = [t.float().requires_grad_() for t in (q, k, v)] + [sink.clone().requires_grad_()]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
 
     def loss(q, k, v, sink):
         out, lse = fl.sparse_attention(q, k, v, idx, sink=sink, return_lse=True)

@@ -720,7 +720,7 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
     pytest.param(2, 64, 513, 4, 2, dict(), id="full"),
 ])
 def test_attn_fwd_gpu_sm90_dense_key_splits(device, monkeypatch, d, b, sq, sk, hq, hkv, kw):
-    """The dense key-split experiment (DENSE_SPLIT_KV): a dense call as packed sequences of
+    """The dense key splits (DENSE_SPLIT_KV): a dense call as packed sequences of
     equal lengths on the persistent varlen kernel with key splits (2000 "SMs" and a tile a
     split, so that these small calls split), merged into the dense out and lse, against the
     float64 reference: GQA and MQA, a sink, rows that see no key, a window, lengths off the
