@@ -275,6 +275,11 @@ def test_dense_forward_key_splits_then_merge(kernels, monkeypatch):
     assert merge.named["out"].data_ptr() == out.data_ptr() and out.shape == (2, 300, 4, 128)
     assert merge.named["lse"].data_ptr() == lse.data_ptr() and lse.shape == (2, 4, 300)
     assert all(p.signature[-1] == "dense" for p in fwd_sm90._PLANS.values() if p is not None)
+    # A repeated call reads the list its plan kept: the kernel and the merge only.
+    kernels.log.clear()
+    dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["fwd_sm90_varlen", "merge"]
+    assert kernels.log[0].args[6] is blocks.args[3]
     # Keys too short for two splits of SPLIT_MIN_TILES: the dense kernels.
     monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 4)
     fwd_sm90._PLANS.clear()

@@ -1690,21 +1690,43 @@ class _VarlenLaunch:
 
 class _DenseSplit:
     """A dense call on the persistent varlen kernel with key splits (DENSE_SPLIT_KV): q, k,
-    v and out read as the packed rows of ``batch`` sequences of equal lengths (views; the
-    ``cu_seqlens`` made on the call's stream, a launch each), the splits' partial states
-    merged into the dense out ``(B, Sq, H, Dv)`` and lse ``(B, H, Sq)``, the sink once."""
+    v and out read as the packed rows of ``batch`` sequences of equal lengths (views), the
+    splits' partial states merged into the dense out ``(B, Sq, H, Dv)`` and lse ``(B, H,
+    Sq)``, the sink once. The row blocks' list is a function of the plan alone: listed once
+    a stream and kept (``_blocks``), so a call launches the kernel and the merge only."""
 
-    __slots__ = ("varlen", "batch", "seqlen_q", "seqlen_k")
+    __slots__ = ("varlen", "batch", "seqlen_q", "seqlen_k", "lists")
 
     def __init__(self, varlen: _VarlenLaunch, batch: int, seqlen_q: int, seqlen_k: int):
         self.varlen, self.batch, self.seqlen_q, self.seqlen_k = varlen, batch, seqlen_q, seqlen_k
+        self.lists = {}
 
     def __call__(self, q, k, v, out, lse, sink, *_) -> None:
-        b = self.batch
-        starts = [row_starts(b, n, q.device) for n in (self.seqlen_q, self.seqlen_k)]
-        part_o, part_lse = self.varlen.states(*(_rows(t) for t in (q, k, v, out)), *starts,
-                                              None)
+        rows = [_rows(t) for t in (q, k, v, out)]
+        part_o, part_lse = split_states(self.varlen.splits, rows[3])
+        self.varlen.kernel(*rows[:3], part_o, part_lse, None, self._blocks(q.device), None)
         merge_splits(part_o, part_lse, sink, out, lse)
+
+    def _blocks(self, device) -> torch.Tensor:
+        """The row blocks' list, read (never written) by the kernel: listed on the call's
+        stream the first time and kept for that stream, whose later calls run after the
+        listing. While a CUDA graph captures, a fresh list (the capture runs nothing, so a
+        kept one would hold no values before a replay)."""
+        stream = None
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return self._list(device)
+            stream = torch.cuda.current_stream(device).cuda_stream
+        blocks = self.lists.get(stream)
+        if blocks is None:
+            if len(self.lists) >= 64:
+                self.lists.clear()
+            blocks = self.lists[stream] = self._list(device)
+        return blocks
+
+    def _list(self, device) -> torch.Tensor:
+        starts = [row_starts(self.batch, n, device) for n in (self.seqlen_q, self.seqlen_k)]
+        return self.varlen._blocks(*starts, None, device)
 
 
 def _rows(t):

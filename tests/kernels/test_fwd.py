@@ -769,6 +769,53 @@ def test_attn_fwd_gpu_sm90_dense_key_splits(device, monkeypatch, d, b, sq, sk, h
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+def test_attn_fwd_gpu_sm90_dense_key_splits_kept_list_streams_and_graphs(monkeypatch):
+    """A dense split's plan keeps its row blocks' list a stream: a second stream lists its
+    own, a CUDA graph captures a fresh one, and every call (repeated, on the side stream,
+    the graph's replays on new inputs) equals the first call on the same inputs bit for
+    bit, with its NaN-poisoned outputs filled."""
+    from flashlse.kernels import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 2000)
+    fwd_sm90._PLANS.clear()
+    g = torch.Generator().manual_seed(11)
+    mk = lambda *s: torch.randn(*s, generator=g).to("cuda", torch.bfloat16)
+    b, sq, sk, hq, hkv, d = 2, 200, 700, 8, 2, 128
+    q, k, v = mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
+    call = lambda: dispatch.attn_fwd(q, k, v, left=None, right=0, softcap=0.0,
+                                     scale=d ** -0.5, sink=None)
+    first = call()
+    plan = next(p for p in fwd_sm90._PLANS.values() if p is not None)
+    assert plan.signature[-1] == "dense"
+    want = reference.attention(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(first[0].double(), want[0], atol=2e-2, rtol=0)
+    torch.testing.assert_close(first[1].double(), want[1], atol=1e-3, rtol=0)
+    for got in (call(), call()):
+        assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = call()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
+    assert len(plan.run.lists) == 2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()
+    assert len(plan.run.lists) == 2  # the capture kept nothing
+    for seed in (1, 2):
+        g.manual_seed(seed)
+        for t in (q, k, v):
+            t.copy_(mk(*t.shape))
+        graph.replay()
+        want_o, want_l = call()
+        assert torch.equal(out, want_o) and torch.equal(lse, want_l)
+        assert not torch.isnan(out).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_attn_fwd_gpu_sm90_persistent_lse_contract_and_nan(d):
     """The LSE contract on the dense persistent kernel (the default at every Hopper head
