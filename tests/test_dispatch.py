@@ -250,6 +250,7 @@ def test_dense_forward_key_splits_then_merge(kernels, monkeypatch):
 
     monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 132)
     monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(fwd_sm90, "DENSE_SPLIT_MIN_KEYS", 1)
     monkeypatch.setattr(combine, "_merge_states_fwd_kernel",
                         _Kernel("merge", kernels.log, combine._merge_states_fwd_kernel))
     q, k, v, kw = _dense()
@@ -282,6 +283,13 @@ def test_dense_forward_key_splits_then_merge(kernels, monkeypatch):
     assert kernels.log[0].args[6] is blocks.args[3]
     # Keys too short for two splits of SPLIT_MIN_TILES: the dense kernels.
     monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 4)
+    fwd_sm90._PLANS.clear()
+    kernels.log.clear()
+    dispatch.attn_fwd(q, k, v, **kw)
+    assert "merge" not in kernels.names()
+    # Keys too short to earn a split's host time back (DENSE_SPLIT_MIN_KEYS): the same.
+    monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(fwd_sm90, "DENSE_SPLIT_MIN_KEYS", 334)
     fwd_sm90._PLANS.clear()
     kernels.log.clear()
     dispatch.attn_fwd(q, k, v, **kw)

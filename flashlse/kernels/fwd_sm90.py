@@ -1742,7 +1742,7 @@ def _dense_split_plan(q, k, v, out, lse, shared, cfg, batch, lens, signature) ->
     kernel, the layout does not pack (heads adjacent, sequences back to back, Dv = D), or
     the call would not split."""
     sq, sk, hq, d = lens["seqlen_q"], lens["seqlen_k"], q.shape[2], q.shape[3]
-    if not cfg.persistent_varlen or cfg.pingpong or not cfg.overlap or sk == 0:
+    if not cfg.persistent_varlen or cfg.pingpong or not cfg.overlap or sk < DENSE_SPLIT_MIN_KEYS:
         return None
     if max(batch * sq, batch * sk) >= 2**31 or _ring_bytes(q, shared, 1) > SMEM_BYTES:
         return None
@@ -2092,6 +2092,11 @@ VARLEN_SPLIT_KV = True
 # SMs: fl.attention there 0.767 -> 0.222 ms (RESULTS.md, session 32, call 2). D = 256 has no
 # persistent varlen kernel and stays unsplit.
 DENSE_SPLIT_KV = True
+# A dense split needs this many keys: its call costs ~80-95 us more host time than the
+# unsplit one on the H200's hosts (RESULTS.md, session 32, calls 4 and 7), which 128 rows on 8k
+# keys at 8 heads (2 splits: the kernel 100 -> 55 us) do not earn back (public call 0.104 ->
+# 0.222 ms) and 256 rows on 16k (4 splits) do (0.195 -> 0.120 ms).
+DENSE_SPLIT_MIN_KEYS = 16384
 _SPLIT_COUNTS = (2, 4, 8, 16)
 # A split takes at least this many key tiles (4k keys at BLOCK_N = 128): a split costs the
 # call two workspaces and the merge's launch (~20-30 us of host and 4 us of GPU time on the

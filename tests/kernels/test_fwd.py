@@ -732,6 +732,7 @@ def test_attn_fwd_gpu_sm90_dense_key_splits(device, monkeypatch, d, b, sq, sk, h
     monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     monkeypatch.setattr(fwd_sm90, "DENSE_SPLIT_KV", True)
     monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(fwd_sm90, "DENSE_SPLIT_MIN_KEYS", 1)
     monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 2000)
     fwd_sm90._PLANS.clear()
     _run_dense(device, torch.bfloat16, b, sq, sk, hq, hkv, d, d, **kw)
@@ -777,6 +778,7 @@ def test_attn_fwd_gpu_sm90_dense_key_splits_kept_list_streams_and_graphs(monkeyp
     from flashlse.kernels import fwd_sm90
 
     monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
+    monkeypatch.setattr(fwd_sm90, "DENSE_SPLIT_MIN_KEYS", 1)
     monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 2000)
     fwd_sm90._PLANS.clear()
     g = torch.Generator().manual_seed(11)
