@@ -278,9 +278,17 @@ def test_dense_forward_key_splits_then_merge(kernels, monkeypatch):
     assert all(p.signature[-1] == "dense" for p in fwd_sm90._PLANS.values() if p is not None)
     # A repeated call reads the list its plan kept: the kernel and the merge only.
     kernels.log.clear()
-    dispatch.attn_fwd(q, k, v, **kw)
+    out2, lse2 = dispatch.attn_fwd(q, k, v, **kw)
     assert kernels.names() == ["fwd_sm90_varlen", "merge"]
     assert kernels.log[0].args[6] is blocks.args[3]
+    # ... and its kept merge launch, on this call's workspaces and outputs, the sink once.
+    run2, merge2 = kernels.log
+    assert merge2.args[0].data_ptr() == run2.args[3].data_ptr()
+    assert merge2.args[1].data_ptr() == run2.args[4].data_ptr()
+    assert merge2.args[2] is kw["sink"] and merge2.named["HAS_SINK"]
+    assert merge2.args[3].data_ptr() == out2.data_ptr()
+    assert merge2.args[4].data_ptr() == lse2.data_ptr()
+    assert merge2.named["N"] == 2 and merge2.named["R"] == 600 * 4
     # Keys too short for two splits of SPLIT_MIN_TILES: the dense kernels.
     monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 4)
     fwd_sm90._PLANS.clear()
