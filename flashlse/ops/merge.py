@@ -233,7 +233,8 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
         ``(out (..., D), lse (...))`` as :func:`merge_states`.
     """
     kept = _pair_key(out_a, lse_a, out_b, lse_b, layout)
-    if kept is not None and (hit := _PAIR_KEPT.get(kept)) is not None:
+    if kept is not None and (hit := _PAIR_KEPT.get(kept)) is not None and \
+            not V.values_checkable(lse_a) and not V.needs_grad(out_a, lse_a, out_b, lse_b):
         plan, flash = hit
         # (The plan holds the strides of the flash layout's transposed lses; a launch reads
         # only the tensors' addresses, which the views share.)
@@ -267,6 +268,8 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
         validate_states(outs, lses, None)
         _check_canonical(lses)
     combine = kernel_module("combine")
+    # (Kept only for float32 lses: a hit's key then says the plan reads them as they are.)
+    keep = kept is not None and lse_a.dtype == torch.float32 and lse_b.dtype == torch.float32
     lse_a, lse_b = lse_a.float(), lse_b.float()
     plan = combine.pair_plan(out_a, lse_a, out_b, lse_b)
     if plan is combine._COPY:
@@ -274,7 +277,7 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
                                             torch.stack([lse_a, lse_b]))
     else:
         out, lse = combine.pair_run(plan, out_a, lse_a, out_b, lse_b)
-        if kept is not None:
+        if keep:
             # Every check passed: later calls of this key launch the plan at once.
             if len(_PAIR_KEPT) >= _MAX_KEPT:
                 _PAIR_KEPT.clear()
@@ -284,15 +287,10 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
 
 def _pair_key(out_a, lse_a, out_b, lse_b, layout):
     """``merge``'s key in ``_PAIR_KEPT`` (the four tensors' metadata and the layout
-    argument), or None for a call that cannot take the kept path: value checks (the CPU's
-    default, or asked for: they read the lses), grad, the PyTorch path, lses other than
-    float32."""
-    if not (V.KEEP_PLANS and (layout is None or layout.__class__ is str)) or \
-            lse_a.__class__ is not torch.Tensor or lse_b.__class__ is not torch.Tensor or \
-            lse_a.dtype != torch.float32 or lse_b.dtype != torch.float32 or \
-            V.values_checkable(lse_a):
+    argument), or None: kept plans off, a layout argument not a str, an argument not a
+    tensor, torch.compile. Only the pair kernel's calls keep a plan (Triton's path, no grad,
+    float32 lses); a hit still takes the full path under value checks or grad."""
+    if not V.KEEP_PLANS or not (layout is None or layout.__class__ is str):
         return None
     key = V.meta_key("merge-pair", out_a, lse_a, out_b, lse_b)
-    if key is None or not use_triton(out_a) or V.needs_grad(out_a, lse_a, out_b, lse_b):
-        return None
-    return key, layout
+    return None if key is None else (key, layout)

@@ -338,6 +338,11 @@ def test_merge_of_two_states_reads_them_in_place_and_keeps_its_plan(device, layo
     with fl.value_checks(False):
         out_g, _ = fl.merge(g, args[0], outs[1].float(), args[1], layout=layout)
     assert out_g.requires_grad
+    # The kept key's own metadata, but a state that needs grad: the full path (autograd).
+    with fl.value_checks(False):
+        out_g, _ = fl.merge(outs[0].clone().requires_grad_(), args[0], outs[1], args[1],
+                            layout=layout)
+    assert out_g.requires_grad
     # State b in another memory order (its lse a contiguous copy of a transposed view, or
     # the other way round): the strides differ, the states are stacked, the result the same.
     other = args[1].contiguous() if flash else args[1].transpose(-1, -2).contiguous(
