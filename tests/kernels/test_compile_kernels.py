@@ -1,7 +1,8 @@
 """torch.compile(fullgraph=True) of the public functions where they run the kernels' launchers
 (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; tests/test_compile.py covers the
-PyTorch path): the compiled call traces with no graph break and equals the eager one, for the
-forward and, where there is one, the backward. The launchers read addresses and keep plans,
+PyTorch path): the compiled call traces with no graph break, with static shapes and with
+dynamic=True, and equals the eager one, for the forward and, where there is one, the
+backward. The launchers read addresses and keep plans,
 which the tracer cannot follow: each kernel sits behind a torch custom op. Issue 15 asks every
 public function to trace this way."""
 
@@ -20,15 +21,19 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _compiled(fn):
-    return torch.compile(fn, fullgraph=True, backend="aot_eager")
+@pytest.fixture(params=[False, True], ids=["static", "dynamic"])
+def _compiled(request):
+    """torch.compile(fullgraph=True) with static shapes, and with dynamic=True (symbolic
+    shapes through the custom ops' fake kernels)."""
+    return lambda fn: torch.compile(fn, fullgraph=True, dynamic=request.param,
+                                    backend="aot_eager")
 
 
 def _rand(g, device, *shape, dtype=torch.float16):
     return torch.randn(*shape, generator=g).to(device, dtype)
 
 
-def test_merge_states_and_merge_compile_fullgraph(device):
+def test_merge_states_and_merge_compile_fullgraph(device, _compiled):
     g = torch.Generator().manual_seed(7)
     outs = _rand(g, device, 3, 2, 8, 4, 64)
     lses = (torch.randn(3, 2, 8, 4, generator=g) * 3).to(device)
@@ -51,7 +56,7 @@ def test_merge_states_and_merge_compile_fullgraph(device):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_sparse_attention_compiles_fullgraph_forward_and_backward(device):
+def test_sparse_attention_compiles_fullgraph_forward_and_backward(device, _compiled):
     g = torch.Generator().manual_seed(8)
     q, k, v = (_rand(g, device, *s) for s in ((2, 16, 4, 64), (2, 40, 2, 64), (2, 40, 2, 64)))
     sink = torch.randn(4, generator=g).to(device)
@@ -78,7 +83,7 @@ def test_sparse_attention_compiles_fullgraph_forward_and_backward(device):
         torch.testing.assert_close(a, b)
 
 
-def test_paged_sparse_attention_compiles_fullgraph(device):
+def test_paged_sparse_attention_compiles_fullgraph(device, _compiled):
     g = torch.Generator().manual_seed(9)
     q = _rand(g, device, 2, 4, 4, 64)
     k_cache, v_cache = (_rand(g, device, 6, 16, 2, 64) for _ in range(2))
@@ -90,7 +95,7 @@ def test_paged_sparse_attention_compiles_fullgraph(device):
                                    call(q, k_cache, v_cache, idx))
 
 
-def test_attention_with_kvcache_compiles_fullgraph(device):
+def test_attention_with_kvcache_compiles_fullgraph(device, _compiled):
     g = torch.Generator().manual_seed(10)
     q = _rand(g, device, 2, 3, 4, 64)
     k_cache, v_cache = (_rand(g, device, 2, 40, 2, 64) for _ in range(2))
