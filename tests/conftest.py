@@ -59,6 +59,19 @@ def _scale(ref: torch.Tensor) -> float:
     return max(1.0, float(fin.detach().abs().max())) if fin.numel() else 1.0
 
 
+def assert_compiled_grads_match(loss, leaves, compile_fn):
+    """``compile_fn(loss)(*leaves)`` and its gradients equal eager's (``loss`` returns a
+    scalar), with no NaN in the compiled gradients."""
+    got = compile_fn(loss)(*leaves)
+    got_grads = torch.autograd.grad(got, leaves)
+    want = loss(*leaves)
+    want_grads = torch.autograd.grad(want, leaves)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert not torch.isnan(g).any()
+        torch.testing.assert_close(g, w)
+
+
 def assert_close_to_ref(ours, ref, *, tol=None, baseline=None, atol=None, dtype=None,
                         name="out"):
     """``ours`` matches the float64 ``ref``: same shape, same -inf pattern, no NaN, no +inf,

@@ -3,6 +3,7 @@ through them with no graph break, and opcheck finds their fake kernels and autog
 
 import pytest
 import torch
+from _flashlse_testing import assert_compiled_grads_match
 
 import flashlse as fl
 
@@ -24,16 +25,8 @@ def _loss(q, k, v, sink):
 
 def test_attention_compiles_fullgraph_and_matches_eager():
     torch._dynamo.reset()
-    args = _dense(0)
-    compiled = torch.compile(_loss, fullgraph=True, backend="aot_eager")
-    got = compiled(*args)
-    grads = torch.autograd.grad(got, args)
-    want = _loss(*args)
-    want_grads = torch.autograd.grad(want, args)
-    torch.testing.assert_close(got, want)
-    for g, w in zip(grads, want_grads):
-        assert not torch.isnan(g).any()
-        torch.testing.assert_close(g, w)
+    assert_compiled_grads_match(_loss, _dense(0), lambda fn: torch.compile(
+        fn, fullgraph=True, backend="aot_eager"))
 
 
 def test_attention_has_no_graph_break():

@@ -281,7 +281,7 @@ def test_dense_forward_key_splits_then_merge(kernels, monkeypatch):
     out2, lse2 = dispatch.attn_fwd(q, k, v, **kw)
     assert kernels.names() == ["fwd_sm90_varlen", "merge"]
     assert kernels.log[0].args[6] is blocks.args[3]
-    # ... and its kept merge launch, on this call's workspaces and outputs, the sink once.
+    # ... and the merge, on this call's workspaces and outputs, the sink once.
     run2, merge2 = kernels.log
     assert merge2.args[0].data_ptr() == run2.args[3].data_ptr()
     assert merge2.args[1].data_ptr() == run2.args[4].data_ptr()

@@ -1695,31 +1695,17 @@ class _DenseSplit:
     Sq)``, the sink once. The row blocks' list is a function of the plan alone: listed once
     a stream and kept (``_blocks``), so a call launches the kernel and the merge only."""
 
-    __slots__ = ("varlen", "batch", "seqlen_q", "seqlen_k", "lists", "merges")
+    __slots__ = ("varlen", "batch", "seqlen_q", "seqlen_k", "lists")
 
     def __init__(self, varlen: _VarlenLaunch, batch: int, seqlen_q: int, seqlen_k: int):
         self.varlen, self.batch, self.seqlen_q, self.seqlen_k = varlen, batch, seqlen_q, seqlen_k
         self.lists = {}
-        # The merge's launch by the sink's strides (None: no sink): a function of the plan's
-        # shapes, launched on the workspaces and outputs themselves (the views merge_splits
-        # passes share their addresses).
-        self.merges = {}
 
     def __call__(self, q, k, v, out, lse, sink, *_) -> None:
         rows = [_rows(t) for t in (q, k, v, out)]
         part_o, part_lse = split_states(self.varlen.splits, rows[3])
         self.varlen.kernel(*rows[:3], part_o, part_lse, None, self._blocks(q.device), None)
-        sink = None if sink is None else sink.float()
-        key = None if sink is None else sink.stride()
-        merge = self.merges.get(key)
-        if merge is None:
-            views = _merge_views(part_o, part_lse, out, lse)
-            merge = combine.given_plan(views[0], views[1], sink, views[2], views[3])
-            if not callable(merge):  # (no launch: merge_states_fwd's other forms)
-                merge_splits(part_o, part_lse, sink, out, lse)
-                return
-            self.merges[key] = merge
-        combine.merge_run(merge, part_o, part_lse, sink, out, lse)
+        merge_splits(part_o, part_lse, sink, out, lse)
 
     def _blocks(self, device) -> torch.Tensor:
         """The row blocks' list, read (never written) by the kernel: listed on the call's
@@ -2113,9 +2099,10 @@ DENSE_SPLIT_KV = True
 DENSE_SPLIT_MIN_KEYS = 16384
 _SPLIT_COUNTS = (2, 4, 8, 16)
 # A split takes at least this many key tiles (4k keys at BLOCK_N = 128): a split costs the
-# call two workspaces and the merge's launch (~20-30 us of host and 4 us of GPU time on the
-# H200's hosts), which a shorter split would not earn back (B=1, 128 rows on a 4k cache split
-# 8 ways: 0.43 against 0.35 ms a host-bound public call, session 31).
+# call two workspaces and the merge's launch (~45-60 us of host, measured on the dense
+# split, and 2-4 us of GPU time on the H200's hosts: RESULTS.md, session 32, calls 9-10),
+# which a shorter split would not earn back (B=1, 128 rows on a 4k cache split 8 ways: 0.43
+# against 0.35 ms a host-bound public call, session 31).
 SPLIT_MIN_TILES = 32
 
 
@@ -2195,20 +2182,13 @@ def merge_splits(part_o, part_lse, sink, out, lse) -> None:
     row stride), or a dense call's ``out (B, Sq, H, D)`` and ``lse (B, H, Sq)`` whose
     sequences' rows lie back to back in the partial states' (DENSE_SPLIT_KV), adding the
     sink once: ``merge_states``' kernel, through views of lse."""
-    outs, lses, out, lse_out = _merge_views(part_o, part_lse, out, lse)
-    combine.merge_states_fwd(outs, lses, sink=None if sink is None else sink.float(), out=out,
-                             lse_out=lse_out)
-
-
-def _merge_views(part_o, part_lse, out, lse):
-    """:func:`merge_splits`' operands as ``merge_states_fwd`` reads them: the states
-    ``(S, B, Sq, H, D)`` and ``(S, B, Sq, H)``, out ``(B, Sq, H, D)``, lse ``(B, Sq, H)``
-    (views: the same addresses)."""
     if out.dim() == 3:  # varlen: one "batch" of total_q rows
         out, lse = out[None], lse[None]
     n, b, sq, hq = part_o.shape[0], out.shape[0], out.shape[1], out.shape[2]
-    return (part_o.view(n, b, sq, hq, part_o.shape[-1]),
-            part_lse.view(n, hq, b, sq).permute(0, 2, 3, 1), out, lse.transpose(1, 2))
+    combine.merge_states_fwd(part_o.view(n, b, sq, hq, part_o.shape[-1]),
+                             part_lse.view(n, hq, b, sq).permute(0, 2, 3, 1),
+                             sink=None if sink is None else sink.float(), out=out,
+                             lse_out=lse.transpose(1, 2))
 
 
 # The paged kernel's arguments that change from call to call (SizedLaunch).

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _flashlse_testing import assert_compiled_grads_match
 
 import flashlse as fl
+from flashlse import reference
 
 
 @pytest.fixture(autouse=True)
@@ -44,9 +46,29 @@ def test_merge_states_and_merge_compile_fullgraph(device, _compiled):
         want = fl.merge_states(outs, lses)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert (got[0][0, 0] == 0).all() and torch.isneginf(got[1][0, 0]).all()
+        ref = reference.merge_states(outs, lses)
+        torch.testing.assert_close(got[0].double(), ref[0], atol=2e-3, rtol=0)
+        torch.testing.assert_close(got[1].double(), ref[1], atol=1e-5, rtol=0)
+        # A sink over dim 1: -inf at 0 (no sink: rows [0, 0] stay (0, -inf)), finite at 5,
+        # where rows [1, 5] see no state and take (0, sink).
         sink = torch.randn(8, 1, generator=g).to(device)
-        got = _compiled(fl.merge_states)(outs, lses, sink=sink)
-        torch.testing.assert_close(got, fl.merge_states(outs, lses, sink=sink), rtol=0, atol=0)
+        sink[0] = float("-inf")
+        lses_s = lses.clone()
+        lses_s[:, 1, 5] = float("-inf")
+        got = _compiled(fl.merge_states)(outs, lses_s, sink=sink)
+        torch.testing.assert_close(got, fl.merge_states(outs, lses_s, sink=sink), rtol=0,
+                                   atol=0)
+        assert (got[0][0, 0] == 0).all() and torch.isneginf(got[1][0, 0]).all()
+        assert (got[0][1, 5] == 0).all() and (got[1][1, 5] == sink[5, 0]).all()
+        # A NaN lse reaches exactly its row, not an empty-looking one.
+        lses_nan = lses.clone()
+        lses_nan[2, 1, 3, 1] = float("nan")
+        got = _compiled(fl.merge_states)(outs, lses_nan)
+        nan = torch.zeros(2, 8, 4, dtype=torch.bool, device=device)
+        nan[1, 3, 1] = True
+        assert torch.equal(torch.isnan(got[1]), nan)
+        assert torch.equal(torch.isnan(got[0]).all(-1), nan)
+        assert not torch.isnan(got[0][~nan]).any()
         pair = _compiled(fl.merge)
         for layout, lse_a, lse_b in (("rows", lses[0], lses[1]),
                                      ("flash", lses[0].transpose(-1, -2),
@@ -66,6 +88,20 @@ def test_sparse_attention_compiles_fullgraph_forward_and_backward(device, _compi
         got = _compiled(fl.sparse_attention)(q, k, v, idx, sink=sink, return_lse=True)
         torch.testing.assert_close(got, fl.sparse_attention(q, k, v, idx, sink=sink,
                                                             return_lse=True))
+        ref = reference.sparse_attention(q, k, v, idx, sink=sink, return_lse=True)
+        torch.testing.assert_close(got[0].double(), ref[0], atol=2e-2, rtol=0)
+        torch.testing.assert_close(got[1].double(), ref[1], atol=1e-3, rtol=0)
+        assert (got[0][0, 0] == 0).all() and torch.equal(got[1][0, :, 0], sink)
+        # A NaN key reaches exactly the rows whose lists hold it (kv head 0's query heads).
+        k_nan = k.clone()
+        k_nan[1, 5, 0] = float("nan")
+        out_n, lse_n = _compiled(fl.sparse_attention)(q, k_nan, v, idx, sink=sink,
+                                                       return_lse=True)
+        sees = (idx[1, :, 0] == 5).any(-1)  # (Sq,)
+        want = torch.zeros(2, 4, 16, dtype=torch.bool, device=device)
+        want[1, :2] = sees
+        assert torch.equal(torch.isnan(lse_n), want)
+        assert torch.equal(torch.isnan(out_n).any(-1), want.transpose(1, 2))
     # The backward: the op's registered autograd against eager's autograd.Function.
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
 
@@ -73,14 +109,7 @@ def test_sparse_attention_compiles_fullgraph_forward_and_backward(device, _compi
         out, lse = fl.sparse_attention(q, k, v, idx, sink=sink, return_lse=True)
         return (out * out).sum() + lse.sum()
 
-    got = _compiled(loss)(*leaves)
-    got_grads = torch.autograd.grad(got, leaves)
-    want = loss(*leaves)
-    want_grads = torch.autograd.grad(want, leaves)
-    torch.testing.assert_close(got, want)
-    for a, b in zip(got_grads, want_grads):
-        assert not torch.isnan(a).any()
-        torch.testing.assert_close(a, b)
+    assert_compiled_grads_match(loss, leaves, _compiled)
 
 
 def test_paged_sparse_attention_compiles_fullgraph(device, _compiled):
@@ -107,3 +136,7 @@ def test_attention_with_kvcache_compiles_fullgraph(device, _compiled):
         want = call(q, k_cache, v_cache)
         torch.testing.assert_close(got, want)
         assert torch.isneginf(got[1][0]).all() and (got[0][0] == 0).all()
+        ref = reference.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                               causal=True, return_lse=True)
+        torch.testing.assert_close(got[0].double(), ref[0], atol=2e-3, rtol=0)
+        torch.testing.assert_close(got[1].double(), ref[1], atol=1e-3, rtol=0)
