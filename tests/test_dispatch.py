@@ -576,7 +576,8 @@ def test_backward_compile_failure_falls_back_per_pass(kernels):
     # The portable dK/dV gets the arguments the Gluon one was given (the same dict's values).
     assert all(portable[n] is gluon[n] for n in gluon
                if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
-                            "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ", "HOST_DESC"))
+                            "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ", "HOST_DESC",
+                            "ROLE_SPLIT", "P_F32"))
     assert portable["dk"] is dk and portable["HEAD_LOOP"] == bool(
         configs.BWD_DKDV[128].head_loop)
     assert [key[0] for key in FAILURES] == ["bwd_sm90 dK/dV"]

@@ -290,7 +290,8 @@ def cases():
                       HAS_RIGHT=True, IS_VARLEN=f["IS_VARLEN"],
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
                       STATS_TMA=True, CONSUMER_REGS=240, dq_acc=None,
-                      stride_dqa=None, FUSED_DQ=False, HOST_DESC=False)
+                      stride_dqa=None, FUSED_DQ=False, HOST_DESC=False, ROLE_SPLIT=False,
+                      P_F32=True)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
@@ -313,7 +314,20 @@ def cases():
                 dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3), \
                 {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
                  "FUSED_DQ": True, "HOST_DESC": True}, 4, 1
+            # D = 256: the role split (one warpgroup P^T and dV, the other dP^T and dK).
+            hd256 = host_descs(
+                bwd_sm90._dkdv_host_spec(torch.bfloat16, 256, configs.BWD_SM90_DKDV.block_m),
+                ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
+                 "dq_acc"))
+            yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=256 {label} roles host desc", \
+                bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd256), \
+                dict(consts, D=256, HOST_DESC=True, ROLE_SPLIT=True), 4, 1
+        yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=256 {label} roles", \
+            bwd_sm90._dkdv_sm90_kernel, sm90_bwd, dict(consts, D=256, ROLE_SPLIT=True), 4, 1
         if label == "causal":
+            yield "dkdv", "bwd dK/dV sm90 (Gluon) D=256 causal roles P bf16", \
+                bwd_sm90._dkdv_sm90_kernel, sm90_bwd, \
+                dict(consts, D=256, ROLE_SPLIT=True, P_F32=False), 4, 1
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=64 causal", bwd_sm90._dkdv_sm90_kernel, \
                 sm90_bwd, dict(consts, D=64), 4, 1
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=128 causal EARLY_DP", \

@@ -35,8 +35,17 @@ empty row (its masked logits are -inf, so P = 0). Rows past the sequence end are
 zero-fill in Q and dO, and in lse / delta too (or ``+inf`` / 0 with ``STATS_TMA`` off):
 either way they add nothing. Masks only on boundary tiles (``row_ranges``).
 
-Domain: sm_90, fp16/bf16, D == Dv == 128 (dQ: 128 or 256), no softcap, 16-byte aligned rows
-(q, k, v, dout, dk, dv); every mask, GQA and varlen.
+At D = 256 two [64, 256] float32 accumulators a warpgroup would not fit in registers, so the
+kernel splits the products by role instead (``ROLE_SPLIT``): a program owns 64 keys, one
+warpgroup computes ``S^T``, the masked ``P^T`` and ``dV += P^T dO``, the other ``dP^T``, then
+``dS^T = P^T (dP^T - delta)`` and ``dK += dS^T Q``, with ``P^T`` passed between them through a
+two-slot float32 ring in shared memory. Each holds one accumulator (128 registers a thread),
+both issue two products a tile, and neither waits on the other but for ``P^T``. H200, bf16
+(RESULTS.md session 33): the public backward 1.05-1.27x cuDNN at S = 1k-16k, 1.53-1.76x the
+fwd+bwd on bwd.py's dK/dV.
+
+Domain: sm_90, fp16/bf16, D == Dv in (64, 128, 256) (dQ: 128 or 256; the fused pass: 128), no
+softcap, 16-byte aligned rows (q, k, v, dout, dk, dv); every mask, GQA and varlen.
 """
 
 from __future__ import annotations
@@ -219,15 +228,16 @@ def _store_descs(stores, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.const
 def _producer(loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar, full, empty,
               n0, m_lo, m_hi, n_tiles, at, GROUP: gl.constexpr, D: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-              HOST_DESC: gl.constexpr):
-    """One warp: the K and V halves once, then Q and dO (and with ``STATS_TMA`` lse_log2
-    and delta) of every (head, row block). ``at``: the kernel's coordinate bases (Q's four
-    for ``_q_coord``, then the stats row of the group's first head, K's batch and column).
-    ``loads``: its descriptors, or what :func:`_load_descs` makes them from."""
+              HOST_DESC: gl.constexpr, KV_TILES: gl.constexpr = 2):
+    """One warp: the ``KV_TILES`` 64-key tiles of K and V once, then Q and dO (and with
+    ``STATS_TMA`` lse_log2 and delta) of every (head, row block). ``at``: the kernel's
+    coordinate bases (Q's four for ``_q_coord``, then the stats row of the group's first
+    head, K's batch and column). ``loads``: its descriptors, or what :func:`_load_descs`
+    makes them from."""
     q_desc, do_desc, k_desc, v_desc, lse_desc, dlt_desc = _load_descs(
         loads, GROUP, D, BLOCK_M, STATS_TMA, HOST_DESC)
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for half in gl.static_range(2):
+    mbarrier.expect(kv_bar, KV_TILES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for half in gl.static_range(KV_TILES):
         tma.async_copy_global_to_shared(k_desc, [at[5], n0 + half * HALF_N, at[6]], kv_bar,
                                         k_smem.index(half))
         tma.async_copy_global_to_shared(v_desc, [at[5], n0 + half * HALF_N, at[6]], kv_bar,
@@ -270,6 +280,29 @@ def _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2,
     else:
         pt = gl.exp2(st * scale_log2 - lse)
     return pt
+
+
+@gluon.jit
+def _tile_probs(st, keys, rows, lse, T_k, shift, left, right, scale_log2, m0, m_full_lo,
+                m_full_hi, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """:func:`_probs_t` of row block ``m0``, masked only outside ``[m_full_lo, m_full_hi)``
+    (``row_ranges``' blocks that see every key of the block)."""
+    if (m0 < m_full_lo) | (m0 >= m_full_hi):
+        pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, True,
+                      HAS_LEFT, HAS_RIGHT)
+    else:
+        pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, False,
+                      HAS_LEFT, HAS_RIGHT)
+    return pt
+
+
+@gluon.jit
+def _wait_tile(q_smem, do_smem, full, it, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+               D: gl.constexpr):
+    """Ring slot ``s`` of tile ``it`` once its loads have landed, with its Q and dO tiles."""
+    s = it % STAGES
+    mbarrier.wait(full.index(s), (it // STAGES) & 1)
+    return s, q_smem.index(s).reshape([BLOCK_M, D]), do_smem.index(s).reshape([BLOCK_M, D])
 
 
 @gluon.jit
@@ -322,10 +355,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     i_g = 0
     m0 = m_lo
     for it in range(n_tiles):
-        s = it % STAGES
-        mbarrier.wait(full.index(s), (it // STAGES) & 1)
-        q_t = q_smem.index(s).reshape([BLOCK_M, D])
-        do_t = do_smem.index(s).reshape([BLOCK_M, D])
+        s, q_t, do_t = _wait_tile(q_smem, do_smem, full, it, STAGES, BLOCK_M, D)
         rows = m0 + col_arange
         if not STATS_TMA:
             # Rows past the end: lse = +inf, so P = 0 there with no mask.
@@ -345,12 +375,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
             # Read from shared memory where they are used: 16 registers each a thread in
             # this layout, so they are not held across the products.
             lse = lse_smem.index(s).load(s_layout)
-        if (m0 < m_full_lo) | (m0 >= m_full_hi):
-            pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, True,
-                          HAS_LEFT, HAS_RIGHT)
-        else:
-            pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, False,
-                          HAS_LEFT, HAS_RIGHT)
+        pt = _tile_probs(st, keys, rows, lse, T_k, shift, left, right, scale_log2, m0,
+                         m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT)
         if not EARLY_DP:
             # dP^T is issued just before dV += P^T dO and runs with it.
             dpt_tok = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False,
@@ -413,6 +439,110 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     tma.store_wait(0)
 
 
+@gluon.constexpr_function
+def _kv_tiles(role_split):
+    """64-key tiles of K and V a dK/dV program holds."""
+    return 1 if role_split else 2
+
+
+@gluon.constexpr_function
+def _p_dtype(f32, dtype):
+    """P^T's type between the role split's warpgroups."""
+    return gl.float32 if f32 else dtype
+
+
+@gluon.jit
+def _p_dv_consumer(q_smem, do_smem, k_smem, lse_smem, p_smem, stores, kv_bar, full, empty,
+                   p_full, p_empty, n0, T_k, shift, left, right, scale_log2,
+                   m_lo, m_full_lo, m_full_hi, m_hi, n_tiles,
+                   GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   HOST_DESC: gl.constexpr):
+    """``ROLE_SPLIT``'s first warpgroup, over the program's 64 keys: ``S^T = K Q^T``, the
+    masked ``P^T`` (to the other warpgroup through ``p_smem``), ``dV += P^T dO``."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = _wgmma_layout(D)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    dtype: gl.constexpr = k_smem.dtype
+    keys = n0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, s_layout))
+    col_arange = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+    dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
+    at = _coord_bases(GROUP, D, HOST_DESC)
+    dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, False, HOST_DESC)
+    k_t = k_smem.index(0).reshape([HALF_N, D])
+    mbarrier.wait(kv_bar, 0)
+    i_g = 0
+    m0 = m_lo
+    for it in range(n_tiles):
+        s, q_t, do_t = _wait_tile(q_smem, do_smem, full, it, STAGES, BLOCK_M, D)
+        st_tok = warpgroup_mma(k_t, q_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(0, deps=(st_tok, ))
+        lse = lse_smem.index(s).load(s_layout)
+        pt = _tile_probs(st, keys, m0 + col_arange, lse, T_k, shift, left, right, scale_log2,
+                         m0, m_full_lo, m_full_hi, HAS_LEFT, HAS_RIGHT)
+        dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv,
+                               is_async=True)
+        # P^T into buffer b (free once the other warpgroup has read tile it - 2's) while
+        # dV's product runs.
+        b = it % 2
+        mbarrier.wait(p_empty.index(b), ((it // 2) & 1) ^ 1)
+        p_smem.index(b).store(pt.to(p_smem.dtype))
+        gl.thread_barrier()  # every thread's part stored before the one arrive
+        mbarrier.arrive(p_full.index(b))
+        dv = warpgroup_mma_wait(0, deps=(dv_tok, ))
+        mbarrier.arrive(empty.index(s))
+        i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
+    # K is read by this warpgroup only: its buffer stages dV for a clipped TMA store.
+    k_t.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dv_desc, [at[5], n0, at[6]], k_smem.index(0))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ds_dk_consumer(q_smem, do_smem, v_smem, dlt_smem, p_smem, stores, kv_bar, full, empty,
+                    p_full, p_empty, n0, scale, n_tiles,
+                    GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr, HOST_DESC: gl.constexpr):
+    """``ROLE_SPLIT``'s second warpgroup: ``dP^T = V dO^T``, then with the first one's
+    ``P^T``, ``dS^T = P^T (dP^T - delta)`` and ``dK += dS^T Q`` (masked keys and rows have
+    ``P^T = 0`` there, so this side needs no mask)."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = _wgmma_layout(D)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    dtype: gl.constexpr = v_smem.dtype
+    s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
+    dk = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
+    at = _coord_bases(GROUP, D, HOST_DESC)
+    dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, False, HOST_DESC)
+    v_t = v_smem.index(0).reshape([HALF_N, D])
+    mbarrier.wait(kv_bar, 0)
+    for it in range(n_tiles):
+        s, q_t, do_t = _wait_tile(q_smem, do_smem, full, it, STAGES, BLOCK_M, D)
+        dpt_tok = warpgroup_mma(v_t, do_t.permute((1, 0)), s_zero, use_acc=False,
+                                is_async=True)
+        dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+        dlt = dlt_smem.index(s).load(s_layout)
+        b = it % 2
+        mbarrier.wait(p_full.index(b), (it // 2) & 1)
+        pt = p_smem.index(b).load(s_layout).to(gl.float32)
+        gl.thread_barrier()  # every thread's part read before the one arrive
+        mbarrier.arrive(p_empty.index(b))
+        dst = pt * (dpt - dlt)
+        dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk,
+                               is_async=True)
+        dk = warpgroup_mma_wait(0, deps=(dk_tok, ))
+        mbarrier.arrive(empty.index(s))
+    # V is read by this warpgroup only: its buffer stages dK.
+    v_t.store((dk * scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [at[5], n0, at[6]], v_smem.index(0))
+    tma.store_wait(0)
+
+
 # Lengths are not specialised (a length of 1 or divisible by 16 would recompile).
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "total_q", "total_k", "left", "right"])
 def _dkdv_sm90_kernel(
@@ -430,9 +560,14 @@ def _dkdv_sm90_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
     STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr = False,
-    HOST_DESC: gl.constexpr = False,
+    HOST_DESC: gl.constexpr = False, ROLE_SPLIT: gl.constexpr = False,
+    P_F32: gl.constexpr = True,
 ):
-    BLOCK_N: gl.constexpr = 2 * HALF_N
+    # ROLE_SPLIT (D = 256): a 64-key block, one warpgroup's products P^T and dV, the other's
+    # dP^T and dK (``_p_dv_consumer``, ``_ds_dk_consumer``), so each holds one [64, D]
+    # float32 accumulator; P^T passes between them in shared memory (float32 with P_F32).
+    KV_TILES: gl.constexpr = _kv_tiles(ROLE_SPLIT)
+    BLOCK_N: gl.constexpr = _kv_tiles(ROLE_SPLIT) * HALF_N
     i_n = gl.program_id(0)
     i_hk = gl.program_id(1)
     i_b = gl.program_id(2)
@@ -497,8 +632,8 @@ def _dkdv_sm90_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, D], row_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], STAT_LAYOUT)
     dlt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], STAT_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF_N, D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF_N, D], kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [KV_TILES, 1, HALF_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_TILES, 1, HALF_N, D], kv_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -524,21 +659,46 @@ def _dkdv_sm90_kernel(
     else:
         fused = ()
 
-    gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
-                     full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
-                     left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
-                     n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
-                     full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
-                     left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
-                     n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                     EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
-        (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
-                     full, empty, n0, m_lo, m_hi, n_tiles, _coord_bases(GROUP, D, HOST_DESC),
-                     GROUP, D, BLOCK_M, STAGES, STATS_TMA, HOST_DESC)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if ROLE_SPLIT:
+        p_dtype: gl.constexpr = _p_dtype(P_F32, dtype)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M],
+                                                                       p_dtype)
+        p_smem = gl.allocate_shared_memory(p_dtype, [2, HALF_N, BLOCK_M], p_layout)
+        p_full = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        for i in gl.static_range(2):
+            mbarrier.init(p_full.index(i), count=1)
+            mbarrier.init(p_empty.index(i), count=1)
+        gl.warp_specialize([
+            (_p_dv_consumer, (q_smem, do_smem, k_smem, lse_smem, p_smem, stores, kv_bar, full,
+                              empty, p_full, p_empty, n0, T_k, shift, left, right, scale_log2,
+                              m_lo, m_full_lo, m_full_hi, m_hi, n_tiles, GROUP, D, BLOCK_M,
+                              STAGES, HAS_LEFT, HAS_RIGHT, HOST_DESC)),
+            (_ds_dk_consumer, (q_smem, do_smem, v_smem, dlt_smem, p_smem, stores, kv_bar,
+                               full, empty, p_full, p_empty, n0, scale, n_tiles, GROUP, D,
+                               BLOCK_M, STAGES, HOST_DESC)),
+            (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
+                         full, empty, n0, m_lo, m_hi, n_tiles,
+                         _coord_bases(GROUP, D, HOST_DESC), GROUP, D, BLOCK_M, STAGES,
+                         STATS_TMA, HOST_DESC, KV_TILES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
+                         full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
+                         left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
+                         n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
+                         full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
+                         left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
+                         n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
+            (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
+                         full, empty, n0, m_lo, m_hi, n_tiles,
+                         _coord_bases(GROUP, D, HOST_DESC), GROUP, D, BLOCK_M, STAGES,
+                         STATS_TMA, HOST_DESC)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def supported(q, k, v, dout, dk, dv, *, softcap, dims) -> bool:
@@ -561,14 +721,24 @@ def dkdv_plan(p: BwdPass) -> Launch | None:
     run = p.plan.launches.get("sm90 dK/dV", _MISSING)
     if run is _MISSING:
         run = None
-        if supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap,
-                     dims=configs.BWD_SM90_DKDV_DIMS):
+        dims = tuple(d for d in configs.BWD_SM90_DKDV_DIMS if d <= 128 or ROLE_SPLIT)
+        if supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap, dims=dims):
             run = _dkdv_launch(p, 11, dq_acc=None, stride_dqa=None, FUSED_DQ=False)
         p.plan.launches["sm90 dK/dV"] = run
     return run
 
 
-def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs:
+# D = 256's dK/dV on the role split (False: bwd.py's kernel). H200, bf16, B*S = 16k, H = 8,
+# S = 1k-16k (RESULTS.md 2026-12-04, session 33): the public backward 389-457 TFLOP/s full,
+# 307-450 causal, 1.05-1.27x cuDNN (call 4; bwd.py's dK/dV: 206-258, 0.62-0.70x, call 1);
+# fwd+bwd on / off in turn 1.53-1.76x (call 5).
+ROLE_SPLIT = True
+# It passes P^T between its warpgroups as float32 (False: q's dtype, half the shared-memory
+# traffic, one more rounding in dS): fwd+bwd on / off in turn 1.00-1.13x (same session).
+ROLE_P_F32 = True
+
+
+def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | None:
     """The dK/dV kernel's launch at its shipped tiles (configs.BWD_SM90_DKDV) with ``fused``'s
     arguments (the float32 dQ's strides and ``FUSED_DQ``, or None / False), its first
     ``n_tensors`` arguments left to the call: as TMA descriptors made on the host for dense
@@ -576,11 +746,15 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs:
     args = p.plan.dkdv_kw
     cfg = configs.BWD_SM90_DKDV
     stats_tma = bool(cfg.stats_tma and args["STATS_TMA"])
+    roles = p.q.shape[-1] > 128
+    if roles and not stats_tma:
+        return None  # the role split reads lse and delta from the ring only
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
-                 num_warps=cfg.num_warps, HOST_DESC=host, **fused)
-    grid = (cdiv(p.seqlen_k, 2 * HALF_N), p.hkv, p.batch)
+                 num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
+                 P_F32=ROLE_P_F32, **fused)
+    grid = (cdiv(p.seqlen_k, (1 if roles else 2) * HALF_N), p.hkv, p.batch)
     run = Launch(_dkdv_sm90_kernel, grid, *positional(
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
     if not host:

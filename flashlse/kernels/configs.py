@@ -344,7 +344,9 @@ BWD_SM90_DKDV = TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=2, e
                            stats_tma=True, consumer_regs=240)
 # The dK/dV kernel's head dims (D == Dv). D = 64: RESULTS.md 2026-12-02 session 15,
 # "Hopper forward at D = 64 / 256", bwd rows: 0.99-1.04x bwd.py's kernel (S = 1k-16k).
-BWD_SM90_DKDV_DIMS = (64, 128)
+# D = 256 (the role split, bwd_sm90.ROLE_SPLIT): RESULTS.md 2026-12-04 session 33, fwd+bwd
+# 1.53-1.76x bwd.py's dK/dV in turn, S = 1k-16k.
+BWD_SM90_DKDV_DIMS = (64, 128, 256)
 # dQ per head dim; block_m is the kernel's (two 64-row halves).
 BWD_SM90_DQ = {
     # RESULTS.md 2026-11-29, session 6, per-kernel device time: "Gluon dQ BN=128" against

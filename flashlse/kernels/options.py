@@ -10,6 +10,9 @@ The defaults are the measured choices (benchmarks/NOTES.md, RESULTS.md; the tile
 ``kernels/configs.py``). Launchers read
 :func:`current` when they run, so options reach the kernels through every public function,
 torch.compile's custom ops and CUDA-graph capture alike; nothing module-level is switched.
+An eager backward runs under the options of its forward call (:func:`captured`): autograd
+runs the backward of CUDA tensors on a thread of its own, which a block around
+``.backward()`` does not reach.
 """
 
 from __future__ import annotations
@@ -78,6 +81,27 @@ _CURRENT: contextvars.ContextVar[KernelOptions | None] = contextvars.ContextVar(
 def current() -> KernelOptions:
     """The options in force here (the defaults outside any :func:`kernel_options` block)."""
     return _CURRENT.get() or _DEFAULT
+
+
+def captured() -> KernelOptions | None:
+    """The options of the enclosing :func:`kernel_options` block, None outside any: what an
+    autograd Function's forward keeps for its backward (:func:`run_under`). Autograd runs the
+    backward of CUDA tensors on its own device thread, which sees none of the caller's
+    context variables, so a block around ``.backward()`` does not reach the kernels there;
+    the backward runs under the options of its forward instead."""
+    return _CURRENT.get()
+
+
+def run_under(opts: KernelOptions | None, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under ``opts`` (from :func:`captured`), or under the options
+    in force here when ``opts`` is None."""
+    if opts is None:
+        return fn(*args, **kwargs)
+    token = _CURRENT.set(opts)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _CURRENT.reset(token)
 
 
 @contextlib.contextmanager

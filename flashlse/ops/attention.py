@@ -266,6 +266,9 @@ class AttentionFunction(torch.autograd.Function):
                             sink=sink, **varlen)
         ctx.save_for_backward(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
         ctx.ints = (max_seqlen_q, max_seqlen_k, left, right, softcap, scale, deterministic)
+        # The kernel options of this call, for the backward (autograd's device thread does
+        # not see the caller's kernel_options block).
+        ctx.opts = kernel_module("options").captured() if use_triton(q) else None
         # An unused lse gets no zero-filled gradient: the kernels read dlse = None as 0.
         ctx.set_materialize_grads(False)
         return out, lse
@@ -276,10 +279,13 @@ class AttentionFunction(torch.autograd.Function):
         max_q, max_k, left, right, softcap, scale, deterministic = ctx.ints
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv, dsink = attn_bwd(
-            dout, dlse, q, k, v, out, lse, left=left, right=right, softcap=softcap, scale=scale,
-            sink=sink, deterministic=deterministic,
-            **_varlen_kw(cu_q, cu_k, max_q, max_k, seqused_k))
+        kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink,
+                  deterministic=deterministic, **_varlen_kw(cu_q, cu_k, max_q, max_k, seqused_k))
+        if ctx.opts is None:
+            dq, dk, dv, dsink = attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
+        else:
+            dq, dk, dv, dsink = kernel_module("options").run_under(
+                ctx.opts, attn_bwd, dout, dlse, q, k, v, out, lse, **kw)
         return (dq, dk, dv, dsink) + (None,) * 10
 
 

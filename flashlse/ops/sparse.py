@@ -331,13 +331,24 @@ class SparseAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, indices, out, lse, sink)
         ctx.scale = scale
         ctx.mark_non_differentiable(indices)
+        # This call's kernel options, for the backward (as AttentionFunction's).
+        ctx.opts = None
+        if use_triton(q):
+            from ..kernels import options
+
+            ctx.opts = options.captured()
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, indices, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = _sparse_bwd(dout, dlse, q, k, v, indices, out, lse, sink,
-                                        ctx.scale)
+        args = (dout, dlse, q, k, v, indices, out, lse, sink, ctx.scale)
+        if ctx.opts is None:
+            dq, dk, dv, dsink = _sparse_bwd(*args)
+        else:
+            from ..kernels import options
+
+            dq, dk, dv, dsink = options.run_under(ctx.opts, _sparse_bwd, *args)
         return dq, dk, dv, None, dsink, None, None
 
 

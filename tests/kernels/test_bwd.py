@@ -625,7 +625,7 @@ def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic):
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_attn_bwd_gpu_sm90_varlen(device, kernel_opts, monkeypatch, causal, d, path):
-    # D = 256: only the dQ kernel is Gluon there.
+    # D = 256: the dK/dV kernel's role split, on per-program descriptors (varlen).
     kernel_opts(sm90_dkdv=path == "sm90")
     kernel_opts(sm90_dq=path == "sm90")
     _run_varlen(device, torch.bfloat16, [300, 0, 600, 1, 129], [400, 300, 600, 0, 129],
@@ -634,14 +634,15 @@ def test_attn_bwd_gpu_sm90_varlen(device, kernel_opts, monkeypatch, causal, d, p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-def test_attn_bwd_gpu_sm90_varlen_bad_data_stays_in_its_sequence():
+@pytest.mark.parametrize("d", [128, 256])
+def test_attn_bwd_gpu_sm90_varlen_bad_data_stays_in_its_sequence(d):
     """A packed varlen backward where one document is bad (a NaN query row and NaN rows of
     dO: its lse_log2 and delta rows are NaN) and others good: the bad document's gradients
     are NaN where the data reaches (nothing hides it), and the documents before and after
     it get exactly the gradients of the same call without it (their tiles read past their
     own end as zeros, never the next document's rows). Hopper dK/dV and dQ, causal, GQA."""
     g = torch.Generator().manual_seed(41)
-    dev, dtype, hq, hkv, d = "cuda", torch.bfloat16, 8, 2, 128
+    dev, dtype, hq, hkv = "cuda", torch.bfloat16, 8, 2
     lens = [300, 200, 333, 129]
     mk = lambda n, h: torch.randn(n, h, d, generator=g).to(device=dev, dtype=dtype)
     cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32,
@@ -669,17 +670,20 @@ def test_attn_bwd_gpu_sm90_varlen_bad_data_stays_in_its_sequence():
         torch.testing.assert_close(x[keep].float(), w.float(), **tol)
 
 
-# The Gluon kernels at their other head dims: dQ at D = 256 (its dK/dV is bwd.py's there),
-# dK/dV at D = 64 (its dQ is bwd.py's there; configs.BWD_SM90_DKDV_DIMS).
+# The Gluon kernels at their other head dims: dQ at D = 256, dK/dV at D = 256 (the role
+# split) and D = 64 (its dQ is bwd.py's there; configs.BWD_SM90_DKDV_DIMS).
 # window_31_0 has rows that see no key and no sink (lse = -inf, dq = 0).
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("path", ["sm90", "tl"])
 @pytest.mark.parametrize("part,d,dtype", [("dq", 256, torch.bfloat16),
+                                          ("dkdv", 256, torch.bfloat16),
+                                          ("dkdv", 256, torch.float16),
                                           ("dkdv", 64, torch.bfloat16),
                                           ("dkdv", 64, torch.float16)],
-                         ids=["dq_d256", "dkdv_d64_bf16", "dkdv_d64_fp16"])
-@pytest.mark.parametrize("case", [SM90_CASES[i] for i in (0, 1, 2, 4, 5, 7, 8)])
+                         ids=["dq_d256", "dkdv_d256_bf16", "dkdv_d256_fp16", "dkdv_d64_bf16",
+                              "dkdv_d64_fp16"])
+@pytest.mark.parametrize("case", SM90_CASES)
 def test_attn_bwd_gpu_sm90_other_dims(device, kernel_opts, monkeypatch, case, part, d, dtype,
                                       path):
     from flashlse.kernels import bwd_sm90
@@ -839,3 +843,61 @@ def test_attn_bwd_sm90_dq_persistent_domain(monkeypatch):
     assert call(s=1000) is None  # S % 64
     assert call(b=1, s=16384) is None  # causal 16k: the round robin is uneven
     assert call(dout=empty(8, 16, 2048, 128).transpose(1, 2)) is None  # heads not adjacent
+
+
+@pytest.mark.parametrize("fn", ["attention", "sparse_attention"])
+def test_backward_runs_under_its_forwards_kernel_options(device, monkeypatch, fn):
+    """Autograd runs the backward of CUDA tensors on a device thread of its own, which sees
+    none of the caller's context: a kernel_options block around a training step would not
+    reach the backward's kernels (bench_bwd's --sm90 column timed the defaults that way). The
+    backward takes its forward's options. A fresh thread stands for the device thread."""
+    import threading
+
+    import flashlse as fl
+    from flashlse.kernels import options, sparse
+
+    mod, name = (dispatch, "attn_bwd") if fn == "attention" else (sparse, "sparse_bwd")
+    seen, real = [], getattr(mod, name)
+    monkeypatch.setattr(mod, name,
+                        lambda *a, **kw: seen.append(options.current()) or real(*a, **kw))
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 20, 2, 32, generator=gen).to(device, dtype).requires_grad_()
+               for _ in range(3))
+    idx = torch.arange(8, device=device, dtype=torch.int32).expand(1, 20, 2, 8).contiguous()
+
+    def forward():
+        if fn == "attention":
+            return fl.attention(q, k, v, causal=True)
+        return fl.sparse_attention(q, k, v, idx)
+
+    def backward_on_a_fresh_thread(out):
+        errors = []
+
+        def run():
+            try:
+                out.float().sum().backward()
+            except Exception as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        if errors:
+            raise errors[0]
+
+    with fl.kernel_options(poison_outputs=True, sm90_dkdv=False) as opts:
+        out = forward()
+    backward_on_a_fresh_thread(out)
+    assert seen == [opts]
+    grads = [t.grad.clone() for t in (q, k, v)]
+    seen.clear()
+    for t in (q, k, v):
+        t.grad = None
+    base = options.current()  # this test's own (the suite poisons the outputs)
+    out = forward()
+    with fl.kernel_options(sm90_dq=False):
+        backward_on_a_fresh_thread(out)  # a block around the backward changes nothing
+    assert seen == [base]
+    for a, b in zip(grads, (q.grad, k.grad, v.grad)):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b)
