@@ -733,6 +733,8 @@ def dkdv_plan(p: BwdPass) -> Launch | None:
 # 307-450 causal, 1.05-1.27x cuDNN (call 4; bwd.py's dK/dV: 206-258, 0.62-0.70x, call 1);
 # fwd+bwd on / off in turn 1.53-1.76x (call 5).
 ROLE_SPLIT = True
+# (At D = 64, with 128-row Q / dO tiles, it lost: fwd+bwd 0.85-0.89x the two-key-half
+# kernel in turn, RESULTS.md session 33 call 8.)
 # It passes P^T between its warpgroups as float32 (False: q's dtype, half the shared-memory
 # traffic, one more rounding in dS): fwd+bwd on / off in turn 1.00-1.13x (same session).
 ROLE_P_F32 = True
@@ -746,11 +748,13 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     args = p.plan.dkdv_kw
     cfg = configs.BWD_SM90_DKDV
     stats_tma = bool(cfg.stats_tma and args["STATS_TMA"])
-    roles = p.q.shape[-1] > 128
+    d = p.q.shape[-1]
+    roles = d > 128 and not fused["FUSED_DQ"]
     if roles and not stats_tma:
         return None  # the role split reads lse and delta from the ring only
+    block_m = cfg.block_m
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
-    tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
+    tiles = dict(BLOCK_M=block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
                  P_F32=ROLE_P_F32, **fused)
@@ -759,7 +763,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
     if not host:
         return run
-    return _HostDescs(run, _dkdv_host_spec(p.q.dtype, p.q.shape[-1], cfg.block_m), p.seqlen_q)
+    return _HostDescs(run, _dkdv_host_spec(p.q.dtype, d, block_m), p.seqlen_q)
 
 
 # Dense calls pass the dK/dV kernel descriptors made on the host (one per tensor a call,

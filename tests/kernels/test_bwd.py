@@ -622,7 +622,7 @@ def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("path", ["sm90", "tl"])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_attn_bwd_gpu_sm90_varlen(device, kernel_opts, monkeypatch, causal, d, path):
     # D = 256: the dK/dV kernel's role split, on per-program descriptors (varlen).
