@@ -752,9 +752,8 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     roles = d > 128 and not fused["FUSED_DQ"]
     if roles and not stats_tma:
         return None  # the role split reads lse and delta from the ring only
-    block_m = cfg.block_m
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
-    tiles = dict(BLOCK_M=block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
+    tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
                  P_F32=ROLE_P_F32, **fused)
@@ -763,7 +762,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
     if not host:
         return run
-    return _HostDescs(run, _dkdv_host_spec(p.q.dtype, d, block_m), p.seqlen_q)
+    return _HostDescs(run, _dkdv_host_spec(p.q.dtype, d, cfg.block_m), p.seqlen_q)
 
 
 # Dense calls pass the dK/dV kernel descriptors made on the host (one per tensor a call,
