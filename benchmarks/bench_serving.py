@@ -13,6 +13,11 @@ with the flag on and off, timed in turn with the dense call (an A/B in one proce
 ``--shape B,SQ,SKV`` (default 4,512,8192): the chunked-prefill rows at another shape, e.g. a
 long context's chunk, 1,512,65536. ``--heads HQ,HKV`` (default 32,8): fewer heads, as one GPU
 of a tensor-parallel model holds (8,2 at TP = 4): fewer row blocks x heads than SMs.
+
+The dense call is ``fl.attention`` as users get it: since session 32 a dense call with few
+row blocks x heads on 16k keys or more runs key splits (``fwd_sm90.DENSE_SPLIT_KV``), so at
+such shapes the "x dense" ratios compare against the split call; RESULTS.md rows before
+2026-12-04 compare against the unsplit one.
 """
 
 from __future__ import annotations
