@@ -12,7 +12,8 @@ The defaults are the measured choices (benchmarks/NOTES.md, RESULTS.md; the tile
 torch.compile's custom ops and CUDA-graph capture alike; nothing module-level is switched.
 An eager backward runs under the options of its forward call (:func:`captured`): autograd
 runs the backward of CUDA tensors on a thread of its own, which a block around
-``.backward()`` does not reach.
+``.backward()`` does not reach. A backward that torch.compile compiled runs its custom op
+on that thread too, so it gets the defaults there.
 """
 
 from __future__ import annotations
