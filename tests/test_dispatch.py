@@ -523,11 +523,32 @@ def test_backward_takes_both_hopper_kernels_with_their_arguments(kernels):
     assert dsink.shape == (4,)
 
 
-def test_backward_head_dim_256_runs_only_the_hopper_dq(kernels):
+@pytest.mark.parametrize("stats_tma, role_split", [(True, True), (True, False), (False, True)])
+def test_backward_head_dim_256_role_split(kernels, monkeypatch, stats_tma, role_split):
+    """D = 256's dK/dV: the Hopper kernel's role split (ROLE_SPLIT) over 64-key blocks, where
+    lse and delta come by TMA (it reads them from its ring only); else bwd.py's kernel."""
+    monkeypatch.setattr(bwd, "tma_ok", lambda *t: stats_tma)  # (a CPU tensor: False)
+    monkeypatch.setattr(bwd_sm90, "ROLE_SPLIT", role_split)
     q, k, v, kw = _dense(d=256, sq=100, sk=90)
-    _backward(q, k, v, kw)
-    assert kernels.names() == ["bwd_pre", "dkdv", "dq_sm90"]
-    assert kernels.of("dkdv").grid[1:] == (2, 2)
+    _, (dq, dk, dv, _) = _backward(q, k, v, kw)
+    if not (stats_tma and role_split):
+        assert kernels.names() == ["bwd_pre", "dkdv", "dq_sm90"]
+        assert kernels.of("dkdv").grid[1:] == (2, 2)
+        return
+    assert kernels.names() == ["bwd_pre", "dkdv_sm90", "dq_sm90"]
+    g = kernels.of("dkdv_sm90")
+    assert g.grid == (2, 2, 2)  # (ceil(90 / 64) key blocks, Hkv, B)
+    assert g.named["ROLE_SPLIT"] and g.named["P_F32"] == bwd_sm90.ROLE_P_F32
+    assert g.named["STATS_TMA"] and g.named["HOST_DESC"] and not g.named["FUSED_DQ"]
+    # Dense: descriptors made on the host, keys in 64-row boxes, Q and dO in BLOCK_M rows.
+    for name, t, rows in (("k", k, 64), ("dk", dk, 64), ("q", q, g.named["BLOCK_M"])):
+        desc = g.named[name]
+        assert isinstance(desc, TensorDescriptor) and desc.base is t
+        assert desc.block_shape == [1, rows, 256]
+    # Not deterministic: still the two passes (the fused one is D = 128's).
+    kernels.log.clear()
+    _backward(q, k, v, kw, deterministic=False)
+    assert kernels.names() == ["bwd_pre", "dkdv_sm90", "dq_sm90"]
 
 
 def test_backward_without_keys_runs_no_dkdv(kernels):
