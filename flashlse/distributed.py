@@ -351,12 +351,25 @@ class RingAttentionFunction(torch.autograd.Function):
         out, lse = _ring_fwd(q, k, v, sink, ring)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.ring = ring
+        # This call's kernel options, for the backward (autograd's device thread does not
+        # see the caller's kernel_options block; as AttentionFunction's).
+        ctx.opts = None
+        if use_triton(q):
+            from .kernels import options
+
+            ctx.opts = options.captured()
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ctx.ring)
+        args = (dout, dlse, q, k, v, out, lse, sink, ctx.ring)
+        if ctx.opts is None:
+            dq, dk, dv, dsink = _ring_bwd(*args)
+        else:
+            from .kernels import options
+
+            dq, dk, dv, dsink = options.run_under(ctx.opts, _ring_bwd, *args)
         return dq, dk, dv, dsink, None
 
 

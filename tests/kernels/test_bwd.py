@@ -845,18 +845,22 @@ def test_attn_bwd_sm90_dq_persistent_domain(monkeypatch):
     assert call(dout=empty(8, 16, 2048, 128).transpose(1, 2)) is None  # heads not adjacent
 
 
-@pytest.mark.parametrize("fn", ["attention", "sparse_attention"])
+@pytest.mark.parametrize("fn", ["attention", "sparse_attention", "ring_attention"])
 def test_backward_runs_under_its_forwards_kernel_options(device, monkeypatch, fn):
     """Autograd runs the backward of CUDA tensors on a device thread of its own, which sees
     none of the caller's context: a kernel_options block around a training step would not
     reach the backward's kernels (bench_bwd's --sm90 column timed the defaults that way). The
-    backward takes its forward's options. A fresh thread stands for the device thread."""
+    backward takes its forward's options. A fresh thread stands for the device thread; the
+    ring runs on one rank (its own block, no exchange)."""
     import threading
 
+    import torch.distributed as dist
+
     import flashlse as fl
+    from flashlse import distributed
     from flashlse.kernels import options, sparse
 
-    mod, name = (dispatch, "attn_bwd") if fn == "attention" else (sparse, "sparse_bwd")
+    mod, name = (sparse, "sparse_bwd") if fn == "sparse_attention" else (dispatch, "attn_bwd")
     seen, real = [], getattr(mod, name)
     monkeypatch.setattr(mod, name,
                         lambda *a, **kw: seen.append(options.current()) or real(*a, **kw))
@@ -865,11 +869,12 @@ def test_backward_runs_under_its_forwards_kernel_options(device, monkeypatch, fn
     q, k, v = (torch.randn(1, 20, 2, 32, generator=gen).to(device, dtype).requires_grad_()
                for _ in range(3))
     idx = torch.arange(8, device=device, dtype=torch.int32).expand(1, 20, 2, 8).contiguous()
-
-    def forward():
-        if fn == "attention":
-            return fl.attention(q, k, v, causal=True)
-        return fl.sparse_attention(q, k, v, idx)
+    forward = {
+        "attention": lambda: fl.attention(q, k, v, causal=True),
+        "sparse_attention": lambda: fl.sparse_attention(q, k, v, idx),
+        "ring_attention": lambda: distributed.ring_attention(q, k, v, causal=True,
+                                                             shard_lengths=[20]),
+    }[fn]
 
     def backward_on_a_fresh_thread(out):
         errors = []
@@ -885,19 +890,28 @@ def test_backward_runs_under_its_forwards_kernel_options(device, monkeypatch, fn
         if errors:
             raise errors[0]
 
-    with fl.kernel_options(poison_outputs=True, sm90_dkdv=False) as opts:
+    ring = fn == "ring_attention"
+    if ring:
+        if dist.is_initialized():
+            pytest.skip("a process group is already initialised")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with fl.kernel_options(poison_outputs=True, sm90_dkdv=False) as opts:
+            out = forward()
+        backward_on_a_fresh_thread(out)
+        assert seen == [opts]
+        grads = [t.grad.clone() for t in (q, k, v)]
+        seen.clear()
+        for t in (q, k, v):
+            t.grad = None
+        base = options.current()  # this test's own (the suite poisons the outputs)
         out = forward()
-    backward_on_a_fresh_thread(out)
-    assert seen == [opts]
-    grads = [t.grad.clone() for t in (q, k, v)]
-    seen.clear()
-    for t in (q, k, v):
-        t.grad = None
-    base = options.current()  # this test's own (the suite poisons the outputs)
-    out = forward()
-    with fl.kernel_options(sm90_dq=False):
-        backward_on_a_fresh_thread(out)  # a block around the backward changes nothing
-    assert seen == [base]
-    for a, b in zip(grads, (q.grad, k.grad, v.grad)):
-        assert not a.isnan().any()
-        torch.testing.assert_close(a, b)
+        with fl.kernel_options(sm90_dq=False):
+            backward_on_a_fresh_thread(out)  # a block around the backward changes nothing
+        assert seen == [base]
+        for a, b in zip(grads, (q.grad, k.grad, v.grad)):
+            assert not a.isnan().any()
+            torch.testing.assert_close(a, b)
+    finally:
+        if ring:
+            dist.destroy_process_group()
