@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from .lse import safe_pivot
 from .ops._dispatch import compute_dtype, use_triton
-from .ops.attention import attn_bwd, attn_fwd, validate_attention_args
+from .ops.attention import attn_bwd, attn_fwd, fwd_fakes, validate_attention_args
 from .ops.merge import merge_states_unchecked, validate_states
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -343,6 +343,93 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dsink
 
 
+def _make_ring(group, n_local: int, device, layout: str, left, right, softcap: float,
+               scale: float, sink_grad: str, shard_lengths) -> _Ring:
+    """The ring of a call: this rank and its neighbours in ``group``, every shard length
+    (``shard_lengths``, checked, or gathered from the ranks: one small all-gather and a
+    host-device sync) and each step's attention calls."""
+    rank, world, prev, nxt = _group_ranks(group)
+    # Every rank needs every shard length (unequal or empty shards); one small all-gather.
+    if shard_lengths is None:
+        mine = torch.tensor([n_local], dtype=torch.int64, device=device)
+        lengths = torch.empty(world, dtype=torch.int64, device=device)
+        _all_gather_flat(lengths, mine, group)
+        lengths = lengths.tolist()
+    else:
+        lengths = [int(n) for n in shard_lengths]
+        if len(lengths) != world or lengths[rank] != n_local or min(lengths) < 0:
+            raise ValueError(f"shard_lengths must hold every rank's n_r ({world} ints >= 0, "
+                             f"this rank's = {n_local}), got {list(shard_lengths)}")
+    segs = shard_segments(lengths, layout)
+    plans = [plan_step(segs[rank], segs[s], left, right) for s in range(world)]
+    return _Ring(group, rank, world, prev, nxt, lengths, plans, softcap, scale, sink_grad)
+
+
+def _group_name(group) -> str:
+    """The process group's name, by which the ring's ops find it again (traceable)."""
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+# torch.compile sees the ring as two ops, forward and backward (fake kernels give the shapes):
+# the transfers, the shard-length gather and the planning happen inside them.
+@torch.library.custom_op("flashlse::ring_fwd", mutates_args=())
+def _ring_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None,
+                 group_name: str, shard_lengths: list[int] | None, layout: str,
+                 left: int | None, right: int | None, softcap: float, scale: float,
+                 sink_grad: str) -> tuple[torch.Tensor, torch.Tensor]:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    ring = _make_ring(group, q.shape[1], q.device, layout, left, right, softcap, scale,
+                      sink_grad, shard_lengths)
+    return _ring_fwd(q, k, v, sink, ring)
+
+
+@_ring_fwd_op.register_fake
+def _(q, k, v, sink, group_name, shard_lengths, layout, left, right, softcap, scale,
+      sink_grad):
+    return fwd_fakes(q, v)
+
+
+@torch.library.custom_op("flashlse::ring_bwd", mutates_args=())
+def _ring_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 sink: torch.Tensor | None, group_name: str, shard_lengths: list[int] | None,
+                 layout: str, left: int | None, right: int | None, softcap: float,
+                 scale: float, sink_grad: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    ring = _make_ring(group, q.shape[1], q.device, layout, left, right, softcap, scale,
+                      sink_grad, shard_lengths)
+    dq, dk, dv, dsink = _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring)
+    # dK and dV are views of one buffer (they travel the ring together); an op's outputs may
+    # not alias one another.
+    return (dq, dk, dv.clone(), q.new_empty(0, dtype=torch.float32) if dsink is None
+            else dsink)
+
+
+@_ring_bwd_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, sink, group_name, shard_lengths, layout, left, right,
+      softcap, scale, sink_grad):
+    dsink = q.new_empty(0, dtype=torch.float32) if sink is None else torch.empty_like(sink)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, sink, *scalars = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], sink)
+    ctx.scalars = scalars
+
+
+def _ring_backward(ctx, dout, dlse):
+    q, k, v, out, lse, sink = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+    dq, dk, dv, dsink = _ring_bwd_op(dout, dlse, q, k, v, out, lse, sink, *ctx.scalars)
+    return (dq, dk, dv, None if sink is None else dsink) + (None,) * len(ctx.scalars)
+
+
+_ring_fwd_op.register_autograd(_ring_backward, setup_context=_ring_setup)
+
+
 class RingAttentionFunction(torch.autograd.Function):
     """Ring attention over the ranks of a group; forward and backward each one ring."""
 
@@ -387,7 +474,10 @@ def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), si
     ``O_i = sum_j exp(S_ij - L_i) V_j`` over all keys of the whole sequence (``Sq == Sk``,
     row i sees key j iff ``i - left <= j <= i + right`` in global positions); K/V travel
     around the ring, the per-block states merge with :func:`flashlse.merge` rules, the sink
-    is added once. Equal to the single-process result up to rounding.
+    is added once. Equal to the single-process result up to rounding. Under
+    ``torch.compile(fullgraph=True)`` (``dynamic=True`` too) the ring is two custom ops,
+    ``flashlse::ring_fwd`` and ``ring_bwd``: the transfers, the gather and the planning run
+    inside them, the group found again by its name.
 
     Args:
         q: ``(B, n_r, Hq, D)``; k: ``(B, n_r, Hkv, D)``; v: ``(B, n_r, Hkv, Dv)``: this
@@ -420,23 +510,17 @@ def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), si
     _check_layout(layout)
     if sink_grad not in SINK_GRADS:
         raise ValueError(f"sink_grad must be one of {SINK_GRADS}, got {sink_grad!r}")
-    rank, world, prev, nxt = _group_ranks(group)
-    # Every rank needs every shard length (unequal or empty shards); one small all-gather.
-    if shard_lengths is None:
-        n_local = torch.tensor([q.shape[1]], dtype=torch.int64, device=q.device)
-        lengths = torch.empty(world, dtype=torch.int64, device=q.device)
-        _all_gather_flat(lengths, n_local, group)
-        lengths = lengths.tolist()
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), sink)
+    if torch.compiler.is_compiling():
+        # One opaque op a direction (no graph break at the transfers; fakes give the shapes),
+        # the group by its name, the ring planned inside.
+        lengths = None if shard_lengths is None else [int(n) for n in shard_lengths]
+        out, lse = _ring_fwd_op(*args, _group_name(group), lengths, layout, left, right,
+                                softcap, scale, sink_grad)
     else:
-        lengths = [int(n) for n in shard_lengths]
-        if len(lengths) != world or lengths[rank] != q.shape[1] or min(lengths) < 0:
-            raise ValueError(f"shard_lengths must hold every rank's n_r ({world} ints >= 0, "
-                             f"this rank's = {q.shape[1]}), got {list(shard_lengths)}")
-    segs = shard_segments(lengths, layout)
-    plans = [plan_step(segs[rank], segs[s], left, right) for s in range(world)]
-    ring = _Ring(group, rank, world, prev, nxt, lengths, plans, softcap, scale, sink_grad)
-    out, lse = RingAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                           sink, ring)
+        ring = _make_ring(group, q.shape[1], q.device, layout, left, right, softcap, scale,
+                          sink_grad, shard_lengths)
+        out, lse = RingAttentionFunction.apply(*args, ring)
     return (out, lse) if return_lse else out
 
 

@@ -10,6 +10,7 @@ not rounding; every gradient is compared (dq dk dv dsink), against single-proces
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import math
 import queue as queue_module
@@ -53,6 +54,14 @@ RING_CASES = [
     # A group that is not the world: ring neighbours are global ranks 1 and 2.
     dict(id="w3-subgroup-ranks-1-2", world=3, group=[1, 2], s=11, layout="zigzag",
          causal=True, sink=True),
+    # torch.compile(fullgraph=True): the ring as its two custom ops (given and gathered shard
+    # lengths, dynamic shapes, a subgroup found again by its name).
+    dict(id="w2-compiled-zigzag-causal-sink", world=2, s=13, layout="zigzag", causal=True,
+         sink=True, compile=False),
+    dict(id="w3-compiled-dynamic-contiguous-gqa-sink", world=3, s=21, layout="contiguous",
+         causal=True, sink=True, hkv=1, compile=True),
+    dict(id="w3-compiled-subgroup-window", world=3, group=[1, 2], s=11, layout="zigzag",
+         window=(4, 2), compile=False),
 ]
 
 MERGE_CASES = [
@@ -151,8 +160,11 @@ def _ring_case(c, rank, world):
     # Zigzag cases name the shard lengths (no all-gather of them); contiguous ones gather.
     given = list(lengths) if c["layout"] == "zigzag" else None
     # sink_grad="sum": dsink is the whole sequence's on every rank, as one process's.
-    out, lse = fld.ring_attention(*mine, sink=sink_r, return_lse=True, layout=c["layout"],
-                                  group=group, shard_lengths=given, sink_grad="sum", **kw)
+    ring = functools.partial(fld.ring_attention, return_lse=True, layout=c["layout"],
+                             group=group, shard_lengths=given, sink_grad="sum", **kw)
+    if "compile" in c:  # its value: dynamic shapes
+        ring = torch.compile(ring, fullgraph=True, dynamic=c["compile"], backend="aot_eager")
+    out, lse = ring(*mine, sink=sink_r)
     ((out * shard(g_out)).sum() + (lse * shard(g_lse, 2)).sum()).backward()
 
     assert out.shape == (b, lengths[rank], hq, d + 2) and lse.shape == (b, hq, lengths[rank])

@@ -366,9 +366,9 @@ def _attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.
                                  seqused_k))
 
 
-@_attn_fwd_op.register_fake
-def _(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, left,
-      right, softcap, scale, deterministic):
+def fwd_fakes(q, v):
+    """``(out, lse)`` of a forward's shapes and dtypes (custom ops' fake kernels): packed
+    ``(total, H, D)`` or ``(B, S, H, D)`` q."""
     if q.dim() == 3:
         total, hq, _ = q.shape
         return (q.new_empty(total, hq, v.shape[-1]),
@@ -376,6 +376,12 @@ def _(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seq
     b, sq, hq, _ = q.shape
     return (q.new_empty(b, sq, hq, v.shape[-1]),
             q.new_empty(b, hq, sq, dtype=_lse_dtype(q.dtype)))
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, left,
+      right, softcap, scale, deterministic):
+    return fwd_fakes(q, v)
 
 
 @torch.library.custom_op("flashlse::attn_bwd", mutates_args=())
