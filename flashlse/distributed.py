@@ -54,9 +54,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .kernels import options
 from .lse import safe_pivot
 from .ops._dispatch import compute_dtype, use_triton
-from .ops.attention import attn_bwd, attn_fwd, fwd_fakes, validate_attention_args
+from .ops.attention import (
+    attn_bwd,
+    attn_fwd,
+    bwd_fakes,
+    fwd_fakes,
+    op_dsink,
+    validate_attention_args,
+)
 from .ops.merge import merge_states_unchecked, validate_states
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -370,6 +378,13 @@ def _group_name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
+def _named_ring(group_name: str, q, layout, left, right, softcap, scale, sink_grad,
+                shard_lengths) -> _Ring:
+    """:func:`_make_ring` of the group named ``group_name`` (the ring's ops)."""
+    return _make_ring(dist.distributed_c10d._resolve_process_group(group_name), q.shape[1],
+                      q.device, layout, left, right, softcap, scale, sink_grad, shard_lengths)
+
+
 # torch.compile sees the ring as two ops, forward and backward (fake kernels give the shapes):
 # the transfers, the shard-length gather and the planning happen inside them.
 @torch.library.custom_op("flashlse::ring_fwd", mutates_args=())
@@ -377,10 +392,8 @@ def _ring_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.
                  group_name: str, shard_lengths: list[int] | None, layout: str,
                  left: int | None, right: int | None, softcap: float, scale: float,
                  sink_grad: str) -> tuple[torch.Tensor, torch.Tensor]:
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    ring = _make_ring(group, q.shape[1], q.device, layout, left, right, softcap, scale,
-                      sink_grad, shard_lengths)
-    return _ring_fwd(q, k, v, sink, ring)
+    return _ring_fwd(q, k, v, sink, _named_ring(group_name, q, layout, left, right, softcap,
+                                                scale, sink_grad, shard_lengths))
 
 
 @_ring_fwd_op.register_fake
@@ -396,21 +409,18 @@ def _ring_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: tor
                  layout: str, left: int | None, right: int | None, softcap: float,
                  scale: float, sink_grad: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    ring = _make_ring(group, q.shape[1], q.device, layout, left, right, softcap, scale,
-                      sink_grad, shard_lengths)
+    ring = _named_ring(group_name, q, layout, left, right, softcap, scale, sink_grad,
+                       shard_lengths)
     dq, dk, dv, dsink = _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring)
     # dK and dV are views of one buffer (they travel the ring together); an op's outputs may
     # not alias one another.
-    return (dq, dk, dv.clone(), q.new_empty(0, dtype=torch.float32) if dsink is None
-            else dsink)
+    return dq, dk, dv.clone(), op_dsink(q, dsink)
 
 
 @_ring_bwd_op.register_fake
 def _(dout, dlse, q, k, v, out, lse, sink, group_name, shard_lengths, layout, left, right,
       softcap, scale, sink_grad):
-    dsink = q.new_empty(0, dtype=torch.float32) if sink is None else torch.empty_like(sink)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+    return bwd_fakes(q, k, v, sink)
 
 
 def _ring_setup(ctx, inputs, output):
@@ -440,23 +450,14 @@ class RingAttentionFunction(torch.autograd.Function):
         ctx.ring = ring
         # This call's kernel options, for the backward (autograd's device thread does not
         # see the caller's kernel_options block; as AttentionFunction's).
-        ctx.opts = None
-        if use_triton(q):
-            from .kernels import options
-
-            ctx.opts = options.captured()
+        ctx.opts = options.captured()
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        args = (dout, dlse, q, k, v, out, lse, sink, ctx.ring)
-        if ctx.opts is None:
-            dq, dk, dv, dsink = _ring_bwd(*args)
-        else:
-            from .kernels import options
-
-            dq, dk, dv, dsink = options.run_under(ctx.opts, _ring_bwd, *args)
+        dq, dk, dv, dsink = options.run_under(ctx.opts, _ring_bwd, dout, dlse, q, k, v, out,
+                                              lse, sink, ctx.ring)
         return dq, dk, dv, dsink, None
 
 

@@ -439,6 +439,22 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     tma.store_wait(0)
 
 
+@gluon.jit
+def _handoff(dtype: gl.constexpr, N_BUF: gl.constexpr, BLOCK_M: gl.constexpr,
+             ARRIVALS: gl.constexpr):
+    """Tiles passed between the consumer warpgroups: ``N_BUF`` ``[HALF_N, BLOCK_M]`` buffers
+    and two slots' full / empty barriers of ``ARRIVALS`` arrivals each."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M], dtype)
+    smem = gl.allocate_shared_memory(dtype, [N_BUF, HALF_N, BLOCK_M], layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    for i in gl.static_range(2):
+        mbarrier.init(full.index(i), count=ARRIVALS)
+        mbarrier.init(empty.index(i), count=ARRIVALS)
+    return smem, full, empty
+
+
 @gluon.constexpr_function
 def _kv_tiles(role_split):
     """64-key tiles of K and V a dK/dV program holds."""
@@ -646,29 +662,14 @@ def _dkdv_sm90_kernel(
         # dS^T halves of two tiles (buffer, half), their barriers (both warpgroups arrive),
         # a float32 staging buffer a warpgroup for its dQ columns, dQ's descriptor (rows
         # past the sequence clipped).
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M],
-                                                                        dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)
-        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        for i in gl.static_range(2):
-            mbarrier.init(ds_full.index(i), count=2)
-            mbarrier.init(ds_empty.index(i), count=2)
+        ds_smem, ds_full, ds_empty = _handoff(dtype, 4, BLOCK_M, 2)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, D // 2], DQ_LAYOUT)
         fused = (ds_smem, ds_full, ds_empty, dq_smem)
     else:
         fused = ()
 
     if ROLE_SPLIT:
-        p_dtype: gl.constexpr = _p_dtype(P_F32, dtype)
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, BLOCK_M],
-                                                                       p_dtype)
-        p_smem = gl.allocate_shared_memory(p_dtype, [2, HALF_N, BLOCK_M], p_layout)
-        p_full = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-        for i in gl.static_range(2):
-            mbarrier.init(p_full.index(i), count=1)
-            mbarrier.init(p_empty.index(i), count=1)
+        p_smem, p_full, p_empty = _handoff(_p_dtype(P_F32, dtype), 2, BLOCK_M, 1)
         gl.warp_specialize([
             (_p_dv_consumer, (q_smem, do_smem, k_smem, lse_smem, p_smem, stores, kv_bar, full,
                               empty, p_full, p_empty, n0, T_k, shift, left, right, scale_log2,

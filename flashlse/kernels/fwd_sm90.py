@@ -1671,21 +1671,15 @@ class _VarlenLaunch:
             blocks = self._blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, q.device)
             self.kernel(q, k, v, out, lse, sink, blocks, None)
             return
-        part_o, part_lse = self.states(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        blocks = self._blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, q.device)
+        part_o, part_lse = split_states(self.splits, out)
+        self.kernel(q, k, v, part_o, part_lse, None, blocks, None)
         merge_splits(part_o, part_lse, sink, out, lse)
 
     def _blocks(self, cu_seqlens_q, cu_seqlens_k, seqused_k, device):
         blocks = torch.empty(self.size, dtype=torch.int32, device=device)
         self.plan_blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks, None)
         return blocks
-
-    def states(self, q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k):
-        """The key splits' partial states (:func:`split_states`, shaped by ``out``'s rows),
-        not merged: ``splits > 1``."""
-        blocks = self._blocks(cu_seqlens_q, cu_seqlens_k, seqused_k, q.device)
-        part_o, part_lse = split_states(self.splits, out)
-        self.kernel(q, k, v, part_o, part_lse, None, blocks, None)
-        return part_o, part_lse
 
 
 class _DenseSplit:
@@ -2089,8 +2083,8 @@ PAGED_SPLIT_KV = True
 VARLEN_SPLIT_KV = True
 # The same for dense calls (``_dense_split_plan``; on since session 32), whose few items
 # (512 rows on 64k keys at 8 heads: 32) leave the persistent kernel at ~185 TFLOP/s on 132
-# SMs: fl.attention there 0.767 -> 0.222 ms (RESULTS.md, session 32, call 2). D = 256 has no
-# persistent varlen kernel and stays unsplit.
+# SMs: fl.attention there 0.767 -> 0.222 ms (RESULTS.md, session 32, call 2). D = 256's
+# config does not take the persistent varlen kernel, so it stays unsplit.
 DENSE_SPLIT_KV = True
 # A dense split needs this many keys: its call costs ~80-95 us more host time than the
 # unsplit one on the H200's hosts (RESULTS.md, session 32, calls 4 and 7), which 128 rows on 8k

@@ -268,7 +268,7 @@ class AttentionFunction(torch.autograd.Function):
         ctx.ints = (max_seqlen_q, max_seqlen_k, left, right, softcap, scale, deterministic)
         # The kernel options of this call, for the backward (autograd's device thread does
         # not see the caller's kernel_options block).
-        ctx.opts = kernel_module("options").captured() if use_triton(q) else None
+        ctx.opts = kernel_module("options").captured()
         # An unused lse gets no zero-filled gradient: the kernels read dlse = None as 0.
         ctx.set_materialize_grads(False)
         return out, lse
@@ -279,13 +279,10 @@ class AttentionFunction(torch.autograd.Function):
         max_q, max_k, left, right, softcap, scale, deterministic = ctx.ints
         if dout is None:
             dout = torch.zeros_like(out)
-        kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink,
-                  deterministic=deterministic, **_varlen_kw(cu_q, cu_k, max_q, max_k, seqused_k))
-        if ctx.opts is None:
-            dq, dk, dv, dsink = attn_bwd(dout, dlse, q, k, v, out, lse, **kw)
-        else:
-            dq, dk, dv, dsink = kernel_module("options").run_under(
-                ctx.opts, attn_bwd, dout, dlse, q, k, v, out, lse, **kw)
+        dq, dk, dv, dsink = kernel_module("options").run_under(
+            ctx.opts, attn_bwd, dout, dlse, q, k, v, out, lse, left=left, right=right,
+            softcap=softcap, scale=scale, sink=sink, deterministic=deterministic,
+            **_varlen_kw(cu_q, cu_k, max_q, max_k, seqused_k))
         return (dq, dk, dv, dsink) + (None,) * 10
 
 
@@ -384,6 +381,18 @@ def _(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seq
     return fwd_fakes(q, v)
 
 
+def op_dsink(q, dsink):
+    """A backward op's dsink output: an op returns a tensor, so an empty float32 one stands
+    for None (no sink); its autograd formula turns it back into None."""
+    return q.new_empty(0, dtype=torch.float32) if dsink is None else dsink
+
+
+def bwd_fakes(q, k, v, sink):
+    """``dq, dk, dv, dsink`` of a backward op's shapes and dtypes (fake kernels)."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), op_dsink(
+        q, None if sink is None else torch.empty_like(sink))
+
+
 @torch.library.custom_op("flashlse::attn_bwd", mutates_args=())
 def _attn_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -396,13 +405,12 @@ def _attn_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: tor
         dout, dlse, q, k, v, out, lse, left=left, right=right, softcap=softcap, scale=scale,
         sink=sink, deterministic=deterministic,
         **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k))
-    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsink is None else dsink
+    return dq, dk, dv, op_dsink(q, dsink)
 
 
 @_attn_bwd_op.register_fake
 def _(dout, dlse, q, k, v, out, lse, sink, *args):
-    dsink = q.new_empty(0, dtype=torch.float32) if sink is None else torch.empty_like(sink)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+    return bwd_fakes(q, k, v, sink)
 
 
 def _attn_setup(ctx, inputs, output):

@@ -13,10 +13,11 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels import options
 from ..lse import safe_pivot
 from . import _validate as V
 from ._dispatch import compute_dtype, use_triton
-from .attention import TILE_ELEMS
+from .attention import TILE_ELEMS, bwd_fakes, fwd_fakes, op_dsink
 from .merge import merge_math
 
 
@@ -332,23 +333,14 @@ class SparseAttentionFunction(torch.autograd.Function):
         ctx.scale = scale
         ctx.mark_non_differentiable(indices)
         # This call's kernel options, for the backward (as AttentionFunction's).
-        ctx.opts = None
-        if use_triton(q):
-            from ..kernels import options
-
-            ctx.opts = options.captured()
+        ctx.opts = options.captured()
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, indices, out, lse, sink = ctx.saved_tensors
-        args = (dout, dlse, q, k, v, indices, out, lse, sink, ctx.scale)
-        if ctx.opts is None:
-            dq, dk, dv, dsink = _sparse_bwd(*args)
-        else:
-            from ..kernels import options
-
-            dq, dk, dv, dsink = options.run_under(ctx.opts, _sparse_bwd, *args)
+        dq, dk, dv, dsink = options.run_under(ctx.opts, _sparse_bwd, dout, dlse, q, k, v,
+                                              indices, out, lse, sink, ctx.scale)
         return dq, dk, dv, None, dsink, None, None
 
 
@@ -359,15 +351,9 @@ def _sparse_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: t
     return _sparse_fwd(q, k, v, indices, sink, scale)
 
 
-def _sparse_fakes(q, v):
-    b, sq, hq, _ = q.shape
-    lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(b, sq, hq, v.shape[-1]), q.new_empty(b, hq, sq, dtype=lse_dt)
-
-
 @_sparse_fwd_op.register_fake
 def _(q, k, v, indices, sink, scale):
-    return _sparse_fakes(q, v)
+    return fwd_fakes(q, v)
 
 
 @torch.library.custom_op("flashlse::sparse_bwd", mutates_args=())
@@ -376,13 +362,12 @@ def _sparse_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: t
                    sink: torch.Tensor | None, scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dsink = _sparse_bwd(dout, dlse, q, k, v, indices, out, lse, sink, scale)
-    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsink is None else dsink
+    return dq, dk, dv, op_dsink(q, dsink)
 
 
 @_sparse_bwd_op.register_fake
 def _(dout, dlse, q, k, v, indices, out, lse, sink, scale):
-    dsink = q.new_empty(0, dtype=torch.float32) if sink is None else torch.empty_like(sink)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+    return bwd_fakes(q, k, v, sink)
 
 
 def _sparse_setup(ctx, inputs, output):
@@ -541,4 +526,4 @@ def _sparse_paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 @_sparse_paged_op.register_fake
 def _(q, k_cache, v_cache, indices, block_table, sink, scale):
-    return _sparse_fakes(q, v_cache)
+    return fwd_fakes(q, v_cache)
