@@ -73,6 +73,17 @@ MERGE_CASES = [
     dict(id="w2-merge-all-empty", world=2, lengths=[0, 0], sink=False),
 ]
 
+# The LSE contract through the ring, eager and compiled: a NaN key at global position
+# ``nan_at`` reaches exactly the rows that see it, a -inf sink is no sink (every gradient,
+# dsink 0), a rank with no tokens.
+CONTRACT_CASES = [
+    dict(id="w2-contract-nan-key-zigzag", world=2, s=16, layout="zigzag", nan_at=5),
+    dict(id="w3-contract-nan-key-compiled", world=3, s=18, layout="contiguous", nan_at=8,
+         compile=True),
+    dict(id="w2-contract-zero-token-rank-compiled", world=2, lengths=[9, 0],
+         layout="contiguous", nan_at=4, compile=True),
+]
+
 # Context parallel under DDP over the CP ranks (torchtitan folds them into FSDP's reduction).
 DDP_CASES = [
     dict(id="w2-ddp-sink-default-local", world=2, layout="zigzag"),
@@ -178,6 +189,43 @@ def _ring_case(c, rank, world):
         _close("dsink", sink_r.grad, sink_1.grad, tol)
 
 
+def _contract_case(c, rank, world):
+    torch.manual_seed(zlib.crc32(c["id"].encode()))
+    lengths = c.get("lengths") or fld._even_lengths(c["s"], world, c["layout"])
+    s, b, hq, hkv, d = sum(lengths), 1, 2, 1, 8
+    q, k, v = (torch.randn(b, s, h, d, dtype=F64) for h in (hq, hkv, hkv))
+    shard = lambda x, dim=1: fld.split_sequence(x, lengths, layout=c["layout"],
+                                                dim=dim)[rank]
+    ring = functools.partial(fld.ring_attention, causal=True, return_lse=True,
+                             layout=c["layout"], shard_lengths=list(lengths))
+    if c.get("compile"):
+        ring = torch.compile(ring, fullgraph=True, backend="aot_eager")
+
+    def run(k_in, sink):
+        mine = [shard(t).clone().requires_grad_() for t in (q, k_in, v)]
+        sink_r = None if sink is None else sink.clone().requires_grad_()
+        out, lse = ring(*mine, sink=sink_r)
+        (out.sum() + lse.masked_fill(torch.isneginf(lse), 0).sum()).backward()
+        return out.detach(), lse.detach(), [t.grad for t in mine], sink_r
+
+    # A NaN key: causal row i sees it iff i >= nan_at; the others equal the clean call's.
+    k_bad = k.clone()
+    k_bad[0, c["nan_at"], 0, 0] = math.nan
+    out, lse, _, _ = run(k, None)
+    out_b, lse_b, _, _ = run(k_bad, None)
+    sees = shard(torch.arange(s), 0) >= c["nan_at"]  # this rank's rows, in its layout
+    assert out_b[:, sees].isnan().all() and lse_b[:, :, sees].isnan().all()
+    assert not out_b[:, ~sees].isnan().any() and not lse_b[:, :, ~sees].isnan().any()
+    _close("rows that do not see the NaN key", out_b[:, ~sees], out[:, ~sees])
+    # A -inf sink is no sink: the same out, lse and gradients, dsink 0, no NaN.
+    clean = run(k, None)
+    sunk = run(k, torch.full((hq,), -math.inf, dtype=F64))
+    assert torch.equal(sunk[0], clean[0]) and torch.equal(sunk[1], clean[1])
+    for name, a, w in zip(("dq", "dk", "dv"), sunk[2], clean[2]):
+        _close(name, a, w)
+    assert torch.equal(sunk[3].grad, torch.zeros(hq, dtype=F64))
+
+
 def _merge_case(c, rank, world):
     torch.manual_seed(zlib.crc32(c["id"].encode()))
     lengths, causal = c["lengths"], c.get("causal", False)
@@ -248,7 +296,8 @@ def _worker(rank, world, init, cases, queue):
     for c in cases:
         try:
             run = (_ring_case if c["id"] in _RING_IDS else
-                   _ddp_case if c["id"] in _DDP_IDS else _merge_case)
+                   _ddp_case if c["id"] in _DDP_IDS else
+                   _contract_case if c["id"] in _CONTRACT_IDS else _merge_case)
             run(c, rank, world)
             results[c["id"]] = None
         except Exception:
@@ -262,10 +311,12 @@ def _worker(rank, world, init, cases, queue):
 
 _RING_IDS = {c["id"] for c in RING_CASES}
 _DDP_IDS = {c["id"] for c in DDP_CASES}
+_CONTRACT_IDS = {c["id"] for c in CONTRACT_CASES}
+ALL_CASES = RING_CASES + MERGE_CASES + DDP_CASES + CONTRACT_CASES
 
 
 def _run_group(world, tmp_path):
-    cases = [c for c in RING_CASES + MERGE_CASES + DDP_CASES if c["world"] == world]
+    cases = [c for c in ALL_CASES if c["world"] == world]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tmp_path / f'rendezvous-{world}'}"
@@ -305,7 +356,7 @@ def group_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c["id"])
-                                  for c in RING_CASES + MERGE_CASES + DDP_CASES])
+                                  for c in ALL_CASES])
 def test_distributed(case, group_results):
     got = group_results(case["world"])
     errors = [f"rank {r}:\n{got[r][case['id']]}" for r in sorted(got) if got[r][case["id"]]]

@@ -416,17 +416,22 @@ def test_attn_bwd_gpu_sm90_fused_matches_two_passes(case):
     torch.testing.assert_close(fused[0].float(), two[0].float(), rtol=1.6e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["d128", "d256"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two_pass", "default"])
-def test_attn_bwd_varlen_neg_inf_sink_is_no_sink(device, deterministic):
+def test_attn_bwd_varlen_neg_inf_sink_is_no_sink(device, deterministic, wide):
     """The varlen backward's statistics start each sequence at a 16-byte boundary
     (``stats_offset``): with sequences whose starts are not multiples of 4, one with no key
     and some rows that see none (causal, Sq > Sk), a -inf sink gives what no sink gives:
     empty rows out 0 and lse -inf (the float64 reference's), no NaN anywhere, equal
     gradients (bit for bit where deterministic), a zero dsink. On an H100 / H200 at D = 128
-    the Hopper kernels (fused by default, two passes when deterministic); elsewhere bwd.py's."""
+    the Hopper kernels (fused by default, two passes when deterministic), at D = 256 the
+    role split and the Hopper dQ; elsewhere bwd.py's."""
     import flashlse as fl
 
-    dtype, d = (torch.bfloat16, 128) if device == "cuda" else (torch.float32, 32)
+    if wide and device != "cuda":
+        pytest.skip("D = 256: the Hopper role split (the interpreter runs D = 32)")
+    dtype, d = (torch.bfloat16, 256 if wide else 128) if device == "cuda" else (torch.float32,
+                                                                                32)
     lens_q, lens_k = [5, 3, 7, 0, 6, 9], [4, 0, 9, 2, 3, 9]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
                                device=device) for n in (lens_q, lens_k))
@@ -540,8 +545,9 @@ def test_attn_bwd_gpu_sm90_host_descriptors_equal_per_program_ones(monkeypatch, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two_pass", "fused"])
-def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic):
+def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic, d):
     """The dense Hopper backward's later calls of a plan launch through ``DescLaunch``'s
     direct path (host descriptors handed to Triton's C launcher, encodings kept by address).
     Each case runs three times and checks the third: causal with Sq > Sk (rows 0-99 see no
@@ -551,12 +557,12 @@ def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic):
     rows that see it (rows 250-299 of query heads 0 and 1), the rest as the clean call's;
     the gradients NaN in those rows' dq and in that kv head's dK / dV (a masked 0 times the
     NaN key inside a tile may reach more of its rows: IEEE), never outside batch 0's kv head
-    0, where they equal the clean call's."""
+    0, where they equal the clean call's. D = 256: the role split (two passes either way)."""
     import flashlse as fl
     from flashlse.kernels import bwd, bwd_sm90
 
     g = torch.Generator().manual_seed(73)
-    b, sq, sk, hq, hkv, d, dtype = 2, 300, 200, 4, 2, 128, torch.bfloat16
+    b, sq, sk, hq, hkv, dtype = 2, 300, 200, 4, 2, torch.bfloat16
     mk = lambda s, h: torch.randn(b, s, h, d, generator=g).to("cuda", dtype)
     q, k, v, dout = mk(sq, hq), mk(sk, hkv), mk(sk, hkv), mk(sq, hq)
     bwd._BWD_PLANS.clear()
