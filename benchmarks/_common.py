@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import time
 
 import torch
@@ -156,7 +158,8 @@ def attention_step(q, k, v, dout, *, threads: bool = True, **kw):
 
 def flag_runs(flag: str, fn):
     """``fn`` with the module flag ``flag`` ("MODULE.NAME" of ``flashlse.kernels``, read when
-    a call plans its launches, or a full "flashlse.ops._validate.KEEP_PLANS") on, and
+    a call plans its launches, a full "flashlse.ops._validate.KEEP_PLANS", or a boolean
+    field of one configs table entry, "configs.FWD_SM90[256].persistent_varlen") on, and
     off, and a call that puts its value back: the plans are dropped whenever it changes, so
     calls timed in turn (``interleaved_ms``) each run their own side. Each side returns
     what ``fn`` returns."""
@@ -167,15 +170,27 @@ def flag_runs(flag: str, fn):
     attention_ops = importlib.import_module("flashlse.ops.attention")
     kvcache_ops = importlib.import_module("flashlse.ops.kvcache")
     sparse_ops = importlib.import_module("flashlse.ops.sparse")
-    mod_name, name = flag.rsplit(".", 1)
-    mod = importlib.import_module(mod_name if mod_name.startswith("flashlse.")
-                                  else f"flashlse.kernels.{mod_name}")
-    original = getattr(mod, name)
+    entry = re.fullmatch(r"configs\.(\w+)\[(\d+)\]\.(\w+)", flag)
+    if entry:
+        # A field of one entry of a configs table, e.g. configs.FWD_SM90[256].persistent_varlen
+        from flashlse.kernels import configs
+
+        table, key, field = getattr(configs, entry[1]), int(entry[2]), entry[3]
+        get = lambda: getattr(table[key], field)
+        put = lambda value: table.__setitem__(key, dataclasses.replace(table[key],
+                                                                       **{field: value}))
+    else:
+        mod_name, name = flag.rsplit(".", 1)
+        mod = importlib.import_module(mod_name if mod_name.startswith("flashlse.")
+                                      else f"flashlse.kernels.{mod_name}")
+        get = lambda: getattr(mod, name)
+        put = lambda value: setattr(mod, name, value)
+    original = get()
 
     def setting(value, then):
         def run():
-            if getattr(mod, name) != value:
-                setattr(mod, name, value)
+            if get() != value:
+                put(value)
                 # Every plan a flag can shape: the backward's, the Hopper forward's, the
                 # decode's, and the launches the public calls keep (sparse's plans hold
                 # their decode plans).

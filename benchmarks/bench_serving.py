@@ -6,13 +6,16 @@ B=4 sequences, Sq=512 new query rows against an 8k-token cache, Hq/Hkv=32/8, D=1
 causal call's (``4 B H Sq Sk D`` minus the masked half of the last 512 x 512 block).
 
     python benchmarks/bench_serving.py [--smoke] [--flag MODULE.NAME] [--shape B,SQ,SKV]
-                                       [--heads HQ,HKV]
+                                       [--heads HQ,HKV] [--dim D]
 
 ``--flag`` (a module flag of flashlse.kernels, e.g. ``fwd_sm90.PAGED_PERSISTENT``): every row
 with the flag on and off, timed in turn with the dense call (an A/B in one process).
 ``--shape B,SQ,SKV`` (default 4,512,8192): the chunked-prefill rows at another shape, e.g. a
 long context's chunk, 1,512,65536. ``--heads HQ,HKV`` (default 32,8): fewer heads, as one GPU
 of a tensor-parallel model holds (8,2 at TP = 4): fewer row blocks x heads than SMs.
+``--dim D`` (default 128): the head dim of the prefill rows (the mixed step stays at 128 and
+runs only there). ``--flag`` also takes a configs entry's field, e.g.
+``configs.FWD_SM90[256].persistent_varlen``.
 
 The dense call is ``fl.attention`` as users get it: since session 32 a dense call with few
 row blocks x heads on 16k keys or more runs key splits (``fwd_sm90.DENSE_SPLIT_KV``), so at
@@ -39,6 +42,7 @@ SHAPE = (tuple(int(x) for x in sys.argv[sys.argv.index("--shape") + 1].split(","
          if "--shape" in sys.argv else (4, 512, 8192))
 HEADS = (tuple(int(x) for x in sys.argv[sys.argv.index("--heads") + 1].split(","))
          if "--heads" in sys.argv else (32, 8))
+DIM = int(sys.argv[sys.argv.index("--dim") + 1]) if "--dim" in sys.argv else 128
 
 
 def paged(cache, page, perm=None):
@@ -54,7 +58,7 @@ def paged(cache, page, perm=None):
 
 def main():
     dev, dt = ("cpu", torch.float16) if SMOKE else ("cuda", torch.bfloat16)
-    b, sq, sk, hq, hkv, d = (2, 20, 64, 4, 2, 32) if SMOKE else (*SHAPE, *HEADS, 128)
+    b, sq, sk, hq, hkv, d = (2, 20, 64, 4, 2, 32) if SMOKE else (*SHAPE, *HEADS, DIM)
     q = torch.randn(b, sq, hq, d, device=dev, dtype=dt)
     k = torch.randn(b, sk, hkv, d, device=dev, dtype=dt)
     v = torch.randn(b, sk, hkv, d, device=dev, dtype=dt)
@@ -115,7 +119,7 @@ def main():
     for label, ms, dense_ms in rows:
         ratio = "" if dense_ms is None else f"  {dense_ms / ms:.2f}x dense ({dense_ms:.3f} ms)"
         print(f"{label:<58} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s{ratio}")
-    if not dense_only:
+    if not dense_only and DIM == 128:
         mixed_step(dev, dt)
 
 

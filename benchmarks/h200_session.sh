@@ -51,6 +51,11 @@
 #                                                dense split experiment), bench_merge
 #   bash benchmarks/h200_session.sh s31b       # then bench_overhead (merge, varlen, sparse,
 #                                                paged), the split rows, the dense A/B
+#   bash benchmarks/h200_session.sh s34        # D = 256 on the persistent varlen kernel:
+#                                                forward tests, session 33's backward tests,
+#                                                bench_varlen / bench_serving flag A/B
+#   bash benchmarks/h200_session.sh s34b       # then D = 256's varlen tests, D = 64 on the
+#                                                persistent varlen kernel: tests and A/B
 #   bash benchmarks/h200_session.sh s32        # dense key splits on: the forward's GPU tests,
 #                                                memcheck, fl.attention on / off at 4 shapes
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
@@ -71,7 +76,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -382,6 +387,52 @@ if [ "$1" = s31 ]; then
     for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_s31_*.log | head
     timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
+    exit 0
+fi
+if [ "$1" = s34b ]; then
+    # D = 256's tests of the persistent varlen kernel (cut by s34's limit), D = 64 on it
+    # (configs.FWD_SM90[64].persistent_varlen, on in this tree): its tests and the A/B.
+    K=tests/kernels
+    timeout 300 python3 -m pytest -q $K/test_fwd.py -k "256 or (d64 and (varlen or \
+        dense_key_splits))" -p no:cacheprovider > "$OUT/test_s34b.log" 2>&1
+    tail -1 "$OUT/test_s34b.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s34b.log" | head
+    for extra in "" "--doc-len 4096" "--doc-len 1024"; do
+        timeout 60 python3 benchmarks/bench_varlen.py --dim 64 $extra 2>&1 | tail -5
+    done
+    F="configs.FWD_SM90[64].persistent_varlen"
+    for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,1024,32768 --heads 8,2" \
+            "--shape 2,512,16384 --heads 16,4"; do
+        timeout 60 python3 benchmarks/bench_serving.py --dim 64 --flag "$F" $args \
+            2>&1 | grep "serving prefill\|fl.attention\|contiguous"
+    done
+    exit 0
+fi
+if [ "$1" = s34 ]; then
+    # Session 34's first call: D = 256 on the persistent varlen kernel (configs.FWD_SM90[256]
+    # .persistent_varlen, on in this tree): the forward's GPU tests, the backward tests session
+    # 33 left un-run (D = 256 -inf sink / direct launch, the options capture), sync-free and
+    # graph tests, memcheck of the D = 256 dense split, then the flag on / off in turn.
+    K=tests/kernels
+    timeout 320 python3 -m pytest -q $K/test_fwd.py -p no:cacheprovider \
+        > "$OUT/test_s34_a.log" 2>&1 &
+    timeout 320 python3 -m pytest -q $K/test_bwd.py $K/test_sync_free.py $K/test_cuda_graphs.py \
+        $K/test_launch_plans.py -k "neg_inf_sink or direct_launch or forwards_kernel_options \
+        or sync or graph or plan" -p no:cacheprovider > "$OUT/test_s34_b.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_s34_*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED\|^ERROR" "$OUT"/test_s34_*.log | head
+    timeout 90 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -q \
+        $K/test_fwd.py -k "dense_key_splits and d256 and (gqa_sink or window)" \
+        -p no:cacheprovider 2>&1 | grep -E "ERROR SUMMARY|passed|failed" | tail -3
+    F="configs.FWD_SM90[256].persistent_varlen"
+    for extra in "" "--doc-len 4096"; do
+        timeout 60 python3 benchmarks/bench_varlen.py --dim 256 $extra 2>&1 | tail -5
+    done
+    for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,1024,32768 --heads 8,2" \
+            "--shape 2,512,16384 --heads 16,4" "--shape 4,512,8192 --heads 16,4"; do
+        timeout 60 python3 benchmarks/bench_serving.py --dim 256 --flag "$F" $args \
+            2>&1 | grep "serving prefill\|fl.attention\|contiguous"
+    done
     exit 0
 fi
 if [ "$1" = s32 ]; then

@@ -225,7 +225,8 @@ def cases():
     varlen_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, blocks=I32,
                         block_table=I32, scale_log2="fp32")
     for label, window, d, splits in (("causal", False, 128, 1), ("window", True, 128, 1),
-                                     ("causal", False, 256, 1), ("causal", False, 256, 4)):
+                                     ("causal", False, 256, 1), ("causal", False, 256, 4),
+                                     ("causal", False, 64, 1), ("causal", False, 64, 4)):
         consts = dict(GROUP=2, HQ=16, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, STAGES=2,
                       HAS_LEFT=window, HAS_RIGHT=True, HAS_SINK=splits == 1,
                       O_IN_Q=d == 256, CONSUMER_REGS=240, PAGE_SIZE=0, block_table=None,

@@ -243,11 +243,16 @@ FWD_SM90 = {
     # this tile, alternating, two passes): full 1k +21 / +18%, 2k +15 / +17%,
     # 4k +13 / +13%, 8k +13 / +12%, 16k +11 / +10%; causal 1k -1 / -2%, 2k +9 / +10%, 4k +10 /
     # +11%, 8k +6 / +6%, 16k +12 / +10% (0.88-1.00x cuDNN but at causal 1k, 0.76x). The grid
-    # kernel lost to fwd.py's below 8k at D = 64 (session 15): varlen, seqused_k and the
-    # layouts the persistent kernel refuses stay on fwd.py's.
+    # kernel lost to fwd.py's below 8k at D = 64 (session 15): seqused_k and the layouts
+    # neither persistent kernel takes stay on fwd.py's. persistent_varlen: RESULTS.md
+    # 2026-12-04 session 34, call 2 (bench_varlen --dim 64, 16k causal tokens, H = 16):
+    # 0.257 against fwd.py's 0.282 ms on documents of 64-4k, 0.346 / 0.403 on 4 x 4k, 0.147 /
+    # 0.145 on 16 x 1k; the dense key splits it brings (bench_serving --dim 64, 8 / 2
+    # heads): 1 x 512 rows on 64k keys 3.63x, 1 x 1024 on 32k 1.87x, 2 x 512 on 16k (no
+    # split) 1.00x.
     64: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,
-                   overlap=True, persistent=True, persistent_table=True, grid=False,
-                   consumer_regs=240),
+                   overlap=True, persistent=True, persistent_table=True, persistent_varlen=True,
+                   grid=False, consumer_regs=240),
     # persistent_varlen: RESULTS.md 2026-12-02 session 17 (bench_varlen, 16k tokens in causal
     # documents of 64-4k, same process): 0.355-0.362 ms against the grid kernel's 0.404 at
     # seed 0, 0.366-0.374 / 0.404 at seed 1, 0.346-0.355 / 0.387 at seed 3.
@@ -259,10 +264,14 @@ FWD_SM90 = {
     # pass 2 of S = 8k full 0.95x). Persistent (out staged in Q's buffer) with the table:
     # "Session 16, call 1" (against the grid kernel, two passes: full 1k +6 / +9%, 2k +2 / +3%,
     # 4k +1 / -3%, 8k 0 / +4%, 16k -1 / -1%; causal 1k +24 / +26%, 2k +18 / +14%, 4k +9 / +20%,
-    # 8k +10 / -4%, 16k -2 / -2%).
+    # 8k +10 / -4%, 16k -2 / -2%). persistent_varlen: RESULTS.md 2026-12-04 session 34, call
+    # 1 (bench_varlen --dim 256, H = 16): 0.698 against the grid kernel's 0.709 ms on
+    # documents of 64-4k, 0.916 / 0.975 on 4 x 4k; the dense key splits (bench_serving
+    # --dim 256, 8 / 2 heads): 1 x 512 rows on 64k keys 3.59x, 1 x 1024 on 32k 1.63x.
     # 3 stages spill and need 263 KB; BLOCK_N 128 at 1 stage spills 536 bytes.
     256: TileConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, pingpong=False,
-                    overlap=True, persistent=True, persistent_table=True, consumer_regs=240),
+                    overlap=True, persistent=True, persistent_table=True, persistent_varlen=True,
+                    consumer_regs=240),
 }
 
 

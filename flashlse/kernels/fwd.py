@@ -68,7 +68,7 @@ loads a page outside the cache.
 
 On Hopper (sm_90) the dispatcher (``dispatch.py``) sends the calls in ``fwd_sm90.supported``'s
 domain (fp16/bf16, D = Dv with a tile in ``configs.FWD_SM90``, no softcap; at D = 64 only the
-calls its persistent kernel takes) to ``fwd_sm90.py`` instead: the same math in Gluon,
+calls its persistent kernels take) to ``fwd_sm90.py`` instead: the same math in Gluon,
 with the two warpgroups of a block freed from the per-tile barrier this kernel cannot avoid
 (1.15-1.3x faster there). This module knows nothing of that kernel.
 """

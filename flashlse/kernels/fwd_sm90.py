@@ -54,8 +54,8 @@ mixed step run fwd.py's paged kernel, which packs the query heads of a kv head i
 Fast path only: sm_90, fp16/bf16, D == Dv with a tile in ``configs.FWD_SM90`` (64 and 128,
 and 256 with 64-key tiles; the paged kernel 128 only), scale > 0, no softcap, 16-byte aligned
 rows, at most 65535 sequences and heads (grid y/z); every mask, GQA, sink, varlen and seqused_k
-are handled. Everything else goes to ``fwd.py``, and at D = 64 so do the calls the persistent
-kernel does not take (``TileConfig.grid`` off: the grid kernel measured slower than fwd.py's
+are handled. Everything else goes to ``fwd.py``, and at D = 64 so do the calls neither
+persistent kernel takes (``TileConfig.grid`` off: the grid kernel measured slower than fwd.py's
 there below 8k, NOTES #18; the persistent kernel 10-20% faster, session 18). Gluon does not
 run under TRITON_INTERPRET: CI compiles this kernel for sm_90
 (tests/test_kernels_compile_sm90.py) and tests fwd.py's kernel, the same math; the H200 runs

@@ -668,7 +668,7 @@ def test_attn_fwd_sm90_tables_kept_within_their_budget(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256_out_in_q"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
 @pytest.mark.parametrize("case", [
     pytest.param(dict(causal=True), id="causal"),
     pytest.param(dict(), id="full"),
@@ -712,7 +712,7 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256_out_in_q"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,kw", [
     pytest.param(2, 200, 700, 8, 2, dict(causal=True, sink=True), id="causal_gqa_sink"),
     pytest.param(1, 300, 260, 4, 4, dict(causal=True), id="causal_sq_gt_sk_empty_rows"),
@@ -736,8 +736,8 @@ def test_attn_fwd_gpu_sm90_dense_key_splits(device, monkeypatch, d, b, sq, sk, h
     monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 2000)
     fwd_sm90._PLANS.clear()
     _run_dense(device, torch.bfloat16, b, sq, sk, hq, hkv, d, d, **kw)
-    # D = 256's config has no persistent varlen kernel (configs.FWD_SM90): the experiment
-    # leaves its calls on the dense kernels (the checks below hold there too).
+    # A head dim whose config has no persistent varlen kernel (configs.FWD_SM90) leaves its
+    # calls on the dense kernels (the checks below hold there too).
     splits = configs.FWD_SM90[d].persistent_varlen
     assert plans and all((p.signature[-1] == "dense") == splits for p in plans)
     # A NaN key reaches exactly the rows that see it (its batch, its kv head's query heads,
@@ -867,7 +867,7 @@ def test_attn_fwd_gpu_sm90_persistent_lse_contract_and_nan(d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("d", [128, 256], ids=["d128", "d256_out_in_q"])
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
 def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kernel_opts, d):
     """Tiles of the persistent varlen kernel reach past their sequence's end (the
     descriptors span the packed tensors): a NaN in the first key and value rows of the
@@ -902,7 +902,8 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
         return fl.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                    return_lse=True)
 
-    with fl.kernel_options(fwd_sm90_config={"PERSISTENT_VARLEN": False}):
+    # (GRID: D = 64's config sends the calls no persistent kernel takes to fwd.py's.)
+    with fl.kernel_options(fwd_sm90_config={"PERSISTENT_VARLEN": False, "GRID": True}):
         want, want_lse = call()
     kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
     fwd_sm90._PLANS.clear()
