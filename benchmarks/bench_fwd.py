@@ -386,6 +386,9 @@ def main():
     p.add_argument("--sm90-short", action="store_true",
                    help="the Hopper forward's schedules (SM90_SHORT) at S = 1k-16k")
     p.add_argument("--short-dim", type=int, default=128, help="--sm90-short's head dim")
+    p.add_argument("--short-variants", default=None,
+                   help="--sm90-short's fwd_sm90_config overrides as a JSON list (default: "
+                        "SM90_SHORT), e.g. '[{}, {\"BLOCK_N\": 64}]'")
     p.add_argument("--dims", default="64,128,256")
     p.add_argument("--flex-budget", type=float, default=240.0)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -411,7 +414,8 @@ def main():
     if a.sweep3:
         sweep3(a.out)
     if a.sm90_short:
-        sweep3(a.out, seqs=(1024, 2048, 4096, 8192, 16384), variants=SM90_SHORT, tag="sm90_short",
+        variants = json.loads(a.short_variants) if a.short_variants else SM90_SHORT
+        sweep3(a.out, seqs=(1024, 2048, 4096, 8192, 16384), variants=variants, tag="sm90_short",
                option="fwd_sm90_config", d=a.short_dim)
     if a.best:
         with open(a.best) as f:

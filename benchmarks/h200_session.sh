@@ -56,6 +56,8 @@
 #                                                bench_varlen / bench_serving flag A/B
 #   bash benchmarks/h200_session.sh s34b       # then D = 256's varlen tests, D = 64 on the
 #                                                persistent varlen kernel: tests and A/B
+#   bash benchmarks/h200_session.sh s34c       # D = 64 few-item varlen / kvcache on it, the
+#                                                short D = 64 forward's tile variants
 #   bash benchmarks/h200_session.sh s32        # dense key splits on: the forward's GPU tests,
 #                                                memcheck, fl.attention on / off at 4 shapes
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
@@ -76,7 +78,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b s34c readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -387,6 +389,25 @@ if [ "$1" = s31 ]; then
     for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_s31_*.log | head
     timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
+    exit 0
+fi
+if [ "$1" = s34c ]; then
+    # D = 64's calls with fewer items than SMs on the persistent varlen kernel (no grid kernel
+    # there: fwd.py's ran them): the varlen tests at every head dim, kvcache and sync-free
+    # tests; the chunked prefill at D = 64; the short D = 64 forward's tile variants.
+    K=tests/kernels
+    timeout 240 python3 -m pytest -q $K/test_fwd.py $K/test_kvcache_kernels.py \
+        $K/test_sync_free.py -k "persistent_varlen or dense_key_splits or d64 \
+        or test_attention_with_kvcache" \
+        -p no:cacheprovider > "$OUT/test_s34c.log" 2>&1
+    tail -1 "$OUT/test_s34c.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s34c.log" | head
+    for args in "--shape 2,512,16384 --heads 16,4" "--shape 4,512,8192 --heads 32,8"; do
+        timeout 60 python3 benchmarks/bench_serving.py --dim 64 $args \
+            2>&1 | grep "serving prefill\|fl.attention\|contiguous"
+    done
+    timeout 200 python3 benchmarks/bench_fwd.py --sm90-short --short-dim 64 --out "$OUT" \
+        --short-variants '[{}, {"BLOCK_N": 64}, {"STAGES": 3}, {"BLOCK_N": 64, "STAGES": 3}]' \
+        2>&1 | grep "sm90_short"
     exit 0
 fi
 if [ "$1" = s34b ]; then

@@ -1600,7 +1600,8 @@ def _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens) -> bool:
     """Whether a packed varlen call takes the persistent varlen kernel: its config asks for
     it (and the overlapped schedule), there can be more items (row blocks x heads) than SMs
     (with at most one a program it would only add its list's launch to the grid kernel's
-    work), q, k, v and out are ``(total, H * D)`` matrices (heads adjacent), lse
+    work; where the config has no grid kernel, D = 64, the alternative is fwd.py's, and the
+    call stays here), q, k, v and out are ``(total, H * D)`` matrices (heads adjacent), lse
     ``(H, total_q)`` with rows contiguous, there is a key row, the row and item counts stay
     in int32, and Q and the ring fit in shared memory."""
     if not cfg.persistent_varlen or cfg.pingpong or not cfg.overlap:
@@ -1611,7 +1612,8 @@ def _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens) -> bool:
     items = _varlen_blocks(batch, total_q, lens["seqlen_q"]) * q.shape[-2]
     if items >= 2**31:
         return False
-    if items <= _sm_count(q.device) and _varlen_splits(items, lens, shared, q.device) == 1:
+    if (cfg.grid and items <= _sm_count(q.device)
+            and _varlen_splits(items, lens, shared, q.device) == 1):
         return False
     if _ring_bytes(q, shared, 1) > SMEM_BYTES:
         return False

@@ -679,6 +679,8 @@ def test_attn_fwd_sm90_tables_kept_within_their_budget(monkeypatch):
     pytest.param(dict(causal=True, splits=True), id="key_splits"),
     pytest.param(dict(window=(200, 0), used=[900, 300, 1000, 0, 64, 0, 3], sink=True,
                       splits=True), id="key_splits_window_seqused_sink"),
+    pytest.param(dict(causal=True, hq=2, hkv=1, used=[900, 300, 1000, 0, 64, 0, 3],
+                      few=True), id="fewer_items_than_sms_seqused"),
 ])
 def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d, case):
     """The persistent varlen forward (row blocks listed on the device) against the float64
@@ -687,7 +689,9 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
     sequences, a sequence with no key, GQA 4:1; and with the heads dealt in L2 sections
     of 8 and 4 (the L2 budget made two kv heads' K/V). ``splits``: key splits
     (VARLEN_SPLIT_KV) with 2000 "SMs" and a tile a split, so that the call
-    takes 8 splits (many of them empty for the short sequences), merged by merge_splits."""
+    takes 8 splits (many of them empty for the short sequences), merged by merge_splits.
+    ``few``: fewer items than SMs (a chunked prefill's shape): the grid kernel's where the
+    config has one, else (D = 64) still the persistent varlen kernel."""
     from flashlse.kernels import fwd_sm90
 
     kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
@@ -706,8 +710,14 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
         monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 2000)
         fwd_sm90._PLANS.clear()
         want = "8 splits"  # 25 row blocks (the bound) x 8 heads x 8 <= 2000; 11 key tiles
+    if case.pop("few", False) and configs.FWD_SM90[d].grid:
+        want = None  # 25 row blocks x 2 heads <= 132 SMs: the grid kernel
     _run_varlen(device, torch.bfloat16, lens_q, lens_k, hq, hkv, d, d, **case)
-    assert plans and all(p.signature[-1] == want for p in plans)
+    if want is None:
+        assert plans and all(p.run is not None and not isinstance(p.run, fwd_sm90._VarlenLaunch)
+                             for p in plans)
+    else:
+        assert plans and all(p.signature[-1] == want for p in plans)
 
 
 @pytest.mark.gpu
@@ -1164,6 +1174,10 @@ def test_attn_fwd_sm90_persistent_varlen_domain(monkeypatch):
     # At most one item an SM (8 blocks x 16 heads = 128, x 17 heads = 136): the grid kernel.
     assert not ok(q, k, seqlen_q=100)
     assert ok(empty(16384, 17, 128), empty(16384, 1, 128), seqlen_q=100)
+    # ... where the config has a grid kernel: D = 64's has none (fwd.py's would run).
+    assert ok(empty(16384, 16, 64), empty(16384, 4, 64), seqlen_q=100)
+    assert not ok(empty(16384, 16, 64), empty(16384, 4, 64), seqlen_q=100,
+                  override=dict(on, GRID=True))
     # Unless key splits split it (VARLEN_SPLIT_KV: at most half the SMs' items, at least
     # SPLIT_MIN_TILES key tiles a split): by default 32, so 8 tiles of keys stay whole ...
     monkeypatch.setattr(fwd_sm90, "VARLEN_SPLIT_KV", True)

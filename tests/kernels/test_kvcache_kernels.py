@@ -42,6 +42,10 @@ CASES = [
     # 128 rows or more: a paged cache is gathered for the dense kernel (ops/kvcache.py).
     pytest.param(1, 130, 2, 1, 32, 32, 160, [25], 3, dict(causal=True, sink=True),
                  id="long_chunk_gathered"),
+    # D = 64 on an H100 / H200: fewer row blocks x heads than SMs, on the persistent varlen
+    # kernel (D = 64 has no Hopper grid kernel), a cache of 3 keys among them.
+    pytest.param(2, 130, 4, 1, 64, 64, 300, [250, 3], 0, dict(causal=True, sink=True),
+                 id="d64_chunk_few_items"),
 ]
 
 
