@@ -58,6 +58,8 @@
 #                                                persistent varlen kernel: tests and A/B
 #   bash benchmarks/h200_session.sh s34c       # D = 64 few-item varlen / kvcache on it, the
 #                                                short D = 64 forward's tile variants
+#   bash benchmarks/h200_session.sh s34d       # the tests s34c's limit cut; D = 128 few-item
+#                                                chunked prefill, grid / persistent varlen
 #   bash benchmarks/h200_session.sh s32        # dense key splits on: the forward's GPU tests,
 #                                                memcheck, fl.attention on / off at 4 shapes
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
@@ -78,7 +80,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b s34c readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b s34c s34d readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -389,6 +391,20 @@ if [ "$1" = s31 ]; then
     for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_s31_*.log | head
     timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
+    exit 0
+fi
+if [ "$1" = s34d ]; then
+    # The tests s34c's limit cut (D = 64 bad data on the persistent varlen kernel, its LSE
+    # contract, the D = 64 chunked prefill, sync-free kvcache), then at D = 128 the chunked
+    # prefill with fewer items than SMs on the grid kernel against the persistent varlen one.
+    K=tests/kernels
+    timeout 200 python3 -m pytest -q $K/test_fwd.py $K/test_kvcache_kernels.py \
+        $K/test_sync_free.py -k "bad_data_stays or persistent_varlen_lse or empty_list \
+        or kept_list or (dense_key_splits and full) or d64_chunk or test_attention_with_kvcache" \
+        -p no:cacheprovider > "$OUT/test_s34d.log" 2>&1
+    tail -1 "$OUT/test_s34d.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s34d.log" | head
+    timeout 60 python3 benchmarks/bench_serving.py --dim 128 --shape 2,512,16384 --heads 16,4 \
+        --flag "configs.FWD_SM90[128].grid" 2>&1 | grep "serving prefill\|fl.attention\|contiguous"
     exit 0
 fi
 if [ "$1" = s34c ]; then
