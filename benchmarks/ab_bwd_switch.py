@@ -2,7 +2,7 @@
 module flag on and off, timed in turn (``_common.flag_ab_ms``), cuDNN's SDPA beside them.
 
     python benchmarks/ab_bwd_switch.py --flag bwd_sm90.HOST_DESC --seqs 1024,2048,4096,8192
-        [--deterministic] [--one-thread]
+        [--deterministic] [--one-thread] [--heads H] [--kv-heads HKV] [--dim D]
 
 B*S = 16k, H = 16, D = 128, bf16, causal and not. The flag is a module attribute of
 ``flashlse.kernels`` (read when a backward plans its launches, so the plans are dropped at
@@ -30,15 +30,21 @@ from _common import (  # noqa: E402
 
 
 def _row(flag: str, s: int, causal: bool, heads: int, dim: int,
-         deterministic: bool, threads: bool = True) -> tuple:
-    """Milliseconds of the flag on, off, and cuDNN's SDPA, at one shape."""
+         deterministic: bool, threads: bool = True, kv_heads: int = 0) -> tuple:
+    """Milliseconds of the flag on, off, and cuDNN's SDPA, at one shape (``kv_heads``: GQA,
+    cuDNN on K and V repeated to every query head: the same FLOPs)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     b = 16384 // s
-    q, k, v = (t.requires_grad_() for t in bf16_inputs(b, s, s, heads, dim))
+    q, k, v = bf16_inputs(b, s, s, heads, dim)
+    if kv_heads and kv_heads != heads:
+        k, v = (t[:, :, :kv_heads].contiguous() for t in (k, v))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
-    qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    group = heads // k.shape[2]
+    qh, kh, vh = (t.detach().repeat_interleave(group if t is not q else 1, dim=2)
+                  .transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     douth = dout.transpose(1, 2).contiguous()
 
     step = attention_step(q, k, v, dout, threads=threads, causal=causal,
@@ -57,6 +63,7 @@ def main() -> None:
     ap.add_argument("--flag", required=True, help="module.NAME in flashlse.kernels")
     ap.add_argument("--seqs", default="1024,2048,4096,8192")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=0, help="GQA: kv heads (default: --heads)")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--deterministic", action="store_true", help="the two-pass backward")
     ap.add_argument("--one-thread", action="store_true",
@@ -69,7 +76,8 @@ def main() -> None:
     for s in (int(x) for x in args.seqs.split(",")):
         for causal in (False, True):
             b, (t_on, t_off, t_cu) = _row(args.flag, s, causal, args.heads, args.dim,
-                                          args.deterministic, not args.one_thread)
+                                          args.deterministic, not args.one_thread,
+                                          args.kv_heads)
             flops = 3.5 * attn_flops(b, args.heads, s, s, args.dim, causal)
             tf = lambda ms, f=flops: f / ms / 1e9
             print(f"{s:>6} {str(causal):>6} {tf(t_on):8.1f} {tf(t_off):8.1f} "

@@ -60,6 +60,7 @@
 #                                                short D = 64 forward's tile variants
 #   bash benchmarks/h200_session.sh s34d       # the tests s34c's limit cut; D = 128 few-item
 #                                                chunked prefill, grid / persistent varlen
+#   bash benchmarks/h200_session.sh s34e       # bwd_sm90.LPT for GQA 4:1: tests and A/B
 #   bash benchmarks/h200_session.sh s32        # dense key splits on: the forward's GPU tests,
 #                                                memcheck, fl.attention on / off at 4 shapes
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
@@ -80,7 +81,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b s34c s34d readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b s34c s34d s34e readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -391,6 +392,17 @@ if [ "$1" = s31 ]; then
     for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_s31_*.log | head
     timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
+    exit 0
+fi
+if [ "$1" = s34e ]; then
+    # The dK/dV grid longest first (bwd_sm90.LPT, off) for GQA 4:1: its GPU tests, then its
+    # fwd+bwd A/B at 16 / 4 heads with cuDNN beside (K / V repeated: the same FLOPs).
+    K=tests/kernels
+    timeout 80 python3 -m pytest -q $K/test_bwd.py -k "lpt_order or host_descriptors" \
+        -p no:cacheprovider > "$OUT/test_s34e.log" 2>&1
+    tail -1 "$OUT/test_s34e.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s34e.log" | head
+    timeout 140 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT --heads 16 \
+        --kv-heads 4 --seqs 1024,2048,4096 2>&1 | tail -8
     exit 0
 fi
 if [ "$1" = s34d ]; then

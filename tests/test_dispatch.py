@@ -306,8 +306,10 @@ def test_dense_forward_key_splits_then_merge(kernels, monkeypatch):
 
 def test_forward_d64_takes_the_persistent_kernel_or_the_portable_one(kernels):
     """D = 64 (``FWD_SM90[64].grid`` off): the dense calls the persistent kernel takes run
-    it; varlen calls and layouts it refuses run fwd.py's kernel, never the Hopper grid
-    kernel (slower than fwd.py's there). ``GRID`` on brings the grid kernel back."""
+    it, packed varlen calls the persistent varlen kernel (its list, then the kernel), even
+    with fewer items than SMs; layouts neither takes run fwd.py's kernel, never the Hopper
+    grid kernel (slower than fwd.py's there). ``GRID`` on brings the grid kernel back for
+    the few-item varlen call, ``PERSISTENT_VARLEN`` off sends it to fwd.py's."""
     q, k, v, kw = _dense(sq=1024, sk=1024, d=64)
     dispatch.attn_fwd(q, k, v, **kw)
     assert kernels.names() == ["fwd_sm90_persistent"]
@@ -319,11 +321,15 @@ def test_forward_d64_takes_the_persistent_kernel_or_the_portable_one(kernels):
     kernels.log.clear()
     q, k, v, kw = _varlen(d=64)
     dispatch.attn_fwd(q, k, v, **kw)
-    assert kernels.names() == ["fwd"]
+    assert kernels.names() == ["varlen_blocks", "fwd_sm90_varlen"]
     kernels.log.clear()
     with kernel_options(fwd_sm90_config={"GRID": True}):
         dispatch.attn_fwd(q, k, v, **kw)
     assert kernels.names() == ["fwd_sm90"]
+    kernels.log.clear()
+    with kernel_options(fwd_sm90_config={"PERSISTENT_VARLEN": False}):
+        dispatch.attn_fwd(q, k, v, **kw)
+    assert kernels.names() == ["fwd"]
 
 
 @pytest.mark.parametrize("supported, on", [(False, True), (True, False)],
@@ -598,7 +604,7 @@ def test_backward_compile_failure_falls_back_per_pass(kernels):
     assert all(portable[n] is gluon[n] for n in gluon
                if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
                             "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ", "HOST_DESC",
-                            "ROLE_SPLIT", "P_F32"))
+                            "ROLE_SPLIT", "P_F32", "LPT"))
     assert portable["dk"] is dk and portable["HEAD_LOOP"] == bool(
         configs.BWD_DKDV[128].head_loop)
     assert [key[0] for key in FAILURES] == ["bwd_sm90 dK/dV"]

@@ -292,7 +292,7 @@ def cases():
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
                       STATS_TMA=True, CONSUMER_REGS=240, dq_acc=None,
                       stride_dqa=None, FUSED_DQ=False, HOST_DESC=False, ROLE_SPLIT=False,
-                      P_F32=True)
+                      P_F32=True, LPT=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
@@ -315,6 +315,12 @@ def cases():
                 dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3), \
                 {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
                  "FUSED_DQ": True, "HOST_DESC": True}, 4, 1
+            # The grid longest first (bwd_sm90.LPT), GQA's group of 4.
+            yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 G=4 {label} host desc LPT", \
+                bwd_sm90._dkdv_sm90_kernel, \
+                dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3), \
+                {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
+                 "FUSED_DQ": True, "HOST_DESC": True, "GROUP": 4, "LPT": True}, 4, 1
             # D = 256: the role split (one warpgroup P^T and dV, the other dP^T and dK).
             hd256 = host_descs(
                 bwd_sm90._dkdv_host_spec(torch.bfloat16, 256, configs.BWD_SM90_DKDV.block_m),

@@ -146,16 +146,44 @@ def _q_coord(at, i_g, m0, col):
     return [at[0] + i_g * at[1], m0, at[2] + i_g * at[3] + col]
 
 
+# Programs a section of the dense dK/dV grid's longest-first order (``LPT``): 256 key blocks
+# of 128 keys hold the Q and dO rows of 256 * 128 rows between them (16 MB at D = 128).
+LPT_PROGRAMS = gl.constexpr(256)
+
+
 @gluon.jit
-def _coord_bases(GROUP: gl.constexpr, D: gl.constexpr, HOST_DESC: gl.constexpr):
+def _block_ids(LPT: gl.constexpr):
+    """``(key block, kv head, batch)`` of this program; the grid is ``(key blocks, kv heads,
+    batch)`` and programs start in the order of their linear id. ``LPT``: the ids are dealt
+    in sections of about ``LPT_PROGRAMS`` programs, a few (batch, kv head) pairs each, and
+    within a section key block by key block, so that a causal call starts its longest
+    blocks (block 0 sees every row) first and ends on short ones, while the Q and dO rows
+    the programs in flight read stay one section's (in L2)."""
+    if LPT:
+        n_n = gl.num_programs(0)
+        n_h = gl.num_programs(1)
+        pid = gl.program_id(0) + n_n * (gl.program_id(1) + n_h * gl.program_id(2))
+        sec = gl.maximum(LPT_PROGRAMS // n_n, 1)  # (batch, kv head) pairs a section
+        i_s = pid // (sec * n_n)
+        r = pid - i_s * (sec * n_n)
+        width = gl.minimum(sec, n_h * gl.num_programs(2) - i_s * sec)  # the last is short
+        i_n = r // width
+        pair = i_s * sec + (r - i_n * width)
+        return i_n, pair % n_h, pair // n_h
+    else:
+        return gl.program_id(0), gl.program_id(1), gl.program_id(2)
+
+
+@gluon.jit
+def _coord_bases(GROUP: gl.constexpr, D: gl.constexpr, HOST_DESC: gl.constexpr,
+                 LPT: gl.constexpr):
     """The program's coordinate bases ``at``: Q's four for ``_q_coord``, the stats row of the
     group's first head, K's batch and column. Host descriptors (``(B, S, H * D)``, the stats
-    ``(B * H, S)``) take the batch and head from the program ids; a program's own
-    descriptors start at its sequence and group, so only the group's heads step (``(0, 1,
-    0, 0, ...)``)."""
+    ``(B * H, S)``) take the batch and head from the program's ids (``_block_ids``); a
+    program's own descriptors start at its sequence and group, so only the group's heads
+    step (``(0, 1, 0, 0, ...)``)."""
     if HOST_DESC:
-        i_b = gl.program_id(2)
-        i_hk = gl.program_id(1)
+        _, i_hk, i_b = _block_ids(LPT)
         return (i_b, 0, i_hk * (GROUP * D), D, i_b * (GROUP * gl.num_programs(1)) + i_hk * GROUP,
                 i_b, i_hk * D)
     else:
@@ -313,7 +341,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               EARLY_DP: gl.constexpr, STATS_TMA: gl.constexpr, FUSED_DQ: gl.constexpr,
-              HOST_DESC: gl.constexpr):
+              HOST_DESC: gl.constexpr, LPT: gl.constexpr):
     """One warpgroup: 64 keys against every (head, row block) that sees the key block.
 
     ``FUSED_DQ`` (``fused``: dS's shared buffers and their barriers, dQ's staging buffers and
@@ -335,7 +363,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
     # (The fused causal kernel: 64 bytes of stack on host descriptors, 16 on device ones,
     # sm_90 compile; it was faster all the same, RESULTS.md session 20.)
-    at = _coord_bases(GROUP, D, HOST_DESC)
+    at = _coord_bases(GROUP, D, HOST_DESC, LPT)
     # Made while the producer makes its own and loads K and V.
     dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, FUSED_DQ, HOST_DESC)
     k_t = k_smem.index(half).reshape([HALF_N, D])
@@ -473,7 +501,7 @@ def _p_dv_consumer(q_smem, do_smem, k_smem, lse_smem, p_smem, stores, kv_bar, fu
                    m_lo, m_full_lo, m_full_hi, m_hi, n_tiles,
                    GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   HOST_DESC: gl.constexpr):
+                   HOST_DESC: gl.constexpr, LPT: gl.constexpr):
     """``ROLE_SPLIT``'s first warpgroup, over the program's 64 keys: ``S^T = K Q^T``, the
     masked ``P^T`` (to the other warpgroup through ``p_smem``), ``dV += P^T dO``."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
@@ -485,7 +513,7 @@ def _p_dv_consumer(q_smem, do_smem, k_smem, lse_smem, p_smem, stores, kv_bar, fu
     col_arange = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dv = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
-    at = _coord_bases(GROUP, D, HOST_DESC)
+    at = _coord_bases(GROUP, D, HOST_DESC, LPT)
     dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, False, HOST_DESC)
     k_t = k_smem.index(0).reshape([HALF_N, D])
     mbarrier.wait(kv_bar, 0)
@@ -521,7 +549,7 @@ def _p_dv_consumer(q_smem, do_smem, k_smem, lse_smem, p_smem, stores, kv_bar, fu
 def _ds_dk_consumer(q_smem, do_smem, v_smem, dlt_smem, p_smem, stores, kv_bar, full, empty,
                     p_full, p_empty, n0, scale, n_tiles,
                     GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                    STAGES: gl.constexpr, HOST_DESC: gl.constexpr):
+                    STAGES: gl.constexpr, HOST_DESC: gl.constexpr, LPT: gl.constexpr):
     """``ROLE_SPLIT``'s second warpgroup: ``dP^T = V dO^T``, then with the first one's
     ``P^T``, ``dS^T = P^T (dP^T - delta)`` and ``dK += dS^T Q`` (masked keys and rows have
     ``P^T = 0`` there, so this side needs no mask)."""
@@ -532,7 +560,7 @@ def _ds_dk_consumer(q_smem, do_smem, v_smem, dlt_smem, p_smem, stores, kv_bar, f
     dtype: gl.constexpr = v_smem.dtype
     s_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=s_layout)
     dk = gl.zeros([HALF_N, D], gl.float32, layout=acc_layout)
-    at = _coord_bases(GROUP, D, HOST_DESC)
+    at = _coord_bases(GROUP, D, HOST_DESC, LPT)
     dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, False, HOST_DESC)
     v_t = v_smem.index(0).reshape([HALF_N, D])
     mbarrier.wait(kv_bar, 0)
@@ -577,16 +605,14 @@ def _dkdv_sm90_kernel(
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
     STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr = False,
     HOST_DESC: gl.constexpr = False, ROLE_SPLIT: gl.constexpr = False,
-    P_F32: gl.constexpr = True,
+    P_F32: gl.constexpr = True, LPT: gl.constexpr = False,
 ):
     # ROLE_SPLIT (D = 256): a 64-key block, one warpgroup's products P^T and dV, the other's
     # dP^T and dK (``_p_dv_consumer``, ``_ds_dk_consumer``), so each holds one [64, D]
     # float32 accumulator; P^T passes between them in shared memory (float32 with P_F32).
     KV_TILES: gl.constexpr = _kv_tiles(ROLE_SPLIT)
     BLOCK_N: gl.constexpr = _kv_tiles(ROLE_SPLIT) * HALF_N
-    i_n = gl.program_id(0)
-    i_hk = gl.program_id(1)
-    i_b = gl.program_id(2)
+    i_n, i_hk, i_b = _block_ids(LPT)
     bos, bos_k, T_q, T_k, i_n, n0, n_last, shift = _seq_block(
         i_b, i_n, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,
         seqused_k, BLOCK_N, True, False, IS_VARLEN, HAS_SEQUSED_K)
@@ -674,13 +700,13 @@ def _dkdv_sm90_kernel(
             (_p_dv_consumer, (q_smem, do_smem, k_smem, lse_smem, p_smem, stores, kv_bar, full,
                               empty, p_full, p_empty, n0, T_k, shift, left, right, scale_log2,
                               m_lo, m_full_lo, m_full_hi, m_hi, n_tiles, GROUP, D, BLOCK_M,
-                              STAGES, HAS_LEFT, HAS_RIGHT, HOST_DESC)),
+                              STAGES, HAS_LEFT, HAS_RIGHT, HOST_DESC, LPT)),
             (_ds_dk_consumer, (q_smem, do_smem, v_smem, dlt_smem, p_smem, stores, kv_bar,
                                full, empty, p_full, p_empty, n0, scale, n_tiles, GROUP, D,
-                               BLOCK_M, STAGES, HOST_DESC)),
+                               BLOCK_M, STAGES, HOST_DESC, LPT)),
             (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
                          full, empty, n0, m_lo, m_hi, n_tiles,
-                         _coord_bases(GROUP, D, HOST_DESC), GROUP, D, BLOCK_M, STAGES,
+                         _coord_bases(GROUP, D, HOST_DESC, LPT), GROUP, D, BLOCK_M, STAGES,
                          STATS_TMA, HOST_DESC, KV_TILES)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
@@ -689,15 +715,15 @@ def _dkdv_sm90_kernel(
                          full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
                          left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                          n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT)),
             (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
                          full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
                          left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                          n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC)),
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT)),
             (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
                          full, empty, n0, m_lo, m_hi, n_tiles,
-                         _coord_bases(GROUP, D, HOST_DESC), GROUP, D, BLOCK_M, STAGES,
+                         _coord_bases(GROUP, D, HOST_DESC, LPT), GROUP, D, BLOCK_M, STAGES,
                          STATS_TMA, HOST_DESC)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
@@ -757,7 +783,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
-                 P_F32=ROLE_P_F32, **fused)
+                 P_F32=ROLE_P_F32, LPT=host and _lpt(args), **fused)
     grid = (cdiv(p.seqlen_k, (1 if roles else 2) * HALF_N), p.hkv, p.batch)
     run = Launch(_dkdv_sm90_kernel, grid, *positional(
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
@@ -771,6 +797,21 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
 # memory before its first load. Session 20 (ncu's source page, causal S = 1k, B*S = 16k,
 # H = 16): that setup and the warps waiting on it held ~20% of the fused kernel's samples.
 HOST_DESC = True
+
+# Dense causal GQA dK/dV grids start their programs longest first, section by section
+# (``_block_ids``). With G query heads a kv head a program carries G x the tiles and the
+# grid G x fewer programs, so a long causal block started last costs G x more. RESULTS.md
+# 2026-12-04, session 34, call 5 (fwd+bwd on / off in turn, D = 128, B*S = 16k, 16 query
+# heads): 4 kv heads causal 1k 1.55x (213 -> 331 TFLOP/s, 0.98x cuDNN), 2k 1.10x, 4k 1.12x;
+# 8 kv heads 1k 1.01x, 4k 1.06x; 2 kv heads 2k 1.20x; non-causal 0.965-0.975x at every
+# group (the sections' L2 pattern), MHA causal 0.994-0.999x (session 22): causal (a right
+# bound, no left) GQA only.
+LPT = True
+
+
+def _lpt(args: dict) -> bool:
+    """Whether a dense dK/dV launch (``args``: the plan's keywords) takes ``LPT``'s order."""
+    return LPT and args["GROUP"] > 1 and args["HAS_RIGHT"] and not args["HAS_LEFT"]
 
 # The same for the Hopper dQ kernel (the deterministic path's second pass, and D = 256's
 # dQ; five descriptors a program were made on the device). Session 21 (public fwd+bwd,
