@@ -813,6 +813,7 @@ def _lpt(args: dict) -> bool:
     """Whether a dense dK/dV launch (``args``: the plan's keywords) takes ``LPT``'s order."""
     return LPT and args["GROUP"] > 1 and args["HAS_RIGHT"] and not args["HAS_LEFT"]
 
+
 # The same for the Hopper dQ kernel (the deterministic path's second pass, and D = 256's
 # dQ; five descriptors a program were made on the device). Session 21 (public fwd+bwd,
 # deterministic, B*S = 16k, H = 16): +6% at S = 1k, +10% causal.
