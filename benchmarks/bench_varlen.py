@@ -52,6 +52,8 @@ def main():
                     help="documents all of this length, against the dense kernel at S = it "
                          "(the varlen path's own cost, apart from the mix of lengths)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny, one call a row")
+    ap.add_argument("--kv-heads", type=int, default=0,
+                    help="GQA: kv heads for the 16 query heads (default 16: MHA)")
     ap.add_argument("--model", action="store_true",
                     help="also the dense forward at each document's length (B * L = the same "
                          "16k tokens): the varlen forward against that per-length model")
@@ -75,7 +77,8 @@ def main():
         lens = doc_lengths(total, lo, hi, args.seed)
     g = torch.Generator(device=dev).manual_seed(args.seed)
     mk = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=dt, requires_grad=True)
-    q, k, v = mk(total, h, d), mk(total, h, d), mk(total, h, d)
+    hkv = min(args.kv_heads or h, h)
+    q, k, v = mk(total, h, d), mk(total, hkv, d), mk(total, hkv, d)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     dout = torch.randn(total, h, d, generator=g, device=dev, dtype=dt)
     fwd_flops = sum(2 * n * n * h * d for n in lens)
@@ -86,7 +89,7 @@ def main():
         vl().backward(dout)
 
     b = total // dense_s
-    qd, kd, vd = (mk(b, dense_s, h, d) for _ in range(3))
+    qd, kd, vd = mk(b, dense_s, h, d), mk(b, dense_s, hkv, d), mk(b, dense_s, hkv, d)
     dout_d = torch.randn(b, dense_s, h, d, generator=g, device=dev, dtype=dt)
     dense_flops = b * 2 * dense_s * dense_s * h * d
     dn = lambda: fl.attention(qd, kd, vd, causal=True)
@@ -104,7 +107,7 @@ def main():
     tf = lambda flops, ms: flops / ms / 1e9
     name = "cpu (smoke)" if smoke else torch.cuda.get_device_name()
     print(f"\npacked varlen: {name} torch {torch.__version__}; {len(lens)} causal documents of "
-          f"{min(lens)}-{max(lens)} tokens ({total} in all), H={h} D={d}, seed {args.seed}")
+          f"{min(lens)}-{max(lens)} tokens ({total} in all), H={h}/{hkv} D={d}, seed {args.seed}")
     print(f"{'call':<44} {'fwd ms':>8} {'TFLOP/s':>8} {'bwd ms':>8} {'TFLOP/s':>8}")
     print(f"{'attention_varlen (packed documents)':<44} {t_vl:8.3f} {tf(fwd_flops, t_vl):8.1f} "
           f"{b_vl:8.3f} {tf(2.5 * fwd_flops, b_vl):8.1f}")

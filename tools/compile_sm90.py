@@ -296,6 +296,13 @@ def cases():
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
+        if f["IS_VARLEN"]:
+            # The grid longest first on per-program descriptors (bwd_sm90.LPT_VARLEN), G = 4.
+            yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 G=4 {label} LPT", \
+                bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, dq_acc=F32,
+                                                 stride_dqa=("i32",) * 3), \
+                {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
+                 "FUSED_DQ": True, "GROUP": 4, "LPT": True}, 4, 1
         # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label}", \
             bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, dq_acc=F32, stride_dqa=("i32",) * 3), \

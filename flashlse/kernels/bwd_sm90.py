@@ -783,7 +783,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
-                 P_F32=ROLE_P_F32, LPT=host and _lpt(args), **fused)
+                 P_F32=ROLE_P_F32, LPT=_lpt(args) and (host or LPT_VARLEN), **fused)
     grid = (cdiv(p.seqlen_k, (1 if roles else 2) * HALF_N), p.hkv, p.batch)
     run = Launch(_dkdv_sm90_kernel, grid, *positional(
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
@@ -809,8 +809,14 @@ HOST_DESC = True
 LPT = True
 
 
+# The same order on per-program descriptors (packed varlen GQA; the block ids permute any
+# grid): not measured yet, off (next: bench_varlen --kv-heads 4 --flag bwd_sm90.LPT_VARLEN).
+LPT_VARLEN = False
+
+
 def _lpt(args: dict) -> bool:
-    """Whether a dense dK/dV launch (``args``: the plan's keywords) takes ``LPT``'s order."""
+    """Whether a dK/dV launch (``args``: the plan's keywords) is one ``LPT``'s order pays
+    for: causal GQA."""
     return LPT and args["GROUP"] > 1 and args["HAS_RIGHT"] and not args["HAS_LEFT"]
 
 

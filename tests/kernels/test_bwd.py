@@ -691,13 +691,18 @@ def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("path", ["sm90", "tl"])
+@pytest.mark.parametrize("path", ["sm90", "tl", "sm90_lpt"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_attn_bwd_gpu_sm90_varlen(device, kernel_opts, monkeypatch, causal, d, path):
     # D = 256: the dK/dV kernel's role split, on per-program descriptors (varlen).
-    kernel_opts(sm90_dkdv=path == "sm90")
-    kernel_opts(sm90_dq=path == "sm90")
+    # sm90_lpt: the grid longest first on them too (bwd_sm90.LPT_VARLEN; causal GQA).
+    from flashlse.kernels import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "LPT_VARLEN", path == "sm90_lpt")
+    bwd._BWD_PLANS.clear()
+    kernel_opts(sm90_dkdv=path != "tl")
+    kernel_opts(sm90_dq=path != "tl")
     _run_varlen(device, torch.bfloat16, [300, 0, 600, 1, 129], [400, 300, 600, 0, 129],
                 8, 2, d, d, causal=causal, used=[400, 300, 500, 0, 64], sink=True)
 
