@@ -805,7 +805,7 @@ HOST_DESC = True
 # heads): 4 kv heads causal 1k 1.55x (213 -> 331 TFLOP/s, 0.98x cuDNN), 2k 1.10x, 4k 1.12x;
 # 8 kv heads 1k 1.01x, 4k 1.06x; 2 kv heads 2k 1.20x; non-causal 0.965-0.975x at every
 # group (the sections' L2 pattern), MHA causal 0.994-0.999x (session 22): causal (a right
-# bound, no left) GQA only.
+# bound, no left) GQA only, at D = 128 until D = 64 / 256 are measured.
 LPT = True
 
 
@@ -816,8 +816,10 @@ LPT_VARLEN = False
 
 def _lpt(args: dict) -> bool:
     """Whether a dK/dV launch (``args``: the plan's keywords) is one ``LPT``'s order pays
-    for: causal GQA."""
-    return LPT and args["GROUP"] > 1 and args["HAS_RIGHT"] and not args["HAS_LEFT"]
+    for: causal GQA, at D = 128 (the head dim measured and GPU-tested; D = 64 and the
+    D = 256 role split compile with it, not yet run)."""
+    return (LPT and args["GROUP"] > 1 and args["HAS_RIGHT"] and not args["HAS_LEFT"]
+            and args["D"] == 128)
 
 
 # The same for the Hopper dQ kernel (the deterministic path's second pass, and D = 256's

@@ -478,16 +478,18 @@ def test_attn_bwd_varlen_neg_inf_sink_is_no_sink(device, deterministic, wide):
 
 def test_attn_bwd_sm90_lpt_rule(monkeypatch):
     """The longest-first dK/dV order (``bwd_sm90.LPT``) is taken by causal GQA calls only (a
-    right bound and no left one, more query heads than kv heads): measured to pay there and
-    to cost 2.5-3.5% on non-causal calls (no metadata beyond the plan's keywords needed)."""
+    right bound and no left one, more query heads than kv heads) at D = 128: measured to pay
+    there and to cost 2.5-3.5% on non-causal calls (no metadata beyond the plan's keywords
+    needed)."""
     from flashlse.kernels import bwd_sm90
 
-    rule = lambda group, left, right: bwd_sm90._lpt(dict(GROUP=group, HAS_LEFT=left,
-                                                         HAS_RIGHT=right))
+    rule = lambda group, left, right, d=128: bwd_sm90._lpt(dict(
+        GROUP=group, HAS_LEFT=left, HAS_RIGHT=right, D=d))
     assert rule(4, False, True) and rule(2, False, True)
     assert not rule(1, False, True)  # MHA
     assert not rule(4, False, False)  # non-causal
     assert not rule(4, True, True)  # a window with both bounds
+    assert not rule(4, False, True, d=64) and not rule(4, False, True, d=256)  # not measured
     monkeypatch.setattr(bwd_sm90, "LPT", False)
     assert not rule(4, False, True)
 
