@@ -476,6 +476,39 @@ def test_attn_bwd_varlen_neg_inf_sink_is_no_sink(device, deterministic, wide):
     assert torch.equal(s.grad, torch.zeros_like(s.grad))
 
 
+def _lpt_ids(pid, n_n, n_h, n_b, programs=256):
+    """``bwd_sm90._block_ids``'s LPT arithmetic in Python (Gluon does not run on the CPU):
+    ``(key block, kv head, batch)`` of the program with linear id ``pid``."""
+    sec = max(programs // n_n, 1)
+    i_s, r = divmod(pid, sec * n_n)
+    width = min(sec, n_h * n_b - i_s * sec)
+    i_n = r // width
+    pair = i_s * sec + (r - i_n * width)
+    return i_n, pair % n_h, pair // n_h
+
+
+@pytest.mark.parametrize("n_n,n_h,n_b", [(1, 1, 1), (4, 2, 40), (8, 4, 16), (64, 4, 2),
+                                         (300, 1, 1), (3, 5, 7), (256, 16, 1), (7, 3, 100)])
+def test_attn_bwd_sm90_lpt_order_is_a_permutation(n_n, n_h, n_b):
+    """The longest-first order (a model of ``_block_ids``'s arithmetic, checked on the GPU by
+    ``test_attn_bwd_gpu_sm90_lpt_order_covers_every_block``) deals every (key block, kv
+    head, batch) exactly once, grids from one program to more key blocks than a section,
+    and a short last section; within a section the key blocks go in order (block 0, the
+    longest of a causal call, first) and each section's programs cover whole pairs."""
+    from flashlse.kernels import bwd_sm90
+
+    programs = int(getattr(bwd_sm90.LPT_PROGRAMS, "value", bwd_sm90.LPT_PROGRAMS))
+    ids = [_lpt_ids(p, n_n, n_h, n_b, programs) for p in range(n_n * n_h * n_b)]
+    assert sorted(ids) == [(i, h, b) for i in range(n_n) for h in range(n_h)
+                           for b in range(n_b)]
+    sec = max(programs // n_n, 1) * n_n
+    for start in range(0, len(ids), sec):
+        blocks = [i for i, _, _ in ids[start:start + sec]]
+        assert blocks == sorted(blocks)
+        pairs = {(h, b) for _, h, b in ids[start:start + sec]}
+        assert len(pairs) * n_n == len(blocks)
+
+
 def test_attn_bwd_sm90_lpt_rule(monkeypatch):
     """The longest-first dK/dV order (``bwd_sm90.LPT``) is taken by causal GQA calls only (a
     right bound and no left one, more query heads than kv heads) at D = 128: measured to pay
