@@ -61,6 +61,8 @@
 #   bash benchmarks/h200_session.sh s34d       # the tests s34c's limit cut; D = 128 few-item
 #                                                chunked prefill, grid / persistent varlen
 #   bash benchmarks/h200_session.sh s34e       # bwd_sm90.LPT for GQA 4:1: tests and A/B
+#   bash benchmarks/h200_session.sh s35        # next: LPT_VARLEN / LPT_WIDE tests and A/B,
+#                                                causal GQA beside MHA
 #   bash benchmarks/h200_session.sh s32        # dense key splits on: the forward's GPU tests,
 #                                                memcheck, fl.attention on / off at 4 shapes
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
@@ -81,7 +83,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b s34c s34d s34e readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b s34c s34d s34e s35 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -392,6 +394,29 @@ if [ "$1" = s31 ]; then
     for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_s31_*.log | head
     timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
+    exit 0
+fi
+if [ "$1" = s35 ]; then
+    # Session 35's first call (planned in NOTES.md, session 34): the longest-first dK/dV order
+    # where it is written but not run (LPT_VARLEN: packed varlen; LPT_WIDE: D = 64 and the
+    # D = 256 role split): their GPU tests, then each flag on / off in turn, and causal GQA
+    # beside MHA at the same FLOPs (issue 22's "GQA within 5%").
+    K=tests/kernels
+    timeout 150 python3 -m pytest -q $K/test_bwd.py -k "lpt or (sm90_varlen and not bad_data)" \
+        -p no:cacheprovider > "$OUT/test_s35.log" 2>&1
+    tail -1 "$OUT/test_s35.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s35.log" | head
+    for extra in "" "--doc-len 1024"; do
+        timeout 60 python3 benchmarks/bench_varlen.py --kv-heads 4 --flag bwd_sm90.LPT_VARLEN \
+            $extra 2>&1 | grep "LPT_VARLEN\|packed varlen"
+    done
+    timeout 100 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT_WIDE --dim 64 \
+        --heads 32 --kv-heads 8 --seqs 1024,2048,4096 2>&1 | tail -7
+    timeout 100 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT_WIDE --dim 256 \
+        --heads 8 --kv-heads 2 --seqs 1024,2048,4096 2>&1 | tail -7
+    for kv in 16 4; do
+        timeout 80 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT --kv-heads $kv \
+            --seqs 1024,2048,4096 2>&1 | tail -7
+    done
     exit 0
 fi
 if [ "$1" = s34e ]; then

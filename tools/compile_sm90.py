@@ -336,6 +336,12 @@ def cases():
             yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=256 {label} roles host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd256), \
                 dict(consts, D=256, HOST_DESC=True, ROLE_SPLIT=True), 4, 1
+            if label == "causal":
+                # The longest-first order on the role split (bwd_sm90.LPT_WIDE), G = 4.
+                yield "dkdv", "bwd dK/dV sm90 (Gluon) D=256 G=4 causal roles host desc LPT", \
+                    bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd256), \
+                    dict(consts, D=256, GROUP=4, HOST_DESC=True, ROLE_SPLIT=True, LPT=True), \
+                    4, 1
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=256 {label} roles", \
             bwd_sm90._dkdv_sm90_kernel, sm90_bwd, dict(consts, D=256, ROLE_SPLIT=True), 4, 1
         if label == "causal":

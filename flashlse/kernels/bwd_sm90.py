@@ -810,16 +810,19 @@ LPT = True
 
 
 # The same order on per-program descriptors (packed varlen GQA; the block ids permute any
-# grid): not measured yet, off (next: bench_varlen --kv-heads 4 --flag bwd_sm90.LPT_VARLEN).
+# grid), and at D = 64 and on D = 256's role split (both compile with it): not measured
+# yet, off (next: bench_varlen --kv-heads 4 --flag bwd_sm90.LPT_VARLEN, ab_bwd_switch
+# --flag bwd_sm90.LPT_WIDE --dim 64 / 256 --kv-heads ...).
 LPT_VARLEN = False
+LPT_WIDE = False
 
 
 def _lpt(args: dict) -> bool:
     """Whether a dK/dV launch (``args``: the plan's keywords) is one ``LPT``'s order pays
-    for: causal GQA, at D = 128 (the head dim measured and GPU-tested; D = 64 and the
-    D = 256 role split compile with it, not yet run)."""
+    for: causal GQA, at D = 128 (the head dim measured and GPU-tested) or with
+    ``LPT_WIDE`` at any."""
     return (LPT and args["GROUP"] > 1 and args["HAS_RIGHT"] and not args["HAS_LEFT"]
-            and args["D"] == 128)
+            and (args["D"] == 128 or LPT_WIDE))
 
 
 # The same for the Hopper dQ kernel (the deterministic path's second pass, and D = 256's

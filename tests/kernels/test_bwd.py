@@ -523,25 +523,30 @@ def test_attn_bwd_sm90_lpt_rule(monkeypatch):
     assert not rule(4, False, False)  # non-causal
     assert not rule(4, True, True)  # a window with both bounds
     assert not rule(4, False, True, d=64) and not rule(4, False, True, d=256)  # not measured
+    monkeypatch.setattr(bwd_sm90, "LPT_WIDE", True)
+    assert rule(4, False, True, d=64) and rule(4, False, True, d=256)
     monkeypatch.setattr(bwd_sm90, "LPT", False)
     assert not rule(4, False, True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64_wide", "d128", "d256_roles_wide"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two_pass", "fused"])
-def test_attn_bwd_gpu_sm90_lpt_order_covers_every_block(monkeypatch, deterministic):
+def test_attn_bwd_gpu_sm90_lpt_order_covers_every_block(monkeypatch, deterministic, d):
     """The dK/dV grid in longest-first sections (``bwd_sm90.LPT``: causal GQA) over several
     sections and a short last one (80 (batch, kv head) pairs of 4 key blocks: sections of
     64 pairs), GQA 2:1: the two-pass gradients equal the grid order's bit for bit, the
     fused pass's (dQ by float32 reduce-adds, in any order) the float64 reference's within
     bf16 tolerance as the grid order's do; outputs start NaN-poisoned, so a block no
-    program took shows."""
+    program took shows. D = 64 and 256 (the role split's 64-key programs) with
+    ``LPT_WIDE``."""
     from flashlse import kernel_options
     from flashlse.kernels import bwd_sm90
 
+    monkeypatch.setattr(bwd_sm90, "LPT_WIDE", d != 128)
     g = torch.Generator().manual_seed(62)
-    b, s, hq, hkv, d = 40, 400, 4, 2, 128
+    b, s, hq, hkv = 40, 400, 4, 2
     q, dout = (torch.randn(b, s, hq, d, generator=g).to("cuda", torch.bfloat16)
                for _ in range(2))
     k, v = (torch.randn(b, s, hkv, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
