@@ -417,6 +417,10 @@ if [ "$1" = s35 ]; then
         timeout 80 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT --kv-heads $kv \
             --seqs 1024,2048,4096 2>&1 | tail -7
     done
+    # The D = 64 chunk at 0.83x its dense call: the grid kernel (GRID on) against the
+    # persistent varlen one on it, as call 4 of session 34 did at D = 128 (level there).
+    timeout 60 python3 benchmarks/bench_serving.py --dim 64 --shape 2,512,16384 --heads 16,4 \
+        --flag "configs.FWD_SM90[64].grid" 2>&1 | grep "serving prefill\|fl.attention\|contiguous"
     exit 0
 fi
 if [ "$1" = s34e ]; then
