@@ -45,26 +45,8 @@
 #   bash benchmarks/h200_session.sh split-kv   # key splits for few-item forwards
 #                                                (fwd_sm90.PAGED_SPLIT_KV / VARLEN_SPLIT_KV):
 #                                                GPU tests, memcheck, bench_serving A/B
-#   bash benchmarks/h200_session.sh s31        # session 31's changes not yet run on a GPU:
-#                                                their GPU tests (the merge's pair kernel,
-#                                                the kept launches, the paged chunks, the
-#                                                dense split experiment), bench_merge
-#   bash benchmarks/h200_session.sh s31b       # then bench_overhead (merge, varlen, sparse,
-#                                                paged), the split rows, the dense A/B
-#   bash benchmarks/h200_session.sh s34        # D = 256 on the persistent varlen kernel:
-#                                                forward tests, session 33's backward tests,
-#                                                bench_varlen / bench_serving flag A/B
-#   bash benchmarks/h200_session.sh s34b       # then D = 256's varlen tests, D = 64 on the
-#                                                persistent varlen kernel: tests and A/B
-#   bash benchmarks/h200_session.sh s34c       # D = 64 few-item varlen / kvcache on it, the
-#                                                short D = 64 forward's tile variants
-#   bash benchmarks/h200_session.sh s34d       # the tests s34c's limit cut; D = 128 few-item
-#                                                chunked prefill, grid / persistent varlen
-#   bash benchmarks/h200_session.sh s34e       # bwd_sm90.LPT for GQA 4:1: tests and A/B
 #   bash benchmarks/h200_session.sh s35        # next: LPT_VARLEN / LPT_WIDE tests and A/B,
 #                                                causal GQA beside MHA
-#   bash benchmarks/h200_session.sh s32        # dense key splits on: the forward's GPU tests,
-#                                                memcheck, fl.attention on / off at 4 shapes
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -83,7 +65,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s31 s31b s32 s34 s34b s34c s34d s34e s35 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s35 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -376,26 +358,6 @@ if [ "$1" = split-kv ]; then
         --shape 1,512,65536 --heads 8,2 2>&1 | grep "contiguous" | cut -c1-120
     exit 0
 fi
-if [ "$1" = s31 ]; then
-    # NOTES session 31: fl.merge's pair kernel (PAIR) and kept plan, the merge pivot in
-    # natural units (the decode's combine too), attention_varlen's kept launch: their GPU
-    # tests (sync-debug and CUDA graphs among them), then the public figures.
-    K=tests/kernels
-    timeout 240 python3 -m pytest -q $K/test_combine.py $K/test_sync_free.py \
-        $K/test_cuda_graphs.py $K/test_sparse_kernels.py $K/test_compile_kernels.py \
-        -p no:cacheprovider \
-        > "$OUT/test_s31_a.log" 2>&1 &
-    # (attention_with_kvcache's paged chunks no longer launch the portable kernel: min_seqlen_q)
-    timeout 240 python3 -m pytest -q $K/test_fwd_paged_sm90.py $K/test_kvcache_kernels.py \
-        -k "kvcache or prefill" -p no:cacheprovider > "$OUT/test_s31_c.log" 2>&1 &
-    timeout 240 python3 -m pytest -q $K/test_decode.py $K/test_fwd.py \
-        -k "kept or decode or dense_key_splits" -p no:cacheprovider > "$OUT/test_s31_b.log" 2>&1 &
-    wait
-    for f in "$OUT"/test_s31_*.log; do echo "$f: $(tail -1 "$f")"; done
-    grep -h "^FAILED" "$OUT"/test_s31_*.log | head
-    timeout 150 python3 benchmarks/bench_merge.py --out "$OUT" 2>&1 | tail -10
-    exit 0
-fi
 if [ "$1" = s35 ]; then
     # Session 35's first call (planned in NOTES.md, session 34): the longest-first dK/dV order
     # where it is written but not run (LPT_VARLEN: packed varlen; LPT_WIDE: D = 64 and the
@@ -421,136 +383,6 @@ if [ "$1" = s35 ]; then
     # persistent varlen one on it, as call 4 of session 34 did at D = 128 (level there).
     timeout 60 python3 benchmarks/bench_serving.py --dim 64 --shape 2,512,16384 --heads 16,4 \
         --flag "configs.FWD_SM90[64].grid" 2>&1 | grep "serving prefill\|fl.attention\|contiguous"
-    exit 0
-fi
-if [ "$1" = s34e ]; then
-    # The dK/dV grid longest first (bwd_sm90.LPT, off) for GQA 4:1: its GPU tests, then its
-    # fwd+bwd A/B at 16 / 4 heads with cuDNN beside (K / V repeated: the same FLOPs).
-    K=tests/kernels
-    timeout 80 python3 -m pytest -q $K/test_bwd.py -k "lpt_order or host_descriptors" \
-        -p no:cacheprovider > "$OUT/test_s34e.log" 2>&1
-    tail -1 "$OUT/test_s34e.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s34e.log" | head
-    timeout 140 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT --heads 16 \
-        --kv-heads 4 --seqs 1024,2048,4096 2>&1 | tail -8
-    exit 0
-fi
-if [ "$1" = s34d ]; then
-    # The tests s34c's limit cut (D = 64 bad data on the persistent varlen kernel, its LSE
-    # contract, the D = 64 chunked prefill, sync-free kvcache), then at D = 128 the chunked
-    # prefill with fewer items than SMs on the grid kernel against the persistent varlen one.
-    K=tests/kernels
-    timeout 200 python3 -m pytest -q $K/test_fwd.py $K/test_kvcache_kernels.py \
-        $K/test_sync_free.py -k "bad_data_stays or persistent_varlen_lse or empty_list \
-        or kept_list or (dense_key_splits and full) or d64_chunk or test_attention_with_kvcache" \
-        -p no:cacheprovider > "$OUT/test_s34d.log" 2>&1
-    tail -1 "$OUT/test_s34d.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s34d.log" | head
-    timeout 60 python3 benchmarks/bench_serving.py --dim 128 --shape 2,512,16384 --heads 16,4 \
-        --flag "configs.FWD_SM90[128].grid" 2>&1 | grep "serving prefill\|fl.attention\|contiguous"
-    exit 0
-fi
-if [ "$1" = s34c ]; then
-    # D = 64's calls with fewer items than SMs on the persistent varlen kernel (no grid kernel
-    # there: fwd.py's ran them): the varlen tests at every head dim, kvcache and sync-free
-    # tests; the chunked prefill at D = 64; the short D = 64 forward's tile variants.
-    K=tests/kernels
-    timeout 240 python3 -m pytest -q $K/test_fwd.py $K/test_kvcache_kernels.py \
-        $K/test_sync_free.py -k "persistent_varlen or dense_key_splits or d64 \
-        or test_attention_with_kvcache" \
-        -p no:cacheprovider > "$OUT/test_s34c.log" 2>&1
-    tail -1 "$OUT/test_s34c.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s34c.log" | head
-    for args in "--shape 2,512,16384 --heads 16,4" "--shape 4,512,8192 --heads 32,8"; do
-        timeout 60 python3 benchmarks/bench_serving.py --dim 64 $args \
-            2>&1 | grep "serving prefill\|fl.attention\|contiguous"
-    done
-    timeout 200 python3 benchmarks/bench_fwd.py --sm90-short --short-dim 64 --out "$OUT" \
-        --short-variants '[{}, {"BLOCK_N": 64}, {"STAGES": 3}, {"BLOCK_N": 64, "STAGES": 3}]' \
-        2>&1 | grep "sm90_short"
-    exit 0
-fi
-if [ "$1" = s34b ]; then
-    # D = 256's tests of the persistent varlen kernel (cut by s34's limit), D = 64 on it
-    # (configs.FWD_SM90[64].persistent_varlen, on in this tree): its tests and the A/B.
-    K=tests/kernels
-    timeout 300 python3 -m pytest -q $K/test_fwd.py -k "256 or (d64 and (varlen or \
-        dense_key_splits))" -p no:cacheprovider > "$OUT/test_s34b.log" 2>&1
-    tail -1 "$OUT/test_s34b.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s34b.log" | head
-    for extra in "" "--doc-len 4096" "--doc-len 1024"; do
-        timeout 60 python3 benchmarks/bench_varlen.py --dim 64 $extra 2>&1 | tail -5
-    done
-    F="configs.FWD_SM90[64].persistent_varlen"
-    for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,1024,32768 --heads 8,2" \
-            "--shape 2,512,16384 --heads 16,4"; do
-        timeout 60 python3 benchmarks/bench_serving.py --dim 64 --flag "$F" $args \
-            2>&1 | grep "serving prefill\|fl.attention\|contiguous"
-    done
-    exit 0
-fi
-if [ "$1" = s34 ]; then
-    # Session 34's first call: D = 256 on the persistent varlen kernel (configs.FWD_SM90[256]
-    # .persistent_varlen, on in this tree): the forward's GPU tests, the backward tests session
-    # 33 left un-run (D = 256 -inf sink / direct launch, the options capture), sync-free and
-    # graph tests, memcheck of the D = 256 dense split, then the flag on / off in turn.
-    K=tests/kernels
-    timeout 320 python3 -m pytest -q $K/test_fwd.py -p no:cacheprovider \
-        > "$OUT/test_s34_a.log" 2>&1 &
-    timeout 320 python3 -m pytest -q $K/test_bwd.py $K/test_sync_free.py $K/test_cuda_graphs.py \
-        $K/test_launch_plans.py -k "neg_inf_sink or direct_launch or forwards_kernel_options \
-        or sync or graph or plan" -p no:cacheprovider > "$OUT/test_s34_b.log" 2>&1 &
-    wait
-    for f in "$OUT"/test_s34_*.log; do echo "$f: $(tail -1 "$f")"; done
-    grep -h "^FAILED\|^ERROR" "$OUT"/test_s34_*.log | head
-    timeout 90 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -q \
-        $K/test_fwd.py -k "dense_key_splits and d256 and (gqa_sink or window)" \
-        -p no:cacheprovider 2>&1 | grep -E "ERROR SUMMARY|passed|failed" | tail -3
-    F="configs.FWD_SM90[256].persistent_varlen"
-    for extra in "" "--doc-len 4096"; do
-        timeout 60 python3 benchmarks/bench_varlen.py --dim 256 $extra 2>&1 | tail -5
-    done
-    for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,1024,32768 --heads 8,2" \
-            "--shape 2,512,16384 --heads 16,4" "--shape 4,512,8192 --heads 16,4"; do
-        timeout 60 python3 benchmarks/bench_serving.py --dim 256 --flag "$F" $args \
-            2>&1 | grep "serving prefill\|fl.attention\|contiguous"
-    done
-    exit 0
-fi
-if [ "$1" = s32 ]; then
-    # Dense key splits on (DENSE_SPLIT_KV): the Hopper forward's GPU tests in three shards,
-    # the sync-free and graph tests, memcheck of the split test, then the public calls with
-    # the flag on / off in turn at shapes that split 2-16 ways and one that does not.
-    K=tests/kernels
-    timeout 300 python3 -m pytest -q $K/test_fwd.py -k "(sm90 or gpu) and not varlen" \
-        -p no:cacheprovider > "$OUT/test_s32_a.log" 2>&1 &
-    timeout 300 python3 -m pytest -q $K/test_fwd.py -k "varlen or split or kvcache" \
-        -p no:cacheprovider > "$OUT/test_s32_b.log" 2>&1 &
-    timeout 300 python3 -m pytest -q $K/test_sync_free.py $K/test_cuda_graphs.py \
-        $K/test_compile_kernels.py $K/test_bwd.py -k "sync or graph or compile or sm90" \
-        -p no:cacheprovider > "$OUT/test_s32_c.log" 2>&1 &
-    wait
-    for f in "$OUT"/test_s32_*.log; do echo "$f: $(tail -1 "$f")"; done
-    grep -h "^FAILED" "$OUT"/test_s32_*.log | head
-    timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -q \
-        $K/test_fwd.py -k "dense_key_splits and d128 and (gqa_sink or window)" \
-        -p no:cacheprovider 2>&1 | grep -E "ERROR SUMMARY|passed|failed" | tail -3
-    for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,128,8192 --heads 8,2" \
-            "--shape 1,1024,32768 --heads 8,2" "--shape 2,512,16384 --heads 16,4"; do
-        timeout 60 python3 benchmarks/bench_serving.py --flag fwd_sm90.DENSE_SPLIT_KV $args \
-            2>&1 | grep "serving prefill\|fl.attention, the dense"
-    done
-    exit 0
-fi
-if [ "$1" = s31b ]; then
-    # Session 31's public figures (after `s31`'s tests: one call each stays under 600 s).
-    timeout 150 python3 benchmarks/bench_overhead.py --functions merge,varlen,sparse,paged \
-        --out "$OUT" 2>&1 | tail -10
-    # The split rows, flags on: the 64k chunk at 8 / 2 heads (4 splits), and 128 rows on 4k
-    # (no split since SPLIT_MIN_TILES = 32: on and off should read alike).
-    for args in "--shape 1,512,65536 --heads 8,2" "--shape 1,128,4096 --heads 8,2"; do
-        timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.PAGED_SPLIT_KV $args \
-            2>&1 | grep "serving prefill\|paged [0-9]* (\|contiguous\|dense kernel"
-    done
-    # The dense experiment (DENSE_SPLIT_KV, off): fl.attention on the 64k chunk at 8 / 2 heads.
-    timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.DENSE_SPLIT_KV \
-        --shape 1,512,65536 --heads 8,2 2>&1 | grep "fl.attention"
     exit 0
 fi
 if [ "$1" = paged-next ]; then
