@@ -294,20 +294,18 @@ def cases():
                       stride_dqa=None, FUSED_DQ=False, HOST_DESC=False, ROLE_SPLIT=False,
                       P_F32=True, LPT=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
+        # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
+        fused = {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
+                 "FUSED_DQ": True}
+        fused_types = dict(sm90_bwd, dq_acc=F32, stride_dqa=("i32",) * 3)
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
         if f["IS_VARLEN"]:
             # The grid longest first on per-program descriptors (bwd_sm90.LPT_VARLEN), G = 4.
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 G=4 {label} LPT", \
-                bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, dq_acc=F32,
-                                                 stride_dqa=("i32",) * 3), \
-                {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
-                 "FUSED_DQ": True, "GROUP": 4, "LPT": True}, 4, 1
-        # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
+                bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, GROUP=4, LPT=True), 4, 1
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label}", \
-            bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, dq_acc=F32, stride_dqa=("i32",) * 3), \
-            {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
-             "FUSED_DQ": True}, 4, 1
+            bwd_sm90._dkdv_sm90_kernel, fused_types, fused, 4, 1
         if not f["IS_VARLEN"]:
             # Dense calls: descriptors made on the host (HOST_DESC), two-pass and fused.
             hd = host_descs(
@@ -317,17 +315,13 @@ def cases():
             yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd), \
                 dict(consts, HOST_DESC=True), 4, 1
+            hd_fused = dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3)
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label} host desc", \
-                bwd_sm90._dkdv_sm90_kernel, \
-                dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3), \
-                {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
-                 "FUSED_DQ": True, "HOST_DESC": True}, 4, 1
+                bwd_sm90._dkdv_sm90_kernel, hd_fused, dict(fused, HOST_DESC=True), 4, 1
             # The grid longest first (bwd_sm90.LPT), GQA's group of 4.
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 G=4 {label} host desc LPT", \
-                bwd_sm90._dkdv_sm90_kernel, \
-                dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3), \
-                {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
-                 "FUSED_DQ": True, "HOST_DESC": True, "GROUP": 4, "LPT": True}, 4, 1
+                bwd_sm90._dkdv_sm90_kernel, hd_fused, \
+                dict(fused, HOST_DESC=True, GROUP=4, LPT=True), 4, 1
             # D = 256: the role split (one warpgroup P^T and dV, the other dP^T and dK).
             hd256 = host_descs(
                 bwd_sm90._dkdv_host_spec(torch.bfloat16, 256, configs.BWD_SM90_DKDV.block_m),
