@@ -43,8 +43,9 @@ def _row(flag: str, s: int, causal: bool, heads: int, dim: int,
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
     group = heads // k.shape[2]
-    qh, kh, vh = (t.detach().repeat_interleave(group if t is not q else 1, dim=2)
-                  .transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    heads_first = lambda t, n: (t.detach().repeat_interleave(n, dim=2).transpose(1, 2)
+                                .contiguous().requires_grad_())
+    qh, kh, vh = heads_first(q, 1), heads_first(k, group), heads_first(v, group)
     douth = dout.transpose(1, 2).contiguous()
 
     step = attention_step(q, k, v, dout, threads=threads, causal=causal,

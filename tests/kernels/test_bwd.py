@@ -649,9 +649,11 @@ def test_attn_bwd_gpu_sm90_host_descriptors_equal_per_program_ones(monkeypatch, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
+@pytest.mark.parametrize("order", ["grid", "lpt"])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two_pass", "fused"])
-def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic, d):
+def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(monkeypatch, deterministic, d,
+                                                                 order):
     """The dense Hopper backward's later calls of a plan launch through ``DescLaunch``'s
     direct path (host descriptors handed to Triton's C launcher, encodings kept by address).
     Each case runs three times and checks the third: causal with Sq > Sk (rows 0-99 see no
@@ -661,10 +663,17 @@ def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic, d
     rows that see it (rows 250-299 of query heads 0 and 1), the rest as the clean call's;
     the gradients NaN in those rows' dq and in that kv head's dK / dV (a masked 0 times the
     NaN key inside a tile may reach more of its rows: IEEE), never outside batch 0's kv head
-    0, where they equal the clean call's. D = 256: the role split (two passes either way)."""
+    0, where they equal the clean call's. D = 256: the role split (two passes either way).
+    ``order``: the dK/dV grid in id order, or longest first (``bwd_sm90.LPT``: causal GQA,
+    here 2:1; at D = 256 with ``LPT_WIDE``)."""
     import flashlse as fl
     from flashlse.kernels import bwd, bwd_sm90
 
+    monkeypatch.setattr(bwd_sm90, "LPT", order == "lpt")
+    monkeypatch.setattr(bwd_sm90, "LPT_WIDE", order == "lpt")
+    taken = []
+    real = bwd_sm90._lpt
+    monkeypatch.setattr(bwd_sm90, "_lpt", lambda args: taken.append(real(args)) or taken[-1])
     g = torch.Generator().manual_seed(73)
     b, sq, sk, hq, hkv, dtype = 2, 300, 200, 4, 2, torch.bfloat16
     mk = lambda s, h: torch.randn(b, s, h, d, generator=g).to("cuda", dtype)
@@ -685,6 +694,7 @@ def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic, d
             for plan in bwd._BWD_PLANS.values() for r in plan.launches.values()
             if isinstance(r, (bwd_sm90._HostDescs, bwd_sm90._FusedRun))]
     assert runs and all(r.launch._direct for r in runs)  # the direct path ran
+    assert taken and all(x == (order == "lpt") for x in taken)
 
     leaves = [_leaf(t, torch.float64) for t in (q, k, v)]
     want_out, want_lse = reference.attention(*leaves, causal=True, return_lse=True)
@@ -712,6 +722,7 @@ def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(deterministic, d
     k_bad = k.clone()
     k_bad[0, 150, 0, 5] = float("nan")
     out_b, lse_b, bad, _ = run(k_bad, None)
+    bwd._BWD_PLANS.clear()  # (their keys leave the order out)
     sees = torch.zeros(b, sq, hq, dtype=torch.bool, device="cuda")
     sees[0, 250:, :2] = True  # row i sees keys <= i - 100
     assert torch.equal(out_b.isnan().any(-1), sees) and out_b[sees].isnan().all()

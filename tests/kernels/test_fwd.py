@@ -929,12 +929,14 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-def test_attn_fwd_gpu_sm90_persistent_varlen_lse_contract(kernel_opts):
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
+def test_attn_fwd_gpu_sm90_persistent_varlen_lse_contract(kernel_opts, d):
     """The LSE contract on the persistent varlen forward (two sequences with no key through
-    seqused_k, 16 query heads on 8 kv heads): empty rows are exactly (0, -inf); a -inf sink
-    is no sink, bit for bit; a NaN sink in one head reaches exactly that head's rows (empty
-    ones too: out = 0 / (0 + e^NaN)), every other row equals the call with a finite sink;
-    the gradients through it have no NaN."""
+    seqused_k, 16 query heads on 8 kv heads), at each head dim whose config runs it:
+    empty rows are exactly (0, -inf); a -inf sink is no sink, bit for bit; a NaN sink in
+    one head reaches exactly that head's rows (empty ones too: out = 0 / (0 + e^NaN)),
+    every other row equals the call with a finite sink; the gradients through it have no
+    NaN."""
     from flashlse.kernels import fwd_sm90
 
     kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
@@ -945,7 +947,7 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_lse_contract(kernel_opts):
     used = torch.tensor([200, 0, 300, 0, 64, 1], dtype=torch.int32, device="cuda")
     n = sum(lens)
     mk = lambda *s: torch.randn(*s, generator=g).to(device="cuda", dtype=torch.bfloat16)
-    q, k, v = mk(n, 16, 128), mk(n, 8, 128), mk(n, 8, 128)
+    q, k, v = mk(n, 16, d), mk(n, 8, d), mk(n, 8, d)
     empty = torch.zeros(n, dtype=torch.bool, device="cuda")
     for i in (1, 3):
         empty[int(cu[i]):int(cu[i + 1])] = True
