@@ -364,7 +364,8 @@ if [ "$1" = s35 ]; then
     # D = 256 role split): their GPU tests, then each flag on / off in turn, and causal GQA
     # beside MHA at the same FLOPs (issue 22's "GQA within 5%").
     K=tests/kernels
-    timeout 150 python3 -m pytest -q $K/test_bwd.py -k "lpt or (sm90_varlen and not bad_data)" \
+    timeout 240 python3 -m pytest -q $K/test_bwd.py $K/test_fwd.py -k "lpt or direct_launch_keeps \
+        or (sm90_varlen and not bad_data) or persistent_varlen_lse" \
         -p no:cacheprovider > "$OUT/test_s35.log" 2>&1
     tail -1 "$OUT/test_s35.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s35.log" | head
     for extra in "" "--doc-len 1024"; do
