@@ -45,8 +45,6 @@
 #   bash benchmarks/h200_session.sh split-kv   # key splits for few-item forwards
 #                                                (fwd_sm90.PAGED_SPLIT_KV / VARLEN_SPLIT_KV):
 #                                                GPU tests, memcheck, bench_serving A/B
-#   bash benchmarks/h200_session.sh s35        # next: LPT_VARLEN / LPT_WIDE tests and A/B,
-#                                                causal GQA beside MHA
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -65,7 +63,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s35 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -356,34 +354,6 @@ if [ "$1" = split-kv ]; then
     # The contiguous cache's rows (packed varlen form, VARLEN_SPLIT_KV).
     timeout 100 python3 benchmarks/bench_serving.py --flag fwd_sm90.VARLEN_SPLIT_KV \
         --shape 1,512,65536 --heads 8,2 2>&1 | grep "contiguous" | cut -c1-120
-    exit 0
-fi
-if [ "$1" = s35 ]; then
-    # Session 35's first call (planned in NOTES.md, session 34): the longest-first dK/dV order
-    # where it is written but not run (LPT_VARLEN: packed varlen; LPT_WIDE: D = 64 and the
-    # D = 256 role split): their GPU tests, then each flag on / off in turn, and causal GQA
-    # beside MHA at the same FLOPs (issue 22's "GQA within 5%").
-    K=tests/kernels
-    timeout 240 python3 -m pytest -q $K/test_bwd.py $K/test_fwd.py -k "lpt or direct_launch_keeps \
-        or (sm90_varlen and not bad_data) or persistent_varlen_lse" \
-        -p no:cacheprovider > "$OUT/test_s35.log" 2>&1
-    tail -1 "$OUT/test_s35.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s35.log" | head
-    for extra in "" "--doc-len 1024"; do
-        timeout 60 python3 benchmarks/bench_varlen.py --kv-heads 4 --flag bwd_sm90.LPT_VARLEN \
-            $extra 2>&1 | grep "LPT_VARLEN\|packed varlen"
-    done
-    timeout 100 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT_WIDE --dim 64 \
-        --heads 32 --kv-heads 8 --seqs 1024,2048,4096 2>&1 | tail -7
-    timeout 100 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT_WIDE --dim 256 \
-        --heads 8 --kv-heads 2 --seqs 1024,2048,4096 2>&1 | tail -7
-    for kv in 16 4; do
-        timeout 80 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.LPT --kv-heads $kv \
-            --seqs 1024,2048,4096 2>&1 | tail -7
-    done
-    # The D = 64 chunk at 0.83x its dense call: the grid kernel (GRID on) against the
-    # persistent varlen one on it, as call 4 of session 34 did at D = 128 (level there).
-    timeout 60 python3 benchmarks/bench_serving.py --dim 64 --shape 2,512,16384 --heads 16,4 \
-        --flag "configs.FWD_SM90[64].grid" 2>&1 | grep "serving prefill\|fl.attention\|contiguous"
     exit 0
 fi
 if [ "$1" = paged-next ]; then

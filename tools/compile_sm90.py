@@ -301,7 +301,7 @@ def cases():
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
         if f["IS_VARLEN"]:
-            # The grid longest first on per-program descriptors (bwd_sm90.LPT_VARLEN), G = 4.
+            # The grid longest first on per-program descriptors (bwd_sm90.LPT), G = 4.
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 G=4 {label} LPT", \
                 bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, GROUP=4, LPT=True), 4, 1
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label}", \
@@ -331,7 +331,7 @@ def cases():
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd256), \
                 dict(consts, D=256, HOST_DESC=True, ROLE_SPLIT=True), 4, 1
             if label == "causal":
-                # The longest-first order on the role split (bwd_sm90.LPT_WIDE), G = 4.
+                # The longest-first order on the role split (bwd_sm90.LPT), G = 4.
                 yield "dkdv", "bwd dK/dV sm90 (Gluon) D=256 G=4 causal roles host desc LPT", \
                     bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd256), \
                     dict(consts, D=256, GROUP=4, HOST_DESC=True, ROLE_SPLIT=True, LPT=True), \

@@ -783,7 +783,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
-                 P_F32=ROLE_P_F32, LPT=_lpt(args) and (host or LPT_VARLEN), **fused)
+                 P_F32=ROLE_P_F32, LPT=_lpt(args), **fused)
     grid = (cdiv(p.seqlen_k, (1 if roles else 2) * HALF_N), p.hkv, p.batch)
     run = Launch(_dkdv_sm90_kernel, grid, *positional(
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
@@ -798,31 +798,24 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
 # H = 16): that setup and the warps waiting on it held ~20% of the fused kernel's samples.
 HOST_DESC = True
 
-# Dense causal GQA dK/dV grids start their programs longest first, section by section
+# Causal GQA dK/dV grids start their programs longest first, section by section
 # (``_block_ids``). With G query heads a kv head a program carries G x the tiles and the
 # grid G x fewer programs, so a long causal block started last costs G x more. RESULTS.md
 # 2026-12-04, session 34, call 5 (fwd+bwd on / off in turn, D = 128, B*S = 16k, 16 query
 # heads): 4 kv heads causal 1k 1.55x (213 -> 331 TFLOP/s, 0.98x cuDNN), 2k 1.10x, 4k 1.12x;
 # 8 kv heads 1k 1.01x, 4k 1.06x; 2 kv heads 2k 1.20x; non-causal 0.965-0.975x at every
 # group (the sections' L2 pattern), MHA causal 0.994-0.999x (session 22): causal (a right
-# bound, no left) GQA only, at D = 128 until D = 64 / 256 are measured.
+# bound, no left) GQA only. Session 35 (same form): on per-program descriptors (packed
+# varlen, 16 / 4 heads, the block ids permute any grid) 1.11x on 8 documents of 229-3710
+# tokens, 1.13x on 16 x 1k; D = 64 (32 / 8 heads) causal 1k-4k 1.03-1.05x, D = 256 (8 / 2,
+# the role split) 1.07-1.10x.
 LPT = True
-
-
-# The same order on per-program descriptors (packed varlen GQA; the block ids permute any
-# grid), and at D = 64 and on D = 256's role split (both compile with it): not measured
-# yet, off (next: bench_varlen --kv-heads 4 --flag bwd_sm90.LPT_VARLEN, ab_bwd_switch
-# --flag bwd_sm90.LPT_WIDE --dim 64 / 256 --kv-heads ...).
-LPT_VARLEN = False
-LPT_WIDE = False
 
 
 def _lpt(args: dict) -> bool:
     """Whether a dK/dV launch (``args``: the plan's keywords) is one ``LPT``'s order pays
-    for: causal GQA, at D = 128 (the head dim measured and GPU-tested) or with
-    ``LPT_WIDE`` at any."""
-    return (LPT and args["GROUP"] > 1 and args["HAS_RIGHT"] and not args["HAS_LEFT"]
-            and (args["D"] == 128 or LPT_WIDE))
+    for: causal GQA (a right bound and no left one, more query heads than kv heads)."""
+    return LPT and args["GROUP"] > 1 and args["HAS_RIGHT"] and not args["HAS_LEFT"]
 
 
 # The same for the Hopper dQ kernel (the deterministic path's second pass, and D = 256's

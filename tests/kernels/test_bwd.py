@@ -511,9 +511,9 @@ def test_attn_bwd_sm90_lpt_order_is_a_permutation(n_n, n_h, n_b):
 
 def test_attn_bwd_sm90_lpt_rule(monkeypatch):
     """The longest-first dK/dV order (``bwd_sm90.LPT``) is taken by causal GQA calls only (a
-    right bound and no left one, more query heads than kv heads) at D = 128: measured to pay
-    there and to cost 2.5-3.5% on non-causal calls (no metadata beyond the plan's keywords
-    needed)."""
+    right bound and no left one, more query heads than kv heads), at every head dim:
+    measured to pay there and to cost 2.5-3.5% on non-causal calls (no metadata beyond the
+    plan's keywords needed)."""
     from flashlse.kernels import bwd_sm90
 
     rule = lambda group, left, right, d=128: bwd_sm90._lpt(dict(
@@ -522,8 +522,6 @@ def test_attn_bwd_sm90_lpt_rule(monkeypatch):
     assert not rule(1, False, True)  # MHA
     assert not rule(4, False, False)  # non-causal
     assert not rule(4, True, True)  # a window with both bounds
-    assert not rule(4, False, True, d=64) and not rule(4, False, True, d=256)  # not measured
-    monkeypatch.setattr(bwd_sm90, "LPT_WIDE", True)
     assert rule(4, False, True, d=64) and rule(4, False, True, d=256)
     monkeypatch.setattr(bwd_sm90, "LPT", False)
     assert not rule(4, False, True)
@@ -539,12 +537,10 @@ def test_attn_bwd_gpu_sm90_lpt_order_covers_every_block(monkeypatch, determinist
     64 pairs), GQA 2:1: the two-pass gradients equal the grid order's bit for bit, the
     fused pass's (dQ by float32 reduce-adds, in any order) the float64 reference's within
     bf16 tolerance as the grid order's do; outputs start NaN-poisoned, so a block no
-    program took shows. D = 64 and 256 (the role split's 64-key programs) with
-    ``LPT_WIDE``."""
+    program took shows. D = 64 and 256 (the role split's 64-key programs) too."""
     from flashlse import kernel_options
     from flashlse.kernels import bwd_sm90
 
-    monkeypatch.setattr(bwd_sm90, "LPT_WIDE", d != 128)
     g = torch.Generator().manual_seed(62)
     b, s, hq, hkv = 40, 400, 4, 2
     q, dout = (torch.randn(b, s, hq, d, generator=g).to("cuda", torch.bfloat16)
@@ -665,12 +661,11 @@ def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(monkeypatch, det
     NaN key inside a tile may reach more of its rows: IEEE), never outside batch 0's kv head
     0, where they equal the clean call's. D = 256: the role split (two passes either way).
     ``order``: the dK/dV grid in id order, or longest first (``bwd_sm90.LPT``: causal GQA,
-    here 2:1; at D = 256 with ``LPT_WIDE``)."""
+    here 2:1)."""
     import flashlse as fl
     from flashlse.kernels import bwd, bwd_sm90
 
     monkeypatch.setattr(bwd_sm90, "LPT", order == "lpt")
-    monkeypatch.setattr(bwd_sm90, "LPT_WIDE", order == "lpt")
     taken = []
     real = bwd_sm90._lpt
     monkeypatch.setattr(bwd_sm90, "_lpt", lambda args: taken.append(real(args)) or taken[-1])
@@ -747,10 +742,10 @@ def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(monkeypatch, det
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_attn_bwd_gpu_sm90_varlen(device, kernel_opts, monkeypatch, causal, d, path):
     # D = 256: the dK/dV kernel's role split, on per-program descriptors (varlen).
-    # sm90_lpt: the grid longest first on them too (bwd_sm90.LPT_VARLEN; causal GQA).
+    # sm90 / sm90_lpt: the dK/dV grid in id order / longest first (bwd_sm90.LPT; causal GQA).
     from flashlse.kernels import bwd_sm90
 
-    monkeypatch.setattr(bwd_sm90, "LPT_VARLEN", path == "sm90_lpt")
+    monkeypatch.setattr(bwd_sm90, "LPT", path == "sm90_lpt")
     bwd._BWD_PLANS.clear()
     kernel_opts(sm90_dkdv=path != "tl")
     kernel_opts(sm90_dq=path != "tl")
