@@ -75,6 +75,7 @@ class TileConfig:
     persistent_varlen: bool = False
     grid: bool = True
     consumer_regs: int = 240
+    q_bufs: int = 1
 
     @property
     def tile(self) -> tuple:
@@ -98,12 +99,12 @@ _FIELDS = {
     "STATS_TMA": "stats_tma", "HEAD_LOOP": "head_loop", "PINGPONG": "pingpong",
     "OVERLAP": "overlap", "PERSISTENT": "persistent", "PERSISTENT_TABLE": "persistent_table",
     "PERSISTENT_VARLEN": "persistent_varlen", "GRID": "grid",
-    "CONSUMER_REGS": "consumer_regs",
+    "CONSUMER_REGS": "consumer_regs", "Q_BUFS": "q_bufs",
 }
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "WARP_SPECIALIZE",
             "GROUP_HEADS")
 FWD_SM90_KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "OVERLAP", "PERSISTENT", "PERSISTENT_TABLE",
-                 "PERSISTENT_VARLEN", "GRID", "CONSUMER_REGS")
+                 "PERSISTENT_VARLEN", "GRID", "CONSUMER_REGS", "Q_BUFS")
 DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_paged",
                "PROGRAMS_PER_SM")
 # bwd_config: "dkdv" / "dq" take (BLOCK_M, BLOCK_N, num_warps, num_stages); the flags set
@@ -249,10 +250,14 @@ FWD_SM90 = {
     # 0.257 against fwd.py's 0.282 ms on documents of 64-4k, 0.346 / 0.403 on 4 x 4k, 0.147 /
     # 0.145 on 16 x 1k; the dense key splits it brings (bench_serving --dim 64, 8 / 2
     # heads): 1 x 512 rows on 64k keys 3.63x, 1 x 1024 on 32k 1.87x, 2 x 512 on 16k (no
-    # split) 1.00x.
+    # split) 1.00x. q_bufs (two Q buffers in the persistent kernel: the next item's Q loads
+    # during this one): RESULTS.md 2026-12-04 session 35, calls 3-4 (bench_fwd --sm90-short
+    # --short-dim 64, H = 32, S = 1k-16k twice): full 1k +3-4% in all four passes (392 /
+    # 389 -> 409 / 406, 393 / 391 -> 404 / 404 with ping-pong), mean +1%; causal +0.4%,
+    # level at 1k. At D = 128 (not taken): full +2%, causal 1k -2 / -5%.
     64: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,
                    overlap=True, persistent=True, persistent_table=True, persistent_varlen=True,
-                   grid=False, consumer_regs=240),
+                   grid=False, consumer_regs=240, q_bufs=2),
     # persistent_varlen: RESULTS.md 2026-12-02 session 17 (bench_varlen, 16k tokens in causal
     # documents of 64-4k, same process): 0.355-0.362 ms against the grid kernel's 0.404 at
     # seed 0, 0.366-0.374 / 0.404 at seed 1, 0.346-0.355 / 0.387 at seed 3.

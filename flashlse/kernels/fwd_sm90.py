@@ -226,15 +226,17 @@ def _wgmma_layout(n):
 
 
 @gluon.jit
-def _q_buffers(dtype: gl.constexpr, D: gl.constexpr, q_layout: gl.constexpr):
-    """The two Q halves' buffer and two pairs of single-arrival barriers a half: Q's *full*
-    (the producer's expect, completed by the TMA bytes) and a second one the caller names
-    (the ping-pong turns; the persistent kernel's Q *empty*)."""
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
+def _q_buffers(dtype: gl.constexpr, D: gl.constexpr, q_layout: gl.constexpr,
+               BUFS: gl.constexpr = 1):
+    """``BUFS`` buffers of the two Q halves (slot ``2 * buffer + half``) and two
+    single-arrival barriers a slot: Q's *full* (the producer's expect, completed by the TMA
+    bytes) and a second one the caller names (the ping-pong turns; the persistent kernel's
+    Q *empty*)."""
+    q_smem = gl.allocate_shared_memory(dtype, [2 * BUFS, HALF_M, D], q_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    other = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    for i in gl.static_range(2):
+    q_bar = gl.allocate_shared_memory(gl.int64, [2 * BUFS, 1], bar_layout)
+    other = gl.allocate_shared_memory(gl.int64, [2 * BUFS, 1], bar_layout)
+    for i in gl.static_range(2 * BUFS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(other.index(i), count=1)
     return q_smem, q_bar, other
@@ -674,9 +676,10 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
                          GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         TABLE: gl.constexpr, HAS_DO: gl.constexpr):
+                         TABLE: gl.constexpr, HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1):
     """``_producer`` over the program's work items: each item's Q halves (and dO's, for the
-    backward's dQ: HAS_DO) once both consumers are done with the last item's (``q_empty``),
+    backward's dQ: HAS_DO) once both consumers are done with the ones ``Q_BUFS`` items
+    before (``q_empty``),
     its K/V tiles into the one ring whose count ``t`` runs on across items, so the next
     item's first tiles load during this item's last products and epilogue. Coordinates are
     rows of ``(B * S, H * D)``."""
@@ -691,7 +694,8 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
         row_k = i_b * seqlen_k + n_lo
         t = _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                         q_bar, q_empty, k_full, k_empty, v_full, v_empty, row_q, row_k,
-                        (i_h // GROUP) * D, i_h, n_tiles, t, j, D, BLOCK_N, STAGES, HAS_DO)
+                        (i_h // GROUP) * D, i_h, n_tiles, t, j, D, BLOCK_N, STAGES, HAS_DO,
+                        Q_BUFS)
         j += 1
 
 
@@ -699,22 +703,23 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
 def _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                 q_bar, q_empty, k_full, k_empty, v_full, v_empty, row_q, row_k, col_k, i_h,
                 n_tiles, t, j, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                HAS_DO: gl.constexpr):
+                HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1):
     """A persistent producer's loads of its ``j``-th item: head ``i_h``'s Q halves (and
-    dO's) at rows ``row_q`` once both consumers are done with the last item's, then its
-    ``n_tiles`` K/V tiles from row ``row_k`` into the ring, whose count ``t`` runs on
-    across items (the new count is returned)."""
+    dO's) at rows ``row_q`` into slots ``2 * (j % Q_BUFS) + half`` once both consumers are
+    done with the item's there before, then its ``n_tiles`` K/V tiles from row ``row_k``
+    into the ring, whose count ``t`` runs on across items (the new count is returned)."""
     for half in gl.static_range(2):
-        mbarrier.wait(q_empty.index(half), (j & 1) ^ 1)
+        slot = 2 * (j % Q_BUFS) + half
+        mbarrier.wait(q_empty.index(slot), ((j // Q_BUFS) & 1) ^ 1)
         if HAS_DO:
-            mbarrier.expect(q_bar.index(half),
+            mbarrier.expect(q_bar.index(slot),
                             q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [row_q + half * HALF_M, i_h * D],
-                                            q_bar.index(half), do_smem.index(half))
+                                            q_bar.index(slot), do_smem.index(slot))
         else:
-            mbarrier.expect(q_bar.index(half), q_desc.block_type.nbytes)
+            mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [row_q + half * HALF_M, i_h * D],
-                                        q_bar.index(half), q_smem.index(half))
+                                        q_bar.index(slot), q_smem.index(slot))
     for it in range(n_tiles):
         s = t % STAGES
         ph = ((t // STAGES) & 1) ^ 1
@@ -738,18 +743,19 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                          HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-                         TABLE: gl.constexpr, O_IN_Q: gl.constexpr):
+                         TABLE: gl.constexpr, O_IN_Q: gl.constexpr, Q_BUFS: gl.constexpr):
     """``_consumer`` (the overlapped schedule) over the program's work items. Q's buffer is
-    handed back right after the item's last product; out goes through its own buffer, whose
+    handed back right after the item's last product (with ``Q_BUFS`` = 2 the next item's Q
+    has loaded into the other during this one); out goes through its own buffer, whose
     previous TMA store is waited for only when the next item's epilogue needs it. With
-    ``O_IN_Q`` (no room for that buffer: D = 256) out is staged in Q's, handed back once its
-    store has read it."""
+    ``O_IN_Q`` (no room for that buffer: D = 256; one Q buffer) out is staged in Q's,
+    handed back once its store has read it."""
+    gl.static_assert(Q_BUFS == 1 or not O_IN_Q)
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
-    q_tile = q_smem.index(half)
     o_tile = o_smem.index(half)
     t = 0
     j = 0
@@ -764,14 +770,15 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
         acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
-        mbarrier.wait(q_bar.index(half), j & 1)
+        slot = 2 * (j % Q_BUFS) + half
+        mbarrier.wait(q_bar.index(slot), (j // Q_BUFS) & 1)
         acc, m_i, l_i = _consumer_loop_overlap(
-            q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
+            q_smem.index(slot), k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
             acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
             n_lo, n_full_lo, n_full_hi, n_tiles, t,
             BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
         if not O_IN_Q:
-            mbarrier.arrive(q_empty.index(half))
+            mbarrier.arrive(q_empty.index(slot))
         t += n_tiles
         j += 1
         sink_nat = 0.0
@@ -803,10 +810,11 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
 @gluon.jit
 def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_layout: gl.constexpr,
-                        BOX: gl.constexpr = 0):
+                        BOX: gl.constexpr = 0, Q_BUFS: gl.constexpr = 1):
     """The persistent kernels' (the forward's, bwd_sm90's dQ) K and V descriptors over
     ``(B * S_k, H_kv * D)`` (boxes of ``BOX`` rows, a page's over a paged cache; 0: a tile's),
-    the Q halves' buffer with its full / empty barriers, and the K/V ring (``_kv_ring``)."""
+    ``Q_BUFS`` buffers of the Q halves with their full / empty barriers, and the K/V ring
+    (``_kv_ring``)."""
     dtype: gl.constexpr = k.dtype.element_ty
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     ROWS: gl.constexpr = BOX if BOX > 0 else BLOCK_N
@@ -814,7 +822,7 @@ def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D
                                         kv_layout)
     v_desc = tma.make_tensor_descriptor(v, [rows_k, HKV * D], [stride_vs, 1], [ROWS, D],
                                         kv_layout)
-    q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout)
+    q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout, Q_BUFS)
     k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
                                                                 kv_layout)
     return k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, \
@@ -832,6 +840,7 @@ def _fwd_sm90_persistent_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     TABLE: gl.constexpr, O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    Q_BUFS: gl.constexpr,
 ):
     """The dense forward as a persistent kernel: a program per SM (at most) walks work items
     ``program_id, program_id + num_programs, ...`` (``_dense_item``), or with ``TABLE`` its
@@ -856,7 +865,7 @@ def _fwd_sm90_persistent_kernel(
                                         [HALF_M, D], q_layout)
     k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
         = _persistent_buffers(k, v, stride_ks, stride_vs, batch * seqlen_k, HQ // GROUP, D,
-                              BLOCK_N, STAGES, q_layout)
+                              BLOCK_N, STAGES, q_layout, Q_BUFS=Q_BUFS)
     if O_IN_Q:
         o_smem = q_smem
     else:
@@ -866,17 +875,17 @@ def _fwd_sm90_persistent_kernel(
                                 k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
                                 sink, 0, n_items, n_m, seqlen_q, seqlen_k, left, right,
                                 scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q)),
+                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS)),
         (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
                                 k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
                                 sink, 1, n_items, n_m, seqlen_q, seqlen_k, left, right,
                                 scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q)),
+                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS)),
         (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
                                 q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                                 n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
                                 GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
-                                False)),
+                                False, Q_BUFS)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -1564,7 +1573,8 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
                 programs = min(n_sm, n_items)
     if programs:
         kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
-                  HQ=hq, sched=sched, TABLE=sched is not None, O_IN_Q=_out_in_q(q, shared))
+                  HQ=hq, sched=sched, TABLE=sched is not None, O_IN_Q=_out_in_q(q, shared),
+                  Q_BUFS=_q_bufs(q, shared, cfg))
         for name in ("PINGPONG", "OVERLAP"):
             kw.pop(name)
         run = Launch(_fwd_sm90_persistent_kernel, (programs, ),
@@ -1802,6 +1812,14 @@ def _ring_bytes(q, shared, row_buffers) -> int:
 def _out_in_q(q, shared) -> bool:
     """Whether the persistent forward stages out in Q's buffer (no room for its own)."""
     return _ring_bytes(q, shared, 2) > SMEM_BYTES
+
+
+def _q_bufs(q, shared, cfg) -> int:
+    """The persistent forward's Q buffers: ``cfg.q_bufs`` (2: the next item's Q loads
+    during this one) where they fit in shared memory beside out's own buffer, else 1."""
+    if cfg.q_bufs > 1 and _ring_bytes(q, shared, 1 + cfg.q_bufs) <= SMEM_BYTES:
+        return cfg.q_bufs
+    return 1
 
 
 def persistent_layout(q, k, tensors, block_n) -> bool:
