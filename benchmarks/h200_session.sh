@@ -63,7 +63,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s35c readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s35e readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -356,6 +356,19 @@ if [ "$1" = split-kv ]; then
         --shape 1,512,65536 --heads 8,2 2>&1 | grep "contiguous" | cut -c1-120
     exit 0
 fi
+if [ "$1" = s35e ]; then
+    # Session 35's last call: the final tree (LPT on every causal GQA dK/dV launch, two Q
+    # buffers at D = 64): D = 64 forward tests on the default config, the LPT and varlen
+    # backward tests, then D = 64's sweep with the shipped two buffers against one.
+    timeout 300 python3 -m pytest -q tests/kernels/test_fwd.py tests/kernels/test_bwd.py \
+        -k "((d64 or 64) and not persistent and not fp16 and not test_attn_bwd) or lpt \
+        or (sm90_varlen and causal and not bad_data)" -p no:cacheprovider \
+        > "$OUT/test_s35e.log" 2>&1
+    tail -1 "$OUT/test_s35e.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s35e.log" | head
+    timeout 120 python3 benchmarks/bench_fwd.py --sm90-short --short-dim 64 --out "$OUT" \
+        --short-variants '[{}, {"Q_BUFS": 1}]' 2>&1 | grep "sm90_short"
+    exit 0
+fi
 if [ "$1" = paged-next ]; then
     # The chunked-prefill rows at the bar's shape and at a long context (32 heads, and 8 as
     # one GPU of a TP = 4 model holds: fewer items than SMs), the paged steps' host time.
@@ -415,6 +428,21 @@ if [ "$1" = prof-bwd ]; then
             > "$OUT/ncu_bwd_$s.csv" 2> "$OUT/ncu_bwd_$s.err"
         echo "== causal S=$s (rc $?)"
         python3 benchmarks/ncu_bwd.py --read "$OUT/ncu_bwd_$s.csv" | cut -c1-140
+    done
+    exit 0
+fi
+if [ "$1" = prof-fwd64 ]; then
+    # Issue 22's D = 64 forward gap (causal 1k 0.77x cuDNN): one public forward and one
+    # cuDNN SDPA forward (B*S = 16k, H = 32), causal 1k and full 4k: each pipe's utilisation
+    # and the consumer warps' stall reasons (ncu raw page), then the details table.
+    for cfg in "1024" "4096 --full"; do
+        set -- $cfg
+        timeout 200 ncu --profile-from-start off --section ComputeWorkloadAnalysis \
+            --section WarpStateStats --section SpeedOfLight --csv --page raw \
+            python3 benchmarks/ncu_bwd.py --run --forward --dim 64 --seqlen $cfg \
+            > "$OUT/ncu_fwd64_$1$2.csv" 2> "$OUT/ncu_fwd64_$1$2.err"
+        echo "== D=64 S=$1 $2 (rc $?)"
+        python3 benchmarks/ncu_bwd.py --pipes "$OUT/ncu_fwd64_$1$2.csv" | cut -c1-150
     done
     exit 0
 fi

@@ -36,14 +36,14 @@ COLUMNS = OrderedDict([
 ])
 
 
-def run(s: int, causal: bool) -> None:
+def run(s: int, causal: bool, d: int = 128, forward: bool = False) -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import flashlse as fl
 
-    b, h, d = 16384 // s, 16, 128
+    b, h = 16384 // s, 2048 // d
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda: torch.randn(b, s, h, d, generator=g, device="cuda", dtype=torch.bfloat16,
                              requires_grad=True)
@@ -52,11 +52,15 @@ def run(s: int, causal: bool) -> None:
     qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
 
     def ours():
-        fl.attention(q, k, v, causal=causal).backward(dout)
+        out = fl.attention(q, k, v, causal=causal)
+        if not forward:
+            out.backward(dout)
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            sdpa(qh, kh, vh, is_causal=causal).backward(dout.transpose(1, 2))
+            out = sdpa(qh, kh, vh, is_causal=causal)
+            if not forward:
+                out.backward(dout.transpose(1, 2))
 
     for _ in range(3):
         ours()
@@ -87,6 +91,39 @@ def read(path: str) -> None:
     for (kid, kernel), vals in rows.items():
         label = f"{kid} {kernel}"[:44]
         print(f"{label:<44} " + " ".join(f"{vals.get(m, '-'):>9}" for m in COLUMNS))
+
+
+def pipes(path: str) -> None:
+    """A raw-page report (``--page raw --csv``, sections ComputeWorkloadAnalysis and
+    WarpStateStats): per kernel, its duration, each pipe's utilisation and the reasons its
+    warps stall, the largest first."""
+    with open(path, newline="") as f:
+        lines = [line for line in f if line.startswith('"')]
+    recs = list(csv.DictReader(lines))
+    for r in recs[1:]:  # the first row holds the units
+        name = r.get("Kernel Name", "?")[:60]
+        print(f"== {r.get('ID')} {name}  {r.get('gpu__time_duration.sum', '-')} ns")
+        picked = []
+        for col, val in r.items():
+            try:
+                v = float(str(val).replace(",", ""))
+            except ValueError:
+                continue
+            if "pct_of_peak_sustained_active" in col and "pipe" in col:
+                picked.append((v, col))
+        for v, col in sorted(picked, reverse=True)[:12]:
+            print(f"  pipe  {v:7.1f}%  {col}")
+        stalls = []
+        for col, val in r.items():
+            if col.startswith("smsp__average_warp_latency_issue_stalled_") or (
+                    col.startswith("smsp__average_warps_issue_stalled_")
+                    and col.endswith("_per_issue_active.ratio")):
+                try:
+                    stalls.append((float(str(val).replace(",", "")), col))
+                except ValueError:
+                    pass
+        for v, col in sorted(stalls, reverse=True)[:10]:
+            print(f"  stall {v:7.2f}   {col}")
 
 
 def source(path: str, top: int = 40) -> None:
@@ -139,11 +176,16 @@ def main(argv=None) -> None:
     ap.add_argument("--source", metavar="CSV", help="summarise a source-page CSV")
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--full", action="store_true", help="no causal mask")
+    ap.add_argument("--dim", type=int, default=128, help="head dim (H * D = 2048)")
+    ap.add_argument("--forward", action="store_true", help="the forward alone")
+    ap.add_argument("--pipes", metavar="CSV", help="print a raw-page report's pipes, stalls")
     args = ap.parse_args(argv)
     if args.run:
-        run(args.seqlen, not args.full)
+        run(args.seqlen, not args.full, args.dim, args.forward)
     elif args.read:
         read(args.read)
+    elif args.pipes:
+        pipes(args.pipes)
     elif args.source:
         source(args.source)
     else:
