@@ -45,6 +45,8 @@
 #   bash benchmarks/h200_session.sh split-kv   # key splits for few-item forwards
 #                                                (fwd_sm90.PAGED_SPLIT_KV / VARLEN_SPLIT_KV):
 #                                                GPU tests, memcheck, bench_serving A/B
+#   bash benchmarks/h200_session.sh s36        # next: ONE_CONSUMER (one 8-warp consumer
+#                                                partition in the persistent forward)
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -63,7 +65,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s35e readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s36 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -356,17 +358,19 @@ if [ "$1" = split-kv ]; then
         --shape 1,512,65536 --heads 8,2 2>&1 | grep "contiguous" | cut -c1-120
     exit 0
 fi
-if [ "$1" = s35e ]; then
-    # Session 35's last call: the final tree (LPT on every causal GQA dK/dV launch, two Q
-    # buffers at D = 64): D = 64 forward tests on the default config, the LPT and varlen
-    # backward tests, then D = 64's sweep with the shipped two buffers against one.
-    timeout 300 python3 -m pytest -q tests/kernels/test_fwd.py tests/kernels/test_bwd.py \
-        -k "((d64 or 64) and not persistent and not fp16 and not test_attn_bwd) or lpt \
-        or (sm90_varlen and causal and not bad_data)" -p no:cacheprovider \
-        > "$OUT/test_s35e.log" 2>&1
-    tail -1 "$OUT/test_s35e.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s35e.log" | head
-    timeout 120 python3 benchmarks/bench_fwd.py --sm90-short --short-dim 64 --out "$OUT" \
-        --short-variants '[{}, {"Q_BUFS": 1}]' 2>&1 | grep "sm90_short"
+if [ "$1" = s36 ]; then
+    # Session 36's first call (planned in NOTES.md, session 35): one 8-warp consumer
+    # partition in the persistent forward (ONE_CONSUMER: both warpgroups run one copy of
+    # the code, half the kernel's SASS): its GPU tests, then the sweep against the shipped
+    # kernel at D = 64 and 128 (if it pays: flip it, then prof-fwd64 for the stalls).
+    timeout 240 python3 -m pytest -q tests/kernels/test_fwd.py \
+        -k "sm90_persistent and one_consumer and not fp16" -p no:cacheprovider \
+        > "$OUT/test_s36.log" 2>&1
+    tail -1 "$OUT/test_s36.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s36.log" | head
+    for d in 64 128; do
+        timeout 100 python3 benchmarks/bench_fwd.py --sm90-short --short-dim $d --out "$OUT" \
+            --short-variants '[{}, {"ONE_CONSUMER": true}]' 2>&1 | grep "sm90_short"
+    done
     exit 0
 fi
 if [ "$1" = paged-next ]; then
@@ -433,12 +437,13 @@ if [ "$1" = prof-bwd ]; then
 fi
 if [ "$1" = prof-fwd64 ]; then
     # Issue 22's D = 64 forward gap (causal 1k 0.77x cuDNN): one public forward and one
-    # cuDNN SDPA forward (B*S = 16k, H = 32), causal 1k and full 4k: each pipe's utilisation
-    # and the consumer warps' stall reasons (ncu raw page), then the details table.
+    # cuDNN SDPA forward (B*S = 16k, H = 32), causal 1k and full 4k: instruction and
+    # cycle counts, each pipe's utilisation and the warps' stall reasons (ncu raw page).
     for cfg in "1024" "4096 --full"; do
         set -- $cfg
         timeout 200 ncu --profile-from-start off --section ComputeWorkloadAnalysis \
-            --section WarpStateStats --section SpeedOfLight --csv --page raw \
+            --section WarpStateStats --section SpeedOfLight --csv --page raw --metrics \
+            smsp__inst_executed.sum,smsp__inst_executed_pipe_xu.sum,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__cycles_elapsed.max \
             python3 benchmarks/ncu_bwd.py --run --forward --dim 64 --seqlen $cfg \
             > "$OUT/ncu_fwd64_$1$2.csv" 2> "$OUT/ncu_fwd64_$1$2.err"
         echo "== D=64 S=$1 $2 (rc $?)"

@@ -93,6 +93,12 @@ def read(path: str) -> None:
         print(f"{label:<44} " + " ".join(f"{vals.get(m, '-'):>9}" for m in COLUMNS))
 
 
+# Counters ``pipes`` prints where the report has them (``--metrics``): instructions issued
+# in all, by the MUFU (XU) pipe, and by the tensor pipe, to compare per tile.
+COUNTERS = ("smsp__inst_executed.sum", "smsp__inst_executed_pipe_xu.sum",
+            "sm__inst_executed_pipe_tensor_op_gmma.sum", "sm__cycles_elapsed.max")
+
+
 def pipes(path: str) -> None:
     """A raw-page report (``--page raw --csv``, sections ComputeWorkloadAnalysis and
     WarpStateStats): per kernel, its duration, each pipe's utilisation and the reasons its
@@ -103,6 +109,9 @@ def pipes(path: str) -> None:
     for r in recs[1:]:  # the first row holds the units
         name = r.get("Kernel Name", "?")[:60]
         print(f"== {r.get('ID')} {name}  {r.get('gpu__time_duration.sum', '-')} ns")
+        for col in COUNTERS:
+            if col in r:
+                print(f"  count {r[col]:>16}  {col}")
         picked = []
         for col, val in r.items():
             try:

@@ -492,14 +492,16 @@ PERSISTENT_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("variant", ["q1", "q2"])
+@pytest.mark.parametrize("variant", ["q1", "q2", "one_consumer"])
 @pytest.mark.parametrize("schedule", ["round_robin", "table"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,kw", PERSISTENT_CASES)
 def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b, sq, sk, hq,
                                       hkv, kw, schedule, variant):
-    """``variant``: one Q buffer or two (``q2``: the next item's Q loads during this one; bf16
-    only; at D = 256, where out is staged in Q's buffer, one all the same)."""
+    """``variant``: one Q buffer or two (``q2``: the next item's Q loads during this one; at
+    D = 256, where out is staged in Q's buffer, one all the same), or two with one 8-warp
+    consumer partition over the 128-row block (``one_consumer``, ONE_CONSUMER; two
+    consumers all the same at D = 256); the last two in bf16 only."""
     from flashlse.kernels import configs, fwd_sm90
 
     kw = dict(kw)
@@ -509,12 +511,14 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
     if variant != "q1" and dtype != torch.bfloat16:
         pytest.skip(f"{variant}: bf16 covers it")
     table = schedule == "table"
-    q_bufs = 2 if variant == "q2" else 1
+    q_bufs = 1 if variant == "q1" else 2
     kernel_opts(fwd_sm90_config={"PERSISTENT": True, "PERSISTENT_TABLE": table,
-                                 "Q_BUFS": q_bufs})
-    bufs = []
-    real_bufs = fwd_sm90._q_bufs
+                                 "Q_BUFS": q_bufs, "ONE_CONSUMER": variant == "one_consumer"})
+    bufs, ones = [], []
+    real_bufs, real_one = fwd_sm90._q_bufs, fwd_sm90._one_consumer
     monkeypatch.setattr(fwd_sm90, "_q_bufs", lambda *a: bufs.append(real_bufs(*a)) or bufs[-1])
+    monkeypatch.setattr(fwd_sm90, "_one_consumer",
+                        lambda *a: ones.append(real_one(*a)) or ones[-1])
     # Whatever the balance of the round robin (_persistent_programs): always it, or never
     # it (the host's table then).
     monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", 0.0 if table else float("inf"))
@@ -535,16 +539,17 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
     assert plans and all(p is not None and p.signature[-1] == "persistent" for p in plans)
     assert bool(tables) == table and all(tables)
     assert bufs and all(n == (1 if d == 256 else q_bufs) for n in bufs)
+    assert ones and all(one == (variant == "one_consumer" and d != 256) for one in ones)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("schedule", ["round_robin", "table", "table_q2"])
+@pytest.mark.parametrize("schedule", ["round_robin", "table", "table_q2", "table_one_consumer"])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
 def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch, schedule, d):
     """The LSE contract on the persistent forward, at D = 64, 128 and at D = 256 (out staged
-    in Q's buffer), with one Q buffer or two (``table_q2``) (B=2, causal, S_q = 1024 on
-    S_k = 512: rows
+    in Q's buffer), with one Q buffer or two (``table_q2``), one 8-warp consumer partition
+    (``table_one_consumer``) (B=2, causal, S_q = 1024 on S_k = 512: rows
     0-511 of each sequence see no key). A sink of -inf is no sink, bit for bit, with empty
     rows (0, -inf) and NaN-free gradients; a NaN in one q row, in one key, or in one head's
     sink reaches exactly the rows that see it, in both sequences' blocks only where it sits,
@@ -553,7 +558,8 @@ def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch,
 
     table = schedule != "round_robin"
     kernel_opts(fwd_sm90_config={"PERSISTENT": True, "PERSISTENT_TABLE": table,
-                                 "Q_BUFS": 2 if schedule == "table_q2" else 1})
+                                 "Q_BUFS": 2 if schedule == "table_q2" else 1,
+                                 "ONE_CONSUMER": schedule == "table_one_consumer"})
     monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", 0.0 if table else float("inf"))
     plans = []
     real = fwd_sm90.plan
