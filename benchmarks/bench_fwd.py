@@ -168,33 +168,41 @@ SM90_SHORT = [{"PERSISTENT": False}, {}, {"PERSISTENT": True, "PERSISTENT_TABLE"
 
 def sweep3(out_dir, seqs=(4096, 8192), repeats=2, variants=None, tag="sweep3",
            option="fwd_config", d=128):
-    """Each variant at two lengths, twice; the winner by mean TFLOP/s per causal. ``option``:
-    the ``KernelOptions`` field the variants override (``fwd_sm90_config``: the Hopper
-    kernel's). ``d``: the head dim (B*S = 16k and H*D = 2048 as bench_fwd's tables)."""
+    """Each variant at every length, ``repeats`` passes, the variants taking turns within a
+    pass (so a clock or thermal drift falls on all of them alike); the winner by mean
+    TFLOP/s per causal. ``option``: the ``KernelOptions`` field the variants override
+    (``fwd_sm90_config``: the Hopper kernel's). ``d``: the head dim (B*S = 16k and H*D =
+    2048 as bench_fwd's tables)."""
     h = 2048 // d
     rows, best = [], {}
     inputs = {seq: bf16_inputs(16384 // seq, seq, seq, h, d) for seq in seqs}
+    cfgs = variants or SWEEP3
     for causal in (False, True):
-        for cfg in variants or SWEEP3:
-            name = ",".join(f"{key}={val}" for key, val in cfg.items()) or "shipped"
-            n_failed = _ws_failures()
-            tfs = []
-            try:
-                for _ in range(repeats):
+        names = [",".join(f"{key}={val}" for key, val in cfg.items()) or "shipped"
+                 for cfg in cfgs]
+        tfs = [[] for _ in cfgs]
+        for _ in range(repeats):
+            for i, cfg in enumerate(cfgs):
+                if tfs[i] and tfs[i][-1] != tfs[i][-1]:
+                    continue  # failed in an earlier pass
+                n_failed = _ws_failures()
+                try:
                     for seq in seqs:
                         q, k, v = inputs[seq]
                         with fl.kernel_options(**{option: cfg}):
                             ms = median_ms(_ours(q, k, v, causal))
-                        tfs.append(attn_flops(16384 // seq, h, seq, seq, d, causal) / ms * 1e-9)
-            except Exception as e:  # noqa: BLE001 - a config may not compile; record why
-                name += f" FAILED {type(e).__name__}: {str(e)[:120]}"
-                tfs = [float("nan")]
-            if _ws_failures() > n_failed:
-                name += " (fell back: did not compile)"
-            mean = sum(tfs) / len(tfs)
-            rows.append(dict(d=d, causal=causal, cfg=name, tflops=tfs, mean=mean))
+                        tfs[i].append(attn_flops(16384 // seq, h, seq, seq, d, causal) / ms
+                                      * 1e-9)
+                except Exception as e:  # noqa: BLE001 - a config may not compile; record why
+                    names[i] += f" FAILED {type(e).__name__}: {str(e)[:120]}"
+                    tfs[i].append(float("nan"))
+                if _ws_failures() > n_failed and "fell back" not in names[i]:
+                    names[i] += " (fell back: did not compile)"
+        for cfg, name, runs in zip(cfgs, names, tfs):
+            mean = sum(runs) / len(runs)
+            rows.append(dict(d=d, causal=causal, cfg=name, tflops=runs, mean=mean))
             print(f"{tag} causal={causal:d} mean {mean:6.1f} runs "
-                  + " ".join(f"{t:.0f}" for t in tfs) + f"  {name}", flush=True)
+                  + " ".join(f"{t:.0f}" for t in runs) + f"  {name}", flush=True)
             key = f"{d},{int(causal)}"
             if mean == mean and mean > best.get(key, (0.0, None))[0]:
                 best[key] = (mean, cfg)

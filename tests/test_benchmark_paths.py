@@ -94,3 +94,47 @@ def test_flag_ab_ms_times_on_off_and_peers_and_puts_the_flag_back():
     with pytest.raises(RuntimeError):
         common.flag_ab_ms("bwd_sm90.FUSED_DQ", boom, smoke=True)
     assert bwd_sm90.FUSED_DQ is True
+
+
+def test_sweep3_runs_the_variants_in_turns_and_reports_each(tmp_path, monkeypatch):
+    """``bench_fwd.sweep3`` (the A/B sweeps of ``--sm90-short``): within each pass every
+    variant takes its turn before the next pass starts (a drift falls on all alike), each
+    variant's line carries its own runs in order, and a variant that raises is reported
+    failed and not retried."""
+    import importlib
+    import json
+    import sys
+
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        bench_fwd = importlib.import_module("bench_fwd")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    order, clock = [], iter(range(1, 1000))
+    monkeypatch.setattr(bench_fwd, "bf16_inputs", lambda b, sq, sk, h, d: (sq, sk, h))
+    monkeypatch.setattr(bench_fwd, "attn_flops", lambda *a: 1e9)
+
+    def ours(q, k, v, causal):
+        from flashlse.kernels.options import current
+
+        cfg = current().fwd_sm90_config
+        if cfg.get("BAD"):
+            raise RuntimeError("does not compile")
+        order.append((cfg.get("X"), q))
+        return None
+
+    monkeypatch.setattr(bench_fwd, "_ours", ours)
+    monkeypatch.setattr(bench_fwd, "median_ms", lambda fn: next(clock))
+    bench_fwd.sweep3(str(tmp_path), seqs=(64, 128), repeats=2, option="fwd_sm90_config",
+                     variants=[{}, {"X": 1}, {"BAD": True}], tag="t", d=64)
+    # Per causal: pass 1 (shipped 64, 128; X 64, 128), then pass 2 in the same order.
+    one_pass = [(None, 64), (None, 128), (1, 64), (1, 128)]
+    assert order == one_pass * 4
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    shipped, x, bad = rows[:3]
+    assert shipped["cfg"] == "shipped" and x["cfg"] == "X=1" and "FAILED" in bad["cfg"]
+    # Timings 1, 2 went to shipped, 3, 4 to X=1, then 5, 6 / 7, 8 in pass 2.
+    assert shipped["tflops"] == [1e9 / ms * 1e-9 for ms in (1, 2, 5, 6)]
+    assert x["tflops"] == [1e9 / ms * 1e-9 for ms in (3, 4, 7, 8)]
+    assert len(bad["tflops"]) == 1 and bad["mean"] != bad["mean"]
