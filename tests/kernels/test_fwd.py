@@ -10,6 +10,7 @@ anywhere; outputs are allocated pre-filled with NaN so an unwritten element fail
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -1433,6 +1434,16 @@ def test_attn_fwd_sm90_persistent_domain():
     assert fwd_sm90._persistent_ok(q256, k256, k256, q256, shared256,
                                    fwd_sm90._config(q256, on), is_varlen=False, seqused_k=None)
     assert fwd_sm90._out_in_q(q256, shared256) and not fwd_sm90._out_in_q(q, shared)
+    # Two Q buffers where they fit beside out's buffer and the ring (D = 64 and 128 at the
+    # shipped tiles; not D = 256); one consumer partition only where out has its own buffer.
+    two = dataclasses.replace(configs.FWD_SM90[128], q_bufs=2, one_consumer=True)
+    q64 = empty(2, 1024, 8, 64)
+    shared64 = dict(BLOCK_N=configs.FWD_SM90[64].block_n, STAGES=configs.FWD_SM90[64].num_stages)
+    assert fwd_sm90._q_bufs(q, shared, two) == 2 and fwd_sm90._q_bufs(q64, shared64, two) == 2
+    assert fwd_sm90._q_bufs(q256, shared256, two) == 1
+    assert fwd_sm90._q_bufs(q, shared, configs.FWD_SM90[128]) == 1
+    assert fwd_sm90._q_bufs(q, dict(shared, STAGES=3), two) == 1  # the ring's third stage
+    assert fwd_sm90._one_consumer(two, False) and not fwd_sm90._one_consumer(two, True)
 
 
 def test_attn_fwd_sm90_persistent_balance():
