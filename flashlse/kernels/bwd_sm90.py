@@ -611,7 +611,7 @@ def _dkdv_sm90_kernel(
     # dP^T and dK (``_p_dv_consumer``, ``_ds_dk_consumer``), so each holds one [64, D]
     # float32 accumulator; P^T passes between them in shared memory (float32 with P_F32).
     KV_TILES: gl.constexpr = _kv_tiles(ROLE_SPLIT)
-    BLOCK_N: gl.constexpr = _kv_tiles(ROLE_SPLIT) * HALF_N
+    BLOCK_N: gl.constexpr = KV_TILES * HALF_N
     i_n, i_hk, i_b = _block_ids(LPT)
     bos, bos_k, T_q, T_k, i_n, n0, n_last, shift = _seq_block(
         i_b, i_n, seqlen_q, seqlen_k, total_q, total_k, cu_seqlens_q, cu_seqlens_k,

@@ -709,8 +709,8 @@ def _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem
                 n_tiles, t, j, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1, HALVES: gl.constexpr = 2):
     """A persistent producer's loads of its ``j``-th item: head ``i_h``'s Q halves (and
-    dO's) at rows ``row_q`` into slots ``2 * (j % Q_BUFS) + half`` once both consumers are
-    done with the item's there before, then its ``n_tiles`` K/V tiles from row ``row_k``
+    dO's) at rows ``row_q`` into slots ``HALVES * (j % Q_BUFS) + half`` once the consumers
+    are done with the item's there before, then its ``n_tiles`` K/V tiles from row ``row_k``
     into the ring, whose count ``t`` runs on across items (the new count is returned).
     ``HALVES`` = 1: Q in one box of the descriptor's rows (one consumer partition)."""
     for half in gl.static_range(HALVES):
@@ -831,8 +831,9 @@ def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D
                         HALVES: gl.constexpr = 2):
     """The persistent kernels' (the forward's, bwd_sm90's dQ) K and V descriptors over
     ``(B * S_k, H_kv * D)`` (boxes of ``BOX`` rows, a page's over a paged cache; 0: a tile's),
-    ``Q_BUFS`` buffers of the Q halves with their full / empty barriers, and the K/V ring
-    (``_kv_ring``)."""
+    ``Q_BUFS`` buffers of the Q halves (``HALVES`` = 1: of whole 128-row blocks) with their
+    full / empty barriers, and the K/V ring (``_kv_ring``) released by ``HALVES`` consumer
+    partitions."""
     dtype: gl.constexpr = k.dtype.element_ty
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     ROWS: gl.constexpr = BOX if BOX > 0 else BLOCK_N
