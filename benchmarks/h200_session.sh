@@ -363,9 +363,12 @@ if [ "$1" = s36 ]; then
     # partition in the persistent forward (ONE_CONSUMER: both warpgroups run one copy of
     # the code, half the kernel's SASS): its GPU tests, then the sweep against the shipped
     # kernel at D = 64 and 128 (if it pays: flip it, then prof-fwd64 for the stalls).
-    timeout 240 python3 -m pytest -q tests/kernels/test_fwd.py \
-        -k "sm90_persistent and one_consumer and not fp16" -p no:cacheprovider \
-        > "$OUT/test_s36.log" 2>&1
+    # First the LSE contract of session 35's defaults not yet GPU-run: the dense backward's
+    # direct launch and the varlen backward's bad document at D = 64 / 128 / 256, both
+    # dK/dV orders (LPT is causal GQA's default now).
+    timeout 330 python3 -m pytest -q tests/kernels/test_fwd.py tests/kernels/test_bwd.py \
+        -k "(sm90_persistent and one_consumer and not fp16) or direct_launch_keeps \
+        or varlen_bad_data_stays" -p no:cacheprovider > "$OUT/test_s36.log" 2>&1
     tail -1 "$OUT/test_s36.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s36.log" | head
     for d in 64 128; do
         timeout 100 python3 benchmarks/bench_fwd.py --sm90-short --short-dim $d --out "$OUT" \

@@ -646,7 +646,7 @@ def test_attn_bwd_gpu_sm90_host_descriptors_equal_per_program_ones(monkeypatch, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
 @pytest.mark.parametrize("order", ["grid", "lpt"])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["two_pass", "fused"])
 def test_attn_bwd_gpu_sm90_direct_launch_keeps_the_lse_contract(monkeypatch, deterministic, d,
                                                                  order):
@@ -755,13 +755,19 @@ def test_attn_bwd_gpu_sm90_varlen(device, kernel_opts, monkeypatch, causal, d, p
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("d", [128, 256])
-def test_attn_bwd_gpu_sm90_varlen_bad_data_stays_in_its_sequence(d):
+@pytest.mark.parametrize("order", ["grid", "lpt"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_attn_bwd_gpu_sm90_varlen_bad_data_stays_in_its_sequence(monkeypatch, d, order):
     """A packed varlen backward where one document is bad (a NaN query row and NaN rows of
     dO: its lse_log2 and delta rows are NaN) and others good: the bad document's gradients
     are NaN where the data reaches (nothing hides it), and the documents before and after
     it get exactly the gradients of the same call without it (their tiles read past their
-    own end as zeros, never the next document's rows). Hopper dK/dV and dQ, causal, GQA."""
+    own end as zeros, never the next document's rows). Hopper dK/dV and dQ, causal, GQA;
+    the dK/dV grid in id order or longest first (``bwd_sm90.LPT``, causal GQA's default)."""
+    from flashlse.kernels import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "LPT", order == "lpt")
+    bwd._BWD_PLANS.clear()
     g = torch.Generator().manual_seed(41)
     dev, dtype, hq, hkv = "cuda", torch.bfloat16, 8, 2
     lens = [300, 200, 333, 129]
