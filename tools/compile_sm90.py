@@ -207,7 +207,7 @@ def cases():
                             ("causal table", flags, True)):
         consts = dict(GROUP=2, HQ=16, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, HAS_SINK=True, TABLE=table, O_IN_Q=False,
-                      CONSUMER_REGS=240, Q_BUFS=1, ONE_CONSUMER=False)
+                      CONSUMER_REGS=240, Q_BUFS=1)
         if not table:
             consts["sched"] = None
         yield "fwd", f"fwd sm90 persistent (Gluon) D=128 {label}", \
@@ -226,12 +226,6 @@ def cases():
                 yield "fwd", f"fwd sm90 persistent (Gluon) D={d} causal table Q_BUFS=2", \
                     fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
                     dict(consts, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, Q_BUFS=2), 4, 1
-            # One 8-warp consumer partition over the 128-row block (ONE_CONSUMER).
-            for d in (64, 128):
-                yield "fwd", f"fwd sm90 persistent (Gluon) D={d} causal table one consumer", \
-                    fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
-                    dict(consts, D=d, BLOCK_N=configs.FWD_SM90[d].block_n,
-                         Q_BUFS=configs.FWD_SM90[d].q_bufs, ONE_CONSUMER=True), 8, 1
     # Its persistent varlen form (packed sequences, row blocks listed on the device).
     varlen_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, blocks=I32,
                         block_table=I32, scale_log2="fp32")

@@ -76,7 +76,6 @@ class TileConfig:
     grid: bool = True
     consumer_regs: int = 240
     q_bufs: int = 1
-    one_consumer: bool = False
 
     @property
     def tile(self) -> tuple:
@@ -101,12 +100,11 @@ _FIELDS = {
     "OVERLAP": "overlap", "PERSISTENT": "persistent", "PERSISTENT_TABLE": "persistent_table",
     "PERSISTENT_VARLEN": "persistent_varlen", "GRID": "grid",
     "CONSUMER_REGS": "consumer_regs", "Q_BUFS": "q_bufs",
-    "ONE_CONSUMER": "one_consumer",
 }
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "WARP_SPECIALIZE",
             "GROUP_HEADS")
 FWD_SM90_KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "OVERLAP", "PERSISTENT", "PERSISTENT_TABLE",
-                 "PERSISTENT_VARLEN", "GRID", "CONSUMER_REGS", "Q_BUFS", "ONE_CONSUMER")
+                 "PERSISTENT_VARLEN", "GRID", "CONSUMER_REGS", "Q_BUFS")
 DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_paged",
                "PROGRAMS_PER_SM")
 # bwd_config: "dkdv" / "dq" take (BLOCK_M, BLOCK_N, num_warps, num_stages); the flags set

@@ -219,26 +219,24 @@ def _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empt
 
 
 @gluon.constexpr_function
-def _wgmma_layout(n, warps=4):
-    """The accumulator layout of a consumer warpgroup's ``[64, n]`` products (``warps`` = 8:
-    two warpgroups' ``[128, n]``, 64 rows each)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+def _wgmma_layout(n):
+    """The accumulator layout of a consumer warpgroup's ``[64, n]`` products."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                      instr_shape=[16, n, 16])
 
 
 @gluon.jit
 def _q_buffers(dtype: gl.constexpr, D: gl.constexpr, q_layout: gl.constexpr,
-               BUFS: gl.constexpr = 1, HALVES: gl.constexpr = 2):
-    """``BUFS`` buffers of the two Q halves (slot ``2 * buffer + half``; ``HALVES`` = 1: of
-    one 128-row block, slot ``buffer``) and two single-arrival barriers a slot: Q's *full*
-    (the producer's expect, completed by the TMA bytes) and a second one the caller names
-    (the ping-pong turns; the persistent kernel's Q *empty*)."""
-    q_smem = gl.allocate_shared_memory(dtype, [HALVES * BUFS, 2 * HALF_M // HALVES, D],
-                                       q_layout)
+               BUFS: gl.constexpr = 1):
+    """``BUFS`` buffers of the two Q halves (slot ``2 * buffer + half``) and two
+    single-arrival barriers a slot: Q's *full* (the producer's expect, completed by the TMA
+    bytes) and a second one the caller names (the ping-pong turns; the persistent kernel's
+    Q *empty*)."""
+    q_smem = gl.allocate_shared_memory(dtype, [2 * BUFS, HALF_M, D], q_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [HALVES * BUFS, 1], bar_layout)
-    other = gl.allocate_shared_memory(gl.int64, [HALVES * BUFS, 1], bar_layout)
-    for i in gl.static_range(HALVES * BUFS):
+    q_bar = gl.allocate_shared_memory(gl.int64, [2 * BUFS, 1], bar_layout)
+    other = gl.allocate_shared_memory(gl.int64, [2 * BUFS, 1], bar_layout)
+    for i in gl.static_range(2 * BUFS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(other.index(i), count=1)
     return q_smem, q_bar, other
@@ -246,11 +244,10 @@ def _q_buffers(dtype: gl.constexpr, D: gl.constexpr, q_layout: gl.constexpr,
 
 @gluon.jit
 def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, kv_layout: gl.constexpr, LEAD: gl.constexpr = False,
-             CONSUMERS: gl.constexpr = 2):
+             STAGES: gl.constexpr, kv_layout: gl.constexpr, LEAD: gl.constexpr = False):
     """The ring ``_producer`` loads K and V tiles into (the forward's and the backward dQ's):
     STAGES buffers of each, a *full* barrier a buffer (the producer's expect, completed by
-    the TMA bytes) and an *empty* one (an arrival from each of ``CONSUMERS`` partitions).
+    the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup).
     ``kv_layout`` is the caller's, that of its K/V descriptors: TMA copies need the same
     (``LEAD``: tiles ``[1, BLOCK_N, D]``, the box of a rank-3 descriptor)."""
     if LEAD:
@@ -267,8 +264,8 @@ def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
     for i in gl.static_range(STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=CONSUMERS)
-        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
     return k_smem, v_smem, k_full, k_empty, v_full, v_empty
 
 
@@ -679,8 +676,7 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
                          GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         TABLE: gl.constexpr, HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1,
-                         HALVES: gl.constexpr = 2):
+                         TABLE: gl.constexpr, HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1):
     """``_producer`` over the program's work items: each item's Q halves (and dO's, for the
     backward's dQ: HAS_DO) once both consumers are done with the ones ``Q_BUFS`` items
     before (``q_empty``),
@@ -699,7 +695,7 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
         t = _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                         q_bar, q_empty, k_full, k_empty, v_full, v_empty, row_q, row_k,
                         (i_h // GROUP) * D, i_h, n_tiles, t, j, D, BLOCK_N, STAGES, HAS_DO,
-                        Q_BUFS, HALVES)
+                        Q_BUFS)
         j += 1
 
 
@@ -707,14 +703,13 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
 def _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                 q_bar, q_empty, k_full, k_empty, v_full, v_empty, row_q, row_k, col_k, i_h,
                 n_tiles, t, j, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1, HALVES: gl.constexpr = 2):
+                HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1):
     """A persistent producer's loads of its ``j``-th item: head ``i_h``'s Q halves (and
-    dO's) at rows ``row_q`` into slots ``HALVES * (j % Q_BUFS) + half`` once the consumers
-    are done with the item's there before, then its ``n_tiles`` K/V tiles from row ``row_k``
-    into the ring, whose count ``t`` runs on across items (the new count is returned).
-    ``HALVES`` = 1: Q in one box of the descriptor's rows (one consumer partition)."""
-    for half in gl.static_range(HALVES):
-        slot = HALVES * (j % Q_BUFS) + half
+    dO's) at rows ``row_q`` into slots ``2 * (j % Q_BUFS) + half`` once both consumers are
+    done with the item's there before, then its ``n_tiles`` K/V tiles from row ``row_k``
+    into the ring, whose count ``t`` runs on across items (the new count is returned)."""
+    for half in gl.static_range(2):
+        slot = 2 * (j % Q_BUFS) + half
         mbarrier.wait(q_empty.index(slot), ((j // Q_BUFS) & 1) ^ 1)
         if HAS_DO:
             mbarrier.expect(q_bar.index(slot),
@@ -748,39 +743,34 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                          HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-                         TABLE: gl.constexpr, O_IN_Q: gl.constexpr, Q_BUFS: gl.constexpr,
-                         ONE_CONSUMER: gl.constexpr):
+                         TABLE: gl.constexpr, O_IN_Q: gl.constexpr, Q_BUFS: gl.constexpr):
     """``_consumer`` (the overlapped schedule) over the program's work items. Q's buffer is
     handed back right after the item's last product (with ``Q_BUFS`` = 2 the next item's Q
     has loaded into the other during this one); out goes through its own buffer, whose
     previous TMA store is waited for only when the next item's epilogue needs it. With
     ``O_IN_Q`` (no room for that buffer: D = 256; one Q buffer) out is staged in Q's,
-    handed back once its store has read it. ``ONE_CONSUMER``: one 8-warp partition takes
-    the whole 128-row block (``half`` 0), so both warpgroups run one copy of this code."""
+    handed back once its store has read it."""
     gl.static_assert(Q_BUFS == 1 or not O_IN_Q)
-    gl.static_assert(not (ONE_CONSUMER and O_IN_Q))
-    HALVES: gl.constexpr = 1 if ONE_CONSUMER else 2
-    ROWS: gl.constexpr = 2 * HALF_M // HALVES
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N, 8 // HALVES)
-    o_layout: gl.constexpr = _wgmma_layout(D, 8 // HALVES)
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
     o_tile = o_smem.index(half)
     t = 0
     j = 0
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
     lo, hi, step = _item_span(sched, n_items, TABLE)
     for pos in range(lo, hi, step):
         i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
             sched, pos, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT,
             HAS_RIGHT, TABLE)
         r0 = m0 + half * HALF_M
-        rows = r0 + gl.arange(0, ROWS, layout=row_layout)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([ROWS], gl.float32, layout=row_layout)
-        acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
-        slot = HALVES * (j % Q_BUFS) + half
+        rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+        acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
+        slot = 2 * (j % Q_BUFS) + half
         mbarrier.wait(q_bar.index(slot), (j // Q_BUFS) & 1)
         acc, m_i, l_i = _consumer_loop_overlap(
             q_smem.index(slot), k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
@@ -807,14 +797,7 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
         fence_async_shared()
         # A half past the sequence's end (seqlen_q % 128 == 64) holds the next sequence's
         # rows: not stored.
-        if ONE_CONSUMER:
-            tma.async_copy_shared_to_global(o_desc, [i_b * seqlen_q + r0, i_h * D],
-                                            o_tile.slice(0, HALF_M))
-            if r0 + HALF_M < seqlen_q:
-                tma.async_copy_shared_to_global(o_desc,
-                                                [i_b * seqlen_q + r0 + HALF_M, i_h * D],
-                                                o_tile.slice(HALF_M, HALF_M))
-        elif r0 < seqlen_q:
+        if r0 < seqlen_q:
             tma.async_copy_shared_to_global(o_desc, [i_b * seqlen_q + r0, i_h * D], o_tile)
         if O_IN_Q:
             # Q's buffer goes back to the producer once the store has read it.
@@ -827,13 +810,11 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
 @gluon.jit
 def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_layout: gl.constexpr,
-                        BOX: gl.constexpr = 0, Q_BUFS: gl.constexpr = 1,
-                        HALVES: gl.constexpr = 2):
+                        BOX: gl.constexpr = 0, Q_BUFS: gl.constexpr = 1):
     """The persistent kernels' (the forward's, bwd_sm90's dQ) K and V descriptors over
     ``(B * S_k, H_kv * D)`` (boxes of ``BOX`` rows, a page's over a paged cache; 0: a tile's),
-    ``Q_BUFS`` buffers of the Q halves (``HALVES`` = 1: of whole 128-row blocks) with their
-    full / empty barriers, and the K/V ring (``_kv_ring``) released by ``HALVES`` consumer
-    partitions."""
+    ``Q_BUFS`` buffers of the Q halves with their full / empty barriers, and the K/V ring
+    (``_kv_ring``)."""
     dtype: gl.constexpr = k.dtype.element_ty
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     ROWS: gl.constexpr = BOX if BOX > 0 else BLOCK_N
@@ -841,10 +822,9 @@ def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D
                                         kv_layout)
     v_desc = tma.make_tensor_descriptor(v, [rows_k, HKV * D], [stride_vs, 1], [ROWS, D],
                                         kv_layout)
-    q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout, Q_BUFS, HALVES)
+    q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout, Q_BUFS)
     k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
-                                                                kv_layout,
-                                                                CONSUMERS=HALVES)
+                                                                kv_layout)
     return k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, \
         v_empty
 
@@ -860,7 +840,7 @@ def _fwd_sm90_persistent_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     TABLE: gl.constexpr, O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    Q_BUFS: gl.constexpr, ONE_CONSUMER: gl.constexpr,
+    Q_BUFS: gl.constexpr,
 ):
     """The dense forward as a persistent kernel: a program per SM (at most) walks work items
     ``program_id, program_id + num_programs, ...`` (``_dense_item``), or with ``TABLE`` its
@@ -878,56 +858,35 @@ def _fwd_sm90_persistent_kernel(
     stride_lb, stride_lh = stride_l
     dtype: gl.constexpr = q.dtype.element_ty
     n_m = (seqlen_q + 2 * HALF_M - 1) // (2 * HALF_M)
-    # ONE_CONSUMER: one 8-warp consumer partition, Q in 128-row boxes, out in 64-row ones.
-    HALVES: gl.constexpr = 1 if ONE_CONSUMER else 2
-    ROWS: gl.constexpr = 2 * HALF_M // HALVES
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
-    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
     q_desc = tma.make_tensor_descriptor(q, [batch * seqlen_q, HQ * D], [stride_qs, 1],
-                                        [ROWS, D], q_layout)
+                                        [HALF_M, D], q_layout)
     o_desc = tma.make_tensor_descriptor(o, [batch * seqlen_q, HQ * D], [stride_os, 1],
-                                        [HALF_M, D], o_layout)
+                                        [HALF_M, D], q_layout)
     k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
         = _persistent_buffers(k, v, stride_ks, stride_vs, batch * seqlen_k, HQ // GROUP, D,
-                              BLOCK_N, STAGES, q_layout, Q_BUFS=Q_BUFS, HALVES=HALVES)
+                              BLOCK_N, STAGES, q_layout, Q_BUFS=Q_BUFS)
     if O_IN_Q:
         o_smem = q_smem
     else:
-        o_smem = gl.allocate_shared_memory(dtype, [HALVES, ROWS, D], q_layout)
-    if ONE_CONSUMER:
-        gl.warp_specialize([
-            (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
-                                    k_full, k_empty, v_full, v_empty, lse, stride_lb,
-                                    stride_lh, sink, 0, n_items, n_m, seqlen_q, seqlen_k,
-                                    left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
-                                    HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
-                                    True)),
-            (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem,
-                                    v_smem, q_bar, q_empty, k_full, k_empty, v_full, v_empty,
-                                    n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
-                                    GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
-                                    False, Q_BUFS, 1)),
-        ], [1], [24])
-    else:
-        gl.warp_specialize([
-            (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
-                                    k_full, k_empty, v_full, v_empty, lse, stride_lb,
-                                    stride_lh, sink, 0, n_items, n_m, seqlen_q, seqlen_k,
-                                    left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
-                                    HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
-                                    False)),
-            (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
-                                    k_full, k_empty, v_full, v_empty, lse, stride_lb,
-                                    stride_lh, sink, 1, n_items, n_m, seqlen_q, seqlen_k,
-                                    left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
-                                    HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
-                                    False)),
-            (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem,
-                                    v_smem, q_bar, q_empty, k_full, k_empty, v_full, v_empty,
-                                    n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
-                                    GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
-                                    False, Q_BUFS, 2)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
+    gl.warp_specialize([
+        (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
+                                sink, 0, n_items, n_m, seqlen_q, seqlen_k, left, right,
+                                scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
+                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS)),
+        (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
+                                sink, 1, n_items, n_m, seqlen_q, seqlen_k, left, right,
+                                scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
+                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS)),
+        (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
+                                q_bar, q_empty, k_full, k_empty, v_full, v_empty,
+                                n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
+                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
+                                False, Q_BUFS)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # (Lengths change per call: the paged plan passes them without a new plan, SizedLaunch.)
@@ -1613,13 +1572,9 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
             if sched is not None:
                 programs = min(n_sm, n_items)
     if programs:
-        o_in_q = _out_in_q(q, shared)
-        one = _one_consumer(cfg, o_in_q)
         kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
-                  HQ=hq, sched=sched, TABLE=sched is not None, O_IN_Q=o_in_q,
-                  Q_BUFS=_q_bufs(q, shared, cfg), ONE_CONSUMER=one)
-        if one:
-            kw["num_warps"] = 8  # the consumer partition's; the producer's warp beside it
+                  HQ=hq, sched=sched, TABLE=sched is not None, O_IN_Q=_out_in_q(q, shared),
+                  Q_BUFS=_q_bufs(q, shared, cfg))
         for name in ("PINGPONG", "OVERLAP"):
             kw.pop(name)
         run = Launch(_fwd_sm90_persistent_kernel, (programs, ),
@@ -1865,12 +1820,6 @@ def _q_bufs(q, shared, cfg) -> int:
     if cfg.q_bufs > 1 and _ring_bytes(q, shared, 1 + cfg.q_bufs) <= SMEM_BYTES:
         return cfg.q_bufs
     return 1
-
-
-def _one_consumer(cfg, o_in_q) -> bool:
-    """Whether the persistent forward runs one 8-warp consumer partition over the 128-row
-    block (``cfg.one_consumer``): not where out is staged in Q's buffer (D = 256)."""
-    return cfg.one_consumer and not o_in_q
 
 
 def persistent_layout(q, k, tensors, block_n) -> bool:

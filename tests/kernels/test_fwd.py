@@ -493,16 +493,15 @@ PERSISTENT_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("variant", ["q1", "q2", "one_consumer"])
+@pytest.mark.parametrize("variant", ["q1", "q2"])
 @pytest.mark.parametrize("schedule", ["round_robin", "table"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,kw", PERSISTENT_CASES)
 def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b, sq, sk, hq,
                                       hkv, kw, schedule, variant):
     """``variant``: one Q buffer or two (``q2``: the next item's Q loads during this one; at
-    D = 256, where out is staged in Q's buffer, one all the same), or two with one 8-warp
-    consumer partition over the 128-row block (``one_consumer``, ONE_CONSUMER; two
-    consumers all the same at D = 256); the last two in bf16 only."""
+    D = 256, where out is staged in Q's buffer, one all the same), the second in bf16
+    only."""
     from flashlse.kernels import configs, fwd_sm90
 
     kw = dict(kw)
@@ -514,12 +513,10 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
     table = schedule == "table"
     q_bufs = 1 if variant == "q1" else 2
     kernel_opts(fwd_sm90_config={"PERSISTENT": True, "PERSISTENT_TABLE": table,
-                                 "Q_BUFS": q_bufs, "ONE_CONSUMER": variant == "one_consumer"})
-    bufs, ones = [], []
-    real_bufs, real_one = fwd_sm90._q_bufs, fwd_sm90._one_consumer
+                                 "Q_BUFS": q_bufs})
+    bufs = []
+    real_bufs = fwd_sm90._q_bufs
     monkeypatch.setattr(fwd_sm90, "_q_bufs", lambda *a: bufs.append(real_bufs(*a)) or bufs[-1])
-    monkeypatch.setattr(fwd_sm90, "_one_consumer",
-                        lambda *a: ones.append(real_one(*a)) or ones[-1])
     # Whatever the balance of the round robin (_persistent_programs): always it, or never
     # it (the host's table then).
     monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", 0.0 if table else float("inf"))
@@ -540,27 +537,24 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
     assert plans and all(p is not None and p.signature[-1] == "persistent" for p in plans)
     assert bool(tables) == table and all(tables)
     assert bufs and all(n == (1 if d == 256 else q_bufs) for n in bufs)
-    assert ones and all(one == (variant == "one_consumer" and d != 256) for one in ones)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("schedule", ["round_robin", "table", "table_q2", "table_one_consumer"])
+@pytest.mark.parametrize("schedule", ["round_robin", "table", "table_q2"])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
 def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch, schedule, d):
     """The LSE contract on the persistent forward, at D = 64, 128 and at D = 256 (out staged
-    in Q's buffer), with one Q buffer or two (``table_q2``), one 8-warp consumer partition
-    (``table_one_consumer``) (B=2, causal, S_q = 1024 on S_k = 512: rows
-    0-511 of each sequence see no key). A sink of -inf is no sink, bit for bit, with empty
-    rows (0, -inf) and NaN-free gradients; a NaN in one q row, in one key, or in one head's
-    sink reaches exactly the rows that see it, in both sequences' blocks only where it sits,
-    and every other row equals the clean call."""
+    in Q's buffer), with one Q buffer or two (``table_q2``) (B=2, causal, S_q = 1024 on
+    S_k = 512: rows 0-511 of each sequence see no key). A sink of -inf is no sink, bit for
+    bit, with empty rows (0, -inf) and NaN-free gradients; a NaN in one q row, in one key,
+    or in one head's sink reaches exactly the rows that see it, in both sequences' blocks
+    only where it sits, and every other row equals the clean call."""
     from flashlse.kernels import fwd_sm90
 
     table = schedule != "round_robin"
     kernel_opts(fwd_sm90_config={"PERSISTENT": True, "PERSISTENT_TABLE": table,
-                                 "Q_BUFS": 2 if schedule == "table_q2" else 1,
-                                 "ONE_CONSUMER": schedule == "table_one_consumer"})
+                                 "Q_BUFS": 2 if schedule == "table_q2" else 1})
     monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", 0.0 if table else float("inf"))
     plans = []
     real = fwd_sm90.plan
@@ -1435,15 +1429,14 @@ def test_attn_fwd_sm90_persistent_domain():
                                    fwd_sm90._config(q256, on), is_varlen=False, seqused_k=None)
     assert fwd_sm90._out_in_q(q256, shared256) and not fwd_sm90._out_in_q(q, shared)
     # Two Q buffers where they fit beside out's buffer and the ring (D = 64 and 128 at the
-    # shipped tiles; not D = 256); one consumer partition only where out has its own buffer.
-    two = dataclasses.replace(configs.FWD_SM90[128], q_bufs=2, one_consumer=True)
+    # shipped tiles; not D = 256).
+    two = dataclasses.replace(configs.FWD_SM90[128], q_bufs=2)
     q64 = empty(2, 1024, 8, 64)
     shared64 = dict(BLOCK_N=configs.FWD_SM90[64].block_n, STAGES=configs.FWD_SM90[64].num_stages)
     assert fwd_sm90._q_bufs(q, shared, two) == 2 and fwd_sm90._q_bufs(q64, shared64, two) == 2
     assert fwd_sm90._q_bufs(q256, shared256, two) == 1
     assert fwd_sm90._q_bufs(q, shared, configs.FWD_SM90[128]) == 1
     assert fwd_sm90._q_bufs(q, dict(shared, STAGES=3), two) == 1  # the ring's third stage
-    assert fwd_sm90._one_consumer(two, False) and not fwd_sm90._one_consumer(two, True)
 
 
 def test_attn_fwd_sm90_persistent_balance():
