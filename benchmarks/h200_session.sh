@@ -45,8 +45,8 @@
 #   bash benchmarks/h200_session.sh split-kv   # key splits for few-item forwards
 #                                                (fwd_sm90.PAGED_SPLIT_KV / VARLEN_SPLIT_KV):
 #                                                GPU tests, memcheck, bench_serving A/B
-#   bash benchmarks/h200_session.sh s36        # next: ONE_CONSUMER (one 8-warp consumer
-#                                                partition in the persistent forward)
+#   bash benchmarks/h200_session.sh fused64    # D = 64's fused backward (FUSED_D64): its
+#                                                tests, fwd+bwd on / off in turn
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -65,7 +65,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv s36 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv fused64 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -358,21 +358,17 @@ if [ "$1" = split-kv ]; then
         --shape 1,512,65536 --heads 8,2 2>&1 | grep "contiguous" | cut -c1-120
     exit 0
 fi
-if [ "$1" = s36 ]; then
-    # Session 36's first call (planned in NOTES.md, session 35): one 8-warp consumer
-    # partition in the persistent forward (ONE_CONSUMER: both warpgroups run one copy of
-    # the code, half the kernel's SASS): its GPU tests, then the sweep against the shipped
-    # kernel at D = 64 and 128 (if it pays: flip it, then prof-fwd64 for the stalls).
-    # First the LSE contract of session 35's defaults not yet GPU-run: the dense backward's
-    # direct launch and the varlen backward's bad document at D = 64 / 128 / 256, both
-    # dK/dV orders (LPT is causal GQA's default now).
-    timeout 330 python3 -m pytest -q tests/kernels/test_fwd.py tests/kernels/test_bwd.py \
-        -k "(sm90_persistent and one_consumer and not fp16) or direct_launch_keeps \
-        or varlen_bad_data_stays" -p no:cacheprovider > "$OUT/test_s36.log" 2>&1
-    tail -1 "$OUT/test_s36.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_s36.log" | head
-    for d in 64 128; do
-        timeout 100 python3 benchmarks/bench_fwd.py --sm90-short --short-dim $d --out "$OUT" \
-            --short-variants '[{}, {"ONE_CONSUMER": true}]' 2>&1 | grep "sm90_short"
+if [ "$1" = fused64 ]; then
+    # Session 36: D = 64's fused backward (bwd_sm90.FUSED_D64: the dK/dV kernel's warpgroups
+    # take dQ's tiles in turn): its GPU tests (and every D = 64 backward test now on it),
+    # then fwd+bwd with the flag on / off in turn, MHA (32 heads) and GQA 32 / 8.
+    timeout 300 python3 -m pytest -q tests/kernels/test_bwd.py -k "64 and (fused or \
+        direct_launch or sm90_varlen or bad_data or lpt_order or head_dims or other_dims)" \
+        -p no:cacheprovider > "$OUT/test_fused64.log" 2>&1
+    tail -1 "$OUT/test_fused64.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_fused64.log" | head
+    for kv in 32 8; do
+        timeout 130 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.FUSED_D64 --dim 64 \
+            --heads 32 --kv-heads $kv --seqs 1024,2048,4096,8192 2>&1 | tail -9
     done
     exit 0
 fi

@@ -349,6 +349,17 @@ def cases():
                 dict(consts, D=256, ROLE_SPLIT=True, P_F32=False), 4, 1
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=64 causal", bwd_sm90._dkdv_sm90_kernel, \
                 sm90_bwd, dict(consts, D=64), 4, 1
+        # D = 64 fused: the warpgroups take dQ's tiles in turn (whole rows of 64 columns).
+        yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label}", \
+            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64), 4, 1
+        if not f["IS_VARLEN"]:
+            hd64 = host_descs(
+                bwd_sm90._dkdv_host_spec(torch.bfloat16, 64, configs.BWD_SM90_DKDV.block_m),
+                ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
+                 "dq_acc"))
+            yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label} host desc", \
+                bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd64, stride_dqa=("i32",) * 3), \
+                dict(fused, D=64, HOST_DESC=True, GROUP=4, LPT=True), 4, 1
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=128 causal EARLY_DP", \
                 bwd_sm90._dkdv_sm90_kernel, sm90_bwd, dict(consts, EARLY_DP=True), 4, 1
         consts = dict(GROUP=2, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],

@@ -197,6 +197,14 @@ STAT_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bi
                                                 rank=2))
 
 
+@gluon.constexpr_function
+def _dq_cols(d):
+    """dQ's columns a fused dK/dV warpgroup computes a tile: half of D's (each warpgroup its
+    half of every tile), or all of D = 64's (half a 128-byte K row would cut its swizzle
+    atom; the warpgroups take the tiles in turn)."""
+    return d if d <= 64 else d // 2
+
+
 @gluon.jit
 def _load_descs(loads, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                 STATS_TMA: gl.constexpr, HOST_DESC: gl.constexpr):
@@ -246,7 +254,7 @@ def _store_descs(stores, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.const
                                              [1, HALF_N, D], kv_lay)
         if FUSED_DQ:
             dq_desc = tma.make_tensor_descriptor(p_dq, [GROUP, T_q, D], [sdqa[2], sdqa[1], 1],
-                                                 [1, BLOCK_M, D // 2], DQ_LAYOUT)
+                                                 [1, BLOCK_M, _dq_cols(D)], DQ_LAYOUT)
         else:
             dq_desc = dk_desc
         return dk_desc, dv_desc, dq_desc
@@ -334,6 +342,32 @@ def _wait_tile(q_smem, do_smem, full, it, STAGES: gl.constexpr, BLOCK_M: gl.cons
 
 
 @gluon.jit
+def _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0, k_cols1, dq_zero,
+             dq_t, dv_tok, dk_tok, s, b, it, at, i_g, m0, col0: gl.constexpr,
+             half: gl.constexpr, scale):
+    """A fused dK/dV warpgroup's dQ products of tile ``it`` (``_consumer``): once both dS^T
+    halves are in buffer ``b``, ``dS K`` over the block's keys into dQ's columns from
+    ``col0``, added into the float32 dQ by a TMA reduce; the ring slot ``s`` and the dS^T
+    buffer handed back. Returns dV and dK, their products waited for."""
+    mbarrier.wait(ds_full.index(b), (it // 2) & 1)
+    dq_tok = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k_cols0, dq_zero,
+                           use_acc=False, is_async=True)
+    dq_tok = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k_cols1, dq_tok,
+                           is_async=True)
+    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+    mbarrier.arrive(ds_empty.index(b))
+    mbarrier.arrive(empty.index(s))
+    # The reduce before from this buffer has read it (its issuing thread waits, the
+    # warpgroup's barrier holds the others until it has): reuse it.
+    tma.store_wait(0)
+    gl.thread_barrier()
+    dq_t.store(dq * scale)
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, _q_coord(at, i_g, m0, col0), dq_smem.index(half))
+    return dv, dk
+
+
+@gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
               kv_bar, full, empty, p_lse, p_delta, stride_th, half,
               n0, T_q, T_k, shift, left, right, scale, scale_log2,
@@ -348,7 +382,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     the float32 dQ's descriptor): each tile's ``dS^T`` also goes to shared memory; once both
     warpgroups' halves are there this one computes dQ's columns ``[half * D/2, (half + 1) *
     D/2)`` of the tile, ``dS K`` over the block's 128 keys, and adds them into the float32
-    dQ by a TMA reduce (the dQ pass's recomputation of S and dP is gone)."""
+    dQ by a TMA reduce (the dQ pass's recomputation of S and dP is gone). At D = 64 (half
+    a K row would cut its 128-byte swizzle atom) the warpgroups take whole tiles in turn
+    instead: warpgroup ``it % 2`` computes all of tile ``it``'s dQ columns."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -370,14 +406,17 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     v_t = v_smem.index(half).reshape([HALF_N, D])
     if FUSED_DQ:
         ds_smem, ds_full, ds_empty, dq_smem = fused
-        HALF_D: gl.constexpr = D // 2
+        # dQ's columns a warpgroup computes in a tile: half of them, or at D = 64 all (the
+        # warpgroups take turns by tile).
+        DQ_COLS: gl.constexpr = _dq_cols(D)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16])
-        dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16])
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         # dQ's columns of this warpgroup in each K half (a whole 128-byte swizzle atom).
-        k_cols0 = k_smem.index(0).reshape([HALF_N, D]).slice(half * HALF_D, HALF_D, dim=1)
-        k_cols1 = k_smem.index(1).reshape([HALF_N, D]).slice(half * HALF_D, HALF_D, dim=1)
-        dq_t = dq_smem.index(half).reshape([BLOCK_M, HALF_D])
+        col0: gl.constexpr = half * DQ_COLS % D
+        k_cols0 = k_smem.index(0).reshape([HALF_N, D]).slice(col0, DQ_COLS, dim=1)
+        k_cols1 = k_smem.index(1).reshape([HALF_N, D]).slice(col0, DQ_COLS, dim=1)
+        dq_t = dq_smem.index(half).reshape([BLOCK_M, DQ_COLS])
     mbarrier.wait(kv_bar, 0)
 
     i_g = 0
@@ -428,21 +467,20 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
             fence_async_shared()
             gl.thread_barrier()  # every thread's part stored before the one arrive
             mbarrier.arrive(ds_full.index(b))
-            mbarrier.wait(ds_full.index(b), (it // 2) & 1)
-            dq_tok = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k_cols0, dq_zero,
-                                   use_acc=False, is_async=True)
-            dq_tok = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k_cols1, dq_tok,
-                                   is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-            mbarrier.arrive(ds_empty.index(b))
-            mbarrier.arrive(empty.index(s))
-            # The previous tile's reduce has read its staging buffer (its issuing thread
-            # waits, the warpgroup's barrier holds the others until it has): reuse it.
-            tma.store_wait(0)
-            gl.thread_barrier()
-            dq_t.store(dq * scale)
-            fence_async_shared()
-            _tma_reduce_add(dq_desc, _q_coord(at, i_g, m0, half * HALF_D), dq_smem.index(half))
+            if DQ_COLS < D:
+                dv, dk = _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
+                                  k_cols1, dq_zero, dq_t, dv_tok, dk_tok, s, b, it, at, i_g,
+                                  m0, col0, half, scale)
+            elif b == half:
+                dv, dk = _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
+                                  k_cols1, dq_zero, dq_t, dv_tok, dk_tok, s, b, it, at, i_g,
+                                  m0, col0, half, scale)
+            else:
+                # The other warpgroup's turn (D = 64): this one does not read the dS^T
+                # buffer, so it hands it back at once (freed when that one's products end).
+                mbarrier.arrive(ds_empty.index(b))
+                dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+                mbarrier.arrive(empty.index(s))
         else:
             dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk,
                                    is_async=True)
@@ -452,7 +490,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
 
     if FUSED_DQ:
         # Both warpgroups' last dQ products read both K halves: done before K's buffers
-        # stage dK below.
+        # stage dK below (at D = 64 the last tile's ends after the one before it).
         if n_tiles > 0:
             mbarrier.wait(ds_empty.index((n_tiles - 1) % 2), ((n_tiles - 1) // 2) & 1)
 
@@ -689,7 +727,8 @@ def _dkdv_sm90_kernel(
         # a float32 staging buffer a warpgroup for its dQ columns, dQ's descriptor (rows
         # past the sequence clipped).
         ds_smem, ds_full, ds_empty = _handoff(dtype, 4, BLOCK_M, 2)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, D // 2], DQ_LAYOUT)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, _dq_cols(D)],
+                                            DQ_LAYOUT)
         fused = (ds_smem, ds_full, ds_empty, dq_smem)
     else:
         fused = ()
@@ -862,7 +901,7 @@ def _dkdv_host_spec(dtype: torch.dtype, d: int, block_m: int) -> tuple:
     ``_dkdv_sm90_kernel``'s buffers (unswizzled float32 for the stats and dQ)."""
     rows, keys = _rows_spec(dtype, block_m, d), _rows_spec(dtype, _HALF_N, d)
     stats = ("stats", block_m, STAT_LAYOUT.value)
-    dq = ("rows", block_m, d // 2, DQ_LAYOUT.value)
+    dq = ("rows", block_m, _dq_cols(d), DQ_LAYOUT.value)
     return (rows, keys, keys, rows, stats, stats, keys, keys, None, None, None, dq)
 
 
@@ -936,15 +975,24 @@ class _FusedRun:
         p.dq.copy_(dq_acc)
 
 
+# D = 64 fused too (its warpgroups take dQ's tiles in turn, ``_dq_cols``). Before its run
+# (session 36) D = 64 kept the two passes: a key-split fused form lost 7-13% (session 33).
+FUSED_D64 = True
+
+
+def _fused_dims() -> tuple:
+    return (64, 128) if FUSED_D64 else (128, )
+
+
 def fused_plan(p: BwdPass) -> _FusedRun | None:
     """The fused backward of a prepared call (``dispatch.attn_bwd`` asks when the call is
     not deterministic), or None: off (``FUSED_DQ``), no key, or outside the dK/dV and dQ
-    kernels' common domain at D = Dv = 128."""
+    kernels' common domain at D = Dv = 64 (``FUSED_D64``) or 128."""
     run = p.plan.launches.get("sm90 fused", _MISSING)
     if run is _MISSING:
         run = None
         if FUSED_DQ and p.has_keys and supported(p.q, p.k, p.v, p.dout, p.dk, p.dv,
-                                                 softcap=p.softcap, dims=(128, )):
+                                                 softcap=p.softcap, dims=_fused_dims()):
             st = p.plan.dq_kw
             run = _FusedRun(_dkdv_launch(
                 p, 12, stride_dqa=(st["stride_dqb"], st["stride_dqs"], st["stride_dqh"]),

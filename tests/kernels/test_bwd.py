@@ -397,19 +397,28 @@ def test_attn_bwd_gpu_sm90(device, kernel_opts, monkeypatch, dtype, case, path):
     pytest.param(dict(b=2, sq=2048, sk=2048, hq=8, hkv=2), id="full_gqa_2k"),
     pytest.param(dict(b=2, sq=1000, sk=700, hq=8, hkv=1, window=(300, 0)), id="window_mqa"),
 ])
-def test_attn_bwd_gpu_sm90_fused_matches_two_passes(case):
+@pytest.mark.parametrize("d", [64, 128])
+def test_attn_bwd_gpu_sm90_fused_matches_two_passes(case, d):
     """The fused backward (dQ added by TMA reduces, in an order that varies) against the two
     Hopper passes (deterministic): dK and dV computed by the same products in the same
-    order, equal bit for bit; dQ's float32 sums in another order, within one bf16 rounding."""
+    order, equal bit for bit; dQ's float32 sums in another order, within one bf16 rounding.
+    D = 64: the warpgroups take dQ's tiles in turn (D = 128: each its half of the columns)."""
     g = torch.Generator().manual_seed(51)
     case = dict(case)
     b, sq, sk, hq, hkv = (case.pop(n) for n in ("b", "sq", "sk", "hq", "hkv"))
-    mk = lambda s, h: torch.randn(b, s, h, 128, generator=g).to("cuda", torch.bfloat16)
+    mk = lambda s, h: torch.randn(b, s, h, d, generator=g).to("cuda", torch.bfloat16)
     q, k, v, dout = mk(sq, hq), mk(sk, hkv), mk(sk, hkv), mk(sq, hq)
     left, right = normalize_window(case.pop("causal", False), case.pop("window", (None, None)))
-    kw = dict(left=left, right=right, softcap=0.0, scale=128 ** -0.5, sink=None)
+    kw = dict(left=left, right=right, softcap=0.0, scale=d ** -0.5, sink=None)
     out, lse = dispatch.attn_fwd(q, k, v, **kw)
-    fused = dispatch.attn_bwd(dout, None, q, k, v, out, lse, **kw)
+    from flashlse.kernels import bwd_sm90
+
+    runs = []
+    real = bwd_sm90.fused_plan
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bwd_sm90, "fused_plan", lambda p: runs.append(real(p)) or runs[-1])
+        fused = dispatch.attn_bwd(dout, None, q, k, v, out, lse, **kw)
+    assert runs and all(runs)  # the fused pass ran
     two = dispatch.attn_bwd(dout, None, q, k, v, out, lse, deterministic=True, **kw)
     assert torch.equal(fused[1], two[1]) and torch.equal(fused[2], two[2])
     assert not fused[0].isnan().any()
@@ -798,7 +807,9 @@ def test_attn_bwd_gpu_sm90_varlen_bad_data_stays_in_its_sequence(monkeypatch, d,
 
 
 # The Gluon kernels at their other head dims: dQ at D = 256, dK/dV at D = 256 (the role
-# split) and D = 64 (its dQ is bwd.py's there; configs.BWD_SM90_DKDV_DIMS).
+# split) and D = 64 (two passes, deterministic: its dQ is bwd.py's there;
+# configs.BWD_SM90_DKDV_DIMS), and D = 64's fused pass (the default: dQ's tiles taken by
+# the warpgroups in turn, bwd_sm90.FUSED_D64).
 # window_31_0 has rows that see no key and no sink (lse = -inf, dq = 0).
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
@@ -807,9 +818,11 @@ def test_attn_bwd_gpu_sm90_varlen_bad_data_stays_in_its_sequence(monkeypatch, d,
                                           ("dkdv", 256, torch.bfloat16),
                                           ("dkdv", 256, torch.float16),
                                           ("dkdv", 64, torch.bfloat16),
-                                          ("dkdv", 64, torch.float16)],
+                                          ("dkdv", 64, torch.float16),
+                                          ("fused", 64, torch.bfloat16),
+                                          ("fused", 64, torch.float16)],
                          ids=["dq_d256", "dkdv_d256_bf16", "dkdv_d256_fp16", "dkdv_d64_bf16",
-                              "dkdv_d64_fp16"])
+                              "dkdv_d64_fp16", "fused_d64_bf16", "fused_d64_fp16"])
 @pytest.mark.parametrize("case", SM90_CASES)
 def test_attn_bwd_gpu_sm90_other_dims(device, kernel_opts, monkeypatch, case, part, d, dtype,
                                       path):
@@ -817,11 +830,13 @@ def test_attn_bwd_gpu_sm90_other_dims(device, kernel_opts, monkeypatch, case, pa
 
     calls = []
     real = getattr(bwd_sm90, f"{part}_plan")
-    kernel_opts(**{f"sm90_{part}": path == "sm90"})
+    for name in ("dkdv", "dq") if part == "fused" else (part, ):
+        kernel_opts(**{f"sm90_{name}": path == "sm90"})
     monkeypatch.setattr(bwd_sm90, f"{part}_plan", lambda p: calls.append(real(p)) or calls[-1])
     case = dict(case)
     b, sq, sk, hq, hkv = (case.pop(n) for n in ("b", "sq", "sk", "hq", "hkv"))
-    _run_dense(device, dtype, b, sq, sk, hq, hkv, d, d, seed=6, **case)
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, d, d, seed=6,
+               deterministic=part != "fused", **case)
     assert len(calls) == (1 if path == "sm90" else 0) and all(calls)
 
 
