@@ -819,7 +819,9 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     if roles and not stats_tma:
         return None  # the role split reads lse and delta from the ring only
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
-    tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
+    stages = 3 if (RING3_D64 and d == 64) else cfg.num_stages
+    tiles = dict(BLOCK_M=cfg.block_m, STAGES=stages,
+                 EARLY_DP=cfg.early_dp or (EARLY_DP_D64 and d == 64),
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
                  P_F32=ROLE_P_F32, LPT=_lpt(args), **fused)
@@ -829,6 +831,12 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     if not host:
         return run
     return _HostDescs(run, _dkdv_host_spec(p.q.dtype, d, cfg.block_m), p.seqlen_q)
+
+
+# A third Q / dO ring stage at D = 64 (session 36 variant, measured in turn).
+RING3_D64 = False
+# dP^T issued with S^T at D = 64 (session 36 variant, measured in turn).
+EARLY_DP_D64 = False
 
 
 # Dense calls pass the dK/dV kernel descriptors made on the host (one per tensor a call,
