@@ -47,8 +47,6 @@
 #                                                GPU tests, memcheck, bench_serving A/B
 #   bash benchmarks/h200_session.sh fused64    # D = 64's fused backward (FUSED_D64): its
 #                                                tests, fwd+bwd on / off in turn
-#   bash benchmarks/h200_session.sh d64-vars   # two D = 64 fused dK/dV variants (a third
-#                                                ring stage, EARLY_DP): grads, A/B in turn
 #   bash benchmarks/h200_session.sh mla-cost   # issue 18: the MLA decode's fixed cost a program
 #                                                (mla_fixed_cost.py), MLA public rows, host us
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
@@ -67,7 +65,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv fused64 d64-vars readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv fused64 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -371,20 +369,6 @@ if [ "$1" = fused64 ]; then
     for kv in 32 8; do
         timeout 130 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.FUSED_D64 --dim 64 \
             --heads 32 --kv-heads $kv --seqs 1024,2048,4096,8192 2>&1 | tail -9
-    done
-    exit 0
-fi
-if [ "$1" = d64-vars ]; then
-    # Session 36: two variants of D = 64's fused dK/dV kernel, each a flag: a third Q / dO
-    # ring stage (RING3_D64) and dP^T issued with S^T (EARLY_DP_D64). Gradients against the
-    # flag off and float64 first, then fwd+bwd on / off in turn, MHA and GQA 32 / 8.
-    for f in RING3_D64 EARLY_DP_D64; do
-        timeout 120 python3 benchmarks/check_flag_grads.py --flag bwd_sm90.$f --dim 64 \
-            2>&1 | tail -7
-        for kv in 32 8; do
-            timeout 130 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.$f --dim 64 \
-                --heads 32 --kv-heads $kv --seqs 1024,2048,4096,8192 2>&1 | tail -9
-        done
     done
     exit 0
 fi

@@ -352,10 +352,6 @@ def cases():
         # D = 64 fused: the warpgroups take dQ's tiles in turn (whole rows of 64 columns).
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label}", \
             bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64), 4, 1
-        yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label} 3 stages", \
-            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64, STAGES=3), 4, 1
-        yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label} EARLY_DP", \
-            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64, EARLY_DP=True), 4, 1
         if not f["IS_VARLEN"]:
             hd64 = host_descs(
                 bwd_sm90._dkdv_host_spec(torch.bfloat16, 64, configs.BWD_SM90_DKDV.block_m),

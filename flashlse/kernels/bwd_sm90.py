@@ -4,8 +4,8 @@ On by default inside their domain (``KernelOptions.sm90_dkdv`` / ``sm90_dq`` tur
 cannot compile them warns once and runs ``bwd.py``'s kernels. H200, bf16, D = 128 (per-kernel
 device time, benchmarks/RESULTS.md, S = 4k / 8k): dQ 15-20% faster than ``bwd.py``'s, dK/dV
 from 2% slower (8k non-causal, one run) to 7% faster; both together 8-11%. A call that is
-not ``deterministic`` runs one pass instead at D = 128 (``FUSED_DQ``: dQ added by TMA
-reduces from the dK/dV kernel), 0-9% faster again. Dense calls hand the dK/dV kernel TMA
+not ``deterministic`` runs one pass instead at D = 64 and 128 (``FUSED_DQ``: dQ added by
+TMA reduces from the dK/dV kernel), 0-9% faster again at D = 128, 0.5-6% at D = 64. Dense calls hand the dK/dV kernel TMA
 descriptors made on the host (``HOST_DESC``; each program made ten in global memory before):
 fwd+bwd 3-19% faster again, the most at S = 1k where a program has the fewest tiles. Varlen
 calls keep the per-program descriptors (they clip at each sequence's end).
@@ -819,9 +819,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     if roles and not stats_tma:
         return None  # the role split reads lse and delta from the ring only
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
-    stages = 3 if (RING3_D64 and d == 64) else cfg.num_stages
-    tiles = dict(BLOCK_M=cfg.block_m, STAGES=stages,
-                 EARLY_DP=cfg.early_dp or (EARLY_DP_D64 and d == 64),
+    tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
                  P_F32=ROLE_P_F32, LPT=_lpt(args), **fused)
@@ -831,12 +829,6 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     if not host:
         return run
     return _HostDescs(run, _dkdv_host_spec(p.q.dtype, d, cfg.block_m), p.seqlen_q)
-
-
-# A third Q / dO ring stage at D = 64 (session 36 variant, measured in turn).
-RING3_D64 = False
-# dP^T issued with S^T at D = 64 (session 36 variant, measured in turn).
-EARLY_DP_D64 = False
 
 
 # Dense calls pass the dK/dV kernel descriptors made on the host (one per tensor a call,
@@ -983,8 +975,11 @@ class _FusedRun:
         p.dq.copy_(dq_acc)
 
 
-# D = 64 fused too (its warpgroups take dQ's tiles in turn, ``_dq_cols``). Before its run
-# (session 36) D = 64 kept the two passes: a key-split fused form lost 7-13% (session 33).
+# D = 64 fused too: its warpgroups take dQ's tiles in turn (``_dq_cols``). RESULTS.md
+# 2026-12-04, session 36 call 2 (fwd+bwd on / off in turn, B*S = 16k, 32 query heads,
+# S = 1k-8k): MHA full 1.005-1.041x, causal 1.029-1.047x; GQA 32 / 8 full 1.008-1.042x,
+# causal 1.040-1.062x (0.98-1.00x cuDNN). Session 33's key-split fused form (each warpgroup
+# all 64 columns over its own keys: twice the reduce traffic) had lost 7-13%.
 FUSED_D64 = True
 
 

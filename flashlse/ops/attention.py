@@ -469,10 +469,10 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
         causal: ``right = 0``. window: ``(left, right)``. softcap: ``c tanh(s / c)``, 0 = off.
         scale: default ``1/sqrt(D)``. sink: ``(Hq,)`` float32 logits. return_lse: also return lse.
         deterministic: bitwise-repeatable backward. By default (False) the Hopper backward
-            at D = 128 adds dq into a float32 buffer by TMA reduces from the dK/dV pass, in
-            an order that varies run to run (dq within float32 rounding, 0-9% faster);
-            True, or ``torch.use_deterministic_algorithms(True)``, computes dq in its own
-            pass with no atomics, as every other backward path always does.
+            at D = 64 and 128 adds dq into a float32 buffer by TMA reduces from the dK/dV
+            pass, in an order that varies run to run (dq within float32 rounding, 0-9%
+            faster); True, or ``torch.use_deterministic_algorithms(True)``, computes dq in
+            its own pass with no atomics, as every other backward path always does.
 
     Returns:
         ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 natural log if ``return_lse``.
