@@ -65,7 +65,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv fused64 turns128 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv fused64 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -369,19 +369,6 @@ if [ "$1" = fused64 ]; then
     for kv in 32 8; do
         timeout 130 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.FUSED_D64 --dim 64 \
             --heads 32 --kv-heads $kv --seqs 1024,2048,4096,8192 2>&1 | tail -9
-    done
-    exit 0
-fi
-if [ "$1" = turns128 ]; then
-    # Session 36: D = 128's fused dK/dV in D = 64's form (bwd_sm90.DQ_TURNS_D128: the
-    # warpgroups take whole dQ tiles in turn, so only one waits for the other's dS^T half):
-    # gradients against the flag off and float64, then fwd+bwd on / off in turn, MHA 16 and
-    # GQA 16 / 4.
-    timeout 120 python3 benchmarks/check_flag_grads.py --flag bwd_sm90.DQ_TURNS_D128 \
-        --dim 128 2>&1 | tail -7
-    for kv in 16 4; do
-        timeout 150 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.DQ_TURNS_D128 \
-            --heads 16 --kv-heads $kv --seqs 1024,2048,4096,8192 2>&1 | tail -9
     done
     exit 0
 fi

@@ -297,7 +297,7 @@ def cases():
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
                       STATS_TMA=True, CONSUMER_REGS=240, dq_acc=None,
                       stride_dqa=None, FUSED_DQ=False, HOST_DESC=False, ROLE_SPLIT=False,
-                      P_F32=True, LPT=False, DQ_TURNS=False)
+                      P_F32=True, LPT=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
         fused = {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
@@ -323,15 +323,6 @@ def cases():
             hd_fused = dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3)
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, hd_fused, dict(fused, HOST_DESC=True), 4, 1
-            # D = 128 with dQ's tiles taken in turn (bwd_sm90.DQ_TURNS_D128).
-            hd_turns = host_descs(
-                bwd_sm90._dkdv_host_spec(torch.bfloat16, 128, configs.BWD_SM90_DKDV.block_m,
-                                         True),
-                ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
-                 "dq_acc"))
-            yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label} host desc turns", \
-                bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd_turns, stride_dqa=("i32",) * 3), \
-                dict(fused, HOST_DESC=True, DQ_TURNS=True), 4, 1
             # The grid longest first (bwd_sm90.LPT), GQA's group of 4.
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 G=4 {label} host desc LPT", \
                 bwd_sm90._dkdv_sm90_kernel, hd_fused, \
