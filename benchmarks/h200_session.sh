@@ -65,7 +65,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv fused64 kdcopy readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
+if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv fused64 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -370,24 +370,6 @@ if [ "$1" = fused64 ]; then
         timeout 130 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.FUSED_D64 --dim 64 \
             --heads 32 --kv-heads $kv --seqs 1024,2048,4096,8192 2>&1 | tail -9
     done
-    exit 0
-fi
-if [ "$1" = kdcopy ]; then
-    # Session 36: D = 64's fused dK/dV with dQ's columns split as at D = 128
-    # (bwd_sm90.KD_COPY_D64: each warpgroup's 32 K columns copied once a program into a
-    # buffer of their own swizzle): gradients against the flag off and float64, fwd+bwd on /
-    # off in turn (MHA 32, GQA 32 / 8), then every D = 64 backward GPU test with it on.
-    timeout 120 python3 benchmarks/check_flag_grads.py --flag bwd_sm90.KD_COPY_D64 --dim 64 \
-        2>&1 | tail -7
-    for kv in 32 8; do
-        timeout 130 python3 benchmarks/ab_bwd_switch.py --flag bwd_sm90.KD_COPY_D64 --dim 64 \
-            --heads 32 --kv-heads $kv --seqs 1024,2048,4096,8192 2>&1 | tail -9
-    done
-    timeout 240 python3 -c "import sys, pytest; from flashlse.kernels import bwd_sm90; \
-bwd_sm90.KD_COPY_D64 = True; sys.exit(pytest.main(['-q', 'tests/kernels/test_bwd.py', \
-'-p', 'no:cacheprovider', '-k', '64 and (fused or direct_launch or sm90_varlen or bad_data \
-or lpt_order or head_dims or other_dims)']))" > "$OUT/test_kdcopy.log" 2>&1
-    tail -1 "$OUT/test_kdcopy.log"; grep -h "^FAILED\|^ERROR" "$OUT/test_kdcopy.log" | head
     exit 0
 fi
 if [ "$1" = paged-next ]; then

@@ -297,7 +297,7 @@ def cases():
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
                       STATS_TMA=True, CONSUMER_REGS=240, dq_acc=None,
                       stride_dqa=None, FUSED_DQ=False, HOST_DESC=False, ROLE_SPLIT=False,
-                      P_F32=True, LPT=False, KD_COPY=False)
+                      P_F32=True, LPT=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
         fused = {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
@@ -352,8 +352,6 @@ def cases():
         # D = 64 fused: the warpgroups take dQ's tiles in turn (whole rows of 64 columns).
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label}", \
             bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64), 4, 1
-        yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label} kd copy", \
-            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64, KD_COPY=True), 4, 1
         if not f["IS_VARLEN"]:
             hd64 = host_descs(
                 bwd_sm90._dkdv_host_spec(torch.bfloat16, 64, configs.BWD_SM90_DKDV.block_m),

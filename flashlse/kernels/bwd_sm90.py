@@ -198,12 +198,11 @@ STAT_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bi
 
 
 @gluon.constexpr_function
-def _dq_cols(d, kd_copy=False):
+def _dq_cols(d):
     """dQ's columns a fused dK/dV warpgroup computes a tile: half of D's (each warpgroup its
     half of every tile), or all of D = 64's (half a 128-byte K row would cut its swizzle
-    atom; the warpgroups take the tiles in turn) unless ``kd_copy`` (its half of K's
-    columns copied into a buffer of their own)."""
-    return d if d <= 64 and not kd_copy else d // 2
+    atom; the warpgroups take the tiles in turn)."""
+    return d if d <= 64 else d // 2
 
 
 @gluon.jit
@@ -240,8 +239,7 @@ def _load_descs(loads, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constex
 
 @gluon.jit
 def _store_descs(stores, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                 FUSED_DQ: gl.constexpr, HOST_DESC: gl.constexpr,
-                 KD_COPY: gl.constexpr = False):
+                 FUSED_DQ: gl.constexpr, HOST_DESC: gl.constexpr):
     """A consumer's descriptors (dK, dV, and the float32 dQ if ``FUSED_DQ``), as
     :func:`_load_descs` gives the producer's."""
     if HOST_DESC:
@@ -256,7 +254,7 @@ def _store_descs(stores, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.const
                                              [1, HALF_N, D], kv_lay)
         if FUSED_DQ:
             dq_desc = tma.make_tensor_descriptor(p_dq, [GROUP, T_q, D], [sdqa[2], sdqa[1], 1],
-                                                 [1, BLOCK_M, _dq_cols(D, KD_COPY)], DQ_LAYOUT)
+                                                 [1, BLOCK_M, _dq_cols(D)], DQ_LAYOUT)
         else:
             dq_desc = dk_desc
         return dk_desc, dv_desc, dq_desc
@@ -377,7 +375,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               EARLY_DP: gl.constexpr, STATS_TMA: gl.constexpr, FUSED_DQ: gl.constexpr,
-              HOST_DESC: gl.constexpr, LPT: gl.constexpr, KD_COPY: gl.constexpr = False):
+              HOST_DESC: gl.constexpr, LPT: gl.constexpr):
     """One warpgroup: 64 keys against every (head, row block) that sees the key block.
 
     ``FUSED_DQ`` (``fused``: dS's shared buffers and their barriers, dQ's staging buffers and
@@ -403,41 +401,23 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     # sm_90 compile; it was faster all the same, RESULTS.md session 20.)
     at = _coord_bases(GROUP, D, HOST_DESC, LPT)
     # Made while the producer makes its own and loads K and V.
-    dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, FUSED_DQ, HOST_DESC,
-                                             KD_COPY)
+    dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, FUSED_DQ, HOST_DESC)
     k_t = k_smem.index(half).reshape([HALF_N, D])
     v_t = v_smem.index(half).reshape([HALF_N, D])
     if FUSED_DQ:
-        if KD_COPY:
-            ds_smem, ds_full, ds_empty, dq_smem, kd_smem = fused
-        else:
-            ds_smem, ds_full, ds_empty, dq_smem = fused
+        ds_smem, ds_full, ds_empty, dq_smem = fused
         # dQ's columns a warpgroup computes in a tile: half of them, or at D = 64 all (the
-        # warpgroups take turns by tile) unless KD_COPY.
-        DQ_COLS: gl.constexpr = _dq_cols(D, KD_COPY)
+        # warpgroups take turns by tile).
+        DQ_COLS: gl.constexpr = _dq_cols(D)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16])
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         # dQ's columns of this warpgroup in each K half (a whole 128-byte swizzle atom).
         col0: gl.constexpr = half * DQ_COLS % D
-        if KD_COPY:
-            # (D = 64: 32 columns are 64 bytes, half K's swizzle atom: copies in their own.)
-            k_cols0 = kd_smem.index(2 * half)
-            k_cols1 = kd_smem.index(2 * half + 1)
-        else:
-            k_cols0 = k_smem.index(0).reshape([HALF_N, D]).slice(col0, DQ_COLS, dim=1)
-            k_cols1 = k_smem.index(1).reshape([HALF_N, D]).slice(col0, DQ_COLS, dim=1)
+        k_cols0 = k_smem.index(0).reshape([HALF_N, D]).slice(col0, DQ_COLS, dim=1)
+        k_cols1 = k_smem.index(1).reshape([HALF_N, D]).slice(col0, DQ_COLS, dim=1)
         dq_t = dq_smem.index(half).reshape([BLOCK_M, DQ_COLS])
     mbarrier.wait(kv_bar, 0)
-    if FUSED_DQ:
-        if KD_COPY:
-            # This warpgroup's dQ columns of both K halves, once a program.
-            cp_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-            for kh in gl.static_range(2):
-                part = k_smem.index(kh).reshape([HALF_N, D]).slice(col0, DQ_COLS, dim=1)
-                kd_smem.index(2 * half + kh).store(part.load(cp_layout))
-            fence_async_shared()
-            gl.thread_barrier()
 
     i_g = 0
     m0 = m_lo
@@ -663,7 +643,7 @@ def _dkdv_sm90_kernel(
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
     STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr = False,
     HOST_DESC: gl.constexpr = False, ROLE_SPLIT: gl.constexpr = False,
-    P_F32: gl.constexpr = True, LPT: gl.constexpr = False, KD_COPY: gl.constexpr = False,
+    P_F32: gl.constexpr = True, LPT: gl.constexpr = False,
 ):
     # ROLE_SPLIT (D = 256): a 64-key block, one warpgroup's products P^T and dV, the other's
     # dP^T and dK (``_p_dv_consumer``, ``_ds_dk_consumer``), so each holds one [64, D]
@@ -747,16 +727,9 @@ def _dkdv_sm90_kernel(
         # a float32 staging buffer a warpgroup for its dQ columns, dQ's descriptor (rows
         # past the sequence clipped).
         ds_smem, ds_full, ds_empty = _handoff(dtype, 4, BLOCK_M, 2)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, _dq_cols(D, KD_COPY)],
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, _dq_cols(D)],
                                             DQ_LAYOUT)
-        if KD_COPY:
-            # Each warpgroup's dQ columns of both K halves (``_consumer``), in their layout.
-            kd_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, D // 2],
-                                                                           dtype)
-            kd_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, D // 2], kd_layout)
-            fused = (ds_smem, ds_full, ds_empty, dq_smem, kd_smem)
-        else:
-            fused = (ds_smem, ds_full, ds_empty, dq_smem)
+        fused = (ds_smem, ds_full, ds_empty, dq_smem)
     else:
         fused = ()
 
@@ -781,12 +754,12 @@ def _dkdv_sm90_kernel(
                          full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
                          left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                          n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT, KD_COPY)),
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT)),
             (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
                          full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
                          left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                          n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT, KD_COPY)),
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT)),
             (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
                          full, empty, n0, m_lo, m_hi, n_tiles,
                          _coord_bases(GROUP, D, HOST_DESC, LPT), GROUP, D, BLOCK_M, STAGES,
@@ -855,8 +828,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
     if not host:
         return run
-    return _HostDescs(run, _dkdv_host_spec(p.q.dtype, d, cfg.block_m,
-                                           fused.get("KD_COPY", False)), p.seqlen_q)
+    return _HostDescs(run, _dkdv_host_spec(p.q.dtype, d, cfg.block_m), p.seqlen_q)
 
 
 # Dense calls pass the dK/dV kernel descriptors made on the host (one per tensor a call,
@@ -923,13 +895,13 @@ def _desc(t: torch.Tensor, shape: list, strides: list, block: list, layout) -> T
 
 
 @functools.cache
-def _dkdv_host_spec(dtype: torch.dtype, d: int, block_m: int, kd_copy: bool = False) -> tuple:
+def _dkdv_host_spec(dtype: torch.dtype, d: int, block_m: int) -> tuple:
     """How each of the dK/dV kernel's tensor arguments (``BwdPass.dkdv_tensors`` order, then
     the float32 dQ if fused) becomes a host descriptor (``_HostDescs``), in the layouts of
     ``_dkdv_sm90_kernel``'s buffers (unswizzled float32 for the stats and dQ)."""
     rows, keys = _rows_spec(dtype, block_m, d), _rows_spec(dtype, _HALF_N, d)
     stats = ("stats", block_m, STAT_LAYOUT.value)
-    dq = ("rows", block_m, _dq_cols(d, kd_copy), DQ_LAYOUT.value)
+    dq = ("rows", block_m, _dq_cols(d), DQ_LAYOUT.value)
     return (rows, keys, keys, rows, stats, stats, keys, keys, None, None, None, dq)
 
 
@@ -1009,9 +981,6 @@ class _FusedRun:
 # causal 1.040-1.062x (0.98-1.00x cuDNN). Session 33's key-split fused form (each warpgroup
 # all 64 columns over its own keys: twice the reduce traffic) had lost 7-13%.
 FUSED_D64 = True
-# D = 64 with dQ's columns split as at D = 128 (each warpgroup's 32 columns of K copied once a
-# program into a buffer of their own swizzle; session 36 variant, measured in turn).
-KD_COPY_D64 = False
 
 
 def _fused_dims() -> tuple:
@@ -1030,7 +999,7 @@ def fused_plan(p: BwdPass) -> _FusedRun | None:
             st = p.plan.dq_kw
             run = _FusedRun(_dkdv_launch(
                 p, 12, stride_dqa=(st["stride_dqb"], st["stride_dqs"], st["stride_dqh"]),
-                FUSED_DQ=True, KD_COPY=KD_COPY_D64 and p.q.shape[-1] == 64))
+                FUSED_DQ=True))
         p.plan.launches["sm90 fused"] = run
     return run
 
