@@ -11,17 +11,20 @@ the flag-off error, and fails on a NaN or an error above twice the flag-off one 
 from __future__ import annotations
 
 import argparse
-import importlib
+import functools
 import os
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The repo root last: a PYTHONPATH tree (an in-turn A/B's .before) comes first.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import flag_runs  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 from flashlse import reference  # noqa: E402
-from flashlse.kernels import bwd  # noqa: E402
 
 
 def _grads(q, k, v, dout, causal, dtype):
@@ -34,13 +37,17 @@ def _grads(q, k, v, dout, causal, dtype):
     return [t.grad.to(torch.float64) for t in leaves]
 
 
+def _errors(q, k, v, dout, causal, want) -> list[tuple[float, bool]]:
+    """(largest error against ``want``, any NaN) of dq, dk, dv in bf16."""
+    return [((x - w).abs().max().item(), x.isnan().any().item())
+            for x, w in zip(_grads(q, k, v, dout, causal, torch.bfloat16), want)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--flag", required=True, help="MODULE.NAME under flashlse.kernels")
+    ap.add_argument("--flag", required=True, help="as _common.flag_runs takes it")
     ap.add_argument("--dim", type=int, default=128)
     a = ap.parse_args()
-    mod_name, name = a.flag.rsplit(".", 1)
-    mod = importlib.import_module(f"flashlse.kernels.{mod_name}")
     g = torch.Generator().manual_seed(7)
     bad = 0
     for b, sq, sk, hq, hkv in ((2, 777, 777, 8, 8), (1, 1000, 700, 8, 2), (3, 256, 300, 4, 1)):
@@ -48,14 +55,11 @@ def main() -> int:
             mk = lambda s, h, b=b: torch.randn(b, s, h, a.dim, generator=g).cuda()
             q, k, v, dout = mk(sq, hq), mk(sk, hkv), mk(sk, hkv), mk(sq, hq).double()
             want = _grads(q, k, v, dout, causal, torch.float64)
-            errs = {}
-            for on in (False, True):
-                setattr(mod, name, on)
-                bwd._BWD_PLANS.clear()
-                got = _grads(q, k, v, dout, causal, torch.bfloat16)
-                errs[on] = [((x - w).abs().max().item(), x.isnan().any().item())
-                            for x, w in zip(got, want)]
-            setattr(mod, name, False)
+            # The flag on, off, then its value back (the plans dropped at each change).
+            on, off, restore = flag_runs(a.flag, functools.partial(_errors, q, k, v, dout,
+                                                                   causal, want))
+            errs = {True: on(), False: off()}
+            restore()
             ok = all(not n1 and e1 <= 2 * e0 + 1e-3
                      for (e0, _), (e1, n1) in zip(errs[False], errs[True]))
             bad += not ok
