@@ -518,6 +518,22 @@ def test_attn_bwd_sm90_lpt_order_is_a_permutation(n_n, n_h, n_b):
         assert len(pairs) * n_n == len(blocks)
 
 
+def test_attn_bwd_sm90_fused_dq_forms(monkeypatch):
+    """The fused dK/dV kernel's dQ forms (no GPU needed): at D = 128 each warpgroup takes half
+    of dQ's columns every tile, at D = 64 (half a K row would cut its 128-byte swizzle atom)
+    whole tiles in turn; the float32 dQ's host descriptor boxes match. D = 64 is in the fused
+    pass's domain by ``FUSED_D64`` (measured 1.005-1.062x the two passes, session 36)."""
+    bwd_sm90 = pytest.importorskip("flashlse.kernels.bwd_sm90")
+
+    assert bwd_sm90._dq_cols(128) == 64 and bwd_sm90._dq_cols(64) == 64
+    for d, block_m in ((64, 64), (128, 64)):
+        dq_box = bwd_sm90._dkdv_host_spec(torch.bfloat16, d, block_m)[-1]
+        assert dq_box[:3] == ("rows", block_m, 64)
+    assert bwd_sm90._fused_dims() == (64, 128)
+    monkeypatch.setattr(bwd_sm90, "FUSED_D64", False)
+    assert bwd_sm90._fused_dims() == (128, )
+
+
 def test_attn_bwd_sm90_lpt_rule(monkeypatch):
     """The longest-first dK/dV order (``bwd_sm90.LPT``) is taken by causal GQA calls only (a
     right bound and no left one, more query heads than kv heads), at every head dim:
