@@ -52,8 +52,9 @@
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
-#   bash benchmarks/h200_session.sh prof-bwd   # Nsight Compute: the backward's kernels beside
-#                                                cuDNN's (benchmarks/ncu_bwd.py), S = 1k and 4k
+#   bash benchmarks/h200_session.sh prof-bwd [D]  # Nsight Compute: the backward's kernels
+#                                                beside cuDNN's (benchmarks/ncu_bwd.py), S = 1k
+#                                                and 4k, D = 128 or D
 #   Before / after tables of two trees in one call: benchmarks/before_after.sh. The one-off
 #   modes of earlier sessions (their checks recorded in NOTES.md / RESULTS.md) are in the
 #   git history of this file.
@@ -423,12 +424,12 @@ if [ "$1" = prof-src ]; then
 fi
 if [ "$1" = prof-bwd ]; then
     # Issue 22's backward gap, kernel by kernel against cuDNN's (one public fwd+bwd and one
-    # cuDNN SDPA fwd+bwd each, causal at S = 1k and 4k, B*S = 16k, H = 16, D = 128).
+    # cuDNN SDPA fwd+bwd each, causal at S = 1k and 4k, B*S = 16k, H*D = 2048, D = ${2:-128}).
     for s in 1024 4096; do
         timeout 240 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
             --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
             --csv --page details python3 benchmarks/ncu_bwd.py --run --seqlen $s \
-            > "$OUT/ncu_bwd_$s.csv" 2> "$OUT/ncu_bwd_$s.err"
+            --dim "${2:-128}" > "$OUT/ncu_bwd_$s.csv" 2> "$OUT/ncu_bwd_$s.err"
         echo "== causal S=$s (rc $?)"
         python3 benchmarks/ncu_bwd.py --read "$OUT/ncu_bwd_$s.csv" | cut -c1-140
     done
