@@ -467,6 +467,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
             fence_async_shared()
             gl.thread_barrier()  # every thread's part stored before the one arrive
             mbarrier.arrive(ds_full.index(b))
+            # Every tile is this warpgroup's at D = 128 (a constant branch; one condition
+            # with the turn's test would put a runtime branch in D = 128's code), every
+            # other one at D = 64.
             if DQ_COLS < D:
                 dv, dk = _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
                                   k_cols1, dq_zero, dq_t, dv_tok, dk_tok, s, b, it, at, i_g,
