@@ -160,6 +160,13 @@ def host_descs(spec: tuple, names: tuple) -> dict:
     return out
 
 
+def _dkdv_host_descs(d: int) -> dict:
+    """The dK/dV kernel's host descriptor types at head dim ``d`` (bf16, the shipped tile)."""
+    return host_descs(bwd_sm90._dkdv_host_spec(torch.bfloat16, d, configs.BWD_SM90_DKDV.block_m),
+                      ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None,
+                       None, "dq_acc"))
+
+
 def cases():
     flags = dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, IS_VARLEN=False,
                  HAS_SEQUSED_K=False)
@@ -313,10 +320,7 @@ def cases():
             bwd_sm90._dkdv_sm90_kernel, fused_types, fused, 4, 1
         if not f["IS_VARLEN"]:
             # Dense calls: descriptors made on the host (HOST_DESC), two-pass and fused.
-            hd = host_descs(
-                bwd_sm90._dkdv_host_spec(torch.bfloat16, 128, configs.BWD_SM90_DKDV.block_m),
-                ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
-                 "dq_acc"))
+            hd = _dkdv_host_descs(128)
             yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd), \
                 dict(consts, HOST_DESC=True), 4, 1
@@ -328,10 +332,7 @@ def cases():
                 bwd_sm90._dkdv_sm90_kernel, hd_fused, \
                 dict(fused, HOST_DESC=True, GROUP=4, LPT=True), 4, 1
             # D = 256: the role split (one warpgroup P^T and dV, the other dP^T and dK).
-            hd256 = host_descs(
-                bwd_sm90._dkdv_host_spec(torch.bfloat16, 256, configs.BWD_SM90_DKDV.block_m),
-                ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
-                 "dq_acc"))
+            hd256 = _dkdv_host_descs(256)
             yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=256 {label} roles host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd256), \
                 dict(consts, D=256, HOST_DESC=True, ROLE_SPLIT=True), 4, 1
@@ -353,10 +354,7 @@ def cases():
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label}", \
             bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64), 4, 1
         if not f["IS_VARLEN"]:
-            hd64 = host_descs(
-                bwd_sm90._dkdv_host_spec(torch.bfloat16, 64, configs.BWD_SM90_DKDV.block_m),
-                ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None, None,
-                 "dq_acc"))
+            hd64 = _dkdv_host_descs(64)
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd64, stride_dqa=("i32",) * 3), \
                 dict(fused, D=64, HOST_DESC=True, GROUP=4, LPT=True), 4, 1

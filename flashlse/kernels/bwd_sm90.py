@@ -1,14 +1,15 @@
 """Hopper dK/dV and dQ: two consumer warpgroups and a TMA producer warp each (Gluon).
 
-On by default inside their domain (``KernelOptions.sm90_dkdv`` / ``sm90_dq`` turn them off); a triton that
-cannot compile them warns once and runs ``bwd.py``'s kernels. H200, bf16, D = 128 (per-kernel
-device time, benchmarks/RESULTS.md, S = 4k / 8k): dQ 15-20% faster than ``bwd.py``'s, dK/dV
-from 2% slower (8k non-causal, one run) to 7% faster; both together 8-11%. A call that is
-not ``deterministic`` runs one pass instead at D = 64 and 128 (``FUSED_DQ``: dQ added by
-TMA reduces from the dK/dV kernel), 0-9% faster again at D = 128, 0.5-6% at D = 64. Dense calls hand the dK/dV kernel TMA
-descriptors made on the host (``HOST_DESC``; each program made ten in global memory before):
-fwd+bwd 3-19% faster again, the most at S = 1k where a program has the fewest tiles. Varlen
-calls keep the per-program descriptors (they clip at each sequence's end).
+On by default inside their domain (``KernelOptions.sm90_dkdv`` / ``sm90_dq`` turn them
+off); a triton that cannot compile them warns once and runs ``bwd.py``'s kernels. H200,
+bf16, D = 128 (per-kernel device time, benchmarks/RESULTS.md, S = 4k / 8k): dQ 15-20%
+faster than ``bwd.py``'s, dK/dV from 2% slower (8k non-causal, one run) to 7% faster; both
+together 8-11%. A call that is not ``deterministic`` runs one pass instead at D = 64 and
+128 (``FUSED_DQ``: dQ added by TMA reduces from the dK/dV kernel), 0-9% faster again at
+D = 128, 0.5-6% at D = 64. Dense calls hand the dK/dV kernel TMA descriptors made on the
+host (``HOST_DESC``; each program made ten in global memory before): fwd+bwd 3-19% faster
+again, the most at S = 1k where a program has the fewest tiles. Varlen calls keep the
+per-program descriptors (they clip at each sequence's end).
 
 dQ (``_dq_sm90_kernel``) is the forward's program (fwd_sm90.py: 128 query rows in two
 halves, K/V ring) with the backward's row math: ``S = Q K^T`` and ``dP = dO V^T`` issued

@@ -245,8 +245,8 @@ FWD_SM90 = {
     # 4k +13 / +13%, 8k +13 / +12%, 16k +11 / +10%; causal 1k -1 / -2%, 2k +9 / +10%, 4k +10 /
     # +11%, 8k +6 / +6%, 16k +12 / +10% (0.88-1.00x cuDNN but at causal 1k, 0.76x). The grid
     # kernel lost to fwd.py's below 8k at D = 64 (session 15): dense calls with seqused_k
-    # and the layouts neither persistent kernel takes stay on fwd.py's. persistent_varlen: RESULTS.md
-    # 2026-12-04 session 34, call 2 (bench_varlen --dim 64, 16k causal tokens, H = 16):
+    # and the layouts neither persistent kernel takes stay on fwd.py's. persistent_varlen:
+    # RESULTS.md 2026-12-04 session 34, call 2 (bench_varlen --dim 64, 16k causal tokens, H = 16):
     # 0.257 against fwd.py's 0.282 ms on documents of 64-4k, 0.346 / 0.403 on 4 x 4k, 0.147 /
     # 0.145 on 16 x 1k; the dense key splits it brings (bench_serving --dim 64, 8 / 2
     # heads): 1 x 512 rows on 64k keys 3.63x, 1 x 1024 on 32k 1.87x, 2 x 512 on 16k (no
