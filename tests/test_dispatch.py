@@ -478,6 +478,7 @@ def test_backward_fused_by_default(kernels):
     g = kernels.of("dkdv_sm90")
     acc = g.args[11]
     assert g.named["FUSED_DQ"] and acc.dtype == torch.float32 and acc.shape == q.shape
+    assert g.named["DQ_SWIZZLE"]  # its dQ tiles staged in swizzled boxes
     assert g.named["stride_dqa"] == dq.stride()[:3] and g.args[6] is dk
     assert g.grid == (3, 2, 2)  # (ceil(333 / 128) key blocks, Hkv, B)
     for opts in (dict(deterministic=True), dict(deterministic=False, sm90_dq=False)):
@@ -492,7 +493,7 @@ def test_backward_fused_by_default(kernels):
     finally:
         torch.use_deterministic_algorithms(False)
     assert kernels.names() != ["bwd_pre", "dkdv_sm90"] and not kernels.of("dkdv_sm90").named[
-        "FUSED_DQ"]
+        "FUSED_DQ"] and not kernels.of("dkdv_sm90").named["DQ_SWIZZLE"]
 
 
 def test_backward_takes_both_hopper_kernels_with_their_arguments(kernels):
@@ -604,7 +605,7 @@ def test_backward_compile_failure_falls_back_per_pass(kernels):
     assert all(portable[n] is gluon[n] for n in gluon
                if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
                             "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ", "HOST_DESC",
-                            "ROLE_SPLIT", "P_F32", "LPT"))
+                            "ROLE_SPLIT", "P_F32", "LPT", "DQ_SWIZZLE"))
     assert portable["dk"] is dk and portable["HEAD_LOOP"] == bool(
         configs.BWD_DKDV[128].head_loop)
     assert [key[0] for key in FAILURES] == ["bwd_sm90 dK/dV"]
@@ -643,7 +644,7 @@ def test_backward_host_descriptors_cover_the_whole_tensors():
     dq_acc = torch.zeros(q.shape)
     got = []
     run = bwd_sm90._HostDescs(lambda *a: got.extend(a),
-                              bwd_sm90._dkdv_host_spec(q.dtype, d, bm), s)
+                              bwd_sm90._dkdv_host_spec(q.dtype, d, bm, True), s)
     run(q, k, v, dout, lse_log2, delta, dk, dv, None, None, None, dq_acc)
     # The layouts the kernel gives its buffers (``_dkdv_sm90_kernel``), written out here.
     from triton.experimental.gluon import language as gl
@@ -651,7 +652,8 @@ def test_backward_host_descriptors_cover_the_whole_tensors():
     row = gl.NVMMASharedLayout.get_default_for([1, bm, d], gl.bfloat16)
     kv = gl.NVMMASharedLayout.get_default_for([1, 64, d], gl.bfloat16)
     stat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    dql = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+    # The fused pass's float32 dQ (DQ_SWIZZLE): 32-column boxes in the 128-byte swizzle.
+    dql = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
     want = [(q, [b, s, hq * d], [s * hq * d, hq * d, 1], [1, bm, d], row),
             (k, [b, sk, hkv * d], [sk * hkv * d, hkv * d, 1], [1, 64, d], kv),
             (v, [b, sk, hkv * d], [sk * hkv * d, hkv * d, 1], [1, 64, d], kv),
@@ -668,7 +670,7 @@ def test_backward_host_descriptors_cover_the_whole_tensors():
         assert desc.layout == layout
     assert got[8:11] == [None, None, None]
     dq = got[11]
-    assert dq.base is dq_acc and dq.shape == [b, s, hq * d] and dq.block_shape == [1, bm, d // 2]
+    assert dq.base is dq_acc and dq.shape == [b, s, hq * d] and dq.block_shape == [1, bm, 32]
     assert dq.layout == dql and len(got) == 12
 
     # The dQ kernel's (DQ_HOST_DESC): Q, dO, dQ in 64-row boxes, K, V in BLOCK_N-row ones,

@@ -160,9 +160,11 @@ def host_descs(spec: tuple, names: tuple) -> dict:
     return out
 
 
-def _dkdv_host_descs(d: int) -> dict:
-    """The dK/dV kernel's host descriptor types at head dim ``d`` (bf16, the shipped tile)."""
-    return host_descs(bwd_sm90._dkdv_host_spec(torch.bfloat16, d, configs.BWD_SM90_DKDV.block_m),
+def _dkdv_host_descs(d: int, dq_swizzle: bool = False) -> dict:
+    """The dK/dV kernel's host descriptor types at head dim ``d`` (bf16, the shipped tile;
+    the fused pass's float32 dQ boxes swizzled with ``dq_swizzle``)."""
+    return host_descs(bwd_sm90._dkdv_host_spec(torch.bfloat16, d, configs.BWD_SM90_DKDV.block_m,
+                                               dq_swizzle),
                       ("q", "k", "v", "dout", "lse_log2", "delta", "dk", "dv", None, None,
                        None, "dq_acc"))
 
@@ -304,11 +306,11 @@ def cases():
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
                       STATS_TMA=True, CONSUMER_REGS=240, dq_acc=None,
                       stride_dqa=None, FUSED_DQ=False, HOST_DESC=False, ROLE_SPLIT=False,
-                      P_F32=True, LPT=False)
+                      P_F32=True, LPT=False, DQ_SWIZZLE=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
         fused = {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
-                 "FUSED_DQ": True}
+                 "FUSED_DQ": True, "DQ_SWIZZLE": bwd_sm90.DQ_SWIZZLE}
         fused_types = dict(sm90_bwd, dq_acc=F32, stride_dqa=("i32",) * 3)
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
@@ -324,7 +326,8 @@ def cases():
             yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd), \
                 dict(consts, HOST_DESC=True), 4, 1
-            hd_fused = dict(sm90_bwd, **hd, stride_dqa=("i32",) * 3)
+            hd_fused = dict(sm90_bwd, **_dkdv_host_descs(128, bwd_sm90.DQ_SWIZZLE),
+                            stride_dqa=("i32",) * 3)
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, hd_fused, dict(fused, HOST_DESC=True), 4, 1
             # The grid longest first (bwd_sm90.LPT), GQA's group of 4.
@@ -354,7 +357,7 @@ def cases():
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label}", \
             bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64), 4, 1
         if not f["IS_VARLEN"]:
-            hd64 = _dkdv_host_descs(64)
+            hd64 = _dkdv_host_descs(64, bwd_sm90.DQ_SWIZZLE)
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd64, stride_dqa=("i32",) * 3), \
                 dict(fused, D=64, HOST_DESC=True, GROUP=4, LPT=True), 4, 1

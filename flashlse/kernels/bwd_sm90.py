@@ -191,9 +191,12 @@ def _coord_bases(GROUP: gl.constexpr, D: gl.constexpr, HOST_DESC: gl.constexpr,
         return (0, 1, 0, 0, 0, 0, 0)
 
 
-# The float32 dQ's staging buffers and descriptor boxes (fused pass): no swizzle.
+# The float32 dQ's staging buffers and descriptor boxes (fused pass): unswizzled rows of
+# the whole tile (``DQ_SWIZZLE`` off), or 32-column boxes in the 128-byte swizzle.
 DQ_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                rank=3))
+DQ_SWZ_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                                   rank=3))
 STAT_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                 rank=2))
 
@@ -204,6 +207,19 @@ def _dq_cols(d):
     half of every tile), or all of D = 64's (half a 128-byte K row would cut its swizzle
     atom; the warpgroups take the tiles in turn)."""
     return d if d <= 64 else d // 2
+
+
+@gluon.constexpr_function
+def _dq_box(d, swizzle):
+    """dQ's columns a TMA reduce adds (its staging box): a warpgroup's whole tile of
+    :func:`_dq_cols`, or with ``swizzle`` 32 (128 bytes of float32, the swizzle's row; the
+    unswizzled tile's 256-byte rows put each warp's 8-byte stores 8 ways on one bank)."""
+    return 32 if swizzle else _dq_cols(d)
+
+
+@gluon.constexpr_function
+def _dq_layout(swizzle):
+    return (DQ_SWZ_LAYOUT if swizzle else DQ_LAYOUT).value
 
 
 @gluon.jit
@@ -240,7 +256,8 @@ def _load_descs(loads, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constex
 
 @gluon.jit
 def _store_descs(stores, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                 FUSED_DQ: gl.constexpr, HOST_DESC: gl.constexpr):
+                 FUSED_DQ: gl.constexpr, HOST_DESC: gl.constexpr,
+                 DQ_SWIZZLE: gl.constexpr = False):
     """A consumer's descriptors (dK, dV, and the float32 dQ if ``FUSED_DQ``), as
     :func:`_load_descs` gives the producer's."""
     if HOST_DESC:
@@ -255,7 +272,8 @@ def _store_descs(stores, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.const
                                              [1, HALF_N, D], kv_lay)
         if FUSED_DQ:
             dq_desc = tma.make_tensor_descriptor(p_dq, [GROUP, T_q, D], [sdqa[2], sdqa[1], 1],
-                                                 [1, BLOCK_M, _dq_cols(D)], DQ_LAYOUT)
+                                                 [1, BLOCK_M, _dq_box(D, DQ_SWIZZLE)],
+                                                 _dq_layout(DQ_SWIZZLE))
         else:
             dq_desc = dk_desc
         return dk_desc, dv_desc, dq_desc
@@ -344,8 +362,8 @@ def _wait_tile(q_smem, do_smem, full, it, STAGES: gl.constexpr, BLOCK_M: gl.cons
 
 @gluon.jit
 def _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0, k_cols1, dq_zero,
-             dq_t, dv_tok, dk_tok, s, b, it, at, i_g, m0, col0: gl.constexpr,
-             half: gl.constexpr, scale):
+             dv_tok, dk_tok, s, b, it, at, i_g, m0, col0: gl.constexpr,
+             half: gl.constexpr, scale, DQ_SWIZZLE: gl.constexpr):
     """A fused dK/dV warpgroup's dQ products of tile ``it`` (``_consumer``): once both dS^T
     halves are in buffer ``b``, ``dS K`` over the block's keys into dQ's columns from
     ``col0``, added into the float32 dQ by a TMA reduce; the ring slot ``s`` and the dS^T
@@ -362,9 +380,22 @@ def _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0, k_col
     # warpgroup's barrier holds the others until it has): reuse it.
     tma.store_wait(0)
     gl.thread_barrier()
-    dq_t.store(dq * scale)
-    fence_async_shared()
-    _tma_reduce_add(dq_desc, _q_coord(at, i_g, m0, col0), dq_smem.index(half))
+    dq = dq * scale
+    BLOCK_M: gl.constexpr = dq.shape[0]
+    BOX: gl.constexpr = dq_desc.block_type.shape[2]
+    if DQ_SWIZZLE:
+        # Two 32-column boxes, each in its own buffer (two views of one would be ordered by
+        # a barrier between their stores): the register tile's column halves.
+        lo, hi = gl.split(gl.permute(gl.reshape(dq, [BLOCK_M, 2, BOX]), (0, 2, 1)))
+        dq_smem[0].index(half).reshape([BLOCK_M, BOX]).store(lo)
+        dq_smem[1].index(half).reshape([BLOCK_M, BOX]).store(hi)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, _q_coord(at, i_g, m0, col0), dq_smem[0].index(half))
+        _tma_reduce_add(dq_desc, _q_coord(at, i_g, m0, col0 + BOX), dq_smem[1].index(half))
+    else:
+        dq_smem.index(half).reshape([BLOCK_M, BOX]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, _q_coord(at, i_g, m0, col0), dq_smem.index(half))
     return dv, dk
 
 
@@ -376,7 +407,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               EARLY_DP: gl.constexpr, STATS_TMA: gl.constexpr, FUSED_DQ: gl.constexpr,
-              HOST_DESC: gl.constexpr, LPT: gl.constexpr):
+              HOST_DESC: gl.constexpr, LPT: gl.constexpr, DQ_SWIZZLE: gl.constexpr):
     """One warpgroup: 64 keys against every (head, row block) that sees the key block.
 
     ``FUSED_DQ`` (``fused``: dS's shared buffers and their barriers, dQ's staging buffers and
@@ -402,7 +433,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     # sm_90 compile; it was faster all the same, RESULTS.md session 20.)
     at = _coord_bases(GROUP, D, HOST_DESC, LPT)
     # Made while the producer makes its own and loads K and V.
-    dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, FUSED_DQ, HOST_DESC)
+    dk_desc, dv_desc, dq_desc = _store_descs(stores, GROUP, D, BLOCK_M, FUSED_DQ, HOST_DESC,
+                                             DQ_SWIZZLE)
     k_t = k_smem.index(half).reshape([HALF_N, D])
     v_t = v_smem.index(half).reshape([HALF_N, D])
     if FUSED_DQ:
@@ -417,7 +449,6 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
         col0: gl.constexpr = half * DQ_COLS % D
         k_cols0 = k_smem.index(0).reshape([HALF_N, D]).slice(col0, DQ_COLS, dim=1)
         k_cols1 = k_smem.index(1).reshape([HALF_N, D]).slice(col0, DQ_COLS, dim=1)
-        dq_t = dq_smem.index(half).reshape([BLOCK_M, DQ_COLS])
     mbarrier.wait(kv_bar, 0)
 
     i_g = 0
@@ -473,12 +504,12 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
             # other one at D = 64.
             if DQ_COLS < D:
                 dv, dk = _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
-                                  k_cols1, dq_zero, dq_t, dv_tok, dk_tok, s, b, it, at, i_g,
-                                  m0, col0, half, scale)
+                                  k_cols1, dq_zero, dv_tok, dk_tok, s, b, it, at, i_g, m0,
+                                  col0, half, scale, DQ_SWIZZLE)
             elif b == half:
                 dv, dk = _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
-                                  k_cols1, dq_zero, dq_t, dv_tok, dk_tok, s, b, it, at, i_g,
-                                  m0, col0, half, scale)
+                                  k_cols1, dq_zero, dv_tok, dk_tok, s, b, it, at, i_g, m0,
+                                  col0, half, scale, DQ_SWIZZLE)
             else:
                 # The other warpgroup's turn (D = 64): this one does not read the dS^T
                 # buffer, so it hands it back at once (freed when that one's products end).
@@ -647,7 +678,7 @@ def _dkdv_sm90_kernel(
     IS_VARLEN: gl.constexpr, HAS_SEQUSED_K: gl.constexpr, EARLY_DP: gl.constexpr,
     STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr = False,
     HOST_DESC: gl.constexpr = False, ROLE_SPLIT: gl.constexpr = False,
-    P_F32: gl.constexpr = True, LPT: gl.constexpr = False,
+    P_F32: gl.constexpr = True, LPT: gl.constexpr = False, DQ_SWIZZLE: gl.constexpr = False,
 ):
     # ROLE_SPLIT (D = 256): a 64-key block, one warpgroup's products P^T and dV, the other's
     # dP^T and dK (``_p_dv_consumer``, ``_ds_dk_consumer``), so each holds one [64, D]
@@ -731,8 +762,12 @@ def _dkdv_sm90_kernel(
         # a float32 staging buffer a warpgroup for its dQ columns, dQ's descriptor (rows
         # past the sequence clipped).
         ds_smem, ds_full, ds_empty = _handoff(dtype, 4, BLOCK_M, 2)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, _dq_cols(D)],
-                                            DQ_LAYOUT)
+        if DQ_SWIZZLE:
+            dq_smem = (gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, 32], DQ_SWZ_LAYOUT),
+                       gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, 32], DQ_SWZ_LAYOUT))
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, _dq_cols(D)],
+                                                DQ_LAYOUT)
         fused = (ds_smem, ds_full, ds_empty, dq_smem)
     else:
         fused = ()
@@ -758,12 +793,12 @@ def _dkdv_sm90_kernel(
                          full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
                          left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                          n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT)),
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT, DQ_SWIZZLE)),
             (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
                          full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
                          left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                          n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT)),
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT, DQ_SWIZZLE)),
             (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
                          full, empty, n0, m_lo, m_hi, n_tiles,
                          _coord_bases(GROUP, D, HOST_DESC, LPT), GROUP, D, BLOCK_M, STAGES,
@@ -793,7 +828,8 @@ def dkdv_plan(p: BwdPass) -> Launch | None:
         run = None
         dims = tuple(d for d in configs.BWD_SM90_DKDV_DIMS if d <= 128 or ROLE_SPLIT)
         if supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap, dims=dims):
-            run = _dkdv_launch(p, 11, dq_acc=None, stride_dqa=None, FUSED_DQ=False)
+            run = _dkdv_launch(p, 11, dq_acc=None, stride_dqa=None, FUSED_DQ=False,
+                               DQ_SWIZZLE=False)
         p.plan.launches["sm90 dK/dV"] = run
     return run
 
@@ -832,7 +868,8 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
     if not host:
         return run
-    return _HostDescs(run, _dkdv_host_spec(p.q.dtype, d, cfg.block_m), p.seqlen_q)
+    spec = _dkdv_host_spec(p.q.dtype, d, cfg.block_m, fused.get("DQ_SWIZZLE", False))
+    return _HostDescs(run, spec, p.seqlen_q)
 
 
 # Dense calls pass the dK/dV kernel descriptors made on the host (one per tensor a call,
@@ -899,13 +936,13 @@ def _desc(t: torch.Tensor, shape: list, strides: list, block: list, layout) -> T
 
 
 @functools.cache
-def _dkdv_host_spec(dtype: torch.dtype, d: int, block_m: int) -> tuple:
+def _dkdv_host_spec(dtype: torch.dtype, d: int, block_m: int, dq_swizzle: bool = False) -> tuple:
     """How each of the dK/dV kernel's tensor arguments (``BwdPass.dkdv_tensors`` order, then
     the float32 dQ if fused) becomes a host descriptor (``_HostDescs``), in the layouts of
     ``_dkdv_sm90_kernel``'s buffers (unswizzled float32 for the stats and dQ)."""
     rows, keys = _rows_spec(dtype, block_m, d), _rows_spec(dtype, _HALF_N, d)
     stats = ("stats", block_m, STAT_LAYOUT.value)
-    dq = ("rows", block_m, _dq_cols(d), DQ_LAYOUT.value)
+    dq = ("rows", block_m, _dq_box(d, dq_swizzle), _dq_layout(dq_swizzle))
     return (rows, keys, keys, rows, stats, stats, keys, keys, None, None, None, dq)
 
 
@@ -987,6 +1024,13 @@ class _FusedRun:
 FUSED_D64 = True
 
 
+# The fused pass stages each dQ tile for its TMA reduce in two 32-column boxes in the
+# 128-byte swizzle (False: one unswizzled box, whose 256-byte rows make every 8-byte store
+# of the accumulator layout an 8-way bank conflict: 4x the ideal wavefronts, ncu, D = 64
+# and 128).
+DQ_SWIZZLE = True
+
+
 def _fused_dims() -> tuple:
     return (64, 128) if FUSED_D64 else (128, )
 
@@ -1003,7 +1047,7 @@ def fused_plan(p: BwdPass) -> _FusedRun | None:
             st = p.plan.dq_kw
             run = _FusedRun(_dkdv_launch(
                 p, 12, stride_dqa=(st["stride_dqb"], st["stride_dqs"], st["stride_dqh"]),
-                FUSED_DQ=True))
+                FUSED_DQ=True, DQ_SWIZZLE=DQ_SWIZZLE))
         p.plan.launches["sm90 fused"] = run
     return run
 

@@ -528,7 +528,11 @@ def test_attn_bwd_sm90_fused_dq_forms(monkeypatch):
     assert bwd_sm90._dq_cols(128) == 64 and bwd_sm90._dq_cols(64) == 64
     for d, block_m in ((64, 64), (128, 64)):
         dq_box = bwd_sm90._dkdv_host_spec(torch.bfloat16, d, block_m)[-1]
-        assert dq_box[:3] == ("rows", block_m, 64)
+        assert dq_box[:3] == ("rows", block_m, 64) and dq_box[3].swizzle_byte_width == 0
+        # Swizzled staging (DQ_SWIZZLE): a tile's columns in 32-column (128-byte) boxes.
+        dq_box = bwd_sm90._dkdv_host_spec(torch.bfloat16, d, block_m, True)[-1]
+        assert dq_box[:3] == ("rows", block_m, 32) and dq_box[3].swizzle_byte_width == 128
+    assert bwd_sm90.DQ_SWIZZLE
     assert bwd_sm90._fused_dims() == (64, 128)
     monkeypatch.setattr(bwd_sm90, "FUSED_D64", False)
     assert bwd_sm90._fused_dims() == (128, )
