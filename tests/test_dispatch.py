@@ -479,6 +479,11 @@ def test_backward_fused_by_default(kernels):
     acc = g.args[11]
     assert g.named["FUSED_DQ"] and acc.dtype == torch.float32 and acc.shape == q.shape
     assert g.named["DQ_SWIZZLE"]  # its dQ tiles staged in swizzled boxes
+    assert g.named["DQ_LAG"]  # D = 128: each tile's dQ products one tile late
+    kernels.log.clear()
+    _backward(*_dense(d=64), deterministic=False)
+    g64 = kernels.of("dkdv_sm90").named
+    assert g64["FUSED_DQ"] and g64["DQ_SWIZZLE"] and not g64["DQ_LAG"]  # measured: no gain
     assert g.named["stride_dqa"] == dq.stride()[:3] and g.args[6] is dk
     assert g.grid == (3, 2, 2)  # (ceil(333 / 128) key blocks, Hkv, B)
     for opts in (dict(deterministic=True), dict(deterministic=False, sm90_dq=False)):
@@ -493,7 +498,8 @@ def test_backward_fused_by_default(kernels):
     finally:
         torch.use_deterministic_algorithms(False)
     assert kernels.names() != ["bwd_pre", "dkdv_sm90"] and not kernels.of("dkdv_sm90").named[
-        "FUSED_DQ"] and not kernels.of("dkdv_sm90").named["DQ_SWIZZLE"]
+        "FUSED_DQ"] and not kernels.of("dkdv_sm90").named["DQ_SWIZZLE"] and not kernels.of(
+        "dkdv_sm90").named["DQ_LAG"]
 
 
 def test_backward_takes_both_hopper_kernels_with_their_arguments(kernels):
@@ -605,7 +611,7 @@ def test_backward_compile_failure_falls_back_per_pass(kernels):
     assert all(portable[n] is gluon[n] for n in gluon
                if n not in ("BLOCK_M", "STAGES", "EARLY_DP", "STATS_TMA", "CONSUMER_REGS",
                             "num_warps", "dq_acc", "stride_dqa", "FUSED_DQ", "HOST_DESC",
-                            "ROLE_SPLIT", "P_F32", "LPT", "DQ_SWIZZLE"))
+                            "ROLE_SPLIT", "P_F32", "LPT", "DQ_SWIZZLE", "DQ_LAG"))
     assert portable["dk"] is dk and portable["HEAD_LOOP"] == bool(
         configs.BWD_DKDV[128].head_loop)
     assert [key[0] for key in FAILURES] == ["bwd_sm90 dK/dV"]

@@ -306,11 +306,12 @@ def cases():
                       HAS_SEQUSED_K=f["HAS_SEQUSED_K"], EARLY_DP=False,
                       STATS_TMA=True, CONSUMER_REGS=240, dq_acc=None,
                       stride_dqa=None, FUSED_DQ=False, HOST_DESC=False, ROLE_SPLIT=False,
-                      P_F32=True, LPT=False, DQ_SWIZZLE=False)
+                      P_F32=True, LPT=False, DQ_SWIZZLE=False, DQ_LAG=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
         fused = {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
-                 "FUSED_DQ": True, "DQ_SWIZZLE": bwd_sm90.DQ_SWIZZLE}
+                 "FUSED_DQ": True, "DQ_SWIZZLE": bwd_sm90.DQ_SWIZZLE,
+                 "DQ_LAG": bwd_sm90.DQ_LAG}
         fused_types = dict(sm90_bwd, dq_acc=F32, stride_dqa=("i32",) * 3)
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
@@ -355,12 +356,12 @@ def cases():
                 sm90_bwd, dict(consts, D=64), 4, 1
         # D = 64 fused: the warpgroups take dQ's tiles in turn (whole rows of 64 columns).
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label}", \
-            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64), 4, 1
+            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64, DQ_LAG=False), 4, 1
         if not f["IS_VARLEN"]:
             hd64 = _dkdv_host_descs(64, bwd_sm90.DQ_SWIZZLE)
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd64, stride_dqa=("i32",) * 3), \
-                dict(fused, D=64, HOST_DESC=True, GROUP=4, LPT=True), 4, 1
+                dict(fused, D=64, HOST_DESC=True, GROUP=4, LPT=True, DQ_LAG=False), 4, 1
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=128 causal EARLY_DP", \
                 bwd_sm90._dkdv_sm90_kernel, sm90_bwd, dict(consts, EARLY_DP=True), 4, 1
         consts = dict(GROUP=2, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],

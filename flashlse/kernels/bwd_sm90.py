@@ -363,7 +363,8 @@ def _wait_tile(q_smem, do_smem, full, it, STAGES: gl.constexpr, BLOCK_M: gl.cons
 @gluon.jit
 def _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0, k_cols1, dq_zero,
              dv_tok, dk_tok, s, b, it, at, i_g, m0, col0: gl.constexpr,
-             half: gl.constexpr, scale, DQ_SWIZZLE: gl.constexpr):
+             half: gl.constexpr, scale, DQ_SWIZZLE: gl.constexpr,
+             RELEASE: gl.constexpr = True):
     """A fused dK/dV warpgroup's dQ products of tile ``it`` (``_consumer``): once both dS^T
     halves are in buffer ``b``, ``dS K`` over the block's keys into dQ's columns from
     ``col0``, added into the float32 dQ by a TMA reduce; the ring slot ``s`` and the dS^T
@@ -375,7 +376,8 @@ def _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0, k_col
                            is_async=True)
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
     mbarrier.arrive(ds_empty.index(b))
-    mbarrier.arrive(empty.index(s))
+    if RELEASE:
+        mbarrier.arrive(empty.index(s))
     # The reduce before from this buffer has read it (its issuing thread waits, the
     # warpgroup's barrier holds the others until it has): reuse it.
     tma.store_wait(0)
@@ -400,6 +402,31 @@ def _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0, k_col
 
 
 @gluon.jit
+def _dq_turn(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0, k_cols1, dq_zero,
+             dv_tok, dk_tok, s, b, it, at, i_g, m0, col0: gl.constexpr, half: gl.constexpr,
+             scale, DQ_SWIZZLE: gl.constexpr, DQ_COLS: gl.constexpr, D: gl.constexpr,
+             RELEASE: gl.constexpr = True):
+    """Tile ``it``'s dQ products (dS^T in buffer ``b``) where they are this warpgroup's:
+    every tile at D = 128 (a constant branch; one condition with the turn's test would put a
+    runtime branch in D = 128's code), every other one at D = 64, where the other warpgroup
+    hands the buffer back at once. Ring slot ``s`` released with ``RELEASE``."""
+    if DQ_COLS < D:
+        dv, dk = _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
+                          k_cols1, dq_zero, dv_tok, dk_tok, s, b, it, at, i_g, m0, col0, half,
+                          scale, DQ_SWIZZLE, RELEASE)
+    elif b == half:
+        dv, dk = _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
+                          k_cols1, dq_zero, dv_tok, dk_tok, s, b, it, at, i_g, m0, col0, half,
+                          scale, DQ_SWIZZLE, RELEASE)
+    else:
+        mbarrier.arrive(ds_empty.index(b))
+        dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+        if RELEASE:
+            mbarrier.arrive(empty.index(s))
+    return dv, dk
+
+
+@gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
               kv_bar, full, empty, p_lse, p_delta, stride_th, half,
               n0, T_q, T_k, shift, left, right, scale, scale_log2,
@@ -407,7 +434,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               EARLY_DP: gl.constexpr, STATS_TMA: gl.constexpr, FUSED_DQ: gl.constexpr,
-              HOST_DESC: gl.constexpr, LPT: gl.constexpr, DQ_SWIZZLE: gl.constexpr):
+              HOST_DESC: gl.constexpr, LPT: gl.constexpr, DQ_SWIZZLE: gl.constexpr,
+              DQ_LAG: gl.constexpr):
     """One warpgroup: 64 keys against every (head, row block) that sees the key block.
 
     ``FUSED_DQ`` (``fused``: dS's shared buffers and their barriers, dQ's staging buffers and
@@ -416,7 +444,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
     D/2)`` of the tile, ``dS K`` over the block's 128 keys, and adds them into the float32
     dQ by a TMA reduce (the dQ pass's recomputation of S and dP is gone). At D = 64 (half
     a K row would cut its 128-byte swizzle atom) the warpgroups take whole tiles in turn
-    instead: warpgroup ``it % 2`` computes all of tile ``it``'s dQ columns."""
+    instead: warpgroup ``it % 2`` computes all of tile ``it``'s dQ columns. With ``DQ_LAG``
+    each iteration takes the tile before's dQ products (the last tile's after the loop)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -453,6 +482,11 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
 
     i_g = 0
     m0 = m_lo
+    # The tile before's (head, row block), DQ_LAG. (Not ``= m_lo``: a name first bound to the
+    # same value as ``m0`` is not carried through the loop by Triton's frontend, which then
+    # reads m_lo in every iteration.)
+    lag_g = 0
+    lag_m0 = 0
     for it in range(n_tiles):
         s, q_t, do_t = _wait_tile(q_smem, do_smem, full, it, STAGES, BLOCK_M, D)
         rows = m0 + col_arange
@@ -499,23 +533,23 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
             fence_async_shared()
             gl.thread_barrier()  # every thread's part stored before the one arrive
             mbarrier.arrive(ds_full.index(b))
-            # Every tile is this warpgroup's at D = 128 (a constant branch; one condition
-            # with the turn's test would put a runtime branch in D = 128's code), every
-            # other one at D = 64.
-            if DQ_COLS < D:
-                dv, dk = _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
-                                  k_cols1, dq_zero, dv_tok, dk_tok, s, b, it, at, i_g, m0,
-                                  col0, half, scale, DQ_SWIZZLE)
-            elif b == half:
-                dv, dk = _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
-                                  k_cols1, dq_zero, dv_tok, dk_tok, s, b, it, at, i_g, m0,
-                                  col0, half, scale, DQ_SWIZZLE)
+            if DQ_LAG:
+                # The dQ products one tile late: the other warpgroup's half of tile it - 1
+                # was stored an iteration ago, so neither waits for the other's tile it.
+                if it > 0:
+                    dv, dk = _dq_turn(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc,
+                                      k_cols0, k_cols1, dq_zero, dv_tok, dk_tok, s, 1 - b,
+                                      it - 1, at, lag_g, lag_m0, col0, half, scale,
+                                      DQ_SWIZZLE, DQ_COLS, D)
+                else:
+                    dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
+                    mbarrier.arrive(empty.index(s))
+                lag_g = i_g
+                lag_m0 = m0
             else:
-                # The other warpgroup's turn (D = 64): this one does not read the dS^T
-                # buffer, so it hands it back at once (freed when that one's products end).
-                mbarrier.arrive(ds_empty.index(b))
-                dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-                mbarrier.arrive(empty.index(s))
+                dv, dk = _dq_turn(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
+                                  k_cols1, dq_zero, dv_tok, dk_tok, s, b, it, at, i_g, m0,
+                                  col0, half, scale, DQ_SWIZZLE, DQ_COLS, D)
         else:
             dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk,
                                    is_async=True)
@@ -524,6 +558,12 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores,
         i_g, m0 = _next_tile(i_g, m0, m_lo, m_hi, BLOCK_M)
 
     if FUSED_DQ:
+        if DQ_LAG:
+            if n_tiles > 0:
+                dv, dk = _dq_turn(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0,
+                                  k_cols1, dq_zero, dv, dk, 0, (n_tiles - 1) % 2,
+                                  n_tiles - 1, at, lag_g, lag_m0, col0, half, scale,
+                                  DQ_SWIZZLE, DQ_COLS, D, False)
         # Both warpgroups' last dQ products read both K halves: done before K's buffers
         # stage dK below (at D = 64 the last tile's ends after the one before it).
         if n_tiles > 0:
@@ -679,6 +719,7 @@ def _dkdv_sm90_kernel(
     STATS_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr = False,
     HOST_DESC: gl.constexpr = False, ROLE_SPLIT: gl.constexpr = False,
     P_F32: gl.constexpr = True, LPT: gl.constexpr = False, DQ_SWIZZLE: gl.constexpr = False,
+    DQ_LAG: gl.constexpr = False,
 ):
     # ROLE_SPLIT (D = 256): a 64-key block, one warpgroup's products P^T and dV, the other's
     # dP^T and dK (``_p_dv_consumer``, ``_ds_dk_consumer``), so each holds one [64, D]
@@ -793,12 +834,14 @@ def _dkdv_sm90_kernel(
                          full, empty, p_lse, p_delta, stride_th, 0, n0, T_q, T_k, shift,
                          left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                          n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT, DQ_SWIZZLE)),
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT, DQ_SWIZZLE,
+                         DQ_LAG)),
             (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, stores, kv_bar,
                          full, empty, p_lse, p_delta, stride_th, 1, n0, T_q, T_k, shift,
                          left, right, scale, scale_log2, m_lo, m_full_lo, m_full_hi, m_hi,
                          n_tiles, fused, GROUP, D, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT,
-                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT, DQ_SWIZZLE)),
+                         EARLY_DP, STATS_TMA, FUSED_DQ, HOST_DESC, LPT, DQ_SWIZZLE,
+                         DQ_LAG)),
             (_producer, (loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar,
                          full, empty, n0, m_lo, m_hi, n_tiles,
                          _coord_bases(GROUP, D, HOST_DESC, LPT), GROUP, D, BLOCK_M, STAGES,
@@ -829,7 +872,7 @@ def dkdv_plan(p: BwdPass) -> Launch | None:
         dims = tuple(d for d in configs.BWD_SM90_DKDV_DIMS if d <= 128 or ROLE_SPLIT)
         if supported(p.q, p.k, p.v, p.dout, p.dk, p.dv, softcap=p.softcap, dims=dims):
             run = _dkdv_launch(p, 11, dq_acc=None, stride_dqa=None, FUSED_DQ=False,
-                               DQ_SWIZZLE=False)
+                               DQ_SWIZZLE=False, DQ_LAG=False)
         p.plan.launches["sm90 dK/dV"] = run
     return run
 
@@ -1031,6 +1074,16 @@ FUSED_D64 = True
 DQ_SWIZZLE = True
 
 
+# The fused consumers take each tile's dQ products one tile late (``_consumer``), so the
+# two warpgroups no longer meet every tile at the dS^T hand-over. RESULTS.md 2026-12-04,
+# session 37 (fwd+bwd on / off in turn, B*S = 16k, three passes at S = 1k-4k): D = 128
+# (16 heads) 1k 0.975-1.024x, 2k 0.993-1.013x, 4k 1.018-1.031x, 8k 1.018-1.021x; at
+# D = 64 (32 heads, the warpgroups' dQ turns) full 0.970-1.007x, causal 0.997-1.036x: D = 128
+# only.
+DQ_LAG = True
+_DQ_LAG_DIMS = (128, )
+
+
 def _fused_dims() -> tuple:
     return (64, 128) if FUSED_D64 else (128, )
 
@@ -1047,7 +1100,8 @@ def fused_plan(p: BwdPass) -> _FusedRun | None:
             st = p.plan.dq_kw
             run = _FusedRun(_dkdv_launch(
                 p, 12, stride_dqa=(st["stride_dqb"], st["stride_dqs"], st["stride_dqh"]),
-                FUSED_DQ=True, DQ_SWIZZLE=DQ_SWIZZLE))
+                FUSED_DQ=True, DQ_SWIZZLE=DQ_SWIZZLE,
+                DQ_LAG=DQ_LAG and p.q.shape[-1] in _DQ_LAG_DIMS))
         p.plan.launches["sm90 fused"] = run
     return run
 
