@@ -367,8 +367,8 @@ def _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0, k_col
              RELEASE: gl.constexpr = True):
     """A fused dK/dV warpgroup's dQ products of tile ``it`` (``_consumer``): once both dS^T
     halves are in buffer ``b``, ``dS K`` over the block's keys into dQ's columns from
-    ``col0``, added into the float32 dQ by a TMA reduce; the ring slot ``s`` and the dS^T
-    buffer handed back. Returns dV and dK, their products waited for."""
+    ``col0``, added into the float32 dQ by a TMA reduce a staging box (``_dq_box``); the
+    dS^T buffer handed back, and with ``RELEASE`` the ring slot ``s``. Returns dV and dK, their products waited for."""
     mbarrier.wait(ds_full.index(b), (it // 2) & 1)
     dq_tok = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k_cols0, dq_zero,
                            use_acc=False, is_async=True)
@@ -800,12 +800,13 @@ def _dkdv_sm90_kernel(
         mbarrier.init(empty.index(i), count=2)
     if FUSED_DQ:
         # dS^T halves of two tiles (buffer, half), their barriers (both warpgroups arrive),
-        # a float32 staging buffer a warpgroup for its dQ columns, dQ's descriptor (rows
-        # past the sequence clipped).
+        # a float32 staging buffer a warpgroup for its dQ columns (with DQ_SWIZZLE two, one
+        # a 32-column box), dQ's descriptor (rows past the sequence clipped).
         ds_smem, ds_full, ds_empty = _handoff(dtype, 4, BLOCK_M, 2)
         if DQ_SWIZZLE:
-            dq_smem = (gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, 32], DQ_SWZ_LAYOUT),
-                       gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, 32], DQ_SWZ_LAYOUT))
+            BOX: gl.constexpr = _dq_box(D, DQ_SWIZZLE)
+            dq_smem = (gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, BOX], DQ_SWZ_LAYOUT),
+                       gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, BOX], DQ_SWZ_LAYOUT))
         else:
             dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, _dq_cols(D)],
                                                 DQ_LAYOUT)
@@ -982,7 +983,8 @@ def _desc(t: torch.Tensor, shape: list, strides: list, block: list, layout) -> T
 def _dkdv_host_spec(dtype: torch.dtype, d: int, block_m: int, dq_swizzle: bool = False) -> tuple:
     """How each of the dK/dV kernel's tensor arguments (``BwdPass.dkdv_tensors`` order, then
     the float32 dQ if fused) becomes a host descriptor (``_HostDescs``), in the layouts of
-    ``_dkdv_sm90_kernel``'s buffers (unswizzled float32 for the stats and dQ)."""
+    ``_dkdv_sm90_kernel``'s buffers (unswizzled float32 for the stats; the fused pass's
+    float32 dQ in 32-column swizzled boxes with ``dq_swizzle``, ``DQ_SWIZZLE``)."""
     rows, keys = _rows_spec(dtype, block_m, d), _rows_spec(dtype, _HALF_N, d)
     stats = ("stats", block_m, STAT_LAYOUT.value)
     dq = ("rows", block_m, _dq_box(d, dq_swizzle), _dq_layout(dq_swizzle))
