@@ -80,3 +80,26 @@ def test_mla_decode_step_loops_reload_nothing(name):
     if name == "paged 64 splits":
         hoisted = _step_loop_loads(f"decode MLA sm90 (Gluon) {name}", REBUILD=False)
         assert max(hoisted) > 20, hoisted
+
+
+def test_fused_backward_lagged_dq_reduces_read_the_carried_row():
+    """The D = 128 fused backward takes each tile's dQ products one tile late (``DQ_LAG``):
+    every dQ reduce must add at the row block carried through the consumer loop (the tile
+    before's). Session 37's first form bound that variable to ``m_lo`` before the loop, and
+    Triton's frontend then did not carry it: every lagged reduce went to row block
+    ``m_lo`` (22 GPU tests failed, benchmarks/NOTES.md)."""
+    import re
+
+    by_name = {c[1]: c for c in CASES}
+    _, _, fn, types, consts, warps, stages = by_name[
+        "bwd dK/dV+dQ fused sm90 (Gluon) D=128 causal host desc"]
+    assert consts["DQ_LAG"] and consts["DQ_SWIZZLE"]
+    ir = compile_sm90.compile_kernel(fn, types, consts, warps, stages).asm["ttgir"]
+    loops = re.findall(r"scf\.for %it = .*?iter_args\((.*?)\)", ir)
+    consumer = [args for args in loops if "%lag_m0 =" in args]
+    assert len(consumer) == 2  # one consumer partition a warpgroup
+    rows = re.findall(r"ttng\.async_tma_reduce add, %\w+\[%\w+, (%[\w#]+), %[\w#]+\]", ir)
+    # Two boxes a tile, in the loop and after it, in each partition.
+    assert len(rows) == 8
+    # In the loop the carried %lag_m0; after it the loop's result (the last tile's).
+    assert all(r == "%lag_m0" or "#" in r for r in rows), rows
