@@ -903,6 +903,10 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     if roles and not stats_tma:
         return None  # the role split reads lse and delta from the ring only
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
+    if not host:
+        # The lag has run its GPU tests on host descriptors (dense calls) only so far
+        # (benchmarks/NOTES.md, session 37); per-program descriptors keep the tested kernel.
+        fused = dict(fused, DQ_LAG=False)
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
