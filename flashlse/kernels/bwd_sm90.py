@@ -368,7 +368,8 @@ def _dq_tile(ds_smem, ds_full, ds_empty, empty, dq_smem, dq_desc, k_cols0, k_col
     """A fused dK/dV warpgroup's dQ products of tile ``it`` (``_consumer``): once both dS^T
     halves are in buffer ``b``, ``dS K`` over the block's keys into dQ's columns from
     ``col0``, added into the float32 dQ by a TMA reduce a staging box (``_dq_box``); the
-    dS^T buffer handed back, and with ``RELEASE`` the ring slot ``s``. Returns dV and dK, their products waited for."""
+    dS^T buffer handed back, and with ``RELEASE`` the ring slot ``s``. Returns dV and dK,
+    their products waited for."""
     mbarrier.wait(ds_full.index(b), (it // 2) & 1)
     dq_tok = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k_cols0, dq_zero,
                            use_acc=False, is_async=True)
@@ -903,10 +904,11 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
     if roles and not stats_tma:
         return None  # the role split reads lse and delta from the ring only
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
-    if not host:
-        # The lag has run its GPU tests on host descriptors (dense calls) only so far
-        # (benchmarks/NOTES.md, session 37); per-program descriptors keep the tested kernel.
-        fused = dict(fused, DQ_LAG=False)
+    if fused["DQ_LAG"]:
+        # Where it paid (``_DQ_LAG_DIMS``) and has run its GPU tests: host descriptors (dense
+        # calls) so far (benchmarks/NOTES.md, session 37); per-program ones keep the kernel
+        # tested without it.
+        fused = dict(fused, DQ_LAG=host and d in _DQ_LAG_DIMS)
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
@@ -1106,8 +1108,7 @@ def fused_plan(p: BwdPass) -> _FusedRun | None:
             st = p.plan.dq_kw
             run = _FusedRun(_dkdv_launch(
                 p, 12, stride_dqa=(st["stride_dqb"], st["stride_dqs"], st["stride_dqh"]),
-                FUSED_DQ=True, DQ_SWIZZLE=DQ_SWIZZLE,
-                DQ_LAG=DQ_LAG and p.q.shape[-1] in _DQ_LAG_DIMS))
+                FUSED_DQ=True, DQ_SWIZZLE=DQ_SWIZZLE, DQ_LAG=DQ_LAG))
         p.plan.launches["sm90 fused"] = run
     return run
 

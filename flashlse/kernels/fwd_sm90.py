@@ -679,10 +679,9 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
                          TABLE: gl.constexpr, HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1):
     """``_producer`` over the program's work items: each item's Q halves (and dO's, for the
     backward's dQ: HAS_DO) once both consumers are done with the ones ``Q_BUFS`` items
-    before (``q_empty``),
-    its K/V tiles into the one ring whose count ``t`` runs on across items, so the next
-    item's first tiles load during this item's last products and epilogue. Coordinates are
-    rows of ``(B * S, H * D)``."""
+    before (``q_empty``), its K/V tiles into the one ring whose count ``t`` runs on across
+    items, so the next item's first tiles load during this item's last products and
+    epilogue. Coordinates are rows of ``(B * S, H * D)``."""
     t = 0
     j = 0
     lo, hi, step = _item_span(sched, n_items, TABLE)
