@@ -311,7 +311,7 @@ def cases():
         # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
         fused = {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
                  "FUSED_DQ": True, "DQ_SWIZZLE": bwd_sm90.DQ_SWIZZLE}
-        # The lag of the dQ products (bwd_sm90.DQ_LAG): D = 128 on host descriptors.
+        # The lag of the dQ products (bwd_sm90.DQ_LAG): every fused D = 128 launch.
         lag = dict(DQ_LAG=bwd_sm90.DQ_LAG)
         fused_types = dict(sm90_bwd, dq_acc=F32, stride_dqa=("i32",) * 3)
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
@@ -319,9 +319,10 @@ def cases():
         if f["IS_VARLEN"]:
             # The grid longest first on per-program descriptors (bwd_sm90.LPT), G = 4.
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 G=4 {label} LPT", \
-                bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, GROUP=4, LPT=True), 4, 1
+                bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, GROUP=4, LPT=True, **lag), \
+                4, 1
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label}", \
-            bwd_sm90._dkdv_sm90_kernel, fused_types, fused, 4, 1
+            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, **lag), 4, 1
         if not f["IS_VARLEN"]:
             # Dense calls: descriptors made on the host (HOST_DESC), two-pass and fused.
             hd = _dkdv_host_descs(128)

@@ -905,10 +905,8 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
         return None  # the role split reads lse and delta from the ring only
     host = HOST_DESC and stats_tma and _host_desc_ok(p)
     if fused["DQ_LAG"]:
-        # Where it paid (``_DQ_LAG_DIMS``) and has run its GPU tests: host descriptors (dense
-        # calls) so far (benchmarks/NOTES.md, session 37); per-program ones keep the kernel
-        # tested without it.
-        fused = dict(fused, DQ_LAG=host and d in _DQ_LAG_DIMS)
+        # Where it paid: ``_DQ_LAG_DIMS`` (benchmarks/NOTES.md, sessions 37-38).
+        fused = dict(fused, DQ_LAG=d in _DQ_LAG_DIMS)
     tiles = dict(BLOCK_M=cfg.block_m, STAGES=cfg.num_stages, EARLY_DP=cfg.early_dp,
                  STATS_TMA=stats_tma, CONSUMER_REGS=cfg.consumer_regs,
                  num_warps=cfg.num_warps, HOST_DESC=host, ROLE_SPLIT=roles,
