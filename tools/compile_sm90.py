@@ -216,7 +216,7 @@ def cases():
                             ("causal table", flags, True)):
         consts = dict(GROUP=2, HQ=16, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, HAS_SINK=True, TABLE=table, O_IN_Q=False,
-                      CONSUMER_REGS=240, Q_BUFS=1)
+                      CONSUMER_REGS=240, Q_BUFS=1, WG=2)
         if not table:
             consts["sched"] = None
         yield "fwd", f"fwd sm90 persistent (Gluon) D=128 {label}", \
@@ -235,6 +235,17 @@ def cases():
                 yield "fwd", f"fwd sm90 persistent (Gluon) D={d} causal table Q_BUFS=2", \
                     fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
                     dict(consts, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, Q_BUFS=2), 4, 1
+            # Three consumer warpgroups (192-row items: configs CONSUMERS = 3), D = 64.
+            for q_bufs in (1, 2):
+                yield "fwd", f"fwd sm90 persistent (Gluon) D=64 causal table WG=3 " \
+                    f"Q_BUFS={q_bufs}", fwd_sm90._fwd_sm90_persistent_kernel, \
+                    dict(sm90_types, sched=I32), \
+                    dict(consts, D=64, BLOCK_N=configs.FWD_SM90[64].block_n, Q_BUFS=q_bufs,
+                         WG=3, CONSUMER_REGS=160), 4, 1
+            yield "fwd", "fwd sm90 persistent (Gluon) D=64 window WG=3", \
+                fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
+                dict(consts, D=64, BLOCK_N=configs.FWD_SM90[64].block_n, Q_BUFS=2, WG=3,
+                     CONSUMER_REGS=160, HAS_LEFT=True), 4, 1
     # Its persistent varlen form (packed sequences, row blocks listed on the device).
     varlen_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, blocks=I32,
                         block_table=I32, scale_log2="fp32")

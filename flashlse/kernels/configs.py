@@ -53,6 +53,11 @@ class TileConfig:
         grid: fwd_sm90: the calls neither persistent kernel takes run its grid kernel; False
             sends them to fwd.py's (a head dim where only the persistent kernel pays).
         consumer_regs: the Gluon kernels: registers per consumer-warpgroup thread.
+        q_bufs: fwd_sm90's persistent kernel: buffers of an item's Q (2: the next item's Q
+            loads during this one).
+        consumers: fwd_sm90's persistent kernel: consumer warpgroups of 64 rows each, so a
+            work item of ``64 * consumers`` rows (2, or 3: 160 registers a thread, the key
+            tiles one after the other in each).
     """
 
     block_m: int
@@ -76,6 +81,7 @@ class TileConfig:
     grid: bool = True
     consumer_regs: int = 240
     q_bufs: int = 1
+    consumers: int = 2
 
     @property
     def tile(self) -> tuple:
@@ -99,12 +105,12 @@ _FIELDS = {
     "STATS_TMA": "stats_tma", "HEAD_LOOP": "head_loop", "PINGPONG": "pingpong",
     "OVERLAP": "overlap", "PERSISTENT": "persistent", "PERSISTENT_TABLE": "persistent_table",
     "PERSISTENT_VARLEN": "persistent_varlen", "GRID": "grid",
-    "CONSUMER_REGS": "consumer_regs", "Q_BUFS": "q_bufs",
+    "CONSUMER_REGS": "consumer_regs", "Q_BUFS": "q_bufs", "CONSUMERS": "consumers",
 }
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "WARP_SPECIALIZE",
             "GROUP_HEADS")
 FWD_SM90_KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "OVERLAP", "PERSISTENT", "PERSISTENT_TABLE",
-                 "PERSISTENT_VARLEN", "GRID", "CONSUMER_REGS", "Q_BUFS")
+                 "PERSISTENT_VARLEN", "GRID", "CONSUMER_REGS", "Q_BUFS", "CONSUMERS")
 DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_paged",
                "PROGRAMS_PER_SM")
 # bwd_config: "dkdv" / "dq" take (BLOCK_M, BLOCK_N, num_warps, num_stages); the flags set
@@ -255,9 +261,15 @@ FWD_SM90 = {
     # --short-dim 64, H = 32, S = 1k-16k twice): full 1k +3-4% in all four passes (392 /
     # 389 -> 409 / 406, 393 / 391 -> 404 / 404 with ping-pong), mean +1%; causal +0.4%,
     # level at 1k. At D = 128 (not taken): full +2%, causal 1k -2 / -5%.
+    # consumers = 3 (the persistent kernel's items 192 rows on three consumer warpgroups):
+    # RESULTS.md 2026-12-04 session 38, call 3 (B*S = 16k, H = 32, in turn with two
+    # consumers and cuDNN): causal 1k / 2k / 4k / 8k +3.8 / +4.7 / +8.3 / +8.2%, full +2.1 /
+    # +9.5 / +12.3 / +14.1%; 0.81 / 0.99 / 1.05 / 1.05x cuDNN causal, 0.98 / 1.04 / 1.05 /
+    # 1.08x full (two consumers 0.78-0.97x). Call 2's form without each part's own key
+    # tiles lost 14% / 8% at causal 1k / 2k; on 64-key tiles, overlapped, it lost 2-18%.
     64: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,
                    overlap=True, persistent=True, persistent_table=True, persistent_varlen=True,
-                   grid=False, consumer_regs=240, q_bufs=2),
+                   grid=False, consumer_regs=240, q_bufs=2, consumers=3),
     # persistent_varlen: RESULTS.md 2026-12-02 session 17 (bench_varlen, 16k tokens in causal
     # documents of 64-4k, same process): 0.355-0.362 ms against the grid kernel's 0.404 at
     # seed 0, 0.366-0.374 / 0.404 at seed 1, 0.346-0.355 / 0.387 at seed 3.

@@ -25,7 +25,9 @@ The persistent form (``_fwd_sm90_persistent_kernel``, dense calls whose tensors 
 ``(B * S, H * D)`` matrices with ``S_q % 64 == S_k % BLOCK_N == 0``) runs the same consumers
 and producer over a list of row blocks per program, one program per SM: the ring and the Q
 buffers carry on from block to block, so a block's prologue and epilogue (~3 key tiles' time
-at S = 1k) overlap its neighbours' work. Each program takes every P-th block in the grid's
+at S = 1k) overlap its neighbours' work. At D = 64 its blocks are 192 rows on three consumer
+warpgroups (FA-3's tile there), aligned to the sequence's end, each warpgroup on its own
+rows' key tiles, one after the other. Each program takes every P-th block in the grid's
 order (``_persistent_programs`` picks P, or declines when that spreads unequal causal blocks
 badly), or its list of the host's greedy schedule (``_greedy_table``, PERSISTENT_TABLE).
 
@@ -227,16 +229,16 @@ def _wgmma_layout(n):
 
 @gluon.jit
 def _q_buffers(dtype: gl.constexpr, D: gl.constexpr, q_layout: gl.constexpr,
-               BUFS: gl.constexpr = 1):
-    """``BUFS`` buffers of the two Q halves (slot ``2 * buffer + half``) and two
-    single-arrival barriers a slot: Q's *full* (the producer's expect, completed by the TMA
-    bytes) and a second one the caller names (the ping-pong turns; the persistent kernel's
-    Q *empty*)."""
-    q_smem = gl.allocate_shared_memory(dtype, [2 * BUFS, HALF_M, D], q_layout)
+               BUFS: gl.constexpr = 1, WG: gl.constexpr = 2):
+    """``BUFS`` buffers of the ``WG`` Q parts of a row block, one a consumer warpgroup (slot
+    ``WG * buffer + part``), and two single-arrival barriers a slot: Q's *full* (the
+    producer's expect, completed by the TMA bytes) and a second one the caller names (the
+    ping-pong turns; the persistent kernel's Q *empty*)."""
+    q_smem = gl.allocate_shared_memory(dtype, [WG * BUFS, HALF_M, D], q_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [2 * BUFS, 1], bar_layout)
-    other = gl.allocate_shared_memory(gl.int64, [2 * BUFS, 1], bar_layout)
-    for i in gl.static_range(2 * BUFS):
+    q_bar = gl.allocate_shared_memory(gl.int64, [WG * BUFS, 1], bar_layout)
+    other = gl.allocate_shared_memory(gl.int64, [WG * BUFS, 1], bar_layout)
+    for i in gl.static_range(WG * BUFS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(other.index(i), count=1)
     return q_smem, q_bar, other
@@ -244,10 +246,11 @@ def _q_buffers(dtype: gl.constexpr, D: gl.constexpr, q_layout: gl.constexpr,
 
 @gluon.jit
 def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, kv_layout: gl.constexpr, LEAD: gl.constexpr = False):
+             STAGES: gl.constexpr, kv_layout: gl.constexpr, LEAD: gl.constexpr = False,
+             WG: gl.constexpr = 2):
     """The ring ``_producer`` loads K and V tiles into (the forward's and the backward dQ's):
     STAGES buffers of each, a *full* barrier a buffer (the producer's expect, completed by
-    the TMA bytes) and an *empty* one (two arrivals: one from each consumer warpgroup).
+    the TMA bytes) and an *empty* one (``WG`` arrivals: one from each consumer warpgroup).
     ``kv_layout`` is the caller's, that of its K/V descriptors: TMA copies need the same
     (``LEAD``: tiles ``[1, BLOCK_N, D]``, the box of a rank-3 descriptor)."""
     if LEAD:
@@ -264,8 +267,8 @@ def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
     for i in gl.static_range(STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=WG)
+        mbarrier.init(v_empty.index(i), count=WG)
     return k_smem, v_smem, k_full, k_empty, v_full, v_empty
 
 
@@ -402,6 +405,44 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
 
 
 @gluon.jit
+def _consumer_loop_plain(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
+                         acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
+                         n_lo, n_full_lo, n_full_hi, n_tiles, t0,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         PINGPONG: gl.constexpr, s_layout: gl.constexpr,
+                         o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """The key tiles one after the other: ``S = Q K^T``, the softmax, ``acc += P V``, each
+    waiting for the one before (no overlap inside the warpgroup; with three consumer
+    warpgroups the others' products run meanwhile). Tiles from the ring's ``t0``-th."""
+    dtype: gl.constexpr = q_tile.dtype
+    for it in range(n_tiles):
+        s = (t0 + it) % STAGES
+        ph = ((t0 + it) // STAGES) & 1
+        n0 = n_lo + it * BLOCK_N
+        mbarrier.wait(k_full.index(s), ph)
+        if PINGPONG:
+            # My turn to issue products; the other warpgroup's softmax runs meanwhile.
+            mbarrier.wait(turn.index(half), it & 1)
+        s_tok = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(s))
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - half))
+        p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right,
+                                          scale_log2, n_full_lo, n_full_hi,
+                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(v_full.index(s), ph)
+        o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        mbarrier.arrive(v_empty.index(s))
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, o_desc,
               q_bar, k_full, k_empty, v_full, v_empty, turn,
               p_lse, sink, i_h, half,
@@ -433,29 +474,11 @@ def _consumer(q_smem, k_smem, v_smem, o_desc,
             n_lo, n_full_lo, n_full_hi, n_tiles, 0,
             BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, s_layout, o_layout, p_layout)
     else:
-        for it in range(n_tiles):
-            s = it % STAGES
-            ph = (it // STAGES) & 1
-            n0 = n_lo + it * BLOCK_N
-            mbarrier.wait(k_full.index(s), ph)
-            if PINGPONG:
-                # My turn to issue products; the other warpgroup's softmax runs meanwhile.
-                mbarrier.wait(turn.index(half), it & 1)
-            s_tok = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            s_acc = warpgroup_mma_wait(0, deps=(s_tok, ))
-            mbarrier.arrive(k_empty.index(s))
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - half))
-            p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right,
-                                              scale_log2, n_full_lo, n_full_hi,
-                                              HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(v_full.index(s), ph)
-            o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-            mbarrier.arrive(v_empty.index(s))
+        acc, m_i, l_i = _consumer_loop_plain(
+            q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, turn, half,
+            acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
+            n_lo, n_full_lo, n_full_hi, n_tiles, 0,
+            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, PINGPONG, s_layout, o_layout, p_layout)
 
     # Epilogue (fwd.py's _attn_fwd_store): out = 0 and lse = -inf (or the sink) for a row
     # with no visible key, a NaN propagates.
@@ -631,11 +654,15 @@ def _fwd_sm90_kernel(
 
 @gluon.jit
 def _dense_item(sched, pos, n_m, hq, seqlen_q, seqlen_k, left, right, BLOCK_N: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, TABLE: gl.constexpr):
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, TABLE: gl.constexpr,
+                WG: gl.constexpr = 2):
     """The persistent kernel's work item at position ``pos`` of ``_item_span``'s loop (the
     position itself, or ``TABLE``: the host schedule's entry): an index in the grid's order
-    (row block fastest, the last first, then head, then sequence). Its head, sequence, first
-    row, the masks' shift and the key tiles of ``_key_ranges``."""
+    (row block of ``WG * 64`` rows fastest, the last first, then head, then sequence). Its
+    head, sequence, first row, the masks' shift and the key tiles of ``_key_ranges``. With
+    three parts (``WG = 3``) the blocks end at the sequence's end, so the partial one is the
+    first (under a causal mask the cheapest) and its first row may be negative (its parts
+    there compute nothing); with two they start at row 0."""
     item = pos
     if TABLE:
         item = gl.load(sched + gl.num_programs(0) + 1 + pos)
@@ -643,11 +670,16 @@ def _dense_item(sched, pos, n_m, hq, seqlen_q, seqlen_k, left, right, BLOCK_N: g
     rest = item // n_m
     i_h = rest % hq
     i_b = rest // hq
-    m0 = i_m * (2 * HALF_M)
-    m_last = gl.minimum(m0 + 2 * HALF_M, seqlen_q) - 1
+    if WG == 3:
+        m0 = seqlen_q - (n_m - i_m) * (WG * HALF_M)
+        m_first = gl.maximum(m0, 0)
+    else:
+        m0 = i_m * (WG * HALF_M)
+        m_first = m0
+    m_last = gl.minimum(m0 + WG * HALF_M, seqlen_q) - 1
     shift = seqlen_k - seqlen_q
-    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, seqlen_k, shift, left, right,
-                                                   BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m_first, m_last, seqlen_k, shift, left,
+                                                   right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     n_tiles = (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N
     return i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles
 
@@ -676,11 +708,12 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
                          GROUP: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         TABLE: gl.constexpr, HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1):
-    """``_producer`` over the program's work items: each item's Q halves (and dO's, for the
-    backward's dQ: HAS_DO) once both consumers are done with the ones ``Q_BUFS`` items
-    before (``q_empty``), its K/V tiles into the one ring whose count ``t`` runs on across
-    items, so the next item's first tiles load during this item's last products and
+                         TABLE: gl.constexpr, HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1,
+                         WG: gl.constexpr = 2):
+    """``_producer`` over the program's work items: each item's ``WG`` Q parts (and dO's,
+    for the backward's dQ: HAS_DO) once their consumers are done with the ones ``Q_BUFS``
+    items before (``q_empty``), its K/V tiles into the one ring whose count ``t`` runs on
+    across items, so the next item's first tiles load during this item's last products and
     epilogue. Coordinates are rows of ``(B * S, H * D)``."""
     t = 0
     j = 0
@@ -688,13 +721,13 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
     for pos in range(lo, hi, step):
         i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
             sched, pos, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT,
-            HAS_RIGHT, TABLE)
+            HAS_RIGHT, TABLE, WG)
         row_q = i_b * seqlen_q + m0
         row_k = i_b * seqlen_k + n_lo
         t = _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                         q_bar, q_empty, k_full, k_empty, v_full, v_empty, row_q, row_k,
                         (i_h // GROUP) * D, i_h, n_tiles, t, j, D, BLOCK_N, STAGES, HAS_DO,
-                        Q_BUFS)
+                        Q_BUFS, WG, i_b * seqlen_q)
         j += 1
 
 
@@ -702,23 +735,34 @@ def _producer_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sme
 def _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
                 q_bar, q_empty, k_full, k_empty, v_full, v_empty, row_q, row_k, col_k, i_h,
                 n_tiles, t, j, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1):
-    """A persistent producer's loads of its ``j``-th item: head ``i_h``'s Q halves (and
-    dO's) at rows ``row_q`` into slots ``2 * (j % Q_BUFS) + half`` once both consumers are
-    done with the item's there before, then its ``n_tiles`` K/V tiles from row ``row_k``
-    into the ring, whose count ``t`` runs on across items (the new count is returned)."""
-    for half in gl.static_range(2):
-        slot = 2 * (j % Q_BUFS) + half
+                HAS_DO: gl.constexpr, Q_BUFS: gl.constexpr = 1, WG: gl.constexpr = 2,
+                row_0=0):
+    """A persistent producer's loads of its ``j``-th item: head ``i_h``'s ``WG`` Q parts
+    (and dO's) at rows ``row_q`` into slots ``WG * (j % Q_BUFS) + part`` once their
+    consumers are done with the item's there before, then its ``n_tiles`` K/V tiles from
+    row ``row_k`` into the ring, whose count ``t`` runs on across items (the new count is
+    returned). A part before ``row_0`` (the sequence's first row: ``_dense_item``'s
+    three-part blocks) loads nothing; its barrier completes with one arrival."""
+    for half in gl.static_range(WG):
+        slot = WG * (j % Q_BUFS) + half
         mbarrier.wait(q_empty.index(slot), ((j // Q_BUFS) & 1) ^ 1)
-        if HAS_DO:
-            mbarrier.expect(q_bar.index(slot),
-                            q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [row_q + half * HALF_M, i_h * D],
-                                            q_bar.index(slot), do_smem.index(slot))
+        if WG == 3:
+            if row_q + half * HALF_M < row_0:
+                mbarrier.arrive(q_bar.index(slot))
+            else:
+                mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [row_q + half * HALF_M, i_h * D],
+                                                q_bar.index(slot), q_smem.index(slot))
         else:
-            mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row_q + half * HALF_M, i_h * D],
-                                        q_bar.index(slot), q_smem.index(slot))
+            if HAS_DO:
+                mbarrier.expect(q_bar.index(slot),
+                                q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(do_desc, [row_q + half * HALF_M, i_h * D],
+                                                q_bar.index(slot), do_smem.index(slot))
+            else:
+                mbarrier.expect(q_bar.index(slot), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [row_q + half * HALF_M, i_h * D],
+                                            q_bar.index(slot), q_smem.index(slot))
     for it in range(n_tiles):
         s = t % STAGES
         ph = ((t // STAGES) & 1) ^ 1
@@ -735,6 +779,79 @@ def _item_loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem
 
 
 @gluon.jit
+def _consumer_part(q_smem, o_tile, k_smem, v_smem, o_desc, q_bar, q_empty, k_full, k_empty,
+                   v_full, v_empty, lse, stride_lb, stride_lh, sink, half, slot, phase, i_h,
+                   i_b, r0, shift, n_lo, n_full_lo, n_full_hi, n_tiles, t, seqlen_q, seqlen_k,
+                   left, right, scale_log2, s_zero, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   HAS_SINK: gl.constexpr, O_IN_Q: gl.constexpr, WG: gl.constexpr):
+    """``_consumer_persistent``'s work on one item: rows ``r0`` to ``r0 + 63`` of head
+    ``i_h`` of sequence ``i_b`` against the item's ``n_tiles`` key tiles from ring position
+    ``t`` (Q in ``slot``, whose full barrier completes in ``phase``), then lse and the out
+    tile's TMA store."""
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+    acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
+    mbarrier.wait(q_bar.index(slot), phase)
+    if WG == 2:
+        acc, m_i, l_i = _consumer_loop_overlap(
+            q_smem.index(slot), k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
+            acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
+            n_lo, n_full_lo, n_full_hi, n_tiles, t,
+            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
+    else:
+        # This part's own key tiles (its rows' ranges: under a causal mask the block's last
+        # tiles can lie above its diagonal, and its own full middle needs no mask); the
+        # block's other tiles are released unread.
+        part_lo, n_full_lo, n_full_hi, part_hi = _key_ranges(
+            r0, r0 + HALF_M - 1, seqlen_k, shift, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        skip = (part_lo - n_lo) // BLOCK_N
+        part_tiles = (part_hi - part_lo + BLOCK_N - 1) // BLOCK_N
+        _drain_tiles(k_full, k_empty, v_full, v_empty, skip, t, STAGES)
+        acc, m_i, l_i = _consumer_loop_plain(
+            q_smem.index(slot), k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
+            acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
+            part_lo, n_full_lo, n_full_hi, part_tiles, t + skip,
+            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
+    if not O_IN_Q:
+        mbarrier.arrive(q_empty.index(slot))
+    sink_nat = 0.0
+    if HAS_SINK:
+        sink_nat = gl.load(sink + i_h).to(gl.float32)
+    o_scale, lse_row = _final_stats(m_i, l_i, sink_nat, HAS_SINK)
+    p_lse = lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
+    gl.store(p_lse + rows, lse_row, mask=rows < seqlen_q)
+    out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
+    if not O_IN_Q:
+        # The last item's store has read the buffer: its issuing thread waits, the
+        # warpgroup's barrier holds the others until it has.
+        tma.store_wait(0)
+        gl.thread_barrier()
+    o_tile.store(out.to(dtype))
+    fence_async_shared()
+    # A half past the sequence's end (two parts, seqlen_q % 128 == 64) holds the next
+    # sequence's rows: not stored.
+    if r0 < seqlen_q:
+        tma.async_copy_shared_to_global(o_desc, [i_b * seqlen_q + r0, i_h * D], o_tile)
+    if O_IN_Q:
+        # Q's buffer goes back to the producer once the store has read it.
+        tma.store_wait(0)
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty.index(half))
+    if WG == 3:
+        # The block's tiles past this part's (after the epilogue, which so runs under the
+        # other parts' products).
+        _drain_tiles(k_full, k_empty, v_full, v_empty, n_tiles - skip - part_tiles,
+                     t + skip + part_tiles, STAGES)
+
+
+@gluon.jit
 def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                          q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                          lse, stride_lb, stride_lh, sink, half,
@@ -742,19 +859,20 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                          HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
-                         TABLE: gl.constexpr, O_IN_Q: gl.constexpr, Q_BUFS: gl.constexpr):
-    """``_consumer`` (the overlapped schedule) over the program's work items. Q's buffer is
-    handed back right after the item's last product (with ``Q_BUFS`` = 2 the next item's Q
-    has loaded into the other during this one); out goes through its own buffer, whose
-    previous TMA store is waited for only when the next item's epilogue needs it. With
-    ``O_IN_Q`` (no room for that buffer: D = 256; one Q buffer) out is staged in Q's,
-    handed back once its store has read it."""
+                         TABLE: gl.constexpr, O_IN_Q: gl.constexpr, Q_BUFS: gl.constexpr,
+                         WG: gl.constexpr = 2):
+    """``_consumer`` (the overlapped schedule) over the program's work items, on rows
+    ``half * 64`` to ``half * 64 + 63`` of each item's ``WG * 64``. Q's buffer is handed
+    back right after the item's last product (with ``Q_BUFS`` = 2 the next item's Q has
+    loaded into the other during this one); out goes through its own buffer, whose previous
+    TMA store is waited for only when the next item's epilogue needs it. With ``O_IN_Q`` (no
+    room for that buffer: D = 256; one Q buffer) out is staged in Q's, handed back once its
+    store has read it (``_consumer_part``). Three parts (``WG = 3``) take their key tiles one after the other
+    (``_consumer_loop_plain``: the overlapped loop needs more than their 160 registers at
+    128-key tiles), each only its own rows' tiles of the block's; a part before the
+    sequence's first row computes nothing (``_drain_tiles``)."""
     gl.static_assert(Q_BUFS == 1 or not O_IN_Q)
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _wgmma_layout(D)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    dtype: gl.constexpr = q_smem.dtype
     o_tile = o_smem.index(half)
     t = 0
     j = 0
@@ -763,57 +881,56 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
     for pos in range(lo, hi, step):
         i_h, i_b, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles = _dense_item(
             sched, pos, n_m, HQ, seqlen_q, seqlen_k, left, right, BLOCK_N, HAS_LEFT,
-            HAS_RIGHT, TABLE)
+            HAS_RIGHT, TABLE, WG)
         r0 = m0 + half * HALF_M
-        rows = r0 + gl.arange(0, HALF_M, layout=row_layout)
-        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
-        acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
-        slot = 2 * (j % Q_BUFS) + half
-        mbarrier.wait(q_bar.index(slot), (j // Q_BUFS) & 1)
-        acc, m_i, l_i = _consumer_loop_overlap(
-            q_smem.index(slot), k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
-            acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
-            n_lo, n_full_lo, n_full_hi, n_tiles, t,
-            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
-        if not O_IN_Q:
-            mbarrier.arrive(q_empty.index(slot))
+        slot = WG * (j % Q_BUFS) + half
+        if WG == 3:
+            if r0 < 0:
+                # Before the sequence's start (``_dense_item``): nothing to compute.
+                mbarrier.wait(q_bar.index(slot), (j // Q_BUFS) & 1)
+                _drain_tiles(k_full, k_empty, v_full, v_empty, n_tiles, t, STAGES)
+                mbarrier.arrive(q_empty.index(slot))
+            else:
+                _consumer_part(q_smem, o_tile, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                               k_empty, v_full, v_empty, lse, stride_lb, stride_lh, sink,
+                               half, slot, (j // Q_BUFS) & 1, i_h, i_b, r0, shift, n_lo,
+                               n_full_lo, n_full_hi, n_tiles, t, seqlen_q, seqlen_k, left,
+                               right, scale_log2, s_zero, D, BLOCK_N, STAGES, HAS_LEFT,
+                               HAS_RIGHT, HAS_SINK, O_IN_Q, WG)
+        else:
+            _consumer_part(q_smem, o_tile, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                           k_empty, v_full, v_empty, lse, stride_lb, stride_lh, sink, half,
+                           slot, (j // Q_BUFS) & 1, i_h, i_b, r0, shift, n_lo, n_full_lo,
+                           n_full_hi, n_tiles, t, seqlen_q, seqlen_k, left, right,
+                           scale_log2, s_zero, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
+                           HAS_SINK, O_IN_Q, WG)
         t += n_tiles
         j += 1
-        sink_nat = 0.0
-        if HAS_SINK:
-            sink_nat = gl.load(sink + i_h).to(gl.float32)
-        o_scale, lse_row = _final_stats(m_i, l_i, sink_nat, HAS_SINK)
-        p_lse = lse + i_b.to(gl.int64) * stride_lb + i_h.to(gl.int64) * stride_lh
-        gl.store(p_lse + rows, lse_row, mask=rows < seqlen_q)
-        out = acc * gl.convert_layout(o_scale, gl.SliceLayout(1, o_layout))[:, None]
-        if not O_IN_Q:
-            # The last item's store has read the buffer: its issuing thread waits, the
-            # warpgroup's barrier holds the others until it has.
-            tma.store_wait(0)
-            gl.thread_barrier()
-        o_tile.store(out.to(dtype))
-        fence_async_shared()
-        # A half past the sequence's end (seqlen_q % 128 == 64) holds the next sequence's
-        # rows: not stored.
-        if r0 < seqlen_q:
-            tma.async_copy_shared_to_global(o_desc, [i_b * seqlen_q + r0, i_h * D], o_tile)
-        if O_IN_Q:
-            # Q's buffer goes back to the producer once the store has read it.
-            tma.store_wait(0)
-            gl.thread_barrier()
-            mbarrier.arrive(q_empty.index(half))
     tma.store_wait(0)
+
+
+@gluon.jit
+def _drain_tiles(k_full, k_empty, v_full, v_empty, n_tiles, t0, STAGES: gl.constexpr):
+    """A consumer's share of ``n_tiles`` ring tiles from the ``t0``-th, released as they
+    land and not read: each arrival waits for its tile, so none runs a phase ahead of the
+    other consumers' (the producer refills a buffer once all of them have arrived)."""
+    for it in range(n_tiles):
+        s = (t0 + it) % STAGES
+        ph = ((t0 + it) // STAGES) & 1
+        mbarrier.wait(k_full.index(s), ph)
+        mbarrier.arrive(k_empty.index(s))
+        mbarrier.wait(v_full.index(s), ph)
+        mbarrier.arrive(v_empty.index(s))
 
 
 @gluon.jit
 def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, q_layout: gl.constexpr,
-                        BOX: gl.constexpr = 0, Q_BUFS: gl.constexpr = 1):
+                        BOX: gl.constexpr = 0, Q_BUFS: gl.constexpr = 1, WG: gl.constexpr = 2):
     """The persistent kernels' (the forward's, bwd_sm90's dQ) K and V descriptors over
     ``(B * S_k, H_kv * D)`` (boxes of ``BOX`` rows, a page's over a paged cache; 0: a tile's),
-    ``Q_BUFS`` buffers of the Q halves with their full / empty barriers, and the K/V ring
-    (``_kv_ring``)."""
+    ``Q_BUFS`` buffers of the ``WG`` Q parts with their full / empty barriers, and the K/V
+    ring (``_kv_ring``)."""
     dtype: gl.constexpr = k.dtype.element_ty
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     ROWS: gl.constexpr = BOX if BOX > 0 else BLOCK_N
@@ -821,9 +938,9 @@ def _persistent_buffers(k, v, stride_ks, stride_vs, rows_k, HKV: gl.constexpr, D
                                         kv_layout)
     v_desc = tma.make_tensor_descriptor(v, [rows_k, HKV * D], [stride_vs, 1], [ROWS, D],
                                         kv_layout)
-    q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout, Q_BUFS)
+    q_smem, q_bar, q_empty = _q_buffers(dtype, D, q_layout, Q_BUFS, WG)
     k_smem, v_smem, k_full, k_empty, v_full, v_empty = _kv_ring(dtype, D, BLOCK_N, STAGES,
-                                                                kv_layout)
+                                                                kv_layout, WG=WG)
     return k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, \
         v_empty
 
@@ -839,7 +956,7 @@ def _fwd_sm90_persistent_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     TABLE: gl.constexpr, O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    Q_BUFS: gl.constexpr,
+    Q_BUFS: gl.constexpr, WG: gl.constexpr = 2,
 ):
     """The dense forward as a persistent kernel: a program per SM (at most) walks work items
     ``program_id, program_id + num_programs, ...`` (``_dense_item``), or with ``TABLE`` its
@@ -849,14 +966,16 @@ def _fwd_sm90_persistent_kernel(
     ``_persistent_ok`` admits: q, k, v, out as ``(B * S, H * D)`` matrices (row stride
     ``stride(1)``, heads adjacent), ``seqlen_q % 64 == 0`` and ``seqlen_k % BLOCK_N == 0``,
     so a K/V tile never reads past its sequence and a stored half never crosses one (the
-    descriptors span the batch). (``cu_seqlens_*`` and ``seqused_k`` are never set here.)"""
+    descriptors span the batch). (``cu_seqlens_*`` and ``seqused_k`` are never set here.)
+    ``WG``: consumer warpgroups, 64 rows each, so an item is ``WG * 64`` rows (3 at D = 64,
+    FA-3's 192-row tile: three softmax streams, so the tensor cores wait less on any one)."""
     stride_qb, stride_qs, stride_qh = stride_q
     stride_kb, stride_ks, stride_kh = stride_k
     stride_vb, stride_vs, stride_vh = stride_v
     stride_ob, stride_os, stride_oh = stride_o
     stride_lb, stride_lh = stride_l
     dtype: gl.constexpr = q.dtype.element_ty
-    n_m = (seqlen_q + 2 * HALF_M - 1) // (2 * HALF_M)
+    n_m = (seqlen_q + WG * HALF_M - 1) // (WG * HALF_M)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
     q_desc = tma.make_tensor_descriptor(q, [batch * seqlen_q, HQ * D], [stride_qs, 1],
                                         [HALF_M, D], q_layout)
@@ -864,28 +983,58 @@ def _fwd_sm90_persistent_kernel(
                                         [HALF_M, D], q_layout)
     k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
         = _persistent_buffers(k, v, stride_ks, stride_vs, batch * seqlen_k, HQ // GROUP, D,
-                              BLOCK_N, STAGES, q_layout, Q_BUFS=Q_BUFS)
+                              BLOCK_N, STAGES, q_layout, Q_BUFS=Q_BUFS, WG=WG)
     if O_IN_Q:
         o_smem = q_smem
     else:
-        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
-    gl.warp_specialize([
-        (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
-                                k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
-                                sink, 0, n_items, n_m, seqlen_q, seqlen_k, left, right,
-                                scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS)),
-        (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
-                                k_full, k_empty, v_full, v_empty, lse, stride_lb, stride_lh,
-                                sink, 1, n_items, n_m, seqlen_q, seqlen_k, left, right,
-                                scale_log2, sched, HQ, D, BLOCK_N, STAGES, HAS_LEFT,
-                                HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS)),
-        (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
-                                q_bar, q_empty, k_full, k_empty, v_full, v_empty,
-                                n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
-                                GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
-                                False, Q_BUFS)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+        o_smem = gl.allocate_shared_memory(dtype, [WG, HALF_M, D], q_layout)
+    # (The partitions' argument lists written out: the frontend builds no tuple of them.)
+    if WG == 3:
+        gl.warp_specialize([
+            (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
+                                    k_full, k_empty, v_full, v_empty, lse, stride_lb,
+                                    stride_lh, sink, 0, n_items, n_m, seqlen_q, seqlen_k,
+                                    left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
+                                    HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
+                                    WG)),
+            (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
+                                    k_full, k_empty, v_full, v_empty, lse, stride_lb,
+                                    stride_lh, sink, 1, n_items, n_m, seqlen_q, seqlen_k,
+                                    left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
+                                    HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
+                                    WG)),
+            (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
+                                    k_full, k_empty, v_full, v_empty, lse, stride_lb,
+                                    stride_lh, sink, 2, n_items, n_m, seqlen_q, seqlen_k,
+                                    left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
+                                    HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
+                                    WG)),
+            (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem,
+                                    v_smem, q_bar, q_empty, k_full, k_empty, v_full, v_empty,
+                                    n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
+                                    GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
+                                    False, Q_BUFS, WG)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
+                                    k_full, k_empty, v_full, v_empty, lse, stride_lb,
+                                    stride_lh, sink, 0, n_items, n_m, seqlen_q, seqlen_k,
+                                    left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
+                                    HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
+                                    WG)),
+            (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
+                                    k_full, k_empty, v_full, v_empty, lse, stride_lb,
+                                    stride_lh, sink, 1, n_items, n_m, seqlen_q, seqlen_k,
+                                    left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
+                                    HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
+                                    WG)),
+            (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem,
+                                    v_smem, q_bar, q_empty, k_full, k_empty, v_full, v_empty,
+                                    n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
+                                    GROUP, HQ, D, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, TABLE,
+                                    False, Q_BUFS, WG)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # (Lengths change per call: the paged plan passes them without a new plan, SizedLaunch.)
@@ -1523,8 +1672,12 @@ _MISSING = object()
 def _config(q, override) -> configs.TileConfig:
     """``configs.FWD_SM90``'s tile for q's head dim with ``KernelOptions.fwd_sm90_config``'s
     overrides."""
-    return configs.override(configs.FWD_SM90[q.shape[-1]], override, configs.FWD_SM90_KEYS,
-                            what="fwd_sm90_config")
+    cfg = configs.override(configs.FWD_SM90[q.shape[-1]], override, configs.FWD_SM90_KEYS,
+                           what="fwd_sm90_config")
+    if cfg.consumers not in (2, 3):
+        raise ValueError(f"fwd_sm90_config: CONSUMERS is the persistent forward's consumer "
+                         f"warpgroups, 2 or 3; got {cfg.consumers}")
+    return cfg
 
 
 def _shared_kw(q, k, left, right, scale, sink, cfg) -> dict:
@@ -1558,22 +1711,29 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
         if dense is not None:
             return dense
     programs, sched = 0, None
-    n_items = batch * hq * cdiv(seqlen_q, 2 * HALF_M)
+    wg = cfg.consumers
+    n_items = batch * hq * cdiv(seqlen_q, wg * HALF_M.value)
     if _persistent_ok(q, k, v, out, shared, cfg, is_varlen=is_varlen, seqused_k=seqused_k):
         n_sm = _sm_count(q.device)
-        programs = _persistent_programs(seqlen_q, lens["seqlen_k"], batch * hq, shared, n_sm)
+        programs = _persistent_programs(seqlen_q, lens["seqlen_k"], batch * hq, shared, n_sm,
+                                        wg)
         # (Not while a CUDA graph is captured: its replays would read the pinned buffer.)
         if (not programs and cfg.persistent_table
                 and not torch.cuda.is_current_stream_capturing()):
-            table = _greedy_table(_block_costs(seqlen_q, lens["seqlen_k"], shared), batch * hq,
-                                  n_sm, lens["seqlen_k"] * 2 * q.shape[-1] * q.element_size())
+            table = _greedy_table(_block_costs(seqlen_q, lens["seqlen_k"], shared, wg),
+                                  batch * hq, n_sm,
+                                  lens["seqlen_k"] * 2 * q.shape[-1] * q.element_size())
             sched = None if table is None else _device_table(table, q.device)
             if sched is not None:
                 programs = min(n_sm, n_items)
     if programs:
         kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
-                  HQ=hq, sched=sched, TABLE=sched is not None, O_IN_Q=_out_in_q(q, shared),
-                  Q_BUFS=_q_bufs(q, shared, cfg))
+                  HQ=hq, sched=sched, TABLE=sched is not None,
+                  O_IN_Q=_out_in_q(q, shared, wg), Q_BUFS=_q_bufs(q, shared, cfg), WG=wg)
+        if wg == 3:
+            # Three consumer warpgroups and the producer warp share the register file:
+            # 3 x 128 x 160 + 32 x 24 of 65,536.
+            kw["CONSUMER_REGS"] = min(kw["CONSUMER_REGS"], 160)
         for name in ("PINGPONG", "OVERLAP"):
             kw.pop(name)
         run = Launch(_fwd_sm90_persistent_kernel, (programs, ),
@@ -1600,7 +1760,7 @@ def _persistent_ok(q, k, v, out, shared, cfg, *, is_varlen, seqused_k) -> bool:
     shared memory (out beside them, or staged in Q's buffer: :func:`_out_in_q`)."""
     if not cfg.persistent or cfg.pingpong or not cfg.overlap or is_varlen:
         return False
-    if seqused_k is not None or _ring_bytes(q, shared, 1) > SMEM_BYTES:
+    if seqused_k is not None or _ring_bytes(q, shared, 1, cfg.consumers) > SMEM_BYTES:
         return False
     return persistent_layout(q, k, (q, k, v, out), shared["BLOCK_N"])
 
@@ -1800,23 +1960,24 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature,
                                                       else ()))
 
 
-def _ring_bytes(q, shared, row_buffers) -> int:
-    """Shared memory of the persistent kernels' K/V ring and ``row_buffers`` buffers of two
-    64-row halves (Q; out or dO, dQ)."""
+def _ring_bytes(q, shared, row_buffers, wg: int = 2) -> int:
+    """Shared memory of the persistent kernels' K/V ring and ``row_buffers`` buffers of
+    ``wg`` 64-row parts (Q; out or dO, dQ)."""
     d = q.shape[-1]
-    return (row_buffers * 2 * HALF_M.value * d
+    return (row_buffers * wg * HALF_M.value * d
             + 2 * shared["STAGES"] * shared["BLOCK_N"] * d) * q.element_size()
 
 
-def _out_in_q(q, shared) -> bool:
+def _out_in_q(q, shared, wg: int = 2) -> bool:
     """Whether the persistent forward stages out in Q's buffer (no room for its own)."""
-    return _ring_bytes(q, shared, 2) > SMEM_BYTES
+    return _ring_bytes(q, shared, 2, wg) > SMEM_BYTES
 
 
 def _q_bufs(q, shared, cfg) -> int:
     """The persistent forward's Q buffers: ``cfg.q_bufs`` (2: the next item's Q loads
     during this one) where they fit in shared memory beside out's own buffer, else 1."""
-    if cfg.q_bufs > 1 and _ring_bytes(q, shared, 1 + cfg.q_bufs) <= SMEM_BYTES:
+    if (cfg.q_bufs > 1
+            and _ring_bytes(q, shared, 1 + cfg.q_bufs, cfg.consumers) <= SMEM_BYTES):
         return cfg.q_bufs
     return 1
 
@@ -1843,7 +2004,7 @@ SMEM_BYTES = 227 * 1024 - 1024
 PERSISTENT_SLACK = 1.05
 
 
-def _persistent_programs(s_q, s_k, heads, shared, n_sm) -> int:
+def _persistent_programs(s_q, s_k, heads, shared, n_sm, wg: int = 2) -> int:
     """The persistent kernel's program count for a dense call of ``heads`` (batch x query
     heads) sequences, or 0 when its static round robin (program ``p`` takes items ``p,
     p + P, ...``, row block fastest) would leave the SMs unevenly loaded. A row block costs
@@ -1852,7 +2013,7 @@ def _persistent_programs(s_q, s_k, heads, shared, n_sm) -> int:
     ``PERSISTENT_SLACK`` of the total over every SM (or of the largest block). Causal S = 4k-16k
     at B*S = 16k, H = 16 has no such ``P`` (1.06-1.57x); S = 1k / 2k have (P = 131), and so
     does every call without a mask."""
-    cost = _block_costs(s_q, s_k, shared)
+    cost = _block_costs(s_q, s_k, shared, wg)
     n_m = cost.numel()
     n_items = heads * n_m
     floor = max(float(cost.sum()) * heads / n_sm, float(cost.max()))
@@ -1868,12 +2029,17 @@ def _persistent_programs(s_q, s_k, heads, shared, n_sm) -> int:
     return best_p if best <= PERSISTENT_SLACK * floor else 0
 
 
-def _block_costs(s_q, s_k, shared) -> torch.Tensor:
-    """A head's row blocks in the persistent kernel's item order (the last first): each one's
-    key tiles (``_key_ranges``' count) plus one, for its epilogue and the pipeline's ramp."""
-    bm, bn = 2 * HALF_M.value, shared["BLOCK_N"]
-    m0 = torch.arange(cdiv(s_q, bm) - 1, -1, -1) * bm
+def _block_costs(s_q, s_k, shared, wg: int = 2) -> torch.Tensor:
+    """A head's row blocks (``wg * 64`` rows) in the persistent kernel's item order (the last
+    first): each one's key tiles (``_key_ranges``' count) plus one, for its epilogue and the
+    pipeline's ramp."""
+    bm, bn = wg * HALF_M.value, shared["BLOCK_N"]
+    if wg == 3:  # blocks aligned to the end (``_dense_item``): the first one's m0 < 0
+        m0 = s_q - torch.arange(1, cdiv(s_q, bm) + 1) * bm
+    else:
+        m0 = torch.arange(cdiv(s_q, bm) - 1, -1, -1) * bm
     m_last = torch.clamp(m0 + bm, max=s_q) - 1
+    m0 = torch.clamp(m0, min=0)
     shift = s_k - s_q
     n_hi = torch.full_like(m0, s_k)
     if shared["HAS_RIGHT"]:

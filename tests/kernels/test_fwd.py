@@ -484,6 +484,7 @@ PERSISTENT_CASES = [
     pytest.param(3, 1024, 512, 8, 2, {"causal": True, "sink": True, "d": 64},
                  id="d64_causal_sq_gt_sk_sink"),
     pytest.param(2, 1024, 512, 4, 2, {"causal": True, "d": 64}, id="d64_causal_empty_rows"),
+    pytest.param(5, 64, 128, 4, 4, {"d": 64}, id="d64_one_half_blocks"),
     # D = 256: out staged in Q's buffer (O_IN_Q).
     pytest.param(3, 1024, 1024, 8, 2, {"causal": True, "d": 256}, id="d256_causal"),
     pytest.param(2, 320, 1024, 4, 1, {"window": (100, 50), "sink": True, "d": 256},
@@ -491,9 +492,15 @@ PERSISTENT_CASES = [
 ]
 
 
+# The persistent kernel's consumer warpgroups at D = 64 (192-row items aligned to the
+# sequence's end on three, the shipped form; 128-row items on two), and three on 64-key
+# tiles. The other variants take D = 64's config as it is.
+WG3 = {"wg3": {"CONSUMERS": 3}, "wg2": {"CONSUMERS": 2}, "wg3_n64": {"CONSUMERS": 3, "BLOCK_N": 64}}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("variant", ["q1", "q2"])
+@pytest.mark.parametrize("variant", ["q1", "q2", *WG3])
 @pytest.mark.parametrize("schedule", ["round_robin", "table"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,kw", PERSISTENT_CASES)
@@ -501,7 +508,7 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
                                       hkv, kw, schedule, variant):
     """``variant``: one Q buffer or two (``q2``: the next item's Q loads during this one; at
     D = 256, where out is staged in Q's buffer, one all the same), the second in bf16
-    only."""
+    only; at D = 64 in bf16 also three consumer warpgroups or two (``WG3``)."""
     from flashlse.kernels import configs, fwd_sm90
 
     kw = dict(kw)
@@ -510,10 +517,12 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
         pytest.skip(f"no Hopper forward tile for D = {d} in configs.FWD_SM90")
     if variant != "q1" and dtype != torch.bfloat16:
         pytest.skip(f"{variant}: bf16 covers it")
+    if variant in WG3 and d != 64:
+        pytest.skip("the consumer warpgroups' variants: D = 64")
     table = schedule == "table"
     q_bufs = 1 if variant == "q1" else 2
     kernel_opts(fwd_sm90_config={"PERSISTENT": True, "PERSISTENT_TABLE": table,
-                                 "Q_BUFS": q_bufs})
+                                 "Q_BUFS": q_bufs, **WG3.get(variant, {})})
     bufs = []
     real_bufs = fwd_sm90._q_bufs
     monkeypatch.setattr(fwd_sm90, "_q_bufs", lambda *a: bufs.append(real_bufs(*a)) or bufs[-1])
@@ -541,7 +550,7 @@ def test_attn_fwd_gpu_sm90_persistent(device, kernel_opts, monkeypatch, dtype, b
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("schedule", ["round_robin", "table", "table_q2"])
+@pytest.mark.parametrize("schedule", ["round_robin", "table", "table_q2", *WG3])
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
 def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch, schedule, d):
     """The LSE contract on the persistent forward, at D = 64, 128 and at D = 256 (out staged
@@ -552,9 +561,12 @@ def test_attn_fwd_gpu_sm90_persistent_bad_data(device, kernel_opts, monkeypatch,
     only where it sits, and every other row equals the clean call."""
     from flashlse.kernels import fwd_sm90
 
+    if schedule in WG3 and d != 64:
+        pytest.skip("the consumer warpgroups' variants: D = 64")
     table = schedule != "round_robin"
     kernel_opts(fwd_sm90_config={"PERSISTENT": True, "PERSISTENT_TABLE": table,
-                                 "Q_BUFS": 2 if schedule == "table_q2" else 1})
+                                 "Q_BUFS": 2 if schedule == "table_q2" else 1,
+                                 **WG3.get(schedule, {})})
     monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", 0.0 if table else float("inf"))
     plans = []
     real = fwd_sm90.plan
@@ -1437,6 +1449,25 @@ def test_attn_fwd_sm90_persistent_domain():
     assert fwd_sm90._q_bufs(q256, shared256, two) == 1
     assert fwd_sm90._q_bufs(q, shared, configs.FWD_SM90[128]) == 1
     assert fwd_sm90._q_bufs(q, dict(shared, STAGES=3), two) == 1  # the ring's third stage
+
+
+def test_attn_fwd_sm90_persistent_three_consumers():
+    """D = 64's persistent items (no device needed): 192 rows on three consumer warpgroups,
+    aligned to the sequence's end, so the partial block is the first, under a causal mask
+    the cheapest (its cost: its own 64 rows' key tiles, plus one); only 2 or 3 consumers."""
+    from flashlse.kernels import configs, fwd_sm90
+
+    assert configs.FWD_SM90[64].consumers == 3 and configs.FWD_SM90[128].consumers == 2
+    causal = dict(BLOCK_N=128, HAS_RIGHT=True, right=0, HAS_LEFT=False, left=0)
+    # Rows 832-1023, 640-831, 448-639, 256-447, 64-255, 0-63: key tiles + 1.
+    assert fwd_sm90._block_costs(1024, 1024, causal, 3).tolist() == [9, 8, 6, 5, 3, 2]
+    assert fwd_sm90._block_costs(1024, 1024, causal, 2).tolist() == [9, 8, 7, 6, 5, 4, 3, 2]
+    full = dict(causal, HAS_RIGHT=False)
+    assert fwd_sm90._block_costs(320, 1024, full, 3).tolist() == [9, 9]
+    q = torch.empty(2, 1024, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CONSUMERS is the persistent forward's consumer"):
+        fwd_sm90._config(q, {"CONSUMERS": 4})
+    assert fwd_sm90._config(q, {"CONSUMERS": 2}).consumers == 2
 
 
 def test_attn_fwd_sm90_persistent_balance():
