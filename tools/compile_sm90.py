@@ -320,20 +320,19 @@ def cases():
                       P_F32=True, LPT=False, DQ_SWIZZLE=False, DQ_LAG=False)
         sm90_bwd = dict(bwd_types, scale="fp32", scale_log2="fp32")
         # dK, dV and dQ in one pass (FUSED_DQ: dQ added into a float32 tensor by TMA).
-        fused = {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
-                 "FUSED_DQ": True, "DQ_SWIZZLE": bwd_sm90.DQ_SWIZZLE}
         # The lag of the dQ products (bwd_sm90.DQ_LAG): every fused D = 128 launch.
-        lag = dict(DQ_LAG=bwd_sm90.DQ_LAG)
+        fused = {**{n: c for n, c in consts.items() if n not in ("dq_acc", "stride_dqa")},
+                 "FUSED_DQ": True, "DQ_SWIZZLE": bwd_sm90.DQ_SWIZZLE,
+                 "DQ_LAG": bwd_sm90.DQ_LAG}
         fused_types = dict(sm90_bwd, dq_acc=F32, stride_dqa=("i32",) * 3)
         yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=128 {label}", bwd_sm90._dkdv_sm90_kernel, \
             sm90_bwd, consts, 4, 1
         if f["IS_VARLEN"]:
             # The grid longest first on per-program descriptors (bwd_sm90.LPT), G = 4.
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 G=4 {label} LPT", \
-                bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, GROUP=4, LPT=True, **lag), \
-                4, 1
+                bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, GROUP=4, LPT=True), 4, 1
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label}", \
-            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, **lag), 4, 1
+            bwd_sm90._dkdv_sm90_kernel, fused_types, fused, 4, 1
         if not f["IS_VARLEN"]:
             # Dense calls: descriptors made on the host (HOST_DESC), two-pass and fused.
             hd = _dkdv_host_descs(128)
@@ -343,11 +342,11 @@ def cases():
             hd_fused = dict(sm90_bwd, **_dkdv_host_descs(128, bwd_sm90.DQ_SWIZZLE),
                             stride_dqa=("i32",) * 3)
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 {label} host desc", \
-                bwd_sm90._dkdv_sm90_kernel, hd_fused, dict(fused, HOST_DESC=True, **lag), 4, 1
+                bwd_sm90._dkdv_sm90_kernel, hd_fused, dict(fused, HOST_DESC=True), 4, 1
             # The grid longest first (bwd_sm90.LPT), GQA's group of 4.
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=128 G=4 {label} host desc LPT", \
                 bwd_sm90._dkdv_sm90_kernel, hd_fused, \
-                dict(fused, HOST_DESC=True, GROUP=4, LPT=True, **lag), 4, 1
+                dict(fused, HOST_DESC=True, GROUP=4, LPT=True), 4, 1
             # D = 256: the role split (one warpgroup P^T and dV, the other dP^T and dK).
             hd256 = _dkdv_host_descs(256)
             yield "dkdv", f"bwd dK/dV sm90 (Gluon) D=256 {label} roles host desc", \
@@ -369,12 +368,12 @@ def cases():
                 sm90_bwd, dict(consts, D=64), 4, 1
         # D = 64 fused: the warpgroups take dQ's tiles in turn (whole rows of 64 columns).
         yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label}", \
-            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64), 4, 1
+            bwd_sm90._dkdv_sm90_kernel, fused_types, dict(fused, D=64, DQ_LAG=False), 4, 1
         if not f["IS_VARLEN"]:
             hd64 = _dkdv_host_descs(64, bwd_sm90.DQ_SWIZZLE)
             yield "dkdv", f"bwd dK/dV+dQ fused sm90 (Gluon) D=64 {label} host desc", \
                 bwd_sm90._dkdv_sm90_kernel, dict(sm90_bwd, **hd64, stride_dqa=("i32",) * 3), \
-                dict(fused, D=64, HOST_DESC=True, GROUP=4, LPT=True), 4, 1
+                dict(fused, D=64, HOST_DESC=True, GROUP=4, LPT=True, DQ_LAG=False), 4, 1
             yield "dkdv", "bwd dK/dV sm90 (Gluon) D=128 causal EARLY_DP", \
                 bwd_sm90._dkdv_sm90_kernel, sm90_bwd, dict(consts, EARLY_DP=True), 4, 1
         consts = dict(GROUP=2, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],

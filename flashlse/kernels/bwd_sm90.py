@@ -916,7 +916,7 @@ def _dkdv_launch(p: BwdPass, n_tensors: int, **fused) -> Launch | _HostDescs | N
         _dkdv_sm90_kernel, n_tensors, _kernel_args(_dkdv_sm90_kernel, args, tiles)))
     if not host:
         return run
-    spec = _dkdv_host_spec(p.q.dtype, d, cfg.block_m, fused.get("DQ_SWIZZLE", False))
+    spec = _dkdv_host_spec(p.q.dtype, d, cfg.block_m, fused["DQ_SWIZZLE"])
     return _HostDescs(run, spec, p.seqlen_q)
 
 

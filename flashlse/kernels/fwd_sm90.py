@@ -861,16 +861,17 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                          HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
                          TABLE: gl.constexpr, O_IN_Q: gl.constexpr, Q_BUFS: gl.constexpr,
                          WG: gl.constexpr = 2):
-    """``_consumer`` (the overlapped schedule) over the program's work items, on rows
-    ``half * 64`` to ``half * 64 + 63`` of each item's ``WG * 64``. Q's buffer is handed
+    """``_consumer`` over the program's work items, on rows ``half * 64`` to
+    ``half * 64 + 63`` of each item's ``WG * 64`` (``_consumer_part``). Q's buffer is handed
     back right after the item's last product (with ``Q_BUFS`` = 2 the next item's Q has
     loaded into the other during this one); out goes through its own buffer, whose previous
     TMA store is waited for only when the next item's epilogue needs it. With ``O_IN_Q`` (no
     room for that buffer: D = 256; one Q buffer) out is staged in Q's, handed back once its
-    store has read it (``_consumer_part``). Three parts (``WG = 3``) take their key tiles one after the other
-    (``_consumer_loop_plain``: the overlapped loop needs more than their 160 registers at
-    128-key tiles), each only its own rows' tiles of the block's; a part before the
-    sequence's first row computes nothing (``_drain_tiles``)."""
+    store has read it. Two parts run the overlapped schedule; three (``WG = 3``) take their
+    key tiles one after the other (``_consumer_loop_plain``: the overlapped loop needs more
+    than their 160 registers at 128-key tiles), each only its own rows' tiles of the
+    block's, and a part before the sequence's first row computes nothing
+    (``_drain_tiles``)."""
     gl.static_assert(Q_BUFS == 1 or not O_IN_Q)
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_tile = o_smem.index(half)
@@ -1731,8 +1732,9 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
                   HQ=hq, sched=sched, TABLE=sched is not None,
                   O_IN_Q=_out_in_q(q, shared, wg), Q_BUFS=_q_bufs(q, shared, cfg), WG=wg)
         if wg == 3:
-            # Three consumer warpgroups and the producer warp share the register file:
-            # 3 x 128 x 160 + 32 x 24 of 65,536.
+            # Four warpgroups share the register file: the default partition's 168
+            # registers a thread, the other two consumers' 160, the producer's 24
+            # (128 x (168 + 160 + 160 + 24) = 65,536).
             kw["CONSUMER_REGS"] = min(kw["CONSUMER_REGS"], 160)
         for name in ("PINGPONG", "OVERLAP"):
             kw.pop(name)
