@@ -12,11 +12,13 @@ document) x heads x documents, and the programs of a short document's missing bl
 and exit. Against the real row blocks that count says whether those starts can matter.
 
     python benchmarks/bench_varlen.py [--seed S] [--dim D] [--varlen-l2-mb 16,32] [--smoke]
+    python benchmarks/bench_varlen.py --dim 64 --fwd-variants '[{}, {"VARLEN_CONSUMERS": 2}]'
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -63,6 +65,9 @@ def main():
     ap.add_argument("--flex", action="store_true",
                     help="also FlexAttention (torch.compile'd, a document-causal block mask) "
                          "on the same packed tokens: forward and step, in turn with varlen")
+    ap.add_argument("--fwd-variants", type=json.loads, default=[],
+                    help="a JSON list of fwd_sm90_config overrides: the varlen forward under "
+                         "each, timed in turn with the dense forward (an A/B in one process)")
     ap.add_argument("--varlen-l2-mb", type=lambda x: [int(v) for v in x.split(",")], default=[],
                     help="time the persistent varlen forward at these L2 section budgets (MB)")
     args = ap.parse_args()
@@ -161,6 +166,19 @@ def main():
         ratio = tf(fwd_flops, t_other) / tf(dense_flops, t_dn)
         print(f"{f'  forward, PERSISTENT_VARLEN={other}':<44} {t_other:8.3f} "
               f"{tf(fwd_flops, t_other):8.1f}  ({ratio:.2f}x)")
+    if args.fwd_variants:
+        def under(cfg, fn):
+            def run():
+                with fl.kernel_options(fwd_sm90_config=cfg):
+                    fn()
+            return run
+
+        with torch.no_grad():
+            times = interleaved_ms([under(c, vl) for c in args.fwd_variants] + [dn], smoke)
+        for cfg, t_x in zip(args.fwd_variants, times):
+            ratio = tf(fwd_flops, t_x) / tf(dense_flops, times[-1])
+            print(f"{f'  forward, {json.dumps(cfg)}':<44} {t_x:8.3f} {tf(fwd_flops, t_x):8.1f}  "
+                  f"({ratio:.2f}x dense {times[-1]:.3f} ms)")
     for mb in args.varlen_l2_mb:
         # The persistent varlen kernel with its heads dealt in sections of this L2 budget.
         from flashlse.kernels import fwd_sm90

@@ -283,7 +283,7 @@ def cpu_stubbed(n, profile, top):
                 rows[profile]()
             prof.disable()
             print(f"\n=== cProfile: {profile} ===")
-            pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+            pstats.Stats(prof).sort_stats(os.environ.get("PSORT", "tottime")).print_stats(top)
 
 
 def ab(flag: str, rows: str | None, rounds: int) -> None:

@@ -249,36 +249,45 @@ def cases():
     # Its persistent varlen form (packed sequences, row blocks listed on the device).
     varlen_types = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, blocks=I32,
                         block_table=I32, scale_log2="fp32")
-    for label, window, d, splits in (("causal", False, 128, 1), ("window", True, 128, 1),
-                                     ("causal", False, 256, 1), ("causal", False, 256, 4),
-                                     ("causal", False, 64, 1), ("causal", False, 64, 4)):
+    # (WG = 3: three consumer warpgroups, 192-row blocks: configs VARLEN_CONSUMERS = 3.)
+    for label, window, d, splits, wg in (("causal", False, 128, 1, 2), ("window", True, 128, 1, 2),
+                                         ("causal", False, 256, 1, 2), ("causal", False, 256, 4, 2),
+                                         ("causal", False, 64, 1, 2), ("causal", False, 64, 4, 2),
+                                         ("causal", False, 64, 1, 3), ("window", True, 64, 1, 3),
+                                         ("causal", False, 64, 4, 3)):
         consts = dict(GROUP=2, HQ=16, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, STAGES=2,
                       HAS_LEFT=window, HAS_RIGHT=True, HAS_SINK=splits == 1,
-                      O_IN_Q=d == 256, CONSUMER_REGS=240, PAGE_SIZE=0, block_table=None,
-                      SPLITS=splits)
+                      O_IN_Q=d == 256, CONSUMER_REGS=240 if wg == 2 else 160, PAGE_SIZE=0,
+                      block_table=None, SPLITS=splits, WG=wg)
         # Key splits: partial states in float32 workspaces.
         types = dict(varlen_types, o=F32) if splits > 1 else varlen_types
         yield "fwd", f"fwd sm90 persistent varlen (Gluon) D={d} {label}" + (
-            f" {splits} splits" if splits > 1 else ""), \
+            f" {splits} splits" if splits > 1 else "") + (" WG=3" if wg == 3 else ""), \
             fwd_sm90._fwd_sm90_varlen_kernel, types, consts, 4, 1
     # The same kernel over paged caches (a paged call's long sequences).
-    for page, splits in ((16, 1), (64, 1), (256, 1), (16, 4)):
-        consts = dict(GROUP=4, HQ=32, D=128, BLOCK_N=configs.FWD_SM90[128].block_n, STAGES=2,
+    for d, page, splits, wg in ((128, 16, 1, 2), (128, 64, 1, 2), (128, 256, 1, 2),
+                                (128, 16, 4, 2), (64, 16, 1, 3), (64, 256, 4, 3)):
+        consts = dict(GROUP=4, HQ=32, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, STAGES=2,
                       HAS_LEFT=False, HAS_RIGHT=True, HAS_SINK=False, O_IN_Q=False,
-                      CONSUMER_REGS=240, PAGE_SIZE=page, SPLITS=splits)
+                      CONSUMER_REGS=240 if wg == 2 else 160, PAGE_SIZE=page, SPLITS=splits,
+                      WG=wg)
         # Key splits: partial states in float32 workspaces.
         types = dict(varlen_types, o=F32) if splits > 1 else varlen_types
-        yield "fwd", f"fwd sm90 persistent paged (Gluon) D=128 page {page} causal" + (
-            f" {splits} splits" if splits > 1 else ""), \
+        yield "fwd", f"fwd sm90 persistent paged (Gluon) D={d} page {page} causal" + (
+            f" {splits} splits" if splits > 1 else "") + (" WG=3" if wg == 3 else ""), \
             fwd_sm90._fwd_sm90_varlen_kernel, types, consts, 4, 1
     yield "fwd", "fwd sm90 varlen blocks (list)", fwd_sm90._varlen_blocks_kernel, \
         dict(cu_seqlens_q=I32, cu_seqlens_k=I32, seqused_k=I32, blocks=I32), \
         dict(BLOCK_M=128, BLOCK_B=128, HAS_SEQUSED_K=True, block_table=None, GROUP=1,
-             PAGE_SIZE=0, BLOCK_P=1), 4, 1
+             PAGE_SIZE=0, BLOCK_P=1, ALIGN_END=0), 4, 1
+    yield "fwd", "fwd sm90 varlen blocks (list, end-aligned)", fwd_sm90._varlen_blocks_kernel, \
+        dict(cu_seqlens_q=I32, cu_seqlens_k=I32, seqused_k=I32, blocks=I32), \
+        dict(BLOCK_M=192, BLOCK_B=128, HAS_SEQUSED_K=True, block_table=None, GROUP=1,
+             PAGE_SIZE=0, BLOCK_P=1, ALIGN_END=64), 4, 1
     yield "fwd", "fwd sm90 varlen blocks (paged list)", fwd_sm90._varlen_blocks_kernel, \
         dict(cu_seqlens_q=I32, seqused_k=I32, blocks=I32, block_table=I32), \
         dict(BLOCK_M=128, BLOCK_B=16, HAS_SEQUSED_K=True, cu_seqlens_k=None, GROUP=4,
-             PAGE_SIZE=16, BLOCK_P=256), 4, 1
+             PAGE_SIZE=16, BLOCK_P=256, ALIGN_END=0), 4, 1
     # Its paged variant: pages smaller than a tile (a TMA box a page), of a tile, and larger.
     paged_sm90 = dict(q=BF16, k=BF16, v=BF16, o=BF16, lse=F32, sink=F32, cu_seqlens_q=I32,
                       seqused_k=I32, block_table=I32, scale_log2="fp32", stride_q=("i32",) * 2,

@@ -320,10 +320,10 @@ def _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2,
 def _zero_rows(tile, n_valid, BLOCK_N: gl.constexpr):
     """Zero the rows ``[n_valid, BLOCK_N)`` of a K/V ring buffer the TMA has filled, in
     32-row slices, before a product reads it: ``P V`` with ``P = 0`` on those keys is still
-    NaN where V is (another sequence's bad data must not reach this one). Both consumer
-    warpgroups run it on the same buffer: each writes back the values it read, zeros past
-    ``n_valid``, so neither can see the other's write as anything but a zero it also
-    writes, and each fences its own writes before its product."""
+    NaN where V is (another sequence's bad data must not reach this one). Every consumer
+    warpgroup that reads the buffer runs it: each writes back the values it read, zeros past
+    ``n_valid``, so none can see another's write as anything but a zero it also writes,
+    and each fences its own writes before its product."""
     if n_valid < BLOCK_N:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         for c in gl.static_range(BLOCK_N // 32):
@@ -411,10 +411,12 @@ def _consumer_loop_plain(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empt
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          PINGPONG: gl.constexpr, s_layout: gl.constexpr,
-                         o_layout: gl.constexpr, p_layout: gl.constexpr):
+                         o_layout: gl.constexpr, p_layout: gl.constexpr,
+                         V_TAIL: gl.constexpr = False):
     """The key tiles one after the other: ``S = Q K^T``, the softmax, ``acc += P V``, each
     waiting for the one before (no overlap inside the warpgroup; with three consumer
-    warpgroups the others' products run meanwhile). Tiles from the ring's ``t0``-th."""
+    warpgroups the others' products run meanwhile). Tiles from the ring's ``t0``-th;
+    ``V_TAIL`` as ``_consumer_loop_overlap``'s (the tile that holds ``T_k`` zeroed past it)."""
     dtype: gl.constexpr = q_tile.dtype
     for it in range(n_tiles):
         s = (t0 + it) % STAGES
@@ -436,6 +438,8 @@ def _consumer_loop_plain(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empt
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_full.index(s), ph)
+        if V_TAIL:
+            _zero_rows(v_smem.index(s), T_k - n0, BLOCK_N)
         o_tok = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         mbarrier.arrive(v_empty.index(s))
@@ -911,6 +915,23 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
 
 
 @gluon.jit
+def _part_tiles(r0, T_q, T_k, shift, left, right, n_lo, n_tiles, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """A consumer part's share of an item's ``n_tiles`` key tiles from key ``n_lo`` (a
+    block's, or its key split's): the tiles before its own (released unread), its own
+    (those of ``_key_ranges`` of its rows ``r0`` to ``min(r0 + 63, T_q - 1)``, within the
+    item's), and its rows' full middle. Under a causal mask the block's last tiles can lie
+    above a lower part's diagonal, and a part's own middle needs no mask."""
+    part_lo, n_full_lo, n_full_hi, part_hi = _key_ranges(
+        r0, gl.minimum(r0 + HALF_M, T_q) - 1, T_k, shift, left, right, BLOCK_N, HAS_LEFT,
+        HAS_RIGHT)
+    first = gl.maximum(part_lo, n_lo)
+    skip = gl.minimum((first - n_lo) // BLOCK_N, n_tiles)
+    end = gl.minimum((gl.maximum(part_hi, first) - n_lo + BLOCK_N - 1) // BLOCK_N, n_tiles)
+    return skip, gl.maximum(end - skip, 0), n_full_lo, n_full_hi
+
+
+@gluon.jit
 def _drain_tiles(k_full, k_empty, v_full, v_empty, n_tiles, t0, STAGES: gl.constexpr):
     """A consumer's share of ``n_tiles`` ring tiles from the ``t0``-th, released as they
     land and not read: each arrival waits for its tile, so none runs a phase ahead of the
@@ -1046,7 +1067,8 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks, block_t
                           stride_tb, num_pages, rows_lo,
                           BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
                           HAS_SEQUSED_K: tl.constexpr, GROUP: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
+                          PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+                          ALIGN_END: tl.constexpr):
     """The persistent varlen kernel's row blocks, listed on the device (the host cannot read
     ``cu_seqlens_q`` without a sync): ``blocks[0]`` their count, then ``VARLEN_ITEM`` ints a
     block: its sequence's ``seq_bounds`` (``bos, bos_k, T_q, T_k``) and its first row, so
@@ -1065,6 +1087,12 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks, block_t
     ``seqused_k`` clamped to ``[0, seqlen_k]`` (the table's pages) and ended before the
     first entry outside ``[0, num_pages)`` (``_paged_lens``); sequences of at most
     ``rows_lo`` packed rows (``T_q * GROUP``, decodes: another launch's) have no block.
+
+    ``ALIGN_END`` > 0 (192-row blocks of three 64-row consumer parts: 64): a sequence's
+    blocks end at its length rounded up to a multiple of ``ALIGN_END``, so its partial
+    block is its first, whose first row is then negative (the parts before row 0 compute
+    nothing) and, under a causal mask, whose rows are the cheapest; with 0 block ``i``
+    starts at row ``i * BLOCK_M``.
     Triton, not Gluon: CI runs it under the interpreter."""
     i = tl.program_id(0)
     o_b = tl.arange(0, BLOCK_B)
@@ -1099,7 +1127,12 @@ def _varlen_blocks_kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, blocks, block_t
         tl.store(p + 1, bos_k, mask=listed)
         tl.store(p + 2, T_q, mask=listed)
         tl.store(p + 3, T_k, mask=listed)
-        tl.store(p + 4, tl.full([BLOCK_B], 0, tl.int32) + i * BLOCK_M, mask=listed)
+        if ALIGN_END > 0:
+            m0 = ((T_q + ALIGN_END - 1) // ALIGN_END * ALIGN_END
+                  - ((T_q + BLOCK_M - 1) // BLOCK_M - i) * BLOCK_M)
+        else:
+            m0 = tl.full([BLOCK_B], 0, tl.int32) + i * BLOCK_M
+        tl.store(p + 4, m0, mask=listed)
         start += tl.sum(has, 0)
     if i == 0:
         tl.store(blocks, tl.minimum(start, capacity))
@@ -1179,11 +1212,15 @@ def _section_rounds(n_blocks, heads):
 
 @gluon.jit
 def _varlen_ranges(valid, T_q, T_k, m0, left, right, BLOCK_N: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """An item's masks' shift and key tiles (``_key_ranges``; none past the list)."""
-    m_last = gl.minimum(m0 + 2 * HALF_M, T_q) - 1
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WG: gl.constexpr = 2):
+    """An item's masks' shift and key tiles (``_key_ranges`` of its ``WG * 64`` rows from
+    ``m0``, those in ``[0, T_q)``; none past the list)."""
+    m_last = gl.minimum(m0 + WG * HALF_M, T_q) - 1
+    m_first = m0
+    if WG == 3:
+        m_first = gl.maximum(m0, 0)
     shift = T_k - T_q
-    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m0, m_last, T_k, shift, left, right,
+    n_lo, n_full_lo, n_full_hi, n_hi = _key_ranges(m_first, m_last, T_k, shift, left, right,
                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT)
     n_tiles = gl.where(valid, (n_hi - n_lo + BLOCK_N - 1) // BLOCK_N, 0)
     return shift, n_lo, n_full_lo, n_full_hi, n_tiles
@@ -1192,7 +1229,7 @@ def _varlen_ranges(valid, T_q, T_k, m0, left, right, BLOCK_N: gl.constexpr,
 @gluon.jit
 def _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ: gl.constexpr,
                  ITEM: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, SPLITS: gl.constexpr):
+                 HAS_RIGHT: gl.constexpr, SPLITS: gl.constexpr, WG: gl.constexpr = 2):
     """Round ``r``'s item from ``ahead`` (its ``_varlen_load``, issued a round before) with
     its ``_varlen_ranges``, and the next round's loads issued. With key splits, the item's
     tiles are its split's share of the block's (``ceil(n / SPLITS)`` each, the last ones
@@ -1201,7 +1238,7 @@ def _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ: gl.constexp
     ahead = _varlen_load(blocks, r + 1, n_blocks, heads, HQ, ITEM, SPLITS)
     shift, n_lo, n_full_lo, n_full_hi, n_tiles = _varlen_ranges(valid, T_q, T_k, m0, left,
                                                                 right, BLOCK_N, HAS_LEFT,
-                                                                HAS_RIGHT)
+                                                                HAS_RIGHT, WG)
     if SPLITS > 1:
         share = (n_tiles + SPLITS - 1) // SPLITS
         n_lo = n_lo + split * share * BLOCK_N
@@ -1223,7 +1260,7 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                      HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                      ITEM: gl.constexpr, PAGE_SIZE: gl.constexpr, DO_K: gl.constexpr,
-                     DO_V: gl.constexpr, SPLITS: gl.constexpr):
+                     DO_V: gl.constexpr, SPLITS: gl.constexpr, WG: gl.constexpr = 2):
     """``_producer_persistent`` over ``_varlen_load``'s items (an item with no key tile
     loads nothing). Coordinates are rows of the packed ``(total, H * D)`` matrices: a tile
     may reach into the next sequence, whose rows the consumers mask (K, Q) or zero (V).
@@ -1232,7 +1269,8 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
     K tiles with the Q halves (DO_K) and the V tiles (DO_V) are two warps' work, as in the
     paged grid kernel (two warps wait on block-table loads and issue page boxes): each
     item's tiles by ``_paged_tiles`` with no tail descriptor (boxes past the item's length
-    read page 0, whose keys the consumers mask and whose V rows they zero)."""
+    read page 0, whose keys the consumers mask and whose V rows they zero). Of three Q parts
+    (``WG = 3``) those before the sequence's first row load nothing."""
     t = 0
     j = 0
     n_blocks = gl.load(blocks) * SPLITS  # (block, key split) pairs
@@ -1240,7 +1278,7 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
     ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM, SPLITS)
     for r in range(_varlen_rounds(n_blocks, heads, HQ)):
         ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,
-                                   BLOCK_N, HAS_LEFT, HAS_RIGHT, SPLITS)
+                                   BLOCK_N, HAS_LEFT, HAS_RIGHT, SPLITS, WG)
         valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles, \
             split = item
         if n_tiles > 0:
@@ -1249,12 +1287,12 @@ def _producer_varlen(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
                 t = _item_loads(q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
                                 q_bar, q_empty, k_full, k_empty, v_full, v_empty, bos + m0,
                                 bos_k + n_lo, col, i_h, n_tiles, t, j, D, BLOCK_N, STAGES,
-                                False)
+                                False, 1, WG, bos)
             else:
                 if DO_K:  # the Q halves (no tile)
                     _item_loads(q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem,
                                 q_bar, q_empty, k_full, k_empty, v_full, v_empty, bos + m0, 0,
-                                col, i_h, 0, t, j, D, BLOCK_N, STAGES, False)
+                                col, i_h, 0, t, j, D, BLOCK_N, STAGES, False, 1, WG, bos)
                 p_bt = block_table + bos_k.to(gl.int64) * stride_tb
                 _paged_tiles(k_desc, v_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty,
                              n_lo, n_tiles, (k_desc, v_desc, p_bt, T_k, 0), BLOCK_N, STAGES,
@@ -1271,7 +1309,7 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
                      HQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                      HAS_SINK: gl.constexpr, O_IN_Q: gl.constexpr, ITEM: gl.constexpr,
-                     SPLITS: gl.constexpr):
+                     SPLITS: gl.constexpr, WG: gl.constexpr = 2):
     """``_consumer_persistent`` over ``_varlen_load``'s items. Rows of a Q half past its
     sequence's end hold the next sequence's rows (or zeros): each row's result is its own,
     and only rows below ``T_q`` are stored. A half wholly inside its sequence is stored by
@@ -1282,7 +1320,12 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
     With key splits (``SPLITS > 1``) every item's state is a partial one, stored from
     registers in float32 to split ``split``'s slice of ``o`` (``(SPLITS * total_q, H * D)``)
     and ``lse`` (``(SPLITS * H, total_q)``), the empty state where the split has no key;
-    the host merges the splits (``merge_states``' kernel, the sink there)."""
+    the host merges the splits (``merge_states``' kernel, the sink there).
+
+    Three parts (``WG = 3``, the list's blocks end-aligned) run as the dense kernel's: each
+    takes its own rows' key tiles of the item's (``_part_tiles``) one after the other, and
+    releases the others unread; a part before the sequence's first row computes and stores
+    nothing."""
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -1299,7 +1342,7 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
     ahead = _varlen_load(blocks, 0, n_blocks, heads, HQ, ITEM, SPLITS)
     for r in range(_varlen_rounds(n_blocks, heads, HQ)):
         ahead, item = _varlen_step(blocks, r, n_blocks, heads, ahead, left, right, HQ, ITEM,
-                                   BLOCK_N, HAS_LEFT, HAS_RIGHT, SPLITS)
+                                   BLOCK_N, HAS_LEFT, HAS_RIGHT, SPLITS, WG)
         valid, i_h, bos, bos_k, T_q, T_k, m0, shift, n_lo, n_full_lo, n_full_hi, n_tiles, \
             split = item
         r0 = m0 + half * HALF_M
@@ -1307,20 +1350,42 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
         acc = gl.zeros([HALF_M, D], gl.float32, layout=o_layout)
+        # (WG = 3: the item's tiles this part releases unread before and after its own.)
+        skip = 0
+        own = 0
+        t_item = t
         if n_tiles > 0:
             mbarrier.wait(q_bar.index(half), j & 1)
-            acc, m_i, l_i = _consumer_loop_overlap(
-                q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
-                acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
-                n_lo, n_full_lo, n_full_hi, n_tiles, t,
-                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout,
-                True)
+            if WG == 2:
+                acc, m_i, l_i = _consumer_loop_overlap(
+                    q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
+                    acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
+                    n_lo, n_full_lo, n_full_hi, n_tiles, t,
+                    BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout,
+                    True)
+            else:
+                skip, own, n_full_lo, n_full_hi = _part_tiles(
+                    r0, T_q, T_k, shift, left, right, n_lo, n_tiles, BLOCK_N, HAS_LEFT,
+                    HAS_RIGHT)
+                if r0 < 0:
+                    skip = n_tiles
+                    own = 0
+                _drain_tiles(k_full, k_empty, v_full, v_empty, skip, t, STAGES)
+                acc, m_i, l_i = _consumer_loop_plain(
+                    q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
+                    acc, m_i, l_i, s_zero, rows, T_k, shift, left, right, scale_log2,
+                    n_lo + skip * BLOCK_N, n_full_lo, n_full_hi, own, t + skip,
+                    BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout,
+                    True)
             if not O_IN_Q:
                 mbarrier.arrive(q_empty.index(half))
             t += n_tiles
             j += 1
+        stored = valid & (r0 < T_q)
+        if WG == 3:
+            stored = stored & (r0 >= 0)
         if SPLITS > 1:
-            if valid & (r0 < T_q):
+            if stored:
                 o_scale, lse_row = _final_stats(m_i, l_i, 0.0, False)
                 gl.store(lse + (split * HQ + i_h).to(gl.int64) * stride_lh + bos + rows,
                          lse_row, mask=rows < T_q)
@@ -1329,7 +1394,7 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
                 p_o = o + (split.to(gl.int64) * total_q + bos + o_rows)[:, None] * stride_os \
                     + i_h.to(gl.int64) * D + o_cols[None, :]
                 gl.store(p_o, out, mask=o_rows[:, None] < T_q)
-        elif valid & (r0 < T_q):
+        elif stored:
             sink_nat = 0.0
             if HAS_SINK:
                 sink_nat = gl.load(sink + i_h).to(gl.float32)
@@ -1358,6 +1423,11 @@ def _consumer_varlen(q_smem, o_smem, k_smem, v_smem, o_desc,
             # store of out staged in it).
             if n_tiles > 0:
                 mbarrier.arrive(q_empty.index(half))
+        if WG == 3:
+            # The item's tiles past this part's (after the epilogue, which so runs under the
+            # other parts' products).
+            _drain_tiles(k_full, k_empty, v_full, v_empty, n_tiles - skip - own,
+                         t_item + skip + own, STAGES)
     tma.store_wait(0)
 
 
@@ -1371,7 +1441,7 @@ def _fwd_sm90_varlen_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    SPLITS: gl.constexpr = 1,
+    SPLITS: gl.constexpr = 1, WG: gl.constexpr = 2,
 ):
     """The packed varlen forward as a persistent kernel: a program per SM walks the row
     blocks that ``_varlen_blocks_kernel`` listed in ``blocks`` (dealt by ``_varlen_load``),
@@ -1386,7 +1456,10 @@ def _fwd_sm90_varlen_kernel(
     page through ``block_table`` (``_producer_varlen``: a producer warp for K, one for V), and the consumers are the same (a key past the length is masked, its V row zeroed).
 
     ``SPLITS > 1``: each block's key tiles in that many shares, an item each, whose partial
-    states go to ``o`` / ``lse`` as float32 workspaces (``_consumer_varlen``)."""
+    states go to ``o`` / ``lse`` as float32 workspaces (``_consumer_varlen``).
+
+    ``WG``: consumer warpgroups of 64 rows each (3: 192-row blocks, listed end-aligned by
+    ``_varlen_blocks_kernel``'s ``ALIGN_END``), as the dense persistent kernel's."""
     dtype: gl.constexpr = q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, D], dtype)
     q_desc = tma.make_tensor_descriptor(q, [total_q, HQ * D], [stride_qs, 1], [HALF_M, D],
@@ -1403,12 +1476,63 @@ def _fwd_sm90_varlen_kernel(
     BOX: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N  # (0: a tile)
     k_desc, v_desc, q_smem, q_bar, q_empty, k_smem, v_smem, k_full, k_empty, v_full, v_empty \
         = _persistent_buffers(k, v, stride_ks, stride_vs, total_k, HQ // GROUP, D, BLOCK_N,
-                              STAGES, q_layout, BOX)
+                              STAGES, q_layout, BOX, WG=WG)
     if O_IN_Q:
         o_smem = q_smem
     else:
-        o_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_layout)
-    if PAGE_SIZE == 0:
+        o_smem = gl.allocate_shared_memory(dtype, [WG, HALF_M, D], q_layout)
+    # (The partitions' argument lists written out: the frontend builds no tuple of them.)
+    if WG == 3 and PAGE_SIZE == 0:
+        gl.warp_specialize([
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                0, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS, WG)),
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                1, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS, WG)),
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                2, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS, WG)),
+            (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
+                                block_table, stride_tb, GROUP, HQ, D, BLOCK_N, STAGES,
+                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, 0, True, True, SPLITS, WG)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    elif WG == 3:
+        gl.warp_specialize([
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                0, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS, WG)),
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                1, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS, WG)),
+            (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
+                                k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
+                                2, blocks, heads, left, right, scale_log2, split_rows, HQ, D,
+                                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, HAS_SINK, O_IN_Q,
+                                VARLEN_ITEM, SPLITS, WG)),
+            (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
+                                block_table, stride_tb, GROUP, HQ, D, BLOCK_N, STAGES,
+                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, True, False,
+                                SPLITS, WG)),
+            (_producer_varlen, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
+                                k_full, k_empty, v_full, v_empty, blocks, heads, left, right,
+                                block_table, stride_tb, GROUP, HQ, D, BLOCK_N, STAGES,
+                                HAS_LEFT, HAS_RIGHT, VARLEN_ITEM, PAGE_SIZE, False, True,
+                                SPLITS, WG)),
+        ], [4, 4, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, 24, 24])
+    elif PAGE_SIZE == 0:
         gl.warp_specialize([
             (_consumer_varlen, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                                 k_empty, v_full, v_empty, o, stride_os, lse, stride_lh, sink,
@@ -1675,9 +1799,10 @@ def _config(q, override) -> configs.TileConfig:
     overrides."""
     cfg = configs.override(configs.FWD_SM90[q.shape[-1]], override, configs.FWD_SM90_KEYS,
                            what="fwd_sm90_config")
-    if cfg.consumers not in (2, 3):
-        raise ValueError(f"fwd_sm90_config: CONSUMERS is the persistent forward's consumer "
-                         f"warpgroups, 2 or 3; got {cfg.consumers}")
+    for key, n in (("CONSUMERS", cfg.consumers), ("VARLEN_CONSUMERS", cfg.varlen_consumers)):
+        if n not in (2, 3):
+            raise ValueError(f"fwd_sm90_config: {key} is a persistent forward's consumer "
+                             f"warpgroups, 2 or 3; got {n}")
     return cfg
 
 
@@ -1731,11 +1856,7 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
         kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
                   HQ=hq, sched=sched, TABLE=sched is not None,
                   O_IN_Q=_out_in_q(q, shared, wg), Q_BUFS=_q_bufs(q, shared, cfg), WG=wg)
-        if wg == 3:
-            # Four warpgroups share the register file: the default partition's 168
-            # registers a thread, the other two consumers' 160, the producer's 24
-            # (128 x (168 + 160 + 160 + 24) = 65,536).
-            kw["CONSUMER_REGS"] = min(kw["CONSUMER_REGS"], 160)
+        kw["CONSUMER_REGS"] = _consumer_regs(kw["CONSUMER_REGS"], wg)
         for name in ("PINGPONG", "OVERLAP"):
             kw.pop(name)
         run = Launch(_fwd_sm90_persistent_kernel, (programs, ),
@@ -1744,9 +1865,11 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
             run = _TableLaunch(run, q.device)
         return Plan(run, (*signature, "persistent"))
     if is_varlen and _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens):
-        splits = _varlen_splits(_varlen_blocks(batch, lens["total_q"], seqlen_q) * hq, lens,
-                                shared, q.device)
-        return _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature, splits)
+        wg = cfg.varlen_consumers
+        splits = _varlen_splits(_varlen_blocks(batch, lens["total_q"], seqlen_q, wg) * hq,
+                                lens, shared, q.device)
+        return _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature, splits,
+                            wg)
     if not cfg.grid:
         return None  # fwd.py's kernel
     kw.update(**lens, IS_VARLEN=is_varlen, HAS_SEQUSED_K=seqused_k is not None)
@@ -1780,13 +1903,14 @@ def _varlen_ok(q, k, v, out, lse, shared, cfg, batch, lens) -> bool:
     total_q, total_k, d = lens["total_q"], lens["total_k"], q.shape[-1]
     if total_k == 0 or max(total_q, total_k) >= 2**31 or lse.stride(1) != 1:
         return False
-    items = _varlen_blocks(batch, total_q, lens["seqlen_q"]) * q.shape[-2]
+    wg = cfg.varlen_consumers
+    items = _varlen_blocks(batch, total_q, lens["seqlen_q"], wg) * q.shape[-2]
     if items >= 2**31:
         return False
     if (cfg.grid and items <= _sm_count(q.device)
             and _varlen_splits(items, lens, shared, q.device) == 1):
         return False
-    if _ring_bytes(q, shared, 1) > SMEM_BYTES:
+    if _ring_bytes(q, shared, 1, wg) > SMEM_BYTES:
         return False
     return all(t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v, out))
 
@@ -1809,10 +1933,11 @@ def _table_keys(block_table, max_seqlen_k, page) -> int:
     return min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page)) * page
 
 
-def _varlen_blocks(batch, total_q, seqlen_q) -> int:
-    """The most row blocks a varlen call can have: one partial block a sequence beyond
-    ``total_q``'s full ones, and at most the grid's ``batch x cdiv(seqlen_q, 128)``."""
-    return min(cdiv(total_q, 2 * HALF_M) + batch, batch * cdiv(seqlen_q, 2 * HALF_M))
+def _varlen_blocks(batch, total_q, seqlen_q, wg: int = 2) -> int:
+    """The most row blocks of ``wg * 64`` rows a varlen call can have: one partial block a
+    sequence beyond ``total_q``'s full ones, and at most ``batch x cdiv(seqlen_q, wg * 64)``."""
+    block_m = wg * HALF_M.value
+    return min(cdiv(total_q, block_m) + batch, batch * cdiv(seqlen_q, block_m))
 
 
 def _varlen_splits(items, lens, shared, device) -> int:
@@ -1911,44 +2036,45 @@ def _dense_split_plan(q, k, v, out, lse, shared, cfg, batch, lens, signature) ->
     sq, sk, hq, d = lens["seqlen_q"], lens["seqlen_k"], q.shape[2], q.shape[3]
     if not cfg.persistent_varlen or cfg.pingpong or not cfg.overlap or sk < DENSE_SPLIT_MIN_KEYS:
         return None
-    if max(batch * sq, batch * sk) >= 2**31 or _ring_bytes(q, shared, 1) > SMEM_BYTES:
+    wg = cfg.varlen_consumers
+    if max(batch * sq, batch * sk) >= 2**31 or _ring_bytes(q, shared, 1, wg) > SMEM_BYTES:
         return None
     if not all(t.shape[3] == d and t.stride(3) == 1 and t.stride(2) == d
                and (t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1))
                for t in (q, k, v, out)):
         return None
-    splits = _split_count(batch * cdiv(sq, 2 * HALF_M) * hq, cdiv(sk, shared["BLOCK_N"]),
-                          _sm_count(q.device))
+    splits = _split_count(batch * cdiv(sq, wg * HALF_M.value) * hq,
+                          cdiv(sk, shared["BLOCK_N"]), _sm_count(q.device))
     if splits == 1:
         return None
     rows = dict(seqlen_q=sq, seqlen_k=sk, total_q=batch * sq, total_k=batch * sk)
     kw = dict(stride_k=strides(k), stride_v=strides(v), **shared)
     varlen = _varlen_plan(_rows(q), _rows(out), lse, kw, shared, batch, rows, None,
-                          signature, splits)
+                          signature, splits, wg)
     return Plan(_DenseSplit(varlen.run, batch, sq, sk), (*varlen.signature, "dense"))
 
 
 def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature,
-                 splits: int) -> Plan:
+                 splits: int, wg: int) -> Plan:
     """The persistent varlen kernel's plan (``_varlen_ok`` admitted the call; ``kw`` the grid
     kernel's launch keywords, ``shared`` the ``_shared_kw`` among them) with ``splits`` key
-    splits (1: none)."""
+    splits (1: none) on ``wg`` consumer warpgroups."""
     hq = q.shape[-2]
     seqlen_q, total_q = lens["seqlen_q"], lens["total_q"]
-    n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
+    n_blocks = _varlen_blocks(batch, total_q, seqlen_q, wg)
     block_b = min(max(next_pow2(batch), 128), 1024)
-    plan_blocks = Launch(_varlen_blocks_kernel, (cdiv(seqlen_q, 2 * HALF_M), ),
+    plan_blocks = Launch(_varlen_blocks_kernel, (cdiv(seqlen_q, wg * HALF_M.value), ),
                          *positional(_varlen_blocks_kernel, 5, dict(
                              batch=batch, total_q=total_q, total_k=lens["total_k"],
                              seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], capacity=n_blocks,
-                             stride_tb=0, num_pages=0, rows_lo=0, BLOCK_M=2 * HALF_M.value,
+                             stride_tb=0, num_pages=0, rows_lo=0, BLOCK_M=wg * HALF_M.value,
                              BLOCK_B=block_b, HAS_SEQUSED_K=seqused_k is not None, GROUP=1,
-                             PAGE_SIZE=0, BLOCK_P=1, num_warps=4)))
+                             PAGE_SIZE=0, BLOCK_P=1, ALIGN_END=_align_end(wg), num_warps=4)))
     heads = _section_heads(hq, kw["GROUP"], lens["total_k"] * 2 * q.shape[-1] * q.element_size())
     args = dict(stride_qs=q.stride(0), stride_ks=kw["stride_k"][1], stride_vs=kw["stride_v"][1],
                 stride_os=out.stride(0), stride_lh=lse.stride(0), total_q=total_q,
-                total_k=lens["total_k"], heads=heads, HQ=hq, O_IN_Q=_out_in_q(q, shared),
-                **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
+                total_k=lens["total_k"], heads=heads, HQ=hq, O_IN_Q=_out_in_q(q, shared, wg),
+                WG=wg, **_varlen_shared(shared, wg))
     if splits > 1:
         # Partial states to float32 workspaces (rows H * D apart, lse rows total_q); the
         # sink is added by the merge.
@@ -1960,6 +2086,28 @@ def _varlen_plan(q, out, lse, kw, shared, batch, lens, seqused_k, signature,
     return Plan(_VarlenLaunch(plan_blocks, kernel, 1 + VARLEN_ITEM.value * n_blocks, splits),
                 (*signature, "persistent varlen") + ((f"{splits} splits", ) if splits > 1
                                                       else ()))
+
+
+def _align_end(wg) -> int:
+    """``_varlen_blocks_kernel``'s ``ALIGN_END`` for ``wg`` consumer warpgroups: three
+    parts' blocks end at the sequence's end (rounded up to a part), two start at row 0."""
+    return HALF_M.value if wg == 3 else 0
+
+
+def _varlen_shared(shared, wg) -> dict:
+    """``_shared_kw``'s keywords that the persistent varlen kernel takes, its consumers'
+    registers capped for ``wg`` of them (:func:`_consumer_regs`)."""
+    kw = {k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")}
+    kw["CONSUMER_REGS"] = _consumer_regs(kw["CONSUMER_REGS"], wg)
+    return kw
+
+
+def _consumer_regs(regs, wg) -> int:
+    """A persistent forward's consumer registers a thread: the config's, and with three
+    consumer warpgroups at most 160. Four warpgroups share the register file: the default
+    partition's 168 a thread, the two other consumers' 160, the producer's 24
+    (128 x (168 + 160 + 160 + 24) = 65,536)."""
+    return min(regs, 160) if wg == 3 else regs
 
 
 def _ring_bytes(q, shared, row_buffers, wg: int = 2) -> int:
@@ -2195,7 +2343,7 @@ def _paged_plan(q, k_cache, v_cache, block_table, out, lse, *, batch, left, righ
     shared = _shared_kw(q, k_cache, left, right, scale, sink, cfg)
     if PAGED_PERSISTENT and _paged_varlen_ok(q, k_cache, v_cache, out, lse, shared, cfg):
         return Plan(_paged_varlen_run(q, k_cache, v_cache, block_table, out, shared,
-                                      rows_lo, batch),
+                                      rows_lo, batch, cfg.varlen_consumers),
                     (*signature, "persistent"))
     kw = dict(stride_q=q.stride()[:2], stride_k=k_cache.stride()[:3],
               stride_v=v_cache.stride()[:3], stride_o=out.stride()[:2],
@@ -2218,16 +2366,16 @@ def _paged_varlen_ok(q, k_cache, v_cache, out, lse, shared, cfg) -> bool:
     contiguous, and Q and the ring fit in shared memory."""
     if not cfg.persistent_varlen or cfg.pingpong or not cfg.overlap:
         return False
-    if lse.stride(-1) != 1 or _ring_bytes(q, shared, 1) > SMEM_BYTES:
+    if lse.stride(-1) != 1 or _ring_bytes(q, shared, 1, cfg.varlen_consumers) > SMEM_BYTES:
         return False
     d = q.shape[-1]
     return (all(t.stride(-1) == 1 and t.stride(-2) == d for t in (q, out, k_cache, v_cache))
             and q.shape[0] < 2**31)
 
 
-def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo, batch):
+def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo, batch, wg):
     """:class:`_PagedVarlenRun` of a call that :func:`_paged_varlen_ok` admitted (``batch``:
-    the plan's; its power of two is in the plan's key)."""
+    the plan's; its power of two is in the plan's key), on ``wg`` consumer warpgroups."""
     hq = q.shape[1]
     num_pages, page, hkv, d = k_cache.shape
     group = hq // hkv
@@ -2236,14 +2384,15 @@ def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo, ba
     block_b = min(max(next_pow2(batch), 16), 128)
     # (Sized per call: batch, total_q, max_seqlen_q, the keys' capacity, the list's.)
     blocks_kw = dict(total_k=0, stride_tb=block_table.stride(0), num_pages=num_pages,
-                     rows_lo=rows_lo, BLOCK_M=2 * HALF_M.value, BLOCK_B=block_b,
+                     rows_lo=rows_lo, BLOCK_M=wg * HALF_M.value, BLOCK_B=block_b,
                      HAS_SEQUSED_K=True, GROUP=group, PAGE_SIZE=page,
-                     BLOCK_P=PAGED_LIST_TILE // block_b, num_warps=4)
+                     BLOCK_P=PAGED_LIST_TILE // block_b, ALIGN_END=_align_end(wg),
+                     num_warps=4)
     plan_blocks = SizedLaunch(_varlen_blocks_kernel, 5, blocks_kw, _BLOCKS_SIZED)
     args = dict(stride_qs=q.stride(0), stride_ks=k_cache.stride(1), stride_vs=v_cache.stride(1),
                 stride_os=out.stride(0), stride_tb=block_table.stride(0),
-                total_k=num_pages * page, HQ=hq, O_IN_Q=_out_in_q(q, shared), PAGE_SIZE=page,
-                SPLITS=1, **{k: v for k, v in shared.items() if k not in ("PINGPONG", "OVERLAP")})
+                total_k=num_pages * page, HQ=hq, O_IN_Q=_out_in_q(q, shared, wg), PAGE_SIZE=page,
+                SPLITS=1, WG=wg, **_varlen_shared(shared, wg))
     kernel = SizedLaunch(_fwd_sm90_varlen_kernel, 8, args, _VARLEN_SIZED)
     # Key splits (PAGED_SPLIT_KV): partial states in float32 workspaces whose rows are
     # ``H * D`` apart, no sink in the kernel (the merge adds it), a launch per split count.
@@ -2252,7 +2401,7 @@ def _paged_varlen_run(q, k_cache, v_cache, block_table, out, shared, rows_lo, ba
                              _VARLEN_SIZED) for n in _SPLIT_COUNTS} if PAGED_SPLIT_KV else {}
     return _PagedVarlenRun(plan_blocks, kernel, hq, page, group,
                            2 * d * k_cache.element_size(), _sm_count(q.device), splits,
-                           shared["BLOCK_N"])
+                           shared["BLOCK_N"], wg)
 
 
 # Block-table entries the paged list reads a step (``_paged_lens``), over its sequences.
@@ -2312,14 +2461,15 @@ class _PagedVarlenRun:
     the grids and the sized arguments; a call with no row launches nothing."""
 
     __slots__ = ("plan_blocks", "kernel", "hq", "page", "group", "kv_row_bytes", "n_sm",
-                 "splits", "block_n")
+                 "splits", "block_n", "wg")
 
     def __init__(self, plan_blocks, kernel, hq, page, group, kv_row_bytes, n_sm, splits,
-                 block_n):
+                 block_n, wg):
         self.plan_blocks, self.kernel, self.hq, self.page = plan_blocks, kernel, hq, page
         self.group, self.kv_row_bytes, self.n_sm = group, kv_row_bytes, n_sm
         # (splits: the launch of each split count, PAGED_SPLIT_KV; empty when off)
         self.splits, self.block_n = splits, block_n
+        self.wg = wg  # consumer warpgroups: row blocks of wg * 64
 
     def __call__(self, q, k_cache, v_cache, out, lse, sink, cu_seqlens_q, seqused_k,
                  block_table, max_seqlen_q, max_seqlen_k) -> None:
@@ -2327,10 +2477,10 @@ class _PagedVarlenRun:
         if total_q == 0 or batch == 0 or seqlen_q == 0:
             return
         keys = _table_keys(block_table, max_seqlen_k, self.page)
-        n_blocks = _varlen_blocks(batch, total_q, seqlen_q)
+        n_blocks = _varlen_blocks(batch, total_q, seqlen_q, self.wg)
         blocks = torch.empty(1 + VARLEN_ITEM.value * n_blocks, dtype=torch.int32,
                              device=q.device)
-        self.plan_blocks((cdiv(seqlen_q, 2 * HALF_M.value), ),
+        self.plan_blocks((cdiv(seqlen_q, self.wg * HALF_M.value), ),
                          (batch, total_q, seqlen_q, keys, n_blocks),
                          cu_seqlens_q, None, seqused_k, blocks, block_table)
         heads = _section_heads(self.hq, self.group, batch * keys * self.kv_row_bytes)

@@ -692,9 +692,15 @@ def test_attn_fwd_sm90_tables_kept_within_their_budget(monkeypatch):
     assert len(fwd_sm90._TABLES) == 1
 
 
+# Head dims of the persistent varlen kernel's tests, and its consumer warpgroups
+# (VARLEN_CONSUMERS; 3 at D = 64: 192-row blocks, end-aligned).
+_VARLEN_D_WG = [pytest.param(64, 2, id="d64"), pytest.param(64, 3, id="d64_wg3"),
+                pytest.param(128, 2, id="d128"), pytest.param(256, 2, id="d256_out_in_q")]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
+@pytest.mark.parametrize("d, wg", _VARLEN_D_WG)
 @pytest.mark.parametrize("case", [
     pytest.param(dict(causal=True), id="causal"),
     pytest.param(dict(), id="full"),
@@ -708,7 +714,7 @@ def test_attn_fwd_sm90_tables_kept_within_their_budget(monkeypatch):
     pytest.param(dict(causal=True, hq=2, hkv=1, used=[900, 300, 1000, 0, 64, 0, 3],
                       few=True), id="fewer_items_than_sms_seqused"),
 ])
-def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d, case):
+def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d, wg, case):
     """The persistent varlen forward (row blocks listed on the device) against the float64
     reference, outputs NaN-poisoned: lengths off the 128-row and 64-row grids (tiles and Q
     halves that reach into the next sequence, halves stored from registers), empty
@@ -717,10 +723,12 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
     (VARLEN_SPLIT_KV) with 2000 "SMs" and a tile a split, so that the call
     takes 8 splits (many of them empty for the short sequences), merged by merge_splits.
     ``few``: fewer items than SMs (a chunked prefill's shape): the grid kernel's where the
-    config has one, else (D = 64) still the persistent varlen kernel."""
+    config has one, else (D = 64) still the persistent varlen kernel. ``wg``: its consumer
+    warpgroups (three: 192-row blocks that end at their sequence's end, so the first part
+    of a sequence's first block lies before row 0)."""
     from flashlse.kernels import fwd_sm90
 
-    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
+    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True, "VARLEN_CONSUMERS": wg})
     plans = []
     real = fwd_sm90.plan
     monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
@@ -735,7 +743,8 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
         monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 1)
         monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 2000)
         fwd_sm90._PLANS.clear()
-        want = "8 splits"  # 25 row blocks (the bound) x 8 heads x 8 <= 2000; 11 key tiles
+        # 25 row blocks (the bound; 18 of 192 rows) x 8 heads x 8 <= 2000; 11 key tiles
+        want = "8 splits"
     if case.pop("few", False) and configs.FWD_SM90[d].grid:
         want = None  # 25 row blocks x 2 heads <= 132 SMs: the grid kernel
     _run_varlen(device, torch.bfloat16, lens_q, lens_k, hq, hkv, d, d, **case)
@@ -748,21 +757,23 @@ def test_attn_fwd_gpu_sm90_persistent_varlen(device, kernel_opts, monkeypatch, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
+@pytest.mark.parametrize("d, wg", _VARLEN_D_WG)
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,kw", [
     pytest.param(2, 200, 700, 8, 2, dict(causal=True, sink=True), id="causal_gqa_sink"),
     pytest.param(1, 300, 260, 4, 4, dict(causal=True), id="causal_sq_gt_sk_empty_rows"),
     pytest.param(3, 129, 1000, 4, 1, dict(window=(200, 0)), id="window_mqa"),
     pytest.param(2, 64, 513, 4, 2, dict(), id="full"),
 ])
-def test_attn_fwd_gpu_sm90_dense_key_splits(device, monkeypatch, d, b, sq, sk, hq, hkv, kw):
+def test_attn_fwd_gpu_sm90_dense_key_splits(device, kernel_opts, monkeypatch, d, wg, b, sq, sk,
+                                            hq, hkv, kw):
     """The dense key splits (DENSE_SPLIT_KV): a dense call as packed sequences of
     equal lengths on the persistent varlen kernel with key splits (2000 "SMs" and a tile a
     split, so that these small calls split), merged into the dense out and lse, against the
     float64 reference: GQA and MQA, a sink, rows that see no key, a window, lengths off the
-    64- and 128-row grids."""
+    64- and 128-row grids; ``wg`` consumer warpgroups."""
     from flashlse.kernels import fwd_sm90
 
+    kernel_opts(fwd_sm90_config={"VARLEN_CONSUMERS": wg})
     plans = []
     real = fwd_sm90.plan
     monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
@@ -903,15 +914,17 @@ def test_attn_fwd_gpu_sm90_persistent_lse_contract_and_nan(d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
-def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kernel_opts, d):
+@pytest.mark.parametrize("d, wg", _VARLEN_D_WG)
+def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kernel_opts, d, wg):
     """Tiles of the persistent varlen kernel reach past their sequence's end (the
     descriptors span the packed tensors): a NaN in the first key and value rows of the
     sequence after must not reach it. Within its own sequence a NaN key reaches the rows
     that see it (all, causal: it is key 0), a NaN value row every row of its kv head's
     heads (``P V`` with ``P = 0`` is NaN, as in the reference's product), a NaN query row
     its own row. Every other row equals the grid kernel's result bit for bit (the same
-    tiles in the same order)."""
+    tiles in the same order). Three consumer warpgroups (``wg``) split a row's tiles by
+    64-row parts, not 128-row blocks (which tiles are masked differs), so there every other
+    row equals the same kernel's call on the clean inputs bit for bit."""
     from flashlse.kernels import fwd_sm90
 
     g = torch.Generator().manual_seed(31)
@@ -923,6 +936,7 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
     # 16 query heads on 8 kv heads (more items than SMs: the persistent kernel's domain);
     # the bad values sit in kv heads 0 and 1, query heads 0-3.
     q, k, v = mk(n, 16, d), mk(n, 8, d), mk(n, 8, d)
+    clean = q.clone(), k.clone(), v.clone()
     bad = torch.zeros(16, n, dtype=torch.bool, device="cuda")  # out's (head, row)
     bad_lse = bad.clone()
     for i in (1, 2, 3):  # the first key and value rows of sequences 1-3: NaN
@@ -934,16 +948,18 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
     q[int(cu[4]) + 10, 3, 0] = float("nan")
     bad[3, int(cu[4]) + 10] = bad_lse[3, int(cu[4]) + 10] = True
 
-    def call():
+    def call(q=q, k=k, v=v):
         return fl.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                    return_lse=True)
 
     # (GRID: D = 64's config sends the calls no persistent kernel takes to fwd.py's.)
     with fl.kernel_options(fwd_sm90_config={"PERSISTENT_VARLEN": False, "GRID": True}):
         want, want_lse = call()
-    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
+    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True, "VARLEN_CONSUMERS": wg})
     fwd_sm90._PLANS.clear()
     got, lse = call()
+    if wg == 3:
+        want, want_lse = call(*clean)
     runs = [p.run for p in fwd_sm90._PLANS.values() if p is not None]
     assert any(isinstance(r, fwd_sm90._VarlenLaunch) for r in runs)
     rows = got.transpose(0, 1)  # (head, row, d)
@@ -955,17 +971,17 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_bad_data_stays_in_its_sequence(kern
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Hopper kernel needs sm_90")
-@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256_out_in_q"])
-def test_attn_fwd_gpu_sm90_persistent_varlen_lse_contract(kernel_opts, d):
+@pytest.mark.parametrize("d, wg", _VARLEN_D_WG)
+def test_attn_fwd_gpu_sm90_persistent_varlen_lse_contract(kernel_opts, d, wg):
     """The LSE contract on the persistent varlen forward (two sequences with no key through
     seqused_k, 16 query heads on 8 kv heads), at each head dim whose config runs it:
     empty rows are exactly (0, -inf); a -inf sink is no sink, bit for bit; a NaN sink in
     one head reaches exactly that head's rows (empty ones too: out = 0 / (0 + e^NaN)),
     every other row equals the call with a finite sink; the gradients through it have no
-    NaN."""
+    NaN. ``wg``: the kernel's consumer warpgroups."""
     from flashlse.kernels import fwd_sm90
 
-    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True})
+    kernel_opts(fwd_sm90_config={"PERSISTENT_VARLEN": True, "VARLEN_CONSUMERS": wg})
     g = torch.Generator().manual_seed(41)
     lens = [200, 77, 300, 129, 64, 1]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
@@ -1032,10 +1048,18 @@ def test_attn_fwd_gpu_sm90_persistent_varlen_empty_list(kernel_opts):
     _run_varlen("cuda", torch.bfloat16, [300], [300], 64, 64, 128, 128, causal=True, seed=6)
 
 
-def test_attn_fwd_sm90_varlen_blocks_list(device):
+def _first_row(i, n_blk, t_q, bm, align):
+    """Row block ``i``'s first row in ``_varlen_blocks_kernel``'s list: ``i * bm``, or with
+    ``ALIGN_END = align`` the blocks end at ``t_q`` rounded up to ``align`` rows."""
+    return i * bm if not align else -(-t_q // align) * align - (n_blk - i) * bm
+
+
+@pytest.mark.parametrize("bm, align", [(4, 0), (6, 2)])
+def test_attn_fwd_sm90_varlen_blocks_list(device, bm, align):
     """``_varlen_blocks_kernel`` (Triton: the interpreter runs it in CI) lists every row
     block once, the highest block index first, each index's sequences in order, each with
-    its sequence's bounds and first row, the count in front: empty sequences, lengths past
+    its sequence's bounds and first row (from row 0, or ending at the sequence's end rounded
+    up to a part: ALIGN_END), the count in front: empty sequences, lengths past
     max_seqlen (clamped, as the kernels' grid), an end past the packed rows and a
     decreasing offset (clamped as ``seq_spans``), seqused_k (clamped to ``[0, T_k]``), and
     more sequences than a program's vector (the loop over chunks). Sequences that overlap
@@ -1043,7 +1067,7 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
     ``capacity`` no block is written."""
     from flashlse.kernels import fwd_sm90
 
-    bm, total_q, total_k, max_q, max_k = 4, 60, 50, 13, 9
+    total_q, total_k, max_q, max_k = 60, 50, 13, 9
     cu_q = [0, 5, 5, 18, 19, 30, 26, 31, 40, 41, 55, 80]  # lengths 5 0 13 1 11 0 5 9 1 14 ...
     cu_k = [0, 3, 9, 20, 20, 29, 35, 30, 44, 45, 49, 61]
     used = [3, 9, -2, 0, 100, 4, 1, 2, 0, 3, 5]
@@ -1063,8 +1087,8 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
                 t_k = min(max(used[b], 0), t_k)
             seq.append((bos, bos_k, t_q, t_k))
         n_blk = [-(-s[2] // bm) for s in seq]
-        want = [(*seq[b], i * bm) for i in range(max(n_blk) - 1, -1, -1) for b in range(batch)
-                if n_blk[b] > i]
+        want = [(*seq[b], _first_row(i, n_blk[b], seq[b][2], bm, align))
+                for i in range(max(n_blk) - 1, -1, -1) for b in range(batch) if n_blk[b] > i]
         n = fwd_sm90.VARLEN_ITEM.value
         assert len(want) == sum(n_blk)
         cap = len(want) - short
@@ -1074,7 +1098,7 @@ def test_attn_fwd_sm90_varlen_blocks_list(device):
         fwd_sm90._varlen_blocks_kernel[(-(-max_q // bm), )](
             as_t(cu_q), as_t(cu_k), as_t(used) if with_used else None, blocks, None, batch,
             total_q, total_k, max_q, max_k, cap, 0, 0, 0, BLOCK_M=bm, BLOCK_B=4,
-            HAS_SEQUSED_K=with_used, GROUP=1, PAGE_SIZE=0, BLOCK_P=1)
+            HAS_SEQUSED_K=with_used, GROUP=1, PAGE_SIZE=0, BLOCK_P=1, ALIGN_END=align)
         got = blocks.cpu().tolist()
         assert got[0] == cap
         assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(cap)] == want
@@ -1128,11 +1152,12 @@ def test_attn_fwd_sm90_varlen_blocks_list_paged_random(device, seed):
                              num_pages).to(torch.int32)[bad]
     seqlen_k = rand(0, cols) * page
     _check_paged_list(device, cu_q, used, table, page, num_pages, group, rand(0, 8),
-                      seqlen_k, 4, block_b=[4, 2, 8, 1][seed], block_p=[4, 8, 2, 16][seed])
+                      seqlen_k, [4, 6, 4, 9][seed], block_b=[4, 2, 8, 1][seed],
+                      block_p=[4, 8, 2, 16][seed], align=[0, 2, 0, 3][seed])
 
 
 def _check_paged_list(device, cu_q, used, table, page, num_pages, group, rows_lo, seqlen_k,
-                      bm, block_b=4, block_p=4):
+                      bm, block_b=4, block_p=4, align=0):
     """Launch ``_varlen_blocks_kernel``'s paged form and compare its list with this model:
     ``(bos, sequence, T_q, T_k, first row)`` for the row blocks of every sequence of more
     than ``rows_lo`` packed rows, the highest block index first; returns the sequences'
@@ -1153,8 +1178,8 @@ def _check_paged_list(device, cu_q, used, table, page, num_pages, group, rows_lo
             t_k = min(t_k, bad[0] * page)
         seq.append((cu_q[b], b, t_q, t_k))
     n_blk = [-(-s[2] // bm) for s in seq]
-    want = [(*seq[b], i * bm) for i in range(max(n_blk) - 1, -1, -1) for b in range(batch)
-            if n_blk[b] > i]
+    want = [(*seq[b], _first_row(i, n_blk[b], seq[b][2], bm, align))
+            for i in range(max(n_blk) - 1, -1, -1) for b in range(batch) if n_blk[b] > i]
     n = fwd_sm90.VARLEN_ITEM.value
     cap = len(want)
     blocks = torch.full((1 + n * cap + 6, ), -7, dtype=torch.int32, device=device)
@@ -1162,7 +1187,7 @@ def _check_paged_list(device, cu_q, used, table, page, num_pages, group, rows_lo
     fwd_sm90._varlen_blocks_kernel[(-(-max_q // bm), )](
         as_t(cu_q), None, as_t(used), blocks, table.to(device), batch, total_q, 0, max_q,
         seqlen_k, cap, table.stride(0), num_pages, rows_lo, BLOCK_M=bm, BLOCK_B=block_b,
-        HAS_SEQUSED_K=True, GROUP=group, PAGE_SIZE=page, BLOCK_P=block_p)
+        HAS_SEQUSED_K=True, GROUP=group, PAGE_SIZE=page, BLOCK_P=block_p, ALIGN_END=align)
     got = blocks.cpu().tolist()
     assert got[0] == cap
     assert [tuple(got[1 + n * j:1 + n * j + n]) for j in range(cap)] == want
@@ -1465,9 +1490,41 @@ def test_attn_fwd_sm90_persistent_three_consumers():
     full = dict(causal, HAS_RIGHT=False)
     assert fwd_sm90._block_costs(320, 1024, full, 3).tolist() == [9, 9]
     q = torch.empty(2, 1024, 8, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="CONSUMERS is the persistent forward's consumer"):
+    with pytest.raises(ValueError, match="CONSUMERS is a persistent forward's consumer"):
         fwd_sm90._config(q, {"CONSUMERS": 4})
     assert fwd_sm90._config(q, {"CONSUMERS": 2}).consumers == 2
+    with pytest.raises(ValueError, match="VARLEN_CONSUMERS is a persistent forward's"):
+        fwd_sm90._config(q, {"VARLEN_CONSUMERS": 1})
+
+
+def test_attn_fwd_sm90_varlen_three_consumers(monkeypatch):
+    """The persistent varlen kernel on three consumer warpgroups (VARLEN_CONSUMERS = 3; no
+    device needed): 192-row blocks in the host's bound on the list and in its launches'
+    arguments (end-aligned list, 160 registers, the kernel's WG), packed and paged."""
+    from flashlse.kernels import configs, fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 132)
+    assert configs.FWD_SM90[64].varlen_consumers == 2  # (three: not yet measured)
+    assert fwd_sm90._varlen_blocks(8, 16384, 4096, 3) == -(-16384 // 192) + 8
+    assert fwd_sm90._varlen_blocks(8, 16384, 100, 3) == 8
+    assert fwd_sm90._align_end(3) == 64 and fwd_sm90._align_end(2) == 0
+    cfg = fwd_sm90._config(torch.empty(1, 1, 1, 64), {"VARLEN_CONSUMERS": 3})
+    shared = fwd_sm90._shared_kw(torch.empty(1, 1, 4, 64), torch.empty(1, 1, 2, 64), None, 0,
+                                 0.125, None, cfg)
+    assert fwd_sm90._varlen_shared(shared, 3)["CONSUMER_REGS"] == 160
+    assert fwd_sm90._varlen_shared(shared, 2)["CONSUMER_REGS"] == cfg.consumer_regs
+    q = torch.empty(1000, 4, 64, dtype=torch.bfloat16)
+    lse = torch.empty(4, 1000)
+    lens = dict(seqlen_q=600, seqlen_k=600, total_q=1000, total_k=1000)
+    plan = fwd_sm90._varlen_plan(q, q, lse, dict(stride_k=(0, 256, 64), stride_v=(0, 256, 64),
+                                                 GROUP=2), shared, 3, lens, None, ("sig", ), 1, 3)
+    blocks, kernel = plan.run.plan_blocks, plan.run.kernel
+    names = lambda launch: dict(zip(launch.kernel.arg_names[-len(launch.args):], launch.args))
+    assert plan.run.size == 1 + fwd_sm90.VARLEN_ITEM.value * fwd_sm90._varlen_blocks(3, 1000,
+                                                                                     600, 3)
+    assert blocks.grid[0] == 4 and names(blocks)["BLOCK_M"] == 192  # cdiv(600, 192)
+    assert names(blocks)["ALIGN_END"] == 64
+    assert names(kernel)["WG"] == 3 and names(kernel)["CONSUMER_REGS"] == 160
 
 
 def test_attn_fwd_sm90_persistent_balance():

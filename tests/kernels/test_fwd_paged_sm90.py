@@ -109,8 +109,9 @@ def _assert_gluon_ran(seen, page):
         assert not seen.launched, f"the Gluon paged kernel ran at page {page}"
 
 
-def _paged_batch(dtype, qlens, klens, page, hq, hkv, *, sink=False, seed=0, spare_pages=2):
-    """q and paged caches of fresh random data on the GPU, pages shuffled.
+def _paged_batch(dtype, qlens, klens, page, hq, hkv, *, sink=False, seed=0, spare_pages=2,
+                 d=D):
+    """q and paged caches (head dim ``d``) of fresh random data on the GPU, pages shuffled.
 
     Slots past each length, ``spare_pages`` pages nobody owns, and the pages the table's three
     spare columns point at (one of the spare pages) are NaN. Returns the call's arguments.
@@ -120,7 +121,7 @@ def _paged_batch(dtype, qlens, klens, page, hq, hkv, *, sink=False, seed=0, spar
     n_pages = [-(-n // page) for n in klens]
     owned = sum(n_pages)
     perm = torch.randperm(owned + spare_pages, generator=g)
-    k_cache = torch.full((owned + spare_pages, page, hkv, D), NAN, dtype=dtype)
+    k_cache = torch.full((owned + spare_pages, page, hkv, d), NAN, dtype=dtype)
     v_cache = torch.full_like(k_cache, NAN)
     # A serving table is wider than its batch: columns past a sequence's pages are never read.
     table = torch.full((len(klens), max(n_pages) + 3), int(perm[owned]), dtype=torch.int32)
@@ -130,10 +131,10 @@ def _paged_batch(dtype, qlens, klens, page, hq, hkv, *, sink=False, seed=0, spar
         j += m
         table[b, :m] = ids.to(torch.int32)
         for cache in (k_cache, v_cache):
-            rows = torch.full((m * page, hkv, D), NAN, dtype=dtype)
-            rows[:n] = mk(n, hkv, D)
-            cache[ids] = rows.view(m, page, hkv, D)
-    q = mk(sum(qlens), hq, D)
+            rows = torch.full((m * page, hkv, d), NAN, dtype=dtype)
+            rows[:n] = mk(n, hkv, d)
+            cache[ids] = rows.view(m, page, hkv, d)
+    q = mk(sum(qlens), hq, d)
     sink_t = torch.randn(hq, generator=g) * 2 if sink else None
     return dict(q=q.to(DEVICE), k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE),
                 block_table=table.to(DEVICE), cu_seqlens_q=cu(qlens).to(DEVICE),
@@ -248,6 +249,28 @@ CASES = [
 def test_fwd_paged_sm90_matches_reference(gluon_paged, dtype, qlens, klens, hq, hkv, page, kw):
     kw = dict(kw)
     t = _paged_batch(dtype, qlens, klens, page, hq, hkv, sink=kw.pop("sink", False), seed=1)
+    got = _run(t, **kw)
+    _assert_gluon_ran(gluon_paged, page)
+    _check_case(got, t, qlens, klens, kw)
+
+
+@pytest.mark.parametrize("wg", [2, 3], ids=["wg2", "wg3"])
+@pytest.mark.parametrize("qlens, klens, hq, hkv, page, kw", [
+    pytest.param([300, 130, 1, 64], [1003, 451, 300, 64], 8, 2, 64, dict(causal=True),
+                 id="chunked_causal_page64"),
+    pytest.param([200, 1, 0, 40, 193], [700, 300, 50, 0, 250], 8, 2, 16,
+                 dict(window=(100, 0), sink=True), id="mixed_window_sink_page16"),
+])
+def test_fwd_paged_sm90_d64_consumers(gluon_paged, kernel_opts, wg, qlens, klens, hq, hkv,
+                                      page, kw):
+    """D = 64 over pages on two and three consumer warpgroups (VARLEN_CONSUMERS: 192-row
+    blocks ending at each sequence's end, a part before row 0 loads and stores nothing, each
+    part its own key tiles): lengths off the 64-row grid, a decode row, a sequence with no
+    key, a window whose parts see different key tiles."""
+    kernel_opts(fwd_sm90_config={"VARLEN_CONSUMERS": wg})
+    kw = dict(kw)
+    t = _paged_batch(torch.bfloat16, qlens, klens, page, hq, hkv, sink=kw.pop("sink", False),
+                     seed=4, d=64)
     got = _run(t, **kw)
     _assert_gluon_ran(gluon_paged, page)
     _check_case(got, t, qlens, klens, kw)
