@@ -17,7 +17,8 @@ interpreter's launch replaced by a no-op, so what it times is flashlse's own Pyt
 the launches (validation, launchers, allocations), per public function, beside a bare
 ``x.add_(1)`` for the host's scale. Value checks are off (``value_checks(False)``), as on a
 GPU by default (CPU tensors would otherwise read their values). ``--profile NAME`` adds
-cProfile's table for the call of that name.
+cProfile's table for the call of that name (by own time; ``PSORT=cumulative`` sorts it by
+cumulative time).
 """
 
 from __future__ import annotations

@@ -432,6 +432,49 @@ def test_public_forward_keeps_its_launch(kernels, monkeypatch):
     assert len(attention_ops._KEPT) == 2
 
 
+def test_public_training_call_keeps_its_launches(kernels, monkeypatch):
+    """A repeated ``attention`` needing grad launches its kept forward launch through
+    AttentionFunction (no dispatch), and its backward finds its plan under the forward's
+    key (``bwd.prepare``'s short key) with the kernels chosen for it (the fused pass): no
+    planning after the first step. A kept Hopper forward that fails to compile warns once,
+    the portable kernel answers (the gradients still come) and is kept in its place."""
+    monkeypatch.setattr(attention_ops, "use_triton", lambda t: True)
+    monkeypatch.setattr(attention_ops, "_KEPT", {})
+    asked, planned = [], []
+    real = dispatch.fwd_launch
+    monkeypatch.setattr(dispatch, "fwd_launch", lambda *a, **kw: asked.append(1) or real(*a, **kw))
+    real_plan = bwd._bwd_plan
+    monkeypatch.setattr(bwd, "_bwd_plan",
+                        lambda *a, **kw: planned.append(1) or real_plan(*a, **kw))
+    q, k, v, kw = _dense()
+    q.requires_grad_()
+    call = dict(causal=True, sink=kw["sink"], scale=kw["scale"])
+
+    def step():
+        kernels.log.clear()
+        q.grad = None
+        out = attention_ops.attention(q, k, v, **call)
+        out.backward(torch.ones_like(out))
+        assert q.grad is not None and q.grad.shape == q.shape
+        return kernels.names()
+
+    for _ in range(3):
+        assert step() == ["fwd_sm90", "bwd_pre", "dkdv_sm90"]
+    assert len(asked) == 1 and len(planned) == 1
+    ((kept, launch),) = attention_ops._KEPT.items()
+    (bwd_key,) = bwd._BWD_PLANS
+    assert bwd_key[0] == kept  # the short key: the forward's first
+    kernels.failing.add("fwd_sm90")
+    with pytest.warns(RuntimeWarning, match="Hopper forward kernel failed"):
+        assert step() == ["fwd_sm90", "fwd", "bwd_pre", "dkdv_sm90"]
+    assert not attention_ops._KEPT  # the failed launch dropped
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert step() == ["fwd", "bwd_pre", "dkdv_sm90"]
+        assert step() == ["fwd", "bwd_pre", "dkdv_sm90"]
+    assert len(asked) == 3 and len(attention_ops._KEPT) == 1  # the replan, kept once
+
+
 def test_kept_plans_off_takes_the_full_path(kernels, monkeypatch):
     """``_validate.KEEP_PLANS`` off (the benchmarks' in-process A/B): every call dispatches
     again and nothing is kept."""

@@ -812,30 +812,41 @@ _MAX_PLANS = 4096
 
 def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-            seqused_k=None) -> BwdPass:
+            seqused_k=None, kept=None) -> BwdPass:
     """The backward up to dK/dV and dQ: the gradients' buffers, the preprocess kernel (``D``,
     ``lse_log2``, dsink's partial sums) and the arguments of the two passes, with their tiles
     (configs.py and ``KernelOptions.bwd_config``). Arguments as :func:`attn_bwd`.
 
     Everything but the tensors' addresses is a function of the call's metadata: a repeated
-    call finds its :class:`BwdPlan` in ``_BWD_PLANS`` and only allocates and launches."""
+    call finds its :class:`BwdPlan` in ``_BWD_PLANS`` and only allocates and launches.
+    ``kept``: the forward's key in ``ops.attention._KEPT``, a function of every input's
+    metadata, the scalars and the forward's outputs' layout, so that the plan's key needs
+    only the gradients' metadata beside it."""
     device = q.device
     # Autograd may hand over an expanded gradient (stride 0), which TMA cannot describe.
-    if dout.stride(-1) != 1 or 0 in dout.stride():
+    st = dout.stride()
+    if st[-1] != 1 or 0 in st:
         dout = dout.contiguous()
+        st = dout.stride()
     opts = options.current()
     # Shapes, strides, dtypes, device; whether the TMA operands are 16-byte aligned; which
     # optional tensors there are; the scalars and the options the plan reads (a bwd_config
     # override too: a plan made under one is found again under the same one).
     try:
-        key = (q.shape, q.stride(), q.dtype, device, k.shape, k.stride(), k.dtype,
-               v.shape, v.stride(), v.dtype, dout.shape, dout.stride(), dout.dtype,
-               out.stride(), lse.shape, lse.stride(), None if dlse is None else dlse.stride(),
-               (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) % 16 == 0,
-               None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
-                                                  max_seqlen_k),
-               seqused_k is None, sink is None, left, right, softcap, scale, opts.autotune_bwd,
-               configs.override_key(opts.bwd_config))
+        if kept is not None:
+            key = (kept, dout.shape, st, dout.dtype,
+                   None if dlse is None else dlse.stride(), dout.data_ptr() % 16 == 0,
+                   opts.autotune_bwd, configs.override_key(opts.bwd_config))
+        else:
+            key = (q.shape, q.stride(), q.dtype, device, k.shape, k.stride(), k.dtype,
+                   v.shape, v.stride(), v.dtype, dout.shape, st, dout.dtype,
+                   out.stride(), lse.shape, lse.stride(),
+                   None if dlse is None else dlse.stride(),
+                   (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) % 16 == 0,
+                   None if cu_seqlens_q is None else (cu_seqlens_q.shape, max_seqlen_q,
+                                                      max_seqlen_k),
+                   seqused_k is None, sink is None, left, right, softcap, scale,
+                   opts.autotune_bwd, configs.override_key(opts.bwd_config))
     except TypeError:  # an override that does not hash: planned every call
         key = None
     plan = None if key is None else _BWD_PLANS.get(key)
@@ -856,9 +867,10 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
     dv = alloc(v.shape, dtype=v.dtype, device=device)
     # D and lse_log2 in the layout of a contiguous lse, each row padded to 16 bytes so
     # that the dK/dV kernel can fetch a row block of them by TMA.
-    n_last = plan.n_last
     # One allocation for both (one allocator call less a backward).
-    stats = torch.empty((2, *plan.padded), dtype=torch.float32, device=device)[..., :n_last]
+    stats = torch.empty((2, *plan.padded), dtype=torch.float32, device=device)
+    if plan.n_last != plan.padded[-1]:
+        stats = stats[..., :plan.n_last]
     delta, lse_log2 = stats.unbind(0)
     dsink_part = (torch.zeros((q.shape[-2], plan.n_part), dtype=torch.float32, device=device)
                   if sink is not None else None)

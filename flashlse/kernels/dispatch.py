@@ -159,47 +159,108 @@ def paged_in_place(q, k_cache, v_cache, *, softcap, scale) -> bool:
 
 def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
              deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-             max_seqlen_k=None, seqused_k=None):
+             max_seqlen_k=None, seqused_k=None, kept=None):
     """``dq, dk, dv, dsink``: the shared preprocessing (``bwd.prepare``), then dK/dV and dQ
     each by the Hopper kernel where it is supported, else the portable one. Arguments and
-    results as ``bwd.attn_bwd`` (which documents them)."""
+    results as ``bwd.attn_bwd`` (which documents them); ``kept``: the forward's kept key
+    (``bwd.prepare``'s short plan key).
+
+    Which kernels run is a function of the call's plan and the options that choose them: a
+    repeated call finds its choice in the plan (``_ROUTE``) and launches at once."""
     p = bwd.prepare(dout, dlse, q, k, v, out, lse, left=left, right=right, softcap=softcap,
                     scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+                    max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, kept=kept)
     if p.empty:
         return p.grads()
     opts = p.opts
     # One pass (dQ by TMA reduces, in a varying order) unless asked to be repeatable.
-    if (not deterministic and opts.sm90_dkdv and opts.sm90_dq and bwd_sm90 is not None
-            and not torch.are_deterministic_algorithms_enabled()
-            and _gluon(("bwd_sm90 fused", p.signature), "the Hopper fused backward kernel",
-                       bwd_sm90.fused_plan, p, lambda: (p, ))):
-        return p.grads()
-    if p.has_keys and not (opts.sm90_dkdv and bwd_sm90 is not None and _gluon(
-            ("bwd_sm90 dK/dV", p.signature), "the Hopper backward dK/dV kernel",
-            bwd_sm90.dkdv_plan, p, p.dkdv_tensors)):
-        bwd.attn_bwd_dkdv(p)
-    if not (opts.sm90_dq and bwd_sm90 is not None and _gluon(
-            ("bwd_sm90 dQ", p.signature), "the Hopper backward dQ kernel", bwd_sm90.dq_plan, p,
-            p.dq_tensors)):
-        bwd.attn_bwd_dq(p)
+    fused = (not deterministic and opts.sm90_dkdv and opts.sm90_dq and bwd_sm90 is not None
+             and not torch.are_deterministic_algorithms_enabled())
+    key = (_ROUTE, fused, opts.sm90_dkdv, opts.sm90_dq)
+    route = p.plan.launches.get(key)
+    if route is not None:
+        try:
+            for run in route:
+                run(p)
+            return p.grads()
+        except Exception:  # noqa: BLE001 - not after a success; the full path says what failed
+            del p.plan.launches[key]
+    p.plan.launches[key] = _routed(p, fused, opts)
     return p.grads()
 
 
-def _gluon(key: tuple, what: str, plan, p, tensors) -> bool:
-    """Runs the Gluon launch ``plan(p)`` (None outside its kernel's domain) on ``tensors()``;
-    False if there is none or that signature failed to compile, now (warned once, as from
-    ``attn_bwd``'s caller) or before: the caller runs the portable kernel."""
+_ROUTE = "route"  # (the tag of a plan's kept choices of kernels, BwdPlan.launches)
+
+
+def _routed(p, fused: bool, opts) -> tuple:
+    """Runs ``p``'s dK/dV and dQ passes on the kernels chosen for it (the Hopper ones where
+    they are supported and have compiled, else the portable ones) and returns that choice,
+    a function of ``p`` for each launch."""
+    if fused and (run := _try(p, "fused")) is not None:
+        return (run, )
+    route = []
+    if p.has_keys:
+        route.append((opts.sm90_dkdv and _try(p, "dkdv")) or _portable(p, bwd.attn_bwd_dkdv))
+    route.append((opts.sm90_dq and _try(p, "dq")) or _portable(p, bwd.attn_bwd_dq))
+    return tuple(route)
+
+
+# A backward pass's Gluon kernel: its FAILURES key, its name in the warning, its plan.
+_PASSES = {"fused": ("bwd_sm90 fused", "the Hopper fused backward kernel", "fused_plan"),
+           "dkdv": ("bwd_sm90 dK/dV", "the Hopper backward dK/dV kernel", "dkdv_plan"),
+           "dq": ("bwd_sm90 dQ", "the Hopper backward dQ kernel", "dq_plan")}
+
+
+def _try(p, part: str):
+    """The Hopper kernel of pass ``part`` run on ``p`` (``_gluon``) as a kept
+    :class:`_GluonRun`, or None: the portable kernel runs that pass."""
+    if bwd_sm90 is None:
+        return None
+    name, what, plan = _PASSES[part]
+    tensors = {"fused": lambda: (p, ), "dkdv": p.dkdv_tensors, "dq": p.dq_tensors}[part]
+    run = _gluon((name, p.signature), what, getattr(bwd_sm90, plan), p, tensors)
+    return None if run is None else _GluonRun(run, part)
+
+
+def _portable(p, run):
+    """``run(p)``, a portable pass (``bwd.attn_bwd_dkdv`` / ``attn_bwd_dq``), kept as is."""
+    run(p)
+    return run
+
+
+class _GluonRun:
+    """A kept Gluon launch of a backward pass: ``run(p)`` on the pass's tensors (the fused
+    run takes the pass itself)."""
+
+    __slots__ = ("run", "part")
+
+    def __init__(self, run, part: str):
+        self.run, self.part = run, part
+
+    def __call__(self, p) -> None:
+        triton.set_allocator(alloc_scratch)
+        if self.part == "dkdv":
+            self.run(*p.dkdv_tensors())
+        elif self.part == "dq":
+            self.run(*p.dq_tensors())
+        else:
+            self.run(p)
+
+
+def _gluon(key: tuple, what: str, plan, p, tensors):
+    """Runs the Gluon launch ``plan(p)`` (None outside its kernel's domain) on ``tensors()``
+    and returns it; None if there is none or that signature failed to compile, now (warned
+    once, as from ``attn_bwd``'s caller) or before: the caller runs the portable kernel."""
     if key in FAILURES:
-        return False
+        return None
     try:
         run = plan(p)
         if run is None:
-            return False
+            return None
         triton.set_allocator(alloc_scratch)
         run(*tensors())
-        return True
+        return run
     except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
-        FAILURES.add(key, e, what, stacklevel=3)
-        return False
+        FAILURES.add(key, e, what, stacklevel=5)
+        return None

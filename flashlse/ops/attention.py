@@ -15,6 +15,8 @@ device and any float dtype (accumulating in float32; float64 stays float64):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import masks
@@ -249,23 +251,69 @@ def _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k
                 max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
 
 
+class _Call(NamedTuple):
+    """An eager call's arguments besides the tensors autograd tracks (one argument of
+    ``AttentionFunction.apply``, whose cost grows with their count): the packed lengths
+    (None: dense), the normalised scalars, and its ``_KEPT`` key and kept forward launch
+    (None: none; with a key and no launch the forward keeps the one it plans)."""
+
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    max_seqlen_q: int | None
+    max_seqlen_k: int | None
+    seqused_k: torch.Tensor | None
+    left: int | None
+    right: int | None
+    softcap: float
+    scale: float
+    deterministic: bool
+    kept: tuple | None = None
+    launch: object = None
+
+    def varlen(self) -> dict:
+        return _varlen_kw(self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q,
+                          self.max_seqlen_k, self.seqused_k)
+
+    def scalars(self) -> dict:
+        return dict(left=self.left, right=self.right, softcap=self.softcap, scale=self.scale)
+
+
+def _forward(q, k, v, sink, call: _Call):
+    """``(out, lse)`` of an eager call: its kept launch, or the dispatcher's (kept under
+    ``call.kept`` when it has one); a kept launch whose Hopper kernel failed to compile is
+    dropped and the dispatcher runs the call."""
+    if call.launch is not None:
+        out, lse = kernel_module("fwd").new_outputs(q, v, call.cu_seqlens_q)
+        if call.launch(q, k, v, out, lse, sink, call.cu_seqlens_q, call.cu_seqlens_k,
+                       call.seqused_k):
+            return out, lse
+        _KEPT.pop(call.kept, None)
+    elif call.kept is not None:
+        out, lse, launch = kernel_module("dispatch").attn_fwd_launched(
+            q, k, v, sink=sink, **call.scalars(), **call.varlen())
+        if len(_KEPT) >= _MAX_KEPT:
+            _KEPT.clear()
+        _KEPT[call.kept] = (launch, (call.left, call.right, call.softcap, call.scale))
+        return out, lse
+    return attn_fwd(q, k, v, sink=sink, **call.scalars(), **call.varlen())
+
+
 # Two ways into the same attn_fwd / attn_bwd. Eager calls go through AttentionFunction (or
-# straight to attn_fwd when nothing needs a gradient): a few microseconds, where the
+# straight to the forward when nothing needs a gradient): a few microseconds, where the
 # dispatch of a torch custom op costs tens a call and more with autograd. While torch.compile
 # traces, the calls go through the custom ops below instead, so the compiled graph holds
 # one opaque node (no graph break; fake tensors give the shapes), and CUDA graphs capture
 # the kernels either way.
 class AttentionFunction(torch.autograd.Function):
-    """Eager autograd of ``attention`` / ``attention_varlen`` (dense when cu_seqlens_q is None)."""
+    """Eager autograd of ``attention`` / ``attention_varlen`` (dense when cu_seqlens_q is None):
+    the tensors autograd tracks, and the rest of the call as one :class:`_Call`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                seqused_k, left, right, softcap, scale, deterministic):
-        varlen = _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-        out, lse = attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale,
-                            sink=sink, **varlen)
-        ctx.save_for_backward(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
-        ctx.ints = (max_seqlen_q, max_seqlen_k, left, right, softcap, scale, deterministic)
+    def forward(ctx, q, k, v, sink, call):
+        out, lse = _forward(q, k, v, sink, call)
+        ctx.save_for_backward(q, k, v, out, lse, sink, call.cu_seqlens_q, call.cu_seqlens_k,
+                              call.seqused_k)
+        ctx.call = call
         # The kernel options of this call, for the backward (autograd's device thread does
         # not see the caller's kernel_options block).
         ctx.opts = kernel_module("options").captured()
@@ -276,60 +324,56 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink, cu_q, cu_k, seqused_k = ctx.saved_tensors
-        max_q, max_k, left, right, softcap, scale, deterministic = ctx.ints
+        call = ctx.call
         if dout is None:
             dout = torch.zeros_like(out)
+        varlen = _varlen_kw(cu_q, cu_k, call.max_seqlen_q, call.max_seqlen_k, seqused_k)
+        if call.kept is not None:
+            # A kept call's forward ran a Triton kernel: straight to the dispatcher, with the
+            # key that its backward plan is kept under.
+            bwd, extra = kernel_module("dispatch").attn_bwd, dict(kept=call.kept)
+        else:
+            bwd, extra = attn_bwd, {}
         dq, dk, dv, dsink = kernel_module("options").run_under(
-            ctx.opts, attn_bwd, dout, dlse, q, k, v, out, lse, left=left, right=right,
-            softcap=softcap, scale=scale, sink=sink, deterministic=deterministic,
-            **_varlen_kw(cu_q, cu_k, max_q, max_k, seqused_k))
-        return (dq, dk, dv, dsink) + (None,) * 10
+            ctx.opts, bwd, dout, dlse, q, k, v, out, lse, sink=sink,
+            deterministic=call.deterministic, left=call.left, right=call.right,
+            softcap=call.softcap, scale=call.scale, **varlen, **extra)
+        return dq, dk, dv, dsink, None
 
 
 def _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
           left, right, softcap, scale, deterministic, kept=None):
     """``(out, lse)`` through the cheapest entry that keeps autograd and torch.compile right
-    (a call with a ``kept`` key, dense or packed varlen, no grad, keeps its launch in
-    ``_KEPT``)."""
-    args = (q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-            left, right, softcap, scale, deterministic)
+    (a call with a ``kept`` key, dense or packed varlen, keeps its launch in ``_KEPT``)."""
     if torch.compiler.is_compiling():
-        return _attn_fwd_op(*args)
+        return _attn_fwd_op(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, seqused_k, left, right, softcap, scale, deterministic)
+    call = _Call(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, left, right,
+                 softcap, scale, deterministic, kept)
     if V.needs_grad(q, k, v, sink):
-        return AttentionFunction.apply(*args)
-    if kept is not None:
-        dispatch = kernel_module("dispatch")
-        out, lse, launch = dispatch.attn_fwd_launched(
-            q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink,
-            **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k))
-        if len(_KEPT) >= _MAX_KEPT:
-            _KEPT.clear()
-        _KEPT[kept] = launch
-        return out, lse
-    return attn_fwd(q, k, v, left=left, right=right, softcap=softcap, scale=scale, sink=sink,
-                    **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 seqused_k))
+        return AttentionFunction.apply(q, k, v, sink, call)
+    return _forward(q, k, v, sink, call)
 
 
-# Inference repeats its calls: a dense forward without grad whose metadata key (the tensors'
-# metadata, the scalars as passed, the Hopper forward's option, 16-byte alignment) passed
-# every check before launches the kept launch at once (``_run_kept``): the checks, the
-# scalars' normalisation and the dispatcher's choice and plan are functions of that key.
-# Grad, torch.compile and kernel tile overrides take the full path.
+# Inference and training repeat their calls: a dense or packed varlen call whose metadata
+# key (the tensors' metadata, the scalars as passed, the Hopper forward's option, 16-byte
+# alignment) passed every check before launches the kept forward at once (``_run_kept``,
+# through AttentionFunction when a tensor needs grad): the checks, the scalars'
+# normalisation and the dispatcher's choice and plan are functions of that key.
+# torch.compile and forward tile overrides take the full path.
 _KEPT: dict = {}
 _MAX_KEPT = 1024
 
 
 def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, deterministic):
     """The call's key in ``_KEPT``, or None for a call that cannot take the kept path: the
-    PyTorch path, torch.compile, a tensor needing grad, a scalar not of its canonical type,
-    tile overrides (and anything not a tensor: the checks say what is wrong)."""
+    PyTorch path, torch.compile, a scalar not of its canonical type, forward tile overrides
+    (and anything not a tensor: the checks say what is wrong)."""
     if not (V.KEEP_PLANS and isinstance(q, torch.Tensor) and use_triton(q)
-            and V.canonical_scalars(causal, window, softcap, scale, return_lse, deterministic)
-            ) or (q.requires_grad and torch.is_grad_enabled()):  # (training: no key to build)
+            and V.canonical_scalars(causal, window, softcap, scale, return_lse, deterministic)):
         return None
     key = V.meta_key("attention-kept", q, k, v, sink)
-    if key is None or V.needs_grad(q, k, v, sink):
+    if key is None:
         return None
     opts = kernel_module("options").current()
     if opts.fwd_config or opts.fwd_sm90_config:
@@ -338,12 +382,18 @@ def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, determi
             (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0)
 
 
-def _run_kept(kept, q, k, v, sink, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None):
+def _run_kept(kept, q, k, v, sink, deterministic, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None):
     """``(out, lse)`` by the launch kept for ``kept``, or None: none kept, or the Hopper
     kernel failed to compile (the launch dropped)."""
-    launch = _KEPT.get(kept)
-    if launch is None:
+    hit = _KEPT.get(kept)
+    if hit is None:
         return None
+    launch, scalars = hit
+    if V.needs_grad(q, k, v, sink):
+        return AttentionFunction.apply(q, k, v, sink, _Call(
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, *scalars,
+            deterministic, kept, launch))
     out, lse = kernel_module("fwd").new_outputs(q, v, cu_seqlens_q)
     if launch(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k):
         return out, lse
@@ -479,7 +529,7 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     """
     kept = _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, deterministic)
     if kept is not None:
-        got = _run_kept(kept, q, k, v, sink)
+        got = _run_kept(kept, q, k, v, sink, deterministic)
         if got is not None:
             return got if return_lse else got[0]
     left, right, softcap, scale, sink = validate_attention_args(
@@ -527,7 +577,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                             seqused_k, sink, causal, window, softcap, scale, return_lse,
                             deterministic)
     if kept is not None:
-        got = _run_kept(kept, q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        got = _run_kept(kept, q, k, v, sink, deterministic, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k, seqused_k)
         if got is not None:
             return got if return_lse else got[0]
     left, right, softcap, scale, sink = validate_attention_args(

@@ -416,6 +416,8 @@ def test_attn_bwd_gpu_sm90_fused_matches_two_passes(case, d):
     runs = []
     real = bwd_sm90.fused_plan
     with pytest.MonkeyPatch.context() as mp:
+        # (A kept plan keeps its kernels' choice: fresh plans ask fused_plan.)
+        mp.setattr(bwd, "_BWD_PLANS", {})
         mp.setattr(bwd_sm90, "fused_plan", lambda p: runs.append(real(p)) or runs[-1])
         fused = dispatch.attn_bwd(dout, None, q, k, v, out, lse, **kw)
     assert runs and all(runs)  # the fused pass ran
@@ -883,6 +885,7 @@ def test_attn_bwd_gpu_sm90_dq_persistent(device, kernel_opts, monkeypatch, dtype
     monkeypatch.setattr(fwd_sm90, "PERSISTENT_SLACK", float("inf"))
     kernels = []
     real = bwd_sm90.dq_plan
+    monkeypatch.setattr(bwd, "_BWD_PLANS", {})  # (fresh plans ask dq_plan)
     monkeypatch.setattr(bwd_sm90, "dq_plan",
                         lambda p: kernels.append(real(p)) or kernels[-1])
     case = dict(case)
@@ -903,6 +906,8 @@ def test_attn_bwd_sm90_failure_falls_back(device, kernel_opts, monkeypatch, comp
         calls.append(1)
         raise RuntimeError("no Gluon here")
 
+    # (Fresh plans: a kept one keeps the kernels it chose before.)
+    monkeypatch.setattr(bwd, "_BWD_PLANS", {})
     monkeypatch.setattr(bwd_sm90, "dkdv_plan", lambda p: broken)
     monkeypatch.setattr(bwd_sm90, "dq_plan", lambda p: broken)
     kernel_opts(sm90_dkdv=True)

@@ -334,7 +334,9 @@ def test_attention_repeated_calls_launch_the_kept_launch(device, monkeypatch, kw
     """A dense forward without grad that passed every check keeps its launch by its key
     (ops/attention._KEPT); later calls of that key launch it without the checks: fresh values
     each call against the float64 reference; a NaN query row reaches exactly its own outputs;
-    a call needing grad and an int where a bool goes (``causal=1``) take the full path."""
+    an int where a bool goes (``causal=1``) takes the full path. A call needing grad looks its
+    key up too and runs through AttentionFunction (the kept launch, or the dispatcher's,
+    kept then): its outputs and gradients, twice, against the float64 reference."""
     import importlib
 
     attn_mod = importlib.import_module("flashlse.ops.attention")
@@ -360,9 +362,19 @@ def test_attention_repeated_calls_launch_the_kept_launch(device, monkeypatch, kw
     q = torch.randn(*shape[:2], 4, KEPT_D, device=device, dtype=torch.float16,
                     requires_grad=True)
     k = torch.randn(2, 33, hkv, KEPT_D, device=device, dtype=torch.float16)
-    n_hits = len(hits)
-    out = fl.attention(q, k, k, **{n: x for n, x in kw.items() if n != "sink"})
-    assert len(hits) == n_hits and out.grad_fn is not None  # not even a key looked up
+    dout = torch.randn_like(q)
+    grad_kw = {n: x for n, x in kw.items() if n != "sink"}
+    q64 = q.detach().double().requires_grad_()
+    ref = reference.attention(q64, k.double(), k.double(), **grad_kw)
+    (ref_dq, ) = torch.autograd.grad(ref, q64, dout.double())
+    for again in (False, True):
+        n_hits = len(hits)
+        out = fl.attention(q, k, k, **grad_kw)
+        assert len(hits) == n_hits + 1 and out.grad_fn is not None
+        assert hits[-1] is not None or not again  # (the second call: kept by the first)
+        (dq, ) = torch.autograd.grad(out, q, dout)
+        torch.testing.assert_close(out.double(), ref, atol=_atol(torch.float16), rtol=0)
+        torch.testing.assert_close(dq.double(), ref_dq, atol=_atol(torch.float16), rtol=0)
     with pytest.raises(TypeError, match="causal"):
         fl.attention(q.detach(), k, k, causal=int(kw.get("causal", False)))
 
