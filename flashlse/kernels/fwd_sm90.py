@@ -365,14 +365,11 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
         p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo, rows, T_k, shift, left, right,
                                           scale_log2, n_full_lo, n_full_hi,
                                           HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
-        # P becomes the product's operand as soon as nothing else needs its registers (after
-        # the softmax here, after the O wait in the loop), so the loop carries it in q's
-        # dtype, not float32 (FA-3's order; 32 registers a thread less across the back edge).
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
         for it in range(n_tiles - 1):
             s = (t0 + it) % STAGES
             s1 = (t0 + it + 1) % STAGES
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(k_full.index(s1), ((t0 + it + 1) // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(turn.index(half), (it + 1) & 1)
@@ -390,10 +387,10 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
                                               HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(v_empty.index(s))
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
         last = t0 + n_tiles - 1
         s = last % STAGES
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_full.index(s), (last // STAGES) & 1)
         if V_TAIL:
             _zero_rows(v_smem.index(s), T_k - n_lo - (n_tiles - 1) * BLOCK_N, BLOCK_N)
