@@ -240,8 +240,16 @@ def stubbed_calls():
     qs, ks = torch.randn(1, 64, 4, 128, dtype=dt), torch.randn(1, 64, 1, 128, dtype=dt)
     idx = torch.randint(0, 64, (1, 64, 1, 16), dtype=torch.int32)
     qc = torch.randn(8, 64, 32, 128, dtype=dt)
+    qg = q.detach().clone().requires_grad_()
+    dog = torch.randn_like(q)
+
+    def varlen_step():
+        qg.grad = None
+        fl.attention_varlen(qg, qg, qg, cu, cu, 64, 64, causal=True).backward(dog)
+
     rows.update({
         "attention_varlen fwd": lambda: fl.attention_varlen(q, q, q, cu, cu, 64, 64, causal=True),
+        "attention_varlen fwd+bwd": varlen_step,
         "kvcache decode paged": lambda: fl.attention_with_kvcache(
             qd, pages, pages, cache_seqlens=lens, block_table=table),
         "kvcache decode + append": lambda: fl.attention_with_kvcache(
