@@ -52,6 +52,9 @@
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
+#   bash benchmarks/h200_session.sh s39        # session 39's work (no device then): the
+#                                                kept training path's tests and host A/B,
+#                                                VARLEN_CONSUMERS = 3's tests and A/B
 #   bash benchmarks/h200_session.sh prof-bwd [D]  # Nsight Compute: the backward's kernels
 #                                                beside cuDNN's (benchmarks/ncu_bwd.py), S = 1k
 #                                                and 4k, D = 128 or D
@@ -541,6 +544,27 @@ run_tests() {  # log name, then pytest arguments
     local name=$1; shift
     timeout 380 python3 -m pytest -q "$@" -p no:cacheprovider > "$OUT/test_gpu_$name.log" 2>&1
 }
+if [ "$1" = s39 ]; then
+    # Session 39's work, none of it GPU-run then (no device was lent): the kept training path
+    # (its GPU tests; host us with the kept plans on / off in turns) and the persistent
+    # varlen kernel on three consumer warpgroups (VARLEN_CONSUMERS = 3: its GPU tests, the
+    # D = 64 varlen forward against two consumers in turn).
+    run_tests train $K/test_fwd.py $K/test_bwd.py $K/test_cuda_graphs.py \
+        -k "kept or fused or failure or graph or sync" &
+    run_tests wg3 $K/test_fwd.py $K/test_fwd_paged_sm90.py \
+        -k "persistent_varlen or dense_key_splits or d64_consumers or three_consumers" &
+    wait
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
+    timeout 150 python3 benchmarks/profile_host.py --ab flashlse.ops._validate.KEEP_PLANS \
+        --rows "fwd+bwd" --rounds 6 2>&1 | grep "^=== ab"
+    for a in "--seed 0" "--seed 1" "--doc-len 1024" "--doc-len 4096"; do
+        timeout 80 python3 benchmarks/bench_varlen.py --dim 64 $a \
+            --fwd-variants '[{"VARLEN_CONSUMERS": 3}, {"VARLEN_CONSUMERS": 2}]' 2>&1 \
+            | grep -E "^packed|forward, \{" | tee -a "$OUT/varlen_wg3.txt"
+    done
+    exit 0
+fi
 run_tests fwd $K/test_fwd.py &
 run_tests bwd1 $K/test_bwd.py -k "dense or paths" &
 run_tests bwd2 $K/test_bwd.py -k "not dense and not paths" &
