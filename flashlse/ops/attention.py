@@ -384,8 +384,9 @@ def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, determi
 
 def _run_kept(kept, q, k, v, sink, deterministic, cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None, seqused_k=None):
-    """``(out, lse)`` by the launch kept for ``kept``, or None: none kept, or the Hopper
-    kernel failed to compile (the launch dropped)."""
+    """``(out, lse)`` by the launch kept for ``kept`` (through :class:`AttentionFunction`
+    when a tensor needs grad), or None: none kept, or the Hopper kernel failed to compile
+    (the launch dropped)."""
     hit = _KEPT.get(kept)
     if hit is None:
         return None
