@@ -54,6 +54,18 @@ def _grads(fn, inputs, dout, dlse):
     return gs + [None] * (4 - len(gs))
 
 
+def _grads_as_given(fn, inputs, dout, dlse):
+    """:func:`_grads`, with ``dout`` handed to autograd as out's gradient as it is (strides
+    too), not as the factor of a product."""
+    out, lse = fn(*inputs)
+    fin = torch.isfinite(lse.detach())
+    need = [t for t in inputs if t is not None]
+    gs = torch.autograd.grad([out, (lse[fin] * dlse.to(lse.dtype)[fin]).sum()], need,
+                             [dout.to(out.dtype), None], allow_unused=True)
+    gs = [torch.zeros_like(t) if g is None else g for t, g in zip(need, gs)]
+    return gs + [None] * (4 - len(gs))
+
+
 def _leaf(t, dtype=None):
     return None if t is None else t.detach().to(dtype or t.dtype).requires_grad_(True)
 
@@ -262,6 +274,81 @@ def _run_varlen(device, dtype, seqlens_q, seqlens_k, hq, hkv, d, dv, causal=Fals
 def test_attn_bwd_varlen(device, dtype, seqlens_q, seqlens_k, kw):
     _run_varlen(device, dtype, seqlens_q, seqlens_k, 4, 2, 32, 32, **kw)
 
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(causal=True, sink=True), id="causal_sink"),
+    pytest.param(dict(window=(5, 3), hkv=1, d=64), id="window_mqa_d64"),
+    pytest.param(dict(varlen=True, causal=True, sink=True), id="varlen_seqused_sink"),
+])
+def test_public_training_repeats_take_the_kept_path(device, case):
+    """``fl.attention`` / ``attention_varlen`` forward and backward three times with the same
+    metadata on fresh values: the first call plans and keeps its forward launch, the next
+    ones run it through AttentionFunction and find the backward's plan under the forward's
+    key (``bwd.prepare``'s short key); the third hands a dO that is not contiguous (another
+    plan). Every call's gradients (through out and lse, dsink too) against the float64
+    reference."""
+    import importlib
+
+    import flashlse as fl
+
+    attn_mod = importlib.import_module("flashlse.ops.attention")
+    case = dict(case)
+    varlen, hkv, d = case.pop("varlen", False), case.pop("hkv", 2), case.pop("d", 32)
+    sink = case.pop("sink", False)
+    mask = dict(causal=case.pop("causal", False), window=case.pop("window", (None, None)))
+    dtype, f64, hq = DTYPES[0], torch.float64, 4
+    lens_q, lens_k, used = [9, 0, 17], [12, 5, 20], [12, 3, 20]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lens_q, lens_k))
+    used_t = torch.tensor(used, dtype=torch.int32)
+    lengths = (cu_q, cu_k, max(lens_q), max(lens_k))
+
+    def ours(q_, k_, v_, s_):
+        if varlen:
+            return fl.attention_varlen(q_, k_, v_, *(t.to(device) for t in lengths[:2]),
+                                       *lengths[2:], seqused_k=used_t.to(device), sink=s_,
+                                       return_lse=True, **mask)
+        return fl.attention(q_, k_, v_, sink=s_, return_lse=True, **mask)
+
+    def ref_fn(q_, k_, v_, s_):
+        if varlen:
+            return reference.attention_varlen(q_, k_, v_, *lengths, seqused_k=used_t, sink=s_,
+                                              return_lse=True, **mask)
+        return reference.attention(q_, k_, v_, sink=s_, return_lse=True, **mask)
+
+    def yardstick(q_, k_, v_, s_):  # the same in q's dtype with torch ops
+        with reference.computed_in(dtype):
+            return ref_fn(q_, k_, v_, s_)
+
+    q_shape, kv_shape = ((26, hq, d), (37, hkv, d)) if varlen else ((2, 24, hq, d),
+                                                                   (2, 30, hkv, d))
+    lse_shape = (hq, 26) if varlen else (2, hq, 24)
+    gen = torch.Generator().manual_seed(21)
+    attn_mod._KEPT.clear()
+    bwd._BWD_PLANS.clear()
+    for step in range(3):
+        mk = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
+        leaves = [mk(*q_shape), mk(*kv_shape), mk(*kv_shape),
+                  torch.randn(hq, generator=gen) if sink else None]
+        dout = mk(*q_shape)
+        if step == 2:  # a dO with a gap between its heads' rows: not contiguous
+            dout = mk(*q_shape[:-2], 2 * hq, d)[..., ::2, :]
+        dlse = torch.randn(lse_shape, generator=gen)
+        on = [None if t is None else t.to(device).requires_grad_() for t in leaves]
+        # (A packed call whose lengths' values are checked, as a CPU tensor's are by default,
+        # takes the full path every call: the checks read them.)
+        with fl.value_checks(False):
+            got = _grads_as_given(ours, on, dout.to(device), dlse.to(device))
+        ref = _grads_as_given(ref_fn, [_leaf(t, f64) for t in leaves], dout, dlse)
+        pt = _grads_as_given(yardstick, [_leaf(t) for t in leaves], dout, dlse)
+        for name, g, r, p in zip(("dq", "dk", "dv", "dsink"), got, ref, pt):
+            if r is not None:
+                _check(f"step {step} {name}", g, r, p, dtype)
+        assert attn_mod._KEPT, "the first call keeps its forward launch"
+        if step >= 1:
+            kept = set(attn_mod._KEPT)
+            assert any(isinstance(key[0], tuple) and key[0] in kept for key in bwd._BWD_PLANS)
 
 
 @pytest.mark.gpu
