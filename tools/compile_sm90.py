@@ -216,7 +216,7 @@ def cases():
                             ("causal table", flags, True)):
         consts = dict(GROUP=2, HQ=16, D=128, BLOCK_N=128, STAGES=2, HAS_LEFT=f["HAS_LEFT"],
                       HAS_RIGHT=True, HAS_SINK=True, TABLE=table, O_IN_Q=False,
-                      CONSUMER_REGS=240, Q_BUFS=1, WG=2, OVERLAP3=False)
+                      CONSUMER_REGS=240, Q_BUFS=1, WG=2)
         if not table:
             consts["sched"] = None
         yield "fwd", f"fwd sm90 persistent (Gluon) D=128 {label}", \
@@ -242,10 +242,6 @@ def cases():
                     dict(sm90_types, sched=I32), \
                     dict(consts, D=64, BLOCK_N=configs.FWD_SM90[64].block_n, Q_BUFS=q_bufs,
                          WG=3, CONSUMER_REGS=160), 4, 1
-            yield "fwd", "fwd sm90 persistent (Gluon) D=64 causal table WG=3 OVERLAP3", \
-                fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
-                dict(consts, D=64, BLOCK_N=configs.FWD_SM90[64].block_n, Q_BUFS=2, WG=3,
-                     CONSUMER_REGS=160, OVERLAP3=True), 4, 1
             yield "fwd", "fwd sm90 persistent (Gluon) D=64 window WG=3", \
                 fwd_sm90._fwd_sm90_persistent_kernel, dict(sm90_types, sched=I32), \
                 dict(consts, D=64, BLOCK_N=configs.FWD_SM90[64].block_n, Q_BUFS=2, WG=3,

@@ -58,8 +58,6 @@ class TileConfig:
         consumers: fwd_sm90's persistent kernel: consumer warpgroups of 64 rows each, so a
             work item of ``64 * consumers`` rows (2, or 3: 160 registers a thread, the key
             tiles one after the other in each).
-        overlap3: fwd_sm90's persistent kernel on three consumers: the overlapped loop in
-            each part (as two consumers run), not the plain one.
         varlen_consumers: the same for fwd_sm90's persistent varlen kernel (packed varlen,
             paged prefill, dense key splits), whose 192-row blocks end at their sequence's
             end.
@@ -87,7 +85,6 @@ class TileConfig:
     consumer_regs: int = 240
     q_bufs: int = 1
     consumers: int = 2
-    overlap3: bool = False
     varlen_consumers: int = 2
 
     @property
@@ -113,13 +110,13 @@ _FIELDS = {
     "OVERLAP": "overlap", "PERSISTENT": "persistent", "PERSISTENT_TABLE": "persistent_table",
     "PERSISTENT_VARLEN": "persistent_varlen", "GRID": "grid",
     "CONSUMER_REGS": "consumer_regs", "Q_BUFS": "q_bufs", "CONSUMERS": "consumers",
-    "VARLEN_CONSUMERS": "varlen_consumers", "OVERLAP3": "overlap3",
+    "VARLEN_CONSUMERS": "varlen_consumers",
 }
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "WARP_SPECIALIZE",
             "GROUP_HEADS")
 FWD_SM90_KEYS = ("BLOCK_N", "STAGES", "PINGPONG", "OVERLAP", "PERSISTENT", "PERSISTENT_TABLE",
                  "PERSISTENT_VARLEN", "GRID", "CONSUMER_REGS", "Q_BUFS", "CONSUMERS",
-                 "VARLEN_CONSUMERS", "OVERLAP3")
+                 "VARLEN_CONSUMERS")
 DECODE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_stages_paged",
                "PROGRAMS_PER_SM")
 # bwd_config: "dkdv" / "dq" take (BLOCK_M, BLOCK_N, num_warps, num_stages); the flags set

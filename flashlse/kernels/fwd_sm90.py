@@ -279,19 +279,12 @@ def _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2
     """Online-softmax step for raw scores ``s_acc`` of key tile ``[n0, n0 + BLOCK_N)``:
     returns the probabilities (unnormalised, base 2), the rescale factor and the new state."""
     if MASK:
-        # Each row's bounds relative to the tile and to this thread's own column offset
-        # (``own``: in the wgmma accumulator a thread's columns are 2 (lane % 4) plus
-        # constants), compared with those constants: immediates, where the columns
-        # themselves would be ~32 registers kept live across the loop (FA-3's form).
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        own = cols & 6
-        rel = (cols - own)[None, :]
-        hi = gl.zeros_like(rows) + (T_k - n0)
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        vis = cols[None, :] < T_k
         if HAS_RIGHT:
-            hi = gl.minimum(hi, rows + (shift + right + 1 - n0))
-        vis = rel < hi[:, None] - own[None, :]
+            vis = vis & (cols[None, :] <= rows[:, None] + shift + right)
         if HAS_LEFT:
-            vis = vis & (rel >= (rows + (shift - left - n0))[:, None] - own[None, :])
+            vis = vis & (cols[None, :] >= rows[:, None] + shift - left)
         t = gl.where(vis, s_acc * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(t, 1))
         # A row with no visible key yet keeps m = -inf; pivot on 0 so 2^(-inf - 0) = 0.
@@ -372,14 +365,11 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
         p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo, rows, T_k, shift, left, right,
                                           scale_log2, n_full_lo, n_full_hi,
                                           HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
-        # P becomes the product's operand as soon as nothing else needs its registers (after
-        # the softmax here, after the O wait in the loop), so the loop carries it in q's
-        # dtype, not float32 (FA-3's order; 32 registers a thread less across the back edge).
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
         for it in range(n_tiles - 1):
             s = (t0 + it) % STAGES
             s1 = (t0 + it + 1) % STAGES
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(k_full.index(s1), ((t0 + it + 1) // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(turn.index(half), (it + 1) & 1)
@@ -397,10 +387,10 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
                                               HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(v_empty.index(s))
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
         last = t0 + n_tiles - 1
         s = last % STAGES
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_full.index(s), (last // STAGES) & 1)
         if V_TAIL:
             _zero_rows(v_smem.index(s), T_k - n_lo - (n_tiles - 1) * BLOCK_N, BLOCK_N)
@@ -798,8 +788,7 @@ def _consumer_part(q_smem, o_tile, k_smem, v_smem, o_desc, q_bar, q_empty, k_ful
                    i_b, r0, shift, n_lo, n_full_lo, n_full_hi, n_tiles, t, seqlen_q, seqlen_k,
                    left, right, scale_log2, s_zero, D: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   HAS_SINK: gl.constexpr, O_IN_Q: gl.constexpr, WG: gl.constexpr,
-                   OVERLAP3: gl.constexpr = False):
+                   HAS_SINK: gl.constexpr, O_IN_Q: gl.constexpr, WG: gl.constexpr):
     """``_consumer_persistent``'s work on one item: rows ``r0`` to ``r0 + 63`` of head
     ``i_h`` of sequence ``i_b`` against the item's ``n_tiles`` key tiles from ring position
     ``t`` (Q in ``slot``, whose full barrier completes in ``phase``), then lse and the out
@@ -829,18 +818,11 @@ def _consumer_part(q_smem, o_tile, k_smem, v_smem, o_desc, q_bar, q_empty, k_ful
         skip = (part_lo - n_lo) // BLOCK_N
         part_tiles = (part_hi - part_lo + BLOCK_N - 1) // BLOCK_N
         _drain_tiles(k_full, k_empty, v_full, v_empty, skip, t, STAGES)
-        if OVERLAP3:
-            acc, m_i, l_i = _consumer_loop_overlap(
-                q_smem.index(slot), k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar,
-                half, acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
-                part_lo, n_full_lo, n_full_hi, part_tiles, t + skip,
-                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
-        else:
-            acc, m_i, l_i = _consumer_loop_plain(
-                q_smem.index(slot), k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar,
-                half, acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
-                part_lo, n_full_lo, n_full_hi, part_tiles, t + skip,
-                BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
+        acc, m_i, l_i = _consumer_loop_plain(
+            q_smem.index(slot), k_smem, v_smem, k_full, k_empty, v_full, v_empty, q_bar, half,
+            acc, m_i, l_i, s_zero, rows, seqlen_k, shift, left, right, scale_log2,
+            part_lo, n_full_lo, n_full_hi, part_tiles, t + skip,
+            BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, False, s_layout, o_layout, p_layout)
     if not O_IN_Q:
         mbarrier.arrive(q_empty.index(slot))
     sink_nat = 0.0
@@ -882,7 +864,7 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                          STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
                          TABLE: gl.constexpr, O_IN_Q: gl.constexpr, Q_BUFS: gl.constexpr,
-                         WG: gl.constexpr = 2, OVERLAP3: gl.constexpr = False):
+                         WG: gl.constexpr = 2):
     """``_consumer`` over the program's work items, on rows ``half * 64`` to
     ``half * 64 + 63`` of each item's ``WG * 64`` (``_consumer_part``). Q's buffer is handed
     back right after the item's last product (with ``Q_BUFS`` = 2 the next item's Q has
@@ -919,7 +901,7 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
                                half, slot, (j // Q_BUFS) & 1, i_h, i_b, r0, shift, n_lo,
                                n_full_lo, n_full_hi, n_tiles, t, seqlen_q, seqlen_k, left,
                                right, scale_log2, s_zero, D, BLOCK_N, STAGES, HAS_LEFT,
-                               HAS_RIGHT, HAS_SINK, O_IN_Q, WG, OVERLAP3)
+                               HAS_RIGHT, HAS_SINK, O_IN_Q, WG)
         else:
             _consumer_part(q_smem, o_tile, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                            k_empty, v_full, v_empty, lse, stride_lb, stride_lh, sink, half,
@@ -996,7 +978,7 @@ def _fwd_sm90_persistent_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_SINK: gl.constexpr,
     TABLE: gl.constexpr, O_IN_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    Q_BUFS: gl.constexpr, WG: gl.constexpr = 2, OVERLAP3: gl.constexpr = False,
+    Q_BUFS: gl.constexpr, WG: gl.constexpr = 2,
 ):
     """The dense forward as a persistent kernel: a program per SM (at most) walks work items
     ``program_id, program_id + num_programs, ...`` (``_dense_item``), or with ``TABLE`` its
@@ -1036,19 +1018,19 @@ def _fwd_sm90_persistent_kernel(
                                     stride_lh, sink, 0, n_items, n_m, seqlen_q, seqlen_k,
                                     left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
                                     HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
-                                    WG, OVERLAP3)),
+                                    WG)),
             (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
                                     k_full, k_empty, v_full, v_empty, lse, stride_lb,
                                     stride_lh, sink, 1, n_items, n_m, seqlen_q, seqlen_k,
                                     left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
                                     HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
-                                    WG, OVERLAP3)),
+                                    WG)),
             (_consumer_persistent, (q_smem, o_smem, k_smem, v_smem, o_desc, q_bar, q_empty,
                                     k_full, k_empty, v_full, v_empty, lse, stride_lb,
                                     stride_lh, sink, 2, n_items, n_m, seqlen_q, seqlen_k,
                                     left, right, scale_log2, sched, HQ, D, BLOCK_N, STAGES,
                                     HAS_LEFT, HAS_RIGHT, HAS_SINK, TABLE, O_IN_Q, Q_BUFS,
-                                    WG, OVERLAP3)),
+                                    WG)),
             (_producer_persistent, (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem,
                                     v_smem, q_bar, q_empty, k_full, k_empty, v_full, v_empty,
                                     n_items, n_m, seqlen_q, seqlen_k, left, right, sched,
@@ -1873,8 +1855,7 @@ def _plan(q, k, v, out, lse, *, left, right, scale, sink, is_varlen, batch, lens
     if programs:
         kw.update(batch=batch, seqlen_q=seqlen_q, seqlen_k=lens["seqlen_k"], n_items=n_items,
                   HQ=hq, sched=sched, TABLE=sched is not None,
-                  O_IN_Q=_out_in_q(q, shared, wg), Q_BUFS=_q_bufs(q, shared, cfg), WG=wg,
-                  OVERLAP3=wg == 3 and cfg.overlap3)
+                  O_IN_Q=_out_in_q(q, shared, wg), Q_BUFS=_q_bufs(q, shared, cfg), WG=wg)
         kw["CONSUMER_REGS"] = _consumer_regs(kw["CONSUMER_REGS"], wg)
         for name in ("PINGPONG", "OVERLAP"):
             kw.pop(name)

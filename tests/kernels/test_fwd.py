@@ -507,8 +507,7 @@ PERSISTENT_CASES = [
 # The persistent kernel's consumer warpgroups at D = 64 (192-row items aligned to the
 # sequence's end on three, the shipped form; 128-row items on two), and three on 64-key
 # tiles. The other variants take D = 64's config as it is.
-WG3 = {"wg3": {"CONSUMERS": 3}, "wg2": {"CONSUMERS": 2}, "wg3_n64": {"CONSUMERS": 3, "BLOCK_N": 64},
-       "wg3_overlap": {"CONSUMERS": 3, "OVERLAP3": True}}
+WG3 = {"wg3": {"CONSUMERS": 3}, "wg2": {"CONSUMERS": 2}, "wg3_n64": {"CONSUMERS": 3, "BLOCK_N": 64}}
 
 
 @pytest.mark.gpu
