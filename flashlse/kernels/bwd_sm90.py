@@ -321,21 +321,16 @@ def _producer(loads, q_smem, do_smem, k_smem, v_smem, lse_smem, dlt_smem, kv_bar
 
 
 @gluon.jit
-def _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, m0,
+def _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2,
              MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """``P^T = 2^(S^T * scale_log2 - lse_log2)``, masked keys -> 0 on boundary tiles
     (``lse``: [1, BLOCK_M], one value a row, broadcast over the keys)."""
     if MASK:
-        # Each key's bounds on the tile's rows, less this thread's own column offset
-        # (``own``), compared with its columns' constants: immediates (as the forward's).
-        cols = rows - m0
-        own = cols & 6
-        rel = (cols - own)[None, :]
-        vis = (keys < T_k)[:, None]
+        vis = keys[:, None] < T_k
         if HAS_RIGHT:
-            vis = vis & (rel >= (keys - (shift + right + m0))[:, None] - own[None, :])
+            vis = vis & (keys[:, None] <= rows[None, :] + shift + right)
         if HAS_LEFT:
-            vis = vis & (rel <= (keys + (left - shift - m0))[:, None] - own[None, :])
+            vis = vis & (keys[:, None] >= rows[None, :] + shift - left)
         pt = gl.exp2(gl.where(vis, st * scale_log2, float("-inf")) - lse)
     else:
         pt = gl.exp2(st * scale_log2 - lse)
@@ -348,10 +343,10 @@ def _tile_probs(st, keys, rows, lse, T_k, shift, left, right, scale_log2, m0, m_
     """:func:`_probs_t` of row block ``m0``, masked only outside ``[m_full_lo, m_full_hi)``
     (``row_ranges``' blocks that see every key of the block)."""
     if (m0 < m_full_lo) | (m0 >= m_full_hi):
-        pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, m0, True,
+        pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, True,
                       HAS_LEFT, HAS_RIGHT)
     else:
-        pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, m0, False,
+        pt = _probs_t(st, keys, rows, lse, T_k, shift, left, right, scale_log2, False,
                       HAS_LEFT, HAS_RIGHT)
     return pt
 
