@@ -206,10 +206,18 @@ def _routed(p, fused: bool, opts) -> tuple:
     return tuple(route)
 
 
-# A backward pass's Gluon kernel: its FAILURES key, its name in the warning, its plan.
-_PASSES = {"fused": ("bwd_sm90 fused", "the Hopper fused backward kernel", "fused_plan"),
-           "dkdv": ("bwd_sm90 dK/dV", "the Hopper backward dK/dV kernel", "dkdv_plan"),
-           "dq": ("bwd_sm90 dQ", "the Hopper backward dQ kernel", "dq_plan")}
+def _fused_args(p) -> tuple:
+    return (p, )
+
+
+# A backward pass's Gluon kernel: its FAILURES key, its name in the warning, its plan, and
+# its launch's arguments from the prepared pass (the fused run takes the pass itself).
+_PASSES = {"fused": ("bwd_sm90 fused", "the Hopper fused backward kernel", "fused_plan",
+                     _fused_args),
+           "dkdv": ("bwd_sm90 dK/dV", "the Hopper backward dK/dV kernel", "dkdv_plan",
+                    bwd.BwdPass.dkdv_tensors),
+           "dq": ("bwd_sm90 dQ", "the Hopper backward dQ kernel", "dq_plan",
+                  bwd.BwdPass.dq_tensors)}
 
 
 def _try(p, part: str):
@@ -217,10 +225,9 @@ def _try(p, part: str):
     :class:`_GluonRun`, or None: the portable kernel runs that pass."""
     if bwd_sm90 is None:
         return None
-    name, what, plan = _PASSES[part]
-    tensors = {"fused": lambda: (p, ), "dkdv": p.dkdv_tensors, "dq": p.dq_tensors}[part]
-    run = _gluon((name, p.signature), what, getattr(bwd_sm90, plan), p, tensors)
-    return None if run is None else _GluonRun(run, part)
+    name, what, plan, args = _PASSES[part]
+    run = _gluon((name, p.signature), what, getattr(bwd_sm90, plan), p, args)
+    return None if run is None else _GluonRun(run, args)
 
 
 def _portable(p, run):
@@ -230,26 +237,20 @@ def _portable(p, run):
 
 
 class _GluonRun:
-    """A kept Gluon launch of a backward pass: ``run(p)`` on the pass's tensors (the fused
-    run takes the pass itself)."""
+    """A kept Gluon launch of a backward pass: ``run(*args(p))``."""
 
-    __slots__ = ("run", "part")
+    __slots__ = ("run", "args")
 
-    def __init__(self, run, part: str):
-        self.run, self.part = run, part
+    def __init__(self, run, args):
+        self.run, self.args = run, args
 
     def __call__(self, p) -> None:
         triton.set_allocator(alloc_scratch)
-        if self.part == "dkdv":
-            self.run(*p.dkdv_tensors())
-        elif self.part == "dq":
-            self.run(*p.dq_tensors())
-        else:
-            self.run(p)
+        self.run(*self.args(p))
 
 
-def _gluon(key: tuple, what: str, plan, p, tensors):
-    """Runs the Gluon launch ``plan(p)`` (None outside its kernel's domain) on ``tensors()``
+def _gluon(key: tuple, what: str, plan, p, args):
+    """Runs the Gluon launch ``plan(p)`` (None outside its kernel's domain) on ``args(p)``
     and returns it; None if there is none or that signature failed to compile, now (warned
     once, as from ``attn_bwd``'s caller) or before: the caller runs the portable kernel."""
     if key in FAILURES:
@@ -259,7 +260,7 @@ def _gluon(key: tuple, what: str, plan, p, tensors):
         if run is None:
             return None
         triton.set_allocator(alloc_scratch)
-        run(*tensors())
+        run(*args(p))
         return run
     except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
         FAILURES.add(key, e, what, stacklevel=5)

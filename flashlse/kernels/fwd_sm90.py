@@ -812,7 +812,9 @@ def _consumer_part(q_smem, o_tile, k_smem, v_smem, o_desc, q_bar, q_empty, k_ful
     else:
         # This part's own key tiles (its rows' ranges: under a causal mask the block's last
         # tiles can lie above its diagonal, and its own full middle needs no mask); the
-        # block's other tiles are released unread.
+        # block's other tiles are released unread. (``_part_tiles`` less its clamps, which a
+        # dense part, inside its sequence and its item's tiles, never needs; written out so
+        # that the GPU-tested kernel's code stays as it was: fold it in with a device run.)
         part_lo, n_full_lo, n_full_hi, part_hi = _key_ranges(
             r0, r0 + HALF_M - 1, seqlen_k, shift, left, right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         skip = (part_lo - n_lo) // BLOCK_N

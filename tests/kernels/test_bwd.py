@@ -44,24 +44,17 @@ def _torch_attention(q, k, v, left, right, softcap, scale, sink):
 
 
 def _grads(fn, inputs, dout, dlse):
-    """Gradients of ``sum(out * dout) + sum(lse * dlse)`` (finite lse only) w.r.t. inputs."""
-    out, lse = fn(*inputs)
-    fin = torch.isfinite(lse.detach())
-    loss = (out * dout.to(out.dtype)).sum() + (lse[fin] * dlse.to(lse.dtype)[fin]).sum()
-    need = [t for t in inputs if t is not None]
-    gs = torch.autograd.grad(loss, need, allow_unused=True)
-    gs = [torch.zeros_like(t) if g is None else g for t, g in zip(need, gs)]
-    return gs + [None] * (4 - len(gs))
-
-
-def _grads_as_given(fn, inputs, dout, dlse):
-    """:func:`_grads`, with ``dout`` handed to autograd as out's gradient as it is (strides
-    too), not as the factor of a product."""
+    """Gradients of ``sum(out * dout) + sum(lse * dlse)`` (finite lse only) w.r.t. inputs,
+    with ``dout`` handed to autograd as out's gradient as it is (its strides too)."""
     out, lse = fn(*inputs)
     fin = torch.isfinite(lse.detach())
     need = [t for t in inputs if t is not None]
-    gs = torch.autograd.grad([out, (lse[fin] * dlse.to(lse.dtype)[fin]).sum()], need,
-                             [dout.to(out.dtype), None], allow_unused=True)
+    outs, grads = [out], [dout.to(out.dtype)]
+    lse_term = (lse[fin] * dlse.to(lse.dtype)[fin]).sum()
+    if lse_term.requires_grad:  # (not where no row has a key: lse is then a constant)
+        outs.append(lse_term)
+        grads.append(None)
+    gs = torch.autograd.grad(outs, need, grads, allow_unused=True)
     gs = [torch.zeros_like(t) if g is None else g for t, g in zip(need, gs)]
     return gs + [None] * (4 - len(gs))
 
@@ -339,9 +332,9 @@ def test_public_training_repeats_take_the_kept_path(device, case):
         # (A packed call whose lengths' values are checked, as a CPU tensor's are by default,
         # takes the full path every call: the checks read them.)
         with fl.value_checks(False):
-            got = _grads_as_given(ours, on, dout.to(device), dlse.to(device))
-        ref = _grads_as_given(ref_fn, [_leaf(t, f64) for t in leaves], dout, dlse)
-        pt = _grads_as_given(yardstick, [_leaf(t) for t in leaves], dout, dlse)
+            got = _grads(ours, on, dout.to(device), dlse.to(device))
+        ref = _grads(ref_fn, [_leaf(t, f64) for t in leaves], dout, dlse)
+        pt = _grads(yardstick, [_leaf(t) for t in leaves], dout, dlse)
         for name, g, r, p in zip(("dq", "dk", "dv", "dsink"), got, ref, pt):
             if r is not None:
                 _check(f"step {step} {name}", g, r, p, dtype)
