@@ -344,6 +344,74 @@ def test_public_training_repeats_take_the_kept_path(device, case):
             assert any(isinstance(key[0], tuple) and key[0] in kept for key in bwd._BWD_PLANS)
 
 
+def test_public_training_kept_path_lse_contract(device):
+    """The LSE contract on repeated training calls (the kept path after the first): causal
+    with Sq > Sk, so rows 0-11 see no key. Empty rows are exactly (out 0, lse -inf), or lse
+    = the sink; a -inf sink is no sink, bit for bit; the gradients (through out and lse)
+    have no NaN and match the float64 reference; a NaN key reaches exactly the rows that see
+    it (its batch, its kv head's query heads, rows from the key's on), never an
+    empty-looking row, and every other row equals the clean call bit for bit."""
+    import importlib
+
+    import flashlse as fl
+
+    attn_mod = importlib.import_module("flashlse.ops.attention")
+    dtype, f64 = DTYPES[0], torch.float64
+    b, sq, sk, hq, hkv, d = 2, 30, 18, 4, 2, 32
+    gen = torch.Generator().manual_seed(33)
+    mk = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).to(device)
+    q, k, v = mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d)
+    dout, dlse = mk(b, sq, hq, d), torch.randn(b, hq, sq, generator=gen)
+    attn_mod._KEPT.clear()
+
+    def call(k_, sink):
+        leaves = [t.clone().requires_grad_() for t in (q, k_, v)]
+        out, lse = fl.attention(*leaves, causal=True, sink=sink, return_lse=True)
+        return out, lse, leaves
+
+    empty = torch.arange(sq, device=device) < sq - sk  # (causal, bottom-right)
+    for sink in (None, torch.full((hq, ), float("-inf"), device=device),
+                 torch.randn(hq, generator=gen).to(device)):
+        first = None
+        for _ in range(2):  # the second call takes the kept launch
+            out, lse, leaves = call(k, sink)
+            assert (out[:, empty] == 0).all()
+            if sink is None or torch.isneginf(sink).all():
+                assert torch.isneginf(lse[:, :, empty]).all()
+            else:
+                want = sink[None, :, None].expand(b, hq, int(empty.sum())).to(lse.dtype)
+                assert torch.equal(lse[:, :, empty], want)
+            assert not torch.isinf(lse[:, :, ~empty]).any() and not out.isnan().any()
+            fin = torch.isfinite(lse.detach())
+            grads = torch.autograd.grad([out, (lse[fin] * dlse.to(device)[fin]).sum()],
+                                        leaves, [dout, None])
+            assert not any(g.isnan().any() for g in grads)
+            if first is None:
+                first = (out, lse, grads)
+            else:  # the kept call equals the full path's bit for bit
+                assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+                assert all(torch.equal(x, y) for x, y in zip(grads, first[2]))
+        assert attn_mod._KEPT
+        if sink is None:
+            none = first
+        elif torch.isneginf(sink).all():
+            assert torch.equal(first[0], none[0]) and torch.equal(first[1], none[1])
+    ref = reference.attention(*(t.detach().to(f64).requires_grad_() for t in (q, k, v)),
+                              causal=True, return_lse=True)
+    torch.testing.assert_close(none[0].to(f64).cpu(), ref[0].detach().cpu(),
+                               atol=_atol(dtype), rtol=0)
+    # A NaN key: batch 1, kv head 1 (query heads 2, 3), key 5 (rows 17 and on see it).
+    k_bad = k.clone()
+    k_bad[1, 5, 1, 3] = float("nan")
+    out, lse, _ = call(k_bad, None)
+    bad = torch.zeros(b, hq, sq, dtype=torch.bool, device=device)
+    bad[1, 2:4, 5 + sq - sk:] = True
+    rows = out.transpose(1, 2)  # (b, head, row, d)
+    assert torch.equal(torch.isnan(lse), bad) and torch.equal(torch.isnan(rows).any(-1), bad)
+    assert torch.equal(lse[~bad], none[1][~bad])
+    assert torch.equal(rows[~bad], none[0].transpose(1, 2)[~bad])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d,dv,kw", GPU_HEAD_DIM_CASES)
