@@ -265,3 +265,36 @@ def test_sized_launch_refuses_a_specialised_argument():
             _common.SizedLaunch(kernel, 9, kw, (fixed,))
         run = _common.SizedLaunch(kernel, 9, kw, sized)
         assert [kernel.arg_names[9 + i] for i in run.slots] == list(sized)
+
+
+def test_row_starts_kept_per_stream_fresh_while_capturing(monkeypatch):
+    """``row_starts`` makes ``[0, step, ..., b * step]`` once per (shape, device, stream) and
+    hands the same tensor to later calls on that stream; another stream gets its own (its
+    calls are not ordered after the first stream's arange); while a CUDA graph captures, a
+    fresh one each call, kept nowhere (the capture runs nothing, and a graph must not read a
+    tensor the cache may drop). No GPU needed: the CUDA stream calls are faked."""
+    state = {"stream": 7, "capturing": False}
+
+    class Stream:
+        def __init__(self, device):
+            self.cuda_stream = state["stream"]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    made = []
+    monkeypatch.setattr(_common, "_new_row_starts", lambda b, step, device: made.append(
+        (b, step)) or torch.arange(0, (b + 1) * step, step, dtype=torch.int32))
+    monkeypatch.setattr(_common, "_ROW_STARTS", {})
+    first = _common.row_starts(3, 64, "cuda")
+    assert first.tolist() == [0, 64, 128, 192]
+    assert _common.row_starts(3, 64, "cuda") is first and made == [(3, 64)]
+    assert _common.row_starts(2, 64, "cuda") is not first and len(made) == 2
+    state["stream"] = 9
+    assert _common.row_starts(3, 64, "cuda") is not first and len(made) == 3
+    state["capturing"] = True
+    kept = dict(_common._ROW_STARTS)
+    a, b = _common.row_starts(3, 64, "cuda"), _common.row_starts(3, 64, "cuda")
+    assert a is not b and len(made) == 5 and _common._ROW_STARTS == kept
+    monkeypatch.undo()
+    assert _common.row_starts(2, 0, "cpu").tolist() == [0, 0, 0]
+    assert _common.row_starts(2, 5, torch.device("cpu")).tolist() == [0, 5, 10]

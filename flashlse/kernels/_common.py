@@ -48,7 +48,31 @@ def seq_args(q, k, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None) -> t
 
 def row_starts(b: int, step: int, device) -> torch.Tensor:
     """``[0, step, ..., b * step]`` int32: the ``cu_seqlens`` of ``b`` sequences of ``step``
-    rows each, in one launch (an arange times ``step`` is two)."""
+    rows each, which kernels read and never write. Made on the call's stream the first time
+    and kept for that stream (``_ROW_STARTS``), whose later calls run after it was written:
+    a repeated chunk launches no arange. While a CUDA graph captures, a fresh one (the
+    capture runs nothing, so a kept one would hold no values before a replay, and a graph
+    must not read a tensor the cache may drop)."""
+    device = torch.device(device)
+    stream = None
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return _new_row_starts(b, step, device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+    key = (b, step, device, stream)
+    got = _ROW_STARTS.get(key)
+    if got is None:
+        if len(_ROW_STARTS) >= 256:
+            _ROW_STARTS.clear()
+        got = _ROW_STARTS[key] = _new_row_starts(b, step, device)
+    return got
+
+
+_ROW_STARTS: dict = {}
+
+
+def _new_row_starts(b: int, step: int, device) -> torch.Tensor:
+    # One launch (an arange times step is two).
     if step == 0:
         return torch.zeros(b + 1, dtype=torch.int32, device=device)
     return torch.arange(0, (b + 1) * step, step, dtype=torch.int32, device=device)

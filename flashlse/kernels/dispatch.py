@@ -120,8 +120,8 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     (decodes: the query heads of a kv head packed into 16-row tiles) the portable one; each
     launch sees every sequence and skips the other's, so nothing reads the lengths on the host.
     ``min_seqlen_q``: a bound below every sequence's query rows that the caller knows on the
-    host (``attention_with_kvcache``: each has Sq); when it leaves no sequence to the
-    portable kernel, that kernel is not launched."""
+    host (``attention_with_kvcache``: each has Sq); when it leaves no sequence of at most
+    ``fwd.SMALL_ROWS`` packed rows, no launch of 16-row tiles is made."""
     out, lse = fwd.new_outputs(q, v_cache, cu_seqlens_q)
     kw = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seqused_k,
               max_seqlen_k=max_seqlen_k, left=left, right=right, softcap=softcap, scale=scale,
@@ -144,7 +144,7 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
             fwd.SMALL_ROWS:
         return out, lse  # every sequence ran on the Hopper kernel
     return fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
-                              only_small=only_small)
+                              only_small=only_small, min_seqlen_q=min_seqlen_q)
 
 
 def paged_in_place(q, k_cache, v_cache, *, softcap, scale) -> bool:

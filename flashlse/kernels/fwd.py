@@ -688,7 +688,7 @@ SMALL_ROWS = 16
 
 def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
                    max_seqlen_k, left, right, softcap, scale, sink, out=None, lse=None,
-                   only_small=False):
+                   only_small=False, min_seqlen_q=0):
     """:func:`attn_fwd` over paged K/V caches, read in place (no gather), the query heads of
     each kv head packed into the rows of a tile.
 
@@ -708,6 +708,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
         out, lse: the outputs to fill (``new_outputs``'s; allocated when None).
         only_small: only the sequences of at most ``SMALL_ROWS`` packed rows (``T_q * Hq /
             Hkv``: decodes); the dispatcher runs the longer ones on the Hopper paged kernel.
+        min_seqlen_q: a bound below every sequence's query rows known on the host: when it
+            leaves no sequence of at most ``SMALL_ROWS`` packed rows, one launch of the
+            large tiles covers them all.
 
     Returns:
         ``out (total_q, Hq, Dv)`` in ``q.dtype`` and ``lse (Hq, total_q)`` float32.
@@ -731,7 +734,8 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     # mixed step: the sequences of up to SMALL_ROWS packed rows (decodes, G <= 16) take a
     # launch of 16-row tiles of their own instead of a 128-row tile each; both launches see
     # every sequence and skip the other's (no host sync on the lengths).
-    spans = [(0, rows)] if rows <= SMALL_ROWS else [(SMALL_ROWS, rows), (0, SMALL_ROWS)]
+    spans = ([(0, rows)] if rows <= SMALL_ROWS or int(min_seqlen_q) * group > SMALL_ROWS
+             else [(SMALL_ROWS, rows), (0, SMALL_ROWS)])
     cfgs = tuple(_pick_paged_config(block_d, block_dv, hi) for _, hi in spans)
     # The plan is a function of the call's metadata but the lengths (total_q, max_seqlen_q,
     # max_seqlen_k: a serving engine's every step changes them), which each launch passes

@@ -90,8 +90,9 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None):
     into rows first for the dense kernel, when the block table is not much wider than the
     chunk. A page out of range ends its sequence there: it and later pages hold no key.
     lse ``(B, Hq, Sq)`` is a view of the kernels' ``(Hq, B * Sq)``, copied contiguous only
-    where it is returned. ``kept``: the call's key when it passed every check; a contiguous
-    cache's launch is kept by it (``_run_kept_chunk``)."""
+    where it is returned. ``kept``: the call's key when it passed every check; the launch of
+    a contiguous cache and the in-place read of a paged one are kept by it
+    (``_run_kept_chunk``)."""
     dispatch = kernel_module("dispatch")
     b, sq, hq, d = q.shape
     used = None if lens is None else (lens + s_new if s_new else lens)
@@ -99,26 +100,43 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None):
         rows, k, v, cu_q, cu_k = _chunk_rows(q, k_cache, v_cache)
         smax = k_cache.shape[1]
     else:
-        rows = q.reshape(b * sq, hq, d)
-        cu_q = kernel_module("_common").row_starts(b, sq, q.device)
         capacity = block_table.shape[1] * k_cache.shape[1]
         if (sq < _GATHER_MIN_ROWS or capacity > _GATHER_MAX_TABLE_ROWS_PER_QUERY * sq
                 or dispatch.paged_in_place(q, k_cache, v_cache, softcap=kw["softcap"],
                                            scale=kw["scale"])):
-            out, lse = dispatch.attn_fwd_paged(
-                rows, k_cache, v_cache, block_table, cu_seqlens_q=cu_q, max_seqlen_q=sq,
-                seqused_k=used, max_seqlen_k=capacity, min_seqlen_q=sq, **kw)
-            return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
+            if kept is not None:  # the scalars, not this call's sink
+                _keep_chunk(kept, ("paged", {n: x for n, x in kw.items() if n != "sink"}))
+            return _paged_chunk(q, k_cache, v_cache, block_table, used, kw)
+        rows = q.reshape(b * sq, hq, d)
+        cu_q = kernel_module("_common").row_starts(b, sq, q.device)
         k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, used)
         smax = k.shape[0] // max(b, 1)
     out, lse, launch = dispatch.attn_fwd_launched(
         rows, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=sq, max_seqlen_k=smax,
         seqused_k=used, **kw)
     if kept is not None and block_table is None:
-        if len(_CHUNK_KEPT) >= _MAX_KEPT:
-            _CHUNK_KEPT.clear()
-        _CHUNK_KEPT[kept] = (launch, _fwd_options())
+        _keep_chunk(kept, launch)
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
+
+
+def _paged_chunk(q, k_cache, v_cache, block_table, used, kw):
+    """A chunk read in place from a paged cache (``dispatch.attn_fwd_paged``): every
+    sequence has Sq query rows and at most the table's capacity of keys."""
+    b, sq, hq, d = q.shape
+    out, lse = kernel_module("dispatch").attn_fwd_paged(
+        q.reshape(b * sq, hq, d), k_cache, v_cache, block_table,
+        cu_seqlens_q=kernel_module("_common").row_starts(b, sq, q.device), max_seqlen_q=sq,
+        seqused_k=used, max_seqlen_k=block_table.shape[1] * k_cache.shape[1], min_seqlen_q=sq,
+        **kw)
+    return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
+
+
+def _keep_chunk(kept, launch):
+    """Keeps a chunk's launch (a contiguous cache's forward launch, or ``("paged", kw)``: the
+    in-place paged read with its normalised scalars) by the call's key."""
+    if len(_CHUNK_KEPT) >= _MAX_KEPT:
+        _CHUNK_KEPT.clear()
+    _CHUNK_KEPT[kept] = (launch, _fwd_options())
 
 
 def _chunk_rows(q, k_cache, v_cache):
@@ -131,10 +149,13 @@ def _chunk_rows(q, k_cache, v_cache):
             starts(b, smax, q.device))
 
 
-# A chunk (more query rows than the decode kernel takes) on a contiguous cache whose key
-# (``_kept_key``: no append) passed every check before: the forward's launch the dispatcher
-# chose for it (``dispatch.fwd_launch``, a function of the call's metadata), launched at
-# once on the cache's rows. Value checks, grad and torch.compile take the full path.
+# A chunk (more query rows than the decode kernel takes) whose key (``_kept_key``: no
+# append) passed every check before: on a contiguous cache the forward's launch the
+# dispatcher chose for it (``dispatch.fwd_launch``, a function of the call's metadata),
+# launched at once on the cache's rows; on a paged cache read in place, the paged
+# dispatcher with the scalars normalised once (whether a chunk is read in place or gathered
+# is a function of the key and the options). Value checks, grad and torch.compile take the
+# full path.
 _CHUNK_KEPT: dict = {}
 
 
@@ -142,10 +163,10 @@ def _fwd_options():
     """The options the forward's dispatcher reads (not in ``_kept_key``, which the decode's
     plan shares): a kept chunk launch is used only under the options it was chosen under."""
     opts = kernel_module("options").current()
-    return opts.sm90_fwd, opts.fwd_config, opts.fwd_sm90_config
+    return opts.sm90_fwd, opts.sm90_fwd_paged, opts.fwd_config, opts.fwd_sm90_config
 
 
-def _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, sink):
+def _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink):
     """``(out, lse)`` of a chunk by the launch kept for ``kept``, or None: none kept, other
     forward options, value checks asked for, a tensor needing grad, or the Hopper kernel
     failed to compile (the launch dropped)."""
@@ -153,6 +174,9 @@ def _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, sink):
     if hit is None or hit[1] != _fwd_options() or V.needs_grad(q, k_cache, v_cache, sink) or \
             (cache_seqlens is not None and V.values_checkable(cache_seqlens)):
         return None
+    if hit[0].__class__ is tuple:
+        return _paged_chunk(q, k_cache, v_cache, block_table, cache_seqlens,
+                            dict(hit[0][1], sink=sink))
     b, sq, hq, _ = q.shape
     rows, k, v, cu_q, cu_k = _chunk_rows(q, k_cache, v_cache)
     out, lse = kernel_module("fwd").new_outputs(rows, v, cu_q)
@@ -310,8 +334,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
                      num_splits, causal, window, softcap, scale, return_lse)
     if kept is not None:
         got = _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink)
-        if got is None and block_table is None:
-            got = _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, sink)
+        if got is None:
+            got = _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink)
         if got is not None:
             return (got[0], got[1].contiguous()) if return_lse else got[0]
     lens, s_new = _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,

@@ -195,3 +195,40 @@ def test_attention_kept_forward_graph_replay():
     torch.testing.assert_close(full_out, out, atol=0, rtol=0)
     torch.testing.assert_close(full_lse, lse, atol=0, rtol=0)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_kept_chunk_graph_replay(paged):
+    """A chunk (64 query rows) launches what its first call kept (ops/kvcache._CHUNK_KEPT) on
+    the row starts kept for its stream (kernels/_common.row_starts); a capture makes fresh
+    ones, so that a replay after the kept ones are dropped and their memory reused still
+    reads the right starts: the graph gives the eager call's bits on new q and lengths."""
+    import importlib
+
+    kv_mod = importlib.import_module("flashlse.ops.kvcache")
+    common = importlib.import_module("flashlse.kernels._common")
+    torch.manual_seed(4)
+    b, hq, hkv, d = 4, 16, 2, 128
+    q1, k_cache, v_cache, lens, table = _decode_inputs(paged, b, hq, hkv, d)
+    q = torch.randn(b, 64, hq, d, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return fl.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                         block_table=table, causal=True, return_lse=True)
+
+    kv_mod._CHUNK_KEPT.clear()
+    step()
+    assert len(kv_mod._CHUNK_KEPT) == 1
+    graph, (out, lse) = _capture(step)
+    common._ROW_STARTS.clear()
+    torch.cuda.synchronize()
+    junk = [torch.full((4096,), -7, dtype=torch.int32, device="cuda") for _ in range(8)]
+    with torch.no_grad():
+        q.copy_(torch.randn_like(q))
+        lens.add_(5)
+    graph.replay()
+    del junk  # (held over the replay: the dropped starts' memory is not theirs again)
+    want_out, want_lse = step()
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    assert not torch.isnan(out).any()

@@ -297,14 +297,16 @@ def test_kvcache_repeated_calls_launch_the_kept_plan(device, kw, page):
         kv_mod._run_kept = real
 
 
-def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch):
-    """A chunk on a contiguous cache (more query rows than the decode kernel takes) that
-    passed every check keeps the forward's launch by its key (ops/kvcache._CHUNK_KEPT);
-    later chunks of that key launch it on the cache's rows without the checks or the
-    dispatcher (value checks off, as on a GPU by default): fresh lengths and values each
-    call against the float64 reference, a sink, causal rows that see no key; a NaN query
-    reaches only its own sequence; other forward options, and value checks, take the full
-    path (and its errors)."""
+@pytest.mark.parametrize("page", [None, 4], ids=lambda p: f"page{p}")
+def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch, page):
+    """A chunk (more query rows than the decode kernel takes) that passed every check keeps
+    its launch by its key (ops/kvcache._CHUNK_KEPT): on a contiguous cache the forward's
+    launch, on a paged one (read in place) the paged dispatcher with the scalars normalised
+    once. Later chunks of that key run it without the checks (value checks off, as on a GPU
+    by default): fresh lengths, values, block tables and sinks each call against the float64
+    reference (a kept sink would fail it), causal rows that see no key; a NaN query reaches
+    only its own sequence; other forward options, and value checks, take the full path (and
+    its errors)."""
     from flashlse.ops import kvcache as kv_mod
 
     kv_mod._CHUNK_KEPT.clear()
@@ -314,6 +316,8 @@ def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch):
     call_kw = dict(causal=True)
     for lens in ([30, 12, 0], [12, 40, 25], [40, 3, 40]):
         t = make(3, 20, 4, 2, 32, 32, 40, lens, 0, DTYPES[0], sink=True)
+        if page is not None:
+            t = to_paged(t, page)
         with fl.value_checks(False):
             run_both(_to(t, device), **call_kw)
     assert len(kv_mod._CHUNK_KEPT) == 1
@@ -326,7 +330,8 @@ def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch):
     assert hits[-1] is not None and lse_n.is_contiguous()
     assert torch.isnan(out_n[0]).all() and torch.isnan(lse_n[0]).all()
     assert not torch.isnan(out_n[1:]).any() and not torch.isnan(lse_n[1:]).any()
-    with fl.value_checks(False), kernel_options(sm90_fwd=False):
+    off = dict(sm90_fwd=False) if page is None else dict(sm90_fwd_paged=False)
+    with fl.value_checks(False), kernel_options(**off):
         run_both(t, **call_kw)
     assert hits[-1] is None  # other forward options: the full path
     bad = dict(t, cache_seqlens=t["cache_seqlens"] + 100)
