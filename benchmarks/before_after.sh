@@ -4,6 +4,9 @@
 # scripts go into .before/ (git-ignored), which the device call carries:
 #   bash benchmarks/before_after.sh prep 2dcb23b          # here: the tree before issue 21
 #   bash benchmarks/before_after.sh run [fwd bwd decode merge serving]   # on the GPU, carry .before
+#   bash benchmarks/before_after.sh prep-revert 5f5fa58 [REV...]   # here: this tree (HEAD) with
+#       those commits reverted, as .before: an experiment reverted in main is re-applied on
+#       today's code (its tests come too: PYTHONPATH=.before pytest .before/tests/...)
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
 set -o pipefail
@@ -11,6 +14,16 @@ if [ "$1" = prep ]; then
     rm -rf .before && mkdir .before
     git archive "${2:?a revision}" flashlse benchmarks | tar -x -C .before
     echo "$2" > .before/REV
+    exit 0
+fi
+if [ "$1" = prep-revert ]; then
+    shift
+    wt=$(mktemp -d) && git worktree add -q --detach "$wt" HEAD || exit 1
+    (cd "$wt" && git revert --no-commit "$@") || { git worktree remove --force "$wt"; exit 1; }
+    rm -rf .before && mkdir .before
+    cp -r "$wt"/flashlse "$wt"/benchmarks "$wt"/tests "$wt"/tools "$wt"/pyproject.toml .before/
+    git worktree remove --force "$wt"
+    echo "HEAD $(git rev-parse --short HEAD) with $* reverted" > .before/REV
     exit 0
 fi
 [ "$1" = run ] || { echo "usage: $0 prep REV | run [fwd bwd decode merge serving]"; exit 2; }

@@ -55,6 +55,9 @@
 #   bash benchmarks/h200_session.sh s39        # session 39's work (no device then): the
 #                                                kept training path's tests and host A/B,
 #                                                VARLEN_CONSUMERS = 3's tests and A/B
+#   bash benchmarks/h200_session.sh exp [fwd|bwd]  # experiments reverted in main, re-applied
+#                                                (before_after.sh prep-revert REV...): their
+#                                                GPU tests, tables against this tree in turns
 #   bash benchmarks/h200_session.sh prof-bwd [D]  # Nsight Compute: the backward's kernels
 #                                                beside cuDNN's (benchmarks/ncu_bwd.py), S = 1k
 #                                                and 4k, D = 128 or D
@@ -68,8 +71,10 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# An unknown mode is refused: it would otherwise run the whole default session.
-if [ -n "${1:-}" ] && [[ " sm90 mla mla-cost mla-why rebuild paged-persistent paged-next split-kv fused64 readme readme2 raw sized keep-ab paged host22 topk kept prof-src prof-bwd prof-fwd64 suite serving fuzz host tables " != *" $1 "* ]]; then
+# An unknown mode is refused: it would otherwise run the whole default session. The modes
+# are read from this file's own tests of $1 (a list written out by hand missed one).
+MODES=" $(grep -o '"$1" = [a-z0-9-]*' "$0" | awk '{print $3}' | tr '\n' ' ') "
+if [ -n "${1:-}" ] && [[ "$MODES" != *" $1 "* ]]; then
     echo "h200_session.sh: unknown mode '$1'" >&2; exit 2
 fi
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
@@ -563,6 +568,30 @@ if [ "$1" = s39 ]; then
             --fwd-variants '[{"VARLEN_CONSUMERS": 3}, {"VARLEN_CONSUMERS": 2}]' 2>&1 \
             | grep -E "^packed|forward, \{" | tee -a "$OUT/varlen_wg3.txt"
     done
+    exit 0
+fi
+if [ "$1" = exp ]; then
+    # Experiments reverted in main, re-applied on today's code as .before (here:
+    # `before_after.sh prep-revert 5f5fa58 e386d32`, carry .before): "exp fwd" runs the
+    # variant's Hopper forward tests, its forward table against this tree's in turns and
+    # D = 64's OVERLAP3 A/B; "exp bwd" its backward tests and backward table. Each < 10 min.
+    [ -d .before ] || { echo "exp: no .before (before_after.sh prep-revert REV...)"; exit 2; }
+    cat .before/REV
+    B=$PWD/.before
+    # (From inside .before: `python -m` puts the working directory first on sys.path.)
+    if [ "$2" = bwd ]; then
+        (cd $B && PYTHONPATH=$B run_tests exp_bwd $K/test_bwd.py -k "sm90 and (bf16 or varlen)")
+    else
+        (cd $B && PYTHONPATH=$B run_tests exp_fwd $K/test_fwd.py -k "sm90 and not fp16") &
+        (cd $B && PYTHONPATH=$B run_tests exp_paged $K/test_fwd_paged_sm90.py) &
+        wait
+    fi
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
+    grep -q "^FAILED\|^ERROR" "$OUT"/test_gpu_*.log && exit 1
+    PASSES=2 timeout 420 bash benchmarks/before_after.sh run "${2:-fwd}"
+    [ "$2" = bwd ] || PYTHONPATH=$B timeout 100 python3 $B/benchmarks/ab_fwd_configs.py \
+        --dim 64 --variants '[{}, {"OVERLAP3": true}]' 2>&1 | tail -12
     exit 0
 fi
 run_tests fwd $K/test_fwd.py &
