@@ -636,13 +636,15 @@ def test_backward_options_switch_each_pass(kernels, off, expected):
 def test_backward_varlen_hopper_grids(kernels):
     q, k, v, kw = _varlen()
     _backward(q, k, v, kw)
-    # The rows no pass writes (here the keys past seqused_k) zeroed first: dq's, then dk's
-    # and dv's in one launch; no fill of the whole gradients.
-    assert kernels.names() == ["bwd_zero", "bwd_zero", "bwd_pre", "dkdv_sm90", "dq_sm90"]
-    zq, zkv = (x.named for x in kernels.log[:2])
-    assert (zq["HAS_Y"], zq["HAS_SEQUSED"], zkv["HAS_Y"], zkv["HAS_SEQUSED"]) == (
-        False, False, True, True)
-    assert zkv["seqused"] is kw["seqused_k"] and zkv["row_x"] == k[0].numel()
+    # The rows no pass writes (here the keys past seqused_k) zeroed first: dq's, dk's and
+    # dv's in one launch (program row 0 dq, row 1 dk and dv); no fill of the whole gradients.
+    assert kernels.names() == ["bwd_zero", "bwd_pre", "dkdv_sm90", "dq_sm90"]
+    zero = kernels.log[0]
+    z = zero.named
+    assert z["HAS_SEQUSED"] and z["seqused_k"] is kw["seqused_k"]
+    assert (z["row_q"], z["row_k"], z["row_v"]) == (q[0].numel(), k[0].numel(), v[0].numel())
+    assert (z["total_q"], z["total_k"]) == (q.shape[0], k.shape[0])
+    assert zero.grid[1] == 2 and zero.grid[0] == -(-max(q.shape[0], k.shape[0]) // 64)
     assert kernels.of("dkdv_sm90").grid == (4, 1, 3) and kernels.of("dq_sm90").grid == (2, 4, 3)
     g = kernels.of("dq_sm90").named
     assert (g["IS_VARLEN"], g["HAS_SEQUSED_K"], g["left"], g["seqused_k"]) == (

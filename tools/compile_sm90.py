@@ -410,10 +410,10 @@ def cases():
         consts = dict(f, GROUP=2, D=128, DV=128, BLOCK_M=128, BLOCK_N=64, BLOCK_D=128,
                       BLOCK_DV=128, USE_TMA=True, EARLY_DP=True)
         yield "dq", f"bwd dQ D=128 {label}", bwd._attn_bwd_dq_kernel, bwd_types, consts, 8, 3
-    # Varlen: the rows of dK and dV that no pass writes, zeroed (seqused_k).
-    yield "dq", "bwd varlen zero uncovered rows dK+dV", bwd._zero_uncovered_rows, \
-        dict(x=BF16, y=BF16, cu_seqlens=I32, seqused=I32), \
-        dict(HAS_Y=True, HAS_SEQUSED=True, BLOCK_R=64, BLOCK_B=32, BLOCK_C=64), 4, 3
+    # Varlen: the rows of dQ, dK and dV that no pass writes, zeroed (seqused_k).
+    yield "dq", "bwd varlen zero uncovered rows dQ+dK+dV", bwd._zero_uncovered_rows, \
+        dict(dq=BF16, dk=BF16, dv=BF16, cu_seqlens_q=I32, cu_seqlens_k=I32, seqused_k=I32), \
+        dict(HAS_SEQUSED=True, BLOCK_R=64, BLOCK_B=32, BLOCK_C=64), 4, 3
     dec_types = dict(q=BF16, k=BF16, v=BF16, cache_seqlens=I32, block_table=I32, sink=F32,
                      o=F32, lse=F32, token_pages=I32, scale_log2="fp32", softcap_a2="fp32",
                      softcap_c2="fp32")

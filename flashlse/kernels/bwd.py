@@ -111,22 +111,20 @@ def _store_rows(p_base, b_x, o_r, stride_r, n_rows, BLOCK_C: tl.constexpr, N_COL
     tl.store(p_x, b_x.to(p_x.dtype.element_ty), mask=m_x)
 
 
-# Counts not specialised, as the lengths of the kernels below.
-@triton.jit(do_not_specialize=["batch", "total", "max_len"])
-def _zero_uncovered_rows(
-    x, y, cu_seqlens, seqused, batch, total, max_len, row_x, row_y,
-    HAS_Y: tl.constexpr, HAS_SEQUSED: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Zeros the packed rows (``total`` rows of ``row_x`` / ``row_y`` contiguous elements of
-    ``x`` and, with HAS_Y, ``y``) that no sequence's first ``T`` rows cover: those of
-    ``seq_span(cu_seqlens, b, total, max_len)``, with HAS_SEQUSED capped at ``seqused[b]``,
-    exactly the rows the dQ (or dK/dV) kernels write (``seq_spans``; a missing sequence and a
-    masked ``seqused`` cover nothing). So a varlen backward allocates its
-    gradients unfilled and writes only the rest: the rows after ``cu_seqlens[-1]`` and the
-    keys past ``seqused_k`` (none, in packed training). One program a block of rows, every
+@triton.jit
+def _zero_rows_of(x, y, cu_seqlens, seqused, batch, total, max_len, row_x, row_y,
+                  HAS_Y: tl.constexpr, HAS_SEQUSED: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Zeros this program's block of the packed rows (``total`` rows of ``row_x`` /
+    ``row_y`` contiguous elements of ``x`` and, with HAS_Y, ``y``) that no sequence's first
+    ``T`` rows cover: those of ``seq_span(cu_seqlens, b, total, max_len)``, with HAS_SEQUSED
+    capped at ``seqused[b]``, exactly the rows the dQ (or dK/dV) kernels write
+    (``seq_spans``; a missing sequence and a masked ``seqused`` cover nothing). Every
     sequence's span read in vectors of BLOCK_B."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 >= total:
+        return
+    rows = r0 + tl.arange(0, BLOCK_R)
     covered = tl.zeros([BLOCK_R], dtype=tl.int32)
     for b0 in range(0, batch, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
@@ -151,6 +149,27 @@ def _zero_uncovered_rows(
             tl.store(y + o_r * row_y + cols[None, :],
                      tl.zeros([BLOCK_R, BLOCK_C], y.dtype.element_ty),
                      mask=zero[:, None] & (cols[None, :] < row_y))
+
+
+# Counts not specialised, as the lengths of the kernels below.
+@triton.jit(do_not_specialize=["batch", "total_q", "total_k", "max_len_q", "max_len_k"])
+def _zero_uncovered_rows(
+    dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k, batch, total_q, total_k, max_len_q,
+    max_len_k, row_q, row_k, row_v,
+    HAS_SEQUSED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """The rows of a varlen backward's gradients that no pass writes, zeroed in one launch:
+    program row 0 those of ``dq`` (outside every query span), row 1 those of ``dk`` and
+    ``dv`` (outside every key span capped at ``seqused_k``), by :func:`_zero_rows_of`. So
+    the backward allocates its gradients unfilled and writes only the rest: the rows after
+    ``cu_seqlens[-1]`` and the keys past ``seqused_k`` (none, in packed training)."""
+    if tl.program_id(1) == 0:
+        _zero_rows_of(dq, dq, cu_seqlens_q, cu_seqlens_q, batch, total_q, max_len_q, row_q, 0,
+                      False, False, BLOCK_R, BLOCK_B, BLOCK_C)
+    else:
+        _zero_rows_of(dk, dv, cu_seqlens_k, seqused_k, batch, total_k, max_len_k, row_k, row_v,
+                      True, HAS_SEQUSED, BLOCK_R, BLOCK_B, BLOCK_C)
 
 
 # Lengths are not specialised: a length of 1 would become a constexpr, and lengths
@@ -793,9 +812,8 @@ class BwdPlan:
     dq_kw: dict | None = None
     dkdv_run: Launch | None = None
     dq_run: Launch | None = None
-    # Varlen: the launches that zero the rows of dq and of dk, dv no pass writes.
-    zero_q_run: Launch | None = None
-    zero_kv_run: Launch | None = None
+    # Varlen: the launch that zeros the rows of dq, dk and dv no pass writes.
+    zero_run: Launch | None = None
     # Launches other kernel modules plan for this call (bwd_sm90's), by name, kept with it.
     launches: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -860,7 +878,7 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
                 _BWD_PLANS.clear()
             _BWD_PLANS[key] = plan
     # Varlen: rows outside every sequence (and keys past seqused_k) get zero gradients, from
-    # the zeroing launches below (not a fill of the whole tensors: 4% of a 16k-token step).
+    # the zeroing launch below (not a fill of the whole tensors: 4% of a 16k-token step).
     alloc = options.allocator(opts)
     dq = alloc(q.shape, dtype=q.dtype, device=device)
     dk = alloc(k.shape, dtype=k.dtype, device=device)
@@ -879,9 +897,8 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
         dk.zero_()
         dv.zero_()
         return BwdPass(dq, dk, dv, sink, dsink_part, empty=True)
-    if plan.zero_q_run is not None:
-        plan.zero_q_run(dq, None, cu_seqlens_q, None)
-        plan.zero_kv_run(dk, dv, cu_seqlens_k, seqused_k)
+    if plan.zero_run is not None:
+        plan.zero_run(dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_k)
     if plan.set_allocator:
         triton.set_allocator(alloc_scratch)
     plan.pre_run(out, dout, lse, dlse, delta, lse_log2, sink, dsink_part, cu_seqlens_q)
@@ -1002,21 +1019,22 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
         dkdv_cfg=dkdv_cfg, dq_cfg=dq_cfg, tune=tune,
         set_allocator=use_tma and not interpret,
         pre_run=pre_run, dkdv_kw=dkdv_kw, dq_kw=dq_kw, dkdv_run=dkdv_run, dq_run=dq_run,
-        zero_q_run=_zero_launch(q, None, batch, seqlen_q, False) if is_varlen else None,
-        zero_kv_run=(_zero_launch(k, v, batch, seqlen_k, seqused_k is not None)
-                     if is_varlen else None))
+        zero_run=(_zero_launch(q, k, v, batch, seqlen_q, seqlen_k, seqused_k is not None)
+                  if is_varlen else None))
 
 
-def _zero_launch(x, y, batch, max_len, has_seqused) -> Launch:
-    """The launch of :func:`_zero_uncovered_rows` over gradients shaped as packed ``x`` (and
-    ``y``), contiguous: tensors ``(x, y, cu_seqlens, seqused)``."""
-    rows = (x.shape[0], math.prod(x.shape[1:]), 0 if y is None else math.prod(y.shape[1:]))
-    block_c = min(next_pow2(max(rows[1], rows[2], 16)), 64)
-    return Launch(_zero_uncovered_rows, (cdiv(max(rows[0], 1), 64),),
-                  *positional(_zero_uncovered_rows, 4, dict(
-                      batch=batch, total=rows[0], max_len=max_len, row_x=rows[1], row_y=rows[2],
-                      HAS_Y=y is not None, HAS_SEQUSED=has_seqused, BLOCK_R=64, BLOCK_B=32,
-                      BLOCK_C=block_c, num_warps=4)))
+def _zero_launch(q, k, v, batch, max_len_q, max_len_k, has_seqused) -> Launch:
+    """The launch of :func:`_zero_uncovered_rows` over gradients shaped as packed ``q``,
+    ``k``, ``v``, contiguous: tensors ``(dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+    seqused_k)``."""
+    row_q, row_k, row_v = (math.prod(t.shape[1:]) for t in (q, k, v))
+    block_c = min(next_pow2(max(row_q, row_k, row_v, 16)), 64)
+    return Launch(_zero_uncovered_rows, (cdiv(max(q.shape[0], k.shape[0], 1), 64), 2),
+                  *positional(_zero_uncovered_rows, 6, dict(
+                      batch=batch, total_q=q.shape[0], total_k=k.shape[0], max_len_q=max_len_q,
+                      max_len_k=max_len_k, row_q=row_q, row_k=row_k, row_v=row_v,
+                      HAS_SEQUSED=has_seqused, BLOCK_R=64, BLOCK_B=32, BLOCK_C=block_c,
+                      num_warps=4)))
 
 
 def _portable(kernel, n_tensors, kw, cfg, grid) -> Launch:
