@@ -679,7 +679,14 @@ def append_kv(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table):
     ``cache_seqlens[b] + t``, in place, one launch. Positions past the cache, and pages
     outside ``[0, num_pages)``, are dropped (value checks are opt-in); the last dims of all
     four tensors must have stride 1."""
-    # Plans by metadata, as decode_fwd's: the append runs before every decode step that adds keys.
+    run_append(find_append_plan(k_cache, v_cache, k_new, v_new, block_table), k_cache,
+               v_cache, k_new, v_new, cache_seqlens, block_table)
+
+
+def find_append_plan(k_cache, v_cache, k_new, v_new, block_table):
+    """:func:`append_kv`'s plan, by metadata as decode_fwd's (the append runs before every
+    decode step that adds keys): a function of the tensors' metadata, which ``ops.kvcache``
+    keeps beside the decode's plan for repeated calls."""
     key = (k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), k_new.shape,
            k_new.stride(), v_new.shape, v_new.stride(),
            None if block_table is None else (block_table.shape, block_table.stride()))
@@ -689,6 +696,11 @@ def append_kv(k_cache, v_cache, k_new, v_new, *, cache_seqlens, block_table):
         if len(_APPEND_PLANS) >= _MAX_PLANS:
             _APPEND_PLANS.clear()
         _APPEND_PLANS[key] = plan
+    return plan
+
+
+def run_append(plan, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) -> None:
+    """Launches a :func:`find_append_plan` plan on these tensors."""
     if plan is not _NOTHING:
         plan(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
 

@@ -333,7 +333,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     kept = _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sink,
                      num_splits, causal, window, softcap, scale, return_lse)
     if kept is not None:
-        got = _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink)
+        got = _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new,
+                        v_new)
         if got is None:
             got = _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink)
         if got is not None:
@@ -364,23 +365,24 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
 
 # Serving repeats its calls: a decode whose metadata key (tensors' metadata, the scalars as
 # passed, the options that shape the plan, v at k's address, alignment) passed every check
-# before launches the kept decode plan at once (``_run_kept``): the checks, the window and
-# scalar normalisation and decode's own plan key are functions of that key. Value checks,
-# the no-grad check and torch.compile still take the full path.
+# before launches the kept decode plan at once (``_run_kept``), after the kept append's
+# launch when it appends ``k_new``: the checks, the window and scalar normalisation and
+# decode's and the append's own plan keys are functions of that key. Value checks, the
+# no-grad check and torch.compile still take the full path.
 _KEPT: dict = {}
 _MAX_KEPT = 1024
 
 
 def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sink, num_splits,
               causal, window, softcap, scale, return_lse):
-    """The call's key in ``_KEPT``, or None for a call that cannot take the kept path: an
-    append (``k_new``), torch.compile, a scalar not of its canonical type (``True`` and ``1``
-    hash alike; only the full path's checks tell them apart)."""
-    if k_new is not None or v_new is not None or num_splits.__class__ is not int or \
-            not V.KEEP_PLANS or not V.canonical_scalars(causal, window, softcap, scale,
-                                                        return_lse):
+    """The call's key in ``_KEPT`` (and ``_CHUNK_KEPT`` without an append), or None for a
+    call that cannot take the kept path: torch.compile, a scalar not of its canonical type
+    (``True`` and ``1`` hash alike; only the full path's checks tell them apart)."""
+    if num_splits.__class__ is not int or not V.KEEP_PLANS or \
+            not V.canonical_scalars(causal, window, softcap, scale, return_lse):
         return None
-    key = V.meta_key("kvcache-kept", q, k_cache, v_cache, cache_seqlens, block_table, sink)
+    key = V.meta_key("kvcache-kept", q, k_cache, v_cache, cache_seqlens, block_table, sink,
+                     k_new, v_new)
     if key is None:
         return None
     opts = kernel_module("options").current()
@@ -389,14 +391,18 @@ def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sin
             (q.data_ptr() | k_cache.data_ptr()) % 16 == 0)
 
 
-def _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink):
-    """``(out, lse)`` from the plan kept for ``kept``, or None: no plan kept, value checks
-    asked for, a tensor needing grad, or the Hopper MLA kernel failed (the plan dropped)."""
+def _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new=None,
+              v_new=None):
+    """``(out, lse)`` from the plans kept for ``kept`` (the append's first, with ``k_new``),
+    or None: no plan kept, value checks asked for, a tensor needing grad, or the Hopper MLA
+    kernel failed (the plan dropped; the full path then appends the same rows again)."""
     hit = _KEPT.get(kept)
     if hit is None or (cache_seqlens is not None and V.values_checkable(cache_seqlens)) or \
             V.needs_grad(q, k_cache, v_cache, sink):
         return None
     decode = kernel_module("decode")
+    if k_new is not None:
+        decode.run_append(hit[2], k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
     got = decode.run_plan(hit[1], hit[0], q, k_cache, v_cache, cache_seqlens, block_table, sink,
                           None, kernel_module("options").allocator())
     if got is None:
@@ -410,21 +416,24 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
     if use_triton(q) and (q.shape[1] <= DECODE_MAX_SQ or max(
             q.shape[-1], v_cache.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
         decode = kernel_module("decode")
+        append = None
         if k_new is not None:
-            decode.append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
-                             block_table=block_table)
+            append = decode.find_append_plan(k_cache, v_cache, k_new, v_new, block_table)
+            decode.run_append(append, k_cache, v_cache, k_new, v_new, lens, block_table)
         if q.shape[1] <= DECODE_MAX_SQ:
             dkw = dict(cache_seqlens=lens, seqlen_add=s_new, block_table=block_table,
                        num_splits=num_splits, **kw)
             if kept is not None:
-                # A call that passed every check: later calls with its key launch this plan.
+                # A call that passed every check: later calls with its key launch these plans.
                 dkey, plan, _ = decode.find_plan(q, k_cache, v_cache, **dkw)
                 if len(_KEPT) >= _MAX_KEPT:
                     _KEPT.clear()
-                _KEPT[kept] = (dkey, plan)
+                _KEPT[kept] = (dkey, plan, append)
             out, lse = decode.decode_fwd(q, k_cache, v_cache, **dkw)
         else:
-            out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept)
+            # (A chunk's kept launch holds no append: one that appends takes the full path.)
+            out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw,
+                                    kept if k_new is None else None)
     else:
         out, lse = _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
                               num_splits, kw)

@@ -51,7 +51,7 @@ CASES = [
 
 def _split(kw):
     kw = dict(kw)
-    return {n: kw.pop(n) for n in ("sink", "mla") if n in kw}, kw
+    return {n: kw.pop(n) for n in ("sink", "mla", "append") if n in kw}, kw
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -246,22 +246,27 @@ def test_attention_varlen_paged_bad_page_at_tile_boundary(device, page):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(sink=True, causal=True), dict(window=(3, 0)),
-                                dict(mla=True, softcap=2.0)],
-                         ids=["plain", "sink_causal", "window", "mla_softcap"])
+                                dict(mla=True, softcap=2.0), dict(append=2, causal=True),
+                                dict(append=1, mla=True, sink=True)],
+                         ids=["plain", "sink_causal", "window", "mla_softcap", "append",
+                              "append_mla_sink"])
 @pytest.mark.parametrize("page", [None, 4], ids=lambda p: f"page{p}")
 def test_kvcache_repeated_calls_launch_the_kept_plan(device, kw, page):
-    """A decode call that passed every check keeps its plan by its key (ops/kvcache._KEPT);
-    later calls of that key launch it without the checks (values off, as on a GPU by
-    default): fresh values each call against the float64 reference (NaN past each length),
+    """A decode call that passed every check keeps its plan by its key (ops/kvcache._KEPT),
+    with its append's when it appends ``k_new``; later calls of that key launch them without
+    the checks (values off, as on a GPU by default): fresh values each call against the
+    float64 reference (NaN past each length; the caches after the append compared too),
     then a call needing grad, an int where a bool goes (``causal=1``), and value checks
     still take the full path and its errors."""
     from flashlse.ops import kvcache as kv_mod
 
     make_kw, call_kw = _split(kw)
+    snew = make_kw.pop("append", 0)
     kv_mod._KEPT.clear()
     dtype = DTYPES[0]
     for lens in ([7, 12, 0], [12, 1, 5], [3, 3, 12]):
-        t = make(3, 1, 4, 2, 32, 16 if make_kw.get("mla") else 32, 12, lens, 0, dtype,
+        lens = [min(n, 12 - snew) for n in lens]
+        t = make(3, 1, 4, 2, 32, 16 if make_kw.get("mla") else 32, 12, lens, snew, dtype,
                  **make_kw)
         if page is not None:
             t = to_paged(t, page)
