@@ -37,11 +37,15 @@ from flashlse.kernels import configs, dispatch
 
 _LOG: list | None = None
 _PTRS: dict = {}
+# The tensors a call's launches saw, held to its end: a temporary freed within the call
+# cannot hand its address, and so its number, to a later allocation.
+_ALIVE: list = []
 
 
 def _norm(x):
     if isinstance(x, torch.Tensor):
         p = x.data_ptr()
+        _ALIVE.append(x)
         idx = _PTRS.setdefault(p, len(_PTRS))
         # What a launch passes of a tensor: its address (a kept launch may pass a view of
         # another shape at the same address, as merge_states' does) and dtype.
@@ -187,7 +191,7 @@ def _tensor(rng, shape, dtype, *, kind):
 
 def _template(rng):
     """Call metadata: everything but the tensors' values and addresses."""
-    api = rng.choice(("attention",) * 6 + ("kvcache",) * 2 + ("paged", "merge"))
+    api = rng.choice(("attention",) * 6 + ("kvcache",) * 2 + ("paged", "merge", "sparse"))
     if api != "attention":
         return dict(api=api, sm90=rng.choice(("domain", "domain", "never")),
                     opts=_options(rng), **_SERVING[api](rng))
@@ -265,7 +269,23 @@ def _merge_template(rng):
                 sink=rng.random() < 0.25, kinds=(rng.choice(("plain", "offset")), "plain"))
 
 
-_SERVING = {"kvcache": _kvcache_template, "paged": _paged_template, "merge": _merge_template}
+def _sparse_template(rng):
+    """A top-k call: dense or paged keys (MLA 576 / 512 with v a view of k, or not), decode or
+    prefill rows, lists with -1 entries, forward and (dense) backward."""
+    mla = rng.random() < 0.4
+    hkv = 1 if mla else rng.choice((1, 2))
+    d = 576 if mla else rng.choice((64, 128))
+    return dict(mla=mla, hkv=hkv, hq=hkv * rng.choice((1, 8, 16)), d=d, dv=512 if mla else d,
+                dtype=rng.choice((torch.bfloat16, torch.float16, torch.float32)),
+                b=rng.choice((1, 2)), sq=rng.choice((1, 2, 40)), sk=rng.choice((64, 300)),
+                topk=rng.choice((16, 64, 100)), page=rng.choice((None, None, 1, 64)),
+                sink=rng.random() < 0.25, lse=rng.random() < 0.4,
+                scale=rng.choice((None, None, 0.3)), bwd=rng.random() < 0.3,
+                kinds=(rng.choice(("plain", "offset")), "plain"))
+
+
+_SERVING = {"kvcache": _kvcache_template, "paged": _paged_template, "merge": _merge_template,
+            "sparse": _sparse_template}
 
 
 def _options(rng):
@@ -350,10 +370,35 @@ def _call_merge(rng, t):
     fl.merge_states(outs, lses, sink=sink, layout=t["layout"])
 
 
+def _call_sparse(rng, t):
+    dt, b, sk, hkv, page = t["dtype"], t["b"], t["sk"], t["hkv"], t["page"]
+    q = _tensor(rng, (b, t["sq"], t["hq"], t["d"]), dt, kind=t["kinds"][0])
+    per = -(-sk // page) if page else 0  # pages a sequence
+    rows = (b * per + 2, page) if page else (b, sk)
+    k = torch.randn(*rows, hkv, t["d"], dtype=dt)
+    v = k[..., :t["dv"]] if t["mla"] else torch.randn(*rows, hkv, t["dv"], dtype=dt)
+    idx = torch.randint(-1, sk, (b, t["sq"], hkv, t["topk"]), dtype=torch.int32)
+    kw = dict(scale=t["scale"], return_lse=t["lse"])
+    if t["sink"]:
+        kw["sink"] = torch.randn(t["hq"], dtype=torch.float32)
+    if page:
+        kw["block_table"] = torch.randperm(rows[0])[:b * per].view(b, per).int()
+    grad = t["bwd"] and not page
+    for x in (q, k, v) if grad and not t["mla"] else ():
+        x.requires_grad_()
+    _inputs(q, k, v, idx, *kw.values())
+    res = fl.sparse_attention(q, k, v, idx, **kw)
+    if grad and not t["mla"]:
+        outs = res if isinstance(res, tuple) else (res,)
+        grads = [torch.randn(o.shape, dtype=o.dtype) for o in outs]
+        _inputs(*grads)
+        torch.autograd.backward(outs, grads)
+
+
 def _call(rng, t):
     if t["api"] != "attention":
-        return {"kvcache": _call_kvcache, "paged": _call_paged, "merge": _call_merge}[
-            t["api"]](rng, t)
+        return {"kvcache": _call_kvcache, "paged": _call_paged, "merge": _call_merge,
+                "sparse": _call_sparse}[t["api"]](rng, t)
     dt, d, dv = t["dtype"], t["d"], t["dv"]
     hq, hkv, b, sq, sk = t["hq"], t["hkv"], t["b"], t["sq"], t["sk"]
     kq, kk, kv, kd = t["kinds"]
@@ -470,6 +515,7 @@ def trace(n, seed=0, fresh=False):
             if fresh:
                 clear_plans()
             _PTRS.clear()
+            _ALIVE.clear()
             _LOG = log
             log.append(("call", i))
             try:
