@@ -55,6 +55,9 @@
 #   bash benchmarks/h200_session.sh s39        # session 39's work (no device then): the
 #                                                kept training path's tests and host A/B,
 #                                                VARLEN_CONSUMERS = 3's tests and A/B
+#   bash benchmarks/h200_session.sh s40        # session 40's work (no device then): the
+#                                                serving kept paths' GPU tests and host A/B,
+#                                                the varlen backward's one zeroing launch
 #   bash benchmarks/h200_session.sh exp [fwd|bwd]  # experiments reverted in main, re-applied
 #                                                (before_after.sh prep-revert REV...): their
 #                                                GPU tests, tables against this tree in turns
@@ -568,6 +571,22 @@ if [ "$1" = s39 ]; then
             --fwd-variants '[{"VARLEN_CONSUMERS": 3}, {"VARLEN_CONSUMERS": 2}]' 2>&1 \
             | grep -E "^packed|forward, \{" | tee -a "$OUT/varlen_wg3.txt"
     done
+    exit 0
+fi
+if [ "$1" = s40 ]; then
+    # Session 40's work, none of it GPU-run then: the serving kept paths (paged chunks,
+    # appends, row starts per stream: their GPU tests, graph replay, sync-free; host us with
+    # the kept plans on / off in turns) and the varlen backward's one zeroing launch.
+    run_tests kv $K/test_kvcache_kernels.py $K/test_cuda_graphs.py $K/test_sync_free.py \
+        $K/test_launch_fast_path.py &
+    run_tests zero $K/test_bwd.py -k "varlen and not fp16" &
+    wait
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
+    timeout 200 python3 benchmarks/profile_host.py --ab flashlse.ops._validate.KEEP_PLANS \
+        --rows kvcache --rounds 6 2>&1 | grep "^=== ab"
+    timeout 150 python3 benchmarks/bench_overhead.py --functions kvcache,varlen,paged \
+        --out "$OUT" 2>&1 | tail -14
     exit 0
 fi
 if [ "$1" = exp ]; then

@@ -212,6 +212,21 @@ def calls(dev="cuda"):
         "kvcache decode": lambda: fl.attention_with_kvcache(qd, kc, kc, cache_seqlens=lens),
         "merge_states": lambda: fl.merge_states(outs, lses),
     }
+    # Serving calls with kept paths of their own (session 40): a decode that appends one
+    # key, and chunks of 64 query rows on contiguous and paged caches (pages of 16).
+    pages = torch.randn(8 * 256, 16, 8, 128, device=dev, dtype=dt)
+    table = torch.arange(8 * 256, dtype=torch.int32, device=dev).view(8, 256)
+    kn = torch.randn(8, 1, 8, 128, device=dev, dtype=dt)
+    qc = torch.randn(8, 64, 32, 128, device=dev, dtype=dt)
+    lens_c = torch.full((8,), 4000, dtype=torch.int32, device=dev)
+    rows.update({
+        "kvcache decode + append": lambda: fl.attention_with_kvcache(
+            qd, kc, kc, cache_seqlens=lens_c, k_new=kn, v_new=kn),
+        "kvcache chunk (64 rows) paged": lambda: fl.attention_with_kvcache(
+            qc, pages, pages, cache_seqlens=lens_c, block_table=table, causal=True),
+        "kvcache chunk (64 rows)": lambda: fl.attention_with_kvcache(
+            qc, kc, kc, cache_seqlens=lens_c, causal=True),
+    })
     if dev == "cuda":
         # Issue 15's shape (B*S = 16k, H = 16, causal S = 1k), where bench_overhead measured
         # ~900 us of host a fwd+bwd against ~500 at the small shape above.
@@ -229,17 +244,14 @@ def stubbed_calls():
     rows = calls("cpu")
     q = torch.randn(128, 2, 128, dtype=dt)
     cu = torch.tensor([0, 64, 128], dtype=torch.int32)
-    kc = torch.randn(8, 4096, 8, 128, dtype=dt)
     qd = torch.randn(8, 1, 32, 128, dtype=dt)
     lens = torch.full((8,), 4000, dtype=torch.int32)
     pages = torch.randn(8 * 256, 16, 8, 128, dtype=dt)
     table = torch.arange(8 * 256, dtype=torch.int32).view(8, 256)
-    kn = torch.randn(8, 1, 8, 128, dtype=dt)
     # Small: two states of merge (read in place by the pair kernel).
     oa, la = torch.randn(2, 1, 4, 2, 64, dtype=dt), torch.randn(2, 1, 2, 4)
     qs, ks = torch.randn(1, 64, 4, 128, dtype=dt), torch.randn(1, 64, 1, 128, dtype=dt)
     idx = torch.randint(0, 64, (1, 64, 1, 16), dtype=torch.int32)
-    qc = torch.randn(8, 64, 32, 128, dtype=dt)
     qg = q.detach().clone().requires_grad_()
     dog = torch.randn_like(q)
 
@@ -252,14 +264,8 @@ def stubbed_calls():
         "attention_varlen fwd+bwd": varlen_step,
         "kvcache decode paged": lambda: fl.attention_with_kvcache(
             qd, pages, pages, cache_seqlens=lens, block_table=table),
-        "kvcache decode + append": lambda: fl.attention_with_kvcache(
-            qd, kc, kc, cache_seqlens=lens, k_new=kn, v_new=kn),
         "merge (flash layout)": lambda: fl.merge(oa[0], la[0], oa[1], la[1]),
         "sparse_attention fwd": lambda: fl.sparse_attention(qs, ks, ks, idx),
-        "kvcache chunk (64 rows) paged": lambda: fl.attention_with_kvcache(
-            qc, pages, pages, cache_seqlens=lens, block_table=table, causal=True),
-        "kvcache chunk (64 rows)": lambda: fl.attention_with_kvcache(
-            qc, kc, kc, cache_seqlens=lens, causal=True),
     })
     return rows
 
