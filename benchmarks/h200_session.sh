@@ -58,9 +58,10 @@
 #   bash benchmarks/h200_session.sh s40        # session 40's work (no device then): the
 #                                                serving kept paths' GPU tests and host A/B,
 #                                                the varlen backward's one zeroing launch
-#   bash benchmarks/h200_session.sh exp [fwd|bwd]  # experiments reverted in main, re-applied
-#                                                (before_after.sh prep-revert REV...): their
-#                                                GPU tests, tables against this tree in turns
+#   bash benchmarks/h200_session.sh exp fwd|bwd [bench]  # experiments reverted in main,
+#                                                re-applied (before_after.sh prep-revert
+#                                                REV...): their GPU tests; with bench, their
+#                                                tables against this tree in turns
 #   bash benchmarks/h200_session.sh prof-bwd [D]  # Nsight Compute: the backward's kernels
 #                                                beside cuDNN's (benchmarks/ncu_bwd.py), S = 1k
 #                                                and 4k, D = 128 or D
@@ -591,12 +592,19 @@ if [ "$1" = s40 ]; then
 fi
 if [ "$1" = exp ]; then
     # Experiments reverted in main, re-applied on today's code as .before (here:
-    # `before_after.sh prep-revert 5f5fa58 e386d32`, carry .before): "exp fwd" runs the
-    # variant's Hopper forward tests, its forward table against this tree's in turns and
-    # D = 64's OVERLAP3 A/B; "exp bwd" its backward tests and backward table. Each < 10 min.
+    # `before_after.sh prep-revert 5f5fa58`, carry .before). Two calls, each < 10 min:
+    # "exp fwd" runs the variant's Hopper forward tests, "exp fwd bench" its forward table
+    # against this tree's in turns and D = 64's OVERLAP3 A/B; "exp bwd" / "exp bwd bench"
+    # the backward's tests and table.
     [ -d .before ] || { echo "exp: no .before (before_after.sh prep-revert REV...)"; exit 2; }
     cat .before/REV
     B=$PWD/.before
+    if [ "$3" = bench ]; then
+        PASSES=2 timeout 560 bash benchmarks/before_after.sh run "${2:-fwd}"
+        [ "$2" = bwd ] || PYTHONPATH=$B timeout 100 python3 $B/benchmarks/ab_fwd_configs.py \
+            --dim 64 --variants '[{}, {"OVERLAP3": true}]' 2>&1 | tail -12
+        exit 0
+    fi
     # (From inside .before: `python -m` puts the working directory first on sys.path.)
     if [ "$2" = bwd ]; then
         (cd $B && PYTHONPATH=$B run_tests exp_bwd $K/test_bwd.py -k "sm90 and (bf16 or varlen)")
@@ -607,10 +615,6 @@ if [ "$1" = exp ]; then
     fi
     for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
     grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
-    grep -q "^FAILED\|^ERROR" "$OUT"/test_gpu_*.log && exit 1
-    PASSES=2 timeout 420 bash benchmarks/before_after.sh run "${2:-fwd}"
-    [ "$2" = bwd ] || PYTHONPATH=$B timeout 100 python3 $B/benchmarks/ab_fwd_configs.py \
-        --dim 64 --variants '[{}, {"OVERLAP3": true}]' 2>&1 | tail -12
     exit 0
 fi
 run_tests fwd $K/test_fwd.py &
