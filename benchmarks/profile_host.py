@@ -213,11 +213,13 @@ def calls(dev="cuda"):
         "merge_states": lambda: fl.merge_states(outs, lses),
     }
     # Serving calls with kept paths of their own (session 40): a decode that appends one
-    # key, and chunks of 64 query rows on contiguous and paged caches (pages of 16).
+    # key, and chunks of 64 query rows on contiguous and paged caches (pages of 16), one
+    # appending its 64 keys.
     pages = torch.randn(8 * 256, 16, 8, 128, device=dev, dtype=dt)
     table = torch.arange(8 * 256, dtype=torch.int32, device=dev).view(8, 256)
     kn = torch.randn(8, 1, 8, 128, device=dev, dtype=dt)
     qc = torch.randn(8, 64, 32, 128, device=dev, dtype=dt)
+    kc64 = torch.randn(8, 64, 8, 128, device=dev, dtype=dt)
     lens_c = torch.full((8,), 4000, dtype=torch.int32, device=dev)
     rows.update({
         "kvcache decode + append": lambda: fl.attention_with_kvcache(
@@ -226,6 +228,8 @@ def calls(dev="cuda"):
             qc, pages, pages, cache_seqlens=lens_c, block_table=table, causal=True),
         "kvcache chunk (64 rows)": lambda: fl.attention_with_kvcache(
             qc, kc, kc, cache_seqlens=lens_c, causal=True),
+        "kvcache chunk (64 rows) + append": lambda: fl.attention_with_kvcache(
+            qc, kc, kc, cache_seqlens=lens_c, k_new=kc64, v_new=kc64, causal=True),
     })
     if dev == "cuda":
         # Issue 15's shape (B*S = 16k, H = 16, causal S = 1k), where bench_overhead measured

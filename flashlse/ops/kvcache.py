@@ -82,7 +82,7 @@ _GATHER_MIN_ROWS = 128
 _GATHER_MAX_TABLE_ROWS_PER_QUERY = 16
 
 
-def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None):
+def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None, append=None):
     """Queries longer than the decode kernel takes: the varlen forward kernel, one sequence
     per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k). A
     paged cache is read in place by the paged kernels (``dispatch.attn_fwd_paged``), except
@@ -92,7 +92,8 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None):
     lse ``(B, Hq, Sq)`` is a view of the kernels' ``(Hq, B * Sq)``, copied contiguous only
     where it is returned. ``kept``: the call's key when it passed every check; the launch of
     a contiguous cache and the in-place read of a paged one are kept by it
-    (``_run_kept_chunk``)."""
+    (``_run_kept_chunk``), with ``append`` (the append's plan, which already ran) when the
+    call appends."""
     dispatch = kernel_module("dispatch")
     b, sq, hq, d = q.shape
     used = None if lens is None else (lens + s_new if s_new else lens)
@@ -105,7 +106,8 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None):
                 or dispatch.paged_in_place(q, k_cache, v_cache, softcap=kw["softcap"],
                                            scale=kw["scale"])):
             if kept is not None:  # the scalars, not this call's sink
-                _keep_chunk(kept, ("paged", {n: x for n, x in kw.items() if n != "sink"}))
+                _keep_chunk(kept, ("paged", {n: x for n, x in kw.items() if n != "sink"}),
+                            append)
             return _paged_chunk(q, k_cache, v_cache, block_table, used, kw)
         rows = q.reshape(b * sq, hq, d)
         cu_q = kernel_module("_common").row_starts(b, sq, q.device)
@@ -115,7 +117,7 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None):
         rows, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=sq, max_seqlen_k=smax,
         seqused_k=used, **kw)
     if kept is not None and block_table is None:
-        _keep_chunk(kept, launch)
+        _keep_chunk(kept, launch, append)
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
@@ -131,12 +133,13 @@ def _paged_chunk(q, k_cache, v_cache, block_table, used, kw):
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
-def _keep_chunk(kept, launch):
+def _keep_chunk(kept, launch, append):
     """Keeps a chunk's launch (a contiguous cache's forward launch, or ``("paged", kw)``: the
-    in-place paged read with its normalised scalars) by the call's key."""
+    in-place paged read with its normalised scalars) and its append's plan (None: no
+    append) by the call's key."""
     if len(_CHUNK_KEPT) >= _MAX_KEPT:
         _CHUNK_KEPT.clear()
-    _CHUNK_KEPT[kept] = (launch, _fwd_options())
+    _CHUNK_KEPT[kept] = (launch, _fwd_options(), append)
 
 
 def _chunk_rows(q, k_cache, v_cache):
@@ -149,13 +152,13 @@ def _chunk_rows(q, k_cache, v_cache):
             starts(b, smax, q.device))
 
 
-# A chunk (more query rows than the decode kernel takes) whose key (``_kept_key``: no
-# append) passed every check before: on a contiguous cache the forward's launch the
-# dispatcher chose for it (``dispatch.fwd_launch``, a function of the call's metadata),
-# launched at once on the cache's rows; on a paged cache read in place, the paged
-# dispatcher with the scalars normalised once (whether a chunk is read in place or gathered
-# is a function of the key and the options). Value checks, grad and torch.compile take the
-# full path.
+# A chunk (more query rows than the decode kernel takes) whose key (``_kept_key``) passed
+# every check before: on a contiguous cache the forward's launch the dispatcher chose for
+# it (``dispatch.fwd_launch``, a function of the call's metadata), launched at once on the
+# cache's rows; on a paged cache read in place, the paged dispatcher with the scalars
+# normalised once (whether a chunk is read in place or gathered is a function of the key
+# and the options); after the kept append's launch when it appends. Value checks, grad,
+# torch.compile and gathered chunks take the full path.
 _CHUNK_KEPT: dict = {}
 
 
@@ -166,21 +169,27 @@ def _fwd_options():
     return opts.sm90_fwd, opts.sm90_fwd_paged, opts.fwd_config, opts.fwd_sm90_config
 
 
-def _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink):
-    """``(out, lse)`` of a chunk by the launch kept for ``kept``, or None: none kept, other
-    forward options, value checks asked for, a tensor needing grad, or the Hopper kernel
-    failed to compile (the launch dropped)."""
+def _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new=None,
+                    v_new=None):
+    """``(out, lse)`` of a chunk by the launch kept for ``kept`` (after the kept append's,
+    with ``k_new``), or None: none kept, other forward options, value checks asked for, a
+    tensor needing grad, or the Hopper kernel failed to compile (the launch dropped; the
+    full path then appends the same rows again)."""
     hit = _CHUNK_KEPT.get(kept)
     if hit is None or hit[1] != _fwd_options() or V.needs_grad(q, k_cache, v_cache, sink) or \
             (cache_seqlens is not None and V.values_checkable(cache_seqlens)):
         return None
+    used = cache_seqlens
+    if k_new is not None:
+        kernel_module("decode").run_append(hit[2], k_cache, v_cache, k_new, v_new,
+                                           cache_seqlens, block_table)
+        used = cache_seqlens + k_new.shape[1]
     if hit[0].__class__ is tuple:
-        return _paged_chunk(q, k_cache, v_cache, block_table, cache_seqlens,
-                            dict(hit[0][1], sink=sink))
+        return _paged_chunk(q, k_cache, v_cache, block_table, used, dict(hit[0][1], sink=sink))
     b, sq, hq, _ = q.shape
     rows, k, v, cu_q, cu_k = _chunk_rows(q, k_cache, v_cache)
     out, lse = kernel_module("fwd").new_outputs(rows, v, cu_q)
-    if not hit[0](rows, k, v, out, lse, sink, cu_q, cu_k, cache_seqlens):
+    if not hit[0](rows, k, v, out, lse, sink, cu_q, cu_k, used):
         _CHUNK_KEPT.pop(kept, None)
         return None
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
@@ -336,7 +345,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
         got = _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new,
                         v_new)
         if got is None:
-            got = _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink)
+            got = _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink,
+                                  k_new, v_new)
         if got is not None:
             return (got[0], got[1].contiguous()) if return_lse else got[0]
     lens, s_new = _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
@@ -375,9 +385,9 @@ _MAX_KEPT = 1024
 
 def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sink, num_splits,
               causal, window, softcap, scale, return_lse):
-    """The call's key in ``_KEPT`` (and ``_CHUNK_KEPT`` without an append), or None for a
-    call that cannot take the kept path: torch.compile, a scalar not of its canonical type
-    (``True`` and ``1`` hash alike; only the full path's checks tell them apart)."""
+    """The call's key in ``_KEPT`` and ``_CHUNK_KEPT``, or None for a call that cannot take
+    the kept path: torch.compile, a scalar not of its canonical type (``True`` and ``1`` hash
+    alike; only the full path's checks tell them apart)."""
     if num_splits.__class__ is not int or not V.KEEP_PLANS or \
             not V.canonical_scalars(causal, window, softcap, scale, return_lse):
         return None
@@ -431,9 +441,8 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
                 _KEPT[kept] = (dkey, plan, append)
             out, lse = decode.decode_fwd(q, k_cache, v_cache, **dkw)
         else:
-            # (A chunk's kept launch holds no append: one that appends takes the full path.)
-            out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw,
-                                    kept if k_new is None else None)
+            out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept,
+                                    append)
     else:
         out, lse = _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
                               num_splits, kw)

@@ -302,16 +302,17 @@ def test_kvcache_repeated_calls_launch_the_kept_plan(device, kw, page):
         kv_mod._run_kept = real
 
 
+@pytest.mark.parametrize("snew", [0, 3], ids=lambda n: f"append{n}")
 @pytest.mark.parametrize("page", [None, 4], ids=lambda p: f"page{p}")
-def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch, page):
+def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch, page, snew):
     """A chunk (more query rows than the decode kernel takes) that passed every check keeps
     its launch by its key (ops/kvcache._CHUNK_KEPT): on a contiguous cache the forward's
     launch, on a paged one (read in place) the paged dispatcher with the scalars normalised
     once. Later chunks of that key run it without the checks (value checks off, as on a GPU
     by default): fresh lengths, values, block tables and sinks each call against the float64
-    reference (a kept sink would fail it), causal rows that see no key; a NaN query reaches
-    only its own sequence; other forward options, and value checks, take the full path (and
-    its errors)."""
+    reference (a kept sink would fail it), causal rows that see no key, appends of ``k_new``
+    (the caches after them compared too); a NaN query reaches only its own sequence; other
+    forward options, and value checks, take the full path (and its errors)."""
     from flashlse.ops import kvcache as kv_mod
 
     kv_mod._CHUNK_KEPT.clear()
@@ -320,7 +321,8 @@ def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch, pag
     monkeypatch.setattr(kv_mod, "_run_kept_chunk", lambda *a: hits.append(real(*a)) or hits[-1])
     call_kw = dict(causal=True)
     for lens in ([30, 12, 0], [12, 40, 25], [40, 3, 40]):
-        t = make(3, 20, 4, 2, 32, 32, 40, lens, 0, DTYPES[0], sink=True)
+        lens = [min(n, 40 - snew) for n in lens]
+        t = make(3, 20, 4, 2, 32, 32, 40, lens, snew, DTYPES[0], sink=True)
         if page is not None:
             t = to_paged(t, page)
         with fl.value_checks(False):
