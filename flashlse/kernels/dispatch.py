@@ -113,7 +113,7 @@ class _Sm90Fwd:
 
 
 def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
-                   max_seqlen_k, left, right, softcap, scale, sink, min_seqlen_q=0):
+                   max_seqlen_k, left, right, softcap, scale, sink, min_seqlen_q=0, plans=None):
     """``(out, lse)`` of a varlen forward over paged caches (arguments and results as
     ``fwd.attn_fwd_paged``'s). The sequences of more than ``fwd.SMALL_ROWS`` packed rows
     (prefills, chunked prefills) run the Hopper paged kernel where it is supported, the rest
@@ -121,7 +121,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     launch sees every sequence and skips the other's, so nothing reads the lengths on the host.
     ``min_seqlen_q``: a bound below every sequence's query rows that the caller knows on the
     host (``attention_with_kvcache``: each has Sq); when it leaves no sequence of at most
-    ``fwd.SMALL_ROWS`` packed rows, no launch of 16-row tiles is made."""
+    ``fwd.SMALL_ROWS`` packed rows, no launch of 16-row tiles is made. ``plans``: a dict the
+    caller keeps for calls of one metadata but the lengths (a public call's kept key), where
+    both kernels' plans are found by what that key leaves out."""
     out, lse = fwd.new_outputs(q, v_cache, cu_seqlens_q)
     kw = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seqused_k,
               max_seqlen_k=max_seqlen_k, left=left, right=right, softcap=softcap, scale=scale,
@@ -130,7 +132,7 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     if options.current().sm90_fwd_paged and fwd_sm90 is not None and \
             int(max_seqlen_q) * (q.shape[-2] // max(k_cache.shape[-2], 1)) > fwd.SMALL_ROWS:
         plan = fwd_sm90.paged_plan(q, k_cache, v_cache, block_table, out, lse,
-                                   rows_lo=fwd.SMALL_ROWS, **kw)
+                                   rows_lo=fwd.SMALL_ROWS, plans=plans, **kw)
         if plan is not None and plan.signature not in FAILURES:
             try:
                 if plan.run is not None:
@@ -144,7 +146,7 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
             fwd.SMALL_ROWS:
         return out, lse  # every sequence ran on the Hopper kernel
     return fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
-                              only_small=only_small, min_seqlen_q=min_seqlen_q)
+                              only_small=only_small, min_seqlen_q=min_seqlen_q, plans=plans)
 
 
 def paged_in_place(q, k_cache, v_cache, *, softcap, scale) -> bool:

@@ -688,7 +688,7 @@ SMALL_ROWS = 16
 
 def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
                    max_seqlen_k, left, right, softcap, scale, sink, out=None, lse=None,
-                   only_small=False, min_seqlen_q=0):
+                   only_small=False, min_seqlen_q=0, plans=None):
     """:func:`attn_fwd` over paged K/V caches, read in place (no gather), the query heads of
     each kv head packed into the rows of a tile.
 
@@ -711,6 +711,8 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
         min_seqlen_q: a bound below every sequence's query rows known on the host: when it
             leaves no sequence of at most ``SMALL_ROWS`` packed rows, one launch of the
             large tiles covers them all.
+        plans: a cache the caller keeps for calls of one metadata but the lengths (a public
+            call's kept key): the launches are found there by their tiles alone.
 
     Returns:
         ``out (total_q, Hq, Dv)`` in ``q.dtype`` and ``lse (Hq, total_q)`` float32.
@@ -741,19 +743,23 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     # max_seqlen_k: a serving engine's every step changes them), which each launch passes
     # the compiled kernel afresh (SizedLaunch); a fwd_config override is planned each call.
     key = runs = None
+    cache = _PLANS
     if not options.current().fwd_config:
-        key = ("paged", q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape,
-               k_cache.stride(), v_cache.shape, v_cache.stride(), out.stride(),
-               block_table.stride(), sink is None, left, right, softcap, scale, cfgs)
-        runs = _PLANS.get(key)
+        if plans is None:
+            key = ("paged", q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape,
+                   k_cache.stride(), v_cache.shape, v_cache.stride(), out.stride(),
+                   block_table.stride(), sink is None, left, right, softcap, scale, cfgs)
+        else:
+            key, cache = ("portable", cfgs), plans
+        runs = cache.get(key)
     if runs is None:
         runs = tuple(_paged_launch(q, k_cache, v_cache, block_table, out, lse, sink, cfg,
                                    left=left, right=right, softcap=softcap, scale=scale)
                      for cfg in cfgs)
         if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = runs
+            if len(cache) >= _MAX_PLANS:
+                cache.clear()
+            cache[key] = runs
     for run, cfg, (lo, hi) in zip(runs, cfgs, spans):
         run((cdiv(hi, cfg.block_m), hkv, batch),
             (lse.stride(0), int(max_seqlen_q), total_q, n_cols * page, lo, hi),

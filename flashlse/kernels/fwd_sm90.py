@@ -2303,22 +2303,29 @@ def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
 
 
 def paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_seqlen_q,
-               seqused_k, max_seqlen_k, left, right, softcap, scale, sink, rows_lo):
+               seqused_k, max_seqlen_k, left, right, softcap, scale, sink, rows_lo, plans=None):
     """The paged kernel's :class:`Plan` for the sequences of more than ``rows_lo`` packed rows
     (``T_q * Hq / Hkv``) of a paged call (arguments as ``fwd.attn_fwd_paged``'s, ``out`` /
     ``lse`` its outputs), or None outside :func:`paged_supported`'s domain. Cached by the
-    call's metadata, as :func:`plan`."""
+    call's metadata, as :func:`plan`; ``plans``: a cache the caller keeps for calls of one
+    metadata but the lengths and alignment (a public call's kept key), where the plan is
+    found by those alone."""
     override = options.current().fwd_sm90_config
     key = None
     batch = cu_seqlens_q.numel() - 1
+    cache = _PLANS
     if not override:
         # Not the lengths a serving step changes (q's rows, lse's stride, the batch up to its
         # power of two, max_seqlen_q / k): the plan's launch takes them each call.
-        key = ("paged", q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape,
-               k_cache.stride(), v_cache.shape, v_cache.stride(), block_table.stride(),
-               out.stride(), (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0,
-               next_pow2(max(batch, 1)), sink is None, left, right, softcap, scale, rows_lo)
-        found = _PLANS.get(key, _MISSING)
+        key = ((q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16 == 0,
+               next_pow2(max(batch, 1)), rows_lo)
+        if plans is None:
+            key = ("paged", q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape,
+                   k_cache.stride(), v_cache.shape, v_cache.stride(), block_table.stride(),
+                   out.stride(), sink is None, left, right, softcap, scale, *key)
+        else:
+            key, cache = ("sm90", *key), plans
+        found = cache.get(key, _MISSING)
         if found is not _MISSING:
             return found
     result = None
@@ -2327,9 +2334,9 @@ def paged_plan(q, k_cache, v_cache, block_table, out, lse, *, cu_seqlens_q, max_
                              right=right, scale=scale, sink=sink, rows_lo=rows_lo,
                              override=override)
     if key is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = result
+        if len(cache) >= _MAX_PLANS:
+            cache.clear()
+        cache[key] = result
     return result
 
 

@@ -702,7 +702,7 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
         # Every check passed: later calls of this key (any lengths) skip them.
         if len(_PAGED_KEPT) >= _MAX_KEPT:
             _PAGED_KEPT.clear()
-        _PAGED_KEPT[kept] = (left, right, softcap, scale)
+        _PAGED_KEPT[kept] = (left, right, softcap, scale, {})
     out, lse = _paged_fwd_op(*args) if torch.compiler.is_compiling() else _paged_fwd(*args)
     return (out, lse) if return_lse else out
 
@@ -742,14 +742,16 @@ def _paged_kept_key(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 
 
 def _paged_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens, max_seqlen_k,
-               sink, left, right, softcap, scale):
+               sink, left, right, softcap, scale, plans=None):
     """Paged forward on the path the device has: the kernel reads the pages in place; the
-    PyTorch path first copies the pages in use into packed rows."""
+    PyTorch path first copies the pages in use into packed rows. ``plans``: the kept key's
+    own cache of the kernels' plans (``dispatch.attn_fwd_paged``)."""
     kw = dict(left=left, right=right, softcap=softcap, scale=scale, sink=sink)
     if use_triton(q):
         return kernel_module("dispatch").attn_fwd_paged(
             q, k_cache, v_cache, block_table, cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=max_seqlen_q, seqused_k=lens, max_seqlen_k=max_seqlen_k, **kw)
+            max_seqlen_q=max_seqlen_q, seqused_k=lens, max_seqlen_k=max_seqlen_k, plans=plans,
+            **kw)
     # Only the pages that can hold one of the first max_seqlen_k keys are copied: a serving
     # block table is often as wide as the longest sequence the engine allows.
     page = k_cache.shape[1]

@@ -106,7 +106,7 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None, a
                 or dispatch.paged_in_place(q, k_cache, v_cache, softcap=kw["softcap"],
                                            scale=kw["scale"])):
             if kept is not None:  # the scalars, not this call's sink
-                _keep_chunk(kept, ("paged", {n: x for n, x in kw.items() if n != "sink"}),
+                _keep_chunk(kept, ("paged", {n: x for n, x in kw.items() if n != "sink"}, {}),
                             append)
             return _paged_chunk(q, k_cache, v_cache, block_table, used, kw)
         rows = q.reshape(b * sq, hq, d)
@@ -121,22 +121,23 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None, a
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
-def _paged_chunk(q, k_cache, v_cache, block_table, used, kw):
-    """A chunk read in place from a paged cache (``dispatch.attn_fwd_paged``): every
-    sequence has Sq query rows and at most the table's capacity of keys."""
+def _paged_chunk(q, k_cache, v_cache, block_table, used, kw, plans=None):
+    """A chunk read in place from a paged cache (``dispatch.attn_fwd_paged``; ``plans``: the
+    kept key's cache of its plans): every sequence has Sq query rows and at most the table's
+    capacity of keys."""
     b, sq, hq, d = q.shape
     out, lse = kernel_module("dispatch").attn_fwd_paged(
         q.reshape(b * sq, hq, d), k_cache, v_cache, block_table,
         cu_seqlens_q=kernel_module("_common").row_starts(b, sq, q.device), max_seqlen_q=sq,
         seqused_k=used, max_seqlen_k=block_table.shape[1] * k_cache.shape[1], min_seqlen_q=sq,
-        **kw)
+        plans=plans, **kw)
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
 def _keep_chunk(kept, launch, append):
-    """Keeps a chunk's launch (a contiguous cache's forward launch, or ``("paged", kw)``: the
-    in-place paged read with its normalised scalars) and its append's plan (None: no
-    append) by the call's key."""
+    """Keeps a chunk's launch (a contiguous cache's forward launch, or ``("paged", kw,
+    plans)``: the in-place paged read with its normalised scalars and its own cache of the
+    paged kernels' plans) and its append's plan (None: no append) by the call's key."""
     if len(_CHUNK_KEPT) >= _MAX_KEPT:
         _CHUNK_KEPT.clear()
     _CHUNK_KEPT[kept] = (launch, _fwd_options(), append)
@@ -185,7 +186,8 @@ def _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink,
                                            cache_seqlens, block_table)
         used = cache_seqlens + k_new.shape[1]
     if hit[0].__class__ is tuple:
-        return _paged_chunk(q, k_cache, v_cache, block_table, used, dict(hit[0][1], sink=sink))
+        return _paged_chunk(q, k_cache, v_cache, block_table, used, dict(hit[0][1], sink=sink),
+                            hit[0][2])
     b, sq, hq, _ = q.shape
     rows, k, v, cu_q, cu_k = _chunk_rows(q, k_cache, v_cache)
     out, lse = kernel_module("fwd").new_outputs(rows, v, cu_q)
