@@ -698,12 +698,18 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
                          "under torch.no_grad(), or pack the keys for gradients")
     args = (q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens, max_seqlen_k,
             sink, left, right, softcap, scale)
-    if kept is not None:
-        # Every check passed: later calls of this key (any lengths) skip them.
-        if len(_PAGED_KEPT) >= _MAX_KEPT:
-            _PAGED_KEPT.clear()
-        _PAGED_KEPT[kept] = (left, right, softcap, scale, {})
-    out, lse = _paged_fwd_op(*args) if torch.compiler.is_compiling() else _paged_fwd(*args)
+    if torch.compiler.is_compiling():
+        out, lse = _paged_fwd_op(*args)
+    else:
+        plans = None
+        if kept is not None:
+            # Every check passed: later calls of this key (any lengths) skip them, and find
+            # the kernels' plans this call makes in the entry's own cache.
+            if len(_PAGED_KEPT) >= _MAX_KEPT:
+                _PAGED_KEPT.clear()
+            plans = {}
+            _PAGED_KEPT[kept] = (left, right, softcap, scale, plans)
+        out, lse = _paged_fwd(*args, plans)
     return (out, lse) if return_lse else out
 
 

@@ -105,10 +105,12 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None, a
         if (sq < _GATHER_MIN_ROWS or capacity > _GATHER_MAX_TABLE_ROWS_PER_QUERY * sq
                 or dispatch.paged_in_place(q, k_cache, v_cache, softcap=kw["softcap"],
                                            scale=kw["scale"])):
-            if kept is not None:  # the scalars, not this call's sink
-                _keep_chunk(kept, ("paged", {n: x for n, x in kw.items() if n != "sink"}, {}),
-                            append)
-            return _paged_chunk(q, k_cache, v_cache, block_table, used, kw)
+            plans = None
+            if kept is not None:  # the scalars, not this call's sink; the plans this call makes
+                plans = {}
+                _keep_chunk(kept, ("paged", {n: x for n, x in kw.items() if n != "sink"},
+                                   plans), append)
+            return _paged_chunk(q, k_cache, v_cache, block_table, used, kw, plans)
         rows = q.reshape(b * sq, hq, d)
         cu_q = kernel_module("_common").row_starts(b, sq, q.device)
         k, v, cu_k, used = gather_pages(k_cache, v_cache, block_table, used)

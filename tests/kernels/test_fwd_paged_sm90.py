@@ -433,12 +433,17 @@ def test_fwd_paged_sm90_failure_falls_back(monkeypatch, compile_failures):
 def test_fwd_paged_sm90_serving_steps_share_one_plan(gluon_paged, monkeypatch):
     """A serving engine's steps over one cache: the packed rows, the batch (within one power
     of two) and both max lengths change every call. One Gluon paged plan and one portable
-    plan serve them all (fwd_sm90._PLANS, fwd._PLANS: their keys leave those out; each
-    launch gets its call's grid and lengths), and every step matches the reference."""
+    plan serve them all, kept in the call's kept entry (ops/attention._PAGED_KEPT, whose key
+    leaves those out, as the plans' own keys there do; each launch gets its call's grid and
+    lengths), and every step matches the reference."""
+    import importlib
+
     from flashlse.kernels import fwd, fwd_sm90
 
+    attention_ops = importlib.import_module("flashlse.ops.attention")
     monkeypatch.setattr(fwd_sm90, "_PLANS", {})
     monkeypatch.setattr(fwd, "_PLANS", {})
+    monkeypatch.setattr(attention_ops, "_PAGED_KEPT", {})
     dtype = torch.bfloat16
     full = [1500, 900, 700, 400]
     cache = _paged_batch(dtype, [1] * 4, full, 64, 8, 2, seed=3)
@@ -453,5 +458,6 @@ def test_fwd_paged_sm90_serving_steps_share_one_plan(gluon_paged, monkeypatch):
                  max_seqlen_q=max(qlens), max_seqlen_k=max(klens))
         _check_case(_run(t, causal=True), t, qlens, klens, dict(causal=True))
     assert gluon_paged.launched == len(steps)
-    assert len([k for k in fwd_sm90._PLANS if k[0] == "paged"]) == 1
-    assert len([k for k in fwd._PLANS if k[0] == "paged"]) == 1
+    (entry, ) = attention_ops._PAGED_KEPT.values()
+    assert sorted(key[0] for key in entry[-1]) == ["portable", "sm90"], entry[-1]
+    assert not [k for plans in (fwd_sm90._PLANS, fwd._PLANS) for k in plans if k[0] == "paged"]

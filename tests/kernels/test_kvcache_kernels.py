@@ -367,8 +367,9 @@ def test_kvcache_kept_plans_tell_their_scalars_apart(device):
 
 def test_attention_varlen_paged_steps_share_one_plan(device, monkeypatch):
     """A serving engine's steps change the batch, the packed rows and both max lengths
-    every call: the portable paged kernel's plan (fwd._PLANS) is a function of the rest, its
-    SizedLaunch passes each call's lengths and grid, and every step matches the float64
+    every call: the portable paged kernel's plan is a function of the rest, kept in the
+    kept entry's own cache (not fwd._PLANS) from the first step on, its SizedLaunch passes
+    each call's lengths and grid, and every step matches the float64
     reference over one cache, its pages drawn anew each step. The checks run on the first
     step only (ops/attention._PAGED_KEPT); a later call with a bad tensor, a batch that
     disagrees, grad or value checks still meets them."""
@@ -419,10 +420,11 @@ def test_attention_varlen_paged_steps_share_one_plan(device, monkeypatch):
             assert (out.cpu()[empty] == 0).all() and not torch.isnan(out).any()
             assert not torch.isnan(lse).any()
         assert n_empty == 2  # the fourth step's: its first query and its keyless sequence
-        paged = [key for key in fwd._PLANS if key[0] == "paged"]
-        # Every step here has at most 16 packed rows: one launch of 16-row tiles, one plan.
-        assert len(paged) == 1, paged
+        assert not [key for key in fwd._PLANS if key[0] == "paged"]
         assert len(attn_mod._PAGED_KEPT) == 1 and checked == ["q", "k", "v", "q", "k", "v"]
+        plans = next(iter(attn_mod._PAGED_KEPT.values()))[-1]
+        # Every step here has at most 16 packed rows: one launch of 16-row tiles, one plan.
+        assert [key[0] for key in plans] == ["portable"], plans
         dev = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
         args = (q.to(device), k_cache.to(device), v_cache.to(device), cu_q.to(device))
         with torch.no_grad(), fl.value_checks(False):
