@@ -891,19 +891,12 @@ def _consumer_persistent(q_smem, o_smem, k_smem, v_smem, o_desc,
             HAS_RIGHT, TABLE, WG)
         r0 = m0 + half * HALF_M
         slot = WG * (j % Q_BUFS) + half
-        if WG == 3:
-            if r0 < 0:
-                # Before the sequence's start (``_dense_item``): nothing to compute.
-                mbarrier.wait(q_bar.index(slot), (j // Q_BUFS) & 1)
-                _drain_tiles(k_full, k_empty, v_full, v_empty, n_tiles, t, STAGES)
-                mbarrier.arrive(q_empty.index(slot))
-            else:
-                _consumer_part(q_smem, o_tile, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
-                               k_empty, v_full, v_empty, lse, stride_lb, stride_lh, sink,
-                               half, slot, (j // Q_BUFS) & 1, i_h, i_b, r0, shift, n_lo,
-                               n_full_lo, n_full_hi, n_tiles, t, seqlen_q, seqlen_k, left,
-                               right, scale_log2, s_zero, D, BLOCK_N, STAGES, HAS_LEFT,
-                               HAS_RIGHT, HAS_SINK, O_IN_Q, WG)
+        if WG == 3 and r0 < 0:
+            # Before the sequence's start (``_dense_item``'s three-part blocks): nothing to
+            # compute.
+            mbarrier.wait(q_bar.index(slot), (j // Q_BUFS) & 1)
+            _drain_tiles(k_full, k_empty, v_full, v_empty, n_tiles, t, STAGES)
+            mbarrier.arrive(q_empty.index(slot))
         else:
             _consumer_part(q_smem, o_tile, k_smem, v_smem, o_desc, q_bar, q_empty, k_full,
                            k_empty, v_full, v_empty, lse, stride_lb, stride_lh, sink, half,
