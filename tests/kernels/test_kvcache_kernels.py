@@ -337,6 +337,16 @@ def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch, pag
     assert hits[-1] is not None and lse_n.is_contiguous()
     assert torch.isnan(out_n[0]).all() and torch.isnan(lse_n[0]).all()
     assert not torch.isnan(out_n[1:]).any() and not torch.isnan(lse_n[1:]).any()
+    # A -inf sink is no sink on the kept path too: sequence 1's causal rows past its keys
+    # see nothing, out 0 and lse -inf (run_both: against the reference, NaN-free).
+    t_inf = dict(t, sink=torch.full_like(t["sink"], float("-inf")))
+    n_hits = len(hits)
+    with fl.value_checks(False):
+        out_i, lse_i, _ = run_both(t_inf, **call_kw)
+    assert hits[n_hits:] and hits[-1] is not None
+    empty = torch.isneginf(lse_i)
+    assert empty[1].any() and not empty[0].any()
+    assert (out_i.transpose(1, 2)[empty] == 0).all() and not torch.isnan(out_i).any()
     off = dict(sm90_fwd=False) if page is None else dict(sm90_fwd_paged=False)
     with fl.value_checks(False), kernel_options(**off):
         run_both(t, **call_kw)
