@@ -879,10 +879,9 @@ def prepare(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink,
             _BWD_PLANS[key] = plan
     # Varlen: rows outside every sequence (and keys past seqused_k) get zero gradients, from
     # the zeroing launch below (not a fill of the whole tensors: 4% of a 16k-token step).
-    alloc = options.allocator(opts)
-    dq = alloc(q.shape, dtype=q.dtype, device=device)
-    dk = alloc(k.shape, dtype=k.dtype, device=device)
-    dv = alloc(v.shape, dtype=v.dtype, device=device)
+    dq = options.empty_like(q, opts)
+    dk = options.empty_like(k, opts)
+    dv = options.empty_like(v, opts)
     # D and lse_log2 in the layout of a contiguous lse, each row padded to 16 bytes so
     # that the dK/dV kernel can fetch a row block of them by TMA.
     # One allocation for both (one allocator call less a backward).
