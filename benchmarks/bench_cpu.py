@@ -2,7 +2,9 @@
 
 Issue 20's shape: B=1, H=8, D=64, S=2048 and 4096, causal and not, forward and
 forward+backward (``out.sum().backward()``); best of 3 (2 for the backward) after a warm-up,
-on the threads torch is given (CI's machine: 2).
+on the threads torch is given (CI's machine: 2). Beside each: the same call on the CPU path's
+own loops (``ops.attention.SDPA_CPU`` off), which these calls ran before torch's CPU flash
+attention took them.
 
     python benchmarks/bench_cpu.py [--threads 2] [--smoke]
 """
@@ -10,12 +12,15 @@ on the threads torch is given (CI's machine: 2).
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 
 import torch
 import torch.nn.functional as F
 
 import flashlse as fl
+
+attn_mod = importlib.import_module("flashlse.ops.attention")
 
 
 def best_s(fn, n):
@@ -31,6 +36,7 @@ def best_s(fn, n):
 def measure(q, k, v, causal):
     """Seconds: ours and SDPA's forward, ours and SDPA's forward+backward."""
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    # The loss has no lse term: the backward gets no lse gradient, as a training step's.
     sdpa = [x.transpose(1, 2).clone().requires_grad_() for x in (q, k, v)]
     plain = [x.detach() for x in sdpa]
     return (best_s(lambda: fl.attention(q, k, v, causal=causal), 3),
@@ -55,10 +61,16 @@ def main():
         q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
         for causal in (False, True):
             fwd, fwd_ref, both, both_ref = measure(q, k, v, causal)
+            # The same calls on the loops (torch's CPU flash attention off).
+            attn_mod.SDPA_CPU = False
+            try:
+                loop_fwd, _, loop_both, _ = measure(q, k, v, causal)
+            finally:
+                attn_mod.SDPA_CPU = True
             ours[s, causal] = (fwd, both)
-            print(f"S={s} causal={causal!s:<5} forward {fwd:.3f} s (SDPA {fwd_ref:.3f}, "
-                  f"{fwd_ref / fwd:.2f}x)  forward+backward {both:.3f} s (SDPA {both_ref:.3f}, "
-                  f"{both_ref / both:.2f}x)")
+            print(f"S={s} causal={causal!s:<5} forward {fwd:.3f} s (loops {loop_fwd:.3f}; SDPA "
+                  f"{fwd_ref:.3f}, {fwd_ref / fwd:.2f}x)  forward+backward {both:.3f} s (loops "
+                  f"{loop_both:.3f}; SDPA {both_ref:.3f}, {both_ref / both:.2f}x)")
     s = lengths[-1]
     print(f"causal speed-up at S={s}: forward {ours[s, False][0] / ours[s, True][0]:.2f}x, "
           f"forward+backward {ours[s, False][1] / ours[s, True][1]:.2f}x")

@@ -11,10 +11,16 @@ device and any float dtype (accumulating in float32; float64 stays float64):
 * backward: recomputes ``P = exp(S - L)`` chunk by chunk from ``(q, k, v, out, lse)``
   with ``D = rowsum(dO * O) - dlse`` and ``L = -inf`` replaced by 0 once per row
   (``lse.safe_pivot``), so empty rows give ``P = 0`` and zero gradients, never NaN.
+
+On CPU tensors, a dense call with nothing beyond plain attention (every row sees every key, or
+causal with ``Sq == Sk``; no sink or softcap; ``Dv == D``; finite inputs; no lse gradient in
+the backward) runs torch's own CPU flash attention instead (:func:`_sdpa_cpu`): the same out
+and natural-log lse, faster than these loops (benchmarks/bench_cpu.py).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -84,6 +90,46 @@ def _tiles(sq, sk, q_block, k_chunk, left, right):
                 yield q0, q1, k0, k1
 
 
+# torch's CPU flash attention (the kernel under F.scaled_dot_product_attention on the CPU:
+# blocked, fused, threaded), forward and backward, on (B, H, S, D) views. It returns the
+# natural-log lse and takes GQA; its causal mask is top-left aligned, which is the
+# contract's bottom-right one only when Sq == Sk, and it divides by zero on a size of 0.
+_SDPA_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_SDPA_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# Off: every CPU call runs the loops (benchmarks/bench_cpu.py's in-process A/B).
+SDPA_CPU = True
+
+
+def _sdpa_cpu(q, k, v, left, right, softcap, sink, tensors) -> bool | None:
+    """``is_causal`` for torch's CPU flash attention on this dense call, or None when that
+    kernel would not compute it as the contract does. It runs CPU tensors of one dtype,
+    ``Dv == D``, no sink or softcap, every row seeing every key (``left >= Sk - 1`` or None,
+    ``right >= Sq - 1`` or None: a decode's causal mask too) or causal with ``Sq == Sk``,
+    no dimension of size 0 (the kernel divides by it), and finite ``tensors``: it gives a
+    query row whose every score is NaN out 0 and lse 0, where the contract propagates the
+    NaN, so inputs with a NaN or an inf take the loops below (one sum a tensor tells: a NaN
+    or inf element makes it NaN or inf, and so does an overflow, which only sends a call to
+    the loops). Other masks and empty rows take the loops too."""
+    sq, sk = q.shape[1], k.shape[1]
+    if not (SDPA_CPU and q.device.type == "cpu" and sink is None and not softcap
+            and (left is None or left >= sk - 1) and q.numel() > 0 and k.numel() > 0
+            and q.dtype == k.dtype == v.dtype and q.shape[-1] == v.shape[-1]):
+        return None
+    if right is None or right >= sq - 1:
+        causal = False
+    elif right == 0 and sq == sk:
+        causal = True  # (top-left and bottom-right alignment agree)
+    else:
+        return None
+    if not all(math.isfinite(t.sum(dtype=compute_dtype(t.dtype))) for t in tensors):
+        return None
+    return causal
+
+
+def _bhsd(*xs) -> list:
+    return [x.transpose(1, 2) for x in xs]
+
+
 def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
     """PyTorch forward of one dense batch.
 
@@ -94,6 +140,11 @@ def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
         ``out (B, Sq, Hq, Dv)`` in q.dtype and ``lse (B, Hq, Sq)`` (float32; float64 inputs
         give float64).
     """
+    causal = _sdpa_cpu(q, k, v, left, right, softcap, sink, (q, k, v))
+    if causal is not None:
+        out, lse = _SDPA_CPU_FWD(*_bhsd(q, k, v), 0.0, causal, scale=scale)
+        # out is (B, Sq, H, D) in memory; lse (B, H, Sq) is laid out (B, Sq, H).
+        return out.transpose(1, 2).contiguous(), lse.contiguous()
     b, sq, hq, _ = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     dt = compute_dtype(q.dtype)
@@ -145,9 +196,17 @@ def _finish(out, lse, q0, q1, m, l, acc):
 def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink):
     """PyTorch backward of one dense batch, recomputing ``P`` chunk by chunk.
 
+    ``dlse`` None: no lse gradient.
+
     Returns:
         ``dq, dk, dv`` in the input dtypes and ``dsink (Hq,)`` (None without a sink).
     """
+    if dlse is None:
+        causal = _sdpa_cpu(q, k, v, left, right, softcap, sink, (q, k, v, dout))
+        if causal is not None:
+            grads = _SDPA_CPU_BWD(*_bhsd(dout, q, k, v, out), lse, 0.0, causal, scale=scale)
+            return (*(g.contiguous() for g in _bhsd(*grads)), None)
+        dlse = torch.zeros_like(lse)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -225,8 +284,6 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     if use_triton(q):
         return kernel_module("dispatch").attn_bwd(dout, dlse, q, k, v, out, lse,
                                                   deterministic=deterministic, **kw, **varlen)
-    if dlse is None:
-        dlse = torch.zeros_like(lse)
     if not varlen:
         return attn_bwd_torch(dout, dlse, q, k, v, out, lse, **kw)
     cu_q, cu_k, seqused_k = varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], varlen["seqused_k"]
@@ -235,7 +292,8 @@ def attn_bwd(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sink
     for q0, q1, k0, k1 in _seq_bounds(cu_q, cu_k, seqused_k):
         if q1 == q0:
             continue
-        g = attn_bwd_torch(dout[None, q0:q1], dlse[None, :, q0:q1], q[None, q0:q1],
+        g = attn_bwd_torch(dout[None, q0:q1], None if dlse is None else dlse[None, :, q0:q1],
+                           q[None, q0:q1],
                            k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
                            lse[None, :, q0:q1], **kw)
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]

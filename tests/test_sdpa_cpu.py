@@ -1,0 +1,184 @@
+"""The CPU path's use of torch's CPU flash attention (``ops.attention._sdpa_cpu``): the calls
+it takes give the reference's out, lse and gradients; every other call (masks that empty
+rows or shift, sinks, softcaps, Dv != D, zero sizes, an lse gradient, NaN or inf inputs)
+takes the loops, and NaN propagates as the contract says."""
+
+import importlib
+
+import pytest
+import torch
+from _flashlse_testing import LOWP, assert_close_to_ref, rand, reference_in
+
+import flashlse as fl
+from flashlse import reference as R
+
+attn_mod = importlib.import_module("flashlse.ops.attention")
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """Counts the forward and backward calls of torch's CPU flash attention."""
+    calls = {"fwd": 0, "bwd": 0}
+
+    def counted(name, op):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return op(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(attn_mod, "_SDPA_CPU_FWD", counted("fwd", attn_mod._SDPA_CPU_FWD))
+    monkeypatch.setattr(attn_mod, "_SDPA_CPU_BWD", counted("bwd", attn_mod._SDPA_CPU_BWD))
+    return calls
+
+
+def _grads(fn, leaves, kw, dout):
+    """``(out, lse, [dq, dk, dv])`` of ``fn`` with the loss ``sum(out * dout)`` (no lse
+    gradient: the backward gets ``dlse = None``)."""
+    out, lse = fn(*leaves, return_lse=True, **kw)
+    grads = torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)
+    return out.detach(), lse.detach(), [torch.zeros_like(t) if g is None else g
+                                        for t, g in zip(leaves, grads)]
+
+
+def _check(q, k, v, kw):
+    """Ours against the float64 reference (and, in fp16 / bf16, the reference in that dtype
+    as the baseline): out, lse, dq, dk, dv."""
+    dout = rand(*q.shape[:-1], v.shape[-1])
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ours = _grads(fl.attention, leaves, kw, dout)
+    assert ours[0].is_contiguous() and ours[1].is_contiguous()
+    assert all(g.is_contiguous() for g in ours[2])
+    ref = _grads(R.attention, [t.detach().double().requires_grad_() for t in (q, k, v)], kw,
+                 dout.double())
+    base = None
+    if q.dtype in LOWP:
+        with reference_in(q.dtype):
+            base = _grads(R.attention, [t.detach().clone().requires_grad_() for t in (q, k, v)],
+                          kw, dout)
+    base = base or (None, None, [None] * 3)
+    for i, name in enumerate(("out", "lse", "grads")):
+        pairs = zip(ours[i], ref[i], base[i]) if name == "grads" else [(ours[i], ref[i], base[i])]
+        for j, (a, r, b) in enumerate(pairs):
+            label = "dq dk dv".split()[j] if name == "grads" else name
+            assert not torch.isnan(a).any(), label
+            assert_close_to_ref(a, r, baseline=b, dtype=q.dtype if q.dtype in LOWP else None,
+                                name=label)
+
+
+# (B, Sq, Sk, Hq, Hkv, D, causal or the keywords)
+TAKEN = [
+    pytest.param(2, 37, 37, 4, 4, 32, False, id="full"),
+    pytest.param(2, 37, 37, 4, 2, 32, True, id="causal_gqa"),
+    pytest.param(1, 9, 70, 4, 1, 59, False, id="full_sq_lt_sk_mqa_d59"),
+    pytest.param(1, 70, 9, 2, 2, 16, False, id="full_sq_gt_sk"),
+    pytest.param(1, 300, 300, 2, 1, 64, True, id="causal_two_blocks"),
+    pytest.param(1, 1, 1, 1, 1, 128, True, id="one_row"),
+    pytest.param(2, 1, 45, 8, 2, 64, True, id="decode_causal_sees_all"),
+    pytest.param(1, 4, 45, 2, 1, 32, dict(window=(44, 3)), id="window_covers_all"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16,
+                                   torch.float64], ids=str)
+@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, causal", TAKEN)
+def test_sdpa_cpu_taken_matches_reference(routed, b, sq, sk, hq, hkv, d, causal, dtype):
+    q, k, v = (rand(b, s, h, d, dtype=dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    _check(q, k, v, causal if isinstance(causal, dict) else dict(causal=causal))
+    assert routed == {"fwd": 1, "bwd": 1}
+
+
+def test_sdpa_cpu_varlen_sequences_taken(routed):
+    # attention_varlen's CPU path runs each sequence as a dense call: the non-empty ones
+    # take the route, a sequence without keys does not.
+    cu_q = torch.tensor([0, 5, 5, 17, 20], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 9, 21, 21], dtype=torch.int32)
+    q, k, v = rand(20, 4, 32), rand(21, 2, 32), rand(21, 2, 32)
+    out, lse = fl.attention_varlen(q, k, v, cu_q, cu_k, 12, 12, return_lse=True)
+    ref_out, ref_lse = R.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, 12,
+                                          12, return_lse=True)
+    assert routed["fwd"] == 2  # sequences 0 and 2 (1 has no rows, 3 no keys)
+    assert_close_to_ref(out, ref_out, name="out")
+    assert_close_to_ref(lse, ref_lse, name="lse")
+    assert torch.isneginf(lse[:, 17:]).all() and (out[17:] == 0).all()
+
+
+DECLINED = [
+    pytest.param(1, 12, 12, 2, 2, 16, 16, dict(causal=True, window=(3, None)), id="window"),
+    pytest.param(1, 4, 45, 2, 1, 32, 32, dict(window=(43, 3)), id="window_cuts_one_key"),
+    pytest.param(1, 4, 45, 2, 1, 32, 32, dict(window=(44, 2)), id="window_cuts_one_key_right"),
+    pytest.param(1, 9, 13, 2, 2, 16, 16, dict(causal=True), id="causal_sq_lt_sk"),
+    pytest.param(1, 13, 9, 2, 2, 16, 16, dict(causal=True), id="causal_empties_rows"),
+    pytest.param(1, 12, 12, 2, 2, 16, 16, dict(softcap=2.5), id="softcap"),
+    pytest.param(1, 12, 12, 2, 2, 16, 16, dict(sink=True), id="sink"),
+    pytest.param(1, 12, 12, 2, 2, 16, 24, {}, id="dv_ne_d"),
+    pytest.param(1, 12, 0, 2, 2, 16, 16, {}, id="no_keys"),
+    pytest.param(1, 0, 12, 2, 2, 16, 16, {}, id="no_rows"),
+    pytest.param(0, 12, 12, 2, 2, 16, 16, {}, id="no_batch"),
+]
+
+
+@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, dv, kw", DECLINED)
+def test_sdpa_cpu_declined_matches_reference(routed, b, sq, sk, hq, hkv, d, dv, kw):
+    q, k, v = rand(b, sq, hq, d), rand(b, sk, hkv, d), rand(b, sk, hkv, dv)
+    kw = dict(kw)
+    if kw.pop("sink", False):
+        kw["sink"] = rand(hq)
+        out, lse = fl.attention(q, k, v, return_lse=True, **kw)
+        ref_out, ref_lse = R.attention(q.double(), k.double(), v.double(), return_lse=True,
+                                       **{**kw, "sink": kw["sink"].double()})
+        assert_close_to_ref(out, ref_out, name="out")
+        assert_close_to_ref(lse, ref_lse, name="lse")
+    else:
+        _check(q, k, v, kw)
+    assert routed == {"fwd": 0, "bwd": 0}
+
+
+def test_sdpa_cpu_lse_gradient_takes_the_loops(routed):
+    # torch's backward has no lse gradient: with one, the loops run the backward.
+    q, k, v = (rand(1, 20, 2, 32).requires_grad_() for _ in range(3))
+    out, lse = fl.attention(q, k, v, causal=True, return_lse=True)
+    dout, dlse = rand(*out.shape), rand(*lse.shape)
+    grads = torch.autograd.grad([out, lse], [q, k, v], [dout, dlse])
+    assert routed == {"fwd": 1, "bwd": 0}
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    r_out, r_lse = R.attention(*leaves, causal=True, return_lse=True)
+    ref = torch.autograd.grad([r_out, r_lse], leaves, [dout.double(), dlse.double()])
+    for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert_close_to_ref(a, r, name=name)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "k_first", "v", "q_inf", "k_inf"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa_cpu_bad_data_propagates(routed, where, causal):
+    # torch's kernel gives a row whose every score is NaN (a NaN in q; in causal row 0, a NaN
+    # in key 0) out 0 and lse 0: such inputs must take the loops, whose NaN reaches exactly
+    # the reference's rows.
+    x = {n: rand(1, 10, 4 if n == "q" else 2, 16) for n in "qkv"}
+    name = where[0]
+    row = 0 if where == "k_first" else 5
+    x[name][0, row, 1, 3] = float("inf") if where.endswith("inf") else float("nan")
+    out, lse = fl.attention(x["q"], x["k"], x["v"], causal=causal, return_lse=True)
+    ref_out, ref_lse = R.attention(*(x[n].double() for n in "qkv"), causal=causal,
+                                   return_lse=True)
+    assert routed["fwd"] == 0
+    for label, a, r in (("out", out, ref_out), ("lse", lse, ref_lse)):
+        for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf),
+                           ("-inf", torch.isneginf)):
+            assert torch.equal(test(a), test(r)), f"{label}: {what} pattern differs"
+    assert torch.isnan(out).any(), "the bad element reaches no output"
+
+
+def test_sdpa_cpu_nan_dout_takes_the_loops(routed):
+    # The loops' NaN reaches every row of the reference's, and more: a masked key's
+    # gradient is 0 * NaN there (docs/math.md section 7's known limit, as for v).
+    q, k, v = (rand(1, 12, 2, 16).requires_grad_() for _ in range(3))
+    out = fl.attention(q, k, v, causal=True)
+    dout = rand(*out.shape)
+    dout[0, 4, 1, 2] = float("nan")
+    grads = torch.autograd.grad(out, [q, k, v], dout)
+    assert routed == {"fwd": 1, "bwd": 0}
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(R.attention(*leaves, causal=True), leaves, dout.double())
+    for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert torch.isnan(a)[torch.isnan(r)].all(), f"{name}: a NaN of the reference is gone"
+        assert torch.isnan(a).any(-1).sum() < a.shape[1] * a.shape[2], f"{name}: all NaN"
