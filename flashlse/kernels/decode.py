@@ -460,10 +460,7 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
     Returns ``(out, lse)``, or None when the Hopper MLA kernel failed to compile: then the
     failure is recorded (warned once) and the plan dropped, and the caller plans again."""
     dev = q.device
-    if out_shape is None and plan.out_dtype is q.dtype and plan.out_shape == q.shape:
-        out = options.empty_like(q)  # (the cheaper allocation)
-    else:
-        out = empty(out_shape or plan.out_shape, dtype=plan.out_dtype, device=dev)
+    out = empty(out_shape or plan.out_shape, dtype=plan.out_dtype, device=dev)
     lse = empty(lse_shape or plan.lse_shape, dtype=torch.float32, device=dev)
     if plan.grid is None:
         return out, lse

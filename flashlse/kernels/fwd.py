@@ -507,15 +507,14 @@ def new_outputs(q, v, cu_seqlens_q=None):
     Dv)`` in ``q.dtype`` and ``(B, Hq, Sq)`` float32, or varlen ``(total_q, Hq, Dv)`` and
     ``(Hq, total_q)``. Every forward launcher (this module's, ``fwd_sm90``'s) fills these."""
     hq, dv = q.shape[-2], v.shape[-1]
-    opts = options.current()
-    empty = options.allocator(opts)
-    if dv == q.shape[-1]:
-        out = options.empty_like(q, opts)  # (q's shape: the cheaper allocation)
-    else:
-        out = empty((*q.shape[:-1], dv), dtype=q.dtype, device=q.device)
+    empty = options.allocator()
     if cu_seqlens_q is not None:
-        return out, empty((hq, q.shape[0]), dtype=torch.float32, device=q.device)
-    return out, empty((q.shape[0], hq, q.shape[1]), dtype=torch.float32, device=q.device)
+        total_q = q.shape[0]
+        return (empty((total_q, hq, dv), dtype=q.dtype, device=q.device),
+                empty((hq, total_q), dtype=torch.float32, device=q.device))
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    return (empty((batch, seqlen_q, hq, dv), dtype=q.dtype, device=q.device),
+            empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device))
 
 
 def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,
