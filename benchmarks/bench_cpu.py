@@ -4,7 +4,8 @@ Issue 20's shape: B=1, H=8, D=64, S=2048 and 4096, causal and not, forward and
 forward+backward (``out.sum().backward()``); best of 3 (2 for the backward) after a warm-up,
 on the threads torch is given (CI's machine: 2). Beside each: the same call on the CPU path's
 own loops (``ops.attention.SDPA_CPU`` off), which these calls ran before torch's CPU flash
-attention took them.
+attention took them; then a causal call with a sink (S = 2k) and a bottom-right causal chunk
+of 512 rows on 4k keys (SDPA has no form for either), against the loops.
 
     python benchmarks/bench_cpu.py [--threads 2] [--smoke]
 """
@@ -33,17 +34,20 @@ def best_s(fn, n):
     return min(times)
 
 
-def measure(q, k, v, causal):
-    """Seconds: ours and SDPA's forward, ours and SDPA's forward+backward."""
+def measure(q, k, v, causal, sink=None):
+    """Seconds: ours and SDPA's forward, ours and SDPA's forward+backward (SDPA's 0 with a
+    sink or Sq != Sk: it has no form for them)."""
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     # The loss has no lse term: the backward gets no lse gradient, as a training step's.
     sdpa = [x.transpose(1, 2).clone().requires_grad_() for x in (q, k, v)]
     plain = [x.detach() for x in sdpa]
-    return (best_s(lambda: fl.attention(q, k, v, causal=causal), 3),
-            best_s(lambda: F.scaled_dot_product_attention(*plain, is_causal=causal), 3),
-            best_s(lambda: fl.attention(*leaves, causal=causal).sum().backward(), 2),
+    peer = sink is None and q.shape[1] == k.shape[1]
+    return (best_s(lambda: fl.attention(q, k, v, causal=causal, sink=sink), 3),
+            best_s(lambda: F.scaled_dot_product_attention(*plain, is_causal=causal), 3)
+            if peer else 0.0,
+            best_s(lambda: fl.attention(*leaves, causal=causal, sink=sink).sum().backward(), 2),
             best_s(lambda: F.scaled_dot_product_attention(
-                *sdpa, is_causal=causal).sum().backward(), 2))
+                *sdpa, is_causal=causal).sum().backward(), 2) if peer else 0.0)
 
 
 def main():
@@ -74,6 +78,23 @@ def main():
     s = lengths[-1]
     print(f"causal speed-up at S={s}: forward {ours[s, False][0] / ours[s, True][0]:.2f}x, "
           f"forward+backward {ours[s, False][1] / ours[s, True][1]:.2f}x")
+    # Calls SDPA has no form for (a sink; causal on more keys than rows, bottom-right
+    # aligned): torch's CPU flash attention on key ranges, merged, against the loops.
+    chunk = lengths[0] // 4
+    for name, sq, sink in ((f"S={lengths[0]} causal + sink", lengths[0], torch.randn(h)),
+                           (f"Sq={chunk} on Sk={lengths[-1]} causal", chunk, None)):
+        q = torch.randn(b, sq, h, d)
+        k, v = (torch.randn(b, lengths[-1] if sink is None else sq, h, d) for _ in range(2))
+        runs = []
+        for route in (True, False):
+            attn_mod.SDPA_CPU = route
+            try:
+                runs.append(measure(q, k, v, True, sink)[::2])
+            finally:
+                attn_mod.SDPA_CPU = True
+        (fwd, both), (loop_fwd, loop_both) = runs
+        print(f"{name}: forward {fwd:.3f} s (loops {loop_fwd:.3f}, {loop_fwd / fwd:.2f}x)  "
+              f"forward+backward {both:.3f} s (loops {loop_both:.3f}, {loop_both / both:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -32,34 +32,38 @@ def routed(monkeypatch):
 
 
 def _grads(fn, leaves, kw, dout):
-    """``(out, lse, [dq, dk, dv])`` of ``fn`` with the loss ``sum(out * dout)`` (no lse
-    gradient: the backward gets ``dlse = None``)."""
-    out, lse = fn(*leaves, return_lse=True, **kw)
+    """``(out, lse, grads)`` of ``fn(q, k, v[, sink=...])`` with the loss ``sum(out * dout)``
+    (no lse gradient: the backward gets ``dlse = None``); ``leaves`` are q, k, v and maybe
+    the sink."""
+    out, lse = fn(*leaves[:3], return_lse=True, sink=leaves[3] if len(leaves) > 3 else None,
+                  **kw)
     grads = torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)
     return out.detach(), lse.detach(), [torch.zeros_like(t) if g is None else g
                                         for t, g in zip(leaves, grads)]
 
 
-def _check(q, k, v, kw):
+def _check(q, k, v, kw, sink=None):
     """Ours against the float64 reference (and, in fp16 / bf16, the reference in that dtype
-    as the baseline): out, lse, dq, dk, dv."""
+    as the baseline): out, lse, dq, dk, dv and dsink."""
     dout = rand(*q.shape[:-1], v.shape[-1])
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    inputs = (q, k, v) if sink is None else (q, k, v, sink)
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
     ours = _grads(fl.attention, leaves, kw, dout)
     assert ours[0].is_contiguous() and ours[1].is_contiguous()
     assert all(g.is_contiguous() for g in ours[2])
-    ref = _grads(R.attention, [t.detach().double().requires_grad_() for t in (q, k, v)], kw,
+    ref = _grads(R.attention, [t.detach().double().requires_grad_() for t in inputs], kw,
                  dout.double())
     base = None
     if q.dtype in LOWP:
         with reference_in(q.dtype):
-            base = _grads(R.attention, [t.detach().clone().requires_grad_() for t in (q, k, v)],
+            base = _grads(R.attention, [t.detach().clone().requires_grad_() for t in inputs],
                           kw, dout)
-    base = base or (None, None, [None] * 3)
+    base = base or (None, None, [None] * len(inputs))
+    names = ("dq", "dk", "dv", "dsink")
     for i, name in enumerate(("out", "lse", "grads")):
         pairs = zip(ours[i], ref[i], base[i]) if name == "grads" else [(ours[i], ref[i], base[i])]
         for j, (a, r, b) in enumerate(pairs):
-            label = "dq dk dv".split()[j] if name == "grads" else name
+            label = names[j] if name == "grads" else name
             assert not torch.isnan(a).any(), label
             assert_close_to_ref(a, r, baseline=b, dtype=q.dtype if q.dtype in LOWP else None,
                                 name=label)
@@ -75,16 +79,28 @@ TAKEN = [
     pytest.param(1, 1, 1, 1, 1, 128, True, id="one_row"),
     pytest.param(2, 1, 45, 8, 2, 64, True, id="decode_causal_sees_all"),
     pytest.param(1, 4, 45, 2, 1, 32, dict(window=(44, 3)), id="window_covers_all"),
+    pytest.param(2, 19, 50, 4, 2, 32, True, id="causal_sq_lt_sk"),
+    pytest.param(1, 33, 33, 4, 2, 32, dict(causal=True, sink=True), id="causal_sink"),
+    pytest.param(1, 7, 40, 2, 2, 64, dict(causal=True, sink=True), id="causal_sq_lt_sk_sink"),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16,
                                    torch.float64], ids=str)
+@pytest.mark.parametrize("route", [True, False], ids=["sdpa", "loops"])
 @pytest.mark.parametrize("b, sq, sk, hq, hkv, d, causal", TAKEN)
-def test_sdpa_cpu_taken_matches_reference(routed, b, sq, sk, hq, hkv, d, causal, dtype):
+def test_sdpa_cpu_taken_matches_reference(routed, monkeypatch, b, sq, sk, hq, hkv, d, causal,
+                                          dtype, route):
+    # The loops (SDPA_CPU off) must stay exact on the calls the route takes from them.
+    monkeypatch.setattr(attn_mod, "SDPA_CPU", route)
     q, k, v = (rand(b, s, h, d, dtype=dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
-    _check(q, k, v, causal if isinstance(causal, dict) else dict(causal=causal))
-    assert routed == {"fwd": 1, "bwd": 1}
+    kw = dict(causal) if isinstance(causal, dict) else dict(causal=causal)
+    sink = rand(hq, dtype=torch.float64 if dtype == torch.float64 else torch.float32) \
+        if kw.pop("sink", False) else None
+    _check(q, k, v, kw, sink)
+    # Causal with 1 < Sq < Sk: the keys every row sees, then the causal square.
+    n = (2 if kw.get("causal") and 1 < sq < sk else 1) if route else 0
+    assert routed == {"fwd": n, "bwd": n}
 
 
 def test_sdpa_cpu_varlen_sequences_taken(routed):
@@ -106,10 +122,9 @@ DECLINED = [
     pytest.param(1, 12, 12, 2, 2, 16, 16, dict(causal=True, window=(3, None)), id="window"),
     pytest.param(1, 4, 45, 2, 1, 32, 32, dict(window=(43, 3)), id="window_cuts_one_key"),
     pytest.param(1, 4, 45, 2, 1, 32, 32, dict(window=(44, 2)), id="window_cuts_one_key_right"),
-    pytest.param(1, 9, 13, 2, 2, 16, 16, dict(causal=True), id="causal_sq_lt_sk"),
     pytest.param(1, 13, 9, 2, 2, 16, 16, dict(causal=True), id="causal_empties_rows"),
     pytest.param(1, 12, 12, 2, 2, 16, 16, dict(softcap=2.5), id="softcap"),
-    pytest.param(1, 12, 12, 2, 2, 16, 16, dict(sink=True), id="sink"),
+    pytest.param(1, 12, 12, 2, 2, 16, 16, dict(window=(None, 2)), id="window_right_2"),
     pytest.param(1, 12, 12, 2, 2, 16, 24, {}, id="dv_ne_d"),
     pytest.param(1, 12, 0, 2, 2, 16, 16, {}, id="no_keys"),
     pytest.param(1, 0, 12, 2, 2, 16, 16, {}, id="no_rows"),

@@ -12,10 +12,10 @@ device and any float dtype (accumulating in float32; float64 stays float64):
   with ``D = rowsum(dO * O) - dlse`` and ``L = -inf`` replaced by 0 once per row
   (``lse.safe_pivot``), so empty rows give ``P = 0`` and zero gradients, never NaN.
 
-On CPU tensors, a dense call with nothing beyond plain attention (every row sees every key, or
-causal with ``Sq == Sk``; no sink or softcap; ``Dv == D``; finite inputs; no lse gradient in
-the backward) runs torch's own CPU flash attention instead (:func:`_sdpa_cpu`): the same out
-and natural-log lse, faster than these loops (benchmarks/bench_cpu.py).
+On CPU tensors, a dense call whose rows see every key, or causal with ``Sq <= Sk`` (no
+softcap; ``Dv == D``; finite inputs; no lse gradient in the backward) runs torch's own CPU
+flash attention instead (:func:`_sdpa_parts`): the same out and natural-log lse, faster than
+these loops (benchmarks/bench_cpu.py).
 """
 
 from __future__ import annotations
@@ -100,34 +100,74 @@ _SDPA_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backw
 SDPA_CPU = True
 
 
-def _sdpa_cpu(q, k, v, left, right, softcap, sink, tensors) -> bool | None:
-    """``is_causal`` for torch's CPU flash attention on this dense call, or None when that
-    kernel would not compute it as the contract does. It runs CPU tensors of one dtype,
-    ``Dv == D``, no sink or softcap, every row seeing every key (``left >= Sk - 1`` or None,
-    ``right >= Sq - 1`` or None: a decode's causal mask too) or causal with ``Sq == Sk``,
-    no dimension of size 0 (the kernel divides by it), and finite ``tensors``: it gives a
-    query row whose every score is NaN out 0 and lse 0, where the contract propagates the
-    NaN, so inputs with a NaN or an inf take the loops below (one sum a tensor tells: a NaN
-    or inf element makes it NaN or inf, and so does an overflow, which only sends a call to
-    the loops). Other masks and empty rows take the loops too."""
+def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
+    """The key ranges ``(k0, k1, is_causal)`` on which torch's CPU flash attention computes
+    this dense call as the contract does (their states merged, then the sink), or None.
+
+    It runs CPU tensors of one dtype, ``Dv == D``, no softcap, no dimension of size 0 (the
+    kernel divides by it), and two masks: every row seeing every key (``left >= Sk - 1`` or
+    None, ``right >= Sq - 1`` or None: a decode's causal mask too), one range; causal with
+    ``Sq <= Sk``, the ``Sk - Sq`` keys every row sees and the square causal block after them
+    (top-left aligned there), two. Other masks and empty rows (causal with Sq > Sk) take
+    the loops. And finite ``tensors``: the kernel gives a query row whose every score is NaN
+    out 0 and lse 0, where the contract propagates the NaN, so inputs with a NaN or an inf
+    take the loops (one sum a tensor tells: a NaN or inf element makes it NaN or inf, and so
+    does an overflow, which only sends a call to the loops)."""
     sq, sk = q.shape[1], k.shape[1]
-    if not (SDPA_CPU and q.device.type == "cpu" and sink is None and not softcap
+    if not (SDPA_CPU and q.device.type == "cpu" and not softcap
             and (left is None or left >= sk - 1) and q.numel() > 0 and k.numel() > 0
             and q.dtype == k.dtype == v.dtype and q.shape[-1] == v.shape[-1]):
         return None
     if right is None or right >= sq - 1:
-        causal = False
-    elif right == 0 and sq == sk:
-        causal = True  # (top-left and bottom-right alignment agree)
+        parts = ((0, sk, False), )
+    elif right == 0 and sq <= sk:
+        parts = ((0, sk - sq, False), ) * (sk > sq) + ((sk - sq, sk, True), )
     else:
         return None
-    if not all(math.isfinite(t.sum(dtype=compute_dtype(t.dtype))) for t in tensors):
+    if not all(math.isfinite(t.sum(dtype=compute_dtype(t.dtype)))
+               for t in tensors if t is not None):
         return None
-    return causal
+    return parts
 
 
 def _bhsd(*xs) -> list:
     return [x.transpose(1, 2) for x in xs]
+
+
+def _sdpa_fwd(q, k, v, parts, scale, sink):
+    """:func:`attn_fwd_torch` by torch's CPU flash attention on ``parts`` (``_sdpa_parts``)."""
+    states = [_SDPA_CPU_FWD(*_bhsd(q, k[:, k0:k1], v[:, k0:k1]), 0.0, causal, scale=scale)
+              for k0, k1, causal in parts]
+    if len(states) == 1 and sink is None:
+        out, lse = states[0]
+    else:
+        # (B, H, Sq, D) and (B, H, Sq) states, merged in float32 (float64 stays float64).
+        out, lse = merge_math(torch.stack([o for o, _ in states]),
+                              torch.stack([l for _, l in states]),
+                              None if sink is None else sink.view(-1, 1))
+    # out is (B, Sq, H, D) in memory; lse (B, H, Sq) is laid out (B, Sq, H).
+    return out.transpose(1, 2).to(q.dtype).contiguous(), lse.contiguous()
+
+
+def _sdpa_bwd(dout, q, k, v, out, lse, parts, scale, sink):
+    """:func:`attn_bwd_torch` without an lse gradient by torch's CPU flash backward on
+    ``parts``: each range's P is ``exp(S - lse)`` with the call's final lse, and its delta
+    ``rowsum(dout * out)`` with the final out, so the ranges' dq add up and their dk, dv
+    are the call's; dsink as the loops compute it."""
+    grads = [_SDPA_CPU_BWD(*_bhsd(dout, q, k[:, k0:k1], v[:, k0:k1], out), lse, 0.0, causal,
+                           scale=scale) for k0, k1, causal in parts]
+    if len(grads) == 1:
+        dq, dk, dv = _bhsd(*grads[0])
+    else:
+        dq = _bhsd(grads[0][0].to(compute_dtype(q.dtype)) + grads[1][0])[0].to(q.dtype)
+        dk, dv = (torch.cat(_bhsd(*(g[i] for g in grads)), dim=1) for i in (1, 2))
+    dsink = None
+    if sink is not None:
+        dt = compute_dtype(q.dtype)
+        delta = (dout.to(dt) * out.to(dt)).sum(-1).transpose(1, 2)  # (B, H, Sq)
+        p_sink = torch.exp(sink.to(dt).view(-1, 1) - lse)
+        dsink = -(p_sink * delta).sum(dim=(0, 2)).to(sink.dtype)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink
 
 
 def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
@@ -140,11 +180,9 @@ def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
         ``out (B, Sq, Hq, Dv)`` in q.dtype and ``lse (B, Hq, Sq)`` (float32; float64 inputs
         give float64).
     """
-    causal = _sdpa_cpu(q, k, v, left, right, softcap, sink, (q, k, v))
-    if causal is not None:
-        out, lse = _SDPA_CPU_FWD(*_bhsd(q, k, v), 0.0, causal, scale=scale)
-        # out is (B, Sq, H, D) in memory; lse (B, H, Sq) is laid out (B, Sq, H).
-        return out.transpose(1, 2).contiguous(), lse.contiguous()
+    parts = _sdpa_parts(q, k, v, left, right, softcap, sink, (q, k, v, sink))
+    if parts is not None:
+        return _sdpa_fwd(q, k, v, parts, scale, sink)
     b, sq, hq, _ = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     dt = compute_dtype(q.dtype)
@@ -202,10 +240,9 @@ def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale
         ``dq, dk, dv`` in the input dtypes and ``dsink (Hq,)`` (None without a sink).
     """
     if dlse is None:
-        causal = _sdpa_cpu(q, k, v, left, right, softcap, sink, (q, k, v, dout))
-        if causal is not None:
-            grads = _SDPA_CPU_BWD(*_bhsd(dout, q, k, v, out), lse, 0.0, causal, scale=scale)
-            return (*(g.contiguous() for g in _bhsd(*grads)), None)
+        parts = _sdpa_parts(q, k, v, left, right, softcap, sink, (q, k, v, dout, sink))
+        if parts is not None:
+            return _sdpa_bwd(dout, q, k, v, out, lse, parts, scale, sink)
         dlse = torch.zeros_like(lse)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
