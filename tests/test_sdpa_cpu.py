@@ -103,18 +103,26 @@ def test_sdpa_cpu_taken_matches_reference(routed, monkeypatch, b, sq, sk, hq, hk
     assert routed == {"fwd": n, "bwd": n}
 
 
-def test_sdpa_cpu_varlen_sequences_taken(routed):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa_cpu_varlen_sequences_taken(routed, causal):
     # attention_varlen's CPU path runs each sequence as a dense call: the non-empty ones
-    # take the route, a sequence without keys does not.
+    # take the route (forward, and backward with lse slices of the packed lse), a sequence
+    # without keys does not.
     cu_q = torch.tensor([0, 5, 5, 17, 20], dtype=torch.int32)
     cu_k = torch.tensor([0, 5, 9, 21, 21], dtype=torch.int32)
-    q, k, v = rand(20, 4, 32), rand(21, 2, 32), rand(21, 2, 32)
-    out, lse = fl.attention_varlen(q, k, v, cu_q, cu_k, 12, 12, return_lse=True)
-    ref_out, ref_lse = R.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, 12,
-                                          12, return_lse=True)
-    assert routed["fwd"] == 2  # sequences 0 and 2 (1 has no rows, 3 no keys)
-    assert_close_to_ref(out, ref_out, name="out")
-    assert_close_to_ref(lse, ref_lse, name="lse")
+    inputs = (rand(20, 4, 32), rand(21, 2, 32), rand(21, 2, 32))
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out, lse = fl.attention_varlen(*leaves, cu_q, cu_k, 12, 12, causal=causal, return_lse=True)
+    dout = rand(*out.shape)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.double().requires_grad_() for t in inputs]
+    ref_out, ref_lse = R.attention_varlen(*ref_leaves, cu_q, cu_k, 12, 12, causal=causal,
+                                          return_lse=True)
+    ref_grads = torch.autograd.grad(ref_out, ref_leaves, dout.double())
+    assert routed == {"fwd": 2, "bwd": 2}  # sequences 0 and 2 (1 has no rows, 3 no keys)
+    for name, a, r in (("out", out, ref_out), ("lse", lse, ref_lse),
+                       *zip(("dq", "dk", "dv"), grads, ref_grads)):
+        assert_close_to_ref(a, r.detach(), name=name)
     assert torch.isneginf(lse[:, 17:]).all() and (out[17:] == 0).all()
 
 
