@@ -1,4 +1,4 @@
-"""The PyTorch (CPU) path against SDPA on the CPU, same process, fp32.
+"""The PyTorch (CPU) path against SDPA on the CPU, same process, fp32 (``--dtype``: bf16, fp16).
 
 Issue 20's shape: B=1, H=8, D=64, S=2048 and 4096, causal and not, forward and
 forward+backward (``out.sum().backward()``); best of 3 (2 for the backward) after a warm-up,
@@ -7,7 +7,7 @@ own loops (``ops.attention.SDPA_CPU`` off), which these calls ran before torch's
 attention took them; then a causal call with a sink (S = 2k) and a bottom-right causal chunk
 of 512 rows on 4k keys (SDPA has no form for either), against the loops.
 
-    python benchmarks/bench_cpu.py [--threads 2] [--smoke]
+    python benchmarks/bench_cpu.py [--threads 2] [--smoke] [--dtype fp32|bf16|fp16]
 """
 
 from __future__ import annotations
@@ -54,15 +54,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     args = ap.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     torch.set_num_threads(args.threads)
     b, h, d = 1, 8, 64
     lengths = (256,) if args.smoke else (2048, 4096)
-    print(f"CPU path vs SDPA (cpu), fp32, B={b} H={h} D={d}, {args.threads} threads, "
+    print(f"CPU path vs SDPA (cpu), {args.dtype}, B={b} H={h} D={d}, {args.threads} threads, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     ours = {}
     for s in lengths:
-        q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
+        q, k, v = (torch.randn(b, s, h, d, dtype=dtype) for _ in range(3))
         for causal in (False, True):
             fwd, fwd_ref, both, both_ref = measure(q, k, v, causal)
             # The same calls on the loops (torch's CPU flash attention off).
@@ -83,8 +85,9 @@ def main():
     chunk = lengths[0] // 4
     for name, sq, sink in ((f"S={lengths[0]} causal + sink", lengths[0], torch.randn(h)),
                            (f"Sq={chunk} on Sk={lengths[-1]} causal", chunk, None)):
-        q = torch.randn(b, sq, h, d)
-        k, v = (torch.randn(b, lengths[-1] if sink is None else sq, h, d) for _ in range(2))
+        q = torch.randn(b, sq, h, d, dtype=dtype)
+        k, v = (torch.randn(b, lengths[-1] if sink is None else sq, h, d, dtype=dtype)
+                for _ in range(2))
         runs = []
         for route in (True, False):
             attn_mod.SDPA_CPU = route

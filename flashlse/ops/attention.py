@@ -104,7 +104,7 @@ def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
     """The key ranges ``(k0, k1, is_causal)`` on which torch's CPU flash attention computes
     this dense call as the contract does (their states merged, then the sink), or None.
 
-    It runs CPU tensors of one dtype, ``Dv == D``, no softcap, no dimension of size 0 (the
+    It runs CPU tensors, ``Dv == D``, no softcap, no dimension of size 0 (the
     kernel divides by it), and two masks: every row seeing every key (``left >= Sk - 1`` or
     None, ``right >= Sq - 1`` or None: a decode's causal mask too), one range; causal with
     ``Sq <= Sk``, the ``Sk - Sq`` keys every row sees and the square causal block after them
@@ -116,7 +116,7 @@ def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
     sq, sk = q.shape[1], k.shape[1]
     if not (SDPA_CPU and q.device.type == "cpu" and not softcap
             and (left is None or left >= sk - 1) and q.numel() > 0 and k.numel() > 0
-            and q.dtype == k.dtype == v.dtype and q.shape[-1] == v.shape[-1]):
+            and q.shape[-1] == v.shape[-1]):
         return None
     if right is None or right >= sq - 1:
         parts = ((0, sk, False), )
@@ -135,8 +135,12 @@ def _bhsd(*xs) -> list:
 
 
 def _sdpa_fwd(q, k, v, parts, scale, sink):
-    """:func:`attn_fwd_torch` by torch's CPU flash attention on ``parts`` (``_sdpa_parts``)."""
-    states = [_SDPA_CPU_FWD(*_bhsd(q, k[:, k0:k1], v[:, k0:k1]), 0.0, causal, scale=scale)
+    """:func:`attn_fwd_torch` by torch's CPU flash attention on ``parts`` (``_sdpa_parts``),
+    in float32 as the loops compute (float64 stays float64): its fp16 kernel ran 3-4x slower
+    than the loops here, its bf16 one slower than its float32 one."""
+    dt = compute_dtype(q.dtype)
+    qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
+    states = [_SDPA_CPU_FWD(*_bhsd(qc, kc[:, k0:k1], vc[:, k0:k1]), 0.0, causal, scale=scale)
               for k0, k1, causal in parts]
     if len(states) == 1 and sink is None:
         out, lse = states[0]
@@ -154,20 +158,22 @@ def _sdpa_bwd(dout, q, k, v, out, lse, parts, scale, sink):
     ``parts``: each range's P is ``exp(S - lse)`` with the call's final lse, and its delta
     ``rowsum(dout * out)`` with the final out, so the ranges' dq add up and their dk, dv
     are the call's; dsink as the loops compute it."""
-    grads = [_SDPA_CPU_BWD(*_bhsd(dout, q, k[:, k0:k1], v[:, k0:k1], out), lse, 0.0, causal,
+    dt = compute_dtype(q.dtype)
+    doc, qc, kc, vc, oc = (x.to(dt) for x in (dout, q, k, v, out))
+    grads = [_SDPA_CPU_BWD(*_bhsd(doc, qc, kc[:, k0:k1], vc[:, k0:k1], oc), lse, 0.0, causal,
                            scale=scale) for k0, k1, causal in parts]
     if len(grads) == 1:
         dq, dk, dv = _bhsd(*grads[0])
     else:
-        dq = _bhsd(grads[0][0].to(compute_dtype(q.dtype)) + grads[1][0])[0].to(q.dtype)
+        dq = _bhsd(grads[0][0] + grads[1][0])[0]
         dk, dv = (torch.cat(_bhsd(*(g[i] for g in grads)), dim=1) for i in (1, 2))
     dsink = None
     if sink is not None:
-        dt = compute_dtype(q.dtype)
-        delta = (dout.to(dt) * out.to(dt)).sum(-1).transpose(1, 2)  # (B, H, Sq)
+        delta = (doc * oc).sum(-1).transpose(1, 2)  # (B, H, Sq)
         p_sink = torch.exp(sink.to(dt).view(-1, 1) - lse)
         dsink = -(p_sink * delta).sum(dim=(0, 2)).to(sink.dtype)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
+            dv.to(v.dtype).contiguous(), dsink)
 
 
 def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
