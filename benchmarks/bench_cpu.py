@@ -4,8 +4,9 @@ Issue 20's shape: B=1, H=8, D=64, S=2048 and 4096, causal and not, forward and
 forward+backward (``out.sum().backward()``); best of 3 (2 for the backward) after a warm-up,
 on the threads torch is given (CI's machine: 2). Beside each: the same call on the CPU path's
 own loops (``ops.attention.SDPA_CPU`` off), which these calls ran before torch's CPU flash
-attention took them; then a causal call with a sink (S = 2k) and a bottom-right causal chunk
-of 512 rows on 4k keys (SDPA has no form for either), against the loops.
+attention took them; then a causal call with a sink (S = 2k), a bottom-right causal chunk
+of 512 rows on 4k keys and sliding windows of 128 and 1024 keys at S = 4k (SDPA has no form
+for these), against the loops.
 
     python benchmarks/bench_cpu.py [--threads 2] [--smoke] [--dtype fp32|bf16|fp16]
 """
@@ -34,18 +35,19 @@ def best_s(fn, n):
     return min(times)
 
 
-def measure(q, k, v, causal, sink=None):
+def measure(q, k, v, causal, sink=None, window=None):
     """Seconds: ours and SDPA's forward, ours and SDPA's forward+backward (SDPA's 0 with a
-    sink or Sq != Sk: it has no form for them)."""
+    sink, a window or Sq != Sk: it has no form for them)."""
+    kw = dict(causal=causal, sink=sink, window=window or (None, None))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     # The loss has no lse term: the backward gets no lse gradient, as a training step's.
     sdpa = [x.transpose(1, 2).clone().requires_grad_() for x in (q, k, v)]
     plain = [x.detach() for x in sdpa]
-    peer = sink is None and q.shape[1] == k.shape[1]
-    return (best_s(lambda: fl.attention(q, k, v, causal=causal, sink=sink), 3),
+    peer = sink is None and window is None and q.shape[1] == k.shape[1]
+    return (best_s(lambda: fl.attention(q, k, v, **kw), 3),
             best_s(lambda: F.scaled_dot_product_attention(*plain, is_causal=causal), 3)
             if peer else 0.0,
-            best_s(lambda: fl.attention(*leaves, causal=causal, sink=sink).sum().backward(), 2),
+            best_s(lambda: fl.attention(*leaves, **kw).sum().backward(), 2),
             best_s(lambda: F.scaled_dot_product_attention(
                 *sdpa, is_causal=causal).sum().backward(), 2) if peer else 0.0)
 
@@ -82,17 +84,19 @@ def main():
           f"forward+backward {ours[s, False][1] / ours[s, True][1]:.2f}x")
     # Calls SDPA has no form for (a sink; causal on more keys than rows, bottom-right
     # aligned): torch's CPU flash attention on key ranges, merged, against the loops.
-    chunk = lengths[0] // 4
-    for name, sq, sink in ((f"S={lengths[0]} causal + sink", lengths[0], torch.randn(h)),
-                           (f"Sq={chunk} on Sk={lengths[-1]} causal", chunk, None)):
+    chunk, s = lengths[0] // 4, lengths[-1]
+    for name, sq, sk, sink, window in (
+            (f"S={lengths[0]} causal + sink", lengths[0], lengths[0], torch.randn(h), None),
+            (f"Sq={chunk} on Sk={s} causal", chunk, s, None, None),
+            (f"S={s} window (127, 0)", s, s, None, (127, 0)),
+            (f"S={s} window (1023, 0)", s, s, None, (1023, 0))):
         q = torch.randn(b, sq, h, d, dtype=dtype)
-        k, v = (torch.randn(b, lengths[-1] if sink is None else sq, h, d, dtype=dtype)
-                for _ in range(2))
+        k, v = (torch.randn(b, sk, h, d, dtype=dtype) for _ in range(2))
         runs = []
         for route in (True, False):
             attn_mod.SDPA_CPU = route
             try:
-                runs.append(measure(q, k, v, True, sink)[::2])
+                runs.append(measure(q, k, v, True, sink, window)[::2])
             finally:
                 attn_mod.SDPA_CPU = True
         (fwd, both), (loop_fwd, loop_both) = runs

@@ -69,38 +69,60 @@ def _check(q, k, v, kw, sink=None):
                                 name=label)
 
 
-# (B, Sq, Sk, Hq, Hkv, D, causal or the keywords)
+# (B, Sq, Sk, Hq, Hkv, D, keywords, calls of torch's kernel a pass)
+C = dict(causal=True)
 TAKEN = [
-    pytest.param(2, 37, 37, 4, 4, 32, False, id="full"),
-    pytest.param(2, 37, 37, 4, 2, 32, True, id="causal_gqa"),
-    pytest.param(1, 9, 70, 4, 1, 59, False, id="full_sq_lt_sk_mqa_d59"),
-    pytest.param(1, 70, 9, 2, 2, 16, False, id="full_sq_gt_sk"),
-    pytest.param(1, 300, 300, 2, 1, 64, True, id="causal_two_blocks"),
-    pytest.param(1, 1, 1, 1, 1, 128, True, id="one_row"),
-    pytest.param(2, 1, 45, 8, 2, 64, True, id="decode_causal_sees_all"),
-    pytest.param(1, 4, 45, 2, 1, 32, dict(window=(44, 3)), id="window_covers_all"),
-    pytest.param(2, 19, 50, 4, 2, 32, True, id="causal_sq_lt_sk"),
-    pytest.param(1, 33, 33, 4, 2, 32, dict(causal=True, sink=True), id="causal_sink"),
-    pytest.param(1, 7, 40, 2, 2, 64, dict(causal=True, sink=True), id="causal_sq_lt_sk_sink"),
+    pytest.param(2, 37, 37, 4, 4, 32, {}, 1, id="full"),
+    pytest.param(2, 37, 37, 4, 2, 32, C, 1, id="causal_gqa"),
+    pytest.param(1, 9, 70, 4, 1, 59, {}, 1, id="full_sq_lt_sk_mqa_d59"),
+    pytest.param(1, 70, 9, 2, 2, 16, {}, 1, id="full_sq_gt_sk"),
+    pytest.param(1, 300, 300, 2, 1, 64, C, 1, id="causal_two_blocks"),
+    pytest.param(1, 1, 1, 1, 1, 128, C, 1, id="one_row"),
+    pytest.param(2, 1, 45, 8, 2, 64, C, 1, id="decode_causal_sees_all"),
+    pytest.param(1, 4, 45, 2, 1, 32, dict(window=(44, 3)), 1, id="window_covers_all"),
+    # Causal with Sq < Sk: the keys every row sees, then the causal square.
+    pytest.param(2, 19, 50, 4, 2, 32, C, 2, id="causal_sq_lt_sk"),
+    pytest.param(1, 33, 33, 4, 2, 32, dict(C, sink=True), 1, id="causal_sink"),
+    pytest.param(1, 7, 40, 2, 2, 64, dict(C, sink=True), 2, id="causal_sq_lt_sk_sink"),
+    # Windows: query blocks of 64-256 rows, each with its additive mask.
+    pytest.param(1, 300, 300, 4, 2, 32, dict(window=(127, 0)), 3, id="window_127_three_blocks"),
+    pytest.param(1, 12, 12, 2, 2, 16, dict(window=(3, 2)), 1, id="window_3_2"),
+    pytest.param(1, 12, 12, 2, 2, 16, dict(C, window=(3, None)), 1, id="causal_window_3"),
+    pytest.param(1, 12, 12, 2, 2, 16, dict(window=(None, 2)), 1, id="window_right_2"),
+    pytest.param(1, 4, 45, 2, 1, 32, dict(window=(43, 3)), 1, id="window_cuts_one_key"),
+    pytest.param(1, 4, 45, 2, 1, 32, dict(window=(44, 2)), 1, id="window_cuts_one_key_right"),
+    pytest.param(2, 100, 300, 4, 1, 32, dict(window=(50, 0), sink=True), 2,
+                 id="chunk_window_sink"),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16,
                                    torch.float64], ids=str)
 @pytest.mark.parametrize("route", [True, False], ids=["sdpa", "loops"])
-@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, causal", TAKEN)
-def test_sdpa_cpu_taken_matches_reference(routed, monkeypatch, b, sq, sk, hq, hkv, d, causal,
+@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, kw, n", TAKEN)
+def test_sdpa_cpu_taken_matches_reference(routed, monkeypatch, b, sq, sk, hq, hkv, d, kw, n,
                                           dtype, route):
     # The loops (SDPA_CPU off) must stay exact on the calls the route takes from them.
     monkeypatch.setattr(attn_mod, "SDPA_CPU", route)
     q, k, v = (rand(b, s, h, d, dtype=dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
-    kw = dict(causal) if isinstance(causal, dict) else dict(causal=causal)
+    kw = dict(kw)
     sink = rand(hq, dtype=torch.float64 if dtype == torch.float64 else torch.float32) \
         if kw.pop("sink", False) else None
     _check(q, k, v, kw, sink)
-    # Causal with 1 < Sq < Sk: the keys every row sees, then the causal square.
-    n = (2 if kw.get("causal") and 1 < sq < sk else 1) if route else 0
+    n = n if route else 0
     assert routed == {"fwd": n, "bwd": n}
+
+
+def test_sdpa_cpu_window_masks_bounded(routed, monkeypatch):
+    # A window's blocks carry masks of block x (block + width) elements: past TILE_ELEMS the
+    # loops run the call.
+    q, k, v = rand(1, 300, 2, 32), rand(1, 300, 2, 32), rand(1, 300, 2, 32)
+    monkeypatch.setattr(attn_mod, "TILE_ELEMS", 128 * 255)
+    _check(q, k, v, dict(window=(127, 0)))  # 128 x 256 elements: over
+    assert routed == {"fwd": 0, "bwd": 0}
+    monkeypatch.setattr(attn_mod, "TILE_ELEMS", 128 * 256)
+    _check(q, k, v, dict(window=(127, 0)))
+    assert routed == {"fwd": 3, "bwd": 3}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -127,12 +149,9 @@ def test_sdpa_cpu_varlen_sequences_taken(routed, causal):
 
 
 DECLINED = [
-    pytest.param(1, 12, 12, 2, 2, 16, 16, dict(causal=True, window=(3, None)), id="window"),
-    pytest.param(1, 4, 45, 2, 1, 32, 32, dict(window=(43, 3)), id="window_cuts_one_key"),
-    pytest.param(1, 4, 45, 2, 1, 32, 32, dict(window=(44, 2)), id="window_cuts_one_key_right"),
     pytest.param(1, 13, 9, 2, 2, 16, 16, dict(causal=True), id="causal_empties_rows"),
+    pytest.param(1, 12, 9, 2, 2, 16, 16, dict(window=(2, 0)), id="window_empties_rows"),
     pytest.param(1, 12, 12, 2, 2, 16, 16, dict(softcap=2.5), id="softcap"),
-    pytest.param(1, 12, 12, 2, 2, 16, 16, dict(window=(None, 2)), id="window_right_2"),
     pytest.param(1, 12, 12, 2, 2, 16, 24, {}, id="dv_ne_d"),
     pytest.param(1, 12, 0, 2, 2, 16, 16, {}, id="no_keys"),
     pytest.param(1, 0, 12, 2, 2, 16, 16, {}, id="no_rows"),

@@ -12,10 +12,10 @@ device and any float dtype (accumulating in float32; float64 stays float64):
   with ``D = rowsum(dO * O) - dlse`` and ``L = -inf`` replaced by 0 once per row
   (``lse.safe_pivot``), so empty rows give ``P = 0`` and zero gradients, never NaN.
 
-On CPU tensors, a dense call whose rows see every key, or causal with ``Sq <= Sk`` (no
-softcap; ``Dv == D``; finite inputs; no lse gradient in the backward) runs torch's own CPU
-flash attention instead (:func:`_sdpa_parts`): the same out and natural-log lse, faster than
-these loops (benchmarks/bench_cpu.py).
+On CPU tensors, a dense call with no empty row (no softcap; ``Dv == D``; finite inputs; no
+lse gradient in the backward) runs torch's own CPU flash attention instead
+(:func:`_sdpa_parts`): the same out and natural-log lse, faster than these loops
+(benchmarks/bench_cpu.py).
 """
 
 from __future__ import annotations
@@ -100,30 +100,56 @@ _SDPA_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backw
 SDPA_CPU = True
 
 
-def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
-    """The key ranges ``(k0, k1, is_causal)`` on which torch's CPU flash attention computes
-    this dense call as the contract does (their states merged, then the sink), or None.
+class _Part(NamedTuple):
+    """One call of torch's CPU flash attention: query rows ``[q0, q1)`` on keys ``[k0, k1)``,
+    top-left causal or with the window's additive mask (``masked``) or neither."""
 
-    It runs CPU tensors, ``Dv == D``, no softcap, no dimension of size 0 (the
-    kernel divides by it), and two masks: every row seeing every key (``left >= Sk - 1`` or
-    None, ``right >= Sq - 1`` or None: a decode's causal mask too), one range; causal with
-    ``Sq <= Sk``, the ``Sk - Sq`` keys every row sees and the square causal block after them
-    (top-left aligned there), two. Other masks and empty rows (causal with Sq > Sk) take
-    the loops. And finite ``tensors``: the kernel gives a query row whose every score is NaN
-    out 0 and lse 0, where the contract propagates the NaN, so inputs with a NaN or an inf
-    take the loops (one sum a tensor tells: a NaN or inf element makes it NaN or inf, and so
-    does an overflow, which only sends a call to the loops)."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool = False
+    masked: bool = False
+
+
+def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
+    """The parts (:class:`_Part`, by query block) on which torch's CPU flash attention
+    computes this dense call as the contract does (a block's parts merged, then the sink),
+    or None: the loops run it.
+
+    It runs CPU tensors, ``Dv == D``, no softcap, no dimension of size 0 (the kernel divides
+    by it), no empty row, and three forms of mask:
+    - every row sees every key (``left >= Sk - 1`` or None, ``right >= Sq - 1`` or None: a
+      decode's causal mask too): one part;
+    - causal with ``Sq <= Sk``: the ``Sk - Sq`` keys every row sees, and the square causal
+      block after them (top-left aligned there): two parts;
+    - any other window: query blocks of 64-256 rows, each on the keys its rows see with the
+      window as an additive mask (none larger than TILE_ELEMS, else the loops run it).
+    And finite ``tensors``: the kernel gives a query row whose every score is NaN out 0 and
+    lse 0, where the contract propagates the NaN, so inputs with a NaN or an inf take the
+    loops (one sum a tensor tells: a NaN or inf element makes it NaN or inf, and so does an
+    overflow, which only sends a call to the loops)."""
     sq, sk = q.shape[1], k.shape[1]
-    if not (SDPA_CPU and q.device.type == "cpu" and not softcap
-            and (left is None or left >= sk - 1) and q.numel() > 0 and k.numel() > 0
-            and q.shape[-1] == v.shape[-1]):
+    shift = sk - sq
+    lo = -(1 << 62) if left is None else -left  # row i sees keys [i + shift + lo, ...
+    hi = 1 << 62 if right is None else right    # ..., i + shift + hi]
+    if not (SDPA_CPU and q.device.type == "cpu" and not softcap and q.numel() > 0
+            and k.numel() > 0 and q.shape[-1] == v.shape[-1]
+            and shift + hi >= 0 and lo <= 0 and lo <= hi):  # (no empty row)
         return None
-    if right is None or right >= sq - 1:
-        parts = ((0, sk, False), )
-    elif right == 0 and sq <= sk:
-        parts = ((0, sk - sq, False), ) * (sk > sq) + ((sk - sq, sk, True), )
+    no_left_cut = sk - 1 + lo <= 0  # (the last row sees key 0)
+    if no_left_cut and hi >= sq - 1:  # (the first row sees the last key)
+        parts = (_Part(0, sq, 0, sk), )
+    elif no_left_cut and hi == 0:
+        parts = (_Part(0, sq, 0, shift), ) * (shift > 0) + (_Part(0, sq, shift, sk, True), )
     else:
-        return None
+        width = min(sk, hi - lo + 1)
+        block = max(64, min(256, 1 << (width - 1).bit_length()))
+        if block * (block + width) > TILE_ELEMS:
+            return None
+        parts = tuple(_Part(q0, min(sq, q0 + block), max(0, q0 + shift + lo),
+                            min(sk, min(sq, q0 + block) + shift + hi), masked=True)
+                      for q0 in range(0, sq, block))
     if not all(math.isfinite(t.sum(dtype=compute_dtype(t.dtype)))
                for t in tensors if t is not None):
         return None
@@ -134,39 +160,62 @@ def _bhsd(*xs) -> list:
     return [x.transpose(1, 2) for x in xs]
 
 
-def _sdpa_fwd(q, k, v, parts, scale, sink):
+def _sdpa_call(op, part, sq, sk, left, right, dt, *args, **kw):
+    """``op`` on one part: its causal flag, or its window as an additive mask."""
+    mask = None
+    if part.masked:
+        ok = masks.visible(torch.arange(part.q0, part.q1), torch.arange(part.k0, part.k1),
+                           sq, sk, left, right)
+        mask = torch.zeros(ok.shape, dtype=dt).masked_fill_(~ok, float("-inf"))
+    return op(*args, 0.0, part.causal, attn_mask=mask, **kw)
+
+
+def _sdpa_fwd(q, k, v, parts, left, right, scale, sink):
     """:func:`attn_fwd_torch` by torch's CPU flash attention on ``parts`` (``_sdpa_parts``),
     in float32 as the loops compute (float64 stays float64): its fp16 kernel ran 3-4x slower
     than the loops here, its bf16 one slower than its float32 one."""
     dt = compute_dtype(q.dtype)
-    qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
-    states = [_SDPA_CPU_FWD(*_bhsd(qc, kc[:, k0:k1], vc[:, k0:k1]), 0.0, causal, scale=scale)
-              for k0, k1, causal in parts]
-    if len(states) == 1 and sink is None:
-        out, lse = states[0]
-    else:
-        # (B, H, Sq, D) and (B, H, Sq) states, merged in float32 (float64 stays float64).
-        out, lse = merge_math(torch.stack([o for o, _ in states]),
-                              torch.stack([l for _, l in states]),
-                              None if sink is None else sink.view(-1, 1))
+    qt, kt, vt = _bhsd(q.to(dt), k.to(dt), v.to(dt))
+    sq, sk = q.shape[1], k.shape[1]
+    outs, lses = [], []
+    for q0, q1 in dict.fromkeys((p.q0, p.q1) for p in parts):
+        states = [_sdpa_call(_SDPA_CPU_FWD, p, sq, sk, left, right, dt, qt[:, :, q0:q1],
+                             kt[:, :, p.k0:p.k1], vt[:, :, p.k0:p.k1], scale=scale)
+                  for p in parts if p.q0 == q0]
+        if len(states) == 1 and sink is None:
+            out, lse = states[0]
+        else:
+            # (B, H, rows, D) and (B, H, rows) states, merged in float32.
+            out, lse = merge_math(torch.stack([o for o, _ in states]),
+                                  torch.stack([l for _, l in states]),
+                                  None if sink is None else sink.view(-1, 1))
+        outs.append(out)
+        lses.append(lse)
+    out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 2), torch.cat(lses, 2))
     # out is (B, Sq, H, D) in memory; lse (B, H, Sq) is laid out (B, Sq, H).
     return out.transpose(1, 2).to(q.dtype).contiguous(), lse.contiguous()
 
 
-def _sdpa_bwd(dout, q, k, v, out, lse, parts, scale, sink):
+def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
     """:func:`attn_bwd_torch` without an lse gradient by torch's CPU flash backward on
-    ``parts``: each range's P is ``exp(S - lse)`` with the call's final lse, and its delta
-    ``rowsum(dout * out)`` with the final out, so the ranges' dq add up and their dk, dv
-    are the call's; dsink as the loops compute it."""
+    ``parts``: each part's P is ``exp(S - lse)`` with the call's final lse, and its delta
+    ``rowsum(dout * out)`` with the final out, so the parts' gradients add up to the call's;
+    dsink as the loops compute it."""
     dt = compute_dtype(q.dtype)
     doc, qc, kc, vc, oc = (x.to(dt) for x in (dout, q, k, v, out))
-    grads = [_SDPA_CPU_BWD(*_bhsd(doc, qc, kc[:, k0:k1], vc[:, k0:k1], oc), lse, 0.0, causal,
-                           scale=scale) for k0, k1, causal in parts]
-    if len(grads) == 1:
-        dq, dk, dv = _bhsd(*grads[0])
+    sq, sk = q.shape[1], k.shape[1]
+    if len(parts) == 1:
+        dq, dk, dv = _bhsd(*_sdpa_call(_SDPA_CPU_BWD, parts[0], sq, sk, left, right, dt,
+                                       *_bhsd(doc, qc, kc, vc, oc), lse, scale=scale))
     else:
-        dq = _bhsd(grads[0][0] + grads[1][0])[0]
-        dk, dv = (torch.cat(_bhsd(*(g[i] for g in grads)), dim=1) for i in (1, 2))
+        dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+        for p in parts:
+            rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+            grads = _sdpa_call(_SDPA_CPU_BWD, p, sq, sk, left, right, dt,
+                               *_bhsd(doc[:, rows], qc[:, rows], kc[:, keys], vc[:, keys],
+                                      oc[:, rows]), lse[:, :, rows], scale=scale)
+            for acc, idx, g in zip((dq, dk, dv), (rows, keys, keys), _bhsd(*grads)):
+                acc[:, idx] += g
     dsink = None
     if sink is not None:
         delta = (doc * oc).sum(-1).transpose(1, 2)  # (B, H, Sq)
@@ -188,7 +237,7 @@ def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
     """
     parts = _sdpa_parts(q, k, v, left, right, softcap, sink, (q, k, v, sink))
     if parts is not None:
-        return _sdpa_fwd(q, k, v, parts, scale, sink)
+        return _sdpa_fwd(q, k, v, parts, left, right, scale, sink)
     b, sq, hq, _ = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     dt = compute_dtype(q.dtype)
@@ -248,7 +297,7 @@ def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale
     if dlse is None:
         parts = _sdpa_parts(q, k, v, left, right, softcap, sink, (q, k, v, dout, sink))
         if parts is not None:
-            return _sdpa_bwd(dout, q, k, v, out, lse, parts, scale, sink)
+            return _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink)
         dlse = torch.zeros_like(lse)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
