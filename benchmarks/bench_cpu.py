@@ -6,7 +6,7 @@ on the threads torch is given (CI's machine: 2). Beside each: the same call on t
 own loops (``ops.attention.SDPA_CPU`` off), which these calls ran before torch's CPU flash
 attention took them; then a causal call with a sink (S = 2k), a bottom-right causal chunk
 of 512 rows on 4k keys and sliding windows of 128 and 1024 keys at S = 4k (SDPA has no form
-for these), against the loops.
+for these), against the loops; then decode steps on a 4k cache (GQA 32 / 8, D = 128).
 
     python benchmarks/bench_cpu.py [--threads 2] [--smoke] [--dtype fp32|bf16|fp16]
 """
@@ -50,6 +50,21 @@ def measure(q, k, v, causal, sink=None, window=None):
             best_s(lambda: fl.attention(*leaves, **kw).sum().backward(), 2),
             best_s(lambda: F.scaled_dot_product_attention(
                 *sdpa, is_causal=causal).sum().backward(), 2) if peer else 0.0)
+
+
+def measure_decode(batch, sk, dtype):
+    """Seconds of a decode step: ours, ours on the loops, SDPA (enable_gqa)."""
+    q = torch.randn(batch, 1, 32, 128, dtype=dtype)
+    k, v = (torch.randn(batch, sk, 8, 128, dtype=dtype) for _ in range(2))
+    plain = [x.transpose(1, 2) for x in (q, k, v)]
+    times = []
+    for route in (True, False):
+        attn_mod.SDPA_CPU = route
+        try:
+            times.append(best_s(lambda: fl.attention(q, k, v, causal=True), 5))
+        finally:
+            attn_mod.SDPA_CPU = True
+    return (*times, best_s(lambda: F.scaled_dot_product_attention(*plain, enable_gqa=True), 5))
 
 
 def main():
@@ -102,6 +117,12 @@ def main():
         (fwd, both), (loop_fwd, loop_both) = runs
         print(f"{name}: forward {fwd:.3f} s (loops {loop_fwd:.3f}, {loop_fwd / fwd:.2f}x)  "
               f"forward+backward {both:.3f} s (loops {loop_both:.3f}, {loop_both / both:.2f}x)")
+    # Decode steps (one query row on a 4k cache, Hq / Hkv = 32 / 8, D = 128), as a model's
+    # generate() calls attention on the CPU; SDPA with enable_gqa beside it.
+    for batch in (1, 8):
+        ours, loops, ref = measure_decode(batch, s, dtype)
+        print(f"decode B={batch} Sk={s}: {ours * 1e3:.2f} ms (loops {loops * 1e3:.2f}, "
+              f"{loops / ours:.1f}x; SDPA {ref * 1e3:.2f}, {ref / ours:.2f}x)")
 
 
 if __name__ == "__main__":
