@@ -93,6 +93,9 @@ TAKEN = [
     pytest.param(1, 4, 45, 2, 1, 32, dict(window=(44, 2)), 1, id="window_cuts_one_key_right"),
     pytest.param(2, 100, 300, 4, 1, 32, dict(window=(50, 0), sink=True), 2,
                  id="chunk_window_sink"),
+    # One block on the last keys only (a sliding-window layer's decode or short chunk).
+    pytest.param(1, 4, 45, 2, 1, 32, dict(window=(3, 0)), 1, id="window_last_keys"),
+    pytest.param(2, 1, 300, 8, 2, 64, dict(window=(127, 0)), 1, id="window_decode"),
 ]
 
 

@@ -204,7 +204,7 @@ def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
     dt = compute_dtype(q.dtype)
     doc, qc, kc, vc, oc = (x.to(dt) for x in (dout, q, k, v, out))
     sq, sk = q.shape[1], k.shape[1]
-    if len(parts) == 1:
+    if parts == (_Part(0, sq, 0, sk, parts[0].causal, parts[0].masked), ):  # (all of it)
         dq, dk, dv = _bhsd(*_sdpa_call(_SDPA_CPU_BWD, parts[0], sq, sk, left, right, dt,
                                        *_bhsd(doc, qc, kc, vc, oc), lse, scale=scale))
     else:
