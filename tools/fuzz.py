@@ -7,8 +7,9 @@ up to 150 rows now and then); contiguous or paged caches
 (page 1, 3, 16, shuffled pages) with k_new and 0-3 splits; sparse top-k lists
 with -1 entries and all -1 rows; merges of 1-6 states with empty ones and a sink. Forward
 and, where the function is differentiable, backward (a random dout and dlse, dlse 0 on empty
-rows). A configuration passes when, for out, lse and every gradient: the -inf, +inf and NaN
-patterns equal the reference's (which has no NaN or +inf on clean data), and the error is at
+rows; in half the configurations no lse gradient at all, a loss on out alone). A
+configuration passes when, for out, lse and every gradient: the -inf, +inf and NaN patterns
+equal the reference's (which has no NaN or +inf on clean data), and the error is at
 most ``2 * err(the reference computed in the inputs' dtype) + atol`` (docs/design.md §5; fp32:
 1e-4 of the scale). One configuration in seven (not merges) carries bad data, forward only: a
 NaN in one element of q or of k (or of the cache: maybe a slot no row reads), or a sink of
@@ -63,9 +64,14 @@ class Config:
         if self.kind != "merge" and bad.random() < 1 / 7:
             self.bad = bad.choice(["q", "k", "sink_nan", "sink_inf", "sink_neginf"])
             self.sink = self.sink or self.bad.startswith("sink")
+        # Half the backward passes without an lse gradient (a loss on out only: dlse None,
+        # the common case, which the CPU path runs on torch's own kernel), from a
+        # generator of its own too.
+        self.lse_grad = random.Random(seed * 104723 + 5).random() < 0.5
 
     def __repr__(self):
-        keys = ("kind", "hq", "hkv", "d", "dv", "causal", "window", "softcap", "sink", "bad")
+        keys = ("kind", "hq", "hkv", "d", "dv", "causal", "window", "softcap", "sink", "bad",
+                "lse_grad")
         return f"seed={self.seed} " + " ".join(f"{k}={getattr(self, k)}" for k in keys)
 
 
@@ -121,10 +127,12 @@ def _sink_grad_scale(out, lse_rows, dout, dlse_rows, sink):
     return float(terms.abs().flatten(0, -2).sum(0).max()) if terms.numel() else 0.0
 
 
-def _compare(fn, ref_fn, diff, const, dtype, grad, lse_rows=lambda lse: lse.transpose(-1, -2)):
+def _compare(fn, ref_fn, diff, const, dtype, grad, lse_rows=lambda lse: lse.transpose(-1, -2),
+             lse_grad=True):
     """Runs ``fn`` (ours), ``ref_fn`` in float64 and in ``dtype`` (the baseline); compares out,
-    lse and, with ``grad``, the gradient of every tensor in ``diff``. ``lse_rows`` turns an
-    lse into ``out.shape[:-1]`` (attention's ``(B, H, Sq)`` and ``(H, total)`` by default)."""
+    lse and, with ``grad``, the gradient of every tensor in ``diff`` (of a loss on out and
+    lse, or on out alone without ``lse_grad``). ``lse_rows`` turns an lse into
+    ``out.shape[:-1]`` (attention's ``(B, H, Sq)`` and ``(H, total)`` by default)."""
     errors = []
     runs = {}
     sink_scale = None
@@ -147,7 +155,11 @@ def _compare(fn, ref_fn, diff, const, dtype, grad, lse_rows=lambda lse: lse.tran
             dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out)
             dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse)
             dlse = torch.where(torch.isfinite(lse.detach()), dlse, torch.zeros_like(dlse))
-            loss = (out * dout).sum() + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()
+            loss = (out * dout).sum()
+            if lse_grad:
+                loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()
+            else:
+                dlse = torch.zeros_like(dlse)  # (for dsink's scale below)
             params = [v for v in leaves.values() if v.requires_grad]
             got = torch.autograd.grad(loss, params, allow_unused=True)
             grads = {k: gr for k, gr in zip([k for k, v in leaves.items() if v.requires_grad],
@@ -185,7 +197,8 @@ def run_attention(cfg, device, dtype):
         diff["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
     _poison(cfg, diff["q"], diff["k"], diff.get("sink"), g)
     const = dict(causal=cfg.causal, window=cfg.window, softcap=cfg.softcap, return_lse=True)
-    return _compare(fl.attention, R.attention, diff, const, dtype, grad=cfg.bad is None)
+    return _compare(fl.attention, R.attention, diff, const, dtype, grad=cfg.bad is None,
+                    lse_grad=cfg.lse_grad)
 
 
 def run_varlen(cfg, device, dtype):
@@ -208,7 +221,7 @@ def run_varlen(cfg, device, dtype):
                                           device=device)
     _poison(cfg, diff["q"], diff["k"], diff.get("sink"), g)
     return _compare(fl.attention_varlen, R.attention_varlen, diff, const, dtype,
-                    grad=cfg.bad is None)
+                    grad=cfg.bad is None, lse_grad=cfg.lse_grad)
 
 
 def _paged(k_cache, v_cache, page, g):
@@ -287,7 +300,7 @@ def run_sparse(cfg, device, dtype):
     _poison(cfg, diff["q"], diff["k"], diff.get("sink"), g)
     const = dict(indices=idx.to(torch.int32).to(device), return_lse=True)
     return _compare(fl.sparse_attention, R.sparse_attention, diff, const, dtype,
-                    grad=cfg.bad is None)
+                    grad=cfg.bad is None, lse_grad=cfg.lse_grad)
 
 
 def run_merge(cfg, device, dtype):
