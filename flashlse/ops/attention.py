@@ -94,10 +94,13 @@ def _tiles(sq, sk, q_block, k_chunk, left, right):
 # blocked, fused, threaded), forward and backward, on (B, H, S, D) views. It returns the
 # natural-log lse and takes GQA; its causal mask is top-left aligned, which is the
 # contract's bottom-right one only when Sq == Sk, and it divides by zero on a size of 0.
-_SDPA_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_SDPA_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+try:
+    _SDPA_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    _SDPA_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+except AttributeError:  # (a torch without them: the loops run every CPU call)
+    _SDPA_CPU_FWD = _SDPA_CPU_BWD = None
 # Off: every CPU call runs the loops (benchmarks/bench_cpu.py's in-process A/B).
-SDPA_CPU = True
+SDPA_CPU = _SDPA_CPU_FWD is not None
 
 
 class _Part(NamedTuple):
