@@ -1,7 +1,8 @@
-"""The CPU path's use of torch's CPU flash attention (``ops.attention._sdpa_cpu``): the calls
-it takes give the reference's out, lse and gradients; every other call (masks that empty
-rows or shift, sinks, softcaps, Dv != D, zero sizes, an lse gradient, NaN or inf inputs)
-takes the loops, and NaN propagates as the contract says."""
+"""The CPU path's use of torch's CPU flash attention (``ops.attention._sdpa_parts``): the calls
+it takes (no empty row: full, causal, windows, sinks) give the reference's out, lse and
+gradients, in as many calls of torch's kernel as planned; every other call (empty rows,
+softcap, Dv != D, zero sizes, an lse gradient, NaN or inf inputs, a NaN dout) takes the
+loops, and NaN propagates as the contract says."""
 
 import importlib
 
