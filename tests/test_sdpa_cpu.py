@@ -1,8 +1,8 @@
 """The CPU path's use of torch's CPU flash attention (``ops.attention._sdpa_parts``): the calls
 it takes (no empty row: full, causal, windows, sinks) give the reference's out, lse and
 gradients, in as many calls of torch's kernel as planned; every other call (empty rows,
-softcap, Dv != D, zero sizes, an lse gradient, NaN or inf inputs, a NaN dout) takes the
-loops, and NaN propagates as the contract says."""
+softcap, zero sizes, an lse gradient, NaN or inf inputs, a NaN dout) takes the loops, and
+NaN propagates as the contract says."""
 
 import importlib
 
@@ -70,7 +70,7 @@ def _check(q, k, v, kw, sink=None):
                                 name=label)
 
 
-# (B, Sq, Sk, Hq, Hkv, D, keywords, calls of torch's kernel a pass)
+# (B, Sq, Sk, Hq, Hkv, D, keywords (and dv), calls of torch's kernel a pass)
 C = dict(causal=True)
 TAKEN = [
     pytest.param(2, 37, 37, 4, 4, 32, {}, 1, id="full"),
@@ -94,6 +94,10 @@ TAKEN = [
     pytest.param(1, 4, 45, 2, 1, 32, dict(window=(44, 2)), 1, id="window_cuts_one_key_right"),
     pytest.param(2, 100, 300, 4, 1, 32, dict(window=(50, 0), sink=True), 2,
                  id="chunk_window_sink"),
+    # Dv != D: the narrower padded with zero columns (MLA's prefill shape, and the other way).
+    pytest.param(1, 40, 40, 4, 2, 48, dict(C, dv=32), 1, id="d48_dv32_causal"),
+    pytest.param(1, 20, 30, 2, 2, 16, dict(window=(6, 0), dv=24, sink=True), 1,
+                 id="d16_dv24_window_sink"),
     # One block on the last keys only (a sliding-window layer's decode or short chunk).
     pytest.param(1, 4, 45, 2, 1, 32, dict(window=(3, 0)), 1, id="window_last_keys"),
     pytest.param(2, 1, 300, 8, 2, 64, dict(window=(127, 0)), 1, id="window_decode"),
@@ -108,8 +112,10 @@ def test_sdpa_cpu_taken_matches_reference(routed, monkeypatch, b, sq, sk, hq, hk
                                           dtype, route):
     # The loops (SDPA_CPU off) must stay exact on the calls the route takes from them.
     monkeypatch.setattr(attn_mod, "SDPA_CPU", route)
-    q, k, v = (rand(b, s, h, d, dtype=dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
     kw = dict(kw)
+    dv = kw.pop("dv", d)
+    q, k, v = (rand(b, s, h, dim, dtype=dtype)
+               for s, h, dim in ((sq, hq, d), (sk, hkv, d), (sk, hkv, dv)))
     sink = rand(hq, dtype=torch.float64 if dtype == torch.float64 else torch.float32) \
         if kw.pop("sink", False) else None
     _check(q, k, v, kw, sink)
@@ -156,7 +162,6 @@ DECLINED = [
     pytest.param(1, 13, 9, 2, 2, 16, 16, dict(causal=True), id="causal_empties_rows"),
     pytest.param(1, 12, 9, 2, 2, 16, 16, dict(window=(2, 0)), id="window_empties_rows"),
     pytest.param(1, 12, 12, 2, 2, 16, 16, dict(softcap=2.5), id="softcap"),
-    pytest.param(1, 12, 12, 2, 2, 16, 24, {}, id="dv_ne_d"),
     pytest.param(1, 12, 0, 2, 2, 16, 16, {}, id="no_keys"),
     pytest.param(1, 0, 12, 2, 2, 16, 16, {}, id="no_rows"),
     pytest.param(0, 12, 12, 2, 2, 16, 16, {}, id="no_batch"),

@@ -12,8 +12,8 @@ device and any float dtype (accumulating in float32; float64 stays float64):
   with ``D = rowsum(dO * O) - dlse`` and ``L = -inf`` replaced by 0 once per row
   (``lse.safe_pivot``), so empty rows give ``P = 0`` and zero gradients, never NaN.
 
-On CPU tensors, a dense call with no empty row (no softcap; ``Dv == D``; finite inputs; no
-lse gradient in the backward) runs torch's own CPU flash attention instead
+On CPU tensors, a dense call with no empty row (no softcap; finite inputs; no lse gradient
+in the backward) runs torch's own CPU flash attention instead
 (:func:`_sdpa_parts`): the same out and natural-log lse, faster than these loops
 (benchmarks/bench_cpu.py).
 """
@@ -120,8 +120,9 @@ def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
     computes this dense call as the contract does (a block's parts merged, then the sink),
     or None: the loops run it.
 
-    It runs CPU tensors, ``Dv == D``, no softcap, no dimension of size 0 (the kernel divides
-    by it), no empty row, and three forms of mask:
+    It runs CPU tensors (one head dim: the narrower of D and Dv is padded with zeros), no
+    softcap, no dimension of size 0 (the kernel divides by it), no empty row, and three forms
+    of mask:
     - every row sees every key (``left >= Sk - 1`` or None, ``right >= Sq - 1`` or None: a
       decode's causal mask too): one part;
     - causal with ``Sq <= Sk``: the ``Sk - Sq`` keys every row sees, and the square causal
@@ -137,8 +138,7 @@ def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
     lo = -(1 << 62) if left is None else -left  # row i sees keys [i + shift + lo, ...
     hi = 1 << 62 if right is None else right    # ..., i + shift + hi]
     if not (SDPA_CPU and q.device.type == "cpu" and not softcap and q.numel() > 0
-            and k.numel() > 0 and q.shape[-1] == v.shape[-1]
-            and shift + hi >= 0 and lo <= 0 and lo <= hi):  # (no empty row)
+            and k.numel() > 0 and shift + hi >= 0 and lo <= 0 and lo <= hi):  # (no empty row)
         return None
     no_left_cut = sk - 1 + lo <= 0  # (the last row sees key 0)
     if no_left_cut and hi >= sq - 1:  # (the first row sees the last key)
@@ -163,6 +163,14 @@ def _bhsd(*xs) -> list:
     return [x.transpose(1, 2) for x in xs]
 
 
+def _padded(x, width: int, dt):
+    """``x`` in ``dt`` with zero columns up to ``width``: torch's kernel takes one head dim for
+    q, k and v, and zero columns change neither a score (q, k) nor what is read of out and
+    dout (v, out, dout; the scale is passed as given)."""
+    x = x.to(dt)
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def _sdpa_call(op, part, sq, sk, left, right, dt, *args, **kw):
     """``op`` on one part: its causal flag, or its window as an additive mask."""
     mask = None
@@ -178,7 +186,8 @@ def _sdpa_fwd(q, k, v, parts, left, right, scale, sink):
     in float32 as the loops compute (float64 stays float64): its fp16 kernel ran 3-4x slower
     than the loops here, its bf16 one slower than its float32 one."""
     dt = compute_dtype(q.dtype)
-    qt, kt, vt = _bhsd(q.to(dt), k.to(dt), v.to(dt))
+    width = max(q.shape[-1], v.shape[-1])
+    qt, kt, vt = _bhsd(*(_padded(x, width, dt) for x in (q, k, v)))
     sq, sk = q.shape[1], k.shape[1]
     outs, lses = [], []
     for q0, q1 in dict.fromkeys((p.q0, p.q1) for p in parts):
@@ -196,7 +205,8 @@ def _sdpa_fwd(q, k, v, parts, left, right, scale, sink):
         lses.append(lse)
     out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 2), torch.cat(lses, 2))
     # out is (B, Sq, H, D) in memory; lse (B, H, Sq) is laid out (B, Sq, H).
-    return out.transpose(1, 2).to(q.dtype).contiguous(), lse.contiguous()
+    out = out.transpose(1, 2)[..., :v.shape[-1]]
+    return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
@@ -205,7 +215,8 @@ def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
     ``rowsum(dout * out)`` with the final out, so the parts' gradients add up to the call's;
     dsink as the loops compute it."""
     dt = compute_dtype(q.dtype)
-    doc, qc, kc, vc, oc = (x.to(dt) for x in (dout, q, k, v, out))
+    width = max(q.shape[-1], v.shape[-1])
+    doc, qc, kc, vc, oc = (_padded(x, width, dt) for x in (dout, q, k, v, out))
     sq, sk = q.shape[1], k.shape[1]
     if parts == (_Part(0, sq, 0, sk, parts[0].causal, parts[0].masked), ):  # (all of it)
         dq, dk, dv = _bhsd(*_sdpa_call(_SDPA_CPU_BWD, parts[0], sq, sk, left, right, dt,
@@ -224,8 +235,9 @@ def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
         delta = (doc * oc).sum(-1).transpose(1, 2)  # (B, H, Sq)
         p_sink = torch.exp(sink.to(dt).view(-1, 1) - lse)
         dsink = -(p_sink * delta).sum(dim=(0, 2)).to(sink.dtype)
-    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
-            dv.to(v.dtype).contiguous(), dsink)
+    d, dv_dim = q.shape[-1], v.shape[-1]
+    return (dq[..., :d].to(q.dtype).contiguous(), dk[..., :d].to(k.dtype).contiguous(),
+            dv[..., :dv_dim].to(v.dtype).contiguous(), dsink)
 
 
 def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
