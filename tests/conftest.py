@@ -112,9 +112,13 @@ def _leaves(tensors: dict, dtype=None) -> dict:
 def _run(fn, diff: dict, const: dict, dout, dlse):
     out, lse = fn(**diff, **const)
     names = [n for n, t in diff.items() if t.requires_grad]
-    # The gradient through lse is a random dlse on its finite entries.
-    dl = torch.where(torch.isfinite(lse.detach()), dlse.to(lse.dtype), torch.zeros_like(lse))
-    pairs = [(o, g) for o, g in ((out, dout.to(out.dtype)), (lse, dl)) if o.requires_grad]
+    # The gradient through lse is a random dlse on its finite entries (None: a loss on out
+    # alone, the backward then gets no lse gradient).
+    pairs = [(out, dout.to(out.dtype))]
+    if dlse is not None:
+        pairs.append((lse, torch.where(torch.isfinite(lse.detach()), dlse.to(lse.dtype),
+                                       torch.zeros_like(lse))))
+    pairs = [(o, g) for o, g in pairs if o.requires_grad]
     inputs = [diff[n] for n in names]
     grads = [None] * len(inputs)
     if pairs:
@@ -126,11 +130,12 @@ def _run(fn, diff: dict, const: dict, dout, dlse):
 
 
 def check_against_reference(fn, ref_fn, diff: dict, const: dict | None = None, *, grad=True,
-                            tol=None):
+                            tol=None, lse_grad=True):
     """Runs ``fn`` and ``ref_fn`` (keywords ``**diff, **const``; both return ``(out, lse)``)
-    and compares out, lse and the gradient of every tensor in ``diff`` against the
-    float64 reference (``ref_fn`` on float64 copies). Low-precision inputs are also
-    run through ``ref_fn`` in their own dtype, the baseline of docs/design.md §5.
+    and compares out, lse and the gradient of every tensor in ``diff`` (of a loss on out and
+    lse, or on out alone without ``lse_grad``) against the float64 reference (``ref_fn`` on
+    float64 copies). Low-precision inputs are also run through ``ref_fn`` in their own
+    dtype, the baseline of docs/design.md §5.
 
     Returns ``(out, lse, grads)`` of ``fn`` for extra checks.
     """
@@ -138,7 +143,7 @@ def check_against_reference(fn, ref_fn, diff: dict, const: dict | None = None, *
     with torch.no_grad():
         out0, lse0 = fn(**diff, **const)
     dout = rand(*out0.shape).to(out0.device)
-    dlse = rand(*lse0.shape).to(lse0.device)
+    dlse = rand(*lse0.shape).to(lse0.device) if lse_grad else None
     if not grad:
         ref_out, ref_lse = ref_fn(**_leaves(diff, torch.float64), **const)
         outs = {"out": (out0, ref_out.detach()), "lse": (lse0, ref_lse.detach())}

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from _flashlse_testing import LOWP, assert_close_to_ref, rand, reference_in
+from _flashlse_testing import assert_close_to_ref, check_against_reference, rand
 
 import flashlse as fl
 from flashlse import reference as R
@@ -32,42 +32,15 @@ def routed(monkeypatch):
     return calls
 
 
-def _grads(fn, leaves, kw, dout):
-    """``(out, lse, grads)`` of ``fn(q, k, v[, sink=...])`` with the loss ``sum(out * dout)``
-    (no lse gradient: the backward gets ``dlse = None``); ``leaves`` are q, k, v and maybe
-    the sink."""
-    out, lse = fn(*leaves[:3], return_lse=True, sink=leaves[3] if len(leaves) > 3 else None,
-                  **kw)
-    grads = torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)
-    return out.detach(), lse.detach(), [torch.zeros_like(t) if g is None else g
-                                        for t, g in zip(leaves, grads)]
-
-
 def _check(q, k, v, kw, sink=None):
     """Ours against the float64 reference (and, in fp16 / bf16, the reference in that dtype
-    as the baseline): out, lse, dq, dk, dv and dsink."""
-    dout = rand(*q.shape[:-1], v.shape[-1])
-    inputs = (q, k, v) if sink is None else (q, k, v, sink)
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    ours = _grads(fl.attention, leaves, kw, dout)
-    assert ours[0].is_contiguous() and ours[1].is_contiguous()
-    assert all(g.is_contiguous() for g in ours[2])
-    ref = _grads(R.attention, [t.detach().double().requires_grad_() for t in inputs], kw,
-                 dout.double())
-    base = None
-    if q.dtype in LOWP:
-        with reference_in(q.dtype):
-            base = _grads(R.attention, [t.detach().clone().requires_grad_() for t in inputs],
-                          kw, dout)
-    base = base or (None, None, [None] * len(inputs))
-    names = ("dq", "dk", "dv", "dsink")
-    for i, name in enumerate(("out", "lse", "grads")):
-        pairs = zip(ours[i], ref[i], base[i]) if name == "grads" else [(ours[i], ref[i], base[i])]
-        for j, (a, r, b) in enumerate(pairs):
-            label = names[j] if name == "grads" else name
-            assert not torch.isnan(a).any(), label
-            assert_close_to_ref(a, r, baseline=b, dtype=q.dtype if q.dtype in LOWP else None,
-                                name=label)
+    as the baseline): out, lse, dq, dk, dv and dsink of a loss on out alone (the backward
+    gets no lse gradient), and the outputs' layouts."""
+    diff = dict(q=q, k=k, v=v) if sink is None else dict(q=q, k=k, v=v, sink=sink)
+    out, lse, grads = check_against_reference(fl.attention, R.attention, diff,
+                                              dict(kw, return_lse=True), lse_grad=False)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert all(g.is_contiguous() for g in grads.values())
 
 
 # (B, Sq, Sk, Hq, Hkv, D, keywords (and dv), calls of torch's kernel a pass)
@@ -120,7 +93,7 @@ def test_sdpa_cpu_taken_matches_reference(routed, monkeypatch, b, sq, sk, hq, hk
         if kw.pop("sink", False) else None
     _check(q, k, v, kw, sink)
     n = n if route else 0
-    assert routed == {"fwd": n, "bwd": n}
+    assert routed == {"fwd": 2 * n, "bwd": n}  # (the check runs the forward twice)
 
 
 def test_sdpa_cpu_window_masks_bounded(routed, monkeypatch):
@@ -132,7 +105,7 @@ def test_sdpa_cpu_window_masks_bounded(routed, monkeypatch):
     assert routed == {"fwd": 0, "bwd": 0}
     monkeypatch.setattr(attn_mod, "TILE_ELEMS", 128 * 256)
     _check(q, k, v, dict(window=(127, 0)))
-    assert routed == {"fwd": 3, "bwd": 3}
+    assert routed == {"fwd": 6, "bwd": 3}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -233,3 +206,28 @@ def test_sdpa_cpu_nan_dout_takes_the_loops(routed):
     for name, a, r in zip(("dq", "dk", "dv"), grads, ref):
         assert torch.isnan(a)[torch.isnan(r)].all(), f"{name}: a NaN of the reference is gone"
         assert torch.isnan(a).any(-1).sum() < a.shape[1] * a.shape[2], f"{name}: all NaN"
+
+
+def test_sdpa_cpu_lse_contract_empty_rows_and_sinks(routed):
+    # Empty rows (causal, Sq > Sk) with a sink: out 0 and lse == the sink, against the
+    # reference, on the loops; a -inf sink is no sink (and, not finite, takes the loops); a
+    # finite sink on rows that all see keys takes the route. No NaN in outputs or gradients.
+    q, k, v = rand(1, 13, 4, 16), rand(1, 9, 2, 16), rand(1, 9, 2, 16)
+    sink = rand(4)
+    out, lse, _ = check_against_reference(fl.attention, R.attention,
+                                          dict(q=q, k=k, v=v, sink=sink),
+                                          dict(causal=True, return_lse=True), lse_grad=False)
+    assert (out[0, :4] == 0).all() and torch.equal(lse[0, :, :4], sink[:, None].expand(4, 4))
+    assert routed == {"fwd": 0, "bwd": 0}
+    sink_ninf = sink.clone()
+    sink_ninf[1] = float("-inf")
+    q = rand(1, 9, 4, 16)
+    out, lse, _ = check_against_reference(fl.attention, R.attention,
+                                          dict(q=q, k=k, v=v, sink=sink_ninf),
+                                          dict(causal=True, return_lse=True), lse_grad=False)
+    assert routed == {"fwd": 0, "bwd": 0}
+    no_sink = fl.attention(q, k, v, causal=True, return_lse=True)[1]  # (the route: 1 call)
+    torch.testing.assert_close(lse[:, 1], no_sink[:, 1])
+    check_against_reference(fl.attention, R.attention, dict(q=q, k=k, v=v, sink=sink),
+                            dict(causal=True, return_lse=True), lse_grad=False)
+    assert routed == {"fwd": 3, "bwd": 1}

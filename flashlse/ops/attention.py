@@ -20,6 +20,7 @@ in the backward) runs torch's own CPU flash attention instead
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -116,7 +117,7 @@ class _Part(NamedTuple):
 
 
 def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
-    """The parts (:class:`_Part`, by query block) on which torch's CPU flash attention
+    """The parts (:class:`_Part`, in query-block order) on which torch's CPU flash attention
     computes this dense call as the contract does (a block's parts merged, then the sink),
     or None: the loops run it.
 
@@ -190,10 +191,10 @@ def _sdpa_fwd(q, k, v, parts, left, right, scale, sink):
     qt, kt, vt = _bhsd(*(_padded(x, width, dt) for x in (q, k, v)))
     sq, sk = q.shape[1], k.shape[1]
     outs, lses = [], []
-    for q0, q1 in dict.fromkeys((p.q0, p.q1) for p in parts):
+    for (q0, q1), block in itertools.groupby(parts, lambda p: (p.q0, p.q1)):
         states = [_sdpa_call(_SDPA_CPU_FWD, p, sq, sk, left, right, dt, qt[:, :, q0:q1],
                              kt[:, :, p.k0:p.k1], vt[:, :, p.k0:p.k1], scale=scale)
-                  for p in parts if p.q0 == q0]
+                  for p in block]
         if len(states) == 1 and sink is None:
             out, lse = states[0]
         else:
@@ -230,14 +231,18 @@ def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
                                       oc[:, rows]), lse[:, :, rows], scale=scale)
             for acc, idx, g in zip((dq, dk, dv), (rows, keys, keys), _bhsd(*grads)):
                 acc[:, idx] += g
-    dsink = None
-    if sink is not None:
-        delta = (doc * oc).sum(-1).transpose(1, 2)  # (B, H, Sq)
-        p_sink = torch.exp(sink.to(dt).view(-1, 1) - lse)
-        dsink = -(p_sink * delta).sum(dim=(0, 2)).to(sink.dtype)
+    dsink = None if sink is None else _dsink(sink, lse, (doc * oc).sum(-1).transpose(1, 2))
     d, dv_dim = q.shape[-1], v.shape[-1]
     return (dq[..., :d].to(q.dtype).contiguous(), dk[..., :d].to(k.dtype).contiguous(),
             dv[..., :dv_dim].to(v.dtype).contiguous(), dsink)
+
+
+def _dsink(sink, lse, delta):
+    """``dL/dsink_h = -sum_{b,i} exp(sink_h - L_i) D_i`` (the sink is a key of value 0), from
+    ``lse`` and ``D = rowsum(dO * O) - dlse``, both ``(B, Hq, S)`` in the compute dtype; an
+    empty row's ``L = -inf`` pivots at 0 (a -inf sink: no sink, 0)."""
+    p_sink = torch.exp(sink.to(lse.dtype).view(-1, 1) - safe_pivot(lse))
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sink.dtype)
 
 
 def attn_fwd_torch(q, k, v, *, left, right, softcap, scale, sink):
@@ -342,11 +347,8 @@ def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale
             ds = ds * (1 - t * t)
         dq[..., q0:q1, :] += ds.matmul(kc) * scale
         dk[:, :, k0:k1] += ds.transpose(-1, -2).matmul(qb).sum(2) * scale
-    dsink = None
-    if sink is not None:
-        # dL/dsink_h = -sum_{b,i} exp(sink_h - L_i) D_i  (the sink is a key of value 0).
-        p_sink = torch.exp(sink.to(dt).view(1, hkv, g, 1) - pivot.squeeze(-1))
-        dsink = -(p_sink * delta).sum(dim=(0, 3)).reshape(hq).to(sink.dtype)
+    dsink = None if sink is None else _dsink(sink, lse_h.reshape(b, hq, sq),
+                                             delta.reshape(b, hq, sq))
     return (_unheads(dq).to(q.dtype).contiguous(), dk.transpose(1, 2).to(k.dtype).contiguous(),
             dv.transpose(1, 2).to(v.dtype).contiguous(), dsink)
 
