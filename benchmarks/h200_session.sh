@@ -58,6 +58,8 @@
 #   bash benchmarks/h200_session.sh s40        # session 40's work (no device then): the
 #                                                serving kept paths' GPU tests and host A/B,
 #                                                the varlen backward's one zeroing launch
+#   bash benchmarks/h200_session.sh s42        # s39 and s40 in one call: their tests in four
+#                                                processes, shorter host and varlen A/Bs
 #   bash benchmarks/h200_session.sh exp fwd|bwd [bench]  # experiments reverted in main,
 #                                                re-applied (before_after.sh prep-revert
 #                                                REV...): their GPU tests; with bench, their
@@ -588,6 +590,32 @@ if [ "$1" = s40 ]; then
         --rows kvcache --rounds 6 2>&1 | grep "^=== ab"
     timeout 150 python3 benchmarks/bench_overhead.py --functions kvcache,varlen,paged \
         --out "$OUT" 2>&1 | tail -14
+    exit 0
+fi
+if [ "$1" = s42 ]; then
+    # Sessions 39-41's GPU-untested work in one call: the kept training and serving paths'
+    # tests (s39's and s40's sets, four processes), VARLEN_CONSUMERS = 3's tests, the varlen
+    # backward's one zeroing launch; then host us with the kept plans on / off in turns and
+    # the D = 64 varlen forward on three consumers against two.
+    run_tests train $K/test_fwd.py $K/test_bwd.py $K/test_cuda_graphs.py \
+        -k "kept or fused or failure or graph or sync" &
+    run_tests wg3 $K/test_fwd.py $K/test_fwd_paged_sm90.py \
+        -k "persistent_varlen or dense_key_splits or d64_consumers or three_consumers" &
+    run_tests kv $K/test_kvcache_kernels.py $K/test_cuda_graphs.py $K/test_sync_free.py \
+        $K/test_launch_fast_path.py &
+    run_tests zero $K/test_bwd.py -k "varlen and not fp16" &
+    wait
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
+    for r in "fwd+bwd" kvcache; do
+        timeout 100 python3 benchmarks/profile_host.py --ab flashlse.ops._validate.KEEP_PLANS \
+            --rows "$r" --rounds 4 2>&1 | grep "^=== ab"
+    done
+    for a in "--seed 0" "--doc-len 4096"; do
+        timeout 70 python3 benchmarks/bench_varlen.py --dim 64 $a \
+            --fwd-variants '[{"VARLEN_CONSUMERS": 3}, {"VARLEN_CONSUMERS": 2}]' 2>&1 \
+            | grep -E "^packed|forward, \{" | tee -a "$OUT/varlen_wg3.txt"
+    done
     exit 0
 fi
 if [ "$1" = exp ]; then
