@@ -300,7 +300,9 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
     # the Triton backward takes the input dtype and accumulates in float32 itself.
     cast = (lambda x: x) if use_triton(q) else (lambda x: x.to(dt))
     qc, doc, oc = cast(q), cast(dout), cast(out)
-    dlse = dlse.to(dt)
+    # dlse None: no lse gradient (a loss on out alone), so the steps' backwards take the
+    # fast forms that have none (the CPU path's torch kernel; the kernels skip its load).
+    dlse = None if dlse is None else dlse.to(dt)
     dq = torch.zeros(b, n, hq, d, dtype=dt, device=q.device)
     own = torch.cat([k.reshape(-1), v.reshape(-1)])
     acc, acc_reqs = None, []
@@ -313,9 +315,9 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
             dkb, dvb = _unpack(part, b, m, hkv, d, dv)
         for q0, q1, k0, k1, lw, rw in ring.plans[src]:
             dq_c, dk_c, dv_c, _ = attn_bwd(
-                doc[:, q0:q1], dlse[:, :, q0:q1], qc[:, q0:q1], kb[:, k0:k1], vb[:, k0:k1],
-                oc[:, q0:q1], lse[:, :, q0:q1], left=lw, right=rw, softcap=ring.softcap,
-                scale=ring.scale, sink=None)
+                doc[:, q0:q1], None if dlse is None else dlse[:, :, q0:q1], qc[:, q0:q1],
+                kb[:, k0:k1], vb[:, k0:k1], oc[:, q0:q1], lse[:, :, q0:q1], left=lw,
+                right=rw, softcap=ring.softcap, scale=ring.scale, sink=None)
             dq[:, q0:q1] += dq_c
             dkb[:, k0:k1] += dk_c
             dvb[:, k0:k1] += dv_c
@@ -342,7 +344,9 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
         dk, dvv = k.new_zeros(k.shape, dtype=dt), v.new_zeros(v.shape, dtype=dt)
     dsink = None
     if sink is not None:
-        delta = (doc * oc).sum(-1).transpose(1, 2) - dlse
+        delta = (doc * oc).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta = delta - dlse
         p_sink = torch.exp(sink.to(dt).view(1, hq, 1) - safe_pivot(lse.to(dt)))
         dsink = -(p_sink * delta).sum(dim=(0, 2))
         if ring.sink_grad == "sum" and ring.world > 1:
@@ -403,8 +407,8 @@ def _(q, k, v, sink, group_name, shard_lengths, layout, left, right, softcap, sc
 
 
 @torch.library.custom_op("flashlse::ring_bwd", mutates_args=())
-def _ring_bwd_op(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+def _ring_bwd_op(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  sink: torch.Tensor | None, group_name: str, shard_lengths: list[int] | None,
                  layout: str, left: int | None, right: int | None, softcap: float,
                  scale: float, sink_grad: str
@@ -432,7 +436,6 @@ def _ring_setup(ctx, inputs, output):
 def _ring_backward(ctx, dout, dlse):
     q, k, v, out, lse, sink = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout
-    dlse = torch.zeros_like(lse) if dlse is None else dlse
     dq, dk, dv, dsink = _ring_bwd_op(dout, dlse, q, k, v, out, lse, sink, *ctx.scalars)
     return (dq, dk, dv, None if sink is None else dsink) + (None,) * len(ctx.scalars)
 
@@ -451,11 +454,15 @@ class RingAttentionFunction(torch.autograd.Function):
         # This call's kernel options, for the backward (autograd's device thread does not
         # see the caller's kernel_options block; as AttentionFunction's).
         ctx.opts = options.captured()
+        # An unused lse gets no zero-filled gradient (None: the steps take no lse gradient).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
         dq, dk, dv, dsink = options.run_under(ctx.opts, _ring_bwd, dout, dlse, q, k, v, out,
                                               lse, sink, ctx.ring)
         return dq, dk, dv, dsink, None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib
 import itertools
 import math
 import queue as queue_module
@@ -51,6 +52,13 @@ RING_CASES = [
     dict(id="w3-zero-token-rank-unequal", world=3, lengths=[5, 0, 8], layout="zigzag",
          causal=True, window=(6, 0), sink=True),
     dict(id="w3-float32", world=3, s=18, layout="zigzag", causal=True, dtype=torch.float32),
+    # A loss on out alone: the ring's backward passes no lse gradient to its steps.
+    dict(id="w3-out-only-contiguous-causal-sink", world=3, s=21, layout="contiguous",
+         causal=True, sink=True, out_only=True),
+    dict(id="w3-out-only-zigzag-window-float32", world=3, s=24, layout="zigzag",
+         window=(5, 1), dtype=torch.float32, out_only=True),
+    dict(id="w2-out-only-compiled-causal-sink", world=2, s=13, layout="zigzag", causal=True,
+         sink=True, out_only=True, compile=True),
     # A group that is not the world: ring neighbours are global ranks 1 and 2.
     dict(id="w3-subgroup-ranks-1-2", world=3, group=[1, 2], s=11, layout="zigzag",
          causal=True, sink=True),
@@ -162,7 +170,9 @@ def _ring_case(c, rank, world):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     sink_1 = None if sink is None else sink.clone().requires_grad_()
     out_1, lse_1 = fl.attention(*leaves, sink=sink_1, return_lse=True, **kw)
-    ((out_1 * g_out).sum() + (lse_1 * g_lse).sum()).backward()
+    # out_only: a loss on out alone (no lse gradient: the steps' backwards take no dlse).
+    w_lse = 0 if c.get("out_only") else 1
+    ((out_1 * g_out).sum() + w_lse * (lse_1 * g_lse).sum()).backward()
     out_ref, lse_ref = reference.attention(q, k, v, sink=sink, return_lse=True, **kw)
 
     shard = lambda x, dim=1: fld.split_sequence(x, lengths, layout=c["layout"], dim=dim)[rank]
@@ -176,7 +186,17 @@ def _ring_case(c, rank, world):
     if "compile" in c:  # its value: dynamic shapes
         ring = torch.compile(ring, fullgraph=True, dynamic=c["compile"], backend="aot_eager")
     out, lse = ring(*mine, sink=sink_r)
-    ((out * shard(g_out)).sum() + (lse * shard(g_lse, 2)).sum()).backward()
+    loss = (out * shard(g_out)).sum()
+    # With no lse gradient the steps' backwards run torch's CPU flash backward (counted).
+    ops = importlib.import_module("flashlse.ops.attention")
+    routed, sdpa_bwd = [], ops._sdpa_bwd
+    ops._sdpa_bwd = lambda *a, **kw: routed.append(1) or sdpa_bwd(*a, **kw)
+    try:
+        (loss if w_lse == 0 else loss + (lse * shard(g_lse, 2)).sum()).backward()
+    finally:
+        ops._sdpa_bwd = sdpa_bwd
+    # (Compiled, AOTAutograd hands the ring_bwd op a zero lse gradient: the loops run it.)
+    assert bool(routed) == (w_lse == 0 and lengths[rank] > 0 and "compile" not in c), routed
 
     assert out.shape == (b, lengths[rank], hq, d + 2) and lse.shape == (b, hq, lengths[rank])
     _close("out vs reference", out, shard(out_ref), tol)
