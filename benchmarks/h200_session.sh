@@ -60,6 +60,8 @@
 #                                                the varlen backward's one zeroing launch
 #   bash benchmarks/h200_session.sh s42        # s39 and s40 in one call: their tests in four
 #                                                processes, shorter host and varlen A/Bs
+#   bash benchmarks/h200_session.sh s42b       # D = 64 pages on the Gluon kernels: paged,
+#                                                kvcache, varlen tests; bench_serving --dim 64
 #   bash benchmarks/h200_session.sh exp fwd|bwd [bench]  # experiments reverted in main,
 #                                                re-applied (before_after.sh prep-revert
 #                                                REV...): their GPU tests; with bench, their
@@ -616,6 +618,22 @@ if [ "$1" = s42 ]; then
             --fwd-variants '[{"VARLEN_CONSUMERS": 3}, {"VARLEN_CONSUMERS": 2}]' 2>&1 \
             | grep -E "^packed|forward, \{" | tee -a "$OUT/varlen_wg3.txt"
     done
+    exit 0
+fi
+if [ "$1" = s42b ]; then
+    # D = 64 over pages on the Gluon kernels (fwd_sm90.PAGED_D64) and three varlen consumers
+    # by default at D = 64: the paged, kvcache and varlen GPU tests, then bench_serving at
+    # D = 64 with the flag on / off in turn (32 / 8 and 8 / 2 heads).
+    run_tests paged $K/test_fwd_paged_sm90.py &
+    run_tests kv64 $K/test_kvcache_kernels.py &
+    run_tests varlen64 $K/test_fwd.py -k "persistent_varlen or d64 or consumers or varlen" &
+    wait
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
+    timeout 120 python3 benchmarks/bench_serving.py --dim 64 --flag fwd_sm90.PAGED_D64 2>&1 \
+        | tee "$OUT/serving64.txt" | tail -9
+    timeout 120 python3 benchmarks/bench_serving.py --dim 64 --heads 8,2 \
+        --flag fwd_sm90.PAGED_D64 2>&1 | tee "$OUT/serving64_h8.txt" | tail -9
     exit 0
 fi
 if [ "$1" = exp ]; then

@@ -273,9 +273,12 @@ FWD_SM90 = {
     # +9.5 / +12.3 / +14.1%; 0.81 / 0.99 / 1.05 / 1.05x cuDNN causal, 0.98 / 1.04 / 1.05 /
     # 1.08x full (two consumers 0.78-0.97x). Call 2's form without each part's own key
     # tiles lost 14% / 8% at causal 1k / 2k; on 64-key tiles, overlapped, it lost 2-18%.
+    # varlen_consumers = 3: RESULTS.md 2026-12-05 session 42, call 1 (bench_varlen --dim 64,
+    # 16k causal tokens, H = 16, in turn with two): documents of 229-3710 tokens 0.238 /
+    # 0.255 ms (+7%), 4 x 4k 0.329 / 0.360 (+9%).
     64: TileConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, pingpong=False,
                    overlap=True, persistent=True, persistent_table=True, persistent_varlen=True,
-                   grid=False, consumer_regs=240, q_bufs=2, consumers=3),
+                   grid=False, consumer_regs=240, q_bufs=2, consumers=3, varlen_consumers=3),
     # persistent_varlen: RESULTS.md 2026-12-02 session 17 (bench_varlen, 16k tokens in causal
     # documents of 64-4k, same process): 0.355-0.362 ms against the grid kernel's 0.404 at
     # seed 0, 0.366-0.374 / 0.404 at seed 1, 0.346-0.355 / 0.387 at seed 3.

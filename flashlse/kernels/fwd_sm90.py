@@ -2269,19 +2269,23 @@ def _sm_count(device) -> int:
 # kernel; their rows copied by cp.async instead ran at 0.38x (session 14) and were removed.
 PAGE_SIZES = (16, 32, 64)
 MAX_PAGED_BATCH = 4096
+# D = 64 pages on the Gluon kernels (the head dims whose paged forms the GPU tests run: 64 and
+# 128); off, D = 64 paged calls run fwd.py's paged kernel (the A/B of bench_serving --dim 64).
+PAGED_D64 = True
 
 
 def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
-    """The paged kernel's domain: :func:`supported`'s at D = Dv = 128 (sm_90, fp16/bf16, no
-    softcap, TMA-aligned; the only head dim its GPU tests run), pages of 16, 32 or 64 rows or
-    a multiple of BLOCK_N, copied by TMA, each page's rows contiguous in the cache
+    """The paged kernel's domain: :func:`supported`'s at D = Dv = 128, or 64 (sm_90,
+    fp16/bf16, no softcap, TMA-aligned; the head dims its GPU tests run), pages of 16, 32 or
+    64 rows or a multiple of BLOCK_N, copied by TMA, each page's rows contiguous in the cache
     (``stride(0) == page_size * stride(1)``), and cache rows addressable in int32. Other page
     sizes (1, 3, 8, 48, ...) run fwd.py's paged kernel (``attention_with_kvcache`` gathers
     the pages of long chunks for the dense kernel)."""
-    if q.shape[-1] != 128:
+    d = q.shape[-1]
+    if not (d == 128 or (d == 64 and PAGED_D64)):
         return False
     num_pages, page = k_cache.shape[:2]
-    block_n = configs.FWD_SM90[128].block_n
+    block_n = configs.FWD_SM90[d].block_n
     # _long_block reads every sequence's lengths in one vector: up to 4096 sequences it
     # compiles without a spill (16384: 1216 bytes of stack).
     if batch > MAX_PAGED_BATCH:
