@@ -1516,7 +1516,7 @@ def test_attn_fwd_sm90_varlen_three_consumers(monkeypatch):
     from flashlse.kernels import configs, fwd_sm90
 
     monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 132)
-    assert configs.FWD_SM90[64].varlen_consumers == 2  # (three: not yet measured)
+    assert configs.FWD_SM90[64].varlen_consumers == 3  # (+7-9% on the H200, session 42)
     assert fwd_sm90._varlen_blocks(8, 16384, 4096, 3) == -(-16384 // 192) + 8
     assert fwd_sm90._varlen_blocks(8, 16384, 100, 3) == 8
     assert fwd_sm90._align_end(3) == 64 and fwd_sm90._align_end(2) == 0
