@@ -52,16 +52,6 @@
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
-#   bash benchmarks/h200_session.sh s39        # session 39's work (no device then): the
-#                                                kept training path's tests and host A/B,
-#                                                VARLEN_CONSUMERS = 3's tests and A/B
-#   bash benchmarks/h200_session.sh s40        # session 40's work (no device then): the
-#                                                serving kept paths' GPU tests and host A/B,
-#                                                the varlen backward's one zeroing launch
-#   bash benchmarks/h200_session.sh s42        # s39 and s40 in one call: their tests in four
-#                                                processes, shorter host and varlen A/Bs
-#   bash benchmarks/h200_session.sh s42b       # D = 64 pages on the Gluon kernels: paged,
-#                                                kvcache, varlen tests; bench_serving --dim 64
 #   bash benchmarks/h200_session.sh exp fwd|bwd [bench]  # experiments reverted in main,
 #                                                re-applied (before_after.sh prep-revert
 #                                                REV...): their GPU tests; with bench, their
@@ -557,88 +547,11 @@ run_tests() {  # log name, then pytest arguments
     local name=$1; shift
     timeout 380 python3 -m pytest -q "$@" -p no:cacheprovider > "$OUT/test_gpu_$name.log" 2>&1
 }
-if [ "$1" = s39 ]; then
-    # Session 39's work, none of it GPU-run then (no device was lent): the kept training path
-    # (its GPU tests; host us with the kept plans on / off in turns) and the persistent
-    # varlen kernel on three consumer warpgroups (VARLEN_CONSUMERS = 3: its GPU tests, the
-    # D = 64 varlen forward against two consumers in turn).
-    run_tests train $K/test_fwd.py $K/test_bwd.py $K/test_cuda_graphs.py \
-        -k "kept or fused or failure or graph or sync" &
-    run_tests wg3 $K/test_fwd.py $K/test_fwd_paged_sm90.py \
-        -k "persistent_varlen or dense_key_splits or d64_consumers or three_consumers" &
-    wait
-    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
-    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
-    timeout 150 python3 benchmarks/profile_host.py --ab flashlse.ops._validate.KEEP_PLANS \
-        --rows "fwd+bwd" --rounds 6 2>&1 | grep "^=== ab"
-    for a in "--seed 0" "--seed 1" "--doc-len 1024" "--doc-len 4096"; do
-        timeout 80 python3 benchmarks/bench_varlen.py --dim 64 $a \
-            --fwd-variants '[{"VARLEN_CONSUMERS": 3}, {"VARLEN_CONSUMERS": 2}]' 2>&1 \
-            | grep -E "^packed|forward, \{" | tee -a "$OUT/varlen_wg3.txt"
-    done
-    exit 0
-fi
-if [ "$1" = s40 ]; then
-    # Session 40's work, none of it GPU-run then: the serving kept paths (paged chunks,
-    # appends, row starts per stream: their GPU tests, graph replay, sync-free; host us with
-    # the kept plans on / off in turns) and the varlen backward's one zeroing launch.
-    run_tests kv $K/test_kvcache_kernels.py $K/test_cuda_graphs.py $K/test_sync_free.py \
-        $K/test_launch_fast_path.py &
-    run_tests zero $K/test_bwd.py -k "varlen and not fp16" &
-    wait
-    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
-    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
-    timeout 200 python3 benchmarks/profile_host.py --ab flashlse.ops._validate.KEEP_PLANS \
-        --rows kvcache --rounds 6 2>&1 | grep "^=== ab"
-    timeout 150 python3 benchmarks/bench_overhead.py --functions kvcache,varlen,paged \
-        --out "$OUT" 2>&1 | tail -14
-    exit 0
-fi
-if [ "$1" = s42 ]; then
-    # Sessions 39-41's GPU-untested work in one call: the kept training and serving paths'
-    # tests (s39's and s40's sets, four processes), VARLEN_CONSUMERS = 3's tests, the varlen
-    # backward's one zeroing launch; then host us with the kept plans on / off in turns and
-    # the D = 64 varlen forward on three consumers against two.
-    run_tests train $K/test_fwd.py $K/test_bwd.py $K/test_cuda_graphs.py \
-        -k "kept or fused or failure or graph or sync" &
-    run_tests wg3 $K/test_fwd.py $K/test_fwd_paged_sm90.py \
-        -k "persistent_varlen or dense_key_splits or d64_consumers or three_consumers" &
-    run_tests kv $K/test_kvcache_kernels.py $K/test_cuda_graphs.py $K/test_sync_free.py \
-        $K/test_launch_fast_path.py &
-    run_tests zero $K/test_bwd.py -k "varlen and not fp16" &
-    wait
-    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
-    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
-    for r in "fwd+bwd" kvcache; do
-        timeout 100 python3 benchmarks/profile_host.py --ab flashlse.ops._validate.KEEP_PLANS \
-            --rows "$r" --rounds 4 2>&1 | grep "^=== ab"
-    done
-    for a in "--seed 0" "--doc-len 4096"; do
-        timeout 70 python3 benchmarks/bench_varlen.py --dim 64 $a \
-            --fwd-variants '[{"VARLEN_CONSUMERS": 3}, {"VARLEN_CONSUMERS": 2}]' 2>&1 \
-            | grep -E "^packed|forward, \{" | tee -a "$OUT/varlen_wg3.txt"
-    done
-    exit 0
-fi
-if [ "$1" = s42b ]; then
-    # D = 64 over pages on the Gluon kernels (fwd_sm90.PAGED_D64) and three varlen consumers
-    # by default at D = 64: the paged, kvcache and varlen GPU tests, then bench_serving at
-    # D = 64 with the flag on / off in turn (32 / 8 and 8 / 2 heads).
-    run_tests paged $K/test_fwd_paged_sm90.py &
-    run_tests kv64 $K/test_kvcache_kernels.py &
-    run_tests varlen64 $K/test_fwd.py -k "persistent_varlen or d64 or consumers or varlen" &
-    wait
-    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
-    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
-    timeout 120 python3 benchmarks/bench_serving.py --dim 64 --flag fwd_sm90.PAGED_D64 2>&1 \
-        | tee "$OUT/serving64.txt" | tail -9
-    timeout 120 python3 benchmarks/bench_serving.py --dim 64 --heads 8,2 \
-        --flag fwd_sm90.PAGED_D64 2>&1 | tee "$OUT/serving64_h8.txt" | tail -9
-    exit 0
-fi
 if [ "$1" = exp ]; then
     # Experiments reverted in main, re-applied on today's code as .before (here:
-    # `before_after.sh prep-revert 5f5fa58`, carry .before). Two calls, each < 10 min:
+    # `before_after.sh prep-revert 5f5fa58`, carry .before; since 973ad93 the revert of
+    # 5f5fa58 conflicts in _consumer_persistent: keep the one _consumer_part call and pass it
+    # OVERLAP3). Two calls, each < 10 min:
     # "exp fwd" runs the variant's Hopper forward tests, "exp fwd bench" its forward table
     # against this tree's in turns and D = 64's OVERLAP3 A/B; "exp bwd" / "exp bwd bench"
     # the backward's tests and table.
