@@ -236,8 +236,8 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     if kept is not None and (hit := _PAIR_KEPT.get(kept)) is not None and \
             not V.values_checkable(lse_a) and not V.needs_grad(out_a, lse_a, out_b, lse_b):
         plan, flash = hit
-        # (The plan holds the strides of the flash layout's transposed lses; a launch reads
-        # only the tensors' addresses, which the views share.)
+        if flash:  # (lses of out's rows: the views the plan was made for)
+            lse_a, lse_b = lse_a.transpose(-1, -2), lse_b.transpose(-1, -2)
         out, lse = kernel_module("combine").pair_run(plan, out_a, lse_a, out_b, lse_b)
         return (out, lse.transpose(-1, -2)) if flash else (out, lse)
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
