@@ -201,8 +201,20 @@ def calls(dev="cuda"):
         return fl.attention_varlen(pq, pk, pk, pcu, None, 1, 4096 + step[0], seqused_k=plens,
                                    block_table=ptable, causal=True)
 
+    # A mixed step (issue 15's largest serving gap, RESULTS.md session 42 call 4: 133 us over
+    # its floor): 2 chunks of 512 rows and 14 decodes on the same cache; on an H100 / H200 the
+    # chunks take the Hopper paged kernel, the decodes the portable one.
+    mq = torch.randn(2 * 512 + 14, 32, 128, device=dev, dtype=dt)
+    mcu = torch.tensor([0, 512, 1024] + list(range(1025, 1039)), dtype=torch.int32, device=dev)
+
+    def mixed_step():
+        step[0] = (step[0] + 1) % 16
+        return fl.attention_varlen(mq, pk, pk, mcu, None, 512, 4096 + step[0], seqused_k=plens,
+                                   block_table=ptable, causal=True)
+
     rows = {
         "varlen paged decode step": paged_step,
+        "varlen paged mixed step": mixed_step,
         "sparse top-k MLA decode paged": lambda: fl.sparse_attention(
             qm, lat, lat[..., :512], idx, block_table=lat_table, scale=0.05),
         "attention_varlen fwd 2 x 1k": lambda: fl.attention_varlen(qv, qv, qv, cu, cu, 1024,
