@@ -131,6 +131,47 @@ def test_sdpa_cpu_varlen_sequences_taken(routed, causal):
     assert torch.isneginf(lse[:, 17:]).all() and (out[17:] == 0).all()
 
 
+@pytest.mark.parametrize("lse_grad", [False, True], ids=["out_loss", "lse_loss"])
+@pytest.mark.parametrize("route", [True, False], ids=["sdpa", "loops"])
+def test_varlen_cpu_runs_of_equal_sequences(routed, monkeypatch, route, lse_grad):
+    # The CPU path runs consecutive sequences of equal lengths, back to back in the packed
+    # rows, as one batched call (ops.attention._seq_runs; the backward's runs of at most
+    # _BWD_RUN_ROWS rows): three of 8 rows (the backward: two runs of 8 rows at a cap of 16,
+    # then one), one of 5 after a sequence with no rows, two whose keys are cut by seqused_k
+    # (not back to back), then two more of 8; a sink; against the float64 reference.
+    monkeypatch.setattr(attn_mod, "SDPA_CPU", route)
+    monkeypatch.setattr(attn_mod, "_BWD_RUN_ROWS", 16)
+    lq = [8, 8, 8, 0, 5, 6, 6, 8, 8]
+    lk = [8, 8, 8, 3, 5, 9, 9, 8, 8]
+    used = [8, 8, 8, 3, 5, 7, 7, 8, 8]
+    cu_q = torch.tensor([0] + lq, dtype=torch.int32).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lk, dtype=torch.int32).cumsum(0).to(torch.int32)
+    seqused = torch.tensor(used, dtype=torch.int32)
+    inputs = (rand(sum(lq), 4, 16), rand(sum(lk), 2, 16), rand(sum(lk), 2, 24),
+              rand(4, dtype=torch.float32))
+    runs = list(attn_mod._seq_runs(cu_q, cu_k, seqused))
+    assert [r[2] for r in runs] == [3, 1, 1, 1, 2]
+    kw = dict(causal=True, return_lse=True)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out, lse = fl.attention_varlen(*leaves[:3], cu_q, cu_k, 8, 9, seqused_k=seqused,
+                                   sink=leaves[3], **kw)
+    dout, dlse = rand(*out.shape), rand(*lse.shape)
+    loss = (out * dout).sum() + ((lse * dlse).sum() if lse_grad else 0)
+    grads = torch.autograd.grad(loss, leaves)
+    ref_leaves = [t.double().requires_grad_() for t in inputs]
+    ref_out, ref_lse = R.attention_varlen(*ref_leaves[:3], cu_q, cu_k, 8, 9,
+                                          seqused_k=seqused, sink=ref_leaves[3], **kw)
+    ref_loss = (ref_out * dout.double()).sum() + (
+        (ref_lse * dlse.double()).sum() if lse_grad else 0)
+    ref_grads = torch.autograd.grad(ref_loss, ref_leaves)
+    for name, a, r in (("out", out, ref_out), ("lse", lse, ref_lse),
+                       *zip(("dq", "dk", "dv", "dsink"), grads, ref_grads)):
+        assert_close_to_ref(a, r.detach(), name=name)
+    # Forward: 5 runs, 7 calls (the 6-row sequences' causal mask on 7 keys is two parts);
+    # backward (a loss on out alone takes the route): 8 (the first run cut at 16 rows).
+    assert routed == {"fwd": 7 * route, "bwd": 8 * (route and not lse_grad)}
+
+
 DECLINED = [
     pytest.param(1, 13, 9, 2, 2, 16, 16, dict(causal=True), id="causal_empties_rows"),
     pytest.param(1, 12, 9, 2, 2, 16, 16, dict(window=(2, 0)), id="window_empties_rows"),

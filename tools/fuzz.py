@@ -206,6 +206,13 @@ def run_varlen(cfg, device, dtype):
     n = r.randint(1, 4)
     lq = [r.choice([0, r.randint(1, 20)]) for _ in range(n)]
     lk = [r.choice([0, r.randint(1, 20)]) for _ in range(n)]
+    # A third of the draws repeat one sequence's lengths (the CPU path's batched runs of
+    # equal sequences), from a generator of their own (the other draws stay as they were).
+    runs = random.Random(cfg.seed * 15485863 + 11)
+    if runs.random() < 1 / 3:
+        reps = [runs.randint(1, 4) for _ in range(n)]
+        lq = [x for x, m in zip(lq, reps) for _ in range(m)]
+        lk = [x for x, m in zip(lk, reps) for _ in range(m)]
     cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0).tolist()),
                                  dtype=torch.int32, device=device)
     mk = lambda *s: _randn(g, *s, device=device, dtype=dtype)
