@@ -6,7 +6,8 @@ on the threads torch is given (CI's machine: 2). Beside each: the same call on t
 own loops (``ops.attention.SDPA_CPU`` off), which these calls ran before torch's CPU flash
 attention took them; then a causal call with a sink (S = 2k), a bottom-right causal chunk
 of 512 rows on 4k keys and sliding windows of 128 and 1024 keys at S = 4k (SDPA has no form
-for these), against the loops; then decode steps on a 4k cache (GQA 32 / 8, D = 128).
+for these), against the loops; then decode steps on a 4k cache (GQA 32 / 8, D = 128), and
+packed varlen batches of equal sequences (batched runs against one call a sequence).
 
     python benchmarks/bench_cpu.py [--threads 2] [--smoke] [--dtype fp32|bf16|fp16]
 """
@@ -67,6 +68,32 @@ def measure_decode(batch, sk, dtype):
     return (*times, best_s(lambda: F.scaled_dot_product_attention(*plain, enable_gqa=True), 5))
 
 
+def measure_varlen(n, length, dtype):
+    """Seconds of a packed causal batch of ``n`` sequences of ``length`` tokens (H = 8,
+    D = 64): forward and forward+backward with the runs of equal sequences batched, then one
+    call a sequence (``ops.attention._seq_runs`` cut to single sequences), and SDPA's
+    forward on the same batch as (n, H, length, D)."""
+    q, k, v = (torch.randn(n * length, 8, 64, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    cu = torch.arange(0, n * length + 1, length, dtype=torch.int32)
+    call = lambda: fl.attention_varlen(q, k, v, cu, cu, length, length, causal=True)
+    runs = attn_mod._seq_runs
+
+    def singles(*args):
+        for q0, k0, m, lq, lk in runs(*args):
+            yield from ((q0 + i * lq, k0 + i * lk, 1, lq, lk) for i in range(m))
+
+    times = []
+    for form in (runs, singles):
+        attn_mod._seq_runs = form
+        try:
+            times += [best_s(call, 3), best_s(lambda: call().sum().backward(), 2)]
+        finally:
+            attn_mod._seq_runs = runs
+    plain = [x.detach().view(n, length, 8, 64).transpose(1, 2) for x in (q, k, v)]
+    return (*times, best_s(lambda: F.scaled_dot_product_attention(*plain, is_causal=True), 3))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -123,6 +150,14 @@ def main():
         ours, loops, ref = measure_decode(batch, s, dtype)
         print(f"decode B={batch} Sk={s}: {ours * 1e3:.2f} ms (loops {loops * 1e3:.2f}, "
               f"{loops / ours:.1f}x; SDPA {ref * 1e3:.2f}, {ref / ours:.2f}x)")
+    # Packed varlen batches of equal sequences (attention_varlen): runs batched against one
+    # call a sequence, SDPA's batched forward beside.
+    for n, length in ((4, 16), (2, 64)) if args.smoke else ((256, 32), (64, 128), (16, 512)):
+        fwd, both, one_fwd, one_both, ref = measure_varlen(n, length, dtype)
+        print(f"varlen {n} x {length} causal: forward {fwd * 1e3:.1f} ms (a call a sequence "
+              f"{one_fwd * 1e3:.1f}, {one_fwd / fwd:.2f}x; SDPA {ref * 1e3:.1f}, "
+              f"{ref / fwd:.2f}x)  forward+backward {both * 1e3:.1f} ms (a call a sequence "
+              f"{one_both * 1e3:.1f}, {one_both / both:.2f}x)")
 
 
 if __name__ == "__main__":
