@@ -19,6 +19,7 @@ rank's partial state is the queries against its contiguous key range under the g
 and dsink against the float64 reference over all keys.
 
     python -m tools.fuzz_ring --n 500 --world 3 --seed 0
+    python -m tools.fuzz_ring --n 100 --compile     # the ring under torch.compile
 
 Prints one line per failure (``--seed S --n 1`` with the same ``--world`` replays it) and a
 summary; exit 1 on any failure. tests/test_fuzz.py runs it at a small count in CI.
@@ -132,9 +133,9 @@ def check(cfg: RingConfig, rank: int, world: int) -> list[str]:
     shard = lambda x, dim=1: fld.split_sequence(x, cfg.lengths, layout=cfg.layout, dim=dim)[rank]
     given = list(cfg.lengths) if cfg.given else None
     dt = cfg.dtype
-    ring = lambda q, k, v, s: fld.ring_attention(
-        q, k, v, sink=s, return_lse=True, layout=cfg.layout, shard_lengths=given,
-        sink_grad="sum", **kw)
+    fn = _compiled_ring() if COMPILE else fld.ring_attention
+    ring = lambda q, k, v, s: fn(q, k, v, sink=s, return_lse=True, layout=cfg.layout,
+                                 shard_lengths=given, sink_grad="sum", **kw)
     ours = _run(ring, *(shard(t).to(dt) for t in (q, k, v)),
                 None if sink is None else sink.to(torch.float32 if dt != torch.float64 else dt),
                 shard(dout).to(dt), shard(dlse, 2).to(dt), cfg, grad)
@@ -154,6 +155,20 @@ def check(cfg: RingConfig, rank: int, world: int) -> list[str]:
             want = ref[2][3] if ref[2][3] is not None else torch.zeros_like(sink)
             errors.append(close("dsink", ours[2][3], want, scale))
     return [e for e in errors if e]
+
+
+# --compile: the ring under torch.compile(fullgraph=True, dynamic=True) (its two custom ops,
+# flashlse::ring_fwd and ring_bwd), compiled once a process and recompiled per scalars.
+COMPILE = False
+_COMPILED = []
+
+
+def _compiled_ring():
+    if not _COMPILED:
+        torch._dynamo.config.recompile_limit = 1 << 20
+        _COMPILED.append(torch.compile(fld.ring_attention, fullgraph=True, dynamic=True,
+                                       backend="aot_eager"))
+    return _COMPILED[0]
 
 
 def check_merge(cfg: RingConfig, rank: int, world: int) -> list[str]:
@@ -243,7 +258,9 @@ def _close64(name, ours, ref, scale=None):
     return None if e <= ATOL64 * scale else f"{name}: error {e:.2e} > tol {ATOL64 * scale:.2e}"
 
 
-def _worker(rank, world, port, seed, n, seconds, results):
+def _worker(rank, world, port, seed, n, seconds, results, compile_ring=False):
+    global COMPILE
+    COMPILE = compile_ring
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -277,13 +294,14 @@ def _free_port() -> int:
 
 
 def fuzz(n: int, seed: int = 0, world: int = 3, seconds: float | None = None,
-         verbose: bool = True):
+         verbose: bool = True, compile_ring: bool = False):
     """Runs ``n`` configurations from ``seed`` on a spawned gloo group of ``world`` ranks
     (fewer if ``seconds`` runs out); returns ``(configurations run, failures)``, a failure
     ``(rank, config, errors)``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, seed, n, seconds, results))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, seed, n, seconds, results,
+                                               compile_ring))
              for port in [_free_port()] for r in range(world)]
     for p in procs:
         p.start()
@@ -314,9 +332,11 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--world", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    ap.add_argument("--compile", action="store_true",
+                    help="the ring under torch.compile (fullgraph, dynamic, aot_eager)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    ran, failures = fuzz(args.n, args.seed, args.world, args.seconds)
+    ran, failures = fuzz(args.n, args.seed, args.world, args.seconds, compile_ring=args.compile)
     print(f"fuzz_ring: {ran} configurations on {args.world} gloo ranks, seeds "
           f"{args.seed}..{args.seed + ran - 1}: {len(failures)} failures, "
           f"{time.perf_counter() - t0:.0f} s")
