@@ -307,12 +307,14 @@ def test_fwd_paged_sm90_kvcache_prefill(gluon_paged, dtype, b, sq, hq, hkv, smax
     pytest.param(128, 3, "negative", id="page128_negative"),
     pytest.param(64, 0, "past_end", id="page64_first_page_no_keys"),
 ])
-def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, page, col, bad):
+@pytest.mark.parametrize("d", [128, 64], ids=["d128", "d64"])
+def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, page, col, bad, d):
     """With the value checks off, a block-table entry outside [0, num_pages) among the pages
     in use ends that sequence's keys before that page (masks bottom-right aligned to the
-    shorter length); the other sequences, a decode among them, are exact."""
+    shorter length); the other sequences, a decode among them, are exact. Both head dims of
+    the paged kernel's domain."""
     qlens, klens = [150, 1, 60], [900, 333, 500]
-    t = _paged_batch(torch.bfloat16, qlens, klens, page, 8, 2, seed=2)
+    t = _paged_batch(torch.bfloat16, qlens, klens, page, 8, 2, seed=2, d=d)
     num_pages = t["k_cache"].shape[0]
     t["block_table"][0, col] = -5 if bad == "negative" else num_pages + 7
     with fl.value_checks(False):
