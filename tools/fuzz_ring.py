@@ -165,7 +165,9 @@ _COMPILED = []
 
 def _compiled_ring():
     if not _COMPILED:
+        # (Each configuration's scalars are a recompile: no limit stops a long run.)
         torch._dynamo.config.recompile_limit = 1 << 20
+        torch._dynamo.config.accumulated_recompile_limit = 1 << 20
         _COMPILED.append(torch.compile(fld.ring_attention, fullgraph=True, dynamic=True,
                                        backend="aot_eager"))
     return _COMPILED[0]
