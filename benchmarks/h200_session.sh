@@ -52,6 +52,9 @@
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
+#   bash benchmarks/h200_session.sh s43        # session 42's open ends: the paged cases not
+#                                                reached (bad pages at D = 64), cProfile of
+#                                                the mixed paged step, merge / paged host us
 #   bash benchmarks/h200_session.sh exp fwd|bwd [bench]  # experiments reverted in main,
 #                                                re-applied (before_after.sh prep-revert
 #                                                REV...): their GPU tests; with bench, their
@@ -547,6 +550,22 @@ run_tests() {  # log name, then pytest arguments
     local name=$1; shift
     timeout 380 python3 -m pytest -q "$@" -p no:cacheprovider > "$OUT/test_gpu_$name.log" 2>&1
 }
+if [ "$1" = s43 ]; then
+    # Session 42's open ends: the paged file's cases that call 2 did not reach (the bad-page
+    # test at D = 64 among them: the new domain's memory safety), then issue 15's mixed
+    # paged step under cProfile (133 us over its floor) and the merge / paged rows again
+    # (fl.merge's outputs by empty_like, CPU-measured only).
+    run_tests paged_rest $K/test_fwd_paged_sm90.py \
+        -k "bad_page or nan_key or sink_and_nan or option_off or failure or serving_steps or kvcache_prefill"
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
+    timeout 120 python3 benchmarks/profile_host.py --rows "mixed step" --top 30 \
+        --sort cumulative > "$OUT/mixed_step_profile.txt" 2>&1
+    head -45 "$OUT/mixed_step_profile.txt"
+    timeout 120 python3 benchmarks/bench_overhead.py --functions merge,paged --out "$OUT" 2>&1 \
+        | tail -9
+    exit 0
+fi
 if [ "$1" = exp ]; then
     # Experiments reverted in main, re-applied on today's code as .before (here:
     # `before_after.sh prep-revert 5f5fa58`, carry .before; since 973ad93 the revert of
