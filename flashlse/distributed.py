@@ -58,6 +58,7 @@ from .kernels import options
 from .lse import safe_pivot
 from .ops._dispatch import compute_dtype, use_triton
 from .ops.attention import (
+    _dsink,
     attn_bwd,
     attn_fwd,
     bwd_fakes,
@@ -347,8 +348,8 @@ def _ring_bwd(dout, dlse, q, k, v, out, lse, sink, ring: _Ring):
         delta = (doc * oc).sum(-1).transpose(1, 2)
         if dlse is not None:
             delta = delta - dlse
-        p_sink = torch.exp(sink.to(dt).view(1, hq, 1) - safe_pivot(lse.to(dt)))
-        dsink = -(p_sink * delta).sum(dim=(0, 2))
+        # (In dt until after the all-reduce: _dsink returns the dtype of the sink it gets.)
+        dsink = _dsink(sink.to(dt), lse.to(dt), delta)
         if ring.sink_grad == "sum" and ring.world > 1:
             dist.all_reduce(dsink, group=ring.group)
         dsink = dsink.to(sink.dtype)

@@ -318,7 +318,6 @@ def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale
         parts = _sdpa_parts(q, k, v, left, right, softcap, sink, (q, k, v, dout, sink))
         if parts is not None:
             return _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink)
-        dlse = torch.zeros_like(lse)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -326,7 +325,9 @@ def attn_bwd_torch(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale
     qh, kh, vh = _heads(q, hkv, dt), _heads(k, hkv, dt), _heads(v, hkv, dt)
     doh, oh = _heads(dout, hkv, dt), _heads(out, hkv, dt)
     lse_h = lse.reshape(b, hkv, g, sq).to(dt)
-    delta = (doh * oh).sum(-1) - dlse.reshape(b, hkv, g, sq).to(dt)
+    delta = (doh * oh).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.reshape(b, hkv, g, sq).to(dt)
     # The once-per-row fix: an empty row's -inf becomes 0, so exp(-inf - 0) = 0 below.
     pivot = safe_pivot(lse_h).unsqueeze(-1)
     dq = torch.zeros_like(qh)
