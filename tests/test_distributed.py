@@ -90,6 +90,9 @@ CONTRACT_CASES = [
          compile=True),
     dict(id="w2-contract-zero-token-rank-compiled", world=2, lengths=[9, 0],
          layout="contiguous", nan_at=4, compile=True),
+    # A loss on out alone (no lse gradient: the CPU steps' backwards on torch's kernel).
+    dict(id="w3-contract-nan-key-out-only", world=3, s=18, layout="zigzag", nan_at=7,
+         out_only=True),
 ]
 
 # Context parallel under DDP over the CP ranks (torchtitan folds them into FSDP's reduction).
@@ -225,7 +228,9 @@ def _contract_case(c, rank, world):
         mine = [shard(t).clone().requires_grad_() for t in (q, k_in, v)]
         sink_r = None if sink is None else sink.clone().requires_grad_()
         out, lse = ring(*mine, sink=sink_r)
-        (out.sum() + lse.masked_fill(torch.isneginf(lse), 0).sum()).backward()
+        loss = out.sum()
+        (loss if c.get("out_only") else loss + lse.masked_fill(torch.isneginf(lse), 0).sum()
+         ).backward()
         return out.detach(), lse.detach(), [t.grad for t in mine], sink_r
 
     # A NaN key: causal row i sees it iff i >= nan_at; the others equal the clean call's.
@@ -242,6 +247,7 @@ def _contract_case(c, rank, world):
     sunk = run(k, torch.full((hq,), -math.inf, dtype=F64))
     assert torch.equal(sunk[0], clean[0]) and torch.equal(sunk[1], clean[1])
     for name, a, w in zip(("dq", "dk", "dv"), sunk[2], clean[2]):
+        assert not a.isnan().any() and not w.isnan().any(), name
         _close(name, a, w)
     assert torch.equal(sunk[3].grad, torch.zeros(hq, dtype=F64))
 

@@ -172,6 +172,50 @@ def test_varlen_cpu_runs_of_equal_sequences(routed, monkeypatch, route, lse_grad
     assert routed == {"fwd": 7 * route, "bwd": 8 * (route and not lse_grad)}
 
 
+@pytest.mark.parametrize("route", [True, False], ids=["sdpa", "loops"])
+def test_varlen_cpu_runs_lse_contract(monkeypatch, route):
+    # The LSE contract through batched runs: a run of sequences without keys gives out 0 and
+    # lse == sink (a -inf sink: -inf, and no NaN in any gradient); a NaN key in the middle
+    # sequence of a run of three reaches exactly the rows that see it, the run's other
+    # sequences as in the clean call.
+    monkeypatch.setattr(attn_mod, "SDPA_CPU", route)
+    lq, lk = [4, 4, 4, 3, 3], [6, 6, 6, 0, 0]
+    cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
+    q, k, v = rand(sum(lq), 2, 16), rand(sum(lk), 2, 16), rand(sum(lk), 2, 16)
+    assert [r[2] for r in attn_mod._seq_runs(cu_q, cu_k, None)] == [3, 2]
+    for sink in (rand(2, dtype=torch.float32), torch.full((2,), float("-inf"))):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+        out, lse = fl.attention_varlen(*leaves[:3], cu_q, cu_k, 4, 6, causal=True,
+                                       sink=leaves[3], return_lse=True)
+        ref_out, ref_lse = R.attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                              4, 6, causal=True, sink=sink.double(),
+                                              return_lse=True)
+        assert_close_to_ref(out, ref_out, name="out")
+        assert_close_to_ref(lse, ref_lse, name="lse")
+        assert (out[12:] == 0).all() and torch.equal(lse[:, 12:],
+                                                     sink[:, None].expand(2, 6).float())
+        grads = torch.autograd.grad(out.sum(), leaves)
+        assert not any(g.isnan().any() for g in grads)
+    # Sequence 1's key 2 (rows 1..3 of that sequence see it, causal bottom-right on 6 keys).
+    k_bad = k.clone()
+    k_bad[6 + 2, 0, 0] = float("nan")
+    clean = fl.attention_varlen(q, k, v, cu_q, cu_k, 4, 6, causal=True, return_lse=True)
+    bad = fl.attention_varlen(q, k_bad, v, cu_q, cu_k, 4, 6, causal=True, return_lse=True)
+    ref = R.attention_varlen(q.double(), k_bad.double(), v.double(), cu_q, cu_k, 4, 6,
+                             causal=True, return_lse=True)
+    for got, want in zip(bad, ref):
+        assert torch.equal(got.isnan(), want.isnan())
+    rows = torch.zeros(sum(lq), dtype=torch.bool)
+    rows[4:8] = True  # sequence 1's rows: row 0 sees keys 0..2 (shift 2), so all four
+    assert bad[0][rows, 0].isnan().all() and bad[1][0, rows].isnan().all()  # (kv head 0)
+    assert not bad[0][rows, 1].isnan().any() and not bad[0][~rows].isnan().any()
+    # (The NaN sends the run to the loops, so the clean rows match the reference, not the
+    # clean call's bits.)
+    assert_close_to_ref(bad[0][~rows], ref[0][~rows], name="rows that do not see the NaN")
+    assert_close_to_ref(bad[0][~rows], clean[0][~rows].double(), name="against the clean call")
+
+
 DECLINED = [
     pytest.param(1, 13, 9, 2, 2, 16, 16, dict(causal=True), id="causal_empties_rows"),
     pytest.param(1, 12, 9, 2, 2, 16, 16, dict(window=(2, 0)), id="window_empties_rows"),

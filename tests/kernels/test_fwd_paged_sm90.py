@@ -326,12 +326,14 @@ def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, page, col, bad, d):
 
 
 @pytest.mark.parametrize("key", [480, 599], ids=lambda k: f"key{k}")
-def test_fwd_paged_sm90_nan_key_reaches_exactly_the_rows_that_see_it(gluon_paged, key):
+@pytest.mark.parametrize("d", [128, 64], ids=["d128", "d64"])
+def test_fwd_paged_sm90_nan_key_reaches_exactly_the_rows_that_see_it(gluon_paged, key, d):
     """A NaN in key ``key`` of sequence 0 (kv head 1): NaN out and lse on the rows of query
     heads 2, 3 that see it (causal, 200 rows on 600 keys: rows ``key - 400`` on), the clean
-    result elsewhere. Key 599 is the last one, in a partial last page."""
+    result elsewhere. Key 599 is the last one, in a partial last page. Both head dims of the
+    paged kernel's domain."""
     qlens, klens, page, hq, hkv = [200, 150], [600, 150], 64, 4, 2
-    t = _paged_batch(torch.float16, qlens, klens, page, hq, hkv, seed=3)
+    t = _paged_batch(torch.float16, qlens, klens, page, hq, hkv, seed=3, d=d)
     clean = _run(t, causal=True)
     _assert_gluon_ran(gluon_paged, page)
     _check_case(clean, t, qlens, klens, dict(causal=True))
