@@ -103,3 +103,18 @@ def test_fused_backward_lagged_dq_reduces_read_the_carried_row():
     assert len(rows) == 8
     # In the loop the carried %lag_m0; after it the loop's result (the last tile's).
     assert all(r == "%lag_m0" or "#" in r for r in rows), rows
+
+
+@pytest.mark.parametrize("name", ["fwd sm90 (Gluon) D=128 causal",
+                                  "fwd sm90 persistent (Gluon) D=128 causal table",
+                                  "fwd sm90 persistent varlen (Gluon) D=128 window"])
+def test_fwd_sm90_lean_loops_spill_nothing(name):
+    """Up to ``fwd_sm90.LEAN_MAX_D`` the consumer loops take the register-lean form (masks as
+    row bounds, P carried in q's dtype): no stack frame and no local load in any tile loop.
+    The earlier form spilled 8-88 bytes here and reloaded them in the grid kernel's loops
+    (benchmarks/NOTES.md, session 43)."""
+    by_name = {c[1]: c for c in CASES}
+    _, _, fn, types, consts, warps, stages = by_name[name]
+    kernel = compile_sm90.compile_kernel(fn, types, consts, warps, stages)
+    assert " stack=   0 " in compile_sm90.report(name, kernel)
+    assert all(ldl == 0 for _, _, ldl, _ in compile_sm90.loop_spills(kernel))

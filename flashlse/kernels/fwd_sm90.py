@@ -115,6 +115,12 @@ _paged_keys = gluon.jit(paged_keys.fn)
 _seq_spans = gluon.jit(seq_spans.fn)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
+# The consumer loops' register-lean form (FA-3's order: the masks as row bounds against
+# immediates, ``_visible``; P converted to the product's operand as soon as its float32
+# form dies, ``_consumer_loop_overlap``) up to this head dim. H200, session 43: D = 128 +0.5-6.5% on every row of the forward table,
+# D = 64 level to +8% (causal S = 1k); D = 256 1-3.5% slower in it, so it keeps the plain
+# form.
+LEAN_MAX_D = gl.constexpr(128)
 # Ints a row block of the persistent varlen kernel's list: bos, bos_k, T_q, T_k, first row.
 VARLEN_ITEM = gl.constexpr(5)
 
@@ -273,18 +279,46 @@ def _kv_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2,
-                  MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """Online-softmax step for raw scores ``s_acc`` of key tile ``[n0, n0 + BLOCK_N)``:
-    returns the probabilities (unnormalised, base 2), the rescale factor and the new state."""
-    if MASK:
+def _visible(n0, rows, T_k, shift, left, right, HAS_LEFT: gl.constexpr,
+             HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+             ROW_BOUNDS: gl.constexpr):
+    """Which scores of key tile ``[n0, n0 + BLOCK_N)`` rows ``rows`` see: keys below ``T_k``
+    within the window (``shift``: the bottom-right alignment's offset)."""
+    if ROW_BOUNDS:
+        # Each row's bounds relative to the tile and to this thread's own column offset
+        # (``own``: in the wgmma accumulator a thread's columns are 2 (lane % 4) plus
+        # constants), compared with those constants: immediates, where the columns
+        # themselves would be ~32 registers kept live across the loop (FA-3's form).
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        own = cols & 6
+        rel = (cols - own)[None, :]
+        hi = gl.zeros_like(rows) + (T_k - n0)
+        if HAS_RIGHT:
+            hi = gl.minimum(hi, rows + (shift + right + 1 - n0))
+        vis = rel < hi[:, None] - own[None, :]
+        if HAS_LEFT:
+            vis = vis & (rel >= (rows + (shift - left - n0))[:, None] - own[None, :])
+    else:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         vis = cols[None, :] < T_k
         if HAS_RIGHT:
             vis = vis & (cols[None, :] <= rows[:, None] + shift + right)
         if HAS_LEFT:
             vis = vis & (cols[None, :] >= rows[:, None] + shift - left)
+    return vis
+
+
+@gluon.jit
+def _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2,
+                  MASK: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                  ROW_BOUNDS: gl.constexpr = False):
+    """Online-softmax step for raw scores ``s_acc`` of key tile ``[n0, n0 + BLOCK_N)``:
+    returns the probabilities (unnormalised, base 2), the rescale factor and the new state.
+    ``ROW_BOUNDS``: the mask's register-lean form (``_visible``)."""
+    if MASK:
+        vis = _visible(n0, rows, T_k, shift, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_N,
+                       s_layout, ROW_BOUNDS)
         t = gl.where(vis, s_acc * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(t, 1))
         # A row with no visible key yet keeps m = -inf; pivot on 0 so 2^(-inf - 0) = 0.
@@ -303,16 +337,17 @@ def _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2
 @gluon.jit
 def _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right, scale_log2,
                  n_full_lo, n_full_hi, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                 ROW_BOUNDS: gl.constexpr = False):
     """``_softmax_tile`` with the mask only on tiles outside the full middle."""
     if (n0 < n_full_lo) | (n0 >= n_full_hi):
         p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right,
                                            scale_log2, True, HAS_LEFT, HAS_RIGHT, BLOCK_N,
-                                           s_layout)
+                                           s_layout, ROW_BOUNDS)
     else:
         p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right,
                                            scale_log2, False, HAS_LEFT, HAS_RIGHT, BLOCK_N,
-                                           s_layout)
+                                           s_layout, ROW_BOUNDS)
     return p, alpha, m_i, l_i
 
 
@@ -349,9 +384,13 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
     The block's tiles are the ring's ``t0``-th and on (the persistent kernel's earlier
     blocks took the ``t0`` before; 0 elsewhere). ``V_TAIL`` (the persistent varlen kernel,
     whose tiles come from descriptors over the whole packed tensor): the last V tile's rows
-    from ``T_k`` on, the next sequence's, are zeroed before its product (``_zero_rows``)."""
+    from ``T_k`` on, the next sequence's, are zeroed before its product (``_zero_rows``).
+    Up to ``LEAN_MAX_D``, P becomes the product's operand as soon as nothing else needs its
+    registers (after the softmax, after the O wait in the loop): the loop carries it in q's
+    dtype, not float32 (FA-3's order; 32 registers a thread less across the back edge)."""
     dtype: gl.constexpr = q_tile.dtype
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    LEAN: gl.constexpr = acc.shape[1] <= LEAN_MAX_D
     if n_tiles > 0:
         mbarrier.wait(k_full.index(t0 % STAGES), (t0 // STAGES) & 1)
         if PINGPONG:
@@ -364,12 +403,15 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
         mbarrier.arrive(k_empty.index(t0 % STAGES))
         p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo, rows, T_k, shift, left, right,
                                           scale_log2, n_full_lo, n_full_hi,
-                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout, LEAN)
+        if LEAN:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
         for it in range(n_tiles - 1):
             s = (t0 + it) % STAGES
             s1 = (t0 + it + 1) % STAGES
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            if not LEAN:
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(k_full.index(s1), ((t0 + it + 1) // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(turn.index(half), (it + 1) & 1)
@@ -384,13 +426,16 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
             p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo + (it + 1) * BLOCK_N, rows,
                                               T_k, shift, left, right, scale_log2,
                                               n_full_lo, n_full_hi,
-                                              HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+                                              HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout, LEAN)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(v_empty.index(s))
+            if LEAN:
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
         last = t0 + n_tiles - 1
         s = last % STAGES
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if not LEAN:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_full.index(s), (last // STAGES) & 1)
         if V_TAIL:
             _zero_rows(v_smem.index(s), T_k - n_lo - (n_tiles - 1) * BLOCK_N, BLOCK_N)
@@ -416,8 +461,10 @@ def _consumer_loop_plain(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empt
     """The key tiles one after the other: ``S = Q K^T``, the softmax, ``acc += P V``, each
     waiting for the one before (no overlap inside the warpgroup; with three consumer
     warpgroups the others' products run meanwhile). Tiles from the ring's ``t0``-th;
-    ``V_TAIL`` as ``_consumer_loop_overlap``'s (the tile that holds ``T_k`` zeroed past it)."""
+    ``V_TAIL`` as ``_consumer_loop_overlap``'s (the tile that holds ``T_k`` zeroed past it);
+    the mask as row bounds up to ``LEAN_MAX_D``, as there."""
     dtype: gl.constexpr = q_tile.dtype
+    LEAN: gl.constexpr = acc.shape[1] <= LEAN_MAX_D
     for it in range(n_tiles):
         s = (t0 + it) % STAGES
         ph = ((t0 + it) // STAGES) & 1
@@ -434,7 +481,7 @@ def _consumer_loop_plain(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empt
             mbarrier.arrive(turn.index(1 - half))
         p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right,
                                           scale_log2, n_full_lo, n_full_hi,
-                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout)
+                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout, LEAN)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_full.index(s), ph)
