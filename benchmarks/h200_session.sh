@@ -52,9 +52,12 @@
 #   bash benchmarks/h200_session.sh prof-src   # ncu source page of the fused backward kernel
 #                                                (warp samples by instruction); bench_varlen
 #                                                at uniform document lengths
-#   bash benchmarks/h200_session.sh s43        # session 42's open ends: the paged cases not
-#                                                reached (bad pages at D = 64), cProfile of
-#                                                the mixed paged step, merge / paged host us
+#   bash benchmarks/h200_session.sh s44 tests  # session 43's lean forward (fwd_sm90.LEAN_MAX_D):
+#                                                the Hopper forward tests and the paged file,
+#                                                three processes (one call, < 10 min)
+#   bash benchmarks/h200_session.sh s44 bench  # the forward table before / after the lean
+#                                                form (before_after.sh prep 0b71d64, carry
+#                                                .before), the paged steps' host us
 #   bash benchmarks/h200_session.sh exp fwd|bwd [bench]  # experiments reverted in main,
 #                                                re-applied (before_after.sh prep-revert
 #                                                REV...): their GPU tests; with bench, their
@@ -550,20 +553,30 @@ run_tests() {  # log name, then pytest arguments
     local name=$1; shift
     timeout 380 python3 -m pytest -q "$@" -p no:cacheprovider > "$OUT/test_gpu_$name.log" 2>&1
 }
-if [ "$1" = s43 ]; then
-    # Session 42's open ends: the paged file's cases that call 2 did not reach (the bad-page
-    # test at D = 64 among them: the new domain's memory safety), then issue 15's mixed
-    # paged step under cProfile (133 us over its floor) and the merge / paged rows again
-    # (fl.merge's outputs by empty_like, CPU-measured only).
-    run_tests paged_rest $K/test_fwd_paged_sm90.py \
-        -k "bad_page or nan_key or sink_and_nan or option_off or failure or serving_steps or kvcache_prefill"
-    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
+if [ "$1" = s44 ]; then
+    # Session 43 kept the experiment d7f8ae2's register-lean consumer loops for D <= 128; the
+    # experiment's own GPU tests ran out of time at 152 forward and 129 paged cases (none
+    # failed). "s44 tests": every Hopper forward case and the paged file on the kept form.
+    # "s44 bench": its table against the tree before it (.before from `before_after.sh prep
+    # 0b71d64`), then the paged steps' host time (fwd.attn_fwd_paged's plans by rows class).
+    if [ "$2" = bench ]; then
+        [ -d .before ] || { echo "s44 bench: no .before (before_after.sh prep 0b71d64)"; exit 2; }
+        PASSES=2 timeout 420 bash benchmarks/before_after.sh run fwd
+        timeout 150 python3 benchmarks/bench_overhead.py --functions paged --out "$OUT" 2>&1 \
+            | tail -5
+        exit 0
+    fi
+    timeout 560 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and persistent" \
+        -p no:cacheprovider > "$OUT/test_gpu_fwd_persistent.log" 2>&1 &
+    timeout 560 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and not persistent" \
+        -p no:cacheprovider > "$OUT/test_gpu_fwd_other.log" 2>&1 &
+    timeout 560 python3 -m pytest -q $K/test_fwd_paged_sm90.py -p no:cacheprovider \
+        > "$OUT/test_gpu_paged.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_gpu_*.log; do
+        echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1) ($(tr -cd . < "$f" | wc -c) dots)"
+    done
     grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
-    timeout 120 python3 benchmarks/profile_host.py --rows "mixed step" --top 30 \
-        --sort cumulative > "$OUT/mixed_step_profile.txt" 2>&1
-    head -45 "$OUT/mixed_step_profile.txt"
-    timeout 120 python3 benchmarks/bench_overhead.py --functions merge,paged --out "$OUT" 2>&1 \
-        | tail -9
     exit 0
 fi
 if [ "$1" = exp ]; then
