@@ -5,7 +5,8 @@ keys, query row ``i`` sits at key position ``i + Sk - Sq`` and sees key ``j`` if
 
     i + Sk - Sq - left <= j <= i + Sk - Sq + right
 
-``causal=True`` sets ``right = 0``. ``None`` or a negative number means unbounded.
+``causal=True`` sets ``right = 0``. ``None``, a negative number or a side of at least
+``UNBOUNDED`` means unbounded.
 With ``causal`` and ``Sq > Sk`` the first ``Sq - Sk`` rows see no key: they are
 empty rows (out = 0, lse = -inf), a real case and not an error.
 """
@@ -16,12 +17,18 @@ import torch
 
 Window = tuple[int | None, int | None]
 
+# A window side this large sees every key of any sequence of at most 2^30 tokens (a GPU
+# holds none longer): it is unbounded. The kernels bound a row's keys by ``row + shift +
+# right`` in int32, which a side near 2^31 overflowed: a window of (4, 2^31 - 2) masked every
+# key (out 0, lse -inf) where it sees the same keys as (4, None).
+UNBOUNDED = 2**30
+
 
 def normalize_window(causal: bool, window: Window | None) -> tuple[int | None, int | None]:
     """Returns ``(left, right)`` with ``None`` for unbounded; ``causal`` caps ``right`` at 0."""
     left, right = (None, None) if window is None else window
-    left = None if left is None or left < 0 else int(left)
-    right = None if right is None or right < 0 else int(right)
+    left = None if left is None or left < 0 or left >= UNBOUNDED else int(left)
+    right = None if right is None or right < 0 or right >= UNBOUNDED else int(right)
     if causal:
         right = 0 if right is None else min(right, 0)
     return left, right

@@ -250,3 +250,18 @@ def test_huge_window_is_unbounded():
     q, k, v = rand(2, 5, 4, 16), rand(2, 7, 2, 16), rand(2, 7, 2, 16)
     torch.testing.assert_close(fl.attention(q, k, v, window=(10**20, 0)),
                                fl.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("window,plain", [((3, 2**31 - 2), (3, None)), ((2**30, 0), (None, 0)),
+                                          ((2**30 - 1, 0), (2**30 - 1, 0)), ((-1, 2**40), None)])
+def test_window_sides_of_2_to_the_30_are_unbounded(window, plain):
+    """Sides of 2^30 or more see every key of any sequence a GPU holds, and become None
+    before any kernel runs (the kernels' int32 row bounds overflowed near 2^31: the kernel
+    tests' test_window_bounds.py); the CPU path gives the unbounded answer too."""
+    from flashlse.ops import _validate as V
+
+    assert V.check_window(window) == (plain or (None, None))
+    q, k, v = (torch.randn(1, s, 2, 16, dtype=torch.float64) for s in (6, 11, 11))
+    out, lse = fl.attention(q, k, v, window=window, return_lse=True)
+    want, want_lse = fl.attention(q, k, v, window=plain, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)

@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from ..masks import UNBOUNDED
+
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 
 # Checks that read tensor values (lengths, offsets, pages, indices, lse values) on a GPU cost
@@ -215,13 +217,9 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
-# A window side this large sees every key of any sequence a GPU holds: it is unbounded.
-WINDOW_UNBOUNDED = 2**31
-
-
 def check_window(window) -> tuple[int | None, int | None]:
     """``(left, right)`` with None for unbounded: None, flash-attn's -1, or a side of at
-    least 2^31 (more keys than any sequence has). Other negative values are errors."""
+    least 2^30 (``masks.UNBOUNDED``: the same keys). Other negative values are errors."""
     if window is None or (window.__class__ is tuple and len(window) == 2
                           and window[0] is None and window[1] is None):
         return (None, None)
@@ -237,7 +235,7 @@ def check_window(window) -> tuple[int | None, int | None]:
         if side is not None and side < -1:
             raise ValueError(f"window entries must be >= 0, or None / -1 for unbounded, got "
                              f"{window!r}")
-        sides.append(None if side is None or side == -1 or side >= WINDOW_UNBOUNDED else side)
+        sides.append(None if side is None or side == -1 or side >= UNBOUNDED else side)
     return (sides[0], sides[1])
 
 
