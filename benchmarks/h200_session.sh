@@ -556,7 +556,8 @@ run_tests() {  # log name, then pytest arguments
 if [ "$1" = s44 ]; then
     # Session 43 kept the experiment d7f8ae2's register-lean consumer loops for D <= 128; the
     # experiment's own GPU tests ran out of time at 152 forward and 129 paged cases (none
-    # failed). "s44 tests": every Hopper forward case and the paged file on the kept form.
+    # failed). "s44 tests": every Hopper forward case and the paged file on the kept form,
+    # and the window sides near 2^31 (test_window_bounds.py) on every GPU kernel path.
     # "s44 bench": its table against the tree before it (.before from `before_after.sh prep
     # 0b71d64`), then the paged steps' host time (fwd.attn_fwd_paged's plans by rows class).
     if [ "$2" = bench ]; then
@@ -568,8 +569,10 @@ if [ "$1" = s44 ]; then
     fi
     timeout 560 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and persistent" \
         -p no:cacheprovider > "$OUT/test_gpu_fwd_persistent.log" 2>&1 &
-    timeout 560 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and not persistent" \
-        -p no:cacheprovider > "$OUT/test_gpu_fwd_other.log" 2>&1 &
+    (timeout 120 python3 -m pytest -q $K/test_window_bounds.py -p no:cacheprovider \
+        > "$OUT/test_gpu_window.log" 2>&1
+     timeout 440 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and not persistent" \
+        -p no:cacheprovider > "$OUT/test_gpu_fwd_other.log" 2>&1) &
     timeout 560 python3 -m pytest -q $K/test_fwd_paged_sm90.py -p no:cacheprovider \
         > "$OUT/test_gpu_paged.log" 2>&1 &
     wait

@@ -58,6 +58,13 @@ class Config:
         self.window = (None, None)
         if rng.random() < 0.3:
             self.window = (rng.choice([None, 0, 1, 3, 8]), rng.choice([None, 0, 2, 5]))
+            # A quarter of them with a side near 2^31 (the kernels' int32 row bounds; from
+            # 2^30 on a side is unbounded), from a generator of their own.
+            huge = random.Random(seed * 104729 + 3)
+            if huge.random() < 0.25:
+                side = huge.choice([2**30 - 1, 2**30, 2**31 - 2])
+                self.window = ((side, self.window[1]) if huge.random() < 0.5
+                               else (self.window[0], side))
         self.softcap = rng.choice([0.0, 0.0, 0.0, 2.5])
         self.sink = rng.random() < 0.4
         # Bad data, from a generator of its own (every seed's other draws stay as they were).
