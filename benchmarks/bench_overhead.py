@@ -33,7 +33,9 @@ calls it) four ways, in one process:
 Bars (issue "Public calls at kernel speed"): host us a call <= 30 (attention forward and
 attention_with_kvcache), <= 100 (attention forward + backward), <= 20 (merge_states);
 and public <= 1.05 x graph wherever graph >= 0.1 ms (shorter calls are launch-bound by
-nature). attention_varlen and sparse_attention rows have no host bar.
+nature). attention_varlen and sparse_attention rows have no host bar; the SDPA cuDNN rows
+(``sdpa_fwd``, ``sdpa_fwdbwd``) are peers on the attention rows' shapes, timed the same
+ways: what torch's own attention pays on this host.
 
     python benchmarks/bench_overhead.py [--out DIR] [--functions kvcache,merge,fwd,...]
     TRITON_INTERPRET=1 python benchmarks/bench_overhead.py --smoke --out /tmp/ovh
@@ -119,7 +121,12 @@ LABEL = {"kvcache": "attention_with_kvcache", "merge": "merge_states", "fwd": "a
          "mla": "MLA decode",
          # vLLM's step through attention_varlen with a block table (decodes; decodes and
          # prefill chunks), max_seqlen_k moving every call (the engine's steps change it).
-         "paged": "varlen paged step"}
+         "paged": "varlen paged step",
+         # Peers on the attention rows' shapes: torch's SDPA on its cuDNN backend, the
+         # forward and a training step (the same fresh .grad and backward(dout)), timed the
+         # same four ways. Its host time is what any attention pays through torch's dispatch
+         # and autograd (issue 15's host bars; the floor form proposed for them).
+         "sdpa_fwd": "SDPA cuDNN fwd (peer)", "sdpa_fwdbwd": "SDPA cuDNN fwd+bwd (peer)"}
 
 Case = collections.namedtuple("Case", "kind shape build")
 
@@ -166,6 +173,27 @@ def fwdbwd_call(b, s, h, threads=True):
     q, k, v = (randn(b, s, h, D, requires_grad=True) for _ in range(3))
     # Fresh gradients every call, so eager and replayed calls do the same device work.
     return attention_step(q, k, v, randn(b, s, h, D), threads=threads, causal=True)
+
+
+def sdpa_call(b, s, h, backward=False):
+    """The peer of ``fwd_call`` / ``fwdbwd_call``: SDPA on (B, H, S, D) views of the same
+    layout, cuDNN's backend on a GPU (the default one under --smoke)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (randn(b, s, h, D, requires_grad=backward).transpose(1, 2) for _ in range(3))
+    dout = randn(b, s, h, D).transpose(1, 2)
+    backends = [SDPBackend.MATH] if SMOKE else [SDPBackend.CUDNN_ATTENTION]
+    leaves = [t._base for t in (q, k, v)]
+
+    def step():
+        with sdpa_kernel(backends):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if backward:
+            for t in leaves:
+                t.grad = None
+            out.backward(dout)
+        return out
+    return step
 
 
 def varlen_call(n, s, h):
@@ -244,7 +272,9 @@ def cases(kinds):
                 out.append(Case("merge", f"fl.merge of two ({rows} rows, {shape[-1]}) {name}",
                                 functools.partial(merge_pair_call, shape, dtype)))
     for kind, call in (("fwd", fwd_call), ("fwdbwd", fwdbwd_call),
-                       ("fwdbwd_1t", functools.partial(fwdbwd_call, threads=False))):
+                       ("fwdbwd_1t", functools.partial(fwdbwd_call, threads=False)),
+                       ("sdpa_fwd", sdpa_call),
+                       ("sdpa_fwdbwd", functools.partial(sdpa_call, backward=True))):
         if kind in kinds:
             for b, s, h in ATTN_SHAPES:
                 out.append(Case(kind, f"B={b} S={s} H={h} D={D} causal",
@@ -358,7 +388,8 @@ def floor_us(kind, events, allocs) -> float:
     """The row's floor (module docstring): its launches, allocations and, for a forward +
     backward, torch's autograd round trip, at this host's unit costs."""
     u = unit_costs()
-    extra = {"fwdbwd": u["autograd"], "fwdbwd_1t": u["autograd_1t"]}.get(kind, 0.0)
+    extra = {"fwdbwd": u["autograd"], "fwdbwd_1t": u["autograd_1t"],
+             "sdpa_fwdbwd": u["autograd"]}.get(kind, 0.0)
     return events * u["launch"] + allocs * u["alloc"] + extra
 
 

@@ -559,12 +559,16 @@ if [ "$1" = s44 ]; then
     # failed). "s44 tests": every Hopper forward case and the paged file on the kept form,
     # and the window sides near 2^31 (test_window_bounds.py) on every GPU kernel path.
     # "s44 bench": its table against the tree before it (.before from `before_after.sh prep
-    # 0b71d64`), then the paged steps' host time (fwd.attn_fwd_paged's plans by rows class).
+    # 0b71d64`), then the paged steps' host time (fwd.attn_fwd_paged's plans by rows class)
+    # and the attention rows' host time beside SDPA cuDNN's (bench_overhead's peer rows).
     if [ "$2" = bench ]; then
         [ -d .before ] || { echo "s44 bench: no .before (before_after.sh prep 0b71d64)"; exit 2; }
         PASSES=2 timeout 420 bash benchmarks/before_after.sh run fwd
-        timeout 150 python3 benchmarks/bench_overhead.py --functions paged --out "$OUT" 2>&1 \
-            | tail -5
+        timeout 150 python3 benchmarks/bench_overhead.py --functions paged --out "$OUT/paged" \
+            2>&1 | tail -5
+        # Issue 15's training-step host bar beside its peer: SDPA cuDNN's fwd / fwd+bwd.
+        timeout 150 python3 benchmarks/bench_overhead.py --out "$OUT/peers" \
+            --functions fwd,sdpa_fwd,fwdbwd,sdpa_fwdbwd 2>&1 | tail -11
         exit 0
     fi
     timeout 560 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and persistent" \
