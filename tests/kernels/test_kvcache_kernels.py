@@ -115,6 +115,35 @@ def test_kvcache_lengths_out_of_range_are_clamped(device, sq, page):
         assert torch.equal(bad["k_cache"][1, 23], t["k_new"][1, 0])
 
 
+@pytest.mark.parametrize("page", [None, 3], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
+def test_kvcache_lengths_near_int32_max(device, sq, page):
+    """With the value checks off, ``cache_seqlens + Snew`` past 2^31 - 1 wraps (int32) and
+    counts as below 0: no key (README's table); one just under it is clamped to the cache.
+    Nothing is written: every new token's position wraps or lies past the end."""
+    t = make(3, sq, 4, 2, 32, 32, 24, [24, 24, 0], 2, torch.float16)
+    t["k_cache"][:] = torch.randn_like(t["k_cache"])
+    t["v_cache"][:] = torch.randn_like(t["v_cache"])
+    if page is not None:
+        t = to_paged(t, page, extra_pages=0)
+    t = _to(t, device)
+    lens = [2**31 - 1, 2**31 - 3, -2**31]  # + 2 new tokens: wraps, 2^31 - 1, -2^31 + 2
+    bad = dict(t, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device))
+    k_before = t["k_cache"].clone()
+    with fl.value_checks(False):
+        out, lse = fl.attention_with_kvcache(**bad, causal=True, return_lse=True)
+    assert torch.equal(bad["k_cache"], k_before)
+    assert not torch.isnan(out).any()
+    empty = torch.tensor([True, False, True], device=device)
+    assert torch.isneginf(lse[empty]).all() and (out[empty] == 0).all()
+    cap = dict(t, cache_seqlens=torch.tensor([0, 24, 0], dtype=torch.int32, device=device))
+    ref_t = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+             for n, x in cap.items() if n not in ("k_new", "v_new")}
+    ref_out, ref_lse = R.attention_with_kvcache(**ref_t, causal=True, return_lse=True)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
 def test_kvcache_pages_out_of_range_are_not_read(device, sq):
     """A block-table entry outside [0, num_pages) holds no key (decode) or ends the sequence
