@@ -7,6 +7,7 @@
 #   bash benchmarks/before_after.sh prep-revert 5f5fa58 [REV...]   # here: this tree (HEAD) with
 #       those commits reverted, as .before: an experiment reverted in main is re-applied on
 #       today's code (its tests come too: PYTHONPATH=.before pytest .before/tests/...)
+# BEFORE=DIR runs another tree in .before's place (a variant made on the device itself).
 # Each benchmark runs before, after, before, after (drift shows as a before/before spread);
 # logs land in $OUT as <bench>_<tree><pass>.txt and the tables' last lines are printed.
 set -o pipefail
@@ -35,12 +36,12 @@ declare -A ARGS=([fwd]="--full --flex-budget 0 ${FWD_ARGS:-}" [bwd]="--quick --f
 for bench in ${@:-fwd bwd decode merge}; do
     for pass in $(seq 1 ${PASSES:-2}); do
         for tree in before after; do
-            root=$PWD; [ $tree = before ] && root=$PWD/.before
+            root=$PWD; [ $tree = before ] && root=$PWD/${BEFORE:-.before}
             log="$OUT/${bench}_${tree}${pass}.txt"
             out="--out /tmp/ba_${tree}"; [ $bench = serving ] && out=
             PYTHONPATH=$root timeout 150 python3 "$root/benchmarks/bench_$bench.py" \
                 ${ARGS[$bench]} $out > "$log" 2>&1
-            echo "== $bench $tree $pass ($(cat .before/REV 2>/dev/null) / this tree)"
+            echo "== $bench $tree $pass ($(cat ${BEFORE:-.before}/REV 2>/dev/null) / this tree)"
             tail -8 "$log"
         done
     done

@@ -55,6 +55,9 @@
 #   bash benchmarks/h200_session.sh s44 tests  # session 43's lean forward (fwd_sm90.LEAN_MAX_D):
 #                                                the Hopper forward tests and the paged file,
 #                                                three processes (one call, < 10 min)
+#   bash benchmarks/h200_session.sh s44 d256   # D = 256 with one half of the lean form each
+#                                                (ROW_BOUNDS_MAX_D / EARLY_P_MAX_D = 256, trees
+#                                                made on the device) against this tree
 #   bash benchmarks/h200_session.sh s44 bench  # the forward table before / after the lean
 #                                                form (before_after.sh prep 0b71d64, carry
 #                                                .before), the paged steps' host us
@@ -561,6 +564,21 @@ if [ "$1" = s44 ]; then
     # "s44 bench": its table against the tree before it (.before from `before_after.sh prep
     # 0b71d64`), then the paged steps' host time (fwd.attn_fwd_paged's plans by rows class)
     # and the attention rows' host time beside SDPA cuDNN's (bench_overhead's peer rows).
+    if [ "$2" = d256 ]; then
+        # Which half of the lean form cost D = 256 its 1-3.5% (session 43): each alone at
+        # D = 256, in turns with this tree's plain D = 256 form (bench_fwd --full --dims 256).
+        for half in ROW_BOUNDS EARLY_P; do
+            rm -rf ".exp_$half" && mkdir ".exp_$half" && cp -r flashlse benchmarks ".exp_$half/"
+            sed -i "s/^${half}_MAX_D = gl.constexpr(128)/${half}_MAX_D = gl.constexpr(256)/" \
+                ".exp_$half/flashlse/kernels/fwd_sm90.py"
+            grep -q "^${half}_MAX_D = gl.constexpr(256)" ".exp_$half/flashlse/kernels/fwd_sm90.py" \
+                || { echo "s44 d256: no ${half}_MAX_D to patch"; exit 2; }
+            echo "$half at D = 256" > ".exp_$half/REV"
+            BEFORE=".exp_$half" FWD_ARGS="--dims 256" PASSES=2 timeout 280 \
+                bash benchmarks/before_after.sh run fwd
+        done
+        exit 0
+    fi
     if [ "$2" = bench ]; then
         [ -d .before ] || { echo "s44 bench: no .before (before_after.sh prep 0b71d64)"; exit 2; }
         PASSES=2 timeout 420 bash benchmarks/before_after.sh run fwd

@@ -109,8 +109,9 @@ def test_fused_backward_lagged_dq_reduces_read_the_carried_row():
                                   "fwd sm90 persistent (Gluon) D=128 causal table",
                                   "fwd sm90 persistent varlen (Gluon) D=128 window"])
 def test_fwd_sm90_lean_loops_spill_nothing(name):
-    """Up to ``fwd_sm90.LEAN_MAX_D`` the consumer loops take the register-lean form (masks as
-    row bounds, P carried in q's dtype): no stack frame and no local load in any tile loop.
+    """Up to ``fwd_sm90.ROW_BOUNDS_MAX_D`` / ``EARLY_P_MAX_D`` the consumer loops take the
+    register-lean form (masks as row bounds, P carried in q's dtype): no stack frame and no
+    local load in any tile loop.
     The earlier form spilled 8-88 bytes here and reloaded them in the grid kernel's loops
     (benchmarks/NOTES.md, session 43)."""
     by_name = {c[1]: c for c in CASES}

@@ -115,12 +115,13 @@ _paged_keys = gluon.jit(paged_keys.fn)
 _seq_spans = gluon.jit(seq_spans.fn)
 
 HALF_M = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
-# The consumer loops' register-lean form (FA-3's order: the masks as row bounds against
-# immediates, ``_visible``; P converted to the product's operand as soon as its float32
-# form dies, ``_consumer_loop_overlap``) up to this head dim. H200, session 43: D = 128 +0.5-6.5% on every row of the forward table,
-# D = 64 level to +8% (causal S = 1k); D = 256 1-3.5% slower in it, so it keeps the plain
-# form.
-LEAN_MAX_D = gl.constexpr(128)
+# The consumer loops' register-lean form (FA-3's order) up to these head dims: the masks as
+# row bounds against immediates (``_visible``), and P converted to the product's operand as
+# soon as its float32 form dies (``_consumer_loop_overlap``). H200, session 43, both on: D =
+# 128 +0.5-6.5% on every row of the forward table, D = 64 level to +8% (causal S = 1k);
+# D = 256 1-3.5% slower, so it keeps the plain form (which of the two cost it: not measured).
+ROW_BOUNDS_MAX_D = gl.constexpr(128)
+EARLY_P_MAX_D = gl.constexpr(128)
 # Ints a row block of the persistent varlen kernel's list: bos, bos_k, T_q, T_k, first row.
 VARLEN_ITEM = gl.constexpr(5)
 
@@ -385,12 +386,13 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
     blocks took the ``t0`` before; 0 elsewhere). ``V_TAIL`` (the persistent varlen kernel,
     whose tiles come from descriptors over the whole packed tensor): the last V tile's rows
     from ``T_k`` on, the next sequence's, are zeroed before its product (``_zero_rows``).
-    Up to ``LEAN_MAX_D``, P becomes the product's operand as soon as nothing else needs its
+    Up to ``EARLY_P_MAX_D``, P becomes the product's operand as soon as nothing else needs its
     registers (after the softmax, after the O wait in the loop): the loop carries it in q's
     dtype, not float32 (FA-3's order; 32 registers a thread less across the back edge)."""
     dtype: gl.constexpr = q_tile.dtype
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    LEAN: gl.constexpr = acc.shape[1] <= LEAN_MAX_D
+    ROW_BOUNDS: gl.constexpr = acc.shape[1] <= ROW_BOUNDS_MAX_D
+    EARLY_P: gl.constexpr = acc.shape[1] <= EARLY_P_MAX_D
     if n_tiles > 0:
         mbarrier.wait(k_full.index(t0 % STAGES), (t0 // STAGES) & 1)
         if PINGPONG:
@@ -403,14 +405,14 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
         mbarrier.arrive(k_empty.index(t0 % STAGES))
         p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo, rows, T_k, shift, left, right,
                                           scale_log2, n_full_lo, n_full_hi,
-                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout, LEAN)
-        if LEAN:
+                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout, ROW_BOUNDS)
+        if EARLY_P:
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         for it in range(n_tiles - 1):
             s = (t0 + it) % STAGES
             s1 = (t0 + it + 1) % STAGES
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            if not LEAN:
+            if not EARLY_P:
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(k_full.index(s1), ((t0 + it + 1) // STAGES) & 1)
             if PINGPONG:
@@ -426,15 +428,16 @@ def _consumer_loop_overlap(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_em
             p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n_lo + (it + 1) * BLOCK_N, rows,
                                               T_k, shift, left, right, scale_log2,
                                               n_full_lo, n_full_hi,
-                                              HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout, LEAN)
+                                              HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout,
+                                              ROW_BOUNDS)
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(v_empty.index(s))
-            if LEAN:
+            if EARLY_P:
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
         last = t0 + n_tiles - 1
         s = last % STAGES
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        if not LEAN:
+        if not EARLY_P:
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_full.index(s), (last // STAGES) & 1)
         if V_TAIL:
@@ -462,9 +465,9 @@ def _consumer_loop_plain(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empt
     waiting for the one before (no overlap inside the warpgroup; with three consumer
     warpgroups the others' products run meanwhile). Tiles from the ring's ``t0``-th;
     ``V_TAIL`` as ``_consumer_loop_overlap``'s (the tile that holds ``T_k`` zeroed past it);
-    the mask as row bounds up to ``LEAN_MAX_D``, as there."""
+    the mask as row bounds up to ``ROW_BOUNDS_MAX_D``, as there."""
     dtype: gl.constexpr = q_tile.dtype
-    LEAN: gl.constexpr = acc.shape[1] <= LEAN_MAX_D
+    ROW_BOUNDS: gl.constexpr = acc.shape[1] <= ROW_BOUNDS_MAX_D
     for it in range(n_tiles):
         s = (t0 + it) % STAGES
         ph = ((t0 + it) // STAGES) & 1
@@ -481,7 +484,7 @@ def _consumer_loop_plain(q_tile, k_smem, v_smem, k_full, k_empty, v_full, v_empt
             mbarrier.arrive(turn.index(1 - half))
         p, alpha, m_i, l_i = _softmax_any(s_acc, m_i, l_i, n0, rows, T_k, shift, left, right,
                                           scale_log2, n_full_lo, n_full_hi,
-                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout, LEAN)
+                                          HAS_LEFT, HAS_RIGHT, BLOCK_N, s_layout, ROW_BOUNDS)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_full.index(s), ph)
