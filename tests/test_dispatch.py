@@ -831,3 +831,18 @@ def test_desc_launch_passes_the_launcher_what_tritons_wrapper_would(monkeypatch)
     assert launched[-1] == launched[-2]
     assert launched[0][:13] == (3, 2, 1, 5, 77, False, True, None, None, (4, 1, 1), None, None,
                                 None)
+
+
+def test_seq_args_bounds_varlen_maxima_by_the_rows():
+    """The varlen grid covers at most the packed rows: max_seqlen_q / max_seqlen_k above
+    them (an upper bound, as flash-attn's callers pass one) are clamped there (no sequence
+    is longer, the answer is the same); below them they are kept (rows past them are not
+    written: README's bad-value table)."""
+    from flashlse.kernels._common import seq_args
+
+    q, k = torch.empty(20, 2, 8), torch.empty(33, 2, 8)
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    assert seq_args(q, k, cu, 2**40, 2**31 + 7) == (2, dict(seqlen_q=20, seqlen_k=33,
+                                                         total_q=20, total_k=33))
+    assert seq_args(q, k, cu, 12, 5)[1]["seqlen_q"] == 12
+    assert seq_args(q, k, cu, 12, 5)[1]["seqlen_k"] == 5

@@ -39,11 +39,15 @@ def seq_args(q, k, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None) -> t
     """``(batch, args)`` of an attention launch: the sequence count, and the kernels' length
     arguments ``seqlen_q`` / ``seqlen_k`` (what the grid covers: the longest sequences when
     varlen) and ``total_q`` / ``total_k`` (the packed rows varlen offsets are clamped to; 0
-    when dense)."""
+    when dense). A varlen maximum above the packed rows is clamped to them (no sequence is
+    longer, so the answer is the same, and the grid stays inside int32 and the launch
+    limits: flash-attn's callers pass a model's longest context as an upper bound)."""
     if cu_seqlens_q is None:
         return q.shape[0], dict(seqlen_q=q.shape[1], seqlen_k=k.shape[1], total_q=0, total_k=0)
-    return cu_seqlens_q.numel() - 1, dict(seqlen_q=int(max_seqlen_q), seqlen_k=int(max_seqlen_k),
-                                          total_q=q.shape[0], total_k=k.shape[0])
+    total_q, total_k = q.shape[0], k.shape[0]
+    return cu_seqlens_q.numel() - 1, dict(seqlen_q=min(int(max_seqlen_q), total_q),
+                                          seqlen_k=min(int(max_seqlen_k), total_k),
+                                          total_q=total_q, total_k=total_k)
 
 
 def row_starts(b: int, step: int, device) -> torch.Tensor:

@@ -125,6 +125,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     caller keeps for calls of one metadata but the lengths (a public call's kept key), where
     both kernels' plans are found by what that key leaves out."""
     out, lse = fwd.new_outputs(q, v_cache, cu_seqlens_q)
+    # Maxima above the packed rows / the table's keys clamped to them (``seq_args``).
+    max_seqlen_q = min(int(max_seqlen_q), q.shape[0])
+    max_seqlen_k = min(int(max_seqlen_k), block_table.shape[1] * k_cache.shape[1])
     kw = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seqused_k,
               max_seqlen_k=max_seqlen_k, left=left, right=right, softcap=softcap, scale=scale,
               sink=sink)

@@ -289,9 +289,17 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.devi
         raise ValueError(f"{name}[-1] must equal the number of tokens ({total}), got {vals[-1]}")
 
 
-def check_max_seqlen(name: str, max_seqlen, cu: torch.Tensor) -> None:
+def check_max_len(name: str, max_seqlen) -> None:
+    """A max_seqlen argument: an int >= 0 (a host value: no sync)."""
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"{name} must be an int, got {type(max_seqlen).__name__}")
+    if max_seqlen < 0:
+        raise ValueError(f"{name} must be >= 0 (the longest sequence's length, or more), got "
+                         f"{max_seqlen}")
+
+
+def check_max_seqlen(name: str, max_seqlen, cu: torch.Tensor) -> None:
+    check_max_len(name, max_seqlen)
     if not values_checkable(cu):
         return
     longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0

@@ -877,8 +877,7 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
         raise ValueError("a paged attention_varlen needs the key lengths: seqused_k (B,) int32 "
                          "(or cu_seqlens_k (B + 1,) int32)")
     V.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
-    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int):
-        raise TypeError(f"max_seqlen_k must be an int, got {type(max_seqlen_k).__name__}")
+    V.check_max_len("max_seqlen_k", max_seqlen_k)
     capacity = block_table.shape[1] * k_cache.shape[1]
     if V.values_checkable(lens) and bsz:
         if bool(((lens < 0) | (lens > min(capacity, max_seqlen_k))).any()):

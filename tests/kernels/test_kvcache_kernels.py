@@ -190,6 +190,50 @@ def test_varlen_bad_offsets_are_clamped(device):
         fl.attention_varlen(q, k, v, cu_q, cu_k, 16, 16, causal=True)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+def test_varlen_max_seqlen_above_the_rows(device, paged):
+    """max_seqlen_q / max_seqlen_k are upper bounds (flash-attn's callers pass a model's
+    longest context): a value above the packed rows or the table's keys, up to 2^40, gives
+    the exact maxima's answer (forward, and backward when packed); the grid is sized by
+    the rows (2^40 / 128 programs would pass the launch limits). A negative one is a
+    ValueError before any kernel runs."""
+    dtype = DTYPES[0]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(20, 4, 32, generator=g).to(device, dtype)
+    cu_q = torch.tensor([0, 8, 20], dtype=torch.int32, device=device)
+    if paged:
+        k = torch.randn(6, 4, 2, 32, generator=g).to(device, dtype)  # 6 pages of 4 rows
+        table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=device)
+        used = torch.tensor([9, 12], dtype=torch.int32, device=device)
+        kw = dict(seqused_k=used, block_table=table)
+        cu_k, exact = None, (12, 12)
+    else:
+        q.requires_grad_()
+        k = torch.randn(21, 2, 32, generator=g).to(device, dtype).requires_grad_()
+        cu_k, exact, kw = torch.tensor([0, 9, 21], dtype=torch.int32, device=device), (12, 12), {}
+    v = k.detach().clone().requires_grad_(k.requires_grad)
+
+    def call(mq, mk):
+        out, lse = fl.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True,
+                                       return_lse=True, **kw)
+        if paged:
+            return out, lse
+        return out, lse, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    want = call(*exact)
+    # (Under the interpreter 2^16: a grid sized by 2^40 would run for hours there if the
+    # clamp regressed; test_dispatch's seq_args test holds the bound itself.)
+    big = 2**40 if q.is_cuda else 2**16
+    for mq, mk in ((big, 12), (12, big), (big, big + 7)):
+        with fl.value_checks(False):
+            got = call(mq, mk)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (mq, mk)
+    for bad in ((-1, 12), (12, -3)):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            call(*bad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("page", [1, 3, 16], ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("qlens,klens,kw", PAGED)
