@@ -929,6 +929,7 @@ def _paged_kept_key(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     if not (V.KEEP_PLANS and isinstance(q, torch.Tensor) and use_triton(q)
             and cu_seqlens_k is None
             and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int
+            and max_seqlen_q >= 0 and max_seqlen_k >= 0  # (the full path says why not)
             and V.canonical_scalars(causal, window, softcap, scale, return_lse, deterministic)):
         return None
     key = V.meta_key("paged-kept", k_cache, v_cache, sink)
