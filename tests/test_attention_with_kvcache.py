@@ -182,7 +182,7 @@ def test_kvcache_append_in_place_only_touches_new_slots(paged):
     assert torch.equal(t["v_cache"], want_v)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 2**40])
 def test_kvcache_sink_counted_once_for_every_split_count(num_splits):
     t = make(2, 3, 4, 2, 16, 16, 10, [6, 1], 0, sink=True)
     out, lse, _ = run_both(t, num_splits=num_splits, causal=True)

@@ -47,6 +47,9 @@ def _append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table):
 def _split_fwd(qb, kb, vb, num_splits, left, right, softcap, scale, sink):
     """One sequence, keys cut into ``num_splits`` ranges, merged, then the sink once."""
     sk = kb.shape[1]
+    # (Past one split a key the rest would be empty ranges: capped there, as the kernels cap
+    # a forced count at one split a key tile.)
+    num_splits = min(num_splits, max(sk, 1))
     bounds = torch.linspace(0, sk, num_splits + 1).round().long().tolist()
     outs, lses = [], []
     for k0, k1 in zip(bounds, bounds[1:]):
@@ -337,7 +340,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
             may be a view of ``k_cache`` (MLA: ``v = k[..., :Dv]``).
         cache_seqlens: ``(B,)`` int32 valid lengths (0 allowed); None = the whole cache.
         k_new / v_new: ``(B, Snew, Hkv, D / Dv)``, written in place at ``cache_seqlens``.
-        num_splits: split-KV count; 0 chooses (1 on the PyTorch path).
+        num_splits: split-KV count; 0 chooses (1 on the PyTorch path); a count past the key
+            tiles is capped at one split a tile (the same answer).
         Other keywords as :func:`flashlse.attention`.
 
     Returns:

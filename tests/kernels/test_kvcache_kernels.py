@@ -528,3 +528,18 @@ def test_attention_varlen_paged_steps_share_one_plan(device, monkeypatch):
             out, lse = fl.attention_varlen(q_nan, *args[1:], **dev)
         assert torch.isnan(out[2]).all() and torch.isnan(lse[:, 2]).all()
         assert torch.isnan(out).sum() == out[2].numel() and torch.isnan(lse).sum() == hq
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=lambda p: f"page{p}")
+def test_kvcache_forced_splits_past_the_tiles(device, page):
+    """A forced num_splits past the cache's key tiles (up to 2^40) is capped at one split a
+    tile: the same launch as that count, so the same bits (2^40 splits' workspaces would not
+    fit in any memory)."""
+    t = make(2, 1, 4, 2, 32, 32, 64, [40, 64], 0, torch.float16)
+    if page is not None:
+        t = to_paged(t, page, extra_pages=0)
+    t = {n: x for n, x in _to(t, device).items() if n not in ("k_new", "v_new")}
+    want = fl.attention_with_kvcache(**t, return_lse=True, num_splits=64)
+    for n in (65, 1000, 2**40):
+        got = fl.attention_with_kvcache(**t, return_lse=True, num_splits=n)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
