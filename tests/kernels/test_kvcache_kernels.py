@@ -543,3 +543,31 @@ def test_kvcache_forced_splits_past_the_tiles(device, page):
     for n in (65, 1000, 2**40):
         got = fl.attention_with_kvcache(**t, return_lse=True, num_splits=n)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+
+
+def test_more_than_65535_sequences_is_a_clear_error(device, monkeypatch):
+    """The cache append and the portable paged kernel put sequences on a grid dim, which CUDA
+    stops at 65535: 65536 sequences a call are a ValueError before any kernel runs (as the
+    backward's), not a launch failure, and the cache is untouched."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a kernel ran")
+
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "run", ran)
+    monkeypatch.setattr(InterpretedFunction, "run", ran)
+    n = 65536
+    q = torch.zeros(n, 1, 1, 16, device=device, dtype=torch.float16)
+    kc = torch.zeros(n, 2, 1, 16, device=device, dtype=torch.float16)
+    new = torch.ones(n, 1, 1, 16, device=device, dtype=torch.float16)
+    lens = torch.zeros(n, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="at most 65535 sequences"):
+        fl.attention_with_kvcache(q, kc, kc, k_new=new, v_new=new, cache_seqlens=lens)
+    assert not kc.any()
+    pages = torch.zeros(1, 4, 1, 16, device=device, dtype=torch.float16)
+    table = torch.zeros(n, 1, dtype=torch.int32, device=device)
+    cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="at most 65535 sequences"):
+        fl.attention_varlen(q[:, 0], pages, pages, cu, None, 1, 4, seqused_k=lens + 1,
+                            block_table=table)
