@@ -555,8 +555,8 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     programs = batch * hkv * m_tiles
     if num_splits > 0:
         # A forced count past the key tiles only adds empty splits (and their workspace):
-        # capped at one split a tile, the same answer.
-        splits = min(int(num_splits), max(1, n_tiles))
+        # capped at one split a tile, the same answer, and at 65535 (the grid's dim 1).
+        splits = min(int(num_splits), max(1, n_tiles), 65535)
     elif q.is_cuda:
         splits = _num_splits(programs, n_tiles, _num_sms(q.device) * cfg.programs_per_sm)
     else:
