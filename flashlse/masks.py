@@ -17,10 +17,11 @@ import torch
 
 Window = tuple[int | None, int | None]
 
-# A window side this large sees every key of any sequence of at most 2^30 tokens (a GPU
-# holds none longer): it is unbounded. The kernels bound a row's keys by ``row + shift +
-# right`` in int32, which a side near 2^31 overflowed: a window of (4, 2^31 - 2) masked every
-# key (out 0, lse -inf) where it sees the same keys as (4, None).
+# A window side from here on is unbounded: exact for every sequence of at most 2^30 tokens
+# (a side of 2^30 reaches all of its keys; a billion-token sequence is past any call here).
+# The kernels bound a row's keys by ``row + shift + right`` in int32, which a side near 2^31
+# overflowed: a window of (4, 2^31 - 2) masked every key (out 0, lse -inf) where it sees the
+# same keys as (4, None).
 UNBOUNDED = 2**30
 
 
