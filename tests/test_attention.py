@@ -255,7 +255,7 @@ def test_huge_window_is_unbounded():
 @pytest.mark.parametrize("window,plain", [((3, 2**31 - 2), (3, None)), ((2**30, 0), (None, 0)),
                                           ((2**30 - 1, 0), (2**30 - 1, 0)), ((-1, 2**40), None)])
 def test_window_sides_of_2_to_the_30_are_unbounded(window, plain):
-    """Sides of 2^30 or more see every key of any sequence a GPU holds, and become None
+    """Sides of 2^30 or more see every key of any sequence under 2^30 tokens, and become None
     before any kernel runs (the kernels' int32 row bounds overflowed near 2^31: the kernel
     tests' test_window_bounds.py); the CPU path gives the unbounded answer too."""
     from flashlse.ops import _validate as V
