@@ -181,7 +181,9 @@ def check_last_stride(tensors: dict[str, torch.Tensor]) -> None:
 def check_heads(hq: int, hkv: int, hkv_v: int) -> None:
     if hkv != hkv_v:
         raise ValueError(f"k and v must have the same number of heads, got {hkv} and {hkv_v}")
-    if hkv == 0 or hq % hkv != 0:
+    if hkv == 0:
+        raise ValueError(f"k and v need at least one head (Hkv >= 1), got Hkv = 0 (Hq = {hq})")
+    if hq % hkv != 0:
         raise ValueError(
             f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for MHA/GQA/MQA; "
             f"choose Hkv among the divisors of {hq}"
