@@ -84,6 +84,16 @@ class Config:
         return f"seed={self.seed} " + " ".join(f"{k}={getattr(self, k)}" for k in keys)
 
 
+def _over(seed: int) -> tuple[int, int]:
+    """How far a varlen draw's max_seqlen_q / max_seqlen_k lie above the longest sequence
+    (upper bounds, as flash-attn's callers pass a model's longest context): 0 in three draws
+    of four; from a generator of its own, so the other draws stay as they were."""
+    over = random.Random(seed * 104729 + 7)
+    if over.random() < 0.75:
+        return 0, 0
+    return over.choice([0, 1, 1000, 2**40]), over.choice([0, 1, 1000, 2**40])
+
+
 def _randn(g, *shape, device, dtype, scale=1.0):
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device, dtype)
 
@@ -229,8 +239,9 @@ def run_varlen(cfg, device, dtype):
                 v=mk(sum(lk), cfg.hkv, cfg.dv))
     if cfg.sink:
         diff["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
-    const = dict(cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk), max_seqlen_q=max(lq),
-                 max_seqlen_k=max(lk), causal=cfg.causal, window=cfg.window,
+    over_q, over_k = _over(cfg.seed)
+    const = dict(cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk), max_seqlen_q=max(lq) + over_q,
+                 max_seqlen_k=max(lk) + over_k, causal=cfg.causal, window=cfg.window,
                  softcap=cfg.softcap, return_lse=True)
     if r.random() < 0.4:
         const["seqused_k"] = torch.tensor([r.randint(0, x) for x in lk], dtype=torch.int32,
@@ -276,8 +287,12 @@ def run_kvcache(cfg, device, dtype):
     if cfg.sink:
         t["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
     _poison(cfg, t["q"], t["k_cache"], t.get("sink"), g)
+    splits = r.choice([0, 1, 3])
+    forced = random.Random(cfg.seed * 104729 + 5)  # (its own generator: the others stay)
+    if forced.random() < 0.05:
+        splits = forced.choice([7, 2**40])  # past the key tiles: capped at one a tile
     kw = dict(causal=cfg.causal, window=cfg.window, softcap=cfg.softcap,
-              num_splits=r.choice([0, 1, 3]), return_lse=True)
+              num_splits=splits, return_lse=True)
     copy = lambda d, cast=None: {k: (v.clone().to(cast) if cast and v.is_floating_point()
                                      else v.clone()) if isinstance(v, torch.Tensor) else v
                                  for k, v in d.items()}
@@ -357,9 +372,10 @@ def run_varlen_paged(cfg, device, dtype):
               causal=cfg.causal, window=cfg.window, softcap=cfg.softcap, return_lse=True)
     sink = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0) if cfg.sink else None
     _poison(cfg, q, k_cache, sink, g)
+    over_q, over_k = _over(cfg.seed)
     with torch.no_grad():
-        out, lse = fl.attention_varlen(q, k_cache, v_cache, cu_q, None, max(lq), max(lk),
-                                       sink=sink, **kw)
+        out, lse = fl.attention_varlen(q, k_cache, v_cache, cu_q, None, max(lq) + over_q,
+                                       max(lk) + over_k, sink=sink, **kw)
         f64 = lambda t: t.double() if t is not None else None
         ref = R.attention_varlen(f64(q), f64(k_cache), f64(v_cache), cu_q, None, max(lq),
                                  max(lk), sink=f64(sink), **kw)
