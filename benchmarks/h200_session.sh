@@ -562,7 +562,7 @@ if [ "$1" = s44 ]; then
     # failed). "s44 tests": every Hopper forward case and the paged file on the kept form,
     # and the window sides near 2^31 (test_window_bounds.py) on every GPU kernel path.
     # "s44 bench": its table against the tree before it (.before from `before_after.sh prep
-    # 0b71d64`), then the paged steps' host time (fwd.attn_fwd_paged's plans by rows class)
+    # 0b71d64`), then the paged steps' host time
     # and the attention rows' host time beside SDPA cuDNN's (bench_overhead's peer rows).
     if [ "$2" = d256 ]; then
         # Which half of the lean form cost D = 256 its 1-3.5% (session 43): each alone at

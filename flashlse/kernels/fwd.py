@@ -728,6 +728,8 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
         rows = min(rows, SMALL_ROWS)
     if total_q == 0 or batch == 0 or rows == 0:
         return out, lse
+    block_d = max(next_pow2(d), 16)
+    block_dv = max(next_pow2(dv), 16)
     # A cache of empty pages (page_size 0) holds no key.
     n_cols = min(block_table.shape[1], cdiv(max(int(max_seqlen_k), 0), page)) if page else 0
     # The sequences of (rows_lo, rows_hi] packed rows a launch; the others exit at once. A
@@ -736,34 +738,28 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     # every sequence and skip the other's (no host sync on the lengths).
     spans = ([(0, rows)] if rows <= SMALL_ROWS or int(min_seqlen_q) * group > SMALL_ROWS
              else [(SMALL_ROWS, rows), (0, SMALL_ROWS)])
+    cfgs = tuple(_pick_paged_config(block_d, block_dv, hi) for _, hi in spans)
     # The plan is a function of the call's metadata but the lengths (total_q, max_seqlen_q,
     # max_seqlen_k: a serving engine's every step changes them), which each launch passes
-    # the compiled kernel afresh (SizedLaunch), and of each launch's tiles, which its rows
-    # choose up to their power of two (``configs.fwd_paged_config``); a fwd_config override
-    # is planned each call.
-    key = hit = None
+    # the compiled kernel afresh (SizedLaunch); a fwd_config override is planned each call.
+    key = runs = None
     cache = _PLANS
     if not options.current().fwd_config:
-        key = ("portable", tuple(min(max(next_pow2(hi), 16), 128) for _, hi in spans))
         if plans is None:
             key = ("paged", q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape,
                    k_cache.stride(), v_cache.shape, v_cache.stride(), out.stride(),
-                   block_table.stride(), sink is None, left, right, softcap, scale, key)
+                   block_table.stride(), sink is None, left, right, softcap, scale, cfgs)
         else:
-            cache = plans
-        hit = cache.get(key)
-    if hit is None:
-        block_d = max(next_pow2(d), 16)
-        block_dv = max(next_pow2(dv), 16)
-        cfgs = tuple(_pick_paged_config(block_d, block_dv, hi) for _, hi in spans)
-        hit = cfgs, tuple(_paged_launch(q, k_cache, v_cache, block_table, out, lse, sink, cfg,
-                                        left=left, right=right, softcap=softcap, scale=scale)
-                          for cfg in cfgs)
+            key, cache = ("portable", cfgs), plans
+        runs = cache.get(key)
+    if runs is None:
+        runs = tuple(_paged_launch(q, k_cache, v_cache, block_table, out, lse, sink, cfg,
+                                   left=left, right=right, softcap=softcap, scale=scale)
+                     for cfg in cfgs)
         if key is not None:
             if len(cache) >= _MAX_PLANS:
                 cache.clear()
-            cache[key] = hit
-    cfgs, runs = hit
+            cache[key] = runs
     for run, cfg, (lo, hi) in zip(runs, cfgs, spans):
         run((cdiv(hi, cfg.block_m), hkv, batch),
             (lse.stride(0), int(max_seqlen_q), total_q, n_cols * page, lo, hi),
