@@ -50,6 +50,15 @@ def seq_args(q, k, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None) -> t
                                           total_q=total_q, total_k=total_k)
 
 
+def check_grid_dims(what: str, sequences: int, heads: int, heads_name: str = "heads") -> None:
+    """A ValueError before any launch where a kernel would put ``sequences`` or ``heads`` on a
+    CUDA grid dim that stops at 65535 (dims 1 and 2)."""
+    if max(sequences, heads) > 65535:
+        raise ValueError(f"{what} take at most 65535 sequences and 65535 {heads_name} per "
+                         f"call, got {sequences} sequences and {heads} {heads_name}; split the "
+                         f"batch into several calls")
+
+
 def row_starts(b: int, step: int, device) -> torch.Tensor:
     """``[0, step, ..., b * step]`` int32: the ``cu_seqlens`` of ``b`` sequences of ``step``
     rows each, which kernels read and never write. Made on the call's stream the first time

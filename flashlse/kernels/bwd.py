@@ -84,6 +84,7 @@ from ._common import (
     Launch,
     alloc_scratch,
     cdiv,
+    check_grid_dims,
     contiguous_strides,
     interpreting,
     key_ranges,
@@ -912,11 +913,7 @@ def _bwd_plan(dout, dlse, q, k, v, out, lse, *, left, right, softcap, scale, sin
     as q, k, v; delta and lse_log2 as planned here)."""
     is_varlen = cu_seqlens_q is not None
     n_seq = cu_seqlens_q.numel() - 1 if is_varlen else q.shape[0]
-    if max(n_seq, q.shape[-2]) > 65535:
-        # Heads and sequences each take a grid dim, which CUDA stops at 65535.
-        raise ValueError(f"the backward kernels take at most 65535 sequences and 65535 heads "
-                         f"per call, got {n_seq} sequences and {q.shape[-2]} heads; split the "
-                         f"batch into several calls")
+    check_grid_dims("the backward kernels", n_seq, q.shape[-2])
     d, dv_dim = q.shape[-1], v.shape[-1]
     hq, hkv = q.shape[-2], k.shape[-2]
     override = opts.bwd_config or {}

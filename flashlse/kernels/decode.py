@@ -71,6 +71,7 @@ from ._common import (
     alloc_scratch,
     capability,
     cdiv,
+    check_grid_dims,
     contiguous_strides,
     decode_split,
     final_stats,
@@ -717,11 +718,7 @@ def _append_plan(k_cache, v_cache, k_new, v_new, block_table):
     dv = v_new.shape[-1]
     if batch == 0 or s_new == 0 or hkv == 0:
         return _NOTHING
-    if max(batch, hkv) > 65535:
-        # Kv heads and sequences each take a grid dim, which CUDA stops at 65535.
-        raise ValueError(f"the cache append kernel takes at most 65535 sequences and 65535 kv "
-                         f"heads per call, got {batch} sequences and {hkv} kv heads; split the "
-                         f"batch into several calls")
+    check_grid_dims("the cache append kernel", batch, hkv, "kv heads")
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     cfg = configs.append_kv_config(s_new)

@@ -31,7 +31,7 @@ import torch
 import triton
 
 from . import bwd, fwd, options
-from ._common import alloc_scratch
+from ._common import alloc_scratch, check_grid_dims
 from .failures import FAILURES
 
 try:  # Gluon's Hopper API as of triton 3.6; without it every call takes the portable kernels.
@@ -124,12 +124,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     ``fwd.SMALL_ROWS`` packed rows, no launch of 16-row tiles is made. ``plans``: a dict the
     caller keeps for calls of one metadata but the lengths (a public call's kept key), where
     both kernels' plans are found by what that key leaves out."""
-    if cu_seqlens_q.shape[0] - 1 > 65535 or k_cache.shape[-2] > 65535:
-        # Sequences and kv heads each take a grid dim of the portable paged kernel (the
-        # decodes' launch), which CUDA stops at 65535.
-        raise ValueError(f"the paged forward kernels take at most 65535 sequences and 65535 "
-                         f"kv heads per call, got {cu_seqlens_q.shape[0] - 1} sequences and "
-                         f"{k_cache.shape[-2]} kv heads; split the batch into several calls")
+    # (The portable paged kernel, which every step's decodes take, puts both on grid dims.)
+    check_grid_dims("the paged forward kernels", cu_seqlens_q.shape[0] - 1, k_cache.shape[-2],
+                    "kv heads")
     out, lse = fwd.new_outputs(q, v_cache, cu_seqlens_q)
     # Maxima above the packed rows / the table's keys clamped to them (``seq_args``).
     max_seqlen_q = min(int(max_seqlen_q), q.shape[0])
