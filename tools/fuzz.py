@@ -55,16 +55,7 @@ class Config:
         self.d = rng.choice(dims)
         self.dv = self.d if rng.random() < 0.7 else rng.choice(dims)
         self.causal = rng.random() < 0.5
-        self.window = (None, None)
-        if rng.random() < 0.3:
-            self.window = (rng.choice([None, 0, 1, 3, 8]), rng.choice([None, 0, 2, 5]))
-            # A quarter of them with a side near 2^31 (the kernels' int32 row bounds; from
-            # 2^30 on a side is unbounded), from a generator of their own.
-            huge = random.Random(seed * 104729 + 3)
-            if huge.random() < 0.25:
-                side = huge.choice([2**30 - 1, 2**30, 2**31 - 2])
-                self.window = ((side, self.window[1]) if huge.random() < 0.5
-                               else (self.window[0], side))
+        self.window = draw_window(rng, seed, 0.3)
         self.softcap = rng.choice([0.0, 0.0, 0.0, 2.5])
         self.sink = rng.random() < 0.4
         # Bad data, from a generator of its own (every seed's other draws stay as they were).
@@ -82,6 +73,20 @@ class Config:
         keys = ("kind", "hq", "hkv", "d", "dv", "causal", "window", "softcap", "sink", "bad",
                 "lse_grad")
         return f"seed={self.seed} " + " ".join(f"{k}={getattr(self, k)}" for k in keys)
+
+
+def draw_window(rng, seed: int, p: float) -> tuple:
+    """A window with probability ``p`` (else none), from ``rng``; a quarter of them with a
+    side near 2^31 (the kernels' int32 row bounds; from 2^30 on a side is unbounded), from a
+    generator of their own, so that ``rng``'s later draws stay as they were."""
+    if rng.random() >= p:
+        return (None, None)
+    window = (rng.choice([None, 0, 1, 3, 8]), rng.choice([None, 0, 2, 5]))
+    huge = random.Random(seed * 104729 + 3)
+    if huge.random() < 0.25:
+        side = huge.choice([2**30 - 1, 2**30, 2**31 - 2])
+        window = (side, window[1]) if huge.random() < 0.5 else (window[0], side)
+    return window
 
 
 def _over(seed: int) -> tuple[int, int]:

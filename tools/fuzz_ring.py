@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 from flashlse import distributed as fld
 from flashlse import masks
 from flashlse import reference as R
-from tools.fuzz import _close, _poison, _sink_grad_scale
+from tools.fuzz import _close, _poison, _sink_grad_scale, draw_window
 
 
 class RingConfig:
@@ -69,16 +69,7 @@ class RingConfig:
         self.d = rng.choice([8, 16, 32])
         self.dv = self.d if rng.random() < 0.7 else rng.choice([8, 16, 32])
         self.causal = rng.random() < 0.5
-        self.window = (None, None)
-        if rng.random() < 0.35:
-            self.window = (rng.choice([None, 0, 1, 3, 8]), rng.choice([None, 0, 2, 5]))
-            # A quarter with a side near 2^31 (unbounded from 2^30: masks.UNBOUNDED), as
-            # tools.fuzz draws them, from a generator of their own.
-            huge = random.Random(seed * 104729 + 3)
-            if huge.random() < 0.25:
-                side = huge.choice([2**30 - 1, 2**30, 2**31 - 2])
-                self.window = ((side, self.window[1]) if huge.random() < 0.5
-                               else (self.window[0], side))
+        self.window = draw_window(rng, seed, 0.35)
         self.softcap = rng.choice([0.0, 0.0, 0.0, 2.5])
         self.scale = rng.choice([None, None, 0.3])
         self.sink = rng.random() < 0.4
