@@ -84,17 +84,32 @@ def test_kvcache_long_chunk_wide_table_reads_pages_in_place(device, monkeypatch,
     assert bool(calls) == gathered
 
 
-@pytest.mark.parametrize("page", [None, 3], ids=lambda p: f"page{p}")
-@pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
-def test_kvcache_lengths_out_of_range_are_clamped(device, sq, page):
-    """With the value checks off a length past the cache reads the whole cache, a negative
-    one no key, and k_new past the end is dropped: nothing outside the caches is touched."""
+def _full_cache(device, sq, page):
+    """Three sequences of ``sq`` query rows on a full 24-row cache of random keys (every slot
+    set, so a read past a length shows), 2 new tokens each; pages of ``page`` rows or none."""
     t = make(3, sq, 4, 2, 32, 32, 24, [24, 24, 0], 2, torch.float16)
     t["k_cache"][:] = torch.randn_like(t["k_cache"])
     t["v_cache"][:] = torch.randn_like(t["v_cache"])
     if page is not None:
         t = to_paged(t, page, extra_pages=0)
-    t = _to(t, device)
+    return _to(t, device)
+
+
+def _close_to_cache_ref(out, lse, t):
+    """``out`` / ``lse`` against the float64 reference of the causal call ``t`` (no append)."""
+    ref_t = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+             for n, x in t.items() if n not in ("k_new", "v_new")}
+    ref_out, ref_lse = R.attention_with_kvcache(**ref_t, causal=True, return_lse=True)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("page", [None, 3], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
+def test_kvcache_lengths_out_of_range_are_clamped(device, sq, page):
+    """With the value checks off a length past the cache reads the whole cache, a negative
+    one no key, and k_new past the end is dropped: nothing outside the caches is touched."""
+    t = _full_cache(device, sq, page)
     bad = dict(t, cache_seqlens=torch.tensor([30, 23, -5], dtype=torch.int32, device=device))
     k_before = t["k_cache"].clone()
     with fl.value_checks(False):
@@ -103,11 +118,7 @@ def test_kvcache_lengths_out_of_range_are_clamped(device, sq, page):
     # the one new token that fits (sequence 1, slot 23) and dropping the rest.
     cap = dict(t, cache_seqlens=torch.tensor([24, 24, 0], dtype=torch.int32, device=device))
     cap["k_cache"], cap["v_cache"] = bad["k_cache"], bad["v_cache"]
-    ref_t = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-             for n, x in cap.items() if n not in ("k_new", "v_new")}
-    ref_out, ref_lse = R.attention_with_kvcache(**ref_t, causal=True, return_lse=True)
-    torch.testing.assert_close(out.double(), ref_out, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
+    _close_to_cache_ref(out, lse, cap)
     changed = (bad["k_cache"] != k_before).flatten(1).any(1)
     if page is None:
         # Only sequence 1's slot 23 was written.
@@ -121,12 +132,7 @@ def test_kvcache_lengths_near_int32_max(device, sq, page):
     """With the value checks off, ``cache_seqlens + Snew`` past 2^31 - 1 wraps (int32) and
     counts as below 0: no key (README's table); one just under it is clamped to the cache.
     Nothing is written: every new token's position wraps or lies past the end."""
-    t = make(3, sq, 4, 2, 32, 32, 24, [24, 24, 0], 2, torch.float16)
-    t["k_cache"][:] = torch.randn_like(t["k_cache"])
-    t["v_cache"][:] = torch.randn_like(t["v_cache"])
-    if page is not None:
-        t = to_paged(t, page, extra_pages=0)
-    t = _to(t, device)
+    t = _full_cache(device, sq, page)
     lens = [2**31 - 1, 2**31 - 3, -2**31]  # + 2 new tokens: wraps, 2^31 - 1, -2^31 + 2
     bad = dict(t, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device))
     k_before = t["k_cache"].clone()
@@ -137,11 +143,7 @@ def test_kvcache_lengths_near_int32_max(device, sq, page):
     empty = torch.tensor([True, False, True], device=device)
     assert torch.isneginf(lse[empty]).all() and (out[empty] == 0).all()
     cap = dict(t, cache_seqlens=torch.tensor([0, 24, 0], dtype=torch.int32, device=device))
-    ref_t = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-             for n, x in cap.items() if n not in ("k_new", "v_new")}
-    ref_out, ref_lse = R.attention_with_kvcache(**ref_t, causal=True, return_lse=True)
-    torch.testing.assert_close(out.double(), ref_out, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
+    _close_to_cache_ref(out, lse, cap)
 
 
 @pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
