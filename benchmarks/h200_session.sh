@@ -592,9 +592,12 @@ if [ "$1" = s44 ]; then
     timeout 560 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and persistent" \
         -p no:cacheprovider > "$OUT/test_gpu_fwd_persistent.log" 2>&1 &
     (timeout 120 python3 -m pytest -q $K/test_window_bounds.py $K/test_kvcache_kernels.py \
-        -k "huge_window or int32_max or above_the_rows or forced_splits or 65535" \
+        -k "huge_window or int32_max or above_the_rows or forced_splits or 65535 or sliced_from" \
         -p no:cacheprovider > "$OUT/test_gpu_window.log" 2>&1
-     timeout 440 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and not persistent" \
+     # Session 44: the host-int LSE contract and the SDPA launchers (checked inputs, routed).
+     timeout 100 python3 -m pytest -q $K/test_host_int_contract.py $K/test_sdpa_impl.py \
+        -p no:cacheprovider > "$OUT/test_gpu_contract.log" 2>&1
+     timeout 330 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and not persistent" \
         -p no:cacheprovider > "$OUT/test_gpu_fwd_other.log" 2>&1) &
     timeout 560 python3 -m pytest -q $K/test_fwd_paged_sm90.py -p no:cacheprovider \
         > "$OUT/test_gpu_paged.log" 2>&1 &

@@ -24,6 +24,13 @@ def _unsupported(dropout_p, alibi_slopes):
         raise ValueError("flashlse does not implement ALiBi; pass alibi_slopes=None")
 
 
+def _packed(x):
+    """flash-attn 2 copies a tensor whose last dim is strided (its ``maybe_contiguous``)
+    where flashlse's own functions ask for the copy: the drop-ins take what flash-attn
+    takes."""
+    return x.contiguous() if x is not None and x.dim() and x.stride(-1) != 1 else x
+
+
 def _ret(out, lse, return_attn_probs):
     # flash-attn returns (out, softmax_lse, S_dmask); S_dmask only exists with dropout.
     return (out, lse, None) if return_attn_probs else out
@@ -34,6 +41,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_attn_probs=False):
     """flash-attn 2 ``flash_attn_func``: q ``(B, Sq, Hq, D)`` -> out, or (out, lse, None)."""
     _unsupported(dropout_p, alibi_slopes)
+    q, k, v = _packed(q), _packed(k), _packed(v)
     out, lse = ops.attention(q, k, v, causal=causal, window=_window(window_size),
                              softcap=softcap, scale=softmax_scale,
                              deterministic=deterministic, return_lse=True)
@@ -48,9 +56,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     With ``block_table`` (vLLM's call) k and v are paged caches
     ``(num_pages, page_size, Hkv, D)`` and ``seqused_k`` (or ``cu_seqlens_k``) the lengths."""
     _unsupported(dropout_p, alibi_slopes)
-    out, lse = ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
-                                    causal=causal,
+    # (As in flash-attn 2, the lengths and the block table must be packed already.)
+    out, lse = ops.attention_varlen(_packed(q), _packed(k), _packed(v), cu_seqlens_q,
+                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    seqused_k=seqused_k, block_table=block_table, causal=causal,
                                     window=_window(window_size), softcap=softcap,
                                     scale=softmax_scale, deterministic=deterministic,
                                     return_lse=True)
@@ -75,8 +84,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
-    out, lse = ops.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                          block_table=block_table, k_new=k, v_new=v,
+    out, lse = ops.attention_with_kvcache(_packed(q), k_cache, v_cache,
+                                          cache_seqlens=_packed(cache_seqlens),
+                                          block_table=_packed(block_table), k_new=_packed(k),
+                                          v_new=_packed(v),
                                           num_splits=num_splits, causal=causal,
                                           window=_window(window_size), softcap=softcap,
                                           scale=softmax_scale, return_lse=True)

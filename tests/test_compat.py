@@ -72,3 +72,49 @@ def test_flash_attn_varlen_func_with_block_table():
                                                   block_table=table, return_lse=True)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def _last_dim_strided(t):
+    """``t``'s values in a view whose last dim has stride 2 (flash-attn 2 copies such)."""
+    wide = torch.zeros(*t.shape, 2, dtype=t.dtype)
+    wide[..., 0] = t
+    return wide[..., 0]
+
+
+def test_drop_ins_take_what_flash_attn_takes():
+    """flash-attn 2 copies a q / k / v (and, with a cache, the lengths and block table)
+    whose last dim is strided; flashlse's own functions refuse them (a packed tensor is
+    asked for), and its drop-ins copy as flash-attn does: same results, gradients through
+    the copy."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 5, 4, 8), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        flashlse.attention(_last_dim_strided(q), k, v)
+    qs = _last_dim_strided(q).requires_grad_()
+    out = compat.flash_attn_func(qs, _last_dim_strided(k), _last_dim_strided(v), causal=True)
+    want = compat.flash_attn_func(q, k, v, causal=True)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    out.sum().backward()
+    assert qs.grad is not None and qs.grad.shape == q.shape
+    cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    got = compat.flash_attn_varlen_func(_last_dim_strided(q.flatten(0, 1)), k.flatten(0, 1)[:10],
+                                        v.flatten(0, 1)[:10], cu, cu, 5, 5, causal=True)
+    want = compat.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1)[:10],
+                                         v.flatten(0, 1)[:10], cu, cu, 5, 5, causal=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # A paged cache: lengths and block table as strided views, a strided q.
+    kc, vc = torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)
+    lens = torch.tensor([5, 8], dtype=torch.int32)
+    table = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
+    qd = q[:, :1]
+    got = compat.flash_attn_with_kvcache(_last_dim_strided(qd), kc, vc,
+                                         cache_seqlens=_last_dim_strided(lens),
+                                         block_table=_last_dim_strided(table),
+                                         return_softmax_lse=True)
+    want = compat.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, block_table=table,
+                                          return_softmax_lse=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="cache_seqlens must be contiguous"):
+        flashlse.attention_with_kvcache(qd, kc, vc, cache_seqlens=_last_dim_strided(lens),
+                                        block_table=table)

@@ -16,6 +16,15 @@ merge_mod = importlib.import_module("flashlse.ops.merge")
 I32 = torch.int32
 
 
+def column(t):
+    """``t``'s values as a view with stride 2 in its last dim (column 1 of a wider table):
+    what ``lens[:, 0]`` of a (B, 2) table gives. The kernels read lengths, tables and sinks
+    as packed; such a view is refused (flash-attn's rule), never read wrongly."""
+    wide = torch.zeros(*t.shape, 2, dtype=t.dtype)
+    wide[..., 1] = t
+    return wide[..., 1]
+
+
 @pytest.fixture(autouse=True)
 def no_compute(monkeypatch):
     def boom(*args, **kwargs):
@@ -69,6 +78,10 @@ ATTENTION = [
     pytest.param(attn(sink=[0.0] * 4), TypeError, "sink", id="sink_not_tensor"),
     pytest.param(attn(sink=torch.zeros(4, dtype=torch.int32)), TypeError, "floating",
                  id="sink_int"),
+    pytest.param(attn(sink=column(torch.zeros(4))), ValueError, "sink must be contiguous",
+                 id="sink_strided"),
+    pytest.param(attn(sink=torch.zeros(1).expand(4)), ValueError, "sink must be contiguous",
+                 id="sink_expanded"),
     pytest.param(attn(window=5), ValueError, "pair", id="window_not_pair"),
     pytest.param(attn(window=(1, 2, 3)), ValueError, "pair", id="window_triple"),
     pytest.param(attn(window=(1.5, 0)), TypeError, "int or None", id="window_float"),
@@ -125,6 +138,14 @@ VARLEN = [
                  "seqused_k", id="seqused_k_shape"),
     pytest.param(varlen(seqused_k=torch.tensor([1, 2])), TypeError, "int32",
                  id="seqused_k_int64"),
+    pytest.param(varlen(cu_seqlens_q=column(torch.tensor([0, 3, 5], dtype=I32))), ValueError,
+                 "cu_seqlens_q must be contiguous", id="cu_q_strided"),
+    pytest.param(varlen(cu_seqlens_k=column(torch.tensor([0, 4, 9], dtype=I32))), ValueError,
+                 "cu_seqlens_k must be contiguous", id="cu_k_strided"),
+    pytest.param(varlen(seqused_k=column(torch.tensor([1, 2], dtype=I32))), ValueError,
+                 "seqused_k must be contiguous", id="seqused_k_strided"),
+    pytest.param(varlen(sink=column(torch.zeros(4))), ValueError, "sink must be contiguous",
+                 id="sink_strided"),
     pytest.param(varlen(v=torch.randn(8, 2, 16)), ValueError, "same number of tokens",
                  id="kv_tokens_differ"),
     pytest.param(varlen(k=torch.randn(9, 3, 16), v=torch.randn(9, 3, 16)), ValueError,
@@ -196,6 +217,17 @@ KVCACHE = [
                  ValueError, "capacity", id="paged_seqlens_past_table"),
     pytest.param(kvcache(paged=True, cache_seqlens=None), ValueError, "cache_seqlens",
                  id="paged_without_seqlens"),
+    pytest.param(kvcache(cache_seqlens=column(torch.tensor([3, 5], dtype=I32))), ValueError,
+                 "cache_seqlens must be contiguous", id="seqlens_strided"),
+    pytest.param(kvcache(cache_seqlens=torch.tensor([3], dtype=I32).expand(2)), ValueError,
+                 "cache_seqlens must be contiguous", id="seqlens_expanded"),
+    pytest.param(kvcache(paged=True, block_table=column(torch.tensor([[0, 1], [2, 3]],
+                                                                     dtype=I32))),
+                 ValueError, "block_table must be contiguous", id="block_table_strided"),
+    pytest.param(kvcache(paged=True, block_table=torch.tensor([[0, 2], [1, 3]], dtype=I32).t()),
+                 ValueError, "block_table must be contiguous", id="block_table_transposed"),
+    pytest.param(kvcache(sink=column(torch.zeros(4))), ValueError, "sink must be contiguous",
+                 id="sink_strided"),
     pytest.param(kvcache(num_splits=-1), ValueError, "num_splits", id="num_splits_negative"),
     pytest.param(kvcache(num_splits=2.0), ValueError, "num_splits", id="num_splits_float"),
     pytest.param(kvcache(sink=torch.zeros(2)), ValueError, "sink", id="sink_shape"),
@@ -222,6 +254,8 @@ SPARSE = [
                  r"\[0, 5\)", id="indices_past_sk"),
     pytest.param(sparse(indices=torch.full((2, 3, 2, 4), -2, dtype=I32)), ValueError,
                  "-1", id="indices_below_minus_one"),
+    pytest.param(sparse(sink=column(torch.zeros(4))), ValueError, "sink must be contiguous",
+                 id="sink_strided"),
     pytest.param(sparse(indices=torch.zeros(2, 3, 2, 4, dtype=torch.int64)), TypeError,
                  "int32", id="indices_int64"),
     pytest.param(sparse(indices=torch.zeros(2, 3, 4, 4, dtype=I32)), ValueError,
@@ -341,6 +375,18 @@ def test_failed_validation_leaves_the_cache_untouched():
                  id="paged_unused_pages_unchecked"),
     pytest.param(sparse(indices=torch.full((2, 3, 2, 4), -1, dtype=I32)), id="sparse_all_none"),
     pytest.param(ms(sink=torch.zeros(4, 1)), id="merge_states_sink_h1"),
+    # The kernels take a block table's row stride: a table sliced from a wider one (a serving
+    # engine's persistent table, ``table[:, :pages]``) is valid; so are strided top-k
+    # indices (the sparse plan copies them when it must), and a length-1 view of any stride.
+    pytest.param(kvcache(paged=True, block_table=torch.tensor([[0, 1, 9], [2, 3, 9]],
+                                                              dtype=I32)[:, :2]),
+                 id="block_table_row_sliced"),
+    pytest.param(sparse(indices=column(torch.zeros(2, 3, 2, 4, dtype=I32))),
+                 id="sparse_indices_strided"),
+    pytest.param(kvcache(q=torch.randn(1, 1, 4, 16), k_cache=torch.randn(1, 8, 2, 16),
+                         v_cache=torch.randn(1, 8, 2, 16),
+                         cache_seqlens=column(torch.tensor([3], dtype=I32))),
+                 id="kvcache_one_length_any_stride"),
 ])
 def test_valid_edge_inputs_pass_validation(call):
     # Valid inputs reach the (patched) computation.
@@ -411,3 +457,106 @@ def test_remembered_metadata_still_checks_the_rest():
         fl.attention(q2, k2, v2, window=(-2, 0))
     with pytest.raises(ValueError, match="contiguous in its last dim"):
         fl.attention(q2, k2.transpose(-1, -2).contiguous().transpose(-1, -2), v2)
+
+
+def sdpa_varlen(**over):
+    """flashlse's launcher for ``aten::_flash_attention_forward`` (what
+    ``torch.nn.attention.varlen`` calls once flashlse is activated), packed sequences."""
+    from flashlse.integrations import sdpa as sdpa_impl
+
+    cu = torch.tensor([0, 3, 5], dtype=I32)
+    kw = dict(query=torch.randn(5, 4, 16), key=torch.randn(5, 2, 16), value=torch.randn(5, 2, 16),
+              cum_seq_q=cu, cum_seq_k=cu, max_q=3, max_k=3, dropout_p=0.0, is_causal=True,
+              return_debug_mask=False)
+    kw.update(over)
+    return lambda: sdpa_impl.flash_attention_forward(**kw)
+
+
+def sdpa_dense(**over):
+    """The same launcher with the flash layout ``(B, S, H, D)`` (no cum_seq)."""
+    q, k, v = qkv()
+    return sdpa_varlen(**{**dict(query=q, key=k, value=v, cum_seq_q=None, cum_seq_k=None,
+                                 max_q=3, max_k=5), **over})
+
+
+SDPA_IMPL = [
+    pytest.param(sdpa_varlen(cum_seq_q=torch.tensor([0, 3, 5])), TypeError, "int32",
+                 id="cu_int64"),
+    pytest.param(sdpa_varlen(cum_seq_k=column(torch.tensor([0, 3, 5], dtype=I32))), ValueError,
+                 "cu_seqlens_k must be contiguous", id="cu_strided"),
+    pytest.param(sdpa_varlen(cum_seq_q=torch.tensor([0, 3, 9], dtype=I32)), ValueError,
+                 "number of tokens", id="cu_past_end"),
+    pytest.param(sdpa_varlen(max_q=2), ValueError, "smaller than the longest", id="max_q_small"),
+    pytest.param(sdpa_varlen(seqused_k=torch.tensor([1, 2])), TypeError, "int32",
+                 id="seqused_int64"),
+    pytest.param(sdpa_varlen(query=torch.randn(5, 3, 16)), ValueError, "multiple",
+                 id="heads_indivisible"),
+    pytest.param(sdpa_varlen(key=torch.randn(5, 2, 8)), ValueError, "head dim", id="d_mismatch"),
+    pytest.param(sdpa_varlen(value=torch.randn(6, 2, 16)), ValueError, "same number of tokens",
+                 id="kv_tokens_differ"),
+    pytest.param(sdpa_varlen(query=torch.randn(5, 4, 32)[..., ::2]), ValueError, "contiguous",
+                 id="q_last_dim_strided"),
+    pytest.param(sdpa_varlen(key=torch.randn(5, 2, 16, dtype=torch.float64)), ValueError,
+                 "share a dtype", id="dtype_mismatch"),
+    pytest.param(sdpa_varlen(scale=float("nan")), ValueError, "finite", id="scale_nan"),
+    pytest.param(sdpa_varlen(window_size_left=-5, window_size_right=0), ValueError, "-1",
+                 id="window_negative"),
+    pytest.param(sdpa_dense(key=torch.randn(1, 5, 2, 16), value=torch.randn(1, 5, 2, 16)),
+                 ValueError, "share the batch", id="dense_batch_mismatch"),
+    pytest.param(sdpa_dense(value=torch.randn(2, 4, 2, 16)), ValueError, "share the batch",
+                 id="dense_kv_len_mismatch"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", SDPA_IMPL)
+def test_sdpa_impl_validation(monkeypatch, call, exc, match):
+    """flashlse's SDPA launchers replace torch's flash kernels, whose C++ checks their inputs:
+    they check them as flashlse's own functions do, before any kernel (a batch that k lacks
+    would be read past its storage)."""
+    from flashlse.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "attn_fwd", lambda *a, **k: pytest.fail("kernel reached"))
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_sdpa_impl_valid_calls_reach_the_kernel(monkeypatch):
+    from flashlse.kernels import dispatch
+
+    reached = []
+    monkeypatch.setattr(dispatch, "attn_fwd", lambda *a, **k: reached.append(k) or (a[0], None))
+    sdpa_varlen(window_size_left=-1, window_size_right=-1)()
+    sdpa_dense(scale=0.5)()
+    assert [r["scale"] for r in reached] == [0.25, 0.5]
+    assert (reached[0]["left"], reached[0]["right"]) == (None, 0)
+    assert reached[0]["max_seqlen_q"] == 3 and "max_seqlen_q" not in reached[1]
+
+
+@pytest.mark.parametrize("call,match", [
+    pytest.param(attn(scale=torch.tensor(0.5)), r"got torch\.Tensor; pass float\(scale\) "
+                 r"\(a host float: reading a GPU tensor's value would sync\)", id="scale_tensor"),
+    pytest.param(attn(softcap=torch.tensor(2.0)), r"pass float\(softcap\)", id="softcap_tensor"),
+    pytest.param(attn(causal=torch.tensor(True)), r"got torch\.Tensor; pass bool\(causal\)",
+                 id="causal_tensor"),
+    pytest.param(attn(window=(torch.tensor(3), 0)), r"\(torch\.Tensor\); pass Python ints",
+                 id="window_tensor"),
+    pytest.param(varlen(max_seqlen_q=torch.tensor(3)), r"pass int\(max_seqlen_q\)",
+                 id="max_seqlen_tensor"),
+    pytest.param(varlen(max_seqlen_k=5.0), r"got float; pass int\(max_seqlen_k\)",
+                 id="max_seqlen_float"),
+])
+def test_host_scalars_of_other_types_say_the_fix(call, match):
+    """A host scalar given as a tensor (or a float for an int) names its type and the
+    conversion that fixes it."""
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+def test_numpy_scalars_are_named_as_numpy():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"causal must be a bool, got numpy\.bool_?; pass bool"):
+        attn(causal=np.bool_(True))()
+    with pytest.raises(TypeError, match=r"got numpy\.int64; pass int\(max_seqlen_q\)"):
+        varlen(max_seqlen_q=np.int64(3))()
+    with pytest.raises(TypeError, match=r"\(numpy\.int64\); pass Python ints"):
+        attn(window=(np.int64(2), 0))()

@@ -54,14 +54,30 @@ def _scale(scale, d):
 
 def _fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right, seqused_k):
     from ..kernels.dispatch import attn_fwd
+    from ..ops.attention import (
+        DENSE_LAYOUTS,
+        VARLEN_LAYOUTS,
+        check_dense_batch,
+        validate_attention_args,
+        validate_varlen_lengths,
+    )
 
-    left, right = normalize_window(is_causal, (left, right))
+    # The checks of flashlse's own functions (torch's flash kernels check their inputs in
+    # C++; these launchers replace them): metadata checks remembered per metadata, values
+    # read where value checks run. A bad call raises before any kernel.
     varlen = {}
     if cu_q is not None:
         varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q),
                       max_seqlen_k=int(max_k), seqused_k=seqused_k)
-    return attn_fwd(q, k, v, left=left, right=right, softcap=0.0,
-                    scale=_scale(scale, q.shape[-1]), sink=None, **varlen)
+        left, right, _, scale, _ = validate_attention_args(
+            q, k, v, None, 0.0, scale, (left, right), is_causal, 3, VARLEN_LAYOUTS)
+        validate_varlen_lengths(q, k, v, **varlen)
+    else:
+        left, right, _, scale, _ = validate_attention_args(
+            q, k, v, None, 0.0, scale, (left, right), is_causal, 4, DENSE_LAYOUTS)
+        check_dense_batch(q, k, v)
+    return attn_fwd(q, k, v, left=left, right=right, softcap=0.0, scale=scale, sink=None,
+                    **varlen)
 
 
 def _aux(q):

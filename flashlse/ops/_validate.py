@@ -133,6 +133,23 @@ MAX_HEAD_DIM_PREFILL = 256
 MAX_HEAD_DIM_DECODE = 576
 
 
+def type_name(x) -> str:
+    """``x``'s type as a message names it: ``int``, ``numpy.int64``, ``torch.Tensor`` (a
+    numpy bool is not "bool")."""
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else \
+        f"{t.__module__.split('.')[0]}.{t.__name__}"
+
+
+def _host(name: str, kind: str, x) -> str:
+    """The fix for a host scalar of another type: ``kind(name)``; for a tensor, that reading
+    a GPU tensor's value syncs."""
+    fix = f"; pass {kind}({name})"
+    if isinstance(x, torch.Tensor):
+        fix += f" (a host {kind}: reading a GPU tensor's value would sync)"
+    return fix
+
+
 def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
@@ -204,7 +221,8 @@ def check_scale(scale, d: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        raise TypeError(f"scale must be a float or None, got {type_name(scale)}"
+                        f"{_host('scale', 'float', scale)}")
     # Comparisons, not math.isfinite: torch.compile cannot trace math.isfinite on a float.
     if not -math.inf < scale < math.inf:
         raise ValueError(f"scale must be finite, got {scale}")
@@ -213,7 +231,8 @@ def check_scale(scale, d: int) -> float:
 
 def check_softcap(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float (0.0 = off), got {type(softcap).__name__}")
+        raise TypeError(f"softcap must be a float (0.0 = off), got {type_name(softcap)}"
+                        f"{_host('softcap', 'float', softcap)}")
     if not 0 <= softcap < math.inf:
         raise ValueError(f"softcap must be finite and >= 0 (0.0 = off), got {softcap}")
     return float(softcap)
@@ -233,7 +252,8 @@ def check_window(window) -> tuple[int | None, int | None]:
     sides = []
     for side in window:
         if side is not None and (isinstance(side, bool) or not isinstance(side, int)):
-            raise TypeError(f"window entries must be int or None, got {window!r}")
+            raise TypeError(f"window entries must be int or None, got {window!r} "
+                            f"({type_name(side)}); pass Python ints")
         if side is not None and side < -1:
             raise ValueError(f"window entries must be >= 0, or None / -1 for unbounded, got "
                              f"{window!r}")
@@ -254,16 +274,30 @@ def check_sink(sink, hq: int, device: torch.device):
         raise TypeError(f"sink must be a floating-point tensor, got {sink.dtype}")
     if sink.device != device:
         raise ValueError(f"sink is on {sink.device} but q is on {device}; move it with .to()")
+    check_unit_stride("sink", sink)
     return sink
 
 
 def check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool, got {type_name(value)}"
+                        f"{_host(name, 'bool', value)}")
     return value
 
 
-def check_int_tensor(name: str, t, shape_desc: str, device: torch.device, ndim: int) -> None:
+def check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """The kernels read a length, page or sink tensor's last dim as packed: a view with
+    another stride there (``lens[:, 0]`` of a wider table, ``x[::2]``, ``expand``) would be
+    read wrongly, or past its storage. flash-attn asks the same of its lengths and tables."""
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides "
+                         f"{tuple(t.stride())}; pass {name}.contiguous()")
+
+
+def check_int_tensor(name: str, t, shape_desc: str, device: torch.device, ndim: int,
+                     unit_stride: bool = True) -> None:
+    """An int32 tensor argument; ``unit_stride=False`` for a call that copies a strided one
+    itself (the sparse plan's indices and block table)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be an int32 tensor {shape_desc}, got {type(t).__name__}")
     if t.dtype != torch.int32:
@@ -273,6 +307,8 @@ def check_int_tensor(name: str, t, shape_desc: str, device: torch.device, ndim: 
         raise ValueError(f"{name} must be {shape_desc}, got shape {_shape(t)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with .to()")
+    if unit_stride:
+        check_unit_stride(name, t)
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> None:
@@ -294,7 +330,8 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.devi
 def check_max_len(name: str, max_seqlen) -> None:
     """A max_seqlen argument: an int >= 0 (a host value: no sync)."""
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        raise TypeError(f"{name} must be an int, got {type(max_seqlen).__name__}")
+        raise TypeError(f"{name} must be an int, got {type_name(max_seqlen)}"
+                        f"{_host(name, 'int', max_seqlen)}")
     if max_seqlen < 0:
         raise ValueError(f"{name} must be >= 0 (the longest sequence's length, or more), got "
                          f"{max_seqlen}")

@@ -708,6 +708,15 @@ def _validate_tensors(q, k, v, ndim, layouts):
     V.check_head_dim(q.shape[-1], v.shape[-1], q.is_cuda, V.MAX_HEAD_DIM_PREFILL)
 
 
+DENSE_LAYOUTS = ("(B, Sq, Hq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)")
+
+
+def check_dense_batch(q, k, v) -> None:
+    if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"q, k, v must share the batch and k, v the sequence length: got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
 def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=None, sink=None,
               return_lse=False, deterministic=False):
     """``O_i = sum_j exp(S_ij - L_i) V_j`` with ``L_i = log(sum_j exp(S_ij) [+ exp(sink)])``.
@@ -734,13 +743,10 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
         if got is not None:
             return got if return_lse else got[0]
     left, right, softcap, scale, sink = validate_attention_args(
-        q, k, v, sink, softcap, scale, window, causal, 4,
-        ("(B, Sq, Hq, D)", "(B, Sk, Hkv, D)", "(B, Sk, Hkv, Dv)"))
+        q, k, v, sink, softcap, scale, window, causal, 4, DENSE_LAYOUTS)
     V.check_bool("deterministic", deterministic)
     V.check_bool("return_lse", return_lse)
-    if q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"q, k, v must share the batch and k, v the sequence length: got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_dense_batch(q, k, v)
     out, lse = _attn(q, k, v, sink, None, None, None, None, None, left, right, softcap, scale,
                      deterministic, kept)
     return (out, lse) if return_lse else out
@@ -783,10 +789,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if got is not None:
             return got if return_lse else got[0]
     left, right, softcap, scale, sink = validate_attention_args(
-        q, k, v, sink, softcap, scale, window, causal, 3,
-        ("(total_q, Hq, D)", "(total_k, Hkv, D)", "(total_k, Hkv, Dv)"))
+        q, k, v, sink, softcap, scale, window, causal, 3, VARLEN_LAYOUTS)
     V.check_bool("deterministic", deterministic)
     V.check_bool("return_lse", return_lse)
+    validate_varlen_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_k)
+    out, lse = _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     seqused_k, left, right, softcap, scale, deterministic, kept)
+    return (out, lse) if return_lse else out
+
+
+VARLEN_LAYOUTS = ("(total_q, Hq, D)", "(total_k, Hkv, D)", "(total_k, Hkv, Dv)")
+
+
+def validate_varlen_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_k):
+    """The packed varlen call's checks after :func:`validate_attention_args`: the tokens of
+    k and v, both cu_seqlens, the max lengths and seqused_k (values read where value checks
+    run)."""
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and "
                          f"{v.shape[0]}")
@@ -808,9 +828,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                 raise ValueError(
                     f"seqused_k must satisfy 0 <= seqused_k[b] <= the length of key sequence b "
                     f"({lens.tolist()}), got {seqused_k.tolist()}")
-    out, lse = _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     seqused_k, left, right, softcap, scale, deterministic, kept)
-    return (out, lse) if return_lse else out
 
 
 def _varlen_kept_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
@@ -941,8 +958,9 @@ def _paged_kept_key(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     if bsz < 0 or block_table.shape[0] != bsz or seqused_k.shape[0] != bsz or \
             V.values_checkable(seqused_k) or V.needs_grad(q, k_cache, v_cache, sink):
         return None
-    return (key, q.shape[1:], q.stride(), q.dtype, q.device, cu_seqlens_q.dtype,
-            cu_seqlens_q.device, seqused_k.dtype, seqused_k.device, block_table.shape[1],
+    return (key, q.shape[1:], q.stride(), q.dtype, q.device, cu_seqlens_q.stride(),
+            cu_seqlens_q.dtype, cu_seqlens_q.device, seqused_k.stride(), seqused_k.dtype,
+            seqused_k.device, block_table.shape[1],
             block_table.stride(), block_table.dtype, block_table.device, causal, window,
             softcap, scale)
 

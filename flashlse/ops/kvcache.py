@@ -263,7 +263,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
 
 def _check_num_splits(num_splits):
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = choose), got {num_splits!r}")
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose), got {num_splits!r} "
+                         f"({V.type_name(num_splits)})")
 
 
 def _validate_meta(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits):

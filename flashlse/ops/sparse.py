@@ -405,13 +405,15 @@ def _check_meta(q, k, v, indices, block_table):
     if block_table is None and q.shape[0] != k.shape[0]:
         raise ValueError(f"q, k, v must share B: got q {tuple(q.shape)}, k {tuple(k.shape)}; "
                          f"for a paged cache pass block_table")
-    V.check_int_tensor("indices", indices, "(B, Sq, Hkv, topk)", q.device, 4)
+    V.check_int_tensor("indices", indices, "(B, Sq, Hkv, topk)", q.device, 4,
+                       unit_stride=False)
     want = tuple(q.shape[:2]) + (k.shape[2],)
     if tuple(indices.shape[:3]) != want:
         raise ValueError(f"indices must be (B, Sq, Hkv, topk) with (B, Sq, Hkv) = {want}, got "
                          f"{tuple(indices.shape)}")
     if block_table is not None:
-        V.check_int_tensor("block_table", block_table, "(B, max_pages)", q.device, 2)
+        V.check_int_tensor("block_table", block_table, "(B, max_pages)", q.device, 2,
+                           unit_stride=False)
         if block_table.shape[0] != q.shape[0]:
             raise ValueError(f"block_table must have B = {q.shape[0]} rows, got "
                              f"{block_table.shape[0]}")

@@ -573,3 +573,57 @@ def test_more_than_65535_sequences_is_a_clear_error(device, monkeypatch):
     with pytest.raises(ValueError, match="at most 65535 sequences"):
         fl.attention_varlen(q[:, 0], pages, pages, cu, None, 1, 4, seqused_k=lens + 1,
                             block_table=table)
+
+
+@pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
+def test_block_table_sliced_from_a_wider_table(device, sq):
+    """A serving engine keeps one wide block table and passes ``table[:, :pages]``: the
+    kernels step rows by the table's own row stride. The columns past the slice point at a
+    page of NaN (a read of them fails the comparison). A view that is not packed along its
+    last dim, a length or a sink included, is refused before any kernel (it would be read
+    as packed), on the kept paths too."""
+    t = to_paged(make(3, sq, 4, 2, 32, 32, 24, [24, 7, 0], 0, torch.float16), 4, extra_pages=1)
+    nan_page = t["k_cache"].shape[0] - 1  # (to_paged leaves the last pages unused, NaN)
+    t["k_cache"][nan_page] = float("nan")
+    t["v_cache"][nan_page] = float("nan")
+    table = t["block_table"]
+    wide = torch.full((3, table.shape[1] + 5), nan_page, dtype=torch.int32)
+    wide[:, :table.shape[1]] = table
+    t = _to(dict(t, block_table=wide[:, :table.shape[1]]), device)
+    assert not t["block_table"].is_contiguous()
+    kw = dict(causal=True, return_lse=True)
+    call = {n: x for n, x in t.items()}
+    for _ in range(2):  # (the second call: the kept plan)
+        with fl.value_checks(False):
+            out, lse = fl.attention_with_kvcache(**call, **kw)
+        _close_to_cache_ref(out.cpu(), lse.cpu(), {n: x.cpu() if isinstance(x, torch.Tensor)
+                                                   else x for n, x in call.items()})
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    lens = call["cache_seqlens"]
+    for name, bad in (("cache_seqlens", torch.stack([lens, lens], 1)[:, 0]),
+                      ("block_table", call["block_table"].t().contiguous().t()),
+                      ("sink", torch.zeros(4, 2, device=device)[:, 0])):
+        with pytest.raises(ValueError, match=f"{name} must be contiguous in its last dim"), \
+                fl.value_checks(False):
+            fl.attention_with_kvcache(**dict(call, **{name: bad}), **kw)
+    # The same pages through attention_varlen (vLLM's call), then its kept path's guards.
+    q = call["q"].reshape(3 * sq, 4, 32)
+    cu_q = torch.arange(0, 3 * sq + 1, sq, dtype=torch.int32, device=device)
+    vkw = dict(cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=24, causal=True,
+               return_lse=True)
+    with torch.no_grad(), fl.value_checks(False):
+        out_v, lse_v = fl.attention_varlen(q, call["k_cache"], call["v_cache"], cu_q,
+                                           seqused_k=lens, block_table=call["block_table"],
+                                           **vkw)
+        out_d, lse_d = fl.attention_with_kvcache(**call, **kw)
+    torch.testing.assert_close(out_v.reshape(out_d.shape), out_d, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse_v.reshape(4, 3, sq).transpose(0, 1), lse_d, atol=2e-3,
+                               rtol=2e-3)
+    for name, bad in (("cu_seqlens_q", torch.stack([cu_q, cu_q], 1)[:, 0]),
+                      ("seqused_k", torch.stack([lens, lens], 1)[:, 0])):
+        args = dict(seqused_k=lens, block_table=call["block_table"], **vkw)
+        cu = bad if name == "cu_seqlens_q" else cu_q
+        args.update({name: bad} if name == "seqused_k" else {})
+        with pytest.raises(ValueError, match=f"{name} must be contiguous in its last dim"), \
+                torch.no_grad(), fl.value_checks(False):
+            fl.attention_varlen(q, call["k_cache"], call["v_cache"], cu, **args)
