@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from .kernels import options
 from .lse import safe_pivot
-from .ops._dispatch import compute_dtype, use_triton
+from .ops._dispatch import compute_dtype, on_tensor_device, use_triton
 from .ops.attention import (
     _dsink,
     attn_bwd,
@@ -475,6 +475,7 @@ def _check_group():
                            "torch.distributed.init_process_group (torchrun sets the env) first")
 
 
+@on_tensor_device
 def ring_attention(q, k, v, *, group=None, causal=False, window=(None, None), sink=None,
                    scale=None, softcap=0.0, return_lse=False, layout="contiguous",
                    sink_grad="local", shard_lengths=None):
@@ -579,6 +580,7 @@ class MergeAcrossRanksFunction(torch.autograd.Function):
         return d_out.to(out.dtype), d_lse.to(lse.dtype), dsink, None, None
 
 
+@on_tensor_device
 def merge_across_ranks(out, lse, *, group=None, sink=None, replicated_grad=True):
     """``L = log(sum_r e^{L_r} [+ e^{sink}])``, ``O = sum_r e^{L_r - L} O_r`` over the ranks.
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..masks import normalize_window
+from ..ops._dispatch import on_tensor_device
 
 IMPL_NAME = "flashlse"
 
@@ -86,6 +87,7 @@ def _aux(q):
             torch.empty(0, dtype=q.dtype, device=q.device))
 
 
+@on_tensor_device
 def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                             is_causal, return_debug_mask, *, scale=None, window_size_left=None,
                             window_size_right=None, seqused_k=None, alibi_slopes=None,
@@ -111,6 +113,7 @@ def flash_attention_forward_no_dropout_inplace(out, query, key, value, cum_seq_q
                                    **kwargs)[1]
 
 
+@on_tensor_device
 def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
                              max_q, max_k, dropout_p, is_causal, rng_state, unused, *,
                              scale=None, window_size_left=None, window_size_right=None):
@@ -129,6 +132,7 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_se
     return dq, dk, dv
 
 
+@on_tensor_device
 def sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
                        return_debug_mask=False, *, scale=None):
     """``aten::_scaled_dot_product_flash_attention``: SDPA's ``(B, H, S, D)`` layout."""
@@ -138,6 +142,7 @@ def sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
     return (o.transpose(1, 2), lse, None, None, query.shape[2], key.shape[2], *_aux(query))
 
 
+@on_tensor_device
 def sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
                         max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
                         scale=None):

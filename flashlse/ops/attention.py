@@ -29,7 +29,7 @@ import torch
 from .. import masks
 from ..lse import safe_pivot
 from . import _validate as V
-from ._dispatch import compute_dtype, kernel_module, use_triton
+from ._dispatch import compute_dtype, kernel_module, on_tensor_device, use_triton
 from ._paged import gather_pages
 from .merge import merge_math
 
@@ -717,6 +717,7 @@ def check_dense_batch(q, k, v) -> None:
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
 
 
+@on_tensor_device
 def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=None, sink=None,
               return_lse=False, deterministic=False):
     """``O_i = sum_j exp(S_ij - L_i) V_j`` with ``L_i = log(sum_j exp(S_ij) [+ exp(sink)])``.
@@ -752,6 +753,7 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     return (out, lse) if return_lse else out
 
 
+@on_tensor_device
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      seqused_k=None, block_table=None, causal=False, window=(None, None),
                      softcap=0.0, scale=None, sink=None, return_lse=False, deterministic=False):

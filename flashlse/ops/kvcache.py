@@ -12,7 +12,7 @@ import torch
 
 from .. import masks
 from . import _validate as V
-from ._dispatch import compute_dtype, kernel_module, use_triton
+from ._dispatch import compute_dtype, kernel_module, on_tensor_device, use_triton
 from ._paged import gather_pages
 from .attention import attn_fwd_torch
 from .merge import merge_math
@@ -325,6 +325,7 @@ def _validate_meta(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new
                              f"{tuple(cache_seqlens.shape)}")
 
 
+@on_tensor_device
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None,
                            k_new=None, v_new=None, num_splits=0, causal=False,
                            window=(None, None), softcap=0.0, scale=None, sink=None,

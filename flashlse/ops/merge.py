@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate as V
-from ._dispatch import compute_dtype, kernel_module, use_triton
+from ._dispatch import compute_dtype, kernel_module, on_tensor_device, use_triton
 
 
 def merge_math(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None = None):
@@ -121,6 +121,7 @@ def _resolve_layout(outs, lses, layout):
     return "flash" if flash and not rows else "rows"
 
 
+@on_tensor_device
 def merge_states(outs: torch.Tensor, lses: torch.Tensor, *, sink: torch.Tensor | None = None,
                  layout: str | None = None):
     """Merges N attention states: ``L = log Σ_s e^(L_s) [+ e^sink]``, ``O = Σ_s e^(L_s - L) O_s``.
@@ -220,6 +221,7 @@ def _(outs, lses, sink):
     return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:])
 
 
+@on_tensor_device
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
           *, layout: str | None = None):
     """Merges two attention states; ``(0, -inf)`` is the identity.

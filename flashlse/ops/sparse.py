@@ -16,7 +16,7 @@ import torch
 from ..kernels import options
 from ..lse import safe_pivot
 from . import _validate as V
-from ._dispatch import compute_dtype, use_triton
+from ._dispatch import compute_dtype, on_tensor_device, use_triton
 from .attention import TILE_ELEMS, bwd_fakes, fwd_fakes, op_dsink
 from .merge import merge_math
 
@@ -419,6 +419,7 @@ def _check_meta(q, k, v, indices, block_table):
                              f"{block_table.shape[0]}")
 
 
+@on_tensor_device
 def sparse_attention(q, k, v, indices, *, block_table=None, scale=None, sink=None,
                      return_lse=False):
     """``O_i = sum_{j in I_i} exp(S_ij - L_i) V_j``, ``L_i = log sum_{j in I_i} e^S_ij [+ e^sink]``.
