@@ -32,13 +32,17 @@ sdpa_efficient e      0 (+inf padding)  torch's memory-efficient SDPA kernel: a 
                                         from a row whose Z is 1 -- the row's key
                                         count (``key_counts=``) or an ``empty=``
                                         mask is needed to tell them apart.
+sigmoid_merge  e      NaN               the sigmoid-form merge of ring-flash-attn and
+                                        torch context parallel: two empty states
+                                        merge to NaN (its out is NaN too).
 log2           2      -inf              base-2 canonical form (kernel internals).
-canonical      e      -inf              identity, but NaN and +inf are folded.
+canonical      e      -inf              identity, but +inf is folded.
 ============== ====== ================= ===========================================
 
-In every ``to_canonical`` conversion NaN and +inf fold to -inf (NaN is what the
-sigmoid-form merges of ring-flash-attn and torch context parallel leave behind for
-two empty states). ``return_count=True`` also returns how many entries were folded.
+In every ``to_canonical`` conversion +inf folds to -inf. NaN folds only under
+``sigmoid_merge``, whose NaN is an empty row: under every other convention a NaN LSE is
+bad data (a NaN in q, a key or a value reached the row) and stays NaN, so a merge of it
+stays NaN too. ``return_count=True`` also returns how many entries were folded.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 NEG_INF = float("-inf")
 
-CONVENTIONS = ("canonical", "fa2", "fa3", "flashmla", "flashinfer", "sdpa_efficient", "log2")
+CONVENTIONS = ("canonical", "fa2", "fa3", "flashmla", "flashinfer", "sdpa_efficient",
+               "sigmoid_merge", "log2")
 
 
 def _check_convention(convention: str) -> None:
@@ -139,7 +144,9 @@ def to_canonical(
     _check_lse(lse)
     _check_convention(convention)
     x = lse.float()
-    folded = torch.isnan(x) | torch.isposinf(x)
+    folded = torch.isposinf(x)
+    if convention == "sigmoid_merge":
+        folded |= torch.isnan(x)
     if sentinel is not None:
         folded |= (x <= sentinel) & ~torch.isneginf(x)
     if convention == "sdpa_efficient" or empty is not None or key_counts is not None:

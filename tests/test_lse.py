@@ -52,17 +52,36 @@ def test_round_trip(convention):
 
 
 @pytest.mark.parametrize("convention", L.CONVENTIONS)
-def test_nan_and_posinf_fold_to_neginf_with_count(convention):
+def test_posinf_folds_nan_stays_but_for_sigmoid_merges(convention):
+    """+inf is an empty row's marker (or padding) in the foreign conventions; NaN is one only
+    where a sigmoid-form merge met two empty states. Anywhere else a NaN LSE is bad data,
+    and folding it to -inf would make the row look empty: a merge would drop it unseen."""
     x = rand(10)
     x[[1, 4]] = NAN
     x[[2, 7, 8]] = POS_INF
     x[9] = NEG_INF
     kw = {"empty": torch.zeros(10, dtype=torch.bool)} if convention == "sdpa_efficient" else {}
     out, count = L.to_canonical(x, convention, return_count=True, **kw)
-    assert count == 5
-    assert torch.equal(torch.isneginf(out), torch.tensor([i in (1, 2, 4, 7, 8, 9)
-                                                         for i in range(10)]))
-    assert not bool(torch.isnan(out).any() or torch.isposinf(out).any())
+    nan_empty = convention == "sigmoid_merge"
+    assert count == (5 if nan_empty else 3)
+    empty = (2, 7, 8, 9) + ((1, 4) if nan_empty else ())
+    assert torch.equal(torch.isneginf(out), torch.tensor([i in empty for i in range(10)]))
+    assert torch.equal(torch.isnan(out), torch.tensor([not nan_empty and i in (1, 4)
+                                                       for i in range(10)]))
+    assert not bool(torch.isposinf(out).any())
+
+
+def test_a_nan_lse_stays_nan_through_a_merge():
+    """A flash-attn 2 state whose row saw a NaN key (out and lse NaN), converted and merged
+    with a clean state: the merged row is NaN, not the clean state's row."""
+    import flashlse as fl
+
+    out_a, lse_a = torch.randn(3, 4), torch.tensor([0.5, NAN, POS_INF])
+    out_a[1] = NAN
+    out_b, lse_b = torch.randn(3, 4), torch.randn(3)
+    out, lse = fl.merge(out_a, L.to_canonical(lse_a, "fa2"), out_b, lse_b)
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1])
+    assert not torch.isnan(out[[0, 2]]).any() and torch.equal(out[2], out_b[2])
 
 
 def test_fa2_posinf_empty():

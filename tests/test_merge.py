@@ -184,7 +184,8 @@ def test_merge_of_attention_halves_in_flash_layout(sq, hq):
 
 def test_merge_nan_state_propagates_to_its_row_only():
     """A NaN (or +inf) lse is data, not an empty state: its row comes out NaN, the other rows
-    are exact (with the value checks off; on the CPU they would raise first)."""
+    are exact (with the value checks off: on the CPU the +inf would raise first; a NaN lse is
+    canonical, bad data upstream, and propagates with the checks on as well)."""
     outs, lses = states(2, (3, 4), 8, p_empty=0.0)
     lses[0, 1, 2] = float("nan")
     lses[1, 2, 0] = float("inf")
@@ -196,6 +197,10 @@ def test_merge_nan_state_propagates_to_its_row_only():
     ref_out, ref_lse = R.merge_states(outs.double(), lses.double().masked_fill(bad, 0.0))
     torch.testing.assert_close(out[~bad].double(), ref_out[~bad], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse[~bad].double(), ref_lse[~bad], atol=1e-5, rtol=1e-5)
+    lses[1, 2, 0] = 0.5
+    out_c, lse_c = fl.merge_states(outs, lses)  # (checks on: NaN is not refused)
+    assert torch.isnan(lse_c[1, 2]) and torch.isnan(out_c[1, 2]).all()
+    assert torch.isnan(lse_c).sum() == 1
 
 
 def test_merge_states_flash_layout_with_sink():

@@ -260,7 +260,9 @@ def _run_merge(fn):
             from ..lse import to_canonical
 
             a = (a[0], to_canonical(a[1], "fa2"))
-        return (*fn(*a, *c["b"]), "canonical")
+        # (The sigmoid form's NaN for two empty states is its empty marker: the convention
+        # "sigmoid_merge" folds it; any other merge's NaN is a wrong result.)
+        return (*fn(*a, *c["b"]), "sigmoid_merge" if fn is merge_sigmoid else "canonical")
 
     return run
 

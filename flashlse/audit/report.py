@@ -23,7 +23,8 @@ from .backends import BACKENDS, CPU_ONLY, CUDA_ONLY, NATIVE_CPU, OPTIONAL, RUNNE
 from .cases import ATTN_CASES, CASES, MERGE_CASES, H, NoOutput, NotApplicable, expected, make_case
 
 # Short names of the conversions shown after a check mark.
-CONV_SHORT = {"fa2": "fa2", "fa3": "fa3", "sdpa_efficient": "eff", "flashinfer": "fi"}
+CONV_SHORT = {"fa2": "fa2", "fa3": "fa3", "sdpa_efficient": "eff", "flashinfer": "fi",
+              "sigmoid_merge": "fold"}
 
 WORKER_MARK = "@@cell "
 
@@ -327,7 +328,7 @@ cell = out/lse on the rows that see no key (merges: the whole result), then the 
      others equals the float64 reference merge (-inf where it should be, no NaN, close)
   ✓(fa2) ✓(eff) ✓(fi) ✓(fold)  ... only after lse.to_canonical(lse, convention): fa2 = +inf
      empty; eff = sdpa_efficient, 0 for empty rows, needs the key counts; fi = FlashInfer
-     base 2; fold = NaN / +inf folded to -inf
+     base 2; fold = "sigmoid_merge": its NaN for two empty states folded to -inf
   ✗  the merge is wrong even after conversion, or out holds NaN (NaN never passes)
   (no lse): none returned;   · not this function
   merge +inf: every merge gets the input converted from fa2's +inf first (✓(fa2))

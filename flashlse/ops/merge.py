@@ -186,14 +186,16 @@ def _kept_key(outs, lses, sink, layout):
 
 
 def _check_canonical(lses: torch.Tensor) -> None:
-    # +inf or NaN would silently empty the merged row; foreign states must be converted.
+    # +inf is a foreign empty state (flash-attn 2, FlashMLA), never a canonical LSE: merged
+    # as it is, its row would come out NaN. A NaN lse is canonical (bad data reached that
+    # row: attention's contract) and propagates as in attention.
     if not V.values_checkable(lses):
         return
-    bad = torch.isposinf(lses) | torch.isnan(lses)
+    bad = torch.isposinf(lses)
     if bool(bad.any()):
         raise ValueError(
-            f"lses holds {int(bad.sum())} +inf/NaN entries, which are not canonical LSEs "
-            f"(an empty state has lse = -inf); convert foreign states first, e.g. "
+            f"lses holds {int(bad.sum())} +inf entries, which are not canonical LSEs (an "
+            f"empty state has lse = -inf); convert foreign states first, e.g. "
             f"flashlse.lse.to_canonical(lse, 'fa2') for flash-attn 2's +inf"
         )
 

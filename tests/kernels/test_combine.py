@@ -286,7 +286,7 @@ def test_merge_states_repeated_calls_launch_the_kept_plan(device, layout):
     _check_nan_row(out_n, lse_n, flash)
     bad = arg.clone()
     bad[0, 0, 0, 0] = float("inf")
-    with pytest.raises(ValueError, match=r"\+inf/NaN"), fl.value_checks():
+    with pytest.raises(ValueError, match=r"holds 1 \+inf entries"), fl.value_checks():
         fl.merge_states(outs, bad, layout=layout)
     g = outs.float().clone().requires_grad_()
     with fl.value_checks(False):
@@ -332,7 +332,7 @@ def test_merge_of_two_states_reads_them_in_place_and_keeps_its_plan(device, layo
     _check_nan_row(out_n, lse_n, flash)
     bad = args[0].clone()
     bad[0, 0, 0] = float("inf")
-    with pytest.raises(ValueError, match=r"\+inf/NaN"), fl.value_checks():
+    with pytest.raises(ValueError, match=r"holds 1 \+inf entries"), fl.value_checks():
         fl.merge(outs[0], bad, outs[1], args[1], layout=layout)
     g = outs[0].float().clone().requires_grad_()
     with fl.value_checks(False):
