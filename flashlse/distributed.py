@@ -64,6 +64,7 @@ from .ops.attention import (
     bwd_fakes,
     fwd_fakes,
     op_dsink,
+    run_backward,
     validate_attention_args,
 )
 from .ops.merge import merge_states_unchecked, validate_states
@@ -464,9 +465,9 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, sink = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv, dsink = options.run_under(ctx.opts, _ring_bwd, dout, dlse, q, k, v, out,
-                                              lse, sink, ctx.ring)
-        return dq, dk, dv, dsink, None
+        return run_backward("flashlse.distributed.ring_attention", (q, k, v, sink),
+                            options.run_under, ctx.opts, _ring_bwd, dout, dlse, q, k, v, out,
+                            lse, sink, ctx.ring) + (None,)
 
 
 def _check_group():

@@ -250,6 +250,14 @@ def _contract_case(c, rank, world):
         assert not a.isnan().any() and not w.isnan().any(), name
         _close(name, a, w)
     assert torch.equal(sunk[3].grad, torch.zeros(hq, dtype=F64))
+    if not c.get("compile"):
+        # No second derivative (the backward is a ring of kernels): a backward through the
+        # gradients raises on every rank, never drops the ring's second-order terms.
+        mine = [shard(t).clone().requires_grad_() for t in (q, k, v)]
+        out2, _ = ring(*mine, sink=None)
+        (g_q,) = torch.autograd.grad(out2.sum(), mine[0], create_graph=True)
+        with pytest.raises(RuntimeError, match="has no second derivative"):
+            g_q.square().sum().backward()
 
 
 def _merge_case(c, rank, world):

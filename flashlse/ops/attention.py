@@ -154,7 +154,7 @@ def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
         parts = tuple(_Part(q0, min(sq, q0 + block), max(0, q0 + shift + lo),
                             min(sk, min(sq, q0 + block) + shift + hi), masked=True)
                       for q0 in range(0, sq, block))
-    if not all(math.isfinite(t.sum(dtype=compute_dtype(t.dtype)))
+    if not all(math.isfinite(t.detach().sum(dtype=compute_dtype(t.dtype)))
                for t in tensors if t is not None):
         return None
     return parts
@@ -504,6 +504,46 @@ def _forward(q, k, v, sink, call: _Call):
 # traces, the calls go through the custom ops below instead, so the compiled graph holds
 # one opaque node (no graph break; fake tensors give the shapes), and CUDA graphs capture
 # the kernels either way.
+class _NoSecondDerivative(torch.autograd.Function):
+    """The gradients of a kernel backward run with ``create_graph=True``, passed through
+    unchanged, on a node whose own backward raises: computed by kernels, they carry no graph,
+    and a backward through them (a gradient penalty, a Hessian-vector product) would drop
+    this call's second-order terms without a word where it raised on them alone."""
+
+    @staticmethod
+    def forward(ctx, name, anchor, *grads):
+        ctx.name = name
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(
+            f"{ctx.name} has no second derivative: its backward runs fused kernels, so a "
+            f"backward through its gradients (create_graph=True, e.g. a gradient penalty or a "
+            f"Hessian-vector product) cannot be computed. Compute that term with "
+            f"flashlse.reference (float64, differentiable twice) or torch's math attention")
+
+
+def run_backward(name: str, inputs, fn, *args, **kwargs) -> tuple:
+    """``fn(*args, **kwargs)``, a backward's gradients. A plain backward (grad mode off) pays
+    one check. With ``create_graph=True`` (grad mode on) the kernels run under no_grad (no
+    graph to build: the ring's buffers would refuse it) and the gradients come out on a
+    :class:`_NoSecondDerivative` node where an input of ``inputs`` needs grad."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    with torch.no_grad():
+        grads = fn(*args, **kwargs)
+    anchor = next((t for t in inputs if t is not None and t.requires_grad), None)
+    if anchor is None:
+        return grads
+    slots = [i for i, g in enumerate(grads) if g is not None]
+    got = _NoSecondDerivative.apply(name, anchor, *(grads[i] for i in slots))
+    out = list(grads)
+    for i, g in zip(slots, got):
+        out[i] = g
+    return tuple(out)
+
+
 class AttentionFunction(torch.autograd.Function):
     """Eager autograd of ``attention`` / ``attention_varlen`` (dense when cu_seqlens_q is None):
     the tensors autograd tracks, and the rest of the call as one :class:`_Call`."""
@@ -534,11 +574,11 @@ class AttentionFunction(torch.autograd.Function):
             bwd, extra = kernel_module("dispatch").attn_bwd, dict(kept=call.kept)
         else:
             bwd, extra = attn_bwd, {}
-        dq, dk, dv, dsink = kernel_module("options").run_under(
+        return run_backward(
+            "flashlse attention", (q, k, v, sink), kernel_module("options").run_under,
             ctx.opts, bwd, dout, dlse, q, k, v, out, lse, sink=sink,
             deterministic=call.deterministic, left=call.left, right=call.right,
-            softcap=call.softcap, scale=call.scale, **varlen, **extra)
-        return dq, dk, dv, dsink, None
+            softcap=call.softcap, scale=call.scale, **varlen, **extra) + (None,)
 
 
 def _attn(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,

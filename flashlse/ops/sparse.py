@@ -17,7 +17,7 @@ from ..kernels import options
 from ..lse import safe_pivot
 from . import _validate as V
 from ._dispatch import compute_dtype, on_tensor_device, use_triton
-from .attention import TILE_ELEMS, bwd_fakes, fwd_fakes, op_dsink
+from .attention import TILE_ELEMS, bwd_fakes, fwd_fakes, op_dsink, run_backward
 from .merge import merge_math
 
 
@@ -339,8 +339,9 @@ class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, indices, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = options.run_under(ctx.opts, _sparse_bwd, dout, dlse, q, k, v,
-                                              indices, out, lse, sink, ctx.scale)
+        dq, dk, dv, dsink = run_backward("flashlse.sparse_attention", (q, k, v, sink),
+                                         options.run_under, ctx.opts, _sparse_bwd, dout, dlse,
+                                         q, k, v, indices, out, lse, sink, ctx.scale)
         return dq, dk, dv, None, dsink, None, None
 
 
