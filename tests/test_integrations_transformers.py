@@ -106,3 +106,21 @@ def test_name_holds_no_flash_and_is_registered():
     assert "flash" not in flt.ATTN_IMPLEMENTATION
     assert AttentionInterface._global_mapping[flt.ATTN_IMPLEMENTATION] is flt.attention_forward
     assert AttentionMaskInterface._global_mapping[flt.ATTN_IMPLEMENTATION] is flt.attention_mask
+
+
+def test_float32_inputs_return_to_the_models_half_dtype():
+    """As transformers' flash-attn path: float32 q / k / v (PEFT's float32 norms) are cast to
+    autocast's dtype, else to the module's Linear dtype; a float32 model stays float32."""
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g)
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.proj = torch.nn.Linear(16, 16, dtype=torch.bfloat16)
+    out, _ = flt.attention_forward(module, q, k.bfloat16(), k, None)
+    assert out.dtype == torch.bfloat16
+    want = flt.attention_forward(module, q.bfloat16(), k.bfloat16(), k.bfloat16(), None)[0]
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    module.proj = torch.nn.Linear(16, 16)  # a float32 model: no cast
+    assert flt.attention_forward(module, q, k, k, None)[0].dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert flt.attention_forward(module, q, k, k, None)[0].dtype == torch.bfloat16

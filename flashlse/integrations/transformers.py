@@ -21,6 +21,11 @@ What transformers passes and what flashlse does with it:
   right padding) run ``attention_varlen`` on the real tokens only; padded query rows give 0.
   Packing them reads the mask's counts on the host (one sync), as transformers' own
   flash-attn path does.
+* float32 ``query`` / ``key`` / ``value`` (PEFT keeps norms in float32, and a float32
+  rotary embedding promotes what it touches) go back to the half dtype the model computes
+  in, as transformers' flash-attn path does: autocast's dtype when autocast is on, else
+  ``config._pre_quantization_dtype``, else the dtype of the module's first Linear weight
+  (a float32 model stays float32). The output is in that dtype.
 * ``sliding_window=w``: transformers keeps keys ``i - w < j <= i``, flashlse's window
   ``(w - 1, 0)``. ``softcap``, ``scaling`` and gpt-oss's ``s_aux`` (the per-head sink, with its
   gradient) map to flashlse's ``softcap``, ``scale`` and ``sink``. ``dropout > 0`` is refused.
@@ -69,6 +74,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     kw = dict(causal=causal, window=_window(module, causal, sliding_window),
               softcap=float(softcap or 0.0), scale=scaling,
               sink=None if s_aux is None else s_aux)
+    query, key, value = _half_dtype(module, query, key, value)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, H, D)
     if attention_mask is None:
         return fl.attention(q, k, v, **kw), None
@@ -78,6 +84,21 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          f"attn_implementation=flashlse.integrations.transformers."
                          f"ATTN_IMPLEMENTATION after importing that module")
     return _padded(q, k, v, attention_mask.to(torch.bool), kw), None
+
+
+def _half_dtype(module, *xs):
+    """``xs`` in the dtype the model computes in where one is float32 (module docstring)."""
+    if not any(x.dtype == torch.float32 for x in xs):
+        return xs
+    device = xs[0].device.type
+    if torch.is_autocast_enabled(device):
+        target = torch.get_autocast_dtype(device)
+    elif getattr(getattr(module, "config", None), "_pre_quantization_dtype", None) is not None:
+        target = module.config._pre_quantization_dtype
+    else:
+        target = next((m.weight.dtype for m in module.modules()
+                       if isinstance(m, torch.nn.Linear)), torch.float32)
+    return tuple(x.to(target) for x in xs)
 
 
 def _padded(q, k, v, kv_mask, kw):
