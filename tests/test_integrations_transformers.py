@@ -2,6 +2,8 @@
 classes (Llama; gpt-oss with sliding and full layers and learnable sinks) against "eager" --
 logits of a left-padded batch, greedy generation token for token, sink gradients."""
 
+import copy
+
 import pytest
 import torch
 
@@ -30,8 +32,12 @@ def _pair(make):
     """The same random weights under eager and under flashlse."""
     cfg, cls = make()
     torch.manual_seed(0)
-    eager = cls._from_config(cfg, attn_implementation="eager").eval()
-    ours = cls._from_config(cfg, attn_implementation=flt.ATTN_IMPLEMENTATION).eval()
+    # Each model its own config: _from_config writes the implementation into the config it
+    # is given, so one shared config would make the "eager" model run flashlse too.
+    eager = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    ours = cls._from_config(copy.deepcopy(cfg), attn_implementation=flt.ATTN_IMPLEMENTATION).eval()
+    assert eager.config._attn_implementation == "eager"
+    assert ours.config._attn_implementation == flt.ATTN_IMPLEMENTATION
     ours.load_state_dict(eager.state_dict())
     for name, p in eager.named_parameters():
         if name.endswith("sinks"):  # random sinks, so that they matter
@@ -124,3 +130,32 @@ def test_float32_inputs_return_to_the_models_half_dtype():
     assert flt.attention_forward(module, q, k, k, None)[0].dtype == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert flt.attention_forward(module, q, k, k, None)[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt_oss], ids=["llama", "gpt_oss"])
+@pytest.mark.parametrize("given", ["position_ids", "cu_seq_lens"])
+def test_padding_free_batch_matches_each_sequence_alone(make, given):
+    """A padding-free batch (DataCollatorWithFlattening: one row of sequences back to back,
+    position_ids restarting at 0, or its cu_seq_lens kwargs): each sequence's logits equal
+    eager's on that sequence alone (gpt-oss: a sliding layer's window inside each sequence),
+    and so do the gradients of a loss on the packed logits."""
+    eager, ours = _pair(make)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(1, 97, (1, n), generator=g) for n in (5, 1, 7)]
+    ids = torch.cat(seqs, 1)
+    pos = torch.cat([torch.arange(s.shape[1]) for s in seqs])[None]
+    kw = dict(position_ids=pos)
+    if given == "cu_seq_lens":
+        cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+        kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    want = torch.cat([eager(input_ids=s, use_cache=False).logits for s in seqs], 1)
+    got = ours(input_ids=ids, use_cache=False, **kw).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    grads = []
+    for model, logits in ((eager, want), (ours, got)):
+        model.zero_grad()
+        logits.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)

@@ -21,6 +21,10 @@ What transformers passes and what flashlse does with it:
   right padding) run ``attention_varlen`` on the real tokens only; padded query rows give 0.
   Packing them reads the mask's counts on the host (one sync), as transformers' own
   flash-attn path does.
+* a padding-free batch (one row of sequences back to back: ``position_ids`` that restart,
+  or the collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k``) runs ``attention_varlen`` over
+  its sequences, as transformers' flash-attn path does; each token sees its own sequence
+  only.
 * float32 ``query`` / ``key`` / ``value`` (PEFT keeps norms in float32, and a float32
   rotary embedding promotes what it touches) go back to the half dtype the model computes
   in, as transformers' flash-attn path does: autocast's dtype when autocast is on, else
@@ -77,13 +81,58 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     query, key, value = _half_dtype(module, query, key, value)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, H, D)
     if attention_mask is None:
-        return fl.attention(q, k, v, **kw), None
+        packed = _packed_sequences(q, k, kwargs)
+        if packed is None:
+            return fl.attention(q, k, v, **kw), None
+        return fl.attention_varlen(q[0], k[0], v[0], *packed, **kw)[None], None
     if attention_mask.dim() != 2:
         raise ValueError(f"{ATTN_IMPLEMENTATION} expects the 2-D padding mask its mask function "
                          f"makes, got shape {tuple(attention_mask.shape)}; load the model with "
                          f"attn_implementation=flashlse.integrations.transformers."
                          f"ATTN_IMPLEMENTATION after importing that module")
     return _padded(q, k, v, attention_mask.to(torch.bool), kw), None
+
+
+def _packed_sequences(q, k, kwargs):
+    """``(cu_q, cu_k, max_q, max_k)`` of a padding-free batch (one row holding several
+    sequences back to back, transformers' ``DataCollatorWithFlattening``), or None: the
+    collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``
+    where it passes them, else ``position_ids`` that restart (a sequence starts at each 0),
+    as transformers' flash-attn path reads them. Without this every token would attend to
+    the sequences packed before its own."""
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"{ATTN_IMPLEMENTATION}: cu_seq_lens_q describes one packed row "
+                             f"(batch 1), got a batch of {q.shape[0]}")
+        return (cu_q.to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+                int(kwargs["max_length_q"]), int(kwargs["max_length_k"]))
+    pos = kwargs.get("position_ids")
+    if pos is None or q.shape[0] != 1 or q.shape[1] < 2 or k.shape[1] != q.shape[1] or \
+            pos.numel() != q.shape[1]:
+        return None
+    return _lengths_from_positions(pos)
+
+
+# The last position_ids read: every layer of a forward gets the same tensor, so its lengths
+# (which cost a host read) are found once a forward. Held by identity and version: another
+# tensor at the same address, or one written since, is read again.
+_POSITIONS: list = [None, -1, None]
+
+
+def _lengths_from_positions(pos):
+    if _POSITIONS[0] is pos and _POSITIONS[1] == pos._version:
+        return _POSITIONS[2]
+    flat = pos.reshape(-1)
+    lengths = None
+    if bool((flat[1:] < flat[:-1]).any()):  # (restarts: packed; else one sequence)
+        starts = (flat == 0).nonzero().flatten().tolist()
+        cuts = sorted(set([0] + starts)) + [flat.numel()]
+        cu = torch.tensor(cuts, dtype=torch.int32, device=pos.device)
+        longest = max(b - a for a, b in zip(cuts, cuts[1:]))
+        lengths = (cu, cu, longest, longest)
+    _POSITIONS[:] = [pos, pos._version, lengths]
+    return lengths
 
 
 def _half_dtype(module, *xs):
