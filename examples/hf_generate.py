@@ -11,6 +11,7 @@ both continuations and whether they agree token for token.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import sys
 
@@ -39,8 +40,11 @@ def main():
         cls = transformers.GptOssForCausalLM
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
-    eager = cls._from_config(config, attn_implementation="eager", dtype=dtype)
-    ours = cls._from_config(config, attn_implementation=flt.ATTN_IMPLEMENTATION, dtype=dtype)
+    # Each model its own config: _from_config writes the implementation into its config.
+    eager = cls._from_config(copy.deepcopy(config), attn_implementation="eager", dtype=dtype)
+    ours = cls._from_config(copy.deepcopy(config), attn_implementation=flt.ATTN_IMPLEMENTATION,
+                            dtype=dtype)
+    assert eager.config._attn_implementation == "eager"
     ours.load_state_dict(eager.state_dict())
     ids = torch.randint(1, 256, (2, 10))
     mask = torch.ones_like(ids)
