@@ -116,13 +116,16 @@ def _packed_sequences(q, k, kwargs):
 
 # The last position_ids read: every layer of a forward gets the same tensor, so its lengths
 # (which cost a host read) are found once a forward. Held by identity and version: another
-# tensor at the same address, or one written since, is read again.
-_POSITIONS: list = [None, -1, None]
+# tensor at the same address, or one written since, is read again. One tuple, read and
+# replaced whole: a thread never pairs one tensor with another's lengths.
+_POSITIONS: tuple = (None, -1, None)
 
 
 def _lengths_from_positions(pos):
-    if _POSITIONS[0] is pos and _POSITIONS[1] == pos._version:
-        return _POSITIONS[2]
+    global _POSITIONS
+    kept = _POSITIONS
+    if kept[0] is pos and kept[1] == pos._version:
+        return kept[2]
     flat = pos.reshape(-1)
     lengths = None
     if bool((flat[1:] < flat[:-1]).any()):  # (restarts: packed; else one sequence)
@@ -131,7 +134,7 @@ def _lengths_from_positions(pos):
         cu = torch.tensor(cuts, dtype=torch.int32, device=pos.device)
         longest = max(b - a for a, b in zip(cuts, cuts[1:]))
         lengths = (cu, cu, longest, longest)
-    _POSITIONS[:] = [pos, pos._version, lengths]
+    _POSITIONS = (pos, pos._version, lengths)
     return lengths
 
 
