@@ -159,3 +159,23 @@ def test_padding_free_batch_matches_each_sequence_alone(make, given):
                       if p.grad is not None})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("make, masks", [(_llama, 1), (_gpt_oss, 2)], ids=["llama", "gpt_oss"])
+def test_a_padded_forward_packs_its_mask_once(monkeypatch, make, masks):
+    """The padding mask's rows and lengths (host reads: syncs on a GPU) are found once a
+    forward for each mask (one a layer type), not once a layer: 4 layers here."""
+    cfg, cls = make()
+    cfg.num_hidden_layers = 4
+    if make is _gpt_oss:
+        cfg.layer_types = ["sliding_attention", "full_attention"] * 2
+    model = cls._from_config(cfg, attn_implementation=flt.ATTN_IMPLEMENTATION).eval()
+    packed = []
+    real = flt._pack
+    monkeypatch.setattr(flt, "_pack", lambda *a: packed.append(a[0]) or real(*a))
+    ids, mask = _batch()
+    for _ in range(2):  # (the second forward: a new mask, packed again)
+        packed.clear()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        assert len(packed) == masks and len({id(m) for m in packed}) == masks

@@ -156,16 +156,42 @@ def _half_dtype(module, *xs):
 def _padded(q, k, v, kv_mask, kw):
     """Padded batch: the real tokens packed, ``attention_varlen``, scattered back (0 on pads)."""
     b, sq = q.shape[:2]
+    q_rows, k_rows, cu_q, cu_k, max_q, max_k = _packing(kv_mask, sq)
+    out = fl.attention_varlen(q.flatten(0, 1).index_select(0, q_rows),
+                              k.flatten(0, 1).index_select(0, k_rows),
+                              v.flatten(0, 1).index_select(0, k_rows), cu_q, cu_k, max_q, max_k,
+                              **kw)
+    full = out.new_zeros(b * sq, *out.shape[1:])
+    return full.index_copy(0, q_rows, out).view(b, sq, *out.shape[1:])
+
+
+# The packings of the last padding masks read: every layer of a forward gets the same mask
+# tensor (one a layer type), so its rows and lengths (host reads: syncs on a GPU) are found
+# once a forward, not once a layer. Kept by identity, version and query length.
+_PACKINGS: tuple = ()
+
+
+def _packing(kv_mask, sq):
+    """``(q_rows, k_rows, cu_q, cu_k, max_q, max_k)``: the real tokens' flat row indices, the
+    packed sequences' offsets and their longest lengths."""
+    global _PACKINGS
+    for mask, version, rows, got in _PACKINGS:
+        if mask is kv_mask and version == kv_mask._version and rows == sq:
+            return got
+    got = _pack(kv_mask, sq)
+    _PACKINGS = ((kv_mask, kv_mask._version, sq, got),) + _PACKINGS[:3]
+    return got
+
+
+def _pack(kv_mask, sq):
     q_mask = kv_mask[:, -sq:]
     n_q, n_k = q_mask.sum(1, dtype=torch.int32), kv_mask.sum(1, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    zero = torch.zeros(1, dtype=torch.int32, device=kv_mask.device)
     cu_q, cu_k = torch.cat([zero, n_q.cumsum(0, dtype=torch.int32)]), torch.cat(
         [zero, n_k.cumsum(0, dtype=torch.int32)])
     max_q, max_k = (int(x) for x in torch.stack([n_q.max(), n_k.max()]).tolist())
-    out = fl.attention_varlen(q[q_mask], k[kv_mask], v[kv_mask], cu_q, cu_k, max_q, max_k, **kw)
-    full = out.new_zeros(b, sq, *out.shape[1:])
-    full[q_mask] = out
-    return full
+    return (q_mask.reshape(-1).nonzero().flatten(), kv_mask.reshape(-1).nonzero().flatten(),
+            cu_q, cu_k, max_q, max_k)
 
 
 def register() -> str:
