@@ -183,8 +183,11 @@ def from_canonical(
     x = lse.float()
     if convention == "flashmla" and sink is not None:
         s = torch.as_tensor(sink, device=x.device).float()
-        # log(e^L - e^s) = L + log1p(-e^(s - L)); a row with only the sink gives -inf.
-        x = torch.where(x > s, x + torch.log1p(-torch.exp(s - x)), torch.full_like(x, NEG_INF))
+        # log(e^L - e^s) = L + log1p(-e^(s - L)); a row with only the sink gives -inf, a NaN
+        # (bad data, or a NaN sink) stays NaN.
+        x = torch.where(x > s, x + torch.log1p(-torch.exp(s - x)),
+                        torch.where(torch.isnan(x) | torch.isnan(s), x + s,
+                                    torch.full_like(x, NEG_INF)))
     if convention in ("fa2", "flashmla"):
         return torch.where(torch.isneginf(x), torch.full_like(x, float("inf")), x)
     if convention == "sdpa_efficient":

@@ -185,3 +185,18 @@ def test_conversion_errors():
 def test_to_canonical_misshaped_side_inputs_say_so(kw):
     with pytest.raises(ValueError, match="must broadcast to lse"):
         L.to_canonical(torch.zeros(4, 7), **kw)
+
+
+def test_from_canonical_keeps_nan_under_every_convention():
+    """A NaN canonical LSE (bad data reached the row) is NaN in every foreign convention,
+    never the foreign empty marker (FlashMLA's sink removal compared it with the sink and
+    wrote +inf)."""
+    x = torch.tensor([NAN, 0.5, NEG_INF])
+    sink = torch.tensor([0.0, 0.25, NAN])
+    for convention in L.CONVENTIONS:
+        kw = {"sink": sink} if convention == "flashmla" else {}
+        out = L.from_canonical(x, convention, **kw)
+        assert torch.isnan(out[0]), convention
+        if convention == "flashmla":
+            assert torch.isnan(out[2])  # (a NaN sink: NaN, not an empty row)
+            assert torch.isfinite(out[1])
