@@ -119,22 +119,22 @@ def test_sweep3_runs_the_variants_in_turns_and_reports_each(tmp_path, monkeypatc
         from flashlse.kernels.options import current
 
         cfg = current().fwd_sm90_config
-        if cfg.get("BAD"):
+        if cfg.get("OVERLAP"):
             raise RuntimeError("does not compile")
-        order.append((cfg.get("X"), q))
+        order.append((cfg.get("STAGES"), q))
         return None
 
     monkeypatch.setattr(bench_fwd, "_ours", ours)
     monkeypatch.setattr(bench_fwd, "median_ms", lambda fn: next(clock))
     bench_fwd.sweep3(str(tmp_path), seqs=(64, 128), repeats=2, option="fwd_sm90_config",
-                     variants=[{}, {"X": 1}, {"BAD": True}], tag="t", d=64)
-    # Per causal: pass 1 (shipped 64, 128; X 64, 128), then pass 2 in the same order.
+                     variants=[{}, {"STAGES": 1}, {"OVERLAP": True}], tag="t", d=64)
+    # Per causal: pass 1 (shipped 64, 128; STAGES 64, 128), then pass 2 in the same order.
     one_pass = [(None, 64), (None, 128), (1, 64), (1, 128)]
     assert order == one_pass * 4
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     shipped, x, bad = rows[:3]
-    assert shipped["cfg"] == "shipped" and x["cfg"] == "X=1" and "FAILED" in bad["cfg"]
-    # Timings 1, 2 went to shipped, 3, 4 to X=1, then 5, 6 / 7, 8 in pass 2.
+    assert shipped["cfg"] == "shipped" and x["cfg"] == "STAGES=1" and "FAILED" in bad["cfg"]
+    # Timings 1, 2 went to shipped, 3, 4 to STAGES=1, then 5, 6 / 7, 8 in pass 2.
     assert shipped["tflops"] == [1e9 / ms * 1e-9 for ms in (1, 2, 5, 6)]
     assert x["tflops"] == [1e9 / ms * 1e-9 for ms in (3, 4, 7, 8)]
     assert len(bad["tflops"]) == 1 and bad["mean"] != bad["mean"]

@@ -5,6 +5,7 @@ import torch
 
 import flashlse as fl
 from flashlse.kernels import options
+from flashlse.kernels.options import KernelOptions, kernel_options
 
 
 def test_defaults_nesting_and_restore():
@@ -53,3 +54,21 @@ def test_tile_overrides_convert_in_one_place():
     assert configs.override(dkdv, change, configs.BWD_KEYS, part="dkdv").tile == (32, 64, 4, 2)
     dq2 = configs.override(dq, change, configs.BWD_KEYS, part="dq")
     assert dq2.tile == dq.tile and not dq2.early_dp
+
+
+@pytest.mark.parametrize("changes, exc, match", [
+    (dict(pdl="yes"), TypeError, "pdl must be a bool, got str"),
+    (dict(sm90_fwd=1), TypeError, "sm90_fwd must be a bool, got int"),
+    (dict(fwd_config="x"), TypeError, "fwd_config takes a mapping or a TileConfig"),
+    (dict(fwd_config={"block_m": 64}), ValueError, r"fwd_config: unknown keys \['block_m'\]"),
+    (dict(fwd_sm90_config={"BLOCK_M": 64}), ValueError, "fwd_sm90_config: unknown keys"),
+    (dict(bwd_config={"dkvd": (64, 64, 4, 2)}), ValueError, "bwd_config: unknown keys"),
+])
+def test_options_are_checked_where_they_are_written(changes, exc, match):
+    """A bad option fails at kernel_options(), on any machine: a Hopper-only key off Hopper,
+    or a switch of 1 / "yes", would otherwise pass unseen."""
+    with pytest.raises(exc, match=match):
+        with kernel_options(**changes):
+            pass
+    with pytest.raises(exc, match=match):
+        KernelOptions(**changes)

@@ -72,6 +72,29 @@ class KernelOptions:
     pdl: bool = True
     poison_outputs: bool = False
 
+    def __post_init__(self):
+        # Checked where they are written, not where a kernel first reads them (a Hopper key
+        # would otherwise pass unseen off Hopper, a switch of 1 or "yes" act as True).
+        from . import configs
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise TypeError(f"kernel option {f.name} must be a bool, got "
+                                f"{type(value).__name__} {value!r}")
+        for name, keys in (("fwd_config", configs.FWD_KEYS),
+                           ("fwd_sm90_config", configs.FWD_SM90_KEYS),
+                           ("bwd_config", configs.BWD_KEYS)):
+            value = getattr(self, name)
+            if value is None or isinstance(value, configs.TileConfig):
+                continue
+            if not isinstance(value, Mapping):
+                raise TypeError(f"{name} takes a mapping or a TileConfig, got "
+                                f"{type(value).__name__}")
+            unknown = sorted(set(value) - set(keys), key=str)
+            if unknown:
+                raise ValueError(f"{name}: unknown keys {unknown}; it takes {', '.join(keys)}")
+
 
 _DEFAULT = KernelOptions()
 # None outside any kernel_options block: the defaults.
@@ -113,6 +136,8 @@ def kernel_options(options: KernelOptions | None = None, **changes):
     try:
         opts = dataclasses.replace(options or current(), **changes)
     except TypeError as e:
+        if "unexpected keyword" not in str(e):
+            raise
         names = ", ".join(f.name for f in dataclasses.fields(KernelOptions))
         raise TypeError(f"{e}; KernelOptions fields: {names}") from None
     token = _CURRENT.set(opts)
