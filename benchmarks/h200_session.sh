@@ -594,8 +594,11 @@ if [ "$1" = s44 ]; then
     (timeout 120 python3 -m pytest -q $K/test_window_bounds.py $K/test_kvcache_kernels.py \
         -k "huge_window or int32_max or above_the_rows or forced_splits or 65535 or sliced_from" \
         -p no:cacheprovider > "$OUT/test_gpu_window.log" 2>&1
-     # Session 44: the host-int LSE contract and the SDPA launchers (checked inputs, routed).
+     # Session 44: the host-int LSE contract, the SDPA launchers (checked inputs, routed),
+     # the transformers backend against real eager (its tests compared flashlse with itself
+     # before), and no second derivative on the kernels.
      timeout 100 python3 -m pytest -q $K/test_host_int_contract.py $K/test_sdpa_impl.py \
+        $K/test_integrations_gpu.py $K/test_second_derivative_kernels.py \
         -p no:cacheprovider > "$OUT/test_gpu_contract.log" 2>&1
      timeout 330 python3 -m pytest -q $K/test_fwd.py -k "sm90 and not fp16 and not persistent" \
         -p no:cacheprovider > "$OUT/test_gpu_fwd_other.log" 2>&1) &

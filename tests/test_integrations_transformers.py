@@ -179,3 +179,20 @@ def test_a_padded_forward_packs_its_mask_once(monkeypatch, make, masks):
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)
         assert len(packed) == masks and len({id(m) for m in packed}) == masks
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("make", [_llama, _gpt_oss], ids=["llama", "gpt_oss"])
+def test_static_cache_generation_matches_eager(make, padded):
+    """cache_implementation="static": the keys are the whole preallocated cache, of which
+    only the first slots are written; the mask says which (transformers' padding mask, or
+    one the mask function makes from the cache's offsets when nothing is padded) and the
+    slots past it are never read (they were, before: other continuations)."""
+    eager, ours = _pair(make)
+    ids, mask = _batch()
+    if not padded:
+        mask = torch.ones_like(mask)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))

@@ -17,7 +17,9 @@ What transformers passes and what flashlse does with it:
   bottom-right aligned, so a decode step (the query is the last token of its cache) and a
   prefill are both exact without positions.
 * ``attention_mask``: the 2-D padding mask ``(B, Skv)`` (True = a real token) that
-  :func:`attention_mask` produces, or None when nothing is padded. Padded batches (left or
+  :func:`attention_mask` produces, or None when nothing is padded. With a static cache
+  (``cache_implementation="static"``) the keys are the whole preallocated cache and the
+  mask covers the slots written so far: the keys past it are never read. Padded batches (left or
   right padding) run ``attention_varlen`` on the real tokens only; padded query rows give 0.
   Packing them reads the mask's counts on the host (one sync), as transformers' own
   flash-attn path does.
@@ -47,10 +49,22 @@ ATTN_IMPLEMENTATION = "lse_exact"
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                    mask_function=None, attention_mask=None, **kwargs):
     """The mask transformers hands :func:`attention_forward`: the 2-D padding mask of the last
-    ``kv_length`` positions (bool, True = real token), or None when no token is padded."""
+    ``kv_length`` positions (bool, True = real token), or None when no token is padded.
+
+    A static cache (``cache_implementation="static"``) hands the attention its whole
+    preallocated cache, ``kv_length`` slots of which only the first ``q_offset + q_length -
+    kv_offset`` are written: the mask then says so (a mask of the written slots, shorter
+    than ``kv_length``), padded or not. Its offset is a tensor there: reading it costs a host
+    read a forward on a GPU."""
     if attention_mask is None:
-        return None
+        written = int(q_offset) + q_length - int(kv_offset)
+        if written >= kv_length:
+            return None
+        return torch.ones(batch_size, max(written, 0), dtype=torch.bool,
+                          device=kwargs.get("device") or getattr(q_offset, "device", None))
     mask = attention_mask[:, -kv_length:].to(torch.bool)
+    # (A static cache's mask is shorter than kv_length: kept even without padding, it says
+    # which of the cache's slots are written.)
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
@@ -90,6 +104,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          f"makes, got shape {tuple(attention_mask.shape)}; load the model with "
                          f"attn_implementation=flashlse.integrations.transformers."
                          f"ATTN_IMPLEMENTATION after importing that module")
+    if k.shape[1] > attention_mask.shape[1]:
+        # A static cache: its keys are the whole preallocated cache, the mask covers the
+        # slots written so far (the first ones); the rest must not be read. (transformers'
+        # mask function keeps the mask for that reason, padded or not.)
+        k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
     return _padded(q, k, v, attention_mask.to(torch.bool), kw), None
 
 
