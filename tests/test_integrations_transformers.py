@@ -196,3 +196,40 @@ def test_static_cache_generation_matches_eager(make, padded):
               cache_implementation="static")
     with torch.no_grad():
         assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+def _bart():
+    cfg = transformers.BartConfig(vocab_size=97, d_model=64, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4,
+                                  encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                  max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                                  eos_token_id=2, decoder_start_token_id=2,
+                                  forced_eos_token_id=None)
+    return cfg, transformers.BartForConditionalGeneration
+
+
+def test_encoder_decoder_padded_matches_eager():
+    """BART: an encoder's bidirectional self-attention and the decoder's cross-attention on
+    a padded encoder batch (the queries of a cross-attention are not the last rows of the
+    encoder's mask; before, they were taken as such and the logits were off by ~4e-3), the
+    decoder's causal self-attention; logits, every gradient and greedy generation."""
+    eager, ours = _pair(_bart)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 97, (2, 9), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    ids[1, 6:] = 1
+    dec = torch.randint(3, 97, (2, 5), generator=g)
+    outs = []
+    for model in (eager, ours):
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+        logits.square().mean().backward()
+        outs.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-4)
+    for name, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][name], grad, atol=1e-5, rtol=1e-4)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))

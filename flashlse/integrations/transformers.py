@@ -21,8 +21,10 @@ What transformers passes and what flashlse does with it:
   (``cache_implementation="static"``) the keys are the whole preallocated cache and the
   mask covers the slots written so far: the keys past it are never read. Padded batches (left or
   right padding) run ``attention_varlen`` on the real tokens only; padded query rows give 0.
-  Packing them reads the mask's counts on the host (one sync), as transformers' own
-  flash-attn path does.
+  Packing them reads the mask's counts on the host (one sync a forward and mask), as
+  transformers' own flash-attn path does. A bidirectional layer (an encoder's
+  self-attention, a decoder's cross-attention on a padded encoder batch) computes every
+  query row over the real keys, as eager does.
 * a padding-free batch (one row of sequences back to back: ``position_ids`` that restart,
   or the collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k``) runs ``attention_varlen`` over
   its sequences, as transformers' flash-attn path does; each token sees its own sequence
@@ -57,6 +59,9 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     than ``kv_length``), padded or not. Its offset is a tensor there: reading it costs a host
     read a forward on a GPU."""
     if attention_mask is None:
+        if "allow_is_bidirectional_skip" in kwargs or \
+                "bidirectional" in getattr(mask_function, "__name__", ""):
+            return None  # (an encoder's or a cross-attention's keys: no cache slots)
         written = int(q_offset) + q_length - int(kv_offset)
         if written >= kv_length:
             return None
@@ -175,7 +180,7 @@ def _half_dtype(module, *xs):
 def _padded(q, k, v, kv_mask, kw):
     """Padded batch: the real tokens packed, ``attention_varlen``, scattered back (0 on pads)."""
     b, sq = q.shape[:2]
-    q_rows, k_rows, cu_q, cu_k, max_q, max_k = _packing(kv_mask, sq)
+    q_rows, k_rows, cu_q, cu_k, max_q, max_k = _packing(kv_mask, sq, kw["causal"])
     out = fl.attention_varlen(q.flatten(0, 1).index_select(0, q_rows),
                               k.flatten(0, 1).index_select(0, k_rows),
                               v.flatten(0, 1).index_select(0, k_rows), cu_q, cu_k, max_q, max_k,
@@ -190,20 +195,24 @@ def _padded(q, k, v, kv_mask, kw):
 _PACKINGS: tuple = ()
 
 
-def _packing(kv_mask, sq):
+def _packing(kv_mask, sq, causal):
     """``(q_rows, k_rows, cu_q, cu_k, max_q, max_k)``: the real tokens' flat row indices, the
     packed sequences' offsets and their longest lengths."""
     global _PACKINGS
     for mask, version, rows, got in _PACKINGS:
-        if mask is kv_mask and version == kv_mask._version and rows == sq:
+        if mask is kv_mask and version == kv_mask._version and rows == (sq, causal):
             return got
-    got = _pack(kv_mask, sq)
-    _PACKINGS = ((kv_mask, kv_mask._version, sq, got),) + _PACKINGS[:3]
+    got = _pack(kv_mask, sq, causal)
+    _PACKINGS = ((kv_mask, kv_mask._version, (sq, causal), got),) + _PACKINGS[:3]
     return got
 
 
-def _pack(kv_mask, sq):
-    q_mask = kv_mask[:, -sq:]
+def _pack(kv_mask, sq, causal):
+    # A causal layer's queries are the last sq of its keys (self-attention over a cache):
+    # their rows of the mask say which are real. A bidirectional one's (an encoder's
+    # self-attention, a decoder's cross-attention on the encoder's keys) are all computed,
+    # each over the real keys, as eager does; their rows are not the keys' (cross-attention).
+    q_mask = kv_mask[:, -sq:] if causal else kv_mask.new_ones(kv_mask.shape[0], sq)
     n_q, n_k = q_mask.sum(1, dtype=torch.int32), kv_mask.sum(1, dtype=torch.int32)
     zero = torch.zeros(1, dtype=torch.int32, device=kv_mask.device)
     cu_q, cu_k = torch.cat([zero, n_q.cumsum(0, dtype=torch.int32)]), torch.cat(
