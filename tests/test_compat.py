@@ -118,3 +118,32 @@ def test_drop_ins_take_what_flash_attn_takes():
     with pytest.raises(ValueError, match="cache_seqlens must be contiguous"):
         flashlse.attention_with_kvcache(qd, kc, vc, cache_seqlens=_last_dim_strided(lens),
                                         block_table=table)
+
+
+def test_packed_drop_ins_equal_the_unpacked_ones_with_gradients():
+    """flash-attn 2's qkv- and kv-packed entry points (dense and varlen): the same out and
+    lse as the unpacked call, and the gradient lands in the packed tensor."""
+    torch.manual_seed(4)
+    qkv = torch.randn(2, 6, 3, 4, 8, requires_grad=True)
+    out, lse, _ = compat.flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+    q, k, v = (t.detach() for t in qkv.unbind(2))
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flashlse.attention(*leaves, causal=True).sum().backward()
+    torch.testing.assert_close(qkv.grad, torch.stack([t.grad for t in leaves], 2))
+    kv = torch.stack([k, v], 2)
+    torch.testing.assert_close(compat.flash_attn_kvpacked_func(q, kv, causal=True),
+                               compat.flash_attn_func(q, k, v, causal=True))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    flat = qkv.detach().flatten(0, 1)
+    got = compat.flash_attn_varlen_qkvpacked_func(flat, cu, 7, causal=True)
+    fq, fk, fv = flat.unbind(1)
+    torch.testing.assert_close(got, compat.flash_attn_varlen_func(fq, fk, fv, cu, cu, 7, 7,
+                                                                  causal=True))
+    got = compat.flash_attn_varlen_kvpacked_func(fq, torch.stack([fk, fv], 1), cu, cu, 7, 7,
+                                                 window_size=(2, 0))
+    torch.testing.assert_close(got, compat.flash_attn_varlen_func(fq, fk, fv, cu, cu, 7, 7,
+                                                                  window_size=(2, 0)))
