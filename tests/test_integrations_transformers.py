@@ -233,3 +233,11 @@ def test_encoder_decoder_padded_matches_eager():
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
     with torch.no_grad():
         assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+def test_fuzz_transformers_at_ci_size():
+    """tools/fuzz_transformers.py (decoders and BART, padding, static caches, generation)
+    at a small count: every configuration agrees with eager."""
+    from tools import fuzz_transformers
+
+    assert fuzz_transformers.main(["--n", "12", "--seed", "44000"]) == 0
