@@ -241,3 +241,23 @@ def test_fuzz_transformers_at_ci_size():
     from tools import fuzz_transformers
 
     assert fuzz_transformers.main(["--n", "12", "--seed", "44000"]) == 0
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_static_cache_compiled_generation_matches_eager(padded):
+    """generate's compiled decode steps on a static cache (dynamo, eager backend): the
+    integration keeps no memory while torch.compile traces. With it (the padded mask's
+    packing kept by the mask's identity), the trace baked one step's packing into the graph
+    and the continuation went wrong from the second compiled step."""
+    from tools.fuzz_transformers import _compile_config
+
+    eager, ours = _pair(_llama)
+    ids, mask = _batch()
+    if not padded:
+        mask = torch.ones_like(mask)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    with torch.no_grad():
+        want = eager.generate(ids, **kw)
+        torch._dynamo.reset()
+        assert torch.equal(ours.generate(ids, **kw, compile_config=_compile_config()), want)

@@ -5,7 +5,8 @@ with a sliding and a full layer and learnable sinks; BART, encoder-decoder), a b
 rows of 1-12 tokens, and its padding: none (half of those with no mask given at all), left
 (decoders) or right (BART's encoder; a decoder's logits only). Decoders generate greedily,
 on the default cache or on a static one (``cache_implementation="static"``) in two of five
-draws; the tokens must equal eager's. Every configuration first compares the logits of a
+draws, half of those with generate's compiled decode steps (dynamo's eager backend); the
+tokens must equal eager's. Every configuration first compares the logits of a
 forward (a decoder's real tokens; BART's on random decoder inputs) within 1e-4 (float32).
 
     python -m tools.fuzz_transformers --n 200 --seed 0
@@ -64,6 +65,16 @@ def _model(kind: str):
     return eager, ours.eval()
 
 
+def _compile_config():
+    """generate's compile settings on any device (transformers compiles only on
+    accelerators by default), with dynamo's eager backend."""
+    from transformers import CompileConfig
+
+    cfg = CompileConfig(backend="eager")
+    cfg._compile_all_devices = True
+    return cfg
+
+
 def run_one(seed: int) -> str | None:
     """One configuration; None when it agrees with eager, else what differed."""
     r = random.Random(seed)
@@ -90,7 +101,10 @@ def run_one(seed: int) -> str | None:
               pad_token_id=1 if kind == "bart" else 0)
     if kind != "bart" and r.random() < 0.4:
         kw["cache_implementation"] = "static"
-    what = f"{kind} B={b} S={s} {side}-padded {kw.get('cache_implementation', 'dynamic')}"
+        if r.random() < 0.5:  # generate's compiled decode steps (dynamo only: quick)
+            kw["compile_config"] = _compile_config()
+    what = (f"{kind} B={b} S={s} {side}-padded {kw.get('cache_implementation', 'dynamic')}"
+            + (" compiled" if "compile_config" in kw else ""))
     with torch.no_grad():
         # Logits first (a tiny random model's greedy tokens often agree where the logits do
         # not): a decoder's on its real tokens, BART's on random decoder inputs.

@@ -147,9 +147,17 @@ _POSITIONS: tuple = (None, -1, None)
 
 def _lengths_from_positions(pos):
     global _POSITIONS
+    if torch.compiler.is_compiling():
+        return _read_positions(pos)  # (no memory while torch.compile traces: see _packing)
     kept = _POSITIONS
     if kept[0] is pos and kept[1] == pos._version:
         return kept[2]
+    lengths = _read_positions(pos)
+    _POSITIONS = (pos, pos._version, lengths)
+    return lengths
+
+
+def _read_positions(pos):
     flat = pos.reshape(-1)
     lengths = None
     if bool((flat[1:] < flat[:-1]).any()):  # (restarts: packed; else one sequence)
@@ -158,7 +166,6 @@ def _lengths_from_positions(pos):
         cu = torch.tensor(cuts, dtype=torch.int32, device=pos.device)
         longest = max(b - a for a, b in zip(cuts, cuts[1:]))
         lengths = (cu, cu, longest, longest)
-    _POSITIONS = (pos, pos._version, lengths)
     return lengths
 
 
@@ -199,6 +206,12 @@ def _packing(kv_mask, sq, causal):
     """``(q_rows, k_rows, cu_q, cu_k, max_q, max_k)``: the real tokens' flat row indices, the
     packed sequences' offsets and their longest lengths."""
     global _PACKINGS
+    if torch.compiler.is_compiling():
+        # No memory while torch.compile traces: the identity and version tests would be
+        # decided once, at trace time, and the kept tensors baked into the graph as
+        # constants, served to every later step's mask (generate's compiled decode steps on
+        # a static cache went wrong from the second one).
+        return _pack(kv_mask, sq, causal)
     for mask, version, rows, got in _PACKINGS:
         if mask is kv_mask and version == kv_mask._version and rows == (sq, causal):
             return got
