@@ -181,23 +181,6 @@ def test_a_padded_forward_packs_its_mask_once(monkeypatch, make, masks):
         assert len(packed) == masks and len({id(m) for m in packed}) == masks
 
 
-@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("make", [_llama, _gpt_oss], ids=["llama", "gpt_oss"])
-def test_static_cache_generation_matches_eager(make, padded):
-    """cache_implementation="static": the keys are the whole preallocated cache, of which
-    only the first slots are written; the mask says which (transformers' padding mask, or
-    one the mask function makes from the cache's offsets when nothing is padded) and the
-    slots past it are never read (they were, before: other continuations)."""
-    eager, ours = _pair(make)
-    ids, mask = _batch()
-    if not padded:
-        mask = torch.ones_like(mask)
-    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
-              cache_implementation="static")
-    with torch.no_grad():
-        assert torch.equal(ours.generate(ids, **kw), eager.generate(ids, **kw))
-
-
 def _bart():
     cfg = transformers.BartConfig(vocab_size=97, d_model=64, encoder_layers=2, decoder_layers=2,
                                   encoder_attention_heads=4, decoder_attention_heads=4,
@@ -243,15 +226,20 @@ def test_fuzz_transformers_at_ci_size():
     assert fuzz_transformers.main(["--n", "12", "--seed", "44000"]) == 0
 
 
+@pytest.mark.parametrize("make, compiled", [(_llama, False), (_gpt_oss, False), (_llama, True)],
+                         ids=["llama", "gpt_oss", "llama_compiled"])
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-def test_static_cache_compiled_generation_matches_eager(padded):
-    """generate's compiled decode steps on a static cache (dynamo, eager backend): the
-    integration keeps no memory while torch.compile traces. With it (the padded mask's
-    packing kept by the mask's identity), the trace baked one step's packing into the graph
-    and the continuation went wrong from the second compiled step."""
+def test_static_cache_generation_matches_eager(make, compiled, padded):
+    """cache_implementation="static": the keys are the whole preallocated cache, of which
+    only the first slots are written; the mask says which (transformers' padding mask, or
+    one the mask function makes from the cache's offsets when nothing is padded) and the
+    slots past it are never read (they were, before: other continuations). Compiled:
+    generate's compiled decode steps (dynamo, eager backend); the integration keeps no
+    memory while torch.compile traces (with it, the trace baked one step's packing into
+    the graph and the continuation went wrong from the second compiled step)."""
     from tools.fuzz_transformers import _compile_config
 
-    eager, ours = _pair(_llama)
+    eager, ours = _pair(make)
     ids, mask = _batch()
     if not padded:
         mask = torch.ones_like(mask)
@@ -259,5 +247,7 @@ def test_static_cache_compiled_generation_matches_eager(padded):
               cache_implementation="static")
     with torch.no_grad():
         want = eager.generate(ids, **kw)
-        torch._dynamo.reset()
-        assert torch.equal(ours.generate(ids, **kw, compile_config=_compile_config()), want)
+        if compiled:
+            torch._dynamo.reset()
+            kw["compile_config"] = _compile_config()
+        assert torch.equal(ours.generate(ids, **kw), want)
