@@ -19,9 +19,10 @@ What transformers passes and what flashlse does with it:
 * ``attention_mask``: the 2-D padding mask ``(B, Skv)`` (True = a real token) that
   :func:`attention_mask` produces, or None when nothing is padded. With a static cache
   (``cache_implementation="static"``) the keys are the whole preallocated cache and the
-  mask covers the slots written so far: the keys past it are never read. Padded batches (left or
-  right padding) run ``attention_varlen`` on the real tokens only; padded query rows give 0.
-  Packing them reads the mask's counts on the host (one sync a forward and mask), as
+  mask covers the slots written so far: the keys past it are never read. Padded batches
+  (left or right padding) run ``attention_varlen`` on the real tokens only; padded query
+  rows give 0. Packing them reads the mask's counts on the host (one sync a forward and
+  mask; under torch.compile, which keeps nothing between steps, one a layer), as
   transformers' own flash-attn path does. A bidirectional layer (an encoder's
   self-attention, a decoder's cross-attention on a padded encoder batch) computes every
   query row over the real keys, as eager does.
