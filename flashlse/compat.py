@@ -8,6 +8,8 @@ writes ``+inf``. Code that needs the old value can call
 
 from __future__ import annotations
 
+import torch
+
 from . import ops
 
 
@@ -108,24 +110,50 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
+def _batch_idx_as_table(q, k_cache, cache_batch_idx, block_table, cache_seqlens):
+    """``cache_batch_idx`` as a one-column block table over the cache's rows, and the
+    lengths (the whole row where none are given)."""
+    if block_table is not None:
+        raise ValueError("cache_batch_idx picks rows of a contiguous cache; with a block_table "
+                         "(a paged cache) pass block_table alone, as flash-attn asks")
+    if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32:
+        raise TypeError(f"cache_batch_idx must be an int32 tensor (B,), got "
+                        f"{getattr(cache_batch_idx, 'dtype', type(cache_batch_idx).__name__)}"
+                        f"; pass cache_batch_idx.to(torch.int32)")
+    if cache_batch_idx.shape != (q.shape[0],):
+        raise ValueError(f"cache_batch_idx must be (B,) = ({q.shape[0]},), got "
+                         f"{tuple(cache_batch_idx.shape)}")
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((q.shape[0],), k_cache.shape[1], dtype=torch.int32,
+                                   device=q.device)
+    return _packed(cache_batch_idx).view(-1, 1), cache_seqlens
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    """flash-attn 2 ``flash_attn_with_kvcache``; ``k``/``v`` are appended in place."""
+    """flash-attn 2 ``flash_attn_with_kvcache``; ``k``/``v`` are appended in place.
+
+    ``cache_batch_idx`` (B,) int32 picks each sequence's row of a contiguous cache ``(B_cache,
+    Smax, Hkv, D)``: the cache is read (and appended to) in place as a paged cache of
+    B_cache pages of Smax rows, with ``cache_batch_idx`` as a one-column block table. An
+    index outside ``[0, B_cache)`` is a ValueError where value checks run, else a sequence
+    of no key (as a bad page)."""
     _unsupported(0.0, alibi_slopes)
     for name, arg in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                      ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+                      ("cache_leftpad", cache_leftpad)):
         if arg is not None:
             raise ValueError(f"flashlse.compat.flash_attn_with_kvcache does not support {name}; "
                              f"apply it before the call and pass {name}=None")
     if isinstance(cache_seqlens, int):
-        import torch
-
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
+    if cache_batch_idx is not None:
+        block_table, cache_seqlens = _batch_idx_as_table(q, k_cache, cache_batch_idx,
+                                                         block_table, cache_seqlens)
     out, lse = ops.attention_with_kvcache(_packed(q), k_cache, v_cache,
                                           cache_seqlens=_packed(cache_seqlens),
                                           block_table=_packed(block_table), k_new=_packed(k),

@@ -147,3 +147,42 @@ def test_packed_drop_ins_equal_the_unpacked_ones_with_gradients():
                                                  window_size=(2, 0))
     torch.testing.assert_close(got, compat.flash_attn_varlen_func(fq, fk, fv, cu, cu, 7, 7,
                                                                   window_size=(2, 0)))
+
+
+def test_flash_attn_with_kvcache_cache_batch_idx():
+    """cache_batch_idx picks each sequence's row of a larger contiguous cache, read and
+    appended to in place (a one-column block table over the cache's rows): the same out and
+    lse as the reference over the picked rows, k / v written into those rows only."""
+    torch.manual_seed(5)
+    q = torch.randn(2, 2, 4, 8)
+    k_cache, v_cache = torch.randn(5, 7, 2, 8), torch.randn(5, 7, 2, 8)
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    lens = torch.tensor([2, 5], dtype=torch.int32)
+    k_new, v_new = torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, lse = compat.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens,
+                                              cache_batch_idx=idx, causal=True,
+                                              return_softmax_lse=True)
+    picked_k, picked_v = k_cache[idx.long()].clone(), v_cache[idx.long()].clone()
+    ref_out, ref_lse = reference.attention_with_kvcache(
+        q, picked_k, picked_v, cache_seqlens=lens, k_new=k_new, v_new=v_new, causal=True,
+        return_lse=True)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    want_k = k_cache.clone()
+    want_k[idx.long()] = picked_k  # (the reference appended into its own copy)
+    assert torch.equal(kc, want_k) and not torch.equal(kc, k_cache)
+    # No lengths: every picked row whole. Refusals: with a block table, int64, bad shape.
+    whole = compat.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, cache_batch_idx=idx)
+    torch.testing.assert_close(whole.double(), reference.attention_with_kvcache(
+        q[:, :1], k_cache[idx.long()], v_cache[idx.long()]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="block_table alone"):
+        compat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                       cache_batch_idx=idx, block_table=idx.view(2, 1))
+    with pytest.raises(TypeError, match="int32"):
+        compat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=idx.long())
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        compat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=idx[:1])
+    with pytest.raises(ValueError, match="block_table entries"):
+        compat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                       cache_batch_idx=torch.tensor([3, 5], dtype=torch.int32))
