@@ -498,12 +498,6 @@ def _forward(q, k, v, sink, call: _Call):
     return attn_fwd(q, k, v, sink=sink, **call.scalars(), **call.varlen())
 
 
-# Two ways into the same attn_fwd / attn_bwd. Eager calls go through AttentionFunction (or
-# straight to the forward when nothing needs a gradient): a few microseconds, where the
-# dispatch of a torch custom op costs tens a call and more with autograd. While torch.compile
-# traces, the calls go through the custom ops below instead, so the compiled graph holds
-# one opaque node (no graph break; fake tensors give the shapes), and CUDA graphs capture
-# the kernels either way.
 class _NoSecondDerivative(torch.autograd.Function):
     """The gradients of a kernel backward run with ``create_graph=True``, passed through
     unchanged, on a node whose own backward raises: computed by kernels, they carry no graph,
@@ -544,6 +538,12 @@ def run_backward(name: str, inputs, fn, *args, **kwargs) -> tuple:
     return tuple(out)
 
 
+# Two ways into the same attn_fwd / attn_bwd. Eager calls go through AttentionFunction (or
+# straight to the forward when nothing needs a gradient): a few microseconds, where the
+# dispatch of a torch custom op costs tens a call and more with autograd. While torch.compile
+# traces, the calls go through the custom ops below instead, so the compiled graph holds
+# one opaque node (no graph break; fake tensors give the shapes), and CUDA graphs capture
+# the kernels either way.
 class AttentionFunction(torch.autograd.Function):
     """Eager autograd of ``attention`` / ``attention_varlen`` (dense when cu_seqlens_q is None):
     the tensors autograd tracks, and the rest of the call as one :class:`_Call`."""
