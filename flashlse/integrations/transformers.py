@@ -139,23 +139,32 @@ def _packed_sequences(q, k, kwargs):
     return _lengths_from_positions(pos)
 
 
-# The last position_ids read: every layer of a forward gets the same tensor, so its lengths
-# (which cost a host read) are found once a forward. Held by identity and version: another
-# tensor at the same address, or one written since, is read again. One tuple, read and
-# replaced whole: a thread never pairs one tensor with another's lengths.
-_POSITIONS: tuple = (None, -1, None)
+# What the layers of one forward read again and again from the same tensor (the padding
+# mask: one a layer type; position_ids), each a host read (a sync on a GPU): kept by the
+# tensor's identity and version (another tensor at the same address, or one written since,
+# is read again) and the reading's own key, the last four. One tuple, read and replaced
+# whole: a thread never pairs one tensor with another's reading. Nothing is kept while
+# torch.compile traces: the identity and version tests would be decided once, at trace
+# time, and the kept tensors baked into the graph as constants, served to every later step
+# (generate's compiled decode steps on a static cache went wrong from the second one).
+_KEPT: tuple = ()
+
+
+def _once_a_forward(t, key, read):
+    """``read()``, a function of ``t``'s values and ``key``, kept as the comment above says."""
+    global _KEPT
+    if torch.compiler.is_compiling():
+        return read()
+    for kept, version, kept_key, got in _KEPT:
+        if kept is t and version == t._version and kept_key == key:
+            return got
+    got = read()
+    _KEPT = ((t, t._version, key, got),) + _KEPT[:3]
+    return got
 
 
 def _lengths_from_positions(pos):
-    global _POSITIONS
-    if torch.compiler.is_compiling():
-        return _read_positions(pos)  # (no memory while torch.compile traces: see _packing)
-    kept = _POSITIONS
-    if kept[0] is pos and kept[1] == pos._version:
-        return kept[2]
-    lengths = _read_positions(pos)
-    _POSITIONS = (pos, pos._version, lengths)
-    return lengths
+    return _once_a_forward(pos, "positions", lambda: _read_positions(pos))
 
 
 def _read_positions(pos):
@@ -197,28 +206,10 @@ def _padded(q, k, v, kv_mask, kw):
     return full.index_copy(0, q_rows, out).view(b, sq, *out.shape[1:])
 
 
-# The packings of the last padding masks read: every layer of a forward gets the same mask
-# tensor (one a layer type), so its rows and lengths (host reads: syncs on a GPU) are found
-# once a forward, not once a layer. Kept by identity, version and query length.
-_PACKINGS: tuple = ()
-
-
 def _packing(kv_mask, sq, causal):
     """``(q_rows, k_rows, cu_q, cu_k, max_q, max_k)``: the real tokens' flat row indices, the
-    packed sequences' offsets and their longest lengths."""
-    global _PACKINGS
-    if torch.compiler.is_compiling():
-        # No memory while torch.compile traces: the identity and version tests would be
-        # decided once, at trace time, and the kept tensors baked into the graph as
-        # constants, served to every later step's mask (generate's compiled decode steps on
-        # a static cache went wrong from the second one).
-        return _pack(kv_mask, sq, causal)
-    for mask, version, rows, got in _PACKINGS:
-        if mask is kv_mask and version == kv_mask._version and rows == (sq, causal):
-            return got
-    got = _pack(kv_mask, sq, causal)
-    _PACKINGS = ((kv_mask, kv_mask._version, (sq, causal), got),) + _PACKINGS[:3]
-    return got
+    packed sequences' offsets and their longest lengths (once a forward and mask)."""
+    return _once_a_forward(kv_mask, (sq, causal), lambda: _pack(kv_mask, sq, causal))
 
 
 def _pack(kv_mask, sq, causal):

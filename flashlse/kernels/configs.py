@@ -133,6 +133,19 @@ def override_key(changes):
     return key or None
 
 
+def check_override(changes, keys: tuple, what: str) -> None:
+    """A caller's override: None, a :class:`TileConfig`, or a mapping of ``keys`` only
+    (``KernelOptions`` checks its three where they are written, :func:`override` where they
+    are applied)."""
+    if changes is None or isinstance(changes, TileConfig):
+        return
+    if not isinstance(changes, Mapping):
+        raise TypeError(f"{what} takes a mapping or a TileConfig, got {type(changes).__name__}")
+    unknown = sorted(set(changes) - set(keys), key=str)
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {unknown}; it takes {', '.join(keys)}")
+
+
 def override(cfg: TileConfig, changes, keys: tuple, *, part: str | None = None,
              what: str = "config") -> TileConfig:
     """``cfg`` with a caller's ``changes``: None keeps it, a :class:`TileConfig` replaces it,
@@ -143,11 +156,7 @@ def override(cfg: TileConfig, changes, keys: tuple, *, part: str | None = None,
         return cfg
     if isinstance(changes, TileConfig) and part is None:
         return changes
-    if not isinstance(changes, Mapping):
-        raise TypeError(f"{what} takes a mapping or a TileConfig, got {type(changes).__name__}")
-    unknown = sorted(set(changes) - set(keys))
-    if unknown:
-        raise ValueError(f"{what}: unknown keys {unknown}; it takes {', '.join(keys)}")
+    check_override(changes, keys, what)
     fields = {}
     for key, value in changes.items():
         if key in ("dkdv", "dq"):

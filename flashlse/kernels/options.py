@@ -85,15 +85,7 @@ class KernelOptions:
         for name, keys in (("fwd_config", configs.FWD_KEYS),
                            ("fwd_sm90_config", configs.FWD_SM90_KEYS),
                            ("bwd_config", configs.BWD_KEYS)):
-            value = getattr(self, name)
-            if value is None or isinstance(value, configs.TileConfig):
-                continue
-            if not isinstance(value, Mapping):
-                raise TypeError(f"{name} takes a mapping or a TileConfig, got "
-                                f"{type(value).__name__}")
-            unknown = sorted(set(value) - set(keys), key=str)
-            if unknown:
-                raise ValueError(f"{name}: unknown keys {unknown}; it takes {', '.join(keys)}")
+            configs.check_override(getattr(self, name), keys, name)
 
 
 _DEFAULT = KernelOptions()
