@@ -186,3 +186,45 @@ def test_flash_attn_with_kvcache_cache_batch_idx():
     with pytest.raises(ValueError, match="block_table entries"):
         compat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                        cache_batch_idx=torch.tensor([3, 5], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("sink", [None, 0.7, float("-inf")], ids=["none", "finite", "neg_inf"])
+def test_cache_batch_idx_lse_contract(sink):
+    """cache_batch_idx's paged view (a one-column block table over the cache's rows) keeps
+    the contract against the reference over the picked rows: a sequence of no key gives out
+    0 and lse -inf (or the sink; a -inf sink is no sink), and a NaN key reaches exactly the
+    queries that see it."""
+    torch.manual_seed(6)
+    q = torch.randn(2, 3, 4, 8)
+    k_cache, v_cache = torch.randn(4, 6, 2, 8), torch.randn(4, 6, 2, 8)
+    k_cache[2, 2, 0] = float("nan")  # picked row 2, key 2
+    idx = torch.tensor([0, 2], dtype=torch.int32)
+    lens = torch.tensor([0, 4], dtype=torch.int32)
+    s = None if sink is None else torch.full((4,), sink)
+    kw = dict(cache_seqlens=lens, causal=True, return_lse=True)
+    if s is None:
+        out, lse = compat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                  cache_batch_idx=idx, causal=True,
+                                                  return_softmax_lse=True)
+    else:  # (compat takes no sink: the same table through attention_with_kvcache)
+        out, lse = flashlse.attention_with_kvcache(q, k_cache, v_cache,
+                                                   block_table=idx.view(2, 1), sink=s, **kw)
+    ref_out, ref_lse = reference.attention_with_kvcache(
+        q.double(), k_cache[idx.long()].double(), v_cache[idx.long()].double(),
+        sink=None if s is None else s.double(), **kw)
+    assert (out[0] == 0).all()
+    assert (lse[0] == (float("-inf") if sink is None else sink)).all()
+    # Sequence 1: 4 keys, 3 causal queries seeing keys 0-1, 0-2, 0-3: the NaN (kv head 0)
+    # reaches queries 1 and 2 of query heads 0 and 1, nothing else.
+    nan_rows = torch.zeros(3, 4, dtype=torch.bool)
+    nan_rows[1:, :2] = True
+    assert torch.equal(torch.isnan(out[1]).all(-1), nan_rows)
+    assert torch.equal(torch.isnan(out[1]).any(-1), nan_rows)
+    assert torch.equal(torch.isnan(lse[1]).t(), nan_rows)
+    assert not torch.isnan(out[1, 0]).any() and not torch.isnan(out[0]).any()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref_out))
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse))
+    ok = ~torch.isnan(ref_out)
+    torch.testing.assert_close(out.double()[ok], ref_out[ok], atol=1e-5, rtol=1e-5)
+    ok = ~torch.isnan(ref_lse)
+    torch.testing.assert_close(lse.double()[ok], ref_lse[ok], atol=1e-5, rtol=1e-5)

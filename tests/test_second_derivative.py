@@ -25,6 +25,9 @@ def _calls(device, dtype):
     return {
         "attention": (lambda q, k, v: fl.attention(q, k, v, causal=True), (q, k, v)),
         "attention softcap": (lambda q, k, v: fl.attention(q, k, v, softcap=5.0), (q, k, v)),
+        # Causal with Sq = 6 > Sk = 4: rows 0 and 1 see no key (out 0, lse -inf).
+        "attention empty rows": (lambda q, k, v: fl.attention(q, k[:, :4], v[:, :4],
+                                                              causal=True), (q, k, v)),
         "attention_varlen": (lambda q, k, v: fl.attention_varlen(
             q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 6, 6, causal=True),
             (q, k, v)),
@@ -35,6 +38,25 @@ def _calls(device, dtype):
 NAMES = list(_calls("cpu", torch.float32))
 
 
+def test_empty_rows_keep_the_contract_under_create_graph():
+    """The empty rows' (0, -inf) against the reference, and gradients of a create_graph
+    backward equal to a plain one's with no NaN (rows that see no key get zero gradients)."""
+    import flashlse.reference as R
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in
+               ((1, 6, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8)))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fl.attention(*leaves, causal=True, return_lse=True)
+    ref_out, ref_lse = R.attention(q, k, v, causal=True, return_lse=True)
+    assert (out[:, :2] == 0).all() and torch.isneginf(lse[:, :, :2]).all()
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    grads = torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
+    assert not any(torch.isnan(gr).any() for gr in grads)
+    assert (grads[0][:, :2] == 0).all()
+
+
 def check_no_second_derivative(name, device, dtype):
     fn, inputs = _calls(device, dtype)[name]
     leaves = [t.clone().requires_grad_() for t in inputs]
@@ -43,7 +65,7 @@ def check_no_second_derivative(name, device, dtype):
     # (Bit for bit but on a GPU, whose default backward adds dq in a varying order.)
     exact = dict(rtol=0, atol=0) if device == "cpu" else {}
     for a, b in zip(got, want):
-        assert a.requires_grad
+        assert a.requires_grad and not torch.isnan(a).any()
         torch.testing.assert_close(a, b, **exact)
     with pytest.raises(RuntimeError, match="has no second derivative"):
         sum(g.float().square().sum() for g in got).backward()
