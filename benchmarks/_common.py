@@ -213,3 +213,18 @@ def flag_ab_ms(flag: str, fn, peers=(), smoke: bool = False) -> list[float]:
         return interleaved_ms([on, off, *peers], smoke)
     finally:
         restore()
+
+
+def flag_ab_args() -> str:
+    """The ``--flag MODULE.NAME`` of an A/B script (ab_*_switch.py), after printing the run's
+    device, versions and flag."""
+    import argparse
+
+    import triton
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flag", required=True)
+    flag = ap.parse_args().flag
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
+          f"{triton.__version__}  flag {flag}: on / off, public calls in turn")
+    return flag

@@ -17,7 +17,6 @@ benchmarks/NOTES.md).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The repo root last: a PYTHONPATH tree (an in-turn A/B's .before) comes first.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import flag_ab_ms, flag_runs  # noqa: E402
+from _common import flag_ab_args, flag_ab_ms, flag_runs  # noqa: E402
 from bench_mla import inputs, topk_indices  # noqa: E402
 
 import flashlse as fl  # noqa: E402
@@ -87,14 +86,8 @@ def topk_row(flag):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--flag", required=True)
-    args = ap.parse_args()
-    import triton
-
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
-          f"{triton.__version__}  flag {args.flag}: on / off, public calls in turn")
-    rows = [dense_row(args.flag, *r) for r in ROWS] + [topk_row(args.flag)]
+    flag = flag_ab_args()
+    rows = [dense_row(flag, *r) for r in ROWS] + [topk_row(flag)]
     print("| row | TFLOP/s on | off | on/off | GB/s on | off | same bits |")
     print("|---|---|---|---|---|---|---|")
     for label, tf, gb, same in rows:

@@ -61,6 +61,9 @@
 #   bash benchmarks/h200_session.sh s44 bench  # the forward table before / after the lean
 #                                                form (before_after.sh prep 0b71d64, carry
 #                                                .before), the paged steps' host us
+#   bash benchmarks/h200_session.sh fused      # session 45's decode merge fused into the split
+#                                                kernel (decode.FUSED_MERGE): GPU tests, host
+#                                                us and device time on / off in turns
 #   bash benchmarks/h200_session.sh exp fwd|bwd [bench]  # experiments reverted in main,
 #                                                re-applied (before_after.sh prep-revert
 #                                                REV...): their GPU tests; with bench, their
@@ -604,11 +607,32 @@ if [ "$1" = s44 ]; then
         -p no:cacheprovider > "$OUT/test_gpu_fwd_other.log" 2>&1) &
     timeout 560 python3 -m pytest -q $K/test_fwd_paged_sm90.py -p no:cacheprovider \
         > "$OUT/test_gpu_paged.log" 2>&1 &
+    # Session 45: the decode merge fused into the split kernel (decode.FUSED_MERGE): its
+    # GPU tests (memory ordering over many calls, two streams, graph capture) and the
+    # decode / kvcache / graph files on the fused form.
+    timeout 300 python3 -m pytest -q $K/test_decode_fused_merge.py $K/test_decode.py \
+        $K/test_cuda_graphs.py $K/test_sync_free.py -p no:cacheprovider \
+        > "$OUT/test_gpu_fused_merge.log" 2>&1 &
     wait
     for f in "$OUT"/test_gpu_*.log; do
         echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1) ($(tr -cd . < "$f" | wc -c) dots)"
     done
     grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -10
+    exit 0
+fi
+if [ "$1" = fused ]; then
+    # Session 45: the split-KV merge fused into the decode's split kernel (decode.FUSED_MERGE,
+    # off until this runs): its GPU tests (memory ordering over 300 calls and two streams,
+    # graph capture), the decode files with the flag on, then host us (profile_host --ab)
+    # and the public calls' device time (ab_decode_switch) on / off in turns.
+    run_tests fused $K/test_decode_fused_merge.py
+    FLASHLSE_TEST_FUSED_MERGE=1 run_tests fused_decode $K/test_decode.py $K/test_cuda_graphs.py \
+        $K/test_sync_free.py $K/test_kvcache_kernels.py -k "decode or kvcache or split"
+    for f in "$OUT"/test_gpu_fused*.log; do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_fused*.log | head -10
+    timeout 150 python3 benchmarks/profile_host.py --ab decode.FUSED_MERGE --rows kvcache \
+        --rounds 6 2>&1 | grep "^=== ab"
+    timeout 200 python3 benchmarks/ab_decode_switch.py --flag decode.FUSED_MERGE 2>&1 | tail -10
     exit 0
 fi
 if [ "$1" = exp ]; then

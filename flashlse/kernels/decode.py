@@ -67,6 +67,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import configs, options
 from ._common import (
+    LOG2E,
     Launch,
     alloc_scratch,
     capability,
@@ -82,7 +83,7 @@ from ._common import (
     stride_args,
     token_rows,
 )
-from .combine import _num_sms, merge_plan, merge_run
+from .combine import _merge_max_step, _merge_sum_step, _num_sms, merge_plan, merge_run
 from .failures import FAILURES
 
 try:  # Gluon's Hopper API as of triton 3.6; without it MLA decodes run the kernel below.
@@ -207,6 +208,9 @@ def _decode_fwd_kernel(
     o,
     lse,
     token_pages,
+    out_f,
+    lse_f,
+    counter,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -214,6 +218,8 @@ def _decode_fwd_kernel(
     stride_pb,
     stride_os, stride_ob, stride_oq, stride_oh,
     stride_ls, stride_lb, stride_lq, stride_lh,
+    stride_yb, stride_yq, stride_yh,
+    stride_zb, stride_zq, stride_zh,
     HKV,
     num_splits,
     capacity,
@@ -250,6 +256,9 @@ def _decode_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr,
     PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    MERGE_SINK: tl.constexpr,
+    MERGE_BLOCK_S: tl.constexpr,
 ):
     if PDL:
         # Let the merge kernel launch now (it waits for this grid to finish before reading):
@@ -326,6 +335,65 @@ def _decode_fwd_kernel(
     tl.store(p_o, (b_acc * b_scale[:, None]).to(p_o.dtype.element_ty), mask=m_m[:, None] & (o_dv < DV)[None, :])
     o_l = i_s.to(tl.int64) * stride_ls + i_b.to(tl.int64) * stride_lb + o_i.to(tl.int64) * stride_lq + o_h.to(tl.int64) * stride_lh
     tl.store(lse + o_l, b_lse, mask=m_m)
+    if FUSED_MERGE:
+        _merge_if_last(o, lse, sink, out_f, lse_f, counter, i_bhm, i_b, o_i, o_h, m_m,
+                       num_splits, stride_os, stride_ob, stride_oq, stride_oh,
+                       stride_ls, stride_lb, stride_lq, stride_lh,
+                       stride_yb, stride_yq, stride_yh, stride_zb, stride_zq, stride_zh,
+                       DV, BLOCK_M, BLOCK_DV, MERGE_SINK, MERGE_BLOCK_S)
+
+
+@triton.jit
+def _merge_if_last(o, lse, sink, out_f, lse_f, counter, i_bhm, i_b, o_i, o_h, m_m, num_splits,
+                   stride_os, stride_ob, stride_oq, stride_oh,
+                   stride_ls, stride_lb, stride_lq, stride_lh,
+                   stride_yb, stride_yq, stride_yh, stride_zb, stride_zq, stride_zh,
+                   DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The split-KV merge done by the last split of a row tile to finish (``FUSED_MERGE``),
+    in place of the merge kernel: one launch less a decode call.
+
+    Each split program counts itself done in ``counter[i_bhm]`` after its partial state is
+    written; the program that counts last has every split's state and merges them with the
+    merge kernel's own steps (``combine._merge_max_step`` / ``_merge_sum_step``, the same
+    order of operations), then puts the counter back to 0 for the next launch on the
+    stream. Ordering (CUTLASS's semaphore pattern): the CTA barrier puts every thread's
+    partial stores before the one thread's ``acq_rel`` atomic at GPU scope, whose release
+    the last program's acquire (and the barrier Triton broadcasts the result through) makes
+    visible to all of its threads."""
+    # Every thread's stores of this program's partial state, before the count.
+    tl.debug_barrier()
+    n_before = tl.atomic_add(counter + i_bhm, 1, sem="acq_rel", scope="gpu")
+    if n_before == num_splits - 1:
+        tl.store(counter + i_bhm, 0)
+        o_l = i_b.to(tl.int64) * stride_lb + o_i.to(tl.int64) * stride_lq + o_h.to(tl.int64) * stride_lh
+        o_o = i_b.to(tl.int64) * stride_ob + o_i.to(tl.int64) * stride_oq + o_h.to(tl.int64) * stride_oh
+        o_d = tl.arange(0, BLOCK_DV)
+        m_d = o_d < DV
+        b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for i_s in tl.range(0, num_splits, BLOCK_S):
+            b_m = _merge_max_step(b_m, lse, lse, i_s, num_splits, o_l, m_m, stride_ls, BLOCK_S,
+                                  False)
+        if HAS_SINK:
+            b_sink = tl.load(sink + o_h, mask=m_m, other=float("-inf"))
+            b_m = tl.maximum(b_m, b_sink)
+        b_pivot = tl.where(b_m == float("-inf"), 0.0, b_m)
+        b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # [BLOCK_M, BLOCK_DV]
+        b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for i_s in tl.range(0, num_splits, BLOCK_S):
+            b_acc, b_sum = _merge_sum_step(b_acc, b_sum, o, lse, o, lse, i_s, num_splits, o_l,
+                                           o_o, o_d, m_m, m_d, b_pivot, stride_ls, stride_os, 1,
+                                           BLOCK_S, False)
+        if HAS_SINK:
+            b_sum += tl.exp2((b_sink - b_pivot) * LOG2E)
+        b_inv_sum = tl.where(b_sum == 0, 0.0, 1.0 / b_sum)
+        b_acc = b_acc * b_inv_sum[:, None]
+        o_y = i_b.to(tl.int64) * stride_yb + o_i.to(tl.int64) * stride_yq + o_h.to(tl.int64) * stride_yh
+        p_y = out_f + o_y[:, None] + o_d[None, :]
+        tl.store(p_y, b_acc.to(p_y.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+        o_z = i_b.to(tl.int64) * stride_zb + o_i.to(tl.int64) * stride_zq + o_h.to(tl.int64) * stride_zh
+        tl.store(lse_f + o_z, tl.log(b_sum) + b_m, mask=m_m)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -474,7 +542,13 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
                o_buf, lse_buf, token_pages)
     if plan.gluon is None:
-        plan.run(*tensors)
+        if plan.fused_run is not None and not (q.is_cuda and
+                                               torch.cuda.is_current_stream_capturing()):
+            plan.fused_run(*tensors, out, lse, _counters(q.device, plan.programs))
+            return out, lse
+        # (The counters are the split kernel's own with one split or a merge kernel; a CUDA
+        # graph takes the merge kernel: its captured counters would outlive what zeroed them.)
+        plan.run(*tensors, out, lse, lse)
     else:
         try:
             triton.set_allocator(alloc_scratch)  # the kernel's in-kernel TMA descriptors
@@ -496,6 +570,29 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 
+# The split kernel's last program of each row tile merges the splits (``_merge_if_last``)
+# instead of a merge kernel after it: one launch less a split call (read when a plan is made).
+# Off until its GPU tests (memory ordering: tests/kernels/test_decode_fused_merge.py) and its
+# host / device A/B have run on an H100 / H200 (benchmarks/NOTES.md, session 45).
+FUSED_MERGE = False
+# _decode_fwd_kernel's tensors: the nine the Hopper MLA kernel shares, then out, lse and the
+# fused merge's counters.
+N_TENSORS = 12
+# The fused merge's counters by (device, stream): zeros, each put back to 0 by the program
+# that merges, so the launches of one stream (which run one after another) share them; two
+# streams' launches may run at once and so have their own.
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zero int32 counters of the current stream on ``device``."""
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
+           else 0)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return c
+
 
 @dataclasses.dataclass(frozen=True)
 class _DecodePlan:
@@ -511,6 +608,10 @@ class _DecodePlan:
     merge: object = None
     # The Hopper MLA kernel's FAILURES key when it runs the split kernel, else None.
     gluon: tuple | None = None
+    # The split kernel with the merge fused (FUSED_MERGE), run outside CUDA-graph capture,
+    # and its count of row tiles (programs of grid dim 0: the counters it needs).
+    fused_run: Launch | None = None
+    programs: int = 0
 
 
 def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, right, softcap,
@@ -578,6 +679,9 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     # Programmatic dependent launch of the merge behind the split kernel (sm90+);
     # KernelOptions.pdl=False measures what it saves.
     pdl = splits > 1 and pdl_opt and not interpret and _pdl_ok(q)
+    # The split kernel's last program of each row tile merges (``_merge_if_last``): one
+    # launch less a call. Not for the Hopper MLA kernel, whose splits the merge kernel joins.
+    fused = splits > 1 and FUSED_MERGE and gluon is None
     kw = dict(
         stride_qb=st_q[0], stride_qs=st_q[1], stride_qh=st_q[2],
         stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],
@@ -586,6 +690,9 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         stride_pb=0 if token_pages is None else token_pages.stride(0),
         stride_os=st_o[0], stride_ob=st_o[1], stride_oq=st_o[2], stride_oh=st_o[3],
         stride_ls=st_l[0], stride_lb=st_l[1], stride_lq=st_l[2], stride_lh=st_l[3],
+        # out (B, Sq, Hq, Dv) and lse (B, Hq, Sq), which the fused merge writes.
+        stride_yb=st_out[0], stride_yq=st_out[1], stride_yh=st_out[2],
+        stride_zb=st_lse[0], stride_zq=st_lse[2], stride_zh=st_lse[1],
         HKV=hkv,
         num_splits=splits,
         capacity=capacity,
@@ -615,6 +722,9 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         HAS_SEQLENS=has_seqlens,
         HAS_SINK=sink is not None and splits == 1,
         PDL=pdl,
+        FUSED_MERGE=False,
+        MERGE_SINK=sink is not None,
+        MERGE_BLOCK_S=4,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages_paged if paged and cfg.num_stages_paged else cfg.num_stages,
     )
@@ -625,12 +735,18 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
                            st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:], st_yd=1,
                            st_z=(hq * sq, 1, sq), pdl=pdl)
     grid = (programs, splits)
-    kernel = _decode_fwd_kernel
+    fused_run = None
+    if fused:
+        fused_run = Launch(_decode_fwd_kernel, grid, *positional(
+            _decode_fwd_kernel, N_TENSORS, {**kw, "FUSED_MERGE": True, "PDL": False}))
     if gluon is not None:
         kernel = decode_mla_sm90._mla_decode_kernel
-        kw = decode_mla_sm90.kernel_args(kw, q, k_cache, token_table=token_table)
-    return _DecodePlan(out_shape, out_dtype, lse_shape, grid, o_buf_shape,
-                       Launch(kernel, grid, *positional(kernel, 9, kw)), merge, gluon)
+        run = Launch(kernel, grid, *positional(
+            kernel, 9, decode_mla_sm90.kernel_args(kw, q, k_cache, token_table=token_table)))
+    else:
+        run = Launch(_decode_fwd_kernel, grid, *positional(_decode_fwd_kernel, N_TENSORS, kw))
+    return _DecodePlan(out_shape, out_dtype, lse_shape, grid, o_buf_shape, run, merge, gluon,
+                       fused_run, programs)
 
 
 @triton.jit

@@ -15,6 +15,13 @@ _HERE = Path(__file__).parent
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+if os.environ.get("FLASHLSE_TEST_FUSED_MERGE") == "1":
+    # Every decode test on the split kernel that merges its own splits (decode.FUSED_MERGE,
+    # off by default until its GPU runs: benchmarks/h200_session.sh fused).
+    from flashlse.kernels import decode
+
+    decode.FUSED_MERGE = True
+
 
 def pytest_collection_modifyitems(config, items):
     no_kernels = pytest.mark.skip(reason="needs a CUDA GPU or TRITON_INTERPRET=1")

@@ -1,0 +1,172 @@
+"""The split-KV decode with the merge done by each row tile's last split
+(``kernels.decode.FUSED_MERGE``, ``_merge_if_last``) against the merge kernel after the splits.
+
+Both run the same merge steps in the same order, so their outputs are equal bit for bit.
+Here: the fused form against the float64 reference and equal to the two-kernel form on
+fresh data (NaN inputs included), the counters put back to 0 after every call, and on a
+GPU the memory ordering under many calls, two streams at once and CUDA-graph capture
+(which takes the merge kernel)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_decode import _check, _dtypes, _make
+
+from flashlse.kernels import decode
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _run(monkeypatch, fused: bool, q, k, v, lens, table, **kw):
+    monkeypatch.setattr(decode, "FUSED_MERGE", fused)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    kw.setdefault("left", None)
+    kw.setdefault("right", None)
+    kw.setdefault("sink", None)
+    return decode.decode_fwd(q, k, v, cache_seqlens=lens, block_table=table, softcap=0.0,
+                             scale=1.0 / math.sqrt(q.shape[-1]), **kw)
+
+
+def _counters_zero(device) -> bool:
+    return all(int(c.abs().sum()) == 0 for key, c in decode._COUNTERS.items()
+               if key[0].type == torch.device(device).type)
+
+
+CASES = [
+    pytest.param(dict(), dict(num_splits=3), id="splits3"),
+    pytest.param(dict(sq=2), dict(num_splits=57, right=0), id="splits57_causal"),
+    pytest.param(dict(lens=(0, 0)), dict(num_splits=3), id="empty_caches"),
+    pytest.param(dict(sq=3, lens=(50, 97)), dict(left=20, right=1, num_splits=3), id="window"),
+    pytest.param(dict(hq=8, hkv=2, d=59, dv=40), dict(num_splits=2), id="gqa_odd_dims"),
+    pytest.param(dict(sq=16, hq=4, hkv=1, lens=(40, 77)), dict(num_splits=3, right=0),
+                 id="row_tiles"),
+    pytest.param(dict(page_size=16, lens=(0, 100)), dict(num_splits=4), id="paged16"),
+    pytest.param(dict(hq=8, hkv=1, d=64, dv=32, mla=True), dict(num_splits=3), id="mla_like"),
+]
+
+
+@pytest.mark.parametrize("make_kw, call_kw", CASES)
+@pytest.mark.parametrize("sink", [False, True])
+def test_fused_merge_equals_merge_kernel(device, monkeypatch, make_kw, call_kw, sink):
+    dtype = _dtypes()[1 if "page_size" in make_kw else 0]
+    q, k, v, lens, table, _, _ = _make(device, dtype, **make_kw)
+    s = torch.randn(q.shape[2], device=device) if sink else None
+    fused = _run(monkeypatch, True, q, k, v, lens, table, sink=s, **call_kw)
+    plain = _run(monkeypatch, False, q, k, v, lens, table, sink=s, **call_kw)
+    assert not torch.isnan(fused[0]).any() and not torch.isnan(fused[1]).any()
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
+    assert _counters_zero(device), "a counter was not put back to 0"
+
+
+def test_fused_merge_matches_reference(device, monkeypatch):
+    # The fused form against the float64 reference directly (test_decode.py runs it too, as
+    # the default): a sink, empty and full caches, more splits than tiles.
+    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    q, k, v, lens, table, k_ref, v_ref = _make(device, _dtypes()[0], sq=2, lens=(0, 100))
+    plan = decode.find_plan(q, k, v, cache_seqlens=lens, block_table=None, left=None, right=0,
+                            softcap=0.0, scale=0.1, sink=None, num_splits=9)[1]
+    assert plan.fused_run is not None
+    _check(q, k, v, lens, table, k_ref, v_ref, causal=True, num_splits=9,
+           sink=torch.randn(q.shape[2], device=device))
+
+
+def test_fused_merge_nan_reaches_its_rows_only(device, monkeypatch):
+    # A NaN key of sequence 1 in one split: NaN in exactly sequence 1's rows (every head of
+    # the kv head that reads it), as the merge kernel gives; sequence 0 stays finite.
+    q, k, v, lens, table, _, _ = _make(device, _dtypes()[0], b=2, hq=4, hkv=2, lens=(60, 100))
+    k[1, 70, 0, 3] = float("nan")
+    fused = _run(monkeypatch, True, q, k, v, lens, table, num_splits=4)
+    plain = _run(monkeypatch, False, q, k, v, lens, table, num_splits=4)
+    assert torch.isnan(fused[0][1, :, :2]).all() and torch.isnan(fused[1][1, :2]).all()
+    assert torch.isfinite(fused[0][0]).all() and torch.isfinite(fused[1][1, 2:]).all()
+    assert torch.equal(torch.isnan(fused[0]), torch.isnan(plain[0]))
+    assert torch.equal(torch.isnan(fused[1]), torch.isnan(plain[1]))
+    assert torch.equal(torch.nan_to_num(fused[0]), torch.nan_to_num(plain[0]))
+    assert _counters_zero(device)
+
+
+def test_fused_merge_one_split_and_mla_kernel_take_no_counters(device, monkeypatch):
+    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    q, k, v, lens, _, _, _ = _make(device, _dtypes()[0])
+    kw = dict(cache_seqlens=lens, block_table=None, left=None, right=None, softcap=0.0,
+              scale=0.1, sink=None)
+    assert decode.find_plan(q, k, v, num_splits=1, **kw)[1].fused_run is None
+    assert decode.find_plan(q, k, v, num_splits=2, **kw)[1].fused_run is not None
+
+
+def test_counters_grow_and_stay_zero(device, monkeypatch):
+    # A call with more row tiles than the counters hold gets a larger zeroed set.
+    monkeypatch.setattr(decode, "_COUNTERS", {})
+    dev = torch.device(device)
+    small = decode._counters(dev, 8)
+    assert small.numel() >= 8 and small.dtype == torch.int32 and int(small.abs().sum()) == 0
+    assert decode._counters(dev, 8) is small
+    big = decode._counters(dev, small.numel() + 1)
+    assert big.numel() > small.numel() and int(big.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_fused_merge_many_calls_and_two_streams(monkeypatch):
+    # Memory ordering on the GPU: hundreds of split calls back to back (each merge reads
+    # partial states other programs wrote moments before), then two streams at once with
+    # their own counters; every result equals the merge kernel's.
+    torch.manual_seed(0)
+    dev = "cuda"
+    b, hq, hkv, d, smax = 4, 32, 8, 128, 8192
+    q = torch.randn(b, 1, hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(b, smax, hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(b, smax, hkv, d, device=dev, dtype=torch.bfloat16)
+    lens = torch.tensor([8192, 1, 0, 5000], dtype=torch.int32, device=dev)
+    want = _run(monkeypatch, False, q, k, v, lens, None, num_splits=0)
+    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    kw = dict(cache_seqlens=lens, block_table=None, left=None, right=None, softcap=0.0,
+              scale=1.0 / math.sqrt(d), sink=None, num_splits=0)
+    assert decode.find_plan(q, k, v, **kw)[1].fused_run is not None
+    outs = [decode.decode_fwd(q, k, v, **kw) for _ in range(300)]
+    for out, lse in outs:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    got = [[], []]
+    for _ in range(50):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                got[i].append(decode.decode_fwd(q, k, v, **kw))
+    torch.cuda.synchronize()
+    for out, lse in got[0] + got[1]:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert _counters_zero(dev)
+
+
+@pytest.mark.gpu
+def test_fused_merge_graph_capture(monkeypatch):
+    # Under capture the merge kernel runs (a captured counter would outlive its zeroing);
+    # the replays equal the eager fused calls.
+    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    dev = "cuda"
+    q = torch.randn(2, 1, 32, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(2, 4096, 8, 128, device=dev, dtype=torch.bfloat16)
+    lens = torch.tensor([4096, 333], dtype=torch.int32, device=dev)
+    kw = dict(cache_seqlens=lens, block_table=None, left=None, right=None, softcap=0.0,
+              scale=0.088, sink=None, num_splits=0)
+    eager = decode.decode_fwd(q, k, k, **kw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        decode.decode_fwd(q, k, k, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    before = dict(decode._COUNTERS)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed = decode.decode_fwd(q, k, k, **kw)
+    assert decode._COUNTERS.keys() == before.keys()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed[0], eager[0]) and torch.equal(graphed[1], eager[1])
