@@ -417,7 +417,7 @@ def cases():
     dec_types = dict(q=BF16, k=BF16, v=BF16, cache_seqlens=I32, block_table=I32, sink=F32,
                      o=F32, lse=F32, token_pages=I32, out_f=BF16, lse_f=F32, counter=I32,
                      scale_log2="fp32", softcap_a2="fp32", softcap_c2="fp32")
-    merge_flags = dict(FUSED_MERGE=False, MERGE_SINK=False, MERGE_BLOCK_S=4)
+    merge_flags = dict(FUSED_MERGE=False, MERGE_SINK=False, MERGE_BLOCK_S=8)
     for paged in (False, True):
         consts = dict(SQ=1, GROUP=4, M_TILES=1, D1=128, D2=0, DV=128, BLOCK_M=16, BLOCK_N=64,
                       BLOCK_D1=128, BLOCK_D2=16, BLOCK_DV=128, PAGE_SIZE=16 if paged else 1,

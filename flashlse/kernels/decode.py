@@ -575,6 +575,9 @@ _MAX_PLANS = 4096
 # Off until its GPU tests (memory ordering: tests/kernels/test_decode_fused_merge.py) and its
 # host / device A/B have run on an H100 / H200 (benchmarks/NOTES.md, session 45).
 FUSED_MERGE = False
+# States the fused merge loads per unrolled step (each step is one L2 latency; the merge
+# kernel takes up to 32 on its small tiles, which hold fewer values a thread).
+FUSED_MERGE_STATES = 8
 # _decode_fwd_kernel's tensors: the nine the Hopper MLA kernel shares, then out, lse and the
 # fused merge's counters.
 N_TENSORS = 12
@@ -724,7 +727,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         PDL=pdl,
         FUSED_MERGE=False,
         MERGE_SINK=sink is not None,
-        MERGE_BLOCK_S=4,
+        MERGE_BLOCK_S=min(next_pow2(splits), FUSED_MERGE_STATES),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages_paged if paged and cfg.num_stages_paged else cfg.num_stages,
     )
