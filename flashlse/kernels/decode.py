@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import triton
@@ -533,6 +534,15 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
     lse = empty(lse_shape or plan.lse_shape, dtype=torch.float32, device=dev)
     if plan.grid is None:
         return out, lse
+    if plan.fused_run is not None and not (q.is_cuda and
+                                           torch.cuda.is_current_stream_capturing()):
+        # The split kernel merges its own splits, on the stream's kept scratch. (A CUDA graph
+        # takes the merge kernel: its captured scratch would outlive what zeroed it.)
+        counters, o_buf, lse_buf = _scratch(dev, plan.programs, plan.o_buf_shape, empty)
+        plan.fused_run(q, k_cache, v_cache, cache_seqlens, block_table,
+                       lse_buf if sink is None else sink, o_buf, lse_buf, token_pages, out,
+                       lse, counters)
+        return out, lse
     if plan.merge is None:
         o_buf, lse_buf = out, lse
     else:
@@ -542,12 +552,7 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
                o_buf, lse_buf, token_pages)
     if plan.gluon is None:
-        if plan.fused_run is not None and not (q.is_cuda and
-                                               torch.cuda.is_current_stream_capturing()):
-            plan.fused_run(*tensors, out, lse, _counters(q.device, plan.programs))
-            return out, lse
-        # (The counters are the split kernel's own with one split or a merge kernel; a CUDA
-        # graph takes the merge kernel: its captured counters would outlive what zeroed them.)
+        # (out, lse and counters are the fused merge's; unread here.)
         plan.run(*tensors, out, lse, lse)
     else:
         try:
@@ -581,20 +586,54 @@ FUSED_MERGE_STATES = 8
 # _decode_fwd_kernel's tensors: the nine the Hopper MLA kernel shares, then out, lse and the
 # fused merge's counters.
 N_TENSORS = 12
-# The fused merge's counters by (device, stream): zeros, each put back to 0 by the program
-# that merges, so the launches of one stream (which run one after another) share them; two
-# streams' launches may run at once and so have their own.
-_COUNTERS: dict = {}
+# The fused merge's scratch by (device, stream): the counters (zeros, each put back to 0 by
+# the program that merges) and the partial states, which live only inside one launch. Launches
+# of one stream run one after another and share them; two streams' launches may run at once
+# and have their own. A call then allocates only its outputs (two allocations less, and one
+# launch less, than split kernel + merge kernel).
+_SCRATCH: dict = {}
+# Partial states kept a stream, in float32 values: a call that needs more allocates its own.
+SCRATCH_MAX_VALUES = 16 << 20
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zero int32 counters of the current stream on ``device``."""
+class _Scratch:
+    __slots__ = ("counters", "buf", "views")
+
+    def __init__(self, device: torch.device):
+        self.counters = torch.zeros(1024, dtype=torch.int32, device=device)
+        self.buf = None
+        self.views = {}
+
+
+def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
+    """``(counters, o_buf, lse_buf)`` for a fused launch on the current stream of ``device``:
+    at least ``programs`` zero counters, and the partial states ``o_buf (o_shape)`` and
+    ``lse_buf (o_shape[:-1])`` float32, views of the stream's kept buffer (fresh from
+    ``empty`` under ``poison_outputs``, whose NaN shows an unwritten partial, or past
+    ``SCRATCH_MAX_VALUES``)."""
     key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
            else 0)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return c
+    sc = _SCRATCH.get(key)
+    if sc is None:
+        sc = _SCRATCH[key] = _Scratch(device)
+    if sc.counters.numel() < programs:
+        sc.counters = torch.zeros(2 * programs, dtype=torch.int32, device=device)
+    views = sc.views.get(o_shape)
+    if views is None or empty is not torch.empty:
+        n_o = math.prod(o_shape)
+        # lse_buf 16-byte aligned after o_buf (the launches' fast path asks it).
+        n_o16 = -(-n_o // 4) * 4
+        need = n_o16 + n_o // max(o_shape[-1], 1)
+        if empty is not torch.empty or need > SCRATCH_MAX_VALUES:
+            return (sc.counters, empty(o_shape, dtype=torch.float32, device=device),
+                    empty(o_shape[:-1], dtype=torch.float32, device=device))
+        if sc.buf is None or sc.buf.numel() < need:
+            sc.buf = torch.empty(max(need, 2 * (0 if sc.buf is None else sc.buf.numel())),
+                                 dtype=torch.float32, device=device)
+            sc.views.clear()
+        views = sc.views[o_shape] = (sc.buf[:n_o].view(o_shape),
+                                     sc.buf[n_o16:need].view(o_shape[:-1]))
+    return (sc.counters, *views)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ def _run(monkeypatch, fused: bool, q, k, v, lens, table, **kw):
 
 
 def _counters_zero(device) -> bool:
-    return all(int(c.abs().sum()) == 0 for key, c in decode._COUNTERS.items()
+    return all(int(sc.counters.abs().sum()) == 0 for key, sc in decode._SCRATCH.items()
                if key[0].type == torch.device(device).type)
 
 
@@ -99,15 +99,46 @@ def test_fused_merge_one_split_and_mla_kernel_take_no_counters(device, monkeypat
     assert decode.find_plan(q, k, v, num_splits=2, **kw)[1].fused_run is not None
 
 
-def test_counters_grow_and_stay_zero(device, monkeypatch):
-    # A call with more row tiles than the counters hold gets a larger zeroed set.
-    monkeypatch.setattr(decode, "_COUNTERS", {})
+def test_scratch_grows_and_counters_stay_zero(device, monkeypatch):
+    # A call with more row tiles than the counters hold, or more partial state than the
+    # kept buffer, gets larger ones (counters zeroed); the views are the buffer's, 16-byte
+    # aligned; under poison_outputs the partial states are fresh (NaN) tensors.
+    monkeypatch.setattr(decode, "_SCRATCH", {})
     dev = torch.device(device)
-    small = decode._counters(dev, 8)
-    assert small.numel() >= 8 and small.dtype == torch.int32 and int(small.abs().sum()) == 0
-    assert decode._counters(dev, 8) is small
-    big = decode._counters(dev, small.numel() + 1)
-    assert big.numel() > small.numel() and int(big.abs().sum()) == 0
+    c1, o1, l1 = decode._scratch(dev, 8, (3, 1, 1, 5, 33), torch.empty)
+    assert int(c1.abs().sum()) == 0 and c1.dtype == torch.int32 and c1.numel() >= 8
+    assert o1.shape == (3, 1, 1, 5, 33) and l1.shape == (3, 1, 1, 5)
+    assert l1.data_ptr() % 16 == 0 and o1.untyped_storage().data_ptr() == \
+        l1.untyped_storage().data_ptr()
+    c2, o2, l2 = decode._scratch(dev, c1.numel() + 1, (3, 1, 1, 5, 33), torch.empty)
+    assert c2.numel() > c1.numel() and int(c2.abs().sum()) == 0 and o2 is o1
+    c3, o3, _ = decode._scratch(dev, 8, (4, 2, 1, 8, 64), torch.empty)
+    assert c3 is c2 and o3.untyped_storage().data_ptr() != o1.untyped_storage().data_ptr()
+    monkeypatch.setattr(decode, "SCRATCH_MAX_VALUES", 16)
+    _, o4, _ = decode._scratch(dev, 8, (2, 1, 1, 4, 64), torch.empty)
+    assert o4.untyped_storage().data_ptr() != o3.untyped_storage().data_ptr()
+    _, o5, _ = decode._scratch(dev, 8, (3, 1, 1, 5, 33), lambda *a, **k: torch.full(
+        *a, float("nan"), **k))
+    assert torch.isnan(o5).all()
+
+
+def test_fused_merge_kept_scratch_calls_in_a_row(device, monkeypatch, kernel_opts):
+    # Without poisoned outputs the partial states are the stream's kept buffer, left as the
+    # previous call wrote it: calls of several shapes and lengths in a row each equal the
+    # merge kernel's form.
+    kernel_opts(poison_outputs=False)
+    monkeypatch.setattr(decode, "_SCRATCH", {})
+    draws = [dict(lens=(37, 100)), dict(lens=(0, 5)), dict(sq=2, lens=(100, 1)),
+             dict(hq=8, hkv=2, lens=(64, 64)), dict(lens=(37, 100))]
+    for i, make_kw in enumerate(draws):
+        q, k, v, lens, table, _, _ = _make(device, _dtypes()[0], **make_kw)
+        kw = dict(num_splits=3 + i % 2, right=0 if i % 2 else None)
+        fused = _run(monkeypatch, True, q, k, v, lens, table, **kw)
+        plain = _run(monkeypatch, False, q, k, v, lens, table, **kw)
+        assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1]), make_kw
+    assert len(decode._SCRATCH) == 1 and decode._SCRATCH[next(iter(decode._SCRATCH))].buf \
+        is not None
+    assert _counters_zero(device)
 
 
 @pytest.mark.gpu
@@ -161,11 +192,11 @@ def test_fused_merge_graph_capture(monkeypatch):
     with torch.cuda.stream(s):
         decode.decode_fwd(q, k, k, **kw)
     torch.cuda.current_stream().wait_stream(s)
-    before = dict(decode._COUNTERS)
+    before = dict(decode._SCRATCH)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         graphed = decode.decode_fwd(q, k, k, **kw)
-    assert decode._COUNTERS.keys() == before.keys()
+    assert decode._SCRATCH.keys() == before.keys()
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
