@@ -18,7 +18,9 @@ ranges of whole tiles; each program computes the partial state of its range,
 in base 2 internally (``2^t`` with ``t = s * log2 e`` is one ``ex2``; ``L = ln 2 * L_log2``),
 and the merge kernel of ``combine.py`` (launched by ``merge_launch``) merges the partial states,
 ``L = log sum_s e^{L_s}``, ``O = sum_s e^{L_s - L} O_s``, which is exact because the
-ranges partition the keys. A split with no visible key writes ``L_s = -inf`` (and
+ranges partition the keys. With ``FUSED_MERGE`` the split program of each row tile that
+finishes last merges them instead, with the merge kernel's steps (``_merge_if_last``): one
+launch less a call, on partial-state scratch kept per stream. A split with no visible key writes ``L_s = -inf`` (and
 ``O_s = 0``), the merge's identity; it may be a split past the last tile (more splits
 than tiles) or a range the window masks. The sink is a key of value 0 that belongs to
 no range: it is added once, in the merge (or, with one split, in this kernel's
