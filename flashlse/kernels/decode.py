@@ -536,21 +536,25 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
     lse = empty(lse_shape or plan.lse_shape, dtype=torch.float32, device=dev)
     if plan.grid is None:
         return out, lse
-    if plan.fused_run is not None and not (q.is_cuda and
-                                           torch.cuda.is_current_stream_capturing()):
-        # The split kernel merges its own splits, on the stream's kept scratch. (A CUDA graph
-        # takes the merge kernel: its captured scratch would outlive what zeroed it.)
-        counters, o_buf, lse_buf = _scratch(dev, plan.programs, plan.o_buf_shape, empty)
-        plan.fused_run(q, k_cache, v_cache, cache_seqlens, block_table,
-                       lse_buf if sink is None else sink, o_buf, lse_buf, token_pages, out,
-                       lse, counters)
-        return out, lse
     if plan.merge is None:
         o_buf, lse_buf = out, lse
-    else:
-        # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set.
+    elif q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A CUDA graph gets partial states of its own (from its pool) and the merge kernel:
+        # kept scratch would be shared with eager calls, and the counters' zeros would not
+        # be the graph's to rely on.
         o_buf = empty(plan.o_buf_shape, dtype=torch.float32, device=dev)
         lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=dev)
+    else:
+        # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set, on
+        # the stream's kept scratch: they live from the split kernel to the merge (kernel or
+        # fused), and the stream runs the next call's split kernel only after that.
+        counters, o_buf, lse_buf = _scratch(dev, plan.programs, plan.o_buf_shape, empty)
+        if plan.fused_run is not None:
+            # The split kernel merges its own splits.
+            plan.fused_run(q, k_cache, v_cache, cache_seqlens, block_table,
+                           lse_buf if sink is None else sink, o_buf, lse_buf, token_pages, out,
+                           lse, counters)
+            return out, lse
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
                o_buf, lse_buf, token_pages)
     if plan.gluon is None:
@@ -588,11 +592,11 @@ FUSED_MERGE_STATES = 8
 # _decode_fwd_kernel's tensors: the nine the Hopper MLA kernel shares, then out, lse and the
 # fused merge's counters.
 N_TENSORS = 12
-# The fused merge's scratch by (device, stream): the counters (zeros, each put back to 0 by
-# the program that merges) and the partial states, which live only inside one launch. Launches
-# of one stream run one after another and share them; two streams' launches may run at once
-# and have their own. A call then allocates only its outputs (two allocations less, and one
-# launch less, than split kernel + merge kernel).
+# A split call's scratch by (device, stream): the partial states, which live from the split
+# kernel to the merge (the merge kernel's, or the fused merge's inside one launch), and the
+# fused merge's counters (zeros, each put back to 0 by the program that merges). Launches of
+# one stream run one after another and share them; two streams' launches may run at once and
+# have their own. A split call then allocates only its outputs (two allocations less).
 _SCRATCH: dict = {}
 # Partial states kept a stream, in float32 values: a call that needs more allocates its own.
 SCRATCH_MAX_VALUES = 16 << 20
@@ -608,7 +612,7 @@ class _Scratch:
 
 
 def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
-    """``(counters, o_buf, lse_buf)`` for a fused launch on the current stream of ``device``:
+    """``(counters, o_buf, lse_buf)`` for a split launch on the current stream of ``device``:
     at least ``programs`` zero counters, and the partial states ``o_buf (o_shape)`` and
     ``lse_buf (o_shape[:-1])`` float32, views of the stream's kept buffer (fresh from
     ``empty`` under ``poison_outputs``, whose NaN shows an unwritten partial, or past

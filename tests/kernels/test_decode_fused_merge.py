@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_decode import _check, _dtypes, _make
 
+from flashlse import kernel_options
 from flashlse.kernels import decode
 
 HAS_CUDA = torch.cuda.is_available()
@@ -122,10 +123,10 @@ def test_scratch_grows_and_counters_stay_zero(device, monkeypatch):
     assert torch.isnan(o5).all()
 
 
-def test_fused_merge_kept_scratch_calls_in_a_row(device, monkeypatch, kernel_opts):
-    # Without poisoned outputs the partial states are the stream's kept buffer, left as the
-    # previous call wrote it: calls of several shapes and lengths in a row each equal the
-    # merge kernel's form.
+def test_kept_scratch_calls_in_a_row(device, monkeypatch, kernel_opts):
+    # Without poisoned outputs a split call's partial states are the stream's kept buffer,
+    # left as the previous call wrote it: calls of several shapes and lengths in a row, fused
+    # and with the merge kernel, each equal the merge kernel's on fresh NaN-filled partials.
     kernel_opts(poison_outputs=False)
     monkeypatch.setattr(decode, "_SCRATCH", {})
     draws = [dict(lens=(37, 100)), dict(lens=(0, 5)), dict(sq=2, lens=(100, 1)),
@@ -133,9 +134,11 @@ def test_fused_merge_kept_scratch_calls_in_a_row(device, monkeypatch, kernel_opt
     for i, make_kw in enumerate(draws):
         q, k, v, lens, table, _, _ = _make(device, _dtypes()[0], **make_kw)
         kw = dict(num_splits=3 + i % 2, right=0 if i % 2 else None)
-        fused = _run(monkeypatch, True, q, k, v, lens, table, **kw)
-        plain = _run(monkeypatch, False, q, k, v, lens, table, **kw)
-        assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1]), make_kw
+        with kernel_options(poison_outputs=True):
+            want = _run(monkeypatch, False, q, k, v, lens, table, **kw)
+        for fused in (True, False):
+            got = _run(monkeypatch, fused, q, k, v, lens, table, **kw)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (make_kw, fused)
     assert len(decode._SCRATCH) == 1 and decode._SCRATCH[next(iter(decode._SCRATCH))].buf \
         is not None
     assert _counters_zero(device)
