@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 
 import torch
 import triton
@@ -596,10 +597,13 @@ N_TENSORS = 12
 # kernel to the merge (the merge kernel's, or the fused merge's inside one launch), and the
 # fused merge's counters (zeros, each put back to 0 by the program that merges). Launches of
 # one stream run one after another and share them; two streams' launches may run at once and
-# have their own. A split call then allocates only its outputs (two allocations less).
+# have their own. Keyed by thread too: two threads on one stream could interleave one call's
+# split kernel and merge kernel with the other's. A split call then allocates only its
+# outputs (two allocations less). Dropped when full (freeing is stream-ordered: safe).
 _SCRATCH: dict = {}
 # Partial states kept a stream, in float32 values: a call that needs more allocates its own.
 SCRATCH_MAX_VALUES = 16 << 20
+_MAX_SCRATCH = 64
 
 
 class _Scratch:
@@ -618,9 +622,11 @@ def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
     ``empty`` under ``poison_outputs``, whose NaN shows an unwritten partial, or past
     ``SCRATCH_MAX_VALUES``)."""
     key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
-           else 0)
+           else 0, threading.get_ident())
     sc = _SCRATCH.get(key)
     if sc is None:
+        if len(_SCRATCH) >= _MAX_SCRATCH:
+            _SCRATCH.clear()
         sc = _SCRATCH[key] = _Scratch(device)
     if sc.counters.numel() < programs:
         sc.counters = torch.zeros(2 * programs, dtype=torch.int32, device=device)

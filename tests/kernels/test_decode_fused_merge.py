@@ -123,6 +123,23 @@ def test_scratch_grows_and_counters_stay_zero(device, monkeypatch):
     assert torch.isnan(o5).all()
 
 
+def test_scratch_is_per_thread(device, monkeypatch):
+    # Two threads on one stream could interleave one call's split and merge launches with the
+    # other's: each thread has its own partial states (and counters).
+    import threading
+
+    monkeypatch.setattr(decode, "_SCRATCH", {})
+    dev = torch.device(device)
+    mine = decode._scratch(dev, 8, (2, 1, 1, 4, 32), torch.empty)
+    got = []
+    t = threading.Thread(target=lambda: got.append(decode._scratch(dev, 8, (2, 1, 1, 4, 32),
+                                                                   torch.empty)))
+    t.start()
+    t.join()
+    assert got[0][1].data_ptr() != mine[1].data_ptr() and got[0][0] is not mine[0]
+    assert decode._scratch(dev, 8, (2, 1, 1, 4, 32), torch.empty)[1] is mine[1]
+
+
 def test_kept_scratch_calls_in_a_row(device, monkeypatch, kernel_opts):
     # Without poisoned outputs a split call's partial states are the stream's kept buffer,
     # left as the previous call wrote it: calls of several shapes and lengths in a row, fused
