@@ -20,10 +20,10 @@ and the merge kernel of ``combine.py`` (launched by ``merge_launch``) merges the
 ``L = log sum_s e^{L_s}``, ``O = sum_s e^{L_s - L} O_s``, which is exact because the
 ranges partition the keys. With ``FUSED_MERGE`` the split program of each row tile that
 finishes last merges them instead, with the merge kernel's steps (``_merge_if_last``): one
-launch less a call, on partial-state scratch kept per stream. A split with no visible key writes ``L_s = -inf`` (and
-``O_s = 0``), the merge's identity; it may be a split past the last tile (more splits
-than tiles) or a range the window masks. The sink is a key of value 0 that belongs to
-no range: it is added once, in the merge (or, with one split, in this kernel's
+launch less a call. The partial states are scratch kept per stream (``_scratch``). A split
+with no visible key writes ``L_s = -inf`` (and ``O_s = 0``), the merge's identity; it
+may be a split past the last tile (more splits than tiles) or a range the window masks.
+The sink is a key of value 0 that belongs to no range: it is added once, in the merge (or, with one split, in this kernel's
 epilogue, which is the same formula with one state), never per split.
 
 Online softmax inside a range keeps per row the running maximum ``m`` (base 2), the sum
@@ -593,7 +593,7 @@ FUSED_MERGE_STATES = 8
 # _decode_fwd_kernel's tensors: the nine the Hopper MLA kernel shares, then out, lse and the
 # fused merge's counters.
 N_TENSORS = 12
-# A split call's scratch by (device, stream): the partial states, which live from the split
+# A split call's scratch by (device, stream, thread): the partial states, which live from the split
 # kernel to the merge (the merge kernel's, or the fused merge's inside one launch), and the
 # fused merge's counters (zeros, each put back to 0 by the program that merges). Launches of
 # one stream run one after another and share them; two streams' launches may run at once and
@@ -639,6 +639,8 @@ def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
         if empty is not torch.empty or need > SCRATCH_MAX_VALUES:
             return (sc.counters, empty(o_shape, dtype=torch.float32, device=device),
                     empty(o_shape[:-1], dtype=torch.float32, device=device))
+        if len(sc.views) >= 256:  # (a server's batch sizes: one pair of views each)
+            sc.views.clear()
         if sc.buf is None or sc.buf.numel() < need:
             sc.buf = torch.empty(max(need, 2 * (0 if sc.buf is None else sc.buf.numel())),
                                  dtype=torch.float32, device=device)
