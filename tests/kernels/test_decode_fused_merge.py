@@ -162,10 +162,13 @@ def test_kept_scratch_calls_in_a_row(device, monkeypatch, kernel_opts):
 
 
 @pytest.mark.gpu
-def test_fused_merge_many_calls_and_two_streams(monkeypatch):
-    # Memory ordering on the GPU: hundreds of split calls back to back (each merge reads
-    # partial states other programs wrote moments before), then two streams at once with
-    # their own counters; every result equals the merge kernel's.
+@pytest.mark.parametrize("fused", [True, False])
+def test_kept_scratch_many_calls_and_two_streams(monkeypatch, kernel_opts, fused):
+    # Memory ordering on the GPU, on the kept scratch (no poisoned outputs): hundreds of
+    # split calls back to back (the fused merge reads partial states other programs wrote
+    # moments before; the merge kernel reads the buffer the next call's split kernel
+    # writes), then two streams at once with their own scratch; every result equals the
+    # merge kernel's on fresh partials.
     torch.manual_seed(0)
     dev = "cuda"
     b, hq, hkv, d, smax = 4, 32, 8, 128, 8192
@@ -174,11 +177,13 @@ def test_fused_merge_many_calls_and_two_streams(monkeypatch):
     v = torch.randn(b, smax, hkv, d, device=dev, dtype=torch.bfloat16)
     lens = torch.tensor([8192, 1, 0, 5000], dtype=torch.int32, device=dev)
     want = _run(monkeypatch, False, q, k, v, lens, None, num_splits=0)
-    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+    kernel_opts(poison_outputs=False)
+    monkeypatch.setattr(decode, "FUSED_MERGE", fused)
     monkeypatch.setattr(decode, "_PLANS", {})
     kw = dict(cache_seqlens=lens, block_table=None, left=None, right=None, softcap=0.0,
               scale=1.0 / math.sqrt(d), sink=None, num_splits=0)
-    assert decode.find_plan(q, k, v, **kw)[1].fused_run is not None
+    plan = decode.find_plan(q, k, v, **kw)[1]
+    assert plan.merge is not None and (plan.fused_run is not None) == fused
     outs = [decode.decode_fwd(q, k, v, **kw) for _ in range(300)]
     for out, lse in outs:
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
@@ -195,9 +200,10 @@ def test_fused_merge_many_calls_and_two_streams(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_merge_graph_capture(monkeypatch):
-    # Under capture the merge kernel runs (a captured counter would outlive its zeroing);
-    # the replays equal the eager fused calls.
+def test_fused_merge_graph_capture(monkeypatch, kernel_opts):
+    # Under capture the merge kernel runs on partials of the graph's own (kept scratch would
+    # be shared with eager calls); the replays equal the eager fused calls on kept scratch.
+    kernel_opts(poison_outputs=False)
     monkeypatch.setattr(decode, "FUSED_MERGE", True)
     monkeypatch.setattr(decode, "_PLANS", {})
     dev = "cuda"
