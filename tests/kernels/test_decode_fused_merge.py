@@ -62,17 +62,22 @@ def test_fused_merge_equals_merge_kernel(device, monkeypatch, make_kw, call_kw, 
     assert _counters_zero(device), "a counter was not put back to 0"
 
 
-def test_fused_merge_matches_reference(device, monkeypatch):
-    # The fused form against the float64 reference directly (test_decode.py runs it too, as
-    # the default): a sink, empty and full caches, more splits than tiles.
+@pytest.mark.parametrize("sink_kind", ["random", "neg_inf"])
+def test_fused_merge_matches_reference(device, monkeypatch, sink_kind):
+    # The fused form against the float64 reference: a sink (a -inf sink is no sink: the
+    # empty cache's rows then give out 0, lse -inf), empty and full caches, more splits than
+    # tiles; _check asserts the -inf pattern, out == 0 on empty rows and no NaN.
     monkeypatch.setattr(decode, "FUSED_MERGE", True)
     monkeypatch.setattr(decode, "_PLANS", {})
     q, k, v, lens, table, k_ref, v_ref = _make(device, _dtypes()[0], sq=2, lens=(0, 100))
     plan = decode.find_plan(q, k, v, cache_seqlens=lens, block_table=None, left=None, right=0,
                             softcap=0.0, scale=0.1, sink=None, num_splits=9)[1]
     assert plan.fused_run is not None
-    _check(q, k, v, lens, table, k_ref, v_ref, causal=True, num_splits=9,
-           sink=torch.randn(q.shape[2], device=device))
+    sink = (torch.randn(q.shape[2], device=device) if sink_kind == "random" else
+            torch.full((q.shape[2],), float("-inf"), device=device))
+    _, lse = _check(q, k, v, lens, table, k_ref, v_ref, causal=True, num_splits=9, sink=sink)
+    if sink_kind == "neg_inf":
+        assert torch.isneginf(lse[0]).all()
 
 
 def test_fused_merge_nan_reaches_its_rows_only(device, monkeypatch):
