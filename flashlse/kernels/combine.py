@@ -102,6 +102,16 @@ def _merge_sum_step(b_acc, b_sum, outs, lses, outs_b, lses_b, i_s, N, o_l, o_o, 
 
 
 @triton.jit
+def _merge_finish(b_acc, b_sum, b_sink, b_pivot, HAS_SINK: tl.constexpr):
+    """The merge's last step: the sink's weight added to the sum, ``O = acc / sum`` (0 for an
+    all-empty row: ``sum == 0``). Returns ``(O, sum)``; ``L = log(sum) + m``."""
+    if HAS_SINK:
+        b_sum += tl.exp2((b_sink - b_pivot) * LOG2E)
+    b_inv_sum = tl.where(b_sum == 0, 0.0, 1.0 / b_sum)
+    return b_acc * b_inv_sum[:, None], b_sum
+
+
+@triton.jit
 def _tile_rows(i_r, R, R1, R2, BLOCK_R: tl.constexpr):
     """``(o_rows, m_r)``: rows ``[i_r * BLOCK_R, (i_r + 1) * BLOCK_R)`` of the flattened
     leading dims as ``(r0, r1, r2)`` index blocks, and which rows exist (``< R``). int64, so
@@ -178,10 +188,9 @@ def _merge_states_fwd_kernel(
     b_acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for i_s in tl.range(0, N, BLOCK_S):
         b_acc, b_sum = _merge_sum_step(b_acc, b_sum, outs, lses, outs_b, lses_b, i_s, N, o_l, o_o, o_d, m_r, m_d, b_pivot, stride_ls, stride_os, stride_od, BLOCK_S, PAIR)
-    if HAS_SINK:
-        b_sum += tl.exp2((b_sink - b_pivot) * LOG2E)
-    b_inv_sum = tl.where(b_sum == 0, 0.0, 1.0 / b_sum)
-    b_acc = b_acc * b_inv_sum[:, None]
+    if not HAS_SINK:
+        b_sink = b_pivot
+    b_acc, b_sum = _merge_finish(b_acc, b_sum, b_sink, b_pivot, HAS_SINK)
 
     p_y = out + _row_offset(o_rows, stride_y)[:, None] + o_d[None, :] * stride_yd
     tl.store(p_y, b_acc.to(p_y.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])

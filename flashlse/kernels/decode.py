@@ -71,7 +71,6 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import configs, options
 from ._common import (
-    LOG2E,
     Launch,
     alloc_scratch,
     capability,
@@ -87,7 +86,14 @@ from ._common import (
     stride_args,
     token_rows,
 )
-from .combine import _merge_max_step, _merge_sum_step, _num_sms, merge_plan, merge_run
+from .combine import (
+    _merge_finish,
+    _merge_max_step,
+    _merge_sum_step,
+    _num_sms,
+    merge_plan,
+    merge_run,
+)
 from .failures import FAILURES
 
 try:  # Gluon's Hopper API as of triton 3.6; without it MLA decodes run the kernel below.
@@ -389,10 +395,9 @@ def _merge_if_last(o, lse, sink, out_f, lse_f, counter, i_bhm, i_b, o_i, o_h, m_
             b_acc, b_sum = _merge_sum_step(b_acc, b_sum, o, lse, o, lse, i_s, num_splits, o_l,
                                            o_o, o_d, m_m, m_d, b_pivot, stride_ls, stride_os, 1,
                                            BLOCK_S, False)
-        if HAS_SINK:
-            b_sum += tl.exp2((b_sink - b_pivot) * LOG2E)
-        b_inv_sum = tl.where(b_sum == 0, 0.0, 1.0 / b_sum)
-        b_acc = b_acc * b_inv_sum[:, None]
+        if not HAS_SINK:
+            b_sink = b_pivot
+        b_acc, b_sum = _merge_finish(b_acc, b_sum, b_sink, b_pivot, HAS_SINK)
         o_y = i_b.to(tl.int64) * stride_yb + o_i.to(tl.int64) * stride_yq + o_h.to(tl.int64) * stride_yh
         p_y = out_f + o_y[:, None] + o_d[None, :]
         tl.store(p_y, b_acc.to(p_y.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
