@@ -128,8 +128,8 @@ def autograd_floor_fn(dev, threads: bool = True):
     """A :class:`NoKernelOp` forward + backward, as :func:`attention_step` makes a step
     (fresh .grad each call, ``out.backward(dout)``, on autograd's device thread or, with
     ``threads=False``, on the calling thread)."""
-    q, k, v = (torch.randn(1, 128, 2, 128, device=dev, requires_grad=True) for _ in range(3))
-    do = torch.randn(1, 128, 2, 128, device=dev)
+    q, k, v = (torch.randn(1, 128, 2, 128).to(dev).requires_grad_() for _ in range(3))
+    do = torch.randn(1, 128, 2, 128).to(dev)
 
     def step():
         q.grad = k.grad = v.grad = None

@@ -70,7 +70,8 @@ def row(flag, label, b, skv, page):
 
 def main() -> None:
     flag = flag_ab_args()
-    rows = [row(flag, *r) for r in ROWS]
+    only = os.environ.get("AB_ROWS")  # (e.g. AB_ROWS="B=1 Skv=128k;B=1 Skv=4k")
+    rows = [row(flag, *r) for r in ROWS if only is None or r[0] in only.split(";")]
     print("| row | ms on | off | on/off | GB/s on | off | cuDNN ms | same bits |")
     print("|---|---|---|---|---|---|---|---|")
     for label, ms, gbs, same in rows:

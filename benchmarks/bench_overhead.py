@@ -132,7 +132,11 @@ Case = collections.namedtuple("Case", "kind shape build")
 
 
 def randn(*shape, dtype=DT, requires_grad=False):
-    return torch.randn(*shape, device=DEV, dtype=dtype, requires_grad=requires_grad)
+    # Drawn on the CPU: a capture that failed (SDPA cuDNN's fwd+bwd on torch 2.11) leaves the
+    # CUDA generator mid-capture, and every later CUDA draw raises "Offset increment outside
+    # graph capture".
+    x = torch.randn(*shape, dtype=torch.float32).to(DEV, dtype)
+    return x.requires_grad_(requires_grad)
 
 
 # Each builder allocates its inputs and returns the public call as a closure: the inputs

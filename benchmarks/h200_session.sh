@@ -622,9 +622,10 @@ if [ "$1" = s44 ]; then
 fi
 if [ "$1" = fused ]; then
     # Session 45: the split-KV merge fused into the decode's split kernel (decode.FUSED_MERGE,
-    # off until this runs): its GPU tests (memory ordering over 300 calls and two streams,
-    # graph capture), the decode files with the flag on, then host us (profile_host --ab)
-    # and the public calls' device time (ab_decode_switch) on / off in turns.
+    # on since session 46 up to FUSED_MERGE_MAX_SPLITS splits): its GPU tests (memory
+    # ordering over 300 calls and two streams, graph capture), the decode files with it at
+    # every split count, then host us (profile_host --ab) and the public calls' device time
+    # (ab_decode_switch) on / off in turns.
     run_tests fused $K/test_decode_fused_merge.py
     FLASHLSE_TEST_FUSED_MERGE=1 run_tests fused_decode $K/test_decode.py $K/test_cuda_graphs.py \
         $K/test_sync_free.py $K/test_kvcache_kernels.py -k "decode or kvcache or split"
@@ -633,6 +634,10 @@ if [ "$1" = fused ]; then
     timeout 150 python3 benchmarks/profile_host.py --ab decode.FUSED_MERGE --rows kvcache \
         --rounds 6 2>&1 | grep "^=== ab"
     timeout 200 python3 benchmarks/ab_decode_switch.py --flag decode.FUSED_MERGE 2>&1 | tail -10
+    # Session 46: the mixed paged step's host time (133 us over its floor in session 42, 27 us
+    # CPU-stubbed: the gap is in the Hopper paged plan's per-call Python), by cProfile.
+    timeout 90 python3 benchmarks/profile_host.py --rows "mixed" --top 30 --sort cumulative \
+        > "$OUT/profile_mixed.txt" 2>&1; grep -m3 -E "us a call|===" "$OUT/profile_mixed.txt"
     exit 0
 fi
 if [ "$1" = exp ]; then

@@ -18,9 +18,9 @@ ranges of whole tiles; each program computes the partial state of its range,
 in base 2 internally (``2^t`` with ``t = s * log2 e`` is one ``ex2``; ``L = ln 2 * L_log2``),
 and the merge kernel of ``combine.py`` (launched by ``merge_launch``) merges the partial states,
 ``L = log sum_s e^{L_s}``, ``O = sum_s e^{L_s - L} O_s``, which is exact because the
-ranges partition the keys. With ``FUSED_MERGE`` the split program of each row tile that
-finishes last merges them instead, with the merge kernel's steps (``_merge_if_last``): one
-launch less a call. The partial states are scratch kept per stream (``_scratch``). A split
+ranges partition the keys. With ``FUSED_MERGE`` (calls of at most ``FUSED_MERGE_MAX_SPLITS``
+splits) the split program of each row tile that finishes last merges them instead, with the
+merge kernel's steps (``_merge_if_last``): one launch less a call. The partial states are scratch kept per stream (``_scratch``). A split
 with no visible key writes ``L_s = -inf`` (and ``O_s = 0``), the merge's identity; it
 may be a split past the last tile (more splits than tiles) or a range the window masks.
 The sink is a key of value 0 that belongs to no range: it is added once, in the merge (or, with one split, in this kernel's
@@ -588,10 +588,14 @@ _PLANS: dict = {}
 _MAX_PLANS = 4096
 
 # The split kernel's last program of each row tile merges the splits (``_merge_if_last``)
-# instead of a merge kernel after it: one launch less a split call (read when a plan is made).
-# Off until its GPU tests (memory ordering: tests/kernels/test_decode_fused_merge.py) and its
-# host / device A/B have run on an H100 / H200 (benchmarks/NOTES.md, session 45).
-FUSED_MERGE = False
+# instead of a merge kernel after it: one launch less a split call (read when a plan is made),
+# where the call has at most FUSED_MERGE_MAX_SPLITS splits. H100 (NOTES.md, session 46):
+# host -24 us a 4-split decode call, device time level (0.993-1.002) at 4 splits; at 32
+# splits (B = 1) device +2.4-3.3% (+4.6-5.8 us, the same with 16 states a step and the
+# maximum in one load), so those keep the merge kernel. Not for sparse_attention's token
+# table yet (its GPU tests have not run on the fused form).
+FUSED_MERGE = True
+FUSED_MERGE_MAX_SPLITS = 8
 # States the fused merge loads per unrolled step (each step is one L2 latency; the merge
 # kernel takes up to 32 on its small tiles, which hold fewer values a thread).
 FUSED_MERGE_STATES = 8
@@ -626,8 +630,10 @@ def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
     ``lse_buf (o_shape[:-1])`` float32, views of the stream's kept buffer (fresh from
     ``empty`` under ``poison_outputs``, whose NaN shows an unwritten partial, or past
     ``SCRATCH_MAX_VALUES``)."""
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
-           else 0, threading.get_ident())
+    # (A tensor's device has its index; a bare torch.device("cuda") means the current one.)
+    stream = 0 if device.type != "cuda" else torch._C._cuda_getCurrentRawStream(
+        torch.cuda.current_device() if device.index is None else device.index)
+    key = (device, stream, threading.get_ident())
     sc = _SCRATCH.get(key)
     if sc is None:
         if len(_SCRATCH) >= _MAX_SCRATCH:
@@ -742,7 +748,8 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     pdl = splits > 1 and pdl_opt and not interpret and _pdl_ok(q)
     # The split kernel's last program of each row tile merges (``_merge_if_last``): one
     # launch less a call. Not for the Hopper MLA kernel, whose splits the merge kernel joins.
-    fused = splits > 1 and FUSED_MERGE and gluon is None
+    fused = 1 < splits <= FUSED_MERGE_MAX_SPLITS and FUSED_MERGE and gluon is None and \
+        token_table is None
     kw = dict(
         stride_qb=st_q[0], stride_qs=st_q[1], stride_qh=st_q[2],
         stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],

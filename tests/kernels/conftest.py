@@ -16,11 +16,11 @@ HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if os.environ.get("FLASHLSE_TEST_FUSED_MERGE") == "1":
-    # Every decode test on the split kernel that merges its own splits (decode.FUSED_MERGE,
-    # off by default until its GPU runs: benchmarks/h200_session.sh fused).
+    # Every split decode test on the split kernel that merges its own splits
+    # (decode.FUSED_MERGE, on by default up to FUSED_MERGE_MAX_SPLITS splits): at any count.
     from flashlse.kernels import decode
 
-    decode.FUSED_MERGE = True
+    decode.FUSED_MERGE_MAX_SPLITS = 1 << 30
 
 
 def pytest_collection_modifyitems(config, items):

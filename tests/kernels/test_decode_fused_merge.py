@@ -15,10 +15,18 @@ import pytest
 import torch
 from test_decode import _check, _dtypes, _make
 
+import flashlse as fl
 from flashlse import kernel_options
 from flashlse.kernels import decode
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _fused_at_any_split_count(monkeypatch):
+    # The fused form at every split count here (the default takes it up to
+    # FUSED_MERGE_MAX_SPLITS: test_fused_merge_split_limit).
+    monkeypatch.setattr(decode, "FUSED_MERGE_MAX_SPLITS", 1 << 30)
 
 
 def _run(monkeypatch, fused: bool, q, k, v, lens, table, **kw):
@@ -103,6 +111,30 @@ def test_fused_merge_one_split_and_mla_kernel_take_no_counters(device, monkeypat
               scale=0.1, sink=None)
     assert decode.find_plan(q, k, v, num_splits=1, **kw)[1].fused_run is None
     assert decode.find_plan(q, k, v, num_splits=2, **kw)[1].fused_run is not None
+
+
+def test_fused_merge_split_limit(device, monkeypatch):
+    # By default the fused form takes calls of 2 to FUSED_MERGE_MAX_SPLITS splits (above, the
+    # merge kernel: the fused merge cost device time at 32 splits, NOTES.md session 46); never
+    # sparse_attention's token-table form.
+    monkeypatch.setattr(decode, "FUSED_MERGE_MAX_SPLITS", 8)
+    monkeypatch.setattr(decode, "_PLANS", {})
+    q, k, v, lens, _, _, _ = _make(device, _dtypes()[0], smax=640, lens=(300, 640))
+    kw = dict(cache_seqlens=lens, block_table=None, left=None, right=None, softcap=0.0,
+              scale=0.1, sink=None)
+    assert decode.FUSED_MERGE
+    assert decode.find_plan(q, k, v, num_splits=8, **kw)[1].fused_run is not None
+    plan = decode.find_plan(q, k, v, num_splits=9, **kw)[1]
+    assert plan.fused_run is None and plan.merge is not None
+    # sparse_attention's top-k lists (the decode kernel's token table), 128 keys listed: split.
+    monkeypatch.setattr(decode, "_PLANS", {})
+    qs = torch.randn(1, 1, 4, 32, device=device, dtype=_dtypes()[0])
+    ks = torch.randn(1, 200, 1, 32, device=device, dtype=_dtypes()[0])
+    idx = torch.randperm(200, device=device)[:128].to(torch.int32).view(1, 1, 1, 128)
+    fl.sparse_attention(qs, ks, ks, idx)
+    plans = list(decode._PLANS.values())
+    assert plans and all(p.fused_run is None for p in plans)
+    assert any(p.merge is not None for p in plans)
 
 
 def test_scratch_grows_and_counters_stay_zero(device, monkeypatch):
