@@ -64,6 +64,9 @@
 #   bash benchmarks/h200_session.sh fused      # session 45's decode merge fused into the split
 #                                                kernel (decode.FUSED_MERGE): GPU tests, host
 #                                                us and device time on / off in turns
+#   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
+#                                                32 splits goes (prof_fused_merge.py: each
+#                                                kernel's time in both forms, then ncu)
 #   bash benchmarks/h200_session.sh exp fwd|bwd [bench]  # experiments reverted in main,
 #                                                re-applied (before_after.sh prep-revert
 #                                                REV...): their GPU tests; with bench, their
@@ -638,6 +641,17 @@ if [ "$1" = fused ]; then
     # CPU-stubbed: the gap is in the Hopper paged plan's per-call Python), by cProfile.
     timeout 90 python3 benchmarks/profile_host.py --rows "mixed" --top 30 --sort cumulative \
         > "$OUT/profile_mixed.txt" 2>&1; grep -m3 -E "us a call|===" "$OUT/profile_mixed.txt"
+    exit 0
+fi
+if [ "$1" = fused-why ]; then
+    # Session 46: the fused decode merge costs +4.6-5.8 us at 32 splits (B = 1), nothing at 4,
+    # whatever its step count; each kernel's device time in both forms, then ncu of both.
+    timeout 200 python3 benchmarks/prof_fused_merge.py 2>&1 | tail -30
+    timeout 200 ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \
+        --section LaunchStats --section Occupancy --csv --page details \
+        python3 benchmarks/prof_fused_merge.py --run --skv 4096 --splits 32 \
+        > "$OUT/ncu_fused.csv" 2> "$OUT/ncu_fused.err"; echo "ncu rc=$?"
+    python3 benchmarks/ncu_bwd.py --read "$OUT/ncu_fused.csv" 2>&1 | tail -40
     exit 0
 fi
 if [ "$1" = exp ]; then
