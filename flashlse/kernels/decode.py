@@ -20,11 +20,12 @@ and the merge kernel of ``combine.py`` (launched by ``merge_launch``) merges the
 ``L = log sum_s e^{L_s}``, ``O = sum_s e^{L_s - L} O_s``, which is exact because the
 ranges partition the keys. With ``FUSED_MERGE`` (calls of at most ``FUSED_MERGE_MAX_SPLITS``
 splits) the split program of each row tile that finishes last merges them instead, with the
-merge kernel's steps (``_merge_if_last``): one launch less a call. The partial states are scratch kept per stream (``_scratch``). A split
-with no visible key writes ``L_s = -inf`` (and ``O_s = 0``), the merge's identity; it
-may be a split past the last tile (more splits than tiles) or a range the window masks.
-The sink is a key of value 0 that belongs to no range: it is added once, in the merge (or, with one split, in this kernel's
-epilogue, which is the same formula with one state), never per split.
+merge kernel's steps (``_merge_if_last``): one launch less a call. The partial states are
+scratch kept per stream (``_scratch``). A split with no visible key writes ``L_s = -inf``
+(and ``O_s = 0``), the merge's identity; it may be a split past the last tile (more splits
+than tiles) or a range the window masks. The sink is a key of value 0 that belongs to no
+range: it is added once, in the merge (or, with one split, in this kernel's epilogue, which
+is the same formula with one state), never per split.
 
 Online softmax inside a range keeps per row the running maximum ``m`` (base 2), the sum
 ``l = sum_j 2^{t_j - m}`` and ``acc = sum_j 2^{t_j - m} v_j``. A row that has seen only
