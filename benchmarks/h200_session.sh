@@ -652,6 +652,10 @@ if [ "$1" = fused-why ]; then
         python3 benchmarks/prof_fused_merge.py --run --skv 4096 --splits 32 \
         > "$OUT/ncu_fused.csv" 2> "$OUT/ncu_fused.err"; echo "ncu rc=$?"
     python3 benchmarks/ncu_bwd.py --read "$OUT/ncu_fused.csv" 2>&1 | tail -40
+    # The mixed paged step's Python by own time (session 46 had the cumulative top 30 only:
+    # three launches, the Hopper paged plan's call, the kept key).
+    timeout 90 python3 benchmarks/profile_host.py --rows "mixed" --top 60 --sort tottime \
+        > "$OUT/profile_mixed_own.txt" 2>&1; head -40 "$OUT/profile_mixed_own.txt"
     exit 0
 fi
 if [ "$1" = exp ]; then

@@ -531,21 +531,30 @@ def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, s
 
 
 def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, token_pages,
-             empty, out_shape=None, lse_shape=None):
+             empty, out_shape=None, lse_shape=None, want_lse=True):
     """Allocates ``out`` and ``lse`` and launches a :func:`decode_fwd` plan (``key``: its key
     in ``_PLANS``) on these tensors, which need only the addresses, dtypes and alignment of
     the tensors the plan was made from (a caller may pass a tensor of which those were
     views). ``out_shape`` / ``lse_shape``: other shapes of the same contiguous outputs.
+    ``want_lse=False``: the caller drops ``lse`` (``_unread_lse`` then holds it).
     Returns ``(out, lse)``, or None when the Hopper MLA kernel failed to compile: then the
     failure is recorded (warned once) and the plan dropped, and the caller plans again."""
     dev = q.device
     out = empty(out_shape or plan.out_shape, dtype=plan.out_dtype, device=dev)
-    lse = empty(lse_shape or plan.lse_shape, dtype=torch.float32, device=dev)
+    lse_shape = lse_shape or plan.lse_shape
+    # (Kept scratch is not for a CUDA graph: it takes fresh tensors from the graph's pool.)
+    capturing = (not want_lse or plan.merge is not None) and q.is_cuda and \
+        torch.cuda.is_current_stream_capturing()
+    if want_lse or capturing or empty is not torch.empty or \
+            math.prod(lse_shape) > SCRATCH_MAX_VALUES:
+        lse = empty(lse_shape, dtype=torch.float32, device=dev)
+    else:
+        lse = _unread_lse(dev, lse_shape)
     if plan.grid is None:
         return out, lse
     if plan.merge is None:
         o_buf, lse_buf = out, lse
-    elif q.is_cuda and torch.cuda.is_current_stream_capturing():
+    elif capturing:
         # A CUDA graph gets partial states of its own (from its pool) and the merge kernel:
         # kept scratch would be shared with eager calls, and the counters' zeros would not
         # be the graph's to rely on.
@@ -617,20 +626,17 @@ _MAX_SCRATCH = 64
 
 
 class _Scratch:
-    __slots__ = ("counters", "buf", "views")
+    __slots__ = ("counters", "buf", "unread", "views")
 
     def __init__(self, device: torch.device):
         self.counters = torch.zeros(1024, dtype=torch.int32, device=device)
         self.buf = None
+        self.unread = None  # (the lses no caller reads: _unread_lse)
         self.views = {}
 
 
-def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
-    """``(counters, o_buf, lse_buf)`` for a split launch on the current stream of ``device``:
-    at least ``programs`` zero counters, and the partial states ``o_buf (o_shape)`` and
-    ``lse_buf (o_shape[:-1])`` float32, views of the stream's kept buffer (fresh from
-    ``empty`` under ``poison_outputs``, whose NaN shows an unwritten partial, or past
-    ``SCRATCH_MAX_VALUES``)."""
+def _stream_scratch(device: torch.device) -> _Scratch:
+    """The current stream's (and thread's) :class:`_Scratch` on ``device``."""
     # (A tensor's device has its index; a bare torch.device("cuda") means the current one.)
     stream = 0 if device.type != "cuda" else torch._C._cuda_getCurrentRawStream(
         torch.cuda.current_device() if device.index is None else device.index)
@@ -640,6 +646,36 @@ def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
         if len(_SCRATCH) >= _MAX_SCRATCH:
             _SCRATCH.clear()
         sc = _SCRATCH[key] = _Scratch(device)
+    return sc
+
+
+def _unread_lse(device: torch.device, shape: tuple) -> torch.Tensor:
+    """A float32 ``shape`` view for the lse of a call that does not return it
+    (``attention_with_kvcache`` without ``return_lse``): the kernels write it and nothing
+    reads it, so the stream's kept buffer serves every such call, one allocation less a call.
+    (Not while a CUDA graph captures: a graph would keep the address of a buffer that may be
+    freed and reused; run_plan allocates there, as past ``SCRATCH_MAX_VALUES``.)"""
+    sc = _stream_scratch(device)
+    view = sc.views.get(("unread", shape))
+    if view is None:
+        n = math.prod(shape)
+        if sc.unread is None or sc.unread.numel() < n:
+            sc.unread = torch.empty(max(n, 2 * (0 if sc.unread is None else sc.unread.numel())),
+                                    dtype=torch.float32, device=device)
+            sc.views.clear()
+        if len(sc.views) >= 256:
+            sc.views.clear()
+        view = sc.views[("unread", shape)] = sc.unread[:n].view(shape)
+    return view
+
+
+def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
+    """``(counters, o_buf, lse_buf)`` for a split launch on the current stream of ``device``:
+    at least ``programs`` zero counters, and the partial states ``o_buf (o_shape)`` and
+    ``lse_buf (o_shape[:-1])`` float32, views of the stream's kept buffer (fresh from
+    ``empty`` under ``poison_outputs``, whose NaN shows an unwritten partial, or past
+    ``SCRATCH_MAX_VALUES``)."""
+    sc = _stream_scratch(device)
     if sc.counters.numel() < programs:
         sc.counters = torch.zeros(2 * programs, dtype=torch.int32, device=device)
     views = sc.views.get(o_shape)

@@ -353,7 +353,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
                      num_splits, causal, window, softcap, scale, return_lse)
     if kept is not None:
         got = _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new,
-                        v_new)
+                        v_new, return_lse)
         if got is None:
             got = _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink,
                                   k_new, v_new)
@@ -412,10 +412,11 @@ def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sin
 
 
 def _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new=None,
-              v_new=None):
+              v_new=None, want_lse=True):
     """``(out, lse)`` from the plans kept for ``kept`` (the append's first, with ``k_new``),
     or None: no plan kept, value checks asked for, a tensor needing grad, or the Hopper MLA
-    kernel failed (the plan dropped; the full path then appends the same rows again)."""
+    kernel failed (the plan dropped; the full path then appends the same rows again).
+    ``want_lse=False``: lse is kept scratch (``decode._unread_lse``), not to be returned."""
     hit = _KEPT.get(kept)
     if hit is None or (cache_seqlens is not None and V.values_checkable(cache_seqlens)) or \
             V.needs_grad(q, k_cache, v_cache, sink):
@@ -424,7 +425,7 @@ def _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new
     if k_new is not None:
         decode.run_append(hit[2], k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
     got = decode.run_plan(hit[1], hit[0], q, k_cache, v_cache, cache_seqlens, block_table, sink,
-                          None, kernel_module("options").allocator())
+                          None, kernel_module("options").allocator(), want_lse=want_lse)
     if got is None:
         _KEPT.pop(kept, None)
     return got

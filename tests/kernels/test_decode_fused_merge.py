@@ -137,6 +137,30 @@ def test_fused_merge_split_limit(device, monkeypatch):
     assert any(p.merge is not None for p in plans)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 12])
+def test_unread_lse_on_kept_scratch(device, monkeypatch, kernel_opts, splits):
+    # A kept decode without return_lse writes its lse to the stream's kept buffer (one
+    # allocation less): out equal to the return_lse call's, every split form (one split, the
+    # fused merge, the merge kernel); with return_lse each call's lse is its own tensor.
+    # (Value checks off: on the CPU they read the lengths, which takes the full path.)
+    kernel_opts(poison_outputs=False)
+    monkeypatch.setattr(decode, "FUSED_MERGE_MAX_SPLITS", 8)
+    monkeypatch.setattr(decode, "_SCRATCH", {})
+    q, k, v, lens, _, _, _ = _make(device, _dtypes()[0], smax=640, lens=(300, 640))
+    kw = dict(cache_seqlens=lens, num_splits=splits, causal=True)
+    with fl.value_checks(False):
+        want, want_lse = fl.attention_with_kvcache(q, k, v, return_lse=True, **kw)
+        for _ in range(3):  # (the first call plans, the rest take the kept plan)
+            out = fl.attention_with_kvcache(q, k, v, **kw)
+            assert torch.equal(out, want)
+        unread = [sc.unread for sc in decode._SCRATCH.values() if sc.unread is not None]
+        assert len(unread) == 1 and unread[0].numel() >= want_lse.numel()
+        assert torch.equal(unread[0][:want_lse.numel()].view_as(want_lse), want_lse)
+        got, lse = fl.attention_with_kvcache(q, k, v, return_lse=True, **kw)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    assert lse.untyped_storage().data_ptr() != unread[0].untyped_storage().data_ptr()
+
+
 def test_scratch_grows_and_counters_stay_zero(device, monkeypatch):
     # A call with more row tiles than the counters hold, or more partial state than the
     # kept buffer, gets larger ones (counters zeroed); the views are the buffer's, 16-byte
