@@ -646,6 +646,12 @@ fi
 if [ "$1" = fused-why ]; then
     # Session 46: the fused decode merge costs +4.6-5.8 us at 32 splits (B = 1), nothing at 4,
     # whatever its step count; each kernel's device time in both forms, then ncu of both.
+    # First the GPU tests of the session's unread lse on kept scratch and the kvcache rows'
+    # host us (against the session-46 rows: 38.6 / 47.1 / 34.1 / 32.6 / 37.8 on an H100).
+    run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py
+    tail -1 "$OUT/test_gpu_unread.log"; grep -h "^FAILED" "$OUT/test_gpu_unread.log" | head -5
+    timeout 120 python3 benchmarks/bench_overhead.py --functions kvcache --out "$OUT/kv" \
+        2>&1 | grep "^attention_with" | grep "|"
     timeout 200 python3 benchmarks/prof_fused_merge.py 2>&1 | tail -30
     timeout 200 ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \
         --section LaunchStats --section Occupancy --csv --page details \
