@@ -8,6 +8,12 @@ Rows: issue 15's decode shapes (B = 1 Skv = 128k, B = 8 / 64 / 128 at 8k; the sm
 split their keys), two host-bound small splits (B = 1 and 8 at 4k) and a paged 16 row.
 Each row also says whether both sides wrote the same bits. Written for session 45's fused
 split-KV merge (``decode.FUSED_MERGE``: one launch less a split call).
+
+``AB_SET=sparse``: ``sparse_attention`` decodes instead (one query row, top-k lists on the
+same heads, the decode kernel's token table; no peer: host us a call on / off in its
+place), for the token table's fused merge:
+
+    AB_SET=sparse python benchmarks/ab_decode_switch.py --flag decode.FUSED_MERGE_TOKEN_TABLE
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The repo root last: a PYTHONPATH tree (an in-turn A/B's .before) comes first.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import flag_ab_args, flag_ab_ms, flag_runs  # noqa: E402
+from _common import flag_ab_args, flag_ab_ms, flag_runs, host_loop_s  # noqa: E402
 
 import flashlse as fl  # noqa: E402
 
@@ -32,6 +38,11 @@ ROWS = [("B=1 Skv=128k", 1, 131072, None), ("B=8 Skv=8k", 8, 8192, None),
         ("B=64 Skv=8k", 64, 8192, None), ("B=128 Skv=8k", 128, 8192, None),
         ("B=1 Skv=4k", 1, 4096, None), ("B=8 Skv=4k", 8, 4096, None),
         ("B=8 Skv=8k paged 16", 8, 8192, 16)]
+# (label, B, Skv, top-k): sparse_attention's rows (AB_SET=sparse).
+SPARSE_ROWS = [("sparse B=1 top-2048 of 32k", 1, 32768, 2048),
+               ("sparse B=8 top-2048 of 32k", 8, 32768, 2048),
+               ("sparse B=64 top-2048 of 8k", 64, 8192, 2048),
+               ("sparse B=8 top-512 of 8k", 8, 8192, 512)]
 
 
 def row(flag, label, b, skv, page):
@@ -68,14 +79,38 @@ def row(flag, label, b, skv, page):
     return label, ms, gbs, same
 
 
+def sparse_row(flag, label, b, skv, topk):
+    dt = torch.bfloat16
+    q = torch.randn(b, 1, HQ, D, device="cuda", dtype=dt)
+    k = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
+    v = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
+    idx = torch.rand(b, 1, HKV, skv, device="cuda").argsort(-1)[..., :topk].to(torch.int32)
+
+    def call():
+        return fl.sparse_attention(q, k, v, idx)
+
+    ms = flag_ab_ms(flag, call)
+    on, off, restore = flag_runs(flag, call)
+    same = torch.equal(on(), off())
+    # Host us a call on / off (the GPU asleep under the loop: host time alone), as peers.
+    ms += [host_loop_s(fn, 200, sync_end=False, gpu_sleep=True) * 1e6 for fn in (on, off)]
+    restore()
+    gbs = 2 * b * topk * HKV * D * 2 / 1e6
+    return label, ms, gbs, same
+
+
 def main() -> None:
     flag = flag_ab_args()
     only = os.environ.get("AB_ROWS")  # (e.g. AB_ROWS="B=1 Skv=128k;B=1 Skv=4k")
-    rows = [row(flag, *r) for r in ROWS if only is None or r[0] in only.split(";")]
-    print("| row | ms on | off | on/off | GB/s on | off | cuDNN ms | same bits |")
+    make, table = (sparse_row, SPARSE_ROWS) if os.environ.get("AB_SET") == "sparse" else \
+        (row, ROWS)
+    rows = [make(flag, *r) for r in table if only is None or r[0] in only.split(";")]
+    sparse = make is sparse_row
+    extra = "host us on / off" if sparse else "cuDNN ms"
+    print(f"| row | ms on | off | on/off | GB/s on | off | {extra} | same bits |")
     print("|---|---|---|---|---|---|---|---|")
     for label, ms, gbs, same in rows:
-        peer = f"{ms[2]:.4f}" if len(ms) > 2 else "-"
+        peer = f"{ms[2]:.1f} / {ms[3]:.1f}" if sparse else f"{ms[2]:.4f}" if len(ms) > 2 else "-"
         print(f"| {label} | {ms[0]:.4f} | {ms[1]:.4f} | {ms[0] / ms[1]:.3f} | "
               f"{gbs / ms[0]:.0f} | {gbs / ms[1]:.0f} | {peer} | {same} |")
 

@@ -64,6 +64,9 @@
 #   bash benchmarks/h200_session.sh fused      # session 45's decode merge fused into the split
 #                                                kernel (decode.FUSED_MERGE): GPU tests, host
 #                                                us and device time on / off in turns
+#   bash benchmarks/h200_session.sh s47        # sessions 46-47: unread lse and the token
+#                                                table's fused merge (GPU tests, A/B), kvcache
+#                                                host us
 #   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
 #                                                32 splits goes (prof_fused_merge.py: each
 #                                                kernel's time in both forms, then ncu)
@@ -643,15 +646,26 @@ if [ "$1" = fused ]; then
         > "$OUT/profile_mixed.txt" 2>&1; grep -m3 -E "us a call|===" "$OUT/profile_mixed.txt"
     exit 0
 fi
+if [ "$1" = s47 ]; then
+    # Sessions 46-47, never run on a GPU yet: the unread lse on kept scratch (on in main) and
+    # the token table's fused merge (decode.FUSED_MERGE_TOKEN_TABLE, off): their GPU tests,
+    # then the token table's A/B (public sparse_attention, device ms and host us in turns;
+    # turn it on at level device time, as the dense form), then the kvcache rows' host us
+    # (against the session-46 rows: 38.6 / 47.1 / 34.1 / 32.6 / 37.8 on an H100).
+    run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py
+    FLASHLSE_TEST_FUSED_MERGE=1 run_tests sparse_fused $K/test_sparse_kernels.py
+    for f in "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log; do
+        echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log | head -8
+    AB_SET=sparse timeout 200 python3 benchmarks/ab_decode_switch.py \
+        --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tail -7
+    timeout 120 python3 benchmarks/bench_overhead.py --functions kvcache --out "$OUT/kv" \
+        2>&1 | grep "^attention_with" | grep "|"
+    exit 0
+fi
 if [ "$1" = fused-why ]; then
     # Session 46: the fused decode merge costs +4.6-5.8 us at 32 splits (B = 1), nothing at 4,
     # whatever its step count; each kernel's device time in both forms, then ncu of both.
-    # First the GPU tests of the session's unread lse on kept scratch and the kvcache rows'
-    # host us (against the session-46 rows: 38.6 / 47.1 / 34.1 / 32.6 / 37.8 on an H100).
-    run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py
-    tail -1 "$OUT/test_gpu_unread.log"; grep -h "^FAILED" "$OUT/test_gpu_unread.log" | head -5
-    timeout 120 python3 benchmarks/bench_overhead.py --functions kvcache --out "$OUT/kv" \
-        2>&1 | grep "^attention_with" | grep "|"
     timeout 200 python3 benchmarks/prof_fused_merge.py 2>&1 | tail -30
     timeout 200 ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \
         --section LaunchStats --section Occupancy --csv --page details \

@@ -602,10 +602,13 @@ _MAX_PLANS = 4096
 # where the call has at most FUSED_MERGE_MAX_SPLITS splits. H100 (NOTES.md, session 46):
 # host -24 us a 4-split decode call, device time level (0.993-1.002) at 4 splits; at 32
 # splits (B = 1) device +2.4-3.3% (+4.6-5.8 us, the same with 16 states a step and the
-# maximum in one load), so those keep the merge kernel. Not for sparse_attention's token
-# table yet (its GPU tests have not run on the fused form).
+# maximum in one load), so those keep the merge kernel.
 FUSED_MERGE = True
 FUSED_MERGE_MAX_SPLITS = 8
+# The same for sparse_attention's token table (its rows gathered a token at a time): off until
+# its GPU tests and an A/B run on the fused form (the interpreter's pass: NOTES.md, session
+# 47); FLASHLSE_TEST_FUSED_MERGE=1 turns it on for the kernel tests.
+FUSED_MERGE_TOKEN_TABLE = False
 # States the fused merge loads per unrolled step (each step is one L2 latency; the merge
 # kernel takes up to 32 on its small tiles, which hold fewer values a thread).
 FUSED_MERGE_STATES = 8
@@ -786,7 +789,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     # The split kernel's last program of each row tile merges (``_merge_if_last``): one
     # launch less a call. Not for the Hopper MLA kernel, whose splits the merge kernel joins.
     fused = 1 < splits <= FUSED_MERGE_MAX_SPLITS and FUSED_MERGE and gluon is None and \
-        token_table is None
+        (token_table is None or FUSED_MERGE_TOKEN_TABLE)
     kw = dict(
         stride_qb=st_q[0], stride_qs=st_q[1], stride_qh=st_q[2],
         stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],

@@ -116,8 +116,9 @@ def test_fused_merge_one_split_and_mla_kernel_take_no_counters(device, monkeypat
 def test_fused_merge_split_limit(device, monkeypatch):
     # By default the fused form takes calls of 2 to FUSED_MERGE_MAX_SPLITS splits (above, the
     # merge kernel: the fused merge cost device time at 32 splits, NOTES.md session 46); never
-    # sparse_attention's token-table form.
+    # sparse_attention's token-table form (FUSED_MERGE_TOKEN_TABLE, off by default).
     monkeypatch.setattr(decode, "FUSED_MERGE_MAX_SPLITS", 8)
+    monkeypatch.setattr(decode, "FUSED_MERGE_TOKEN_TABLE", False)
     monkeypatch.setattr(decode, "_PLANS", {})
     q, k, v, lens, _, _, _ = _make(device, _dtypes()[0], smax=640, lens=(300, 640))
     kw = dict(cache_seqlens=lens, block_table=None, left=None, right=None, softcap=0.0,
@@ -135,6 +136,77 @@ def test_fused_merge_split_limit(device, monkeypatch):
     plans = list(decode._PLANS.values())
     assert plans and all(p.fused_run is None for p in plans)
     assert any(p.merge is not None for p in plans)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["flat", "paged4"])
+@pytest.mark.parametrize("sink", [False, True])
+def test_fused_merge_token_table(device, monkeypatch, paged, sink):
+    # sparse_attention's top-k lists on the fused form (FUSED_MERGE_TOKEN_TABLE): equal bit
+    # for bit to the merge kernel's, against the float64 reference, with an all -1 row
+    # (empty: out 0, lse -inf or the sink), a NaN key listed by exactly one row (NaN there
+    # only), and the counters back at 0.
+    import importlib
+
+    from flashlse import reference as R
+
+    sparse_ops = importlib.import_module("flashlse.ops.sparse")
+    g = torch.Generator().manual_seed(47)
+    dt = _dtypes()[0]
+    b, sq, hq, hkv, d, sk, topk = 2, 2, 4, 2, 32, 300, 160
+    q = torch.randn(b, sq, hq, d, generator=g).to(device, dt)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(device, dt)
+    v = torch.randn(b, sk, hkv, d, generator=g).to(device, dt)
+    idx = torch.stack([torch.randperm(sk - 1, generator=g)[:topk]
+                       for _ in range(b * sq * hkv)]).view(b, sq, hkv, topk).to(torch.int32)
+    idx[0, 1, 0] = -1  # an empty row
+    idx[1, 0, 1, 7] = sk - 1  # the only listing of key sk - 1
+    k[1, sk - 1, 1, 5] = float("nan")
+    idx = idx.to(device)
+    s = torch.randn(hq, generator=g).to(device) if sink else None
+    kw = dict(scale=0.1, sink=s, return_lse=True)
+    if paged:  # pages of 4 rows in a shuffled table
+        pages = sk // 4
+        perm = torch.randperm(b * pages, generator=g)
+        kp = torch.empty(b * pages, 4, hkv, d, dtype=dt, device=device)
+        vp = torch.empty_like(kp)
+        kp[perm] = k.reshape(b * pages, 4, hkv, d)
+        vp[perm] = v.reshape(b * pages, 4, hkv, d)
+        args = (q, kp, vp, idx)
+        kw["block_table"] = perm.view(b, pages).to(device, torch.int32)
+    else:
+        args = (q, k, v, idx)
+    monkeypatch.setattr(decode, "FUSED_MERGE_MAX_SPLITS", 8)
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(decode, "FUSED_MERGE_TOKEN_TABLE", fused)
+        monkeypatch.setattr(decode, "_PLANS", {})
+        monkeypatch.setattr(sparse_ops, "_PLANS", {})  # (its kept decode plans)
+        with fl.value_checks(False):
+            got[fused] = fl.sparse_attention(*args, **kw)
+        plans = list(decode._PLANS.values())
+        assert plans and all((p.fused_run is not None) == fused for p in plans), fused
+        assert any(p.merge is not None for p in plans)
+    (out, lse), (out0, lse0) = got[True], got[False]
+    assert torch.equal(out.isnan(), out0.isnan()) and torch.equal(lse.isnan(), lse0.isnan())
+    assert torch.equal(out.nan_to_num(), out0.nan_to_num())
+    assert torch.equal(lse.nan_to_num(), lse0.nan_to_num())
+    assert _counters_zero(device)
+    # NaN exactly where the NaN key is listed: sequence 1, query row 0, kv head 1's heads.
+    nan_rows = torch.zeros(b, sq, hq, dtype=torch.bool)
+    nan_rows[1, 0, 2:] = True
+    assert torch.equal(out.isnan().any(-1).cpu(), nan_rows)
+    assert torch.equal(lse.isnan().cpu(), nan_rows.permute(0, 2, 1))
+    k_ref = k.double()
+    want, want_lse = R.sparse_attention(q.double(), k_ref, v.double(), idx, scale=0.1,
+                                        sink=None if s is None else s.double(),
+                                        return_lse=True)
+    ok = ~nan_rows.to(device)
+    tol = 2e-3 if dt == torch.float32 else 2e-2
+    torch.testing.assert_close(out[ok].double(), want[ok], atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.permute(0, 2, 1)[ok].double(),
+                               want_lse.permute(0, 2, 1)[ok], atol=tol, rtol=tol)
+    if not sink:  # the empty row: out 0, lse -inf
+        assert (out[0, 1, :2] == 0).all() and torch.isneginf(lse[0, :2, 1]).all()
 
 
 @pytest.mark.parametrize("splits", [1, 3, 12])
