@@ -237,12 +237,16 @@ def fwd_paged_config(block_d: int, block_dv: int, rows: int, interpret: bool) ->
     if interpret:
         return _FWD_INTERPRET
     if rows <= 64:
-        block_m = max(16, next_pow2(rows))
-        if max(block_d, block_dv) <= 128:
-            return TileConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=4)
-        return TileConfig(block_m=block_m, block_n=32, num_warps=8 if block_m == 64 else 4,
-                          num_stages=2)
+        return _fwd_paged_small(block_d, block_dv, max(16, next_pow2(rows)))
     return FWD_PAGED[min(max(block_d, block_dv, 64), 256)]
+
+
+@functools.cache  # (a serving step's every call: one object, not a new one a call)
+def _fwd_paged_small(block_d: int, block_dv: int, block_m: int) -> TileConfig:
+    if max(block_d, block_dv) <= 128:
+        return TileConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=4)
+    return TileConfig(block_m=block_m, block_n=32, num_warps=8 if block_m == 64 else 4,
+                      num_stages=2)
 
 
 # --- fwd_sm90.py: the Hopper Gluon forward ------------------------------------------------

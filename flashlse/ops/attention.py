@@ -897,7 +897,7 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
                            max_seqlen_k, seqused_k, block_table, causal, window, softcap, scale,
                            sink, return_lse, deterministic)
     hit = None if kept is None else _PAGED_KEPT.get(kept)
-    if hit is not None:
+    if hit is not None and _paged_batch_agrees(cu_seqlens_q, seqused_k, block_table):
         out, lse = _paged_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q,
                               seqused_k, max_seqlen_k, sink, *hit)
         return (out, lse) if return_lse else out
@@ -960,7 +960,7 @@ def _attention_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
         out, lse = _paged_fwd_op(*args)
     else:
         plans = None
-        if kept is not None:
+        if kept is not None and use_triton(q):
             # Every check passed: later calls of this key (any lengths) skip them, and find
             # the kernels' plans this call makes in the entry's own cache.
             if len(_PAGED_KEPT) >= _MAX_KEPT:
@@ -984,27 +984,38 @@ _PAGED_KEPT: dict = {}
 def _paged_kept_key(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, seqused_k, block_table, causal, window, softcap, scale, sink,
                     return_lse, deterministic):
-    """The call's key in ``_PAGED_KEPT``, or None for a call that cannot take the kept path."""
-    if not (V.KEEP_PLANS and isinstance(q, torch.Tensor) and use_triton(q)
-            and cu_seqlens_k is None
+    """The call's key in ``_PAGED_KEPT``, or None for a call that cannot take the kept path:
+    every tensor's metadata but the batch (q's rows, the entries of cu_seqlens_q, the table's
+    rows, seqused_k's), whose agreement :func:`_paged_batch_agrees` checks on a hit. An entry
+    is made only after the full checks passed (on the kernels' path), so a key of wrong dims,
+    dtypes or devices never hits. Plain tensors only (a subclass takes the full path)."""
+    T = torch.Tensor
+    if not (V.KEEP_PLANS and cu_seqlens_k is None and not torch.compiler.is_compiling()
+            and q.__class__ is T
+            and k_cache.__class__ is T and v_cache.__class__ is T
+            and cu_seqlens_q.__class__ is T and seqused_k.__class__ is T
+            and block_table.__class__ is T and (sink is None or sink.__class__ is T)
             and max_seqlen_q.__class__ is int and max_seqlen_k.__class__ is int
             and max_seqlen_q >= 0 and max_seqlen_k >= 0  # (the full path says why not)
-            and V.canonical_scalars(causal, window, softcap, scale, return_lse, deterministic)):
+            and V.canonical_scalars(causal, window, softcap, scale, return_lse, deterministic)
+            and not V.values_checkable(seqused_k)
+            and not V.needs_grad(q, k_cache, v_cache, sink)):
         return None
-    key = V.meta_key("paged-kept", k_cache, v_cache, sink)
-    tensors = (q, cu_seqlens_q, seqused_k, block_table)
-    if key is None or not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 3 \
-            or cu_seqlens_q.dim() != 1 or block_table.dim() != 2 or seqused_k.dim() != 1:
-        return None
-    bsz = cu_seqlens_q.shape[0] - 1
-    if bsz < 0 or block_table.shape[0] != bsz or seqused_k.shape[0] != bsz or \
-            V.values_checkable(seqused_k) or V.needs_grad(q, k_cache, v_cache, sink):
-        return None
-    return (key, q.shape[1:], q.stride(), q.dtype, q.device, cu_seqlens_q.stride(),
-            cu_seqlens_q.dtype, cu_seqlens_q.device, seqused_k.stride(), seqused_k.dtype,
-            seqused_k.device, block_table.shape[1],
+    return (q.shape[1:], q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+            k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype,
+            v_cache.device,
+            None if sink is None else (sink.shape, sink.stride(), sink.dtype, sink.device),
+            cu_seqlens_q.stride(), cu_seqlens_q.dtype, cu_seqlens_q.device,
+            seqused_k.stride(), seqused_k.dtype, seqused_k.device, block_table.shape[1:],
             block_table.stride(), block_table.dtype, block_table.device, causal, window,
             softcap, scale)
+
+
+def _paged_batch_agrees(cu_seqlens_q, seqused_k, block_table) -> bool:
+    """Whether a kept paged call's batch agrees across its tensors (B + 1 entries of
+    cu_seqlens_q, B rows of the table, B of seqused_k): the full path's checks of it."""
+    bsz = cu_seqlens_q.shape[0] - 1
+    return bsz >= 0 and block_table.shape[0] == bsz and seqused_k.shape[0] == bsz
 
 
 def _paged_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, max_seqlen_q, lens, max_seqlen_k,

@@ -515,6 +515,8 @@ def test_attention_varlen_paged_steps_share_one_plan(device, monkeypatch):
         with torch.no_grad(), fl.value_checks(False):
             with pytest.raises(ValueError, match="block_table must have B"):
                 fl.attention_varlen(*args, **dict(dev, block_table=dev["block_table"][:1]))
+            with pytest.raises(ValueError, match="seqused_k must be"):
+                fl.attention_varlen(*args, **dict(dev, seqused_k=dev["seqused_k"][:1]))
             with pytest.raises(TypeError, match="seqused_k must be int32"):
                 fl.attention_varlen(*args, **dict(dev, seqused_k=dev["seqused_k"].long()))
             with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
