@@ -14,6 +14,13 @@ same heads, the decode kernel's token table; no peer: host us a call on / off in
 place), for the token table's fused merge:
 
     AB_SET=sparse python benchmarks/ab_decode_switch.py --flag decode.FUSED_MERGE_TOKEN_TABLE
+
+``AB_SET=short``: dense ``fl.attention`` calls of a few query rows over a whole cache
+(causal; transformers' decode steps, speculative verification), for the dispatcher's route of
+those to the decode kernel (cuDNN beside the one-row rows; the last row in transformers'
+layout, (B, H, S, D) tensors transposed):
+
+    AB_SET=short python benchmarks/ab_decode_switch.py --flag dispatch.SHORT_Q_DECODE
 """
 
 from __future__ import annotations
@@ -99,11 +106,50 @@ def sparse_row(flag, label, b, skv, topk):
     return label, ms, gbs, same
 
 
+# (label, B, Sq, Skv, transposed): fl.attention's short-query rows (AB_SET=short).
+SHORT_ROWS = [("attention B=1 Sq=1 Skv=4k", 1, 1, 4096, False),
+              ("attention B=1 Sq=1 Skv=32k", 1, 1, 32768, False),
+              ("attention B=8 Sq=1 Skv=8k", 8, 1, 8192, False),
+              ("attention B=1 Sq=4 Skv=8k", 1, 4, 8192, False),
+              ("attention B=8 Sq=16 Skv=2k", 8, 16, 2048, False),
+              ("attention B=1 Sq=1 Skv=4k (B,H,S,D).T", 1, 1, 4096, True)]
+
+
+def short_row(flag, label, b, sq, skv, transposed):
+    dt = torch.bfloat16
+    if transposed:
+        q = torch.randn(b, HQ, sq, D, device="cuda", dtype=dt).transpose(1, 2)
+        k = torch.randn(b, HKV, skv, D, device="cuda", dtype=dt).transpose(1, 2)
+        v = torch.randn(b, HKV, skv, D, device="cuda", dtype=dt).transpose(1, 2)
+    else:
+        q = torch.randn(b, sq, HQ, D, device="cuda", dtype=dt)
+        k = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
+        v = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
+
+    def call():
+        return fl.attention(q, k, v, causal=True)
+
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def cudnn():  # (one query row: causal is no mask)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+    ms = flag_ab_ms(flag, call, peers=(cudnn,) if sq == 1 else ())
+    on, off, restore = flag_runs(flag, call)
+    a, c = on(), off()
+    # (Two kernels: equal to rounding, not bit for bit.)
+    same = f"max diff {float((a.float() - c.float()).abs().max()):.1e}"
+    restore()
+    gbs = 2 * b * skv * HKV * D * 2 / 1e6
+    return label, ms, gbs, same
+
+
 def main() -> None:
     flag = flag_ab_args()
     only = os.environ.get("AB_ROWS")  # (e.g. AB_ROWS="B=1 Skv=128k;B=1 Skv=4k")
-    make, table = (sparse_row, SPARSE_ROWS) if os.environ.get("AB_SET") == "sparse" else \
-        (row, ROWS)
+    make, table = {"sparse": (sparse_row, SPARSE_ROWS), "short": (short_row, SHORT_ROWS)}.get(
+        os.environ.get("AB_SET"), (row, ROWS))
     rows = [make(flag, *r) for r in table if only is None or r[0] in only.split(";")]
     sparse = make is sparse_row
     extra = "host us on / off" if sparse else "cuDNN ms"

@@ -64,9 +64,9 @@
 #   bash benchmarks/h200_session.sh fused      # session 45's decode merge fused into the split
 #                                                kernel (decode.FUSED_MERGE): GPU tests, host
 #                                                us and device time on / off in turns
-#   bash benchmarks/h200_session.sh s47        # sessions 46-47: unread lse and the token
-#                                                table's fused merge (GPU tests, A/B), kvcache
-#                                                host us
+#   bash benchmarks/h200_session.sh s47        # sessions 46-47: unread lse, the token
+#                                                table's fused merge, short queries on the
+#                                                decode kernel (GPU tests, A/B), kvcache host us
 #   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
 #                                                32 splits goes (prof_fused_merge.py: each
 #                                                kernel's time in both forms, then ncu)
@@ -652,13 +652,26 @@ if [ "$1" = s47 ]; then
     # then the token table's A/B (public sparse_attention, device ms and host us in turns;
     # turn it on at level device time, as the dense form), then the kvcache rows' host us
     # (against the session-46 rows: 38.6 / 47.1 / 34.1 / 32.6 / 37.8 on an H100).
-    run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py
-    FLASHLSE_TEST_FUSED_MERGE=1 run_tests sparse_fused $K/test_sparse_kernels.py
-    for f in "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log; do
-        echo "$f: $(tail -1 "$f")"; done
-    grep -h "^FAILED" "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log | head -8
+    # Session 47 also: dense calls of <= 16 query rows on the decode kernel
+    # (dispatch.SHORT_Q_DECODE, on): their tests and the dense files' short rows, then the
+    # A/B (public fl.attention, cuDNN beside the one-row rows).
+    # "s47": the tests (three processes at once); "s47 bench": the A/Bs and host rows.
+    if [ "$2" != bench ]; then
+    run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py &
+    FLASHLSE_TEST_FUSED_MERGE=1 run_tests sparse_fused $K/test_sparse_kernels.py &
+    run_tests short $K/test_short_query.py $K/test_fwd.py $K/test_bwd.py $K/test_nan_kernels.py \
+        $K/test_launch_plans.py -k "short or decode_row or sq1 or sq_gt or launch_plan" &
+    wait
+    for f in "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log "$OUT"/test_gpu_short.log
+    do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log \
+        "$OUT"/test_gpu_short.log | head -8
+    exit 0
+    fi
+    AB_SET=short timeout 200 python3 benchmarks/ab_decode_switch.py \
+        --flag dispatch.SHORT_Q_DECODE 2>&1 | tail -8
     AB_SET=sparse timeout 200 python3 benchmarks/ab_decode_switch.py \
-        --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tail -7
+        --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tail -6
     timeout 120 python3 benchmarks/bench_overhead.py --functions kvcache --out "$OUT/kv" \
         2>&1 | grep "^attention_with" | grep "|"
     exit 0

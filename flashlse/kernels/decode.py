@@ -430,6 +430,10 @@ def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
     return 1
 
 
+# The query rows a sequence that decode_fwd takes (speculative decoding's few).
+MAX_SQ = 16
+
+
 def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
                sink, num_splits, seqlen_add=0, config=None, out_dtype=None, token_table=None,
                token_pages=None):
@@ -439,7 +443,7 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     The last dim of q and of the caches must have stride 1.
 
     Args:
-        q: ``(B, Sq, Hq, D)``, ``Sq`` in 1..16.
+        q: ``(B, Sq, Hq, D)``, ``Sq`` in 1..``MAX_SQ``.
         k_cache: ``(B, Smax, Hkv, D)``, or paged ``(num_pages, page_size, Hkv, D)``.
         v_cache: ``(B, Smax, Hkv, Dv)`` or ``(num_pages, page_size, Hkv, Dv)``; may be the
             view ``k_cache[..., :Dv]`` (MLA), which is then read once.
@@ -531,25 +535,29 @@ def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, s
 
 
 def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, token_pages,
-             empty, out_shape=None, lse_shape=None, want_lse=True):
+             empty, out_shape=None, lse_shape=None, want_lse=True, out=None, lse=None):
     """Allocates ``out`` and ``lse`` and launches a :func:`decode_fwd` plan (``key``: its key
     in ``_PLANS``) on these tensors, which need only the addresses, dtypes and alignment of
     the tensors the plan was made from (a caller may pass a tensor of which those were
     views). ``out_shape`` / ``lse_shape``: other shapes of the same contiguous outputs.
-    ``want_lse=False``: the caller drops ``lse`` (``_unread_lse`` then holds it).
-    Returns ``(out, lse)``, or None when the Hopper MLA kernel failed to compile: then the
-    failure is recorded (warned once) and the plan dropped, and the caller plans again."""
+    ``want_lse=False``: the caller drops ``lse`` (``_unread_lse`` then holds it). ``out``
+    and ``lse``: the caller's own (contiguous, of the plan's shapes and dtypes) to fill
+    instead. Returns ``(out, lse)``, or None when the Hopper MLA kernel failed to compile:
+    then the failure is recorded (warned once) and the plan dropped, and the caller plans
+    again."""
     dev = q.device
-    out = empty(out_shape or plan.out_shape, dtype=plan.out_dtype, device=dev)
+    if out is None:
+        out = empty(out_shape or plan.out_shape, dtype=plan.out_dtype, device=dev)
     lse_shape = lse_shape or plan.lse_shape
     # (Kept scratch is not for a CUDA graph: it takes fresh tensors from the graph's pool.)
     capturing = (not want_lse or plan.merge is not None) and q.is_cuda and \
         torch.cuda.is_current_stream_capturing()
-    if want_lse or capturing or empty is not torch.empty or \
-            math.prod(lse_shape) > SCRATCH_MAX_VALUES:
-        lse = empty(lse_shape, dtype=torch.float32, device=dev)
-    else:
-        lse = _unread_lse(dev, lse_shape)
+    if lse is None:
+        if want_lse or capturing or empty is not torch.empty or \
+                math.prod(lse_shape) > SCRATCH_MAX_VALUES:
+            lse = empty(lse_shape, dtype=torch.float32, device=dev)
+        else:
+            lse = _unread_lse(dev, lse_shape)
     if plan.grid is None:
         return out, lse
     if plan.merge is None:

@@ -5,7 +5,9 @@ domain (dtypes, head dims, device capability, alignment: FA-4's ``can_implement`
 typed launcher; the families are peers and know nothing of each other. This module asks
 them in order and calls the first that takes the call:
 
-    forward  (attn_fwd)          fwd_sm90   Hopper Gluon       KernelOptions.sm90_fwd
+    forward  (attn_fwd)          decode     split-KV decode    dense, Sq <= decode.MAX_SQ
+                                                               (SHORT_Q_DECODE)
+                                 fwd_sm90   Hopper Gluon       KernelOptions.sm90_fwd
                                  fwd        portable Triton    always
     paged forward (attn_fwd_paged)  sequences of more than fwd.SMALL_ROWS packed rows:
                                  fwd_sm90   Hopper Gluon paged KernelOptions.sm90_fwd_paged
@@ -30,7 +32,7 @@ import functools
 import torch
 import triton
 
-from . import bwd, fwd, options
+from . import bwd, decode, fwd, options
 from ._common import alloc_scratch, check_grid_dims
 from .failures import FAILURES
 
@@ -76,6 +78,8 @@ def fwd_launch(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqle
     or False when the Hopper kernel failed to compile (warned once; ask again for the
     portable one). A function of the call's metadata and the options, like the plans it
     holds: ``ops.attention`` keeps it for repeated calls."""
+    if SHORT_Q_DECODE and cu_seqlens_q is None and q.shape[1] <= decode.MAX_SQ:
+        return _DecodeFwd(left, right, softcap, scale)
     if options.current().sm90_fwd and fwd_sm90 is not None:
         plan = fwd_sm90.plan(q, k, v, out, lse, softcap=softcap, left=left, right=right,
                              scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q,
@@ -87,6 +91,39 @@ def fwd_launch(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqle
         q, k, v, out, lse, left=left, right=right, softcap=softcap, scale=scale, sink=sink,
         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         seqused_k=seqused_k))
+
+
+# Dense calls of at most decode.MAX_SQ query rows a sequence (a model's decode step through
+# fl.attention, transformers' generate, speculative verification) run the split-KV decode
+# kernel over k and v as a whole cache: the query heads of a kv head packed into its row
+# tiles and the keys split over the SMs, where the dense kernels run a 128-row tile of one
+# head with up to 16 rows in it and no split. Same contract (bottom-right masks, windows,
+# softcap, sink, lse (B, Hq, Sq)); attention_with_kvcache takes the same kernel for these
+# rows. Off: the dense kernels (the A/B of benchmarks/ab_fwd_switch.py).
+SHORT_Q_DECODE = True
+
+
+class _DecodeFwd:
+    """:func:`fwd_launch` of a short-query dense call: ``decode.run_plan`` into the caller's
+    ``out`` and ``lse``, on the plan of the call's metadata and whether v is k's storage
+    (the kernel then reads V from K's tiles: a kept launch must not assume it of another
+    call's tensors), planned on first use of each."""
+
+    __slots__ = ("scalars", "plans")
+
+    def __init__(self, left, right, softcap, scale):
+        self.scalars = dict(left=left, right=right, softcap=softcap, scale=scale)
+        self.plans = {}
+
+    def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> bool:
+        shared = v.data_ptr() == k.data_ptr()
+        kp = self.plans.get(shared)
+        if kp is None:
+            kp = self.plans[shared] = decode.find_plan(
+                q, k, v, cache_seqlens=None, block_table=None, sink=sink, num_splits=0,
+                **self.scalars)[:2]
+        return decode.run_plan(kp[1], kp[0], q, k, v, None, None, sink, None,
+                               options.allocator(), out=out, lse=lse) is not None
 
 
 class _Sm90Fwd:

@@ -1,0 +1,103 @@
+"""Dense calls of at most ``decode.MAX_SQ`` query rows (``dispatch.SHORT_Q_DECODE``): the
+split-KV decode kernel over k and v as a whole cache, against the float64 reference (out and
+lse, empty rows, outputs pre-filled with NaN), and the same calls on the dense kernels (the
+route off); the route taken up to ``MAX_SQ`` rows and not past it; a kept launch planned on
+``v = k`` (the kernel then reads V from K's tiles) given another v; gradients through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fwd import DTYPES, _run_dense
+
+import flashlse as fl
+from flashlse import reference
+from flashlse.kernels import decode, dispatch
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """The decode kernel's plan runs (``decode.run_plan``) of the test, counted."""
+    calls = []
+    real = decode.run_plan
+    monkeypatch.setattr(decode, "run_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+# (b, sq, sk, hq, hkv, d, dv, keywords), as test_fwd's DENSE_CASES.
+SHORT_CASES = [
+    pytest.param(2, 1, 47, 4, 2, 32, 32, {}, id="decode_row_gqa"),
+    pytest.param(1, 1, 63, 2, 1, 32, 32, {"causal": True}, id="decode_row_causal"),
+    pytest.param(1, 5, 3, 2, 1, 32, 32, {"causal": True}, id="causal_sq_gt_sk_empty_rows"),
+    pytest.param(1, 16, 40, 4, 1, 32, 32, {"causal": True, "sink": True}, id="sq16_sink"),
+    pytest.param(1, 3, 0, 2, 1, 32, 32, {"sink": True}, id="sk0_sink"),
+    pytest.param(1, 2, 0, 2, 1, 32, 32, {}, id="sk0"),
+    pytest.param(1, 4, 30, 2, 1, 32, 32, {"window": (5, 0)}, id="sliding"),
+    pytest.param(1, 2, 30, 2, 2, 32, 32, {"window": (3, 4)}, id="window_both"),
+    pytest.param(1, 8, 20, 2, 1, 32, 32, {"softcap": 2.0, "causal": True}, id="softcap"),
+    pytest.param(1, 3, 30, 2, 1, 59, 40, {}, id="d59_dv40"),
+    pytest.param(2, 7, 25, 4, 2, 32, 32, {"strided": True}, id="strided_q"),
+    pytest.param(1, 16, 70, 8, 1, 32, 32, {}, id="rows128_two_row_tiles"),
+    pytest.param(1, 2, 30, 2, 1, 32, 32, {"scale": -0.3}, id="negative_scale"),
+]
+
+
+@pytest.mark.parametrize("route", [True, False], ids=["decode", "dense"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,dv,kw", SHORT_CASES)
+def test_short_query_dense_call(device, monkeypatch, decode_calls, route, dtype, b, sq, sk, hq,
+                                hkv, d, dv, kw):
+    monkeypatch.setattr(dispatch, "SHORT_Q_DECODE", route)
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, **kw)
+    assert bool(decode_calls) == route
+
+
+@pytest.mark.parametrize("sq, routed", [(decode.MAX_SQ, True), (decode.MAX_SQ + 1, False)])
+def test_short_query_bound(device, decode_calls, sq, routed):
+    q = torch.randn(1, sq, 2, 32, device=device, dtype=DTYPES[0])
+    k = torch.randn(1, 40, 1, 32, device=device, dtype=DTYPES[0])
+    fl.attention(q, k, k, causal=True)
+    assert bool(decode_calls) == routed
+
+
+def _ref(q, k, v, **kw):
+    return reference.attention(q.double(), k.double(), v.double(), return_lse=True, **kw)
+
+
+def test_short_query_kept_launch_reads_each_calls_v(device, decode_calls):
+    # A launch kept for a call with v = k (the decode kernel then reads V from K's tiles) and
+    # a later call of the same metadata with its own v: each gets its own v's answer.
+    g = torch.Generator().manual_seed(3)
+    dt = DTYPES[0]
+    q = torch.randn(1, 2, 4, 32, generator=g).to(device, dt)
+    k = torch.randn(1, 30, 2, 32, generator=g).to(device, dt)
+    v = torch.randn(1, 30, 2, 32, generator=g).to(device, dt)
+    for vv in (k, v, k, v):
+        out, lse = fl.attention(q, k, vv, causal=True, return_lse=True)
+        want, want_lse = _ref(q, k, vv, causal=True)
+        torch.testing.assert_close(out.double().cpu(), want.cpu(), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse.double().cpu(), want_lse.cpu(), atol=2e-3, rtol=2e-3)
+    assert len(decode_calls) == 4
+
+
+def test_short_query_gradients(device, decode_calls):
+    # The forward on the decode kernel, the backward on the kernels' backward from its lse.
+    g = torch.Generator().manual_seed(5)
+    dt = DTYPES[0]
+    q, k, v = (torch.randn(2, s, h, 32, generator=g).to(device, dt).requires_grad_()
+               for s, h in ((3, 4), (20, 2), (20, 2)))
+    sink = torch.randn(4, generator=g).to(device).requires_grad_()
+    out, lse = fl.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse)
+    torch.autograd.backward((out, lse), (dout, dlse))
+    assert decode_calls
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v, sink)]
+    r_out, r_lse = reference.attention(*refs[:3], causal=True, sink=refs[3], return_lse=True)
+    torch.autograd.backward((r_out, r_lse), (dout.double(), dlse.double()))
+    tol = dict(atol=5e-3, rtol=5e-3) if dt == torch.float16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.double(), r_out.detach(), **tol)
+    for got, want in zip((q, k, v, sink), refs):
+        assert not torch.isnan(got.grad).any()
+        torch.testing.assert_close(got.grad.double(), want.grad, **tol)
+    assert torch.isfinite(lse.detach()).all()
