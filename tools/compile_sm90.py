@@ -431,6 +431,14 @@ def cases():
         yield "decode", f"decode GQA paged={paged} fused merge", decode._decode_fwd_kernel, \
             dec_types, dict(consts, HAS_SINK=False, PDL=False, FUSED_MERGE=True,
                             MERGE_SINK=True), 4, 3
+    # A dense call of a few query rows (dispatch.SHORT_Q_DECODE): the whole cache (no
+    # lengths), fused merge; and v the same tensor as k (V read from K's tiles, D2 = 0).
+    short = dict(consts, SQ=4, PAGE_SIZE=1, PAGED=False, HAS_SEQLENS=False, HAS_SINK=False,
+                 PDL=False, FUSED_MERGE=True, MERGE_SINK=False)
+    yield "decode", "decode short-query dense Sq=4 fused merge", decode._decode_fwd_kernel, \
+        dec_types, short, 4, 3
+    yield "decode", "decode short-query dense v is k", decode._decode_fwd_kernel, dec_types, \
+        dict(short, SHARED_KV=True), 4, 3
     # sparse_attention's forward: the top-k lists read as the table (one-row pages).
     consts = dict(consts, GROUP=8, BLOCK_M=16, PAGE_SIZE=1, PAGED=True, TOKEN_TABLE=True,
                   HAS_RIGHT=False, HAS_SINK=False, HAS_SEQLENS=False)
