@@ -251,3 +251,27 @@ def test_static_cache_generation_matches_eager(make, compiled, padded):
             torch._dynamo.reset()
             kw["compile_config"] = _compile_config()
         assert torch.equal(ours.generate(ids, **kw), want)
+
+
+def test_window_and_causal_read_from_the_module():
+    """Without the keywords, ``sliding_window`` and ``is_causal`` come from the module (an
+    instance attribute, or its class's), as the keyword would give them; a module with
+    neither is causal with no window."""
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, 4, 9, 16, generator=g), torch.randn(1, 2, 9, 16, generator=g)
+
+    class Windowed(torch.nn.Module):
+        sliding_window = 3
+
+    bare, inst, cls = torch.nn.Module(), torch.nn.Module(), Windowed()
+    inst.sliding_window, inst.is_causal = 3, False
+    want_window = flt.attention_forward(bare, q, k, k, None, sliding_window=3)[0]
+    want_full = flt.attention_forward(bare, q, k, k, None, is_causal=True)[0]
+    assert not torch.equal(want_window, want_full)
+    torch.testing.assert_close(flt.attention_forward(cls, q, k, k, None)[0], want_window,
+                               atol=0, rtol=0)
+    torch.testing.assert_close(flt.attention_forward(bare, q, k, k, None)[0], want_full,
+                               atol=0, rtol=0)
+    # An instance's is_causal False with a window: refused, as the keyword is.
+    with pytest.raises(ValueError, match="non-causal"):
+        flt.attention_forward(inst, q, k, k, None)

@@ -76,9 +76,22 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     return mask
 
 
+def _module_attr(module, name: str, default):
+    """``getattr(module, name, default)`` for a plain attribute, without the raise inside
+    ``nn.Module.__getattr__`` when the module has none (about 1 us a layer call): the
+    instance's own attributes, then its class's."""
+    found = module.__dict__.get(name, _MISSING)
+    if found is not _MISSING:
+        return found
+    return getattr(module, name) if hasattr(type(module), name) else default
+
+
+_MISSING = object()
+
+
 def _window(module, causal: bool, sliding_window):
     if sliding_window is None:
-        sliding_window = getattr(module, "sliding_window", None)
+        sliding_window = _module_attr(module, "sliding_window", None)
     if sliding_window is None:
         return (None, None)
     if not causal:
@@ -93,13 +106,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout and dropout > 0:
         raise ValueError(f"{ATTN_IMPLEMENTATION} has no attention dropout (got dropout="
                          f"{dropout}); set the config's attention_dropout to 0.0")
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal)
+    causal = bool(is_causal if is_causal is not None else
+                  _module_attr(module, "is_causal", True))
     kw = dict(causal=causal, window=_window(module, causal, sliding_window),
-              softcap=float(softcap or 0.0), scale=scaling,
-              sink=None if s_aux is None else s_aux)
+              softcap=float(softcap or 0.0), scale=scaling, sink=s_aux)
     query, key, value = _half_dtype(module, query, key, value)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, H, D)
+    # (B, S, H, D) views
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if attention_mask is None:
         packed = _packed_sequences(q, k, kwargs)
         if packed is None:
