@@ -215,8 +215,9 @@ def _padded(q, k, v, kv_mask, kw):
                               k.flatten(0, 1).index_select(0, k_rows),
                               v.flatten(0, 1).index_select(0, k_rows), cu_q, cu_k, max_q, max_k,
                               **kw)
+    # (In place: the out-of-place index_copy made a second buffer and copied the zeros.)
     full = out.new_zeros(b * sq, *out.shape[1:])
-    return full.index_copy(0, q_rows, out).view(b, sq, *out.shape[1:])
+    return full.index_copy_(0, q_rows, out).view(b, sq, *out.shape[1:])
 
 
 def _packing(kv_mask, sq, causal):
