@@ -99,15 +99,16 @@ def fwd_launch(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqle
 # tiles and the keys split over the SMs, where the dense kernels run a 128-row tile of one
 # head with up to 16 rows in it and no split. Same contract (bottom-right masks, windows,
 # softcap, sink, lse (B, Hq, Sq)); attention_with_kvcache takes the same kernel for these
-# rows. Off: the dense kernels (the A/B of benchmarks/ab_fwd_switch.py).
+# rows. Off: the dense kernels (the A/B: AB_SET=short benchmarks/ab_decode_switch.py).
 SHORT_Q_DECODE = True
 
 
 class _DecodeFwd:
     """:func:`fwd_launch` of a short-query dense call: ``decode.run_plan`` into the caller's
-    ``out`` and ``lse``, on the plan of the call's metadata and whether v is k's storage
-    (the kernel then reads V from K's tiles: a kept launch must not assume it of another
-    call's tensors), planned on first use of each."""
+    ``out`` and ``lse``, on the plan of the call's metadata, whether v is k's storage (the
+    kernel then reads V from K's tiles: a kept launch must not assume it of another call's
+    tensors) and the options the decode plan reads (``pdl``; the attention's kept key does
+    not hold them), planned on first use of each."""
 
     __slots__ = ("scalars", "plans")
 
@@ -116,14 +117,15 @@ class _DecodeFwd:
         self.plans = {}
 
     def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> bool:
-        shared = v.data_ptr() == k.data_ptr()
-        kp = self.plans.get(shared)
+        opts = options.current()
+        which = (v.data_ptr() == k.data_ptr(), opts.pdl)
+        kp = self.plans.get(which)
         if kp is None:
-            kp = self.plans[shared] = decode.find_plan(
+            kp = self.plans[which] = decode.find_plan(
                 q, k, v, cache_seqlens=None, block_table=None, sink=sink, num_splits=0,
                 **self.scalars)[:2]
         return decode.run_plan(kp[1], kp[0], q, k, v, None, None, sink, None,
-                               options.allocator(), out=out, lse=lse) is not None
+                               options.allocator(opts), out=out, lse=lse) is not None
 
 
 class _Sm90Fwd:
