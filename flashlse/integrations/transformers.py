@@ -208,21 +208,22 @@ def _half_dtype(module, *xs):
 
 
 def _padded(q, k, v, kv_mask, kw):
-    """Padded batch: the real tokens packed, ``attention_varlen``, scattered back (0 on pads)."""
+    """Padded batch: the real tokens packed, ``attention_varlen``, scattered back (0 on pads).
+    Each tensor's real rows are gathered by their (batch, position) pairs in one indexing:
+    transformers' (B, H, S, D) tensors seen as (B, S, H, D) cannot merge B and S, so a flat
+    row index would first copy the whole tensor (the K/V cache, every layer)."""
     b, sq = q.shape[:2]
-    q_rows, k_rows, cu_q, cu_k, max_q, max_k = _packing(kv_mask, sq, kw["causal"])
-    out = fl.attention_varlen(q.flatten(0, 1).index_select(0, q_rows),
-                              k.flatten(0, 1).index_select(0, k_rows),
-                              v.flatten(0, 1).index_select(0, k_rows), cu_q, cu_k, max_q, max_k,
-                              **kw)
-    # (In place: the out-of-place index_copy made a second buffer and copied the zeros.)
-    full = out.new_zeros(b * sq, *out.shape[1:])
-    return full.index_copy_(0, q_rows, out).view(b, sq, *out.shape[1:])
+    q_at, k_at, cu_q, cu_k, max_q, max_k = _packing(kv_mask, sq, kw["causal"])
+    out = fl.attention_varlen(q[q_at], k[k_at], v[k_at], cu_q, cu_k, max_q, max_k, **kw)
+    full = out.new_zeros(b, sq, *out.shape[1:])
+    full[q_at] = out
+    return full
 
 
 def _packing(kv_mask, sq, causal):
-    """``(q_rows, k_rows, cu_q, cu_k, max_q, max_k)``: the real tokens' flat row indices, the
-    packed sequences' offsets and their longest lengths (once a forward and mask)."""
+    """``(q_at, k_at, cu_q, cu_k, max_q, max_k)``: the real tokens' (batch, position) index
+    pairs, the packed sequences' offsets and their longest lengths (once a forward and
+    mask)."""
     return _once_a_forward(kv_mask, (sq, causal), lambda: _pack(kv_mask, sq, causal))
 
 
@@ -237,8 +238,8 @@ def _pack(kv_mask, sq, causal):
     cu_q, cu_k = torch.cat([zero, n_q.cumsum(0, dtype=torch.int32)]), torch.cat(
         [zero, n_k.cumsum(0, dtype=torch.int32)])
     max_q, max_k = (int(x) for x in torch.stack([n_q.max(), n_k.max()]).tolist())
-    return (q_mask.reshape(-1).nonzero().flatten(), kv_mask.reshape(-1).nonzero().flatten(),
-            cu_q, cu_k, max_q, max_k)
+    return (q_mask.nonzero(as_tuple=True), kv_mask.nonzero(as_tuple=True), cu_q, cu_k, max_q,
+            max_k)
 
 
 def register() -> str:
