@@ -112,19 +112,22 @@ SHORT_ROWS = [("attention B=1 Sq=1 Skv=4k", 1, 1, 4096, False),
               ("attention B=8 Sq=1 Skv=8k", 8, 1, 8192, False),
               ("attention B=1 Sq=4 Skv=8k", 1, 4, 8192, False),
               ("attention B=8 Sq=16 Skv=2k", 8, 16, 2048, False),
-              ("attention B=1 Sq=1 Skv=4k (B,H,S,D).T", 1, 1, 4096, True)]
+              ("attention B=1 Sq=1 Skv=4k (B,H,S,D).T", 1, 1, 4096, True),
+              # (D = 256: the decode config's 32-key tiles, 2 programs an SM where it plans 4)
+              ("attention B=1 Sq=1 Skv=8k D=256", 1, 1, 8192, False, 256),
+              ("attention B=8 Sq=1 Skv=4k D=256", 8, 1, 4096, False, 256)]
 
 
-def short_row(flag, label, b, sq, skv, transposed):
+def short_row(flag, label, b, sq, skv, transposed, d=D):
     dt = torch.bfloat16
     if transposed:
-        q = torch.randn(b, HQ, sq, D, device="cuda", dtype=dt).transpose(1, 2)
-        k = torch.randn(b, HKV, skv, D, device="cuda", dtype=dt).transpose(1, 2)
-        v = torch.randn(b, HKV, skv, D, device="cuda", dtype=dt).transpose(1, 2)
+        q = torch.randn(b, HQ, sq, d, device="cuda", dtype=dt).transpose(1, 2)
+        k = torch.randn(b, HKV, skv, d, device="cuda", dtype=dt).transpose(1, 2)
+        v = torch.randn(b, HKV, skv, d, device="cuda", dtype=dt).transpose(1, 2)
     else:
-        q = torch.randn(b, sq, HQ, D, device="cuda", dtype=dt)
-        k = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
-        v = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
+        q = torch.randn(b, sq, HQ, d, device="cuda", dtype=dt)
+        k = torch.randn(b, skv, HKV, d, device="cuda", dtype=dt)
+        v = torch.randn(b, skv, HKV, d, device="cuda", dtype=dt)
 
     def call():
         return fl.attention(q, k, v, causal=True)
@@ -141,7 +144,7 @@ def short_row(flag, label, b, sq, skv, transposed):
     # (Two kernels: equal to rounding, not bit for bit.)
     same = f"max diff {float((a.float() - c.float()).abs().max()):.1e}"
     restore()
-    gbs = 2 * b * skv * HKV * D * 2 / 1e6
+    gbs = 2 * b * skv * HKV * d * 2 / 1e6
     return label, ms, gbs, same
 
 

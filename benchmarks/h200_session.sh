@@ -669,7 +669,7 @@ if [ "$1" = s47 ]; then
     exit 0
     fi
     AB_SET=short timeout 200 python3 benchmarks/ab_decode_switch.py \
-        --flag dispatch.SHORT_Q_DECODE 2>&1 | tail -8
+        --flag dispatch.SHORT_Q_DECODE 2>&1 | tail -11
     AB_SET=sparse timeout 200 python3 benchmarks/ab_decode_switch.py \
         --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tail -6
     timeout 120 python3 benchmarks/bench_overhead.py --functions kvcache --out "$OUT/kv" \
