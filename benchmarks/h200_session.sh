@@ -672,6 +672,9 @@ if [ "$1" = s47 ]; then
         --flag dispatch.SHORT_Q_DECODE 2>&1 | tail -11
     AB_SET=sparse timeout 200 python3 benchmarks/ab_decode_switch.py \
         --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tail -6
+    # transformers end to end (generate B = 1 and 8 left-padded, a training step) against
+    # its own "sdpa" implementation.
+    timeout 240 python3 benchmarks/bench_transformers.py 2>&1 | tail -6
     timeout 120 python3 benchmarks/bench_overhead.py --functions kvcache --out "$OUT/kv" \
         2>&1 | grep "^attention_with" | grep "|"
     exit 0
