@@ -101,3 +101,38 @@ def test_short_query_gradients(device, decode_calls):
         assert not torch.isnan(got.grad).any()
         torch.testing.assert_close(got.grad.double(), want.grad, **tol)
     assert torch.isfinite(lse.detach()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("b,sq,sk", [(1, 1, 40000), (4, 5, 3000)])
+def test_short_query_sync_free_and_graph_replay(decode_calls, b, sq, sk):
+    # The route on the GPU (bf16, 32 / 8 heads, D = 128, split keys): no host-device sync
+    # (sync-debug "error"), the reference within bf16 tolerance, and a CUDA graph of the call
+    # replayed on new inputs giving the eager call's bits.
+    from test_cuda_graphs import _replay_equals_eager
+    from test_sync_free import sync_free
+
+    torch.manual_seed(7)
+    q = torch.randn(b, sq, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, sk, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    sink = torch.randn(32, device="cuda")
+
+    def step():
+        with torch.no_grad():
+            return fl.attention(q, k, v, causal=True, sink=sink, return_lse=True)
+
+    out, lse = sync_free(step)
+    assert decode_calls
+    want, want_lse = reference.attention(q.double(), k.double(), v.double(), causal=True,
+                                         sink=sink.double(), return_lse=True)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-2, rtol=2e-2)
+
+    def change():
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+
+    out, lse = _replay_equals_eager(step, change)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
