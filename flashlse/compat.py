@@ -141,13 +141,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Smax, Hkv, D)``: the cache is read (and appended to) in place as a paged cache of
     B_cache pages of Smax rows, with ``cache_batch_idx`` as a one-column block table. An
     index outside ``[0, B_cache)`` is a ValueError where value checks run, else a sequence
-    of no key (as a bad page)."""
+    of no key (as a bad page). ``cache_leftpad`` (B,) int32: sequence b's keys start at
+    cache row ``cache_leftpad[b]`` (contiguous caches, not with ``cache_batch_idx``)."""
     _unsupported(0.0, alibi_slopes)
-    for name, arg in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                      ("cache_leftpad", cache_leftpad)):
+    for name, arg in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if arg is not None:
             raise ValueError(f"flashlse.compat.flash_attn_with_kvcache does not support {name}; "
                              f"apply it before the call and pass {name}=None")
+    if cache_leftpad is not None and cache_batch_idx is not None:
+        raise ValueError("flashlse.compat.flash_attn_with_kvcache takes cache_leftpad or "
+                         "cache_batch_idx, not both (cache_batch_idx reads the cache as pages, "
+                         "cache_leftpad needs a contiguous one)")
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=q.device)
@@ -156,6 +160,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                                          block_table, cache_seqlens)
     out, lse = ops.attention_with_kvcache(_packed(q), k_cache, v_cache,
                                           cache_seqlens=_packed(cache_seqlens),
+                                          cache_leftpad=_packed(cache_leftpad),
                                           block_table=_packed(block_table), k_new=_packed(k),
                                           v_new=_packed(v),
                                           num_splits=num_splits, causal=causal,

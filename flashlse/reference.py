@@ -159,8 +159,8 @@ def gather_cache(cache, b, n, block_table=None):
     return cache[pages, pos % page]
 
 
-def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None,
-                           k_new=None, v_new=None, num_splits=0, causal=False,
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, cache_leftpad=None,
+                           block_table=None, k_new=None, v_new=None, num_splits=0, causal=False,
                            window=(None, None), softcap=0.0, scale=None, sink=None,
                            return_lse=False):
     """Reference of :func:`flashlse.attention_with_kvcache`.
@@ -174,6 +174,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
         q: ``(B, Sq, Hq, D)``; caches ``(B, Smax, Hkv, D)`` or paged
             ``(num_pages, page_size, Hkv, D)`` with ``block_table (B, max_pages)``.
         cache_seqlens: ``(B,)`` int32; None means the whole (contiguous) cache.
+        cache_leftpad: ``(B,)`` int32 or None: sequence b's keys are cache rows
+            ``[cache_leftpad[b], cache_seqlens[b] + Snew)``; the masks stay aligned to the end.
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` float64, and ``lse (B, Hq, Sq)`` if ``return_lse``.
@@ -196,8 +198,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
     outs, lses = [], []
     for b in range(bsz):
         n = int(cache_seqlens[b]) + s_new
-        kb = gather_cache(k_cache, b, n, block_table)
-        vb = gather_cache(v_cache, b, n, block_table)
+        lo = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        kb = gather_cache(k_cache, b, n, block_table)[lo:]
+        vb = gather_cache(v_cache, b, n, block_table)[lo:]
         o, l = attention(q[b:b + 1], kb[None], vb[None], causal=causal, window=window,
                          softcap=softcap, scale=scale, sink=sink, return_lse=True)
         outs.append(o)

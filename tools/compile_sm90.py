@@ -416,7 +416,8 @@ def cases():
         dict(HAS_SEQUSED=True, BLOCK_R=64, BLOCK_B=32, BLOCK_C=64), 4, 3
     dec_types = dict(q=BF16, k=BF16, v=BF16, cache_seqlens=I32, block_table=I32, sink=F32,
                      o=F32, lse=F32, token_pages=I32, out_f=BF16, lse_f=F32, counter=I32,
-                     scale_log2="fp32", softcap_a2="fp32", softcap_c2="fp32")
+                     cache_leftpad=I32, scale_log2="fp32", softcap_a2="fp32",
+                     softcap_c2="fp32")
     merge_flags = dict(FUSED_MERGE=False, MERGE_SINK=False, MERGE_BLOCK_S=8)
     for paged in (False, True):
         consts = dict(SQ=1, GROUP=4, M_TILES=1, D1=128, D2=0, DV=128, BLOCK_M=16, BLOCK_N=64,
@@ -424,7 +425,7 @@ def cases():
                       PAGED=paged, TOKEN_TABLE=False, TOKEN_PAGE=0, SHARED_KV=False,
                       HAS_LEFT=False,
                       HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_SINK=True, HAS_SEQLENS=True,
-                      PDL=True, **merge_flags)
+                      HAS_LEFTPAD=False, PDL=True, **merge_flags)
         yield "decode", f"decode GQA paged={paged}", decode._decode_fwd_kernel, dec_types, \
             consts, 4, 3
         # The split kernel that merges its splits itself (decode.FUSED_MERGE).
@@ -439,6 +440,9 @@ def cases():
         dec_types, short, 4, 3
     yield "decode", "decode short-query dense v is k", decode._decode_fwd_kernel, dec_types, \
         dict(short, SHARED_KV=True), 4, 3
+    # A left-padded contiguous cache (attention_with_kvcache's cache_leftpad).
+    yield "decode", "decode GQA cache_leftpad fused merge", decode._decode_fwd_kernel, \
+        dec_types, dict(short, SQ=1, HAS_SEQLENS=True, HAS_LEFTPAD=True), 4, 3
     # sparse_attention's forward: the top-k lists read as the table (one-row pages).
     consts = dict(consts, GROUP=8, BLOCK_M=16, PAGE_SIZE=1, PAGED=True, TOKEN_TABLE=True,
                   HAS_RIGHT=False, HAS_SINK=False, HAS_SEQLENS=False)

@@ -4,7 +4,8 @@ Each configuration draws shapes (zero lengths included), masks (causal, windows)
 a sink, softcap, and per function: varlen sequences of length 0 and seqused_k; mixed serving
 steps over paged caches (attention_varlen with a block table, pages of 1-128 rows, chunks of
 up to 150 rows now and then); contiguous or paged caches
-(page 1, 3, 16, shuffled pages) with k_new and 0-3 splits; sparse top-k lists
+(page 1, 3, 16, shuffled pages) with k_new and 0-3 splits, a third of the contiguous ones
+left-padded (``cache_leftpad``, NaN before each start); sparse top-k lists
 with -1 entries and all -1 rows; merges of 1-6 states with empty ones and a sink. Forward
 and, where the function is differentiable, backward (a random dout and dlse, dlse 0 on empty
 rows; in half the configurations no lse gradient at all, a loss on out alone). A
@@ -299,6 +300,15 @@ def run_kvcache(cfg, device, dtype):
     if r.random() < 0.5:
         t["k_cache"], t["v_cache"], t["block_table"] = _paged(
             t["k_cache"], t["v_cache"], r.choice([1, 3, 16]), g)
+    leftpad = random.Random(cfg.seed * 104729 + 7)  # (its own generator: the others stay)
+    if "block_table" not in t and leftpad.random() < 0.35:
+        # A left-padded batch (cache_leftpad): the rows before each start are NaN, read by
+        # no one.
+        starts = [leftpad.randint(0, n + s_new) for n in lens]
+        t["cache_leftpad"] = torch.tensor(starts, dtype=torch.int32, device=device)
+        for i, lo in enumerate(starts):
+            t["k_cache"][i, :lo] = float("nan")
+            t["v_cache"][i, :lo] = float("nan")
     if cfg.sink:
         t["sink"] = _randn(g, cfg.hq, device=device, dtype=torch.float32, scale=2.0)
     _poison(cfg, t["q"], t["k_cache"], t.get("sink"), g)

@@ -128,7 +128,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # slots written so far (the first ones); the rest must not be read. (transformers'
         # mask function keeps the mask for that reason, padded or not.)
         k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
-    return _padded(q, k, v, attention_mask.to(torch.bool), kw), None
+    kv_mask = attention_mask.to(torch.bool)
+    if causal and q.shape[1] <= LEFTPAD_MAX_SQ and not (torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, s_aux))):
+        # A decode step of a left-padded batch (generate's padding): each row's keys read in
+        # place from its first real token (cache_leftpad), no rows gathered.
+        starts = _leftpad(kv_mask, q.shape[1])
+        if starts is not None:
+            return fl.attention_with_kvcache(q, k, v, cache_leftpad=starts, **kw), None
+    return _padded(q, k, v, kv_mask, kw), None
+
+
+# The query rows up to which a left-padded causal call reads its keys in place
+# (attention_with_kvcache's decode kernel takes 16); longer ones are packed (_padded).
+LEFTPAD_MAX_SQ = 16
 
 
 def _packed_sequences(q, k, kwargs):
@@ -205,6 +218,23 @@ def _half_dtype(module, *xs):
         target = next((m.weight.dtype for m in module.modules()
                        if isinstance(m, torch.nn.Linear)), torch.float32)
     return tuple(x.to(target) for x in xs)
+
+
+def _leftpad(kv_mask, sq):
+    """``(B,)`` int32: where each row's keys start, when every row of the padding mask is pads
+    then real tokens (left padding) and its last ``sq`` tokens (the queries) are real; else
+    None (once a forward and mask: one host read)."""
+    return _once_a_forward(kv_mask, ("leftpad", sq), lambda: _read_leftpad(kv_mask, sq))
+
+
+def _read_leftpad(kv_mask, sq):
+    n = kv_mask.shape[1]
+    counts = kv_mask.sum(1, dtype=torch.int32)
+    starts = n - counts
+    left = torch.arange(n, device=kv_mask.device)[None] >= starts[:, None]
+    if bool((left != kv_mask).any() | (counts < sq).any()):
+        return None
+    return starts
 
 
 def _padded(q, k, v, kv_mask, kw):

@@ -142,7 +142,7 @@ def _decode_tile_pages(
 def _decode_fwd_tile(
     b_acc, b_m, b_l, b_q1, b_q2,
     k, v, b_page, m_n,
-    n0, n_end, i_b, i_hkv, o_diag,
+    n0, n_end, n_floor, i_b, i_hkv, o_diag,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     left, right, scale_log2, softcap_a2, softcap_c2,
@@ -151,8 +151,10 @@ def _decode_fwd_tile(
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, TOKEN_TABLE: tl.constexpr,
     SHARED_KV: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
 ):
-    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax; keys ``>= n_end`` are masked.
+    """One key tile ``[n0, n0 + BLOCK_N)`` of the online softmax; keys ``>= n_end`` are masked,
+    and with ``HAS_LEFTPAD`` keys ``< n_floor`` (the sequence's ``cache_leftpad``).
     Paged (and token tables): ``b_page`` and ``m_n`` are the tile's ``_decode_tile_pages``."""
     o_n = n0 + tl.arange(0, BLOCK_N)
     if TOKEN_TABLE:
@@ -166,6 +168,8 @@ def _decode_fwd_tile(
         m_n = o_n < n_end
         o_k = i_b.to(tl.int64) * stride_kb + o_n.to(tl.int64) * stride_kn + i_hkv.to(tl.int64) * stride_kh
         o_v = i_b.to(tl.int64) * stride_vb + o_n.to(tl.int64) * stride_vn + i_hkv.to(tl.int64) * stride_vh
+    if HAS_LEFTPAD:
+        m_n = m_n & (o_n >= n_floor)
 
     o_d1 = tl.arange(0, BLOCK_D1)
     # [BLOCK_N, BLOCK_D1]
@@ -222,6 +226,7 @@ def _decode_fwd_kernel(
     out_f,
     lse_f,
     counter,
+    cache_leftpad,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -266,6 +271,7 @@ def _decode_fwd_kernel(
     HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
     PDL: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     MERGE_SINK: tl.constexpr,
@@ -283,6 +289,12 @@ def _decode_fwd_kernel(
 
     sk, n_start, n_end = decode_split(cache_seqlens, i_b, i_s, seqlen_add, capacity, num_splits,
                                       left, SQ, BLOCK_N, 1, HAS_SEQLENS, HAS_LEFT)
+    # A left-padded sequence (cache_leftpad): keys below its start are no keys; the tiles
+    # wholly below it are not read (a split of those only writes an empty state).
+    n_floor = 0
+    if HAS_LEFTPAD:
+        n_floor = tl.load(cache_leftpad + i_b)
+        n_start = tl.maximum(n_start, (tl.maximum(n_floor, 0) // BLOCK_N) * BLOCK_N)
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < SQ * GROUP
@@ -324,11 +336,12 @@ def _decode_fwd_kernel(
                 table_per_batch, table_hkv, table_num_pages, stride_tb, stride_pb,
                 BLOCK_N, PAGE_SIZE, TOKEN_TABLE, TOKEN_PAGE)
         b_acc, b_m, b_l = _decode_fwd_tile(
-            b_acc, b_m, b_l, b_q1, b_q2, k, v, b_page, m_n, n0, n_end, i_b, i_hkv, o_diag,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            b_acc, b_m, b_l, b_q1, b_q2, k, v, b_page, m_n, n0, n_end, n_floor, i_b, i_hkv,
+            o_diag, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
             left, right, scale_log2, softcap_a2, softcap_c2,
             D1, D2, DV, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV,
             PAGE_SIZE, PAGED, TOKEN_TABLE, SHARED_KV, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            HAS_LEFTPAD,
         )
         b_page = b_page_next
         m_n = m_n_next
@@ -436,7 +449,7 @@ MAX_SQ = 16
 
 def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
                sink, num_splits, seqlen_add=0, config=None, out_dtype=None, token_table=None,
-               token_pages=None):
+               token_pages=None, cache_leftpad=None):
     """``out = softmax(scale * q k^T [masked]) v`` over each sequence's cache, split over keys.
 
     Inputs are assumed valid (ops/ validates, and appends k_new/v_new before this runs).
@@ -470,6 +483,8 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
             position j of batch b is row ``token_pages[b, j // page_size] * page_size
             + j % page_size``, ``Sk = max_pages * page_size``; a page outside the cache is
             no key.
+        cache_leftpad: ``(B,)`` int32 or None: a contiguous cache's sequence ``b`` starts at
+            key ``cache_leftpad[b]`` (the keys before it are no keys; any value is safe).
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` in ``out_dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
@@ -487,9 +502,9 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
                                  softcap=softcap, scale=scale, sink=sink,
                                  num_splits=num_splits, seqlen_add=seqlen_add, config=config,
                                  out_dtype=out_dtype, token_table=token_table,
-                                 token_pages=token_pages)
+                                 token_pages=token_pages, cache_leftpad=cache_leftpad)
     got = run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink,
-                   token_pages, empty)
+                   token_pages, empty, cache_leftpad=cache_leftpad)
     if got is None:
         # The Hopper MLA kernel failed to compile (recorded): this signature is planned on
         # the portable kernel from now on.
@@ -497,13 +512,14 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
                           block_table=block_table, left=left, right=right, softcap=softcap,
                           scale=scale, sink=sink, num_splits=num_splits,
                           seqlen_add=seqlen_add, config=config, out_dtype=out_dtype,
-                          token_table=token_table, token_pages=token_pages)
+                          token_table=token_table, token_pages=token_pages,
+                          cache_leftpad=cache_leftpad)
     return got
 
 
 def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
               sink, num_splits, seqlen_add=0, config=None, out_dtype=None, token_table=None,
-              token_pages=None):
+              token_pages=None, cache_leftpad=None):
     """:func:`decode_fwd`'s launch plan for these arguments (q's last dim of stride 1):
     ``(key, plan, empty)``, the plan from ``_PLANS`` by ``key`` (the call's metadata) or made
     and kept there (``key`` None with a tile override ``config``), ``empty`` the options'
@@ -520,13 +536,13 @@ def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, s
                cache_seqlens is None, sink is None, left, right, softcap, scale, num_splits,
                seqlen_add, out_dtype, opts.pdl, opts.sm90_mla_decode, token_table,
                None if token_pages is None else (token_pages.shape, token_pages.stride()),
-               (q.data_ptr() | k_cache.data_ptr()) % 16 == 0)
+               (q.data_ptr() | k_cache.data_ptr()) % 16 == 0, cache_leftpad is None)
         plan = _PLANS.get(key)
     if plan is None:
         plan = _decode_plan(q, k_cache, v_cache, block_table, cache_seqlens is not None, sink,
                             left, right, softcap, scale, num_splits, seqlen_add, config,
                             out_dtype, opts.pdl, token_table, token_pages,
-                            mla=opts.sm90_mla_decode)
+                            mla=opts.sm90_mla_decode, leftpad=cache_leftpad is not None)
         if not config:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -535,14 +551,15 @@ def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, s
 
 
 def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, token_pages,
-             empty, out_shape=None, lse_shape=None, want_lse=True, out=None, lse=None):
+             empty, out_shape=None, lse_shape=None, want_lse=True, out=None, lse=None,
+             cache_leftpad=None):
     """Allocates ``out`` and ``lse`` and launches a :func:`decode_fwd` plan (``key``: its key
     in ``_PLANS``) on these tensors, which need only the addresses, dtypes and alignment of
     the tensors the plan was made from (a caller may pass a tensor of which those were
     views). ``out_shape`` / ``lse_shape``: other shapes of the same contiguous outputs.
     ``want_lse=False``: the caller drops ``lse`` (``_unread_lse`` then holds it). ``out``
     and ``lse``: the caller's own (contiguous, of the plan's shapes and dtypes) to fill
-    instead. Returns ``(out, lse)``, or None when the Hopper MLA kernel failed to compile:
+    instead. ``cache_leftpad``: the call's, when its plan was made with one. Returns ``(out, lse)``, or None when the Hopper MLA kernel failed to compile:
     then the failure is recorded (warned once) and the plan dropped, and the caller plans
     again."""
     dev = q.device
@@ -577,13 +594,13 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
             # The split kernel merges its own splits.
             plan.fused_run(q, k_cache, v_cache, cache_seqlens, block_table,
                            lse_buf if sink is None else sink, o_buf, lse_buf, token_pages, out,
-                           lse, counters)
+                           lse, counters, cache_leftpad)
             return out, lse
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
                o_buf, lse_buf, token_pages)
     if plan.gluon is None:
         # (out, lse and counters are the fused merge's; unread here.)
-        plan.run(*tensors, out, lse, lse)
+        plan.run(*tensors, out, lse, lse, cache_leftpad)
     else:
         try:
             triton.set_allocator(alloc_scratch)  # the kernel's in-kernel TMA descriptors
@@ -621,8 +638,8 @@ FUSED_MERGE_TOKEN_TABLE = False
 # kernel takes up to 32 on its small tiles, which hold fewer values a thread).
 FUSED_MERGE_STATES = 8
 # _decode_fwd_kernel's tensors: the nine the Hopper MLA kernel shares, then out, lse and the
-# fused merge's counters.
-N_TENSORS = 12
+# fused merge's counters, and cache_leftpad.
+N_TENSORS = 13
 # A split call's scratch by (device, stream, thread): the partial states, which live from the split
 # kernel to the merge (the merge kernel's, or the fused merge's inside one launch), and the
 # fused merge's counters (zeros, each put back to 0 by the program that merges). Launches of
@@ -731,9 +748,10 @@ class _DecodePlan:
 
 def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, right, softcap,
                  scale, num_splits, seqlen_add, config, out_dtype, pdl_opt, token_table=None,
-                 token_pages=None, mla=False):
+                 token_pages=None, mla=False, leftpad=False):
     """Everything decode_fwd passes the kernels but the tensors, from the call's metadata;
-    ``mla``: the Hopper MLA kernel (``decode_mla_sm90``) inside its domain."""
+    ``mla``: the Hopper MLA kernel (``decode_mla_sm90``) inside its domain; ``leftpad``: the
+    call has a ``cache_leftpad`` (decode.py's kernel only)."""
     batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
@@ -751,7 +769,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     rows = sq * group
     interpret = interpreting()
     gluon = None
-    if mla and not config and not interpret and decode_mla_sm90 is not None and \
+    if mla and not config and not interpret and not leftpad and decode_mla_sm90 is not None and \
             decode_mla_sm90.supported(q, k_cache, v_cache, paged=paged, softcap=softcap,
                                       token_table=token_table,
                                       window=left is not None or right is not None):
@@ -837,6 +855,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         SHARED_KV=shared_kv,
         HAS_SEQLENS=has_seqlens,
         HAS_SINK=sink is not None and splits == 1,
+        HAS_LEFTPAD=leftpad,
         PDL=pdl,
         FUSED_MERGE=False,
         MERGE_SINK=sink is not None,

@@ -85,7 +85,8 @@ _GATHER_MIN_ROWS = 128
 _GATHER_MAX_TABLE_ROWS_PER_QUERY = 16
 
 
-def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None, append=None):
+def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None, append=None,
+                 leftpad=None):
     """Queries longer than the decode kernel takes: the varlen forward kernel, one sequence
     per batch row, its keys the first ``lens[b] + s_new`` of its cache row (seqused_k). A
     paged cache is read in place by the paged kernels (``dispatch.attn_fwd_paged``), except
@@ -96,13 +97,20 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None, a
     where it is returned. ``kept``: the call's key when it passed every check; the launch of
     a contiguous cache and the in-place read of a paged one are kept by it
     (``_run_kept_chunk``), with ``append`` (the append's plan, which already ran) when the
-    call appends."""
+    call appends. ``leftpad``: a contiguous cache's ``cache_leftpad`` (each sequence's keys
+    start there: its row offset moves up by it and its used keys down, on the device)."""
     dispatch = kernel_module("dispatch")
     b, sq, hq, d = q.shape
     used = None if lens is None else (lens + s_new if s_new else lens)
     if block_table is None:
         rows, k, v, cu_q, cu_k = _chunk_rows(q, k_cache, v_cache)
         smax = k_cache.shape[1]
+        if leftpad is not None:
+            # Clamped to [0, smax]: any value stays inside its own cache row.
+            pad = leftpad.clamp(0, smax)
+            cu_k = torch.cat([cu_k[:-1] + pad, cu_k[-1:]])
+            used = ((lens + s_new) if lens is not None else torch.full_like(pad, smax)) - pad
+            used = used.clamp(min=0).to(torch.int32)
     else:
         capacity = block_table.shape[1] * k_cache.shape[1]
         if (sq < _GATHER_MIN_ROWS or capacity > _GATHER_MAX_TABLE_ROWS_PER_QUERY * sq
@@ -202,18 +210,22 @@ def _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink,
     return out.view(b, sq, hq, -1), lse.view(hq, b, sq).transpose(0, 1)
 
 
-def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw):
+def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw,
+               leftpad=None):
     """The PyTorch path: CPU tensors (values checked), float64, and GPU calls with long
     queries of head dims above the prefill kernel's (this path reads lengths on the host)."""
     if k_new is not None:
         _append(k_cache, v_cache, k_new, v_new, lens, block_table)
     bsz, capacity = q.shape[0], k_cache.shape[1]
     total = [capacity] * bsz if lens is None else (lens + s_new).tolist()
+    starts = [0] * bsz if leftpad is None else leftpad.clamp(0, capacity).tolist()
     outs, lses = [], []
     for b in range(bsz):
-        n = total[b]
-        o, l = _split_fwd(q[b:b + 1], _gather(k_cache, b, n, block_table)[None],
-                          _gather(v_cache, b, n, block_table)[None], max(1, num_splits), **kw)
+        n, lo = total[b], starts[b]
+        # Keys [lo, n): bottom-right alignment against n - lo keys is the same diagonal.
+        o, l = _split_fwd(q[b:b + 1], _gather(k_cache, b, n, block_table)[None, lo:],
+                          _gather(v_cache, b, n, block_table)[None, lo:], max(1, num_splits),
+                          **kw)
         outs.append(o)
         lses.append(l)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -223,15 +235,26 @@ def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_
     return torch.cat(outs), torch.cat(lses).to(lse_dtype)
 
 
-def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits):
+def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits,
+              cache_leftpad=None):
     """Checks the call (metadata checks skipped for metadata that passed them before: only
     ``num_splits`` is not metadata); returns ``(lens, s_new)``."""
-    key = V.meta_key("kvcache", q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    key = V.meta_key("kvcache", q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                     cache_leftpad)
     if V.passed(key):
         _check_num_splits(num_splits)
     else:
         _validate_meta(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
+        _validate_leftpad_meta(q, cache_leftpad, block_table)
         V.remember(key)
+    if cache_leftpad is not None and q.shape[0] and V.values_checkable(cache_leftpad):
+        ends = (torch.full_like(cache_leftpad, k_cache.shape[1]) if cache_seqlens is None else
+                cache_seqlens + (0 if k_new is None else k_new.shape[1]))
+        if bool(((cache_leftpad < 0) | (cache_leftpad > ends)).any()):
+            raise ValueError(
+                f"cache_leftpad must lie in [0, cache_seqlens + Snew] (each sequence's first "
+                f"key, at most its end), got {cache_leftpad.tolist()} for ends "
+                f"{ends.tolist()}")
     if cache_seqlens is None:
         return None, 0
     lens = cache_seqlens
@@ -259,6 +282,18 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num
                 f"block_table entries for the pages in use must lie in [0, {k_cache.shape[0]}) "
                 f"(the number of pages), found {block_table[bad][:4].tolist()}")
     return lens, s_new
+
+
+def _validate_leftpad_meta(q, cache_leftpad, block_table):
+    if cache_leftpad is None:
+        return
+    if block_table is not None:
+        raise ValueError("cache_leftpad takes a contiguous cache (as flash-attn's); with a "
+                         "block_table, start each sequence's table at its first page instead")
+    V.check_int_tensor("cache_leftpad", cache_leftpad, "(B,)", q.device, 1)
+    if cache_leftpad.shape[0] != q.shape[0]:
+        raise ValueError(f"cache_leftpad must be (B,) = ({q.shape[0]},), got "
+                         f"{tuple(cache_leftpad.shape)}")
 
 
 def _check_num_splits(num_splits):
@@ -326,8 +361,8 @@ def _validate_meta(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new
 
 
 @on_tensor_device
-def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None,
-                           k_new=None, v_new=None, num_splits=0, causal=False,
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, cache_leftpad=None,
+                           block_table=None, k_new=None, v_new=None, num_splits=0, causal=False,
                            window=(None, None), softcap=0.0, scale=None, sink=None,
                            return_lse=False):
     """Attention of ``q`` over each sequence's cached keys (after appending ``k_new``).
@@ -341,6 +376,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
             D / Dv)`` with ``block_table (B, max_pages)`` int32 (any page size). ``v_cache``
             may be a view of ``k_cache`` (MLA: ``v = k[..., :Dv]``).
         cache_seqlens: ``(B,)`` int32 valid lengths (0 allowed); None = the whole cache.
+        cache_leftpad: ``(B,)`` int32 or None: sequence b's keys start at cache row
+            ``cache_leftpad[b]`` (a left-padded batch; flash-attn's ``cache_leftpad``): the rows
+            before it are no keys. ``cache_seqlens`` and the masks stay absolute (k_new is
+            written at ``cache_seqlens``). Contiguous caches only.
         k_new / v_new: ``(B, Snew, Hkv, D / Dv)``, written in place at ``cache_seqlens``.
         num_splits: split-KV count; 0 chooses (1 on the PyTorch path); a count past the key
             tiles is capped at one split a tile (the same answer).
@@ -350,17 +389,17 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
         ``out (B, Sq, Hq, Dv)``, and ``lse (B, Hq, Sq)`` float32 if ``return_lse``.
     """
     kept = _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sink,
-                     num_splits, causal, window, softcap, scale, return_lse)
+                     num_splits, causal, window, softcap, scale, return_lse, cache_leftpad)
     if kept is not None:
         got = _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new,
-                        v_new, return_lse)
-        if got is None:
+                        v_new, return_lse, cache_leftpad)
+        if got is None and cache_leftpad is None:
             got = _run_kept_chunk(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink,
                                   k_new, v_new)
         if got is not None:
             return (got[0], got[1].contiguous()) if return_lse else got[0]
     lens, s_new = _validate(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                            num_splits)
+                            num_splits, cache_leftpad)
     V.check_bool("causal", causal)
     V.check_bool("return_lse", return_lse)
     left, right = masks.normalize_window(causal, V.check_window(window))
@@ -375,11 +414,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens=None, block_tab
         if s_new:
             _append_op(k_cache, v_cache, k_new, v_new, lens, block_table)
         out, lse = _kvcache_op(q, k_cache, v_cache, lens, s_new, block_table, num_splits, left,
-                               right, softcap, scale, sink)
+                               right, softcap, scale, sink, cache_leftpad)
     else:
         out, lse = _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
                                 num_splits, dict(left=left, right=right, softcap=softcap,
-                                                 scale=scale, sink=sink), kept)
+                                                 scale=scale, sink=sink), kept, cache_leftpad)
     return (out, lse.contiguous()) if return_lse else out
 
 
@@ -394,7 +433,7 @@ _MAX_KEPT = 1024
 
 
 def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sink, num_splits,
-              causal, window, softcap, scale, return_lse):
+              causal, window, softcap, scale, return_lse, cache_leftpad=None):
     """The call's key in ``_KEPT`` and ``_CHUNK_KEPT``, or None for a call that cannot take
     the kept path: torch.compile, a scalar not of its canonical type (``True`` and ``1`` hash
     alike; only the full path's checks tell them apart)."""
@@ -402,7 +441,7 @@ def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sin
             not V.canonical_scalars(causal, window, softcap, scale, return_lse):
         return None
     key = V.meta_key("kvcache-kept", q, k_cache, v_cache, cache_seqlens, block_table, sink,
-                     k_new, v_new)
+                     k_new, v_new, cache_leftpad)
     if key is None:
         return None
     opts = kernel_module("options").current()
@@ -412,28 +451,31 @@ def _kept_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sin
 
 
 def _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new=None,
-              v_new=None, want_lse=True):
+              v_new=None, want_lse=True, cache_leftpad=None):
     """``(out, lse)`` from the plans kept for ``kept`` (the append's first, with ``k_new``),
     or None: no plan kept, value checks asked for, a tensor needing grad, or the Hopper MLA
     kernel failed (the plan dropped; the full path then appends the same rows again).
     ``want_lse=False``: lse is kept scratch (``decode._unread_lse``), not to be returned."""
     hit = _KEPT.get(kept)
     if hit is None or (cache_seqlens is not None and V.values_checkable(cache_seqlens)) or \
+            (cache_leftpad is not None and V.values_checkable(cache_leftpad)) or \
             V.needs_grad(q, k_cache, v_cache, sink):
         return None
     decode = kernel_module("decode")
     if k_new is not None:
         decode.run_append(hit[2], k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
     got = decode.run_plan(hit[1], hit[0], q, k_cache, v_cache, cache_seqlens, block_table, sink,
-                          None, kernel_module("options").allocator(), want_lse=want_lse)
+                          None, kernel_module("options").allocator(), want_lse=want_lse,
+                          cache_leftpad=cache_leftpad)
     if got is None:
         _KEPT.pop(kept, None)
     return got
 
 
 def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_splits, kw,
-                 kept=None):
-    """Appends ``k_new``/``v_new`` (when given) and attends, on the path the call belongs to."""
+                 kept=None, leftpad=None):
+    """Appends ``k_new``/``v_new`` (when given) and attends, on the path the call belongs to
+    (``leftpad``: the call's ``cache_leftpad``)."""
     if use_triton(q) and (q.shape[1] <= DECODE_MAX_SQ or max(
             q.shape[-1], v_cache.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
         decode = kernel_module("decode")
@@ -443,7 +485,7 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
             decode.run_append(append, k_cache, v_cache, k_new, v_new, lens, block_table)
         if q.shape[1] <= DECODE_MAX_SQ:
             dkw = dict(cache_seqlens=lens, seqlen_add=s_new, block_table=block_table,
-                       num_splits=num_splits, **kw)
+                       num_splits=num_splits, cache_leftpad=leftpad, **kw)
             if kept is not None:
                 # A call that passed every check: later calls with its key launch these plans.
                 dkey, plan, _ = decode.find_plan(q, k_cache, v_cache, **dkw)
@@ -452,11 +494,12 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
                 _KEPT[kept] = (dkey, plan, append)
             out, lse = decode.decode_fwd(q, k_cache, v_cache, **dkw)
         else:
-            out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept,
-                                    append)
+            # (A left-padded chunk shifts its rows on the device each call: no kept launch.)
+            out, lse = _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw,
+                                    kept if leftpad is None else None, append, leftpad)
     else:
         out, lse = _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new,
-                              num_splits, kw)
+                              num_splits, kw, leftpad)
     return out, lse
 
 
@@ -478,17 +521,18 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: torch.Tensor | None, s_new: int,
                 block_table: torch.Tensor | None, num_splits: int, left: int | None,
                 right: int | None, softcap: float, scale: float,
-                sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                sink: torch.Tensor | None,
+                cache_leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     # The append already ran (_append_op): the keys are the first lens + s_new of each row.
     out, lse = _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, s_new, block_table, None, None,
                             num_splits, dict(left=left, right=right, softcap=softcap,
-                                             scale=scale, sink=sink))
+                                             scale=scale, sink=sink), None, cache_leftpad)
     return out, lse.contiguous()
 
 
 @_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, s_new, block_table, num_splits, left, right, softcap,
-      scale, sink):
+      scale, sink, cache_leftpad=None):
     b, sq, hq, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(b, sq, hq, v_cache.shape[-1]), q.new_empty(b, hq, sq, dtype=lse_dtype)

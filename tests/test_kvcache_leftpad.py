@@ -1,0 +1,139 @@
+"""``attention_with_kvcache(cache_leftpad=)`` (flash-attn's ``cache_leftpad``): sequence b's keys
+are cache rows ``[cache_leftpad[b], cache_seqlens[b] + Snew)``, the masks aligned to the end
+as without it. The PyTorch path against the float64 reference; the checks; the compat entry.
+The kernels' own tests: tests/kernels/test_kvcache_leftpad_kernels.py (same cases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashlse as fl
+from flashlse import compat
+from flashlse import reference as R
+
+# (b, sq, hq, hkv, d, smax, lens, leftpad, s_new, keywords)
+CASES = [
+    pytest.param(3, 1, 4, 2, 16, 40, [30, 12, 40], [5, 0, 39], 0, {}, id="decode"),
+    pytest.param(3, 1, 4, 2, 16, 40, [30, 12, 35], [5, 12, 7], 2, {"causal": True},
+                 id="append_causal"),
+    pytest.param(2, 3, 2, 1, 16, 40, [30, 20], [10, 3], 0, {"causal": True, "sink": True},
+                 id="sq3_sink"),
+    pytest.param(2, 2, 2, 2, 16, 40, [30, 25], [4, 20], 0, {"window": (6, 0)}, id="window"),
+    pytest.param(2, 1, 2, 1, 16, 40, [30, 8], [30, 8], 0, {"sink": True},
+                 id="empty_rows_sink"),
+    pytest.param(2, 20, 4, 2, 16, 48, [40, 25], [7, 0], 0, {"causal": True}, id="chunk"),
+    pytest.param(2, 20, 4, 2, 16, 48, [40, 25], [7, 3], 4, {"causal": True, "softcap": 2.0},
+                 id="chunk_append_softcap"),
+    pytest.param(2, 1, 2, 1, 16, 40, None, [3, 38], 0, {}, id="whole_cache"),
+]
+
+
+def make(b, sq, hq, hkv, d, smax, lens, leftpad, s_new, kw, device="cpu", dtype=torch.float32,
+         seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = dict(q=torch.randn(b, sq, hq, d, generator=g),
+             k_cache=torch.randn(b, smax, hkv, d, generator=g),
+             v_cache=torch.randn(b, smax, hkv, d, generator=g))
+    if s_new:
+        t["k_new"] = torch.randn(b, s_new, hkv, d, generator=g)
+        t["v_new"] = torch.randn(b, s_new, hkv, d, generator=g)
+    t = {n: x.to(device, dtype) for n, x in t.items()}
+    if lens is not None:
+        t["cache_seqlens"] = torch.tensor(lens, dtype=torch.int32, device=device)
+    t["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device=device)
+    call = dict(kw)
+    if call.pop("sink", False):
+        call["sink"] = (torch.randn(hq, generator=g) * 2).to(device)
+    return t, call
+
+
+def run(fn, t, call):
+    """``fn`` on fresh copies of the caches (an append writes them), with ``return_lse``."""
+    t = {n: x.clone() for n, x in t.items()}
+    return fn(t.pop("q"), t.pop("k_cache"), t.pop("v_cache"), **t, **call, return_lse=True)
+
+
+def f64(t, call):
+    return ({n: x.double() if x.is_floating_point() else x for n, x in t.items()},
+            {n: x.double() if isinstance(x, torch.Tensor) else x for n, x in call.items()})
+
+
+@pytest.mark.parametrize("b,sq,hq,hkv,d,smax,lens,leftpad,s_new,kw", CASES)
+def test_leftpad_on_the_pytorch_path(b, sq, hq, hkv, d, smax, lens, leftpad, s_new, kw):
+    t, call = make(b, sq, hq, hkv, d, smax, lens, leftpad, s_new, kw)
+    out, lse = run(fl.attention_with_kvcache, t, call)
+    want, want_lse = run(R.attention_with_kvcache, *f64(t, call))
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+def test_leftpad_masks_exactly_the_rows_before_it():
+    # Against the same call on the cache with those rows made NaN and unlisted: the padded
+    # rows are never read (a NaN there reaches nothing), and leftpad 0 is no leftpad.
+    t, call = make(2, 1, 2, 1, 16, 30, [30, 20], [6, 0], 0, {"causal": True})
+    base = run(fl.attention_with_kvcache, t, call)
+    poisoned = dict(t)
+    poisoned["k_cache"] = t["k_cache"].clone()
+    poisoned["k_cache"][0, :6] = float("nan")
+    got = run(fl.attention_with_kvcache, poisoned, call)
+    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
+    zero = dict(t, cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    plain = {n: x for n, x in t.items() if n != "cache_leftpad"}
+    assert torch.equal(run(fl.attention_with_kvcache, zero, call)[0],
+                       run(fl.attention_with_kvcache, plain, call)[0])
+
+
+def test_leftpad_checks():
+    t, call = make(2, 1, 2, 1, 16, 30, [30, 20], [6, 0], 0, {})
+    q, k, v = t["q"], t["k_cache"], t["v_cache"]
+    lens = t["cache_seqlens"]
+    with pytest.raises(ValueError, match="contiguous cache"):
+        fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=t["cache_leftpad"],
+                                  block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="cache_leftpad"):
+        fl.attention_with_kvcache(q, k, v, cache_seqlens=lens,
+                                  cache_leftpad=t["cache_leftpad"].long())
+    with pytest.raises(ValueError, match=r"cache_leftpad must be \(B,\)"):
+        fl.attention_with_kvcache(q, k, v, cache_seqlens=lens,
+                                  cache_leftpad=torch.zeros(3, dtype=torch.int32))
+    for bad in ([-1, 0], [6, 21]):
+        with pytest.raises(ValueError, match="cache_leftpad must lie in"):
+            fl.attention_with_kvcache(q, k, v, cache_seqlens=lens,
+                                      cache_leftpad=torch.tensor(bad, dtype=torch.int32))
+
+
+def test_compat_passes_cache_leftpad():
+    t, call = make(2, 1, 2, 1, 16, 30, [30, 20], [6, 2], 0, {})
+    out, lse = compat.flash_attn_with_kvcache(
+        t["q"], t["k_cache"], t["v_cache"], cache_seqlens=t["cache_seqlens"],
+        cache_leftpad=t["cache_leftpad"], return_softmax_lse=True)
+    want, want_lse = run(R.attention_with_kvcache, *f64(t, call))
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        compat.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"],
+                                       cache_seqlens=t["cache_seqlens"],
+                                       cache_leftpad=t["cache_leftpad"],
+                                       cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_leftpad_compiles_fullgraph(dynamic):
+    """The starts are data: one opaque op with them (no data-dependent trace)."""
+    torch._dynamo.reset()
+    t, call = make(2, 3, 4, 2, 16, 12, [9, 5], [2, 5], 2, {"causal": True})
+
+    def fn(q, kc, vc):
+        return fl.attention_with_kvcache(q, kc, vc, cache_seqlens=t["cache_seqlens"],
+                                         cache_leftpad=t["cache_leftpad"], k_new=t["k_new"],
+                                         v_new=t["v_new"], causal=True, return_lse=True)
+
+    kc1, vc1 = t["k_cache"].clone(), t["v_cache"].clone()
+    got = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="aot_eager")(t["q"], kc1,
+                                                                                 vc1)
+    kc2, vc2 = t["k_cache"].clone(), t["v_cache"].clone()
+    want = fn(t["q"], kc2, vc2)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(kc1, kc2)
