@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 import flashlse as fl
+from flashlse.ops.kvcache import DECODE_MAX_SQ
 
 ATTN_IMPLEMENTATION = "lse_exact"
 
@@ -129,7 +130,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # mask function keeps the mask for that reason, padded or not.)
         k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
     kv_mask = attention_mask.to(torch.bool)
-    if causal and q.shape[1] <= LEFTPAD_MAX_SQ and not (torch.is_grad_enabled() and any(
+    # (Up to the decode kernel's query rows; longer ones are packed by _padded.)
+    if causal and q.shape[1] <= DECODE_MAX_SQ and not (torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (q, k, v, s_aux))):
         # A decode step of a left-padded batch (generate's padding): each row's keys read in
         # place from its first real token (cache_leftpad), no rows gathered.
@@ -137,11 +139,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if starts is not None:
             return fl.attention_with_kvcache(q, k, v, cache_leftpad=starts, **kw), None
     return _padded(q, k, v, kv_mask, kw), None
-
-
-# The query rows up to which a left-padded causal call reads its keys in place
-# (attention_with_kvcache's decode kernel takes 16); longer ones are packed (_padded).
-LEFTPAD_MAX_SQ = 16
 
 
 def _packed_sequences(q, k, kwargs):
