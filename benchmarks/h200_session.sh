@@ -654,13 +654,14 @@ if [ "$1" = s47 ]; then
     # (against the session-46 rows: 38.6 / 47.1 / 34.1 / 32.6 / 37.8 on an H100).
     # Session 47 also: dense calls of <= 16 query rows on the decode kernel
     # (dispatch.SHORT_Q_DECODE, on): their tests and the dense files' short rows, then the
-    # A/B (public fl.attention, cuDNN beside the one-row rows).
+    # A/B (public fl.attention, cuDNN beside the one-row rows); cache_leftpad's kernel tests.
     # "s47": the tests (three processes at once); "s47 bench": the A/Bs and host rows.
     if [ "$2" != bench ]; then
     run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py &
     FLASHLSE_TEST_FUSED_MERGE=1 run_tests sparse_fused $K/test_sparse_kernels.py &
     run_tests short $K/test_short_query.py $K/test_fwd.py $K/test_bwd.py $K/test_nan_kernels.py \
-        $K/test_launch_plans.py -k "short or decode_row or sq1 or sq_gt or launch_plan" &
+        $K/test_launch_plans.py $K/test_kvcache_leftpad_kernels.py \
+        -k "short or decode_row or sq1 or sq_gt or launch_plan or leftpad" &
     wait
     for f in "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log "$OUT"/test_gpu_short.log
     do echo "$f: $(tail -1 "$f")"; done
