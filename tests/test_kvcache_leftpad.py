@@ -22,6 +22,7 @@ CASES = [
     pytest.param(2, 2, 2, 2, 16, 40, [30, 25], [4, 20], 0, {"window": (6, 0)}, id="window"),
     pytest.param(2, 1, 2, 1, 16, 40, [30, 8], [30, 8], 0, {"sink": True},
                  id="empty_rows_sink"),
+    pytest.param(2, 1, 2, 1, 16, 40, [30, 8], [30, 2], 0, {}, id="empty_row"),
     pytest.param(2, 20, 4, 2, 16, 48, [40, 25], [7, 0], 0, {"causal": True}, id="chunk"),
     pytest.param(2, 20, 4, 2, 16, 48, [40, 25], [7, 3], 4, {"causal": True, "softcap": 2.0},
                  id="chunk_append_softcap"),
@@ -68,6 +69,8 @@ def test_leftpad_on_the_pytorch_path(b, sq, hq, hkv, d, smax, lens, leftpad, s_n
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    # Empty rows (a start at the end) give out 0 and lse -inf (with a sink: the sink, above).
+    assert (out.transpose(1, 2)[torch.isneginf(want_lse)] == 0).all()
 
 
 def test_leftpad_masks_exactly_the_rows_before_it():

@@ -443,7 +443,8 @@ def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
     return 1
 
 
-# The query rows a sequence that decode_fwd takes (speculative decoding's few).
+# The query rows a sequence that decode_fwd takes (speculative decoding's few); the ops
+# layer's bound for attention_with_kvcache is the same (ops.kvcache.DECODE_MAX_SQ).
 MAX_SQ = 16
 
 
@@ -559,9 +560,9 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
     views). ``out_shape`` / ``lse_shape``: other shapes of the same contiguous outputs.
     ``want_lse=False``: the caller drops ``lse`` (``_unread_lse`` then holds it). ``out``
     and ``lse``: the caller's own (contiguous, of the plan's shapes and dtypes) to fill
-    instead. ``cache_leftpad``: the call's, when its plan was made with one. Returns ``(out, lse)``, or None when the Hopper MLA kernel failed to compile:
-    then the failure is recorded (warned once) and the plan dropped, and the caller plans
-    again."""
+    instead. ``cache_leftpad``: the call's, when its plan was made with one. Returns
+    ``(out, lse)``, or None when the Hopper MLA kernel failed to compile: then the failure is
+    recorded (warned once) and the plan dropped, and the caller plans again."""
     dev = q.device
     if out is None:
         out = empty(out_shape or plan.out_shape, dtype=plan.out_dtype, device=dev)

@@ -106,11 +106,12 @@ def _prefill_fwd(q, k_cache, v_cache, lens, s_new, block_table, kw, kept=None, a
         rows, k, v, cu_q, cu_k = _chunk_rows(q, k_cache, v_cache)
         smax = k_cache.shape[1]
         if leftpad is not None:
-            # Clamped to [0, smax]: any value stays inside its own cache row.
+            # Each sequence's keys from its start: its row offset up, its used keys down, the
+            # start and the end clamped into its own cache row (any value stays inside it).
             pad = leftpad.clamp(0, smax)
             cu_k = torch.cat([cu_k[:-1] + pad, cu_k[-1:]])
-            used = ((lens + s_new) if lens is not None else torch.full_like(pad, smax)) - pad
-            used = used.clamp(min=0).to(torch.int32)
+            end = torch.full_like(pad, smax) if used is None else used.clamp(0, smax)
+            used = (end - pad).clamp(min=0).to(torch.int32)
     else:
         capacity = block_table.shape[1] * k_cache.shape[1]
         if (sq < _GATHER_MIN_ROWS or capacity > _GATHER_MAX_TABLE_ROWS_PER_QUERY * sq

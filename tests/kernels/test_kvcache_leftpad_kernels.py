@@ -35,6 +35,7 @@ def test_leftpad_on_the_kernels(device, kernel_opts, b, sq, hq, hkv, d, smax, le
     assert torch.equal(torch.isneginf(lse).cpu(), torch.isneginf(want_lse).cpu())
     torch.testing.assert_close(out.double(), want, **_tol(dtype))
     torch.testing.assert_close(lse.double(), want_lse, **_tol(dtype))
+    assert (out.transpose(1, 2)[torch.isneginf(want_lse)] == 0).all()
 
 
 def test_leftpad_kept_launch_each_calls_starts(device):
@@ -46,7 +47,7 @@ def test_leftpad_kept_launch_each_calls_starts(device):
                    device, dtype)
     t["k_cache"][1, :5] = float("nan")
     with fl.value_checks(False):
-        for starts in ([5, 5, 0], [64, 9, 11], [5, 40, 12], [-3, 100, 2**30]):
+        for starts in ([5, 5, 0], [64, 9, 11], [0, 3, 7], [5, 40, 12], [-3, 100, 2**30]):
             t["cache_leftpad"] = torch.tensor(starts, dtype=torch.int32, device=device)
             out, lse = run(fl.attention_with_kvcache, t, call)
             ref_t, ref_call = f64(t, call)
@@ -55,11 +56,32 @@ def test_leftpad_kept_launch_each_calls_starts(device):
             ref_t["cache_leftpad"] = torch.minimum(ref_t["cache_leftpad"].long().clamp(min=0),
                                                    ends).int()
             want, want_lse = run(R.attention_with_kvcache, ref_t, ref_call)
+            # The NaN rows reach sequence 1 exactly when its start is below them: then every
+            # head of it (the rows are NaN in both kv heads), and nothing else.
             used_nan = starts[1] < 5
-            assert bool(torch.isnan(out[1]).any()) == used_nan
+            assert bool(torch.isnan(out[1]).all()) == used_nan
+            assert bool(torch.isnan(lse[1]).all()) == used_nan
+            assert not torch.isnan(out[0]).any() and not torch.isnan(out[2]).any()
+            assert used_nan or not torch.isnan(out[1]).any()
             ok = torch.ones(3, dtype=torch.bool)
             ok[1] = not used_nan
             torch.testing.assert_close(out[ok].double(), want[ok.to(want.device)],
                                        **_tol(dtype))
             torch.testing.assert_close(lse[ok].double(), want_lse[ok.to(want.device)],
                                        **_tol(dtype))
+
+
+def test_leftpad_chunk_with_lengths_past_the_cache(device):
+    # Longer queries (the varlen path) without value checks: a length past the cache is
+    # clamped to it before the start is taken off, so a sequence never reads the next one's
+    # cache row (its offset moved up by its start).
+    dtype = _dtypes()[0]
+    t, call = make(2, 20, 4, 2, 16, 48, [60, 25], [7, 3], 0, {"causal": True}, device, dtype)
+    with fl.value_checks(False):
+        out, lse = run(fl.attention_with_kvcache, t, call)
+    ref_t, ref_call = f64(t, call)
+    ref_t["cache_seqlens"] = ref_t["cache_seqlens"].clamp(max=48)
+    want, want_lse = run(R.attention_with_kvcache, ref_t, ref_call)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.double(), want, **_tol(dtype))
+    torch.testing.assert_close(lse.double(), want_lse, **_tol(dtype))

@@ -103,6 +103,39 @@ def test_short_query_gradients(device, decode_calls):
     assert torch.isfinite(lse.detach()).all()
 
 
+def test_short_query_lse_contract(device, decode_calls):
+    # On the route: a -inf sink is no sink (empty rows (0, -inf) either way), a NaN key
+    # reaches exactly the rows that see it (its batch, its kv head's query heads, the rows
+    # whose causal range holds it), and gradients through empty rows are zero, never NaN.
+    g = torch.Generator().manual_seed(11)
+    dt = DTYPES[0]
+    q = torch.randn(2, 4, 4, 32, generator=g).to(device, dt)
+    k = torch.randn(2, 3, 2, 32, generator=g).to(device, dt)
+    v = torch.randn(2, 3, 2, 32, generator=g).to(device, dt)
+    none = fl.attention(q, k, v, causal=True, return_lse=True)
+    neg = fl.attention(q, k, v, causal=True, return_lse=True,
+                       sink=torch.full((4,), float("-inf"), device=device))
+    assert torch.equal(none[0], neg[0]) and torch.equal(none[1], neg[1])
+    # Causal, Sq = 4 > Sk = 3: row 0 sees no key.
+    want, want_lse = reference.attention(q.double(), k.double(), v.double(), causal=True,
+                                         return_lse=True)
+    assert torch.equal(torch.isneginf(none[1]), torch.isneginf(want_lse))
+    assert torch.isneginf(none[1][:, :, 0]).all() and (none[0][:, 0] == 0).all()
+    bad = k.clone()
+    bad[1, 2, 0, 5] = float("nan")  # key 2 of batch 1, kv head 0: rows 3 (sees keys 0-2)
+    out, lse = fl.attention(q, bad, v, causal=True, return_lse=True)
+    nan_rows = torch.zeros(2, 4, 4, dtype=torch.bool)
+    nan_rows[1, 3, :2] = True
+    assert torch.equal(out.isnan().any(-1).cpu(), nan_rows)
+    assert torch.equal(lse.isnan().cpu(), nan_rows.permute(0, 2, 1))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    fl.attention(qg, kg, vg, causal=True).sum().backward()
+    assert decode_calls
+    for t in (qg, kg, vg):
+        assert not torch.isnan(t.grad).any()
+    assert (qg.grad[:, 0] == 0).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("b,sq,sk", [(1, 1, 40000), (4, 5, 3000)])
