@@ -64,14 +64,17 @@ def _ref(q, k, v, **kw):
     return reference.attention(q.double(), k.double(), v.double(), return_lse=True, **kw)
 
 
+def _qkv(device, seed, b, sq, sk, hq, hkv, d=32):
+    """Fresh q, k, v of DTYPES[0] on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, s, h, d, generator=g).to(device, DTYPES[0])
+                 for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+
+
 def test_short_query_kept_launch_reads_each_calls_v(device, decode_calls):
     # A launch kept for a call with v = k (the decode kernel then reads V from K's tiles) and
     # a later call of the same metadata with its own v: each gets its own v's answer.
-    g = torch.Generator().manual_seed(3)
-    dt = DTYPES[0]
-    q = torch.randn(1, 2, 4, 32, generator=g).to(device, dt)
-    k = torch.randn(1, 30, 2, 32, generator=g).to(device, dt)
-    v = torch.randn(1, 30, 2, 32, generator=g).to(device, dt)
+    q, k, v = _qkv(device, 3, 1, 2, 30, 4, 2)
     for vv in (k, v, k, v):
         out, lse = fl.attention(q, k, vv, causal=True, return_lse=True)
         want, want_lse = _ref(q, k, vv, causal=True)
@@ -107,11 +110,7 @@ def test_short_query_lse_contract(device, decode_calls):
     # On the route: a -inf sink is no sink (empty rows (0, -inf) either way), a NaN key
     # reaches exactly the rows that see it (its batch, its kv head's query heads, the rows
     # whose causal range holds it), and gradients through empty rows are zero, never NaN.
-    g = torch.Generator().manual_seed(11)
-    dt = DTYPES[0]
-    q = torch.randn(2, 4, 4, 32, generator=g).to(device, dt)
-    k = torch.randn(2, 3, 2, 32, generator=g).to(device, dt)
-    v = torch.randn(2, 3, 2, 32, generator=g).to(device, dt)
+    q, k, v = _qkv(device, 11, 2, 4, 3, 4, 2)
     none = fl.attention(q, k, v, causal=True, return_lse=True)
     neg = fl.attention(q, k, v, causal=True, return_lse=True,
                        sink=torch.full((4,), float("-inf"), device=device))
