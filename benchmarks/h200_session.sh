@@ -655,7 +655,8 @@ if [ "$1" = s47 ]; then
     # Session 47 also: dense calls of <= 16 query rows on the decode kernel
     # (dispatch.SHORT_Q_DECODE, on): their tests and the dense files' short rows, then the
     # A/B (public fl.attention, cuDNN beside the one-row rows); cache_leftpad's kernel tests.
-    # "s47": the tests (three processes at once); "s47 bench": the A/Bs and host rows.
+    # "s47": the tests (three processes at once); "s47 bench": the A/Bs and host rows;
+    # "s47 bench tf": bench_transformers (each under the 10-minute call).
     if [ "$2" != bench ]; then
     run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py &
     FLASHLSE_TEST_FUSED_MERGE=1 run_tests sparse_fused $K/test_sparse_kernels.py &
@@ -669,14 +670,17 @@ if [ "$1" = s47 ]; then
         "$OUT"/test_gpu_short.log | head -8
     exit 0
     fi
-    AB_SET=short timeout 200 python3 benchmarks/ab_decode_switch.py \
-        --flag dispatch.SHORT_Q_DECODE 2>&1 | tail -11
-    AB_SET=sparse timeout 200 python3 benchmarks/ab_decode_switch.py \
-        --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tail -6
-    # transformers end to end (generate B = 1 and 8 left-padded, a training step) against
-    # its own "sdpa" implementation.
-    timeout 240 python3 benchmarks/bench_transformers.py 2>&1 | tail -6
-    timeout 120 python3 benchmarks/bench_overhead.py --functions kvcache --out "$OUT/kv" \
+    if [ "$3" = tf ]; then
+        # transformers end to end (generate B = 1 and 8 left-padded, a training step) against
+        # its own "sdpa" implementation.
+        timeout 300 python3 benchmarks/bench_transformers.py 2>&1 | tee "$OUT/tf.txt" | tail -8
+        exit 0
+    fi
+    AB_SET=short timeout 220 python3 benchmarks/ab_decode_switch.py \
+        --flag dispatch.SHORT_Q_DECODE 2>&1 | tee "$OUT/ab_short.txt" | tail -11
+    AB_SET=sparse timeout 150 python3 benchmarks/ab_decode_switch.py \
+        --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tee "$OUT/ab_sparse.txt" | tail -6
+    timeout 110 python3 benchmarks/bench_overhead.py --functions kvcache --out "$OUT/kv" \
         2>&1 | grep "^attention_with" | grep "|"
     exit 0
 fi
