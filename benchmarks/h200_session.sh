@@ -67,6 +67,7 @@
 #   bash benchmarks/h200_session.sh s47        # sessions 46-47: unread lse, the token
 #                                                table's fused merge, short queries on the
 #                                                decode kernel (GPU tests, A/B), kvcache host us
+#   bash benchmarks/h200_session.sh s48        # s47's tests and its short-query A/B, one call
 #   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
 #                                                32 splits goes (prof_fused_merge.py: each
 #                                                kernel's time in both forms, then ncu)
@@ -682,6 +683,24 @@ if [ "$1" = s47 ]; then
         --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tee "$OUT/ab_sparse.txt" | tail -6
     timeout 110 python3 benchmarks/bench_overhead.py --functions kvcache --out "$OUT/kv" \
         2>&1 | grep "^attention_with" | grep "|"
+    exit 0
+fi
+if [ "$1" = s48 ]; then
+    # Session 48 had little device time (failed starts): s47's tests and the short-query A/B
+    # in one call (< 10 min), the rest ("s47 bench", "s47 bench tf") when time is left.
+    run_tests() { local name=$1; shift
+        timeout 300 python3 -m pytest -q "$@" -p no:cacheprovider > "$OUT/test_gpu_$name.log" 2>&1; }
+    run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py &
+    FLASHLSE_TEST_FUSED_MERGE=1 run_tests sparse_fused $K/test_sparse_kernels.py &
+    run_tests short $K/test_short_query.py $K/test_fwd.py $K/test_bwd.py $K/test_nan_kernels.py \
+        $K/test_launch_plans.py $K/test_kvcache_leftpad_kernels.py \
+        -k "short or decode_row or sq1 or sq_gt or launch_plan or leftpad" &
+    wait
+    for f in "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log "$OUT"/test_gpu_short.log
+    do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -8
+    AB_SET=short timeout 220 python3 benchmarks/ab_decode_switch.py \
+        --flag dispatch.SHORT_Q_DECODE 2>&1 | tee "$OUT/ab_short.txt" | tail -11
     exit 0
 fi
 if [ "$1" = fused-why ]; then
