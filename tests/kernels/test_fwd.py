@@ -439,10 +439,13 @@ SM90_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,kw", SM90_CASES)
 def test_attn_fwd_gpu_sm90(device, kernel_opts, monkeypatch, dtype, b, sq, sk, hq, hkv, d, kw):
-    from flashlse.kernels import configs, fwd_sm90
+    from flashlse.kernels import configs, dispatch, fwd_sm90
 
     if d not in configs.FWD_SM90:
         pytest.skip(f"no Hopper forward tile for D = {d} in configs.FWD_SM90")
+    # (Dense calls of <= decode.MAX_SQ rows take the decode kernel by default: the Hopper
+    # kernel on them with that route off; test_short_query.py tests the route.)
+    monkeypatch.setattr(dispatch, "SHORT_Q_DECODE", False)
     if not configs.FWD_SM90[d].grid:
         # (D = 64: the calls the persistent kernel does not take run fwd.py's by default;
         # the grid kernel stays an option, tested here.)
