@@ -698,7 +698,8 @@ if [ "$1" = s48 ]; then
             $K/test_fwd.py $K/test_bwd.py -k "leftpad or (fwd_gpu_sm90 and decode_row) or (sm90_other_dims and (decode_row or sq_gt))" \
             > "$OUT/test_gpu_fix.log" 2>&1
         tail -1 "$OUT/test_gpu_fix.log"; grep "^FAILED" "$OUT/test_gpu_fix.log" | head -8
-        timeout 300 python3 benchmarks/bench_transformers.py 2>&1 | tee "$OUT/tf.txt" | tail -8
+        timeout ${TF_S:-300} python3 benchmarks/bench_transformers.py --rounds ${TF_ROUNDS:-3} \
+            2>&1 | tee "$OUT/tf.txt" | tail -8
         exit 0
     fi
     run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py &
