@@ -6,7 +6,8 @@ typed launcher; the families are peers and know nothing of each other. This modu
 them in order and calls the first that takes the call:
 
     forward  (attn_fwd)          decode     split-KV decode    dense, Sq <= decode.MAX_SQ
-                                                               (SHORT_Q_DECODE)
+                                                               (SHORT_Q_DECODE), no
+                                                               forward tile override
                                  fwd_sm90   Hopper Gluon       KernelOptions.sm90_fwd
                                  fwd        portable Triton    always
     paged forward (attn_fwd_paged)  sequences of more than fwd.SMALL_ROWS packed rows:
@@ -78,9 +79,12 @@ def fwd_launch(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqle
     or False when the Hopper kernel failed to compile (warned once; ask again for the
     portable one). A function of the call's metadata and the options, like the plans it
     holds: ``ops.attention`` keeps it for repeated calls."""
-    if SHORT_Q_DECODE and cu_seqlens_q is None and q.shape[1] <= decode.MAX_SQ:
+    opts = options.current()
+    # (A forward tile override asks for the dense kernels: they run with it.)
+    if SHORT_Q_DECODE and cu_seqlens_q is None and q.shape[1] <= decode.MAX_SQ and \
+            not (opts.fwd_config or opts.fwd_sm90_config):
         return _DecodeFwd(left, right, softcap, scale)
-    if options.current().sm90_fwd and fwd_sm90 is not None:
+    if opts.sm90_fwd and fwd_sm90 is not None:
         plan = fwd_sm90.plan(q, k, v, out, lse, softcap=softcap, left=left, right=right,
                              scale=scale, sink=sink, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

@@ -60,6 +60,20 @@ def test_short_query_bound(device, decode_calls, sq, routed):
     assert bool(decode_calls) == routed
 
 
+@pytest.mark.parametrize("override", ["fwd_config", "fwd_sm90_config"])
+def test_short_query_tile_override_runs_the_dense_kernels(device, kernel_opts, decode_calls,
+                                                          override):
+    # A forward tile override is a request for the dense kernels (fwd_sm90_config: the
+    # Hopper one, where it takes the call): the route steps aside.
+    kernel_opts(**{override: {"BLOCK_M": 64} if override == "fwd_config" else {"GRID": True}})
+    q, k, v = _qkv(device, 4, 1, 2, 30, 4, 2)
+    out, lse = fl.attention(q, k, v, causal=True, return_lse=True)
+    assert not decode_calls
+    want, want_lse = _ref(q, k, v, causal=True)
+    torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=2e-3)
+
+
 def _ref(q, k, v, **kw):
     return reference.attention(q.double(), k.double(), v.double(), return_lse=True, **kw)
 
