@@ -212,7 +212,23 @@ def calls(dev="cuda"):
         return fl.attention_varlen(mq, pk, pk, mcu, None, 512, 4096 + step[0], seqused_k=plens,
                                    block_table=ptable, causal=True)
 
+    # One decode row through fl.attention (the short-query route, as transformers' generate
+    # calls it a layer), on a fixed cache and on one a key longer each call: a new shape
+    # misses every kept plan (its first layer of each generate step), the lengths cycling
+    # over more than the plan caches hold.
+    q1 = torch.randn(1, 1, 32, 128, device=dev, dtype=dt)
+    kgrow = torch.randn(1, 4096 + 3000, 8, 128, device=dev, dtype=dt)
+    grow = [0]
+
+    def growing_row():
+        grow[0] = (grow[0] + 1) % 3000
+        kk = kgrow[:, :4096 + grow[0]]
+        return fl.attention(q1, kk, kk, causal=True)
+
     rows = {
+        "attention decode row 4k": lambda: fl.attention(q1, kgrow[:, :4096], kgrow[:, :4096],
+                                                        causal=True),
+        "attention decode row, growing": growing_row,
         "varlen paged decode step": paged_step,
         "varlen paged mixed step": mixed_step,
         "sparse top-k MLA decode paged": lambda: fl.sparse_attention(
