@@ -68,8 +68,8 @@
 #                                                table's fused merge, short queries on the
 #                                                decode kernel (GPU tests, A/B), kvcache host us
 #   bash benchmarks/h200_session.sh s48        # s47's tests and its short-query A/B, one call
-#   bash benchmarks/h200_session.sh s49        # session 48's leftovers: fixed tests, sparse A/B,
-#                                                bench_transformers (one call)
+#   bash benchmarks/h200_session.sh s49 [tf]   # session 48's leftovers: fixed tests, split floor
+#                                                and sparse A/Bs; "tf": bench_transformers
 #   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
 #                                                32 splits goes (prof_fused_merge.py: each
 #                                                kernel's time in both forms, then ncu)
@@ -719,17 +719,24 @@ if [ "$1" = s48 ]; then
 fi
 if [ "$1" = s49 ]; then
     # Session 48's leftovers in one call (< 9 min), for a session with little device time:
-    # the tests its first call failed, after their fixes (59), the token table's fused-merge
-    # A/B (decode.FUSED_MERGE_TOKEN_TABLE: on where device time is level; its GPU tests
-    # passed in session 48), then bench_transformers (2 rounds).
+    # the tests its first call failed, after their fixes (61), the split floor's A/B on the
+    # B = 1 short-query rows (decode.SPLIT_FLOOR: on where every row is >= 1.0), the token
+    # table's fused-merge A/B (decode.FUSED_MERGE_TOKEN_TABLE: on where device time is level;
+    # its GPU tests passed in session 48). "s49 tf": bench_transformers.
     timeout 170 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_leftpad_kernels.py \
         $K/test_fwd.py $K/test_bwd.py $K/test_short_query.py \
         -k "leftpad or (fwd_gpu_sm90 and decode_row) or (sm90_other_dims and (decode_row or sq_gt)) or override" \
         > "$OUT/test_gpu_fix.log" 2>&1
     tail -1 "$OUT/test_gpu_fix.log"; grep "^FAILED" "$OUT/test_gpu_fix.log" | head -8
-    AB_SET=sparse timeout 120 python3 benchmarks/ab_decode_switch.py \
+    if [ "$2" = tf ]; then
+        timeout 400 python3 benchmarks/bench_transformers.py 2>&1 | tee "$OUT/tf.txt" | tail -8
+        exit 0
+    fi
+    AB_SET=short AB_ROWS="attention B=1 Sq=1 Skv=4k;attention B=1 Sq=1 Skv=32k;attention B=1 Sq=4 Skv=8k;attention B=1 Sq=1 Skv=8k D=256" \
+        timeout 130 python3 benchmarks/ab_decode_switch.py --flag decode.SPLIT_FLOOR 2>&1 \
+        | tee "$OUT/ab_floor.txt" | tail -7
+    AB_SET=sparse timeout 110 python3 benchmarks/ab_decode_switch.py \
         --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tee "$OUT/ab_sparse.txt" | tail -6
-    timeout 220 python3 benchmarks/bench_transformers.py --rounds 2 2>&1 | tee "$OUT/tf.txt" | tail -8
     exit 0
 fi
 if [ "$1" = fused-why ]; then

@@ -420,18 +420,18 @@ def _merge_if_last(o, lse, sink, out_f, lse_f, counter, i_bhm, i_b, o_i, o_h, m_
 
 
 @functools.lru_cache(maxsize=1024)
-def _num_splits(programs: int, n_tiles: int, slots: int) -> int:
+def _num_splits(programs: int, n_tiles: int, slots: int, min_tiles: int = 1) -> int:
     """Split count that fills ``slots`` concurrent programs with little wave quantization.
 
     Efficiency of S splits is ``P S / (ceil(P S / slots) slots)``; take the smallest S
-    within 95% of the best, at most one split per tile. (flash-attn takes 85%; on the H200
+    within 95% of the best, at least ``min_tiles`` key tiles a split. (flash-attn takes 85%; on the H200
     at B=1, Skv=128k, 24 / 33 / 48 / 57 splits of 8 programs ran at 3358 / 3714 / 3140 /
     3397 GB/s: a wave that is 73% full costs more than the few extra splits.)
     Cached: this host loop must cost less than the decode step it sizes.
     """
     if programs >= 0.8 * slots or n_tiles <= 1:
         return 1
-    max_splits = min(n_tiles, 128)
+    max_splits = max(1, min(n_tiles // max(min_tiles, 1), 128))
     effs = []
     for s in range(1, max_splits + 1):
         waves = cdiv(programs * s, slots)
@@ -623,6 +623,15 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 
+# Experiment, off (session 48): at least SPLIT_MIN_TILES key tiles a split. A short cache at
+# B = 1 is cut into ~32 splits of 2 tiles (4k keys: 0.90x cuDNN on an H100, the split and
+# merge launches' fixed cost over 8-16 MB of keys); 8 splits of 8 tiles take the fused merge
+# (one launch). Prediction: B = 1 4k 0.0212 -> 0.017-0.019 ms, >= 32k and B >= 8 unchanged
+# (their split counts are under the floor's cap). The A/B: ab_decode_switch.py --flag
+# decode.SPLIT_FLOOR (AB_SET=short and the kvcache rows).
+SPLIT_FLOOR = False
+SPLIT_MIN_TILES = 8
+
 # The split kernel's last program of each row tile merges the splits (``_merge_if_last``)
 # instead of a merge kernel after it: one launch less a split call (read when a plan is made),
 # where the call has at most FUSED_MERGE_MAX_SPLITS splits. H100 (NOTES.md, session 46):
@@ -794,7 +803,8 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         # capped at one split a tile, the same answer, and at 65535 (the grid's dim 1).
         splits = min(int(num_splits), max(1, n_tiles), 65535)
     elif q.is_cuda:
-        splits = _num_splits(programs, n_tiles, _num_sms(q.device) * cfg.programs_per_sm)
+        splits = _num_splits(programs, n_tiles, _num_sms(q.device) * cfg.programs_per_sm,
+                             SPLIT_MIN_TILES if SPLIT_FLOOR else 1)
     else:
         splits = min(4, max(1, n_tiles))
 

@@ -265,3 +265,12 @@ def test_num_splits_fills_one_wave(programs, want):
     # one wave to >= 95% (32 x 8 = 256 and 4 x 64 = 256 of 264); large batches need no split.
     assert decode._num_splits(programs, 2048, 264) == want
     assert decode._num_splits(8, 3, 264) == 3  # at most one split per key tile
+
+
+def test_num_splits_floor_of_key_tiles():
+    # (decode.SPLIT_FLOOR) B = 1, 8 programs over 4k keys (64 tiles): 32 splits of 2 tiles,
+    # or at most 8 of 8 tiles (the fused merge's range); long caches are under the cap.
+    assert decode._num_splits(8, 64, 264) == 32
+    assert decode._num_splits(8, 64, 264, 8) == 8
+    assert decode._num_splits(8, 512, 264, 8) == decode._num_splits(8, 512, 264) == 32
+    assert decode._num_splits(8, 5, 264, 8) == 1  # fewer tiles than the floor: one split
