@@ -21,6 +21,11 @@ those to the decode kernel (cuDNN beside the one-row rows; the last row in trans
 layout, (B, H, S, D) tensors transposed):
 
     AB_SET=short python benchmarks/ab_decode_switch.py --flag dispatch.SHORT_Q_DECODE
+
+``AB_SET=wide``: the same calls at 32 and 64 query rows, past the route's bound, for the
+route widened (``dispatch.SHORT_Q_WIDE``):
+
+    AB_SET=wide python benchmarks/ab_decode_switch.py --flag dispatch.SHORT_Q_WIDE
 """
 
 from __future__ import annotations
@@ -118,6 +123,14 @@ SHORT_ROWS = [("attention B=1 Sq=1 Skv=4k", 1, 1, 4096, False),
               ("attention B=8 Sq=1 Skv=4k D=256", 8, 1, 4096, False, 256)]
 
 
+# Past the route's bound (AB_SET=wide, dispatch.SHORT_Q_WIDE): where the bound belongs.
+WIDE_ROWS = [("attention B=1 Sq=32 Skv=8k", 1, 32, 8192, False),
+             ("attention B=8 Sq=32 Skv=2k", 8, 32, 2048, False),
+             ("attention B=1 Sq=64 Skv=16k", 1, 64, 16384, False),
+             ("attention B=8 Sq=64 Skv=4k", 8, 64, 4096, False),
+             ("attention B=1 Sq=64 Skv=8k D=256", 1, 64, 8192, False, 256)]
+
+
 def short_row(flag, label, b, sq, skv, transposed, d=D):
     dt = torch.bfloat16
     if transposed:
@@ -151,7 +164,8 @@ def short_row(flag, label, b, sq, skv, transposed, d=D):
 def main() -> None:
     flag = flag_ab_args()
     only = os.environ.get("AB_ROWS")  # (e.g. AB_ROWS="B=1 Skv=128k;B=1 Skv=4k")
-    make, table = {"sparse": (sparse_row, SPARSE_ROWS), "short": (short_row, SHORT_ROWS)}.get(
+    make, table = {"sparse": (sparse_row, SPARSE_ROWS), "short": (short_row, SHORT_ROWS),
+                   "wide": (short_row, WIDE_ROWS)}.get(
         os.environ.get("AB_SET"), (row, ROWS))
     rows = [make(flag, *r) for r in table if only is None or r[0] in only.split(";")]
     sparse = make is sparse_row

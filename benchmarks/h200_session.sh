@@ -720,12 +720,13 @@ fi
 if [ "$1" = s49 ]; then
     # Session 48's leftovers in one call (< 9 min), for a session with little device time:
     # the tests its first call failed, after their fixes (61), the split floor's A/B on the
-    # B = 1 short-query rows (decode.SPLIT_FLOOR: on where every row is >= 1.0), the token
+    # B = 1 short-query rows (decode.SPLIT_FLOOR: on where every row is >= 1.0), the route
+    # past 16 rows (dispatch.SHORT_Q_WIDE, AB_SET=wide: where its bound belongs), the token
     # table's fused-merge A/B (decode.FUSED_MERGE_TOKEN_TABLE: on where device time is level;
     # its GPU tests passed in session 48). "s49 tf": bench_transformers.
     timeout 170 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_leftpad_kernels.py \
         $K/test_fwd.py $K/test_bwd.py $K/test_short_query.py \
-        -k "leftpad or (fwd_gpu_sm90 and decode_row) or (sm90_other_dims and (decode_row or sq_gt)) or override" \
+        -k "leftpad or (fwd_gpu_sm90 and decode_row) or (sm90_other_dims and (decode_row or sq_gt)) or override or wide" \
         > "$OUT/test_gpu_fix.log" 2>&1
     tail -1 "$OUT/test_gpu_fix.log"; grep "^FAILED" "$OUT/test_gpu_fix.log" | head -8
     if [ "$2" = tf ]; then
@@ -735,7 +736,9 @@ if [ "$1" = s49 ]; then
     AB_SET=short AB_ROWS="attention B=1 Sq=1 Skv=4k;attention B=1 Sq=1 Skv=32k;attention B=1 Sq=4 Skv=8k;attention B=1 Sq=1 Skv=8k D=256" \
         timeout 130 python3 benchmarks/ab_decode_switch.py --flag decode.SPLIT_FLOOR 2>&1 \
         | tee "$OUT/ab_floor.txt" | tail -7
-    AB_SET=sparse timeout 110 python3 benchmarks/ab_decode_switch.py \
+    AB_SET=wide timeout 110 python3 benchmarks/ab_decode_switch.py \
+        --flag dispatch.SHORT_Q_WIDE 2>&1 | tee "$OUT/ab_wide.txt" | tail -7
+    AB_SET=sparse timeout 100 python3 benchmarks/ab_decode_switch.py \
         --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tee "$OUT/ab_sparse.txt" | tail -6
     exit 0
 fi

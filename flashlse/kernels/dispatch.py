@@ -81,7 +81,8 @@ def fwd_launch(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqle
     holds: ``ops.attention`` keeps it for repeated calls."""
     opts = options.current()
     # (A forward tile override asks for the dense kernels: they run with it.)
-    if SHORT_Q_DECODE and cu_seqlens_q is None and q.shape[1] <= decode.MAX_SQ and \
+    if SHORT_Q_DECODE and cu_seqlens_q is None and \
+            q.shape[1] <= (SHORT_Q_WIDE_MAX if SHORT_Q_WIDE else decode.MAX_SQ) and \
             not (opts.fwd_config or opts.fwd_sm90_config):
         return _DecodeFwd(left, right, softcap, scale)
     if opts.sm90_fwd and fwd_sm90 is not None:
@@ -105,6 +106,14 @@ def fwd_launch(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqle
 # softcap, sink, lse (B, Hq, Sq)); attention_with_kvcache takes the same kernel for these
 # rows. Off: the dense kernels (the A/B: AB_SET=short benchmarks/ab_decode_switch.py).
 SHORT_Q_DECODE = True
+# Experiment, off (session 48): the route up to SHORT_Q_WIDE_MAX rows. On an H100 the route
+# was 1.5x the dense kernels at its bound (B = 8, Sq = 16, 2k keys) and 3.5x at Sq = 4: the
+# dense kernels' 128-row tiles stay mostly empty past 16 rows, and each query head reads the
+# keys again where the decode kernel packs a kv head's query heads. Prediction: >= 1.2x at
+# Sq = 32, level to 1.3x at Sq = 64 (GQA 4: 256 rows, four row tiles reading one cache).
+# The A/B: AB_SET=wide benchmarks/ab_decode_switch.py --flag dispatch.SHORT_Q_WIDE.
+SHORT_Q_WIDE = False
+SHORT_Q_WIDE_MAX = 64
 
 
 class _DecodeFwd:

@@ -74,6 +74,34 @@ def test_short_query_tile_override_runs_the_dense_kernels(device, kernel_opts, d
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=2e-3)
 
 
+WIDE_CASES = [
+    pytest.param(1, 32, 70, 4, 1, 32, 32, {"causal": True}, id="sq32_causal_mqa4"),
+    pytest.param(2, 64, 90, 4, 2, 32, 32, {"causal": True, "sink": True}, id="sq64_sink"),
+    pytest.param(1, 40, 30, 2, 1, 32, 32, {"causal": True}, id="sq40_gt_sk_empty_rows"),
+    pytest.param(1, 64, 50, 2, 2, 32, 32, {"window": (7, 3)}, id="sq64_window"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("b,sq,sk,hq,hkv,d,dv,kw", WIDE_CASES)
+def test_short_query_wide_route(device, monkeypatch, decode_calls, dtype, b, sq, sk, hq, hkv, d,
+                                dv, kw):
+    # (dispatch.SHORT_Q_WIDE, an experiment: the route up to SHORT_Q_WIDE_MAX rows.)
+    monkeypatch.setattr(dispatch, "SHORT_Q_WIDE", True)
+    _run_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, **kw)
+    assert decode_calls
+
+
+@pytest.mark.parametrize("sq, routed", [(dispatch.SHORT_Q_WIDE_MAX, True),
+                                        (dispatch.SHORT_Q_WIDE_MAX + 1, False)])
+def test_short_query_wide_bound(device, monkeypatch, decode_calls, sq, routed):
+    monkeypatch.setattr(dispatch, "SHORT_Q_WIDE", True)
+    q = torch.randn(1, sq, 2, 32, device=device, dtype=DTYPES[0])
+    k = torch.randn(1, 40, 1, 32, device=device, dtype=DTYPES[0])
+    fl.attention(q, k, k, causal=True)
+    assert bool(decode_calls) == routed
+
+
 def _ref(q, k, v, **kw):
     return reference.attention(q.double(), k.double(), v.double(), return_lse=True, **kw)
 
