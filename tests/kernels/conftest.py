@@ -42,6 +42,35 @@ def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
 
 
+# Every cache of plans and kept launches (module, names): fresh for each test.
+_PLAN_CACHES = (
+    ("flashlse.kernels.fwd", ("_PLANS", )),
+    ("flashlse.kernels.fwd_sm90", ("_PLANS", )),
+    ("flashlse.kernels.bwd", ("_BWD_PLANS", )),
+    ("flashlse.kernels.decode", ("_PLANS", "_APPEND_PLANS")),
+    ("flashlse.kernels.combine", ("_PLANS", )),
+    ("flashlse.ops.attention", ("_KEPT", "_PAGED_KEPT")),
+    ("flashlse.ops.kvcache", ("_KEPT", "_CHUNK_KEPT")),
+    ("flashlse.ops.merge", ("_KEPT", )),
+    ("flashlse.ops.sparse", ("_PLANS", )),
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans(monkeypatch):
+    """Each test plans its own launches (and gets its caches back after): a plan kept by an
+    earlier test of the same metadata would launch without the planning a test counts or
+    steers with options and flags (session 48: a Hopper backward test found its dK/dV plan
+    made by the test before it and never planned)."""
+    import importlib
+
+    for module, names in _PLAN_CACHES:
+        mod = importlib.import_module(module)
+        for name in names:
+            monkeypatch.setattr(mod, name, type(getattr(mod, name))())
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _poison_outputs():
     """Every buffer a launcher allocates starts as NaN, so an unwritten element fails."""
