@@ -424,9 +424,10 @@ def _num_splits(programs: int, n_tiles: int, slots: int, min_tiles: int = 1) -> 
     """Split count that fills ``slots`` concurrent programs with little wave quantization.
 
     Efficiency of S splits is ``P S / (ceil(P S / slots) slots)``; take the smallest S
-    within 95% of the best, at least ``min_tiles`` key tiles a split. (flash-attn takes 85%; on the H200
-    at B=1, Skv=128k, 24 / 33 / 48 / 57 splits of 8 programs ran at 3358 / 3714 / 3140 /
-    3397 GB/s: a wave that is 73% full costs more than the few extra splits.)
+    within 95% of the best, with at least ``min_tiles`` key tiles a split (1: at most one
+    split a tile). (flash-attn takes 85%; on the H200 at B=1, Skv=128k, 24 / 33 / 48 / 57
+    splits of 8 programs ran at 3358 / 3714 / 3140 / 3397 GB/s: a wave that is 73% full
+    costs more than the few extra splits.)
     Cached: this host loop must cost less than the decode step it sizes.
     """
     if programs >= 0.8 * slots or n_tiles <= 1:
