@@ -733,12 +733,15 @@ if [ "$1" = s49 ]; then
         timeout 400 python3 benchmarks/bench_transformers.py 2>&1 | tee "$OUT/tf.txt" | tail -8
         exit 0
     fi
-    AB_SET=short AB_ROWS="attention B=1 Sq=1 Skv=4k;attention B=1 Sq=1 Skv=32k;attention B=1 Sq=4 Skv=8k;attention B=1 Sq=1 Skv=8k D=256" \
-        timeout 130 python3 benchmarks/ab_decode_switch.py --flag decode.SPLIT_FLOOR 2>&1 \
-        | tee "$OUT/ab_floor.txt" | tail -7
+    AB_SET=short AB_ROWS="attention B=1 Sq=1 Skv=4k;attention B=1 Sq=1 Skv=32k;attention B=1 Sq=4 Skv=8k" \
+        timeout 90 python3 benchmarks/ab_decode_switch.py --flag decode.SPLIT_FLOOR 2>&1 \
+        | tee "$OUT/ab_floor.txt" | tail -5
+    AB_ROWS="B=1 Skv=4k;B=1 Skv=128k;B=8 Skv=4k" timeout 90 python3 \
+        benchmarks/ab_decode_switch.py --flag decode.SPLIT_FLOOR 2>&1 \
+        | tee "$OUT/ab_floor_kv.txt" | tail -5
     AB_SET=wide timeout 110 python3 benchmarks/ab_decode_switch.py \
         --flag dispatch.SHORT_Q_WIDE 2>&1 | tee "$OUT/ab_wide.txt" | tail -7
-    AB_SET=sparse timeout 100 python3 benchmarks/ab_decode_switch.py \
+    AB_SET=sparse timeout 90 python3 benchmarks/ab_decode_switch.py \
         --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tee "$OUT/ab_sparse.txt" | tail -6
     exit 0
 fi
