@@ -649,6 +649,17 @@ if [ "$1" = fused ]; then
         > "$OUT/profile_mixed.txt" 2>&1; grep -m3 -E "us a call|===" "$OUT/profile_mixed.txt"
     exit 0
 fi
+s47_tests() {  # sessions 46-47's GPU tests, three processes at once
+    run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py &
+    FLASHLSE_TEST_FUSED_MERGE=1 run_tests sparse_fused $K/test_sparse_kernels.py &
+    run_tests short $K/test_short_query.py $K/test_fwd.py $K/test_bwd.py $K/test_nan_kernels.py \
+        $K/test_launch_plans.py $K/test_kvcache_leftpad_kernels.py \
+        -k "short or decode_row or sq1 or sq_gt or launch_plan or leftpad" &
+    wait
+    for f in "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log "$OUT"/test_gpu_short.log
+    do echo "$f: $(tail -1 "$f")"; done
+    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -8
+}
 if [ "$1" = s47 ]; then
     # Sessions 46-47, never run on a GPU yet: the unread lse on kept scratch (on in main) and
     # the token table's fused merge (decode.FUSED_MERGE_TOKEN_TABLE, off): their GPU tests,
@@ -660,19 +671,7 @@ if [ "$1" = s47 ]; then
     # A/B (public fl.attention, cuDNN beside the one-row rows); cache_leftpad's kernel tests.
     # "s47": the tests (three processes at once); "s47 bench": the A/Bs and host rows;
     # "s47 bench tf": bench_transformers (each under the 10-minute call).
-    if [ "$2" != bench ]; then
-    run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py &
-    FLASHLSE_TEST_FUSED_MERGE=1 run_tests sparse_fused $K/test_sparse_kernels.py &
-    run_tests short $K/test_short_query.py $K/test_fwd.py $K/test_bwd.py $K/test_nan_kernels.py \
-        $K/test_launch_plans.py $K/test_kvcache_leftpad_kernels.py \
-        -k "short or decode_row or sq1 or sq_gt or launch_plan or leftpad" &
-    wait
-    for f in "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log "$OUT"/test_gpu_short.log
-    do echo "$f: $(tail -1 "$f")"; done
-    grep -h "^FAILED" "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log \
-        "$OUT"/test_gpu_short.log | head -8
-    exit 0
-    fi
+    if [ "$2" != bench ]; then s47_tests; exit 0; fi
     if [ "$3" = tf ]; then
         # transformers end to end (generate B = 1 and 8 left-padded, a training step) against
         # its own "sdpa" implementation.
@@ -688,31 +687,11 @@ if [ "$1" = s47 ]; then
     exit 0
 fi
 if [ "$1" = s48 ]; then
-    # Session 48 had little device time (failed starts): s47's tests and the short-query A/B
-    # in one call (< 10 min), the rest ("s47 bench", "s47 bench tf") when time is left.
+    # Session 48 had little device time (failed starts): s47's tests (300 s each) and the
+    # short-query A/B in one call (< 10 min); its leftovers are "s49".
     run_tests() { local name=$1; shift
         timeout 300 python3 -m pytest -q "$@" -p no:cacheprovider > "$OUT/test_gpu_$name.log" 2>&1; }
-    if [ "$2" = fix ]; then
-        # The first call's failures after their tests' fixes (the Hopper forward tests on
-        # the short route's shapes, a kept backward plan between tests, leftpad's bf16
-        # tolerance), then bench_transformers.
-        timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_leftpad_kernels.py \
-            $K/test_fwd.py $K/test_bwd.py -k "leftpad or (fwd_gpu_sm90 and decode_row) or (sm90_other_dims and (decode_row or sq_gt))" \
-            > "$OUT/test_gpu_fix.log" 2>&1
-        tail -1 "$OUT/test_gpu_fix.log"; grep "^FAILED" "$OUT/test_gpu_fix.log" | head -8
-        timeout ${TF_S:-300} python3 benchmarks/bench_transformers.py --rounds ${TF_ROUNDS:-3} \
-            2>&1 | tee "$OUT/tf.txt" | tail -8
-        exit 0
-    fi
-    run_tests unread $K/test_decode_fused_merge.py $K/test_sync_free.py $K/test_cuda_graphs.py &
-    FLASHLSE_TEST_FUSED_MERGE=1 run_tests sparse_fused $K/test_sparse_kernels.py &
-    run_tests short $K/test_short_query.py $K/test_fwd.py $K/test_bwd.py $K/test_nan_kernels.py \
-        $K/test_launch_plans.py $K/test_kvcache_leftpad_kernels.py \
-        -k "short or decode_row or sq1 or sq_gt or launch_plan or leftpad" &
-    wait
-    for f in "$OUT"/test_gpu_unread.log "$OUT"/test_gpu_sparse_fused.log "$OUT"/test_gpu_short.log
-    do echo "$f: $(tail -1 "$f")"; done
-    grep -h "^FAILED" "$OUT"/test_gpu_*.log | head -8
+    s47_tests
     AB_SET=short timeout 220 python3 benchmarks/ab_decode_switch.py \
         --flag dispatch.SHORT_Q_DECODE 2>&1 | tee "$OUT/ab_short.txt" | tail -11
     exit 0

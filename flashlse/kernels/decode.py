@@ -458,7 +458,9 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
     The last dim of q and of the caches must have stride 1.
 
     Args:
-        q: ``(B, Sq, Hq, D)``, ``Sq`` in 1..``MAX_SQ``.
+        q: ``(B, Sq, Hq, D)``, ``Sq`` in 1..``MAX_SQ`` (the callers' bound; the kernel
+            packs the ``Sq * G`` rows of a kv head into row tiles, and the dispatcher's
+            ``SHORT_Q_WIDE`` experiment sends it up to 64).
         k_cache: ``(B, Smax, Hkv, D)``, or paged ``(num_pages, page_size, Hkv, D)``.
         v_cache: ``(B, Smax, Hkv, Dv)`` or ``(num_pages, page_size, Hkv, Dv)``; may be the
             view ``k_cache[..., :Dv]`` (MLA), which is then read once.

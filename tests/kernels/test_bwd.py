@@ -996,11 +996,10 @@ def test_attn_bwd_gpu_sm90_varlen_bad_data_stays_in_its_sequence(monkeypatch, d,
 @pytest.mark.parametrize("case", SM90_CASES)
 def test_attn_bwd_gpu_sm90_other_dims(device, kernel_opts, monkeypatch, case, part, d, dtype,
                                       path):
-    from flashlse.kernels import bwd, bwd_sm90
+    from flashlse.kernels import bwd_sm90
 
-    # A plan kept by an earlier test of the same metadata and options (dq_d256's, which
-    # plans dK/dV too) would launch without planning: each test plans its own.
-    monkeypatch.setattr(bwd, "_BWD_PLANS", {})
+    # (Fresh plan caches each test, conftest's _fresh_plans: dq_d256's plan of the same
+    # metadata, which plans dK/dV too, is not found here.)
     calls = []
     real = getattr(bwd_sm90, f"{part}_plan")
     for name in ("dkdv", "dq") if part == "fused" else (part, ):

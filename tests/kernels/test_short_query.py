@@ -102,6 +102,27 @@ def test_short_query_wide_bound(device, monkeypatch, decode_calls, sq, routed):
     assert bool(decode_calls) == routed
 
 
+def test_short_query_wide_route_lse_contract(device, monkeypatch, decode_calls):
+    # The wide route (40 rows, 30 keys, causal: rows 0-9 see no key): empty rows (0, -inf),
+    # a -inf sink is no sink, a NaN key reaches exactly the rows that see it.
+    monkeypatch.setattr(dispatch, "SHORT_Q_WIDE", True)
+    q, k, v = _qkv(device, 12, 2, 40, 30, 4, 2)
+    out, lse = fl.attention(q, k, v, causal=True, return_lse=True)
+    neg = fl.attention(q, k, v, causal=True, return_lse=True,
+                       sink=torch.full((4,), float("-inf"), device=device))
+    assert torch.equal(out, neg[0]) and torch.equal(lse, neg[1])
+    assert torch.isneginf(lse[:, :, :10]).all() and (out[:, :10] == 0).all()
+    assert torch.isfinite(lse[:, :, 10:]).all()
+    bad = k.clone()
+    bad[1, 25, 0, 3] = float("nan")  # key 25 of batch 1, kv head 0: rows 35-39 see it
+    out, lse = fl.attention(q, bad, v, causal=True, return_lse=True)
+    nan_rows = torch.zeros(2, 40, 4, dtype=torch.bool)
+    nan_rows[1, 35:, :2] = True
+    assert torch.equal(out.isnan().any(-1).cpu(), nan_rows)
+    assert torch.equal(lse.isnan().cpu(), nan_rows.permute(0, 2, 1))
+    assert decode_calls
+
+
 def _ref(q, k, v, **kw):
     return reference.attention(q.double(), k.double(), v.double(), return_lse=True, **kw)
 
