@@ -459,8 +459,8 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
 
     Args:
         q: ``(B, Sq, Hq, D)``, ``Sq`` in 1..``MAX_SQ`` (the callers' bound; the kernel
-            packs the ``Sq * G`` rows of a kv head into row tiles, and the dispatcher's
-            ``SHORT_Q_WIDE`` experiment sends it up to 64).
+            packs the ``Sq * G`` rows of a kv head into row tiles; the dispatcher's
+            short-query route sends it up to ``SHORT_Q_WIDE_MAX`` and the kernel takes 64).
         k_cache: ``(B, Smax, Hkv, D)``, or paged ``(num_pages, page_size, Hkv, D)``.
         v_cache: ``(B, Smax, Hkv, Dv)`` or ``(num_pages, page_size, Hkv, Dv)``; may be the
             view ``k_cache[..., :Dv]`` (MLA), which is then read once.
@@ -626,13 +626,13 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 
-# Experiment, off (session 48): at least SPLIT_MIN_TILES key tiles a split. A short cache at
-# B = 1 is cut into ~32 splits of 2 tiles (4k keys: 0.90x cuDNN on an H100, the split and
-# merge launches' fixed cost over 8-16 MB of keys); 8 splits of 8 tiles take the fused merge
-# (one launch). Prediction: B = 1 4k 0.0212 -> 0.017-0.019 ms, >= 32k and B >= 8 unchanged
-# (their split counts are under the floor's cap). The A/B: ab_decode_switch.py --flag
-# decode.SPLIT_FLOOR (AB_SET=short and the kvcache rows).
-SPLIT_FLOOR = False
+# At least SPLIT_MIN_TILES key tiles a split (session 48's experiment, on since session 49). A
+# short cache at B = 1 was cut into ~32 splits of 2 tiles (4k keys: 0.90x cuDNN on an H100, the
+# split and merge launches' fixed cost over 8-16 MB of keys); 8 splits of 8 tiles take the
+# fused merge (one launch). Measured on an H100 (NOTES.md, session 49; ab_decode_switch.py
+# --flag decode.SPLIT_FLOOR): B = 1 4k 0.0209 -> 0.0186 ms through fl.attention (cuDNN 0.0191),
+# 0.0236 -> 0.0190 through attention_with_kvcache; 32k / 128k and B = 8 level (0.99-1.00).
+SPLIT_FLOOR = True
 SPLIT_MIN_TILES = 8
 
 # The split kernel's last program of each row tile merges the splits (``_merge_if_last``)
@@ -643,10 +643,10 @@ SPLIT_MIN_TILES = 8
 # maximum in one load), so those keep the merge kernel.
 FUSED_MERGE = True
 FUSED_MERGE_MAX_SPLITS = 8
-# The same for sparse_attention's token table (its rows gathered a token at a time): off until
-# its GPU tests and an A/B run on the fused form (the interpreter's pass: NOTES.md, session
-# 47); FLASHLSE_TEST_FUSED_MERGE=1 turns it on for the kernel tests.
-FUSED_MERGE_TOKEN_TABLE = False
+# The same for sparse_attention's token table (its rows gathered a token at a time), on since
+# session 49: device time level on an H100 (1.000-1.005 on / off, four top-k rows), host
+# -1.3 to -13.9 us a call (NOTES.md, session 49).
+FUSED_MERGE_TOKEN_TABLE = True
 # States the fused merge loads per unrolled step (each step is one L2 latency; the merge
 # kernel takes up to 32 on its small tiles, which hold fewer values a thread).
 FUSED_MERGE_STATES = 8

@@ -5,7 +5,7 @@ domain (dtypes, head dims, device capability, alignment: FA-4's ``can_implement`
 typed launcher; the families are peers and know nothing of each other. This module asks
 them in order and calls the first that takes the call:
 
-    forward  (attn_fwd)          decode     split-KV decode    dense, Sq <= decode.MAX_SQ
+    forward  (attn_fwd)          decode     split-KV decode    dense, Sq <= SHORT_Q_WIDE_MAX
                                                                (SHORT_Q_DECODE), no
                                                                forward tile override
                                  fwd_sm90   Hopper Gluon       KernelOptions.sm90_fwd
@@ -98,22 +98,23 @@ def fwd_launch(q, k, v, out, lse, *, left, right, softcap, scale, sink, cu_seqle
         seqused_k=seqused_k))
 
 
-# Dense calls of at most decode.MAX_SQ query rows a sequence (a model's decode step through
+# Dense calls of at most SHORT_Q_WIDE_MAX query rows a sequence (a model's decode step through
 # fl.attention, transformers' generate, speculative verification) run the split-KV decode
 # kernel over k and v as a whole cache: the query heads of a kv head packed into its row
 # tiles and the keys split over the SMs, where the dense kernels run a 128-row tile of one
-# head with up to 16 rows in it and no split. Same contract (bottom-right masks, windows,
+# head with a few rows in it and no split. Same contract (bottom-right masks, windows,
 # softcap, sink, lse (B, Hq, Sq)); attention_with_kvcache takes the same kernel for these
 # rows. Off: the dense kernels (the A/B: AB_SET=short benchmarks/ab_decode_switch.py).
 SHORT_Q_DECODE = True
-# Experiment, off (session 48): the route up to SHORT_Q_WIDE_MAX rows. On an H100 the route
-# was 1.5x the dense kernels at its bound (B = 8, Sq = 16, 2k keys) and 3.5x at Sq = 4: the
-# dense kernels' 128-row tiles stay mostly empty past 16 rows, and each query head reads the
-# keys again where the decode kernel packs a kv head's query heads. Prediction: >= 1.2x at
-# Sq = 32, level to 1.3x at Sq = 64 (GQA 4: 256 rows, four row tiles reading one cache).
-# The A/B: AB_SET=wide benchmarks/ab_decode_switch.py --flag dispatch.SHORT_Q_WIDE.
-SHORT_Q_WIDE = False
-SHORT_Q_WIDE_MAX = 64
+# The route up to SHORT_Q_WIDE_MAX rows (session 48's experiment, on since session 49). On an
+# H100 the route was 1.5x the dense kernels at 16 rows (B = 8, 2k keys): their 128-row tiles
+# stay mostly empty past 16 rows, and each query head reads the keys again where the decode
+# kernel packs a kv head's query heads. Measured (NOTES.md, session 49; AB_SET=wide
+# benchmarks/ab_decode_switch.py --flag dispatch.SHORT_Q_WIDE): Sq = 32 2.8x (B = 1, 8k keys)
+# and 1.5x (B = 8, 2k); Sq = 64 1.4x (B = 1, 16k), 1.8x (D = 256) but 0.94x at B = 8 4k keys,
+# so the bound is 32 (the kernel takes up to 64 rows: the tests run it there).
+SHORT_Q_WIDE = True
+SHORT_Q_WIDE_MAX = 32
 
 
 class _DecodeFwd:

@@ -18,7 +18,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if os.environ.get("FLASHLSE_TEST_FUSED_MERGE") == "1":
     # Every split decode test on the split kernel that merges its own splits
     # (decode.FUSED_MERGE, on by default up to FUSED_MERGE_MAX_SPLITS splits): at any count,
-    # sparse_attention's token table included (FUSED_MERGE_TOKEN_TABLE, off by default).
+    # sparse_attention's token table included (FUSED_MERGE_TOKEN_TABLE).
     from flashlse.kernels import decode
 
     decode.FUSED_MERGE_MAX_SPLITS = 1 << 30

@@ -116,7 +116,7 @@ def test_fused_merge_one_split_and_mla_kernel_take_no_counters(device, monkeypat
 def test_fused_merge_split_limit(device, monkeypatch):
     # By default the fused form takes calls of 2 to FUSED_MERGE_MAX_SPLITS splits (above, the
     # merge kernel: the fused merge cost device time at 32 splits, NOTES.md session 46); never
-    # sparse_attention's token-table form (FUSED_MERGE_TOKEN_TABLE, off by default).
+    # sparse_attention's token-table form when FUSED_MERGE_TOKEN_TABLE is off.
     monkeypatch.setattr(decode, "FUSED_MERGE_MAX_SPLITS", 8)
     monkeypatch.setattr(decode, "FUSED_MERGE_TOKEN_TABLE", False)
     monkeypatch.setattr(decode, "_PLANS", {})

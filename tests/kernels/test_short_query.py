@@ -1,8 +1,9 @@
-"""Dense calls of at most ``decode.MAX_SQ`` query rows (``dispatch.SHORT_Q_DECODE``): the
-split-KV decode kernel over k and v as a whole cache, against the float64 reference (out and
-lse, empty rows, outputs pre-filled with NaN), and the same calls on the dense kernels (the
-route off); the route taken up to ``MAX_SQ`` rows and not past it; a kept launch planned on
-``v = k`` (the kernel then reads V from K's tiles) given another v; gradients through it."""
+"""Dense calls of at most ``dispatch.SHORT_Q_WIDE_MAX`` query rows
+(``dispatch.SHORT_Q_DECODE``): the split-KV decode kernel over k and v as a whole cache,
+against the float64 reference (out and lse, empty rows, outputs pre-filled with NaN), and the
+same calls on the dense kernels (the route off); the route taken up to its bound and not past
+it; a kept launch planned on ``v = k`` (the kernel then reads V from K's tiles) given another
+v; gradients through it."""
 
 from __future__ import annotations
 
@@ -52,12 +53,16 @@ def test_short_query_dense_call(device, monkeypatch, decode_calls, route, dtype,
     assert bool(decode_calls) == route
 
 
-@pytest.mark.parametrize("sq, routed", [(decode.MAX_SQ, True), (decode.MAX_SQ + 1, False)])
-def test_short_query_bound(device, decode_calls, sq, routed):
+@pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
+@pytest.mark.parametrize("past", [0, 1], ids=["at_bound", "past_bound"])
+def test_short_query_bound(device, monkeypatch, decode_calls, wide, past):
+    # The route takes up to SHORT_Q_WIDE_MAX rows (decode.MAX_SQ with SHORT_Q_WIDE off).
+    monkeypatch.setattr(dispatch, "SHORT_Q_WIDE", wide)
+    sq = (dispatch.SHORT_Q_WIDE_MAX if wide else decode.MAX_SQ) + past
     q = torch.randn(1, sq, 2, 32, device=device, dtype=DTYPES[0])
     k = torch.randn(1, 40, 1, 32, device=device, dtype=DTYPES[0])
     fl.attention(q, k, k, causal=True)
-    assert bool(decode_calls) == routed
+    assert bool(decode_calls) == (not past)
 
 
 @pytest.mark.parametrize("override", ["fwd_config", "fwd_sm90_config"])
@@ -86,26 +91,18 @@ WIDE_CASES = [
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,dv,kw", WIDE_CASES)
 def test_short_query_wide_route(device, monkeypatch, decode_calls, dtype, b, sq, sk, hq, hkv, d,
                                 dv, kw):
-    # (dispatch.SHORT_Q_WIDE, an experiment: the route up to SHORT_Q_WIDE_MAX rows.)
+    # (dispatch.SHORT_Q_WIDE: the route up to SHORT_Q_WIDE_MAX rows; the kernel takes 64.)
     monkeypatch.setattr(dispatch, "SHORT_Q_WIDE", True)
+    monkeypatch.setattr(dispatch, "SHORT_Q_WIDE_MAX", 64)
     _run_dense(device, dtype, b, sq, sk, hq, hkv, d, dv, **kw)
     assert decode_calls
-
-
-@pytest.mark.parametrize("sq, routed", [(dispatch.SHORT_Q_WIDE_MAX, True),
-                                        (dispatch.SHORT_Q_WIDE_MAX + 1, False)])
-def test_short_query_wide_bound(device, monkeypatch, decode_calls, sq, routed):
-    monkeypatch.setattr(dispatch, "SHORT_Q_WIDE", True)
-    q = torch.randn(1, sq, 2, 32, device=device, dtype=DTYPES[0])
-    k = torch.randn(1, 40, 1, 32, device=device, dtype=DTYPES[0])
-    fl.attention(q, k, k, causal=True)
-    assert bool(decode_calls) == routed
 
 
 def test_short_query_wide_route_lse_contract(device, monkeypatch, decode_calls):
     # The wide route (40 rows, 30 keys, causal: rows 0-9 see no key): empty rows (0, -inf),
     # a -inf sink is no sink, a NaN key reaches exactly the rows that see it.
     monkeypatch.setattr(dispatch, "SHORT_Q_WIDE", True)
+    monkeypatch.setattr(dispatch, "SHORT_Q_WIDE_MAX", 64)
     q, k, v = _qkv(device, 12, 2, 40, 30, 4, 2)
     out, lse = fl.attention(q, k, v, causal=True, return_lse=True)
     neg = fl.attention(q, k, v, causal=True, return_lse=True,
