@@ -216,17 +216,19 @@ def calls(dev="cuda"):
     # calls it a layer), on a fixed cache and on one a key longer each call: a new shape
     # misses every kept plan (its first layer of each generate step), the lengths cycling
     # over more than the plan caches hold.
+    # (From 16k keys: 32 splits at every length of the cycle on an H100 / H200, so the loop
+    # crosses no split count, whose first call would compile a variant.)
     q1 = torch.randn(1, 1, 32, 128, device=dev, dtype=dt)
-    kgrow = torch.randn(1, 4096 + 3000, 8, 128, device=dev, dtype=dt)
+    kgrow = torch.randn(1, 16384 + 3000, 8, 128, device=dev, dtype=dt)
     grow = [0]
 
     def growing_row():
         grow[0] = (grow[0] + 1) % 3000
-        kk = kgrow[:, :4096 + grow[0]]
+        kk = kgrow[:, :16384 + grow[0]]
         return fl.attention(q1, kk, kk, causal=True)
 
     rows = {
-        "attention decode row 4k": lambda: fl.attention(q1, kgrow[:, :4096], kgrow[:, :4096],
+        "attention decode row 16k": lambda: fl.attention(q1, kgrow[:, :16384], kgrow[:, :16384],
                                                         causal=True),
         "attention decode row, growing": growing_row,
         "varlen paged decode step": paged_step,
