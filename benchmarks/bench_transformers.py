@@ -18,6 +18,7 @@ flashlse / sdpa. Same greedy tokens are reported (bf16: they may part after many
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -49,10 +50,16 @@ def _models(tiny: bool, device: str, dtype: torch.dtype):
     state = base.state_dict()
     models = {}
     for impl in (flt.ATTN_IMPLEMENTATION, "sdpa"):
-        m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=impl).to(
-            device, dtype)
+        # Each model its own config: _from_config writes the implementation into the config
+        # it is given (with one config the second model's "sdpa" was both models' until
+        # session 49).
+        m = transformers.LlamaForCausalLM._from_config(
+            copy.deepcopy(cfg), attn_implementation=impl).to(device, dtype)
         m.load_state_dict(state)
         models[impl] = m.eval()
+    for impl, m in models.items():
+        if m.config._attn_implementation != impl:
+            raise RuntimeError(f"the {impl} model runs {m.config._attn_implementation}")
     return cfg, models
 
 
@@ -74,6 +81,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--attn-host", action="store_true",
+                    help="host us of each attention call inside generate B=1, both "
+                         "implementations (decode steps and the prefill apart)")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -109,6 +119,9 @@ def main() -> None:
         m.eval()
         return loss.detach()
 
+    if args.attn_host:
+        _attn_host(models, gen1, device)
+        return
     rows = [(f"generate B=1, {prompt} + {new} tokens", gen1, new),
             (f"generate B=8 left-padded, + {b8_new} tokens", gen8, 8 * b8_new),
             (f"train step B={tb} S={seq}", train, None)]
@@ -135,6 +148,40 @@ def main() -> None:
             f"loss diff {abs(float(a) - float(b)):.1e}"
         tps = (f"{tokens / ours * 1e3:.0f} | {tokens / sdpa * 1e3:.0f}" if tokens else "- | -")
         print(f"| {label} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.3f} | {tps} | {same} |")
+
+
+def _attn_host(models, gen1, device) -> None:
+    """Host us a call of the attention function transformers calls a layer (the registered
+    one, wrapped by a timer), during generate B = 1, per implementation: where a host-bound
+    decode step spends its attention time, against the model's whole step."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as table
+
+    spent = {}
+
+    def timed(impl, fn):
+        def call(module, query, *a, **k):
+            t = time.perf_counter()
+            out = fn(module, query, *a, **k)
+            spent.setdefault((impl, query.shape[2] == 1), []).append(time.perf_counter() - t)
+            return out
+        return call
+
+    for impl, m in models.items():
+        fn = table[impl]
+        table._global_mapping[impl] = timed(impl, fn)
+        try:
+            gen1(m)  # warm-up
+            spent.clear()
+            ms, _ = _timed(gen1, m, device)
+        finally:
+            table._global_mapping[impl] = fn
+        for (name, decode), ts in sorted(spent.items()):
+            if name == impl:
+                ts = sorted(ts)
+                print(f"{impl:<10} {'decode' if decode else 'prefill'}: {len(ts)} calls, host "
+                      f"median {ts[len(ts) // 2] * 1e6:.1f} us, mean {sum(ts) / len(ts) * 1e6:.1f}"
+                      f", p99 {ts[int(len(ts) * 0.99)] * 1e6:.1f}, sum {sum(ts) * 1e3:.1f} ms "
+                      f"of the generate's {ms:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -400,6 +400,44 @@ def parts(rounds: int) -> None:
         print(f"=== parts {name:<40} {sorted(us)[len(us) // 2]:7.1f} us (min {min(us):.1f})")
 
 
+def gc_rows(rows: str, n: int, rounds: int) -> None:
+    """Where a row's host time goes to Python's garbage collector (GPU): per round, host us a
+    call with the collector on (and its pauses by generation, from ``gc.callbacks``) and
+    off, in turns; medians. A call that allocates many objects (a plan miss) triggers
+    collections whose cost grows with every object the process holds."""
+    import gc
+
+    pauses = {}
+    start = [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            g = info["generation"]
+            t, c = pauses.get(g, (0.0, 0))
+            pauses[g] = (t + time.perf_counter() - start[0], c + 1)
+
+    for name, fn in calls().items():
+        if rows not in name:
+            continue
+        on, off = [], []
+        for _ in range(rounds):
+            pauses.clear()
+            gc.callbacks.append(cb)
+            on.append(per_call_us(fn, n))
+            gc.callbacks.remove(cb)
+            seen = dict(pauses)
+            gc.disable()
+            off.append(per_call_us(fn, n))
+            gc.enable()
+            gc.collect()
+        per = ", ".join(f"gen{g} {c} x {t / c * 1e6:.0f} us" for g, (t, c) in sorted(seen.items()))
+        print(f"=== gc {name:<36} on {sorted(on)[rounds // 2]:7.1f} / off "
+              f"{sorted(off)[rounds // 2]:7.1f} us a call; last round's pauses: {per or '-'}; "
+              f"objects {len(gc.get_objects())}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--top", type=int, default=18)
@@ -414,9 +452,14 @@ def main():
                     help="host us a call with this flag on / off in turns (a module of "
                          "flashlse.kernels, or a full flashlse.* module)")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--gc", action="store_true",
+                    help="with --rows: host us with the garbage collector on / off (GPU)")
     ap.add_argument("--parts", action="store_true",
                     help="host us of a B=16 S=1k fwd+bwd's pieces (GPU)")
     args = ap.parse_args()
+    if args.gc:
+        gc_rows(args.rows or "", args.n or 300, args.rounds)
+        return
     if args.parts:
         parts(args.rounds)
         threads(5)
