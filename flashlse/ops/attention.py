@@ -623,10 +623,11 @@ def _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, determi
 
 
 def _run_kept(kept, q, k, v, sink, deterministic, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None):
+              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, want_lse=True):
     """``(out, lse)`` by the launch kept for ``kept`` (through :class:`AttentionFunction`
     when a tensor needs grad), or None: none kept, or the Hopper kernel failed to compile
-    (the launch dropped)."""
+    (the launch dropped). ``want_lse=False``: the caller drops lse, which then goes to kept
+    scratch (``dispatch.new_outputs``) when nothing else reads it (no autograd)."""
     hit = _KEPT.get(kept)
     if hit is None:
         return None
@@ -635,7 +636,7 @@ def _run_kept(kept, q, k, v, sink, deterministic, cu_seqlens_q=None, cu_seqlens_
         return AttentionFunction.apply(q, k, v, sink, _Call(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, *scalars,
             deterministic, kept, launch))
-    out, lse = kernel_module("fwd").new_outputs(q, v, cu_seqlens_q)
+    out, lse = kernel_module("dispatch").new_outputs(q, v, cu_seqlens_q, want_lse)
     if launch(q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k):
         return out, lse
     _KEPT.pop(kept, None)
@@ -780,7 +781,7 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     """
     kept = _kept_key(q, k, v, sink, causal, window, softcap, scale, return_lse, deterministic)
     if kept is not None:
-        got = _run_kept(kept, q, k, v, sink, deterministic)
+        got = _run_kept(kept, q, k, v, sink, deterministic, want_lse=return_lse)
         if got is not None:
             return got if return_lse else got[0]
     left, right, softcap, scale, sink = validate_attention_args(
@@ -827,7 +828,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                             deterministic)
     if kept is not None:
         got = _run_kept(kept, q, k, v, sink, deterministic, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k, seqused_k)
+                        max_seqlen_q, max_seqlen_k, seqused_k, return_lse)
         if got is not None:
             return got if return_lse else got[0]
     left, right, softcap, scale, sink = validate_attention_args(

@@ -143,6 +143,39 @@ def test_short_query_kept_launch_reads_each_calls_v(device, decode_calls):
     assert len(decode_calls) == 4
 
 
+@pytest.mark.parametrize("sq", [1, 40], ids=["route", "dense"])
+def test_unread_lse_on_kept_scratch(device, monkeypatch, kernel_opts, sq):
+    # fl.attention without return_lse and without autograd writes its lse to the stream's
+    # kept buffer (one allocation less a call): out equal to the return_lse call's, on the
+    # route and on the dense kernels; with return_lse the lse is the call's own tensor; a
+    # call autograd records keeps its own lse: a later call of the same metadata writing
+    # the kept buffer leaves its backward unchanged (bit for bit: deterministic).
+    kernel_opts(poison_outputs=False)
+    monkeypatch.setattr(decode, "_SCRATCH", {})
+    q, k, v = _qkv(device, 21, 1, sq, 50, 4, 2)
+    kw = dict(causal=True, deterministic=True)
+    want, want_lse = fl.attention(q, k, v, return_lse=True, **kw)
+    for _ in range(3):  # (the first call plans, the rest take the kept launch)
+        assert torch.equal(fl.attention(q, k, v, **kw), want)
+    unread = [sc.unread for sc in decode._SCRATCH.values() if sc.unread is not None]
+    assert len(unread) == 1 and unread[0].numel() >= want_lse.numel()
+    assert torch.equal(unread[0][:want_lse.numel()].view_as(want_lse), want_lse)
+    got, lse = fl.attention(q, k, v, return_lse=True, **kw)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    assert lse.untyped_storage().data_ptr() != unread[0].untyped_storage().data_ptr()
+    dout = torch.randn_like(want)
+    grads = []
+    for other in (False, True):
+        qg = q.clone().requires_grad_()
+        out = fl.attention(qg, k, v, **kw)
+        if other:
+            with torch.no_grad():
+                fl.attention(_qkv(device, 22, 1, sq, 50, 4, 2)[0], k, v, **kw)
+        out.backward(dout)
+        grads.append(qg.grad)
+    assert not torch.isnan(grads[0]).any() and torch.equal(grads[0], grads[1])
+
+
 def test_short_query_gradients(device, decode_calls):
     # The forward on the decode kernel, the backward on the kernels' backward from its lse.
     g = torch.Generator().manual_seed(5)
