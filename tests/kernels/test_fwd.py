@@ -209,7 +209,8 @@ def test_attention_varlen_repeated_calls_launch_the_kept_launch(device, monkeypa
     attn_mod._KEPT.clear()
     hits = []
     real = attn_mod._run_kept
-    monkeypatch.setattr(attn_mod, "_run_kept", lambda *a: hits.append(real(*a)) or hits[-1])
+    monkeypatch.setattr(attn_mod, "_run_kept",
+                        lambda *a, **k: hits.append(real(*a, **k)) or hits[-1])
     lens_q = [[30, 18, 12], [12, 30, 18], [0, 30, 30]]
     lens_k = [[45, 40, 5], [5, 45, 40], [45, 20, 25]]
     used = [[40, 33, 5], [0, 45, 21], [45, 20, 1]]
@@ -346,7 +347,8 @@ def test_attention_repeated_calls_launch_the_kept_launch(device, monkeypatch, kw
     attn_mod._KEPT.clear()
     hits = []
     real = attn_mod._run_kept
-    monkeypatch.setattr(attn_mod, "_run_kept", lambda *a: hits.append(real(*a)) or hits[-1])
+    monkeypatch.setattr(attn_mod, "_run_kept",
+                        lambda *a, **k: hits.append(real(*a, **k)) or hits[-1])
     for seed in range(3):
         out, lse = _public_fwd(device, torch.float16, *shape, seed=seed, **kw)
         # Causal with Sq > Sk: the first 7 rows see no key (lse -inf or the sink, out 0).
