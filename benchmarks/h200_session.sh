@@ -69,6 +69,7 @@
 #                                                decode kernel (GPU tests, A/B), kvcache host us
 #   bash benchmarks/h200_session.sh s48        # s47's tests and its short-query A/B, one call
 #   bash benchmarks/h200_session.sh s49 [tf]   # session 48's leftovers: fixed tests, split floor
+#   bash benchmarks/h200_session.sh s50        # session 49's: unread lse A/B, transformers host
 #                                                and sparse A/Bs; "tf": bench_transformers
 #   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
 #                                                32 splits goes (prof_fused_merge.py: each
@@ -722,6 +723,19 @@ if [ "$1" = s49 ]; then
         --flag dispatch.SHORT_Q_WIDE 2>&1 | tee "$OUT/ab_wide.txt" | tail -7
     AB_SET=sparse timeout 90 python3 benchmarks/ab_decode_switch.py \
         --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tee "$OUT/ab_sparse.txt" | tail -6
+    exit 0
+fi
+if [ "$1" = s50 ]; then
+    # Session 49's leftovers (< 5 min): the unread lse of fl.attention (dispatch.UNREAD_LSE)
+    # in one process on one host, host us on / off in turns (predicted -3 to -6 us a call);
+    # the attention call's host time inside transformers' generate B = 1 against sdpa's
+    # (62.1 / 45.4 us on an H100 in session 49); a growing cache's miss with the collector
+    # on / off.
+    PYTHONPATH=$PWD timeout 150 python3 benchmarks/profile_host.py \
+        --ab flashlse.kernels.dispatch.UNREAD_LSE --rows "decode row" --rounds 6 2>&1 | grep "^=== ab"
+    timeout 100 python3 benchmarks/bench_transformers.py --attn-host 2>&1 | tail -4
+    PYTHONPATH=$PWD timeout 60 python3 benchmarks/profile_host.py --gc --rows "decode row" \
+        --rounds 3 2>&1 | tail -2
     exit 0
 fi
 if [ "$1" = fused-why ]; then

@@ -118,6 +118,11 @@ SHORT_Q_WIDE = True
 SHORT_Q_WIDE_MAX = 32
 
 
+# new_outputs' kept lse (off: a fresh one every call; the A/B: profile_host.py --ab
+# flashlse.kernels.dispatch.UNREAD_LSE --rows "decode row").
+UNREAD_LSE = True
+
+
 def new_outputs(q, v, cu_seqlens_q, want_lse):
     """``fwd.new_outputs``, except that the lse of a call whose caller drops it (``want_lse``
     False: no ``return_lse``, and no autograd saving it) is a view of the stream's kept
@@ -125,7 +130,7 @@ def new_outputs(q, v, cu_seqlens_q, want_lse):
     step's attention, which reads out only). Fresh under ``poison_outputs`` (another
     allocator), while a CUDA graph captures (a graph would keep the address of a buffer
     that may be freed) and past ``decode.SCRATCH_MAX_VALUES``."""
-    if want_lse:
+    if want_lse or not UNREAD_LSE:
         return fwd.new_outputs(q, v, cu_seqlens_q)
     empty = options.allocator()
     hq, dv = q.shape[-2], v.shape[-1]
