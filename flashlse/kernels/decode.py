@@ -561,7 +561,7 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
     in ``_PLANS``) on these tensors, which need only the addresses, dtypes and alignment of
     the tensors the plan was made from (a caller may pass a tensor of which those were
     views). ``out_shape`` / ``lse_shape``: other shapes of the same contiguous outputs.
-    ``want_lse=False``: the caller drops ``lse`` (``_unread_lse`` then holds it). ``out``
+    ``want_lse=False``: the caller drops ``lse`` (``unread_lse`` then holds it). ``out``
     and ``lse``: the caller's own (contiguous, of the plan's shapes and dtypes) to fill
     instead. ``cache_leftpad``: the call's, when its plan was made with one. Returns
     ``(out, lse)``, or None when the Hopper MLA kernel failed to compile: then the failure is
@@ -574,11 +574,8 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
     capturing = (not want_lse or plan.merge is not None) and q.is_cuda and \
         torch.cuda.is_current_stream_capturing()
     if lse is None:
-        if want_lse or capturing or empty is not torch.empty or \
-                math.prod(lse_shape) > SCRATCH_MAX_VALUES:
-            lse = empty(lse_shape, dtype=torch.float32, device=dev)
-        else:
-            lse = _unread_lse(dev, lse_shape)
+        lse = empty(lse_shape, dtype=torch.float32, device=dev) if want_lse else \
+            unread_lse(dev, lse_shape, empty, capturing)
     if plan.grid is None:
         return out, lse
     if plan.merge is None:
@@ -672,7 +669,7 @@ class _Scratch:
     def __init__(self, device: torch.device):
         self.counters = torch.zeros(1024, dtype=torch.int32, device=device)
         self.buf = None
-        self.unread = None  # (the lses no caller reads: _unread_lse)
+        self.unread = None  # (the lses no caller reads: unread_lse)
         self.views = {}
 
 
@@ -690,12 +687,16 @@ def _stream_scratch(device: torch.device) -> _Scratch:
     return sc
 
 
-def _unread_lse(device: torch.device, shape: tuple) -> torch.Tensor:
-    """A float32 ``shape`` view for the lse of a call that does not return it
-    (``attention_with_kvcache`` without ``return_lse``): the kernels write it and nothing
-    reads it, so the stream's kept buffer serves every such call, one allocation less a call.
-    (Not while a CUDA graph captures: a graph would keep the address of a buffer that may be
-    freed and reused; run_plan allocates there, as past ``SCRATCH_MAX_VALUES``.)"""
+def unread_lse(device: torch.device, shape: tuple, empty, capturing: bool) -> torch.Tensor:
+    """A float32 ``shape`` lse for a call whose caller drops it (``attention_with_kvcache``,
+    ``attention`` and ``attention_varlen`` without ``return_lse`` and without autograd): the
+    kernels write it and nothing reads it, so a view of the stream's kept buffer serves every
+    such call, one allocation less a call. Fresh from ``empty`` where that is not
+    ``torch.empty`` (``poison_outputs``), while a CUDA graph captures (``capturing``: a graph
+    would keep the address of a buffer that may be freed and reused) and past
+    ``SCRATCH_MAX_VALUES``."""
+    if capturing or empty is not torch.empty or math.prod(shape) > SCRATCH_MAX_VALUES:
+        return empty(shape, dtype=torch.float32, device=device)
     sc = _stream_scratch(device)
     view = sc.views.get(("unread", shape))
     if view is None:

@@ -29,7 +29,6 @@ Per call this costs a few attribute lookups and calls (the eager path is timed i
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -125,24 +124,16 @@ UNREAD_LSE = True
 
 def new_outputs(q, v, cu_seqlens_q, want_lse):
     """``fwd.new_outputs``, except that the lse of a call whose caller drops it (``want_lse``
-    False: no ``return_lse``, and no autograd saving it) is a view of the stream's kept
-    buffer (``decode._unread_lse``), one allocation less a call (a transformers decode
-    step's attention, which reads out only). Fresh under ``poison_outputs`` (another
-    allocator), while a CUDA graph captures (a graph would keep the address of a buffer
-    that may be freed) and past ``decode.SCRATCH_MAX_VALUES``."""
+    False: no ``return_lse``, and no autograd saving it) is ``decode.unread_lse``'s: a view
+    of the stream's kept buffer, one allocation less a call (a transformers decode step's
+    attention reads out only)."""
     if want_lse or not UNREAD_LSE:
         return fwd.new_outputs(q, v, cu_seqlens_q)
+    out_shape, lse_shape = fwd.output_shapes(q, v, cu_seqlens_q)
     empty = options.allocator()
-    hq, dv = q.shape[-2], v.shape[-1]
-    if cu_seqlens_q is None:
-        out_shape, lse_shape = (q.shape[0], q.shape[1], hq, dv), (q.shape[0], hq, q.shape[1])
-    else:
-        out_shape, lse_shape = (q.shape[0], hq, dv), (hq, q.shape[0])
-    out = empty(out_shape, dtype=q.dtype, device=q.device)
-    if empty is not torch.empty or math.prod(lse_shape) > decode.SCRATCH_MAX_VALUES or \
-            (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return out, empty(lse_shape, dtype=torch.float32, device=q.device)
-    return out, decode._unread_lse(q.device, lse_shape)
+    return (empty(out_shape, dtype=q.dtype, device=q.device),
+            decode.unread_lse(q.device, lse_shape, empty,
+                              q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 class _DecodeFwd:

@@ -502,19 +502,23 @@ def _pick_paged_config(block_d: int, block_dv: int, rows: int) -> configs.TileCo
                             what="fwd_config")
 
 
-def new_outputs(q, v, cu_seqlens_q=None):
-    """``out`` and ``lse`` of a forward, unwritten (NaN under ``poison_outputs``): ``(B, Sq, Hq,
-    Dv)`` in ``q.dtype`` and ``(B, Hq, Sq)`` float32, or varlen ``(total_q, Hq, Dv)`` and
-    ``(Hq, total_q)``. Every forward launcher (this module's, ``fwd_sm90``'s) fills these."""
+def output_shapes(q, v, cu_seqlens_q=None) -> tuple:
+    """``(out_shape, lse_shape)`` of a forward: ``(B, Sq, Hq, Dv)`` and ``(B, Hq, Sq)``, or
+    varlen ``(total_q, Hq, Dv)`` and ``(Hq, total_q)``."""
     hq, dv = q.shape[-2], v.shape[-1]
-    empty = options.allocator()
     if cu_seqlens_q is not None:
-        total_q = q.shape[0]
-        return (empty((total_q, hq, dv), dtype=q.dtype, device=q.device),
-                empty((hq, total_q), dtype=torch.float32, device=q.device))
-    batch, seqlen_q = q.shape[0], q.shape[1]
-    return (empty((batch, seqlen_q, hq, dv), dtype=q.dtype, device=q.device),
-            empty((batch, hq, seqlen_q), dtype=torch.float32, device=q.device))
+        return (q.shape[0], hq, dv), (hq, q.shape[0])
+    return (q.shape[0], q.shape[1], hq, dv), (q.shape[0], hq, q.shape[1])
+
+
+def new_outputs(q, v, cu_seqlens_q=None):
+    """``out`` (``q.dtype``) and ``lse`` (float32) of a forward, of :func:`output_shapes`,
+    unwritten (NaN under ``poison_outputs``). Every forward launcher (this module's,
+    ``fwd_sm90``'s) fills these."""
+    out_shape, lse_shape = output_shapes(q, v, cu_seqlens_q)
+    empty = options.allocator()
+    return (empty(out_shape, dtype=q.dtype, device=q.device),
+            empty(lse_shape, dtype=torch.float32, device=q.device))
 
 
 def attn_fwd(q, k, v, *, left, right, softcap, scale, sink,

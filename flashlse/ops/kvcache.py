@@ -456,7 +456,7 @@ def _run_kept(kept, q, k_cache, v_cache, cache_seqlens, block_table, sink, k_new
     """``(out, lse)`` from the plans kept for ``kept`` (the append's first, with ``k_new``),
     or None: no plan kept, value checks asked for, a tensor needing grad, or the Hopper MLA
     kernel failed (the plan dropped; the full path then appends the same rows again).
-    ``want_lse=False``: lse is kept scratch (``decode._unread_lse``), not to be returned."""
+    ``want_lse=False``: lse is kept scratch (``decode.unread_lse``), not to be returned."""
     hit = _KEPT.get(kept)
     if hit is None or (cache_seqlens is not None and V.values_checkable(cache_seqlens)) or \
             (cache_leftpad is not None and V.values_checkable(cache_leftpad)) or \

@@ -274,3 +274,12 @@ def test_num_splits_floor_of_key_tiles():
     assert decode._num_splits(8, 64, 264, 8) == 8
     assert decode._num_splits(8, 512, 264, 8) == decode._num_splits(8, 512, 264) == 32
     assert decode._num_splits(8, 5, 264, 8) == 1  # fewer tiles than the floor: one split
+
+
+def kept_unread_lse(want_lse):
+    """The stream's kept buffer of unread lses (``decode.unread_lse``), checked to be the
+    only one and to hold ``want_lse`` (what the last call without ``return_lse`` wrote)."""
+    unread = [sc.unread for sc in decode._SCRATCH.values() if sc.unread is not None]
+    assert len(unread) == 1 and unread[0].numel() >= want_lse.numel()
+    assert torch.equal(unread[0][:want_lse.numel()].view_as(want_lse), want_lse)
+    return unread[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decode import kept_unread_lse
 from test_fwd import DTYPES, _run_dense
 
 import flashlse as fl
@@ -157,12 +158,10 @@ def test_unread_lse_on_kept_scratch(device, monkeypatch, kernel_opts, sq):
     want, want_lse = fl.attention(q, k, v, return_lse=True, **kw)
     for _ in range(3):  # (the first call plans, the rest take the kept launch)
         assert torch.equal(fl.attention(q, k, v, **kw), want)
-    unread = [sc.unread for sc in decode._SCRATCH.values() if sc.unread is not None]
-    assert len(unread) == 1 and unread[0].numel() >= want_lse.numel()
-    assert torch.equal(unread[0][:want_lse.numel()].view_as(want_lse), want_lse)
+    unread = kept_unread_lse(want_lse)
     got, lse = fl.attention(q, k, v, return_lse=True, **kw)
     assert torch.equal(got, want) and torch.equal(lse, want_lse)
-    assert lse.untyped_storage().data_ptr() != unread[0].untyped_storage().data_ptr()
+    assert lse.untyped_storage().data_ptr() != unread.untyped_storage().data_ptr()
     dout = torch.randn_like(want)
     grads = []
     for other in (False, True):
