@@ -118,6 +118,12 @@ def test_short_query_wide_route_lse_contract(device, monkeypatch, decode_calls):
     nan_rows[1, 35:, :2] = True
     assert torch.equal(out.isnan().any(-1).cpu(), nan_rows)
     assert torch.equal(lse.isnan().cpu(), nan_rows.permute(0, 2, 1))
+    # Gradients through the empty rows: zero for their q, never NaN anywhere.
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    fl.attention(qg, kg, vg, causal=True).sum().backward()
+    for t in (qg, kg, vg):
+        assert not torch.isnan(t.grad).any()
+    assert (qg.grad[:, :10] == 0).all()
     assert decode_calls
 
 
