@@ -732,11 +732,19 @@ if [ "$1" = s50 ]; then
     # (62.1 / 45.4 us on an H100 in session 49); a growing cache's miss with the collector
     # on / off. First the GPU tests session 49 left: the decode files with the split floor
     # on (empty and NaN rows at its split counts), the unread lse after its review.
-    timeout 150 python3 -m pytest -q -p no:cacheprovider $K/test_decode.py \
-        $K/test_decode_fused_merge.py $K/test_short_query.py > "$OUT/test_gpu_s50.log" 2>&1
+    # Session 50: compiled kernels shared between plans (_common.SHARE_COMPILED), its tests
+    # (test_launch_fast_path.py) and its A/B on the growing rows (predicted: the miss
+    # ~120 -> ~60 us, two JIT-path launches a miss saved).
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_decode.py \
+        $K/test_decode_fused_merge.py $K/test_short_query.py $K/test_launch_fast_path.py \
+        > "$OUT/test_gpu_s50.log" 2>&1
     tail -1 "$OUT/test_gpu_s50.log"; grep "^FAILED" "$OUT/test_gpu_s50.log" | head -8
-    PYTHONPATH=$PWD timeout 150 python3 benchmarks/profile_host.py \
-        --ab flashlse.kernels.dispatch.UNREAD_LSE --rows "decode row" --rounds 6 2>&1 | grep "^=== ab"
+    PYTHONPATH=$PWD timeout 100 python3 benchmarks/profile_host.py \
+        --ab flashlse.kernels._common.SHARE_COMPILED --rows "growing" --rounds 6 2>&1 \
+        | grep "^=== ab"
+    PYTHONPATH=$PWD timeout 100 python3 benchmarks/profile_host.py \
+        --ab flashlse.kernels.dispatch.UNREAD_LSE --rows "decode row 16k" --rounds 6 2>&1 \
+        | grep "^=== ab"
     timeout 100 python3 benchmarks/bench_transformers.py --attn-host 2>&1 | tail -4
     PYTHONPATH=$PWD timeout 60 python3 benchmarks/profile_host.py --gc --rows "decode row" \
         --rounds 3 2>&1 | tail -2

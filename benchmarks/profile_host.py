@@ -227,10 +227,21 @@ def calls(dev="cuda"):
         kk = kgrow[:, :16384 + grow[0]]
         return fl.attention(q1, kk, kk, causal=True)
 
+    # The same as transformers holds it: a (B, H, S, D) cache seen as (B, S, H, D), whose
+    # strides change with its length (views of one buffer here, no copies).
+    flat = kgrow.view(-1)
+
+    def growing_bhsd():
+        grow[0] = (grow[0] + 1) % 3000
+        n = 16384 + grow[0]
+        kk = flat.as_strided((1, 8, n, 128), (8 * n * 128, n * 128, 128, 1)).transpose(1, 2)
+        return fl.attention(q1, kk, kk, causal=True)
+
     rows = {
         "attention decode row 16k": lambda: fl.attention(q1, kgrow[:, :16384], kgrow[:, :16384],
                                                         causal=True),
         "attention decode row, growing": growing_row,
+        "attention decode row, growing (B, H, S, D)": growing_bhsd,
         "varlen paged decode step": paged_step,
         "varlen paged mixed step": mixed_step,
         "sparse top-k MLA decode paged": lambda: fl.sparse_attention(

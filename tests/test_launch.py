@@ -5,8 +5,12 @@ tests (tests/kernels/test_launch_fast_path.py) run the real thing."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flashlse.kernels import _common
 
@@ -265,6 +269,68 @@ def test_sized_launch_refuses_a_specialised_argument():
             _common.SizedLaunch(kernel, 9, kw, (fixed,))
         run = _common.SizedLaunch(kernel, 9, kw, sized)
         assert [kernel.arg_names[9 + i] for i in run.slots] == list(sized)
+
+
+@triton.jit(do_not_specialize=["m"])
+def _spec_probe(x, y, n, m, f, flag, C: tl.constexpr, FLAG: tl.constexpr):
+    pass
+
+
+def test_share_key_is_tritons_specialisation():
+    """``_share_key`` (the compiled kernels shared between launches) tells two launches apart
+    exactly where Triton's own binder does (its JIT path's cache key: each argument's
+    specialisation and the options): on random arguments, equal keys give equal
+    specialisations (a kernel never serves arguments it was not compiled for) and the
+    converse (no needless compile)."""
+    from triton.runtime.jit import create_function_from_signature
+
+    cuda = pytest.importorskip("triton.backends.nvidia.compiler").CUDABackend
+    binder = create_function_from_signature(_spec_probe.signature, _spec_probe.params, cuda)
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -16, -1]
+    consts = [0, 1, True, False, 1.0, 16, None, 2.5, 64]
+    gen = random.Random(0)
+    x, y = _aligned(16, torch.bfloat16), _aligned(8, torch.int32)
+    ours_of, theirs_of = {}, {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+        for _ in range(4000):
+            args = (gen.choice(ints), gen.choice(ints), gen.choice([0.5, 2.0]),
+                    gen.choice([True, False]), gen.choice(consts), gen.choice(consts))
+            opts = gen.choice([{"num_warps": 4}, {"num_warps": 8},
+                               {"num_warps": 4, "num_stages": 2}])
+            ours = _common._share_key(_common.Launch(_spec_probe, (1,), args, opts), (x, y))
+            _, spec, options = binder(x, y, *args, **opts)
+            theirs = str(spec) + str(options)
+            assert ours is not None
+            assert ours_of.setdefault(theirs, ours) == ours, (args, opts)
+            assert theirs_of.setdefault(ours, theirs) == theirs, (args, opts)
+    assert len(theirs_of) > 500  # (the classes met: not a few keys by chance)
+
+
+def test_a_new_launch_adopts_the_kernel_kept_for_its_specialisation(fake_device, monkeypatch):
+    """A launch's first call finds the kernel compiled for an earlier launch of the same
+    kernel, argument classes, options and tensor dtypes (``_SHARED``) and launches it by the
+    fast path on its own grid; other classes, options or dtypes, or sharing off, take
+    Triton's JIT path."""
+    monkeypatch.setattr(_common, "_SHARED", {})
+    k = _Kernel()
+    k.params = _spec_probe.params  # (a fake kernel with the probe's parameters)
+
+    plain = (_aligned(16), _aligned(8))
+
+    def launch(n, grid=(4,), warps=4, share=True, tensors=plain):
+        monkeypatch.setattr(_common, "SHARE_COMPILED", share)
+        _common.Launch(k, grid, (n, 5, 0.5, True, 64, False), {"num_warps": warps})(*tensors)
+
+    launch(32)            # compiled (JIT), kept
+    launch(48, grid=(5,))  # same classes: adopted
+    launch(17)            # not a multiple of 16: JIT
+    launch(33, grid=(6,))  # the class of 17: adopted
+    launch(32, warps=8)   # other options: JIT
+    launch(32, tensors=(_aligned(16, torch.float16), _aligned(8)))  # other dtypes: JIT
+    launch(64, share=False)  # sharing off: JIT
+    assert [e[0] for e in k.log] == ["jit", "fast", "jit", "fast", "jit", "jit", "jit"]
+    assert k.log[1][1][:3] == (5, 1, 1) and k.log[3][1][:3] == (6, 1, 1)
 
 
 def test_row_starts_kept_per_stream_fresh_while_capturing(monkeypatch):

@@ -8,6 +8,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import BaseBackend
+from triton.runtime.jit import native_specialize_impl as _specialize
 
 from .._env import interpreting  # noqa: F401 - re-exported to the kernel modules
 
@@ -151,7 +153,7 @@ class Launch:
     device, Triton's launch hooks (profilers) and the interpreter take the JIT path.
     """
 
-    __slots__ = ("kernel", "grid", "args", "options", "_compiled")
+    __slots__ = ("kernel", "grid", "args", "options", "_compiled", "_share")
 
     def __init__(self, kernel, grid: tuple, args: tuple, options: dict):
         self.kernel = kernel
@@ -163,9 +165,13 @@ class Launch:
         # (device index, tensor dtypes, compiled kernel, raw launch or None), from the first
         # aligned call.
         self._compiled = None
+        # This launch's key in _SHARED (None: not made yet; False: none, or used).
+        self._share = None
 
     def __call__(self, *tensors) -> None:
         c = self._compiled
+        if c is None and self._share is None:
+            c = self._adopt(tensors)
         if c is not None and _fast_path(c[0], c[1], tensors):
             device, _, kernel, raw = c
             if raw is not None and RAW_LAUNCH:
@@ -181,12 +187,40 @@ class Launch:
         self._keep(self.kernel[self.grid](*tensors, *self.args, **self.options), tensors)
 
     def _keep(self, kernel, tensors) -> None:
-        """Keeps the compiled kernel of a JIT launch (the first aligned one)."""
+        """Keeps the compiled kernel of a JIT launch (the first aligned one), for this launch
+        and in ``_SHARED`` for later launches of the same specialisation."""
         if self._compiled is None and kernel is not None and not interpreting():
             dtypes = _signature(tensors)
             if dtypes is not None:
                 self._compiled = (torch.cuda.current_device(), dtypes, kernel,
                                   _raw_launch(kernel, self.grid))
+                if self._share:
+                    if len(_SHARED) >= _MAX_SHARED:
+                        _SHARED.clear()
+                    _SHARED[self._share] = kernel
+                self._share = False
+
+    def _adopt(self, tensors):
+        """The first call's look in ``_SHARED``: the compiled kernel another launch of this
+        kernel kept for the same specialisation (``_share_key``), adopted as this launch's
+        (its ``_compiled``), so that a new plan (a cache one key longer, a new batch size)
+        launches by the fast path from its first call instead of Triton's JIT path; None
+        when none is kept (the key stays for ``_keep``) or sharing is off."""
+        self._share = False
+        if not SHARE_COMPILED or interpreting():
+            return None
+        key = _share_key(self, tensors)
+        if key is None:
+            return None
+        try:
+            kernel = _SHARED.get(key)
+        except TypeError:  # (an argument that does not hash: no sharing)
+            return None
+        if kernel is None:
+            self._share = key
+            return None
+        self._compiled = (key[1], list(key[2]), kernel, _raw_launch(kernel, self.grid))
+        return self._compiled
 
 
 class SizedLaunch(Launch):
@@ -217,6 +251,8 @@ class SizedLaunch(Launch):
             args[i] = x
         grid = tuple(grid) + (1,) * (3 - len(grid))
         c = self._compiled
+        if c is None and self._share is None:
+            c = self._adopt(tensors)  # (its key holds the sized arguments' placeholders)
         if c is not None and _fast_path(c[0], c[1], tensors):
             device, _, kernel, raw = c
             stream = torch._C._cuda_getCurrentRawStream(device)
@@ -234,6 +270,43 @@ class SizedLaunch(Launch):
 
 # Launch's raw path (off: through Triton's CudaLauncher.__call__; benchmarks' A/B).
 RAW_LAUNCH = True
+
+# Compiled kernels shared between launches of one specialisation (off: each launch's first
+# call takes Triton's JIT path; benchmarks' A/B). A plan is made for each new shape (a
+# growing cache's every length, transformers' first layer of each generate step); its
+# launches then find the kernel Triton compiled for an earlier plan of the same classes of
+# arguments here, by a key that holds what Triton's own cache key holds for them.
+SHARE_COMPILED = True
+_SHARED: dict = {}
+_MAX_SHARED = 1024
+
+
+def _share_key(launch: Launch, tensors) -> tuple | None:
+    """``launch``'s key in ``_SHARED`` for a call on ``tensors``: the kernel, the current
+    device, the tensors' dtypes (16-byte aligned: what Triton specialises a pointer on, and
+    what the fast path checks every call), each argument as Triton's binder specialises it
+    (a constexpr by its type and value; an int by its type, whether it is 1 and whether 16
+    divides it, unless the kernel says not to; a float as fp32) and the launch options.
+    None where that cannot be told here: an annotated argument, a tensor among the
+    arguments, a host TMA descriptor among the tensors, a misaligned tensor."""
+    kernel = launch.kernel
+    params = getattr(kernel, "params", None)
+    dtypes = _signature(tensors)
+    if params is None or dtypes is None or len(params) != len(tensors) + len(launch.args) or \
+            any(t is not None and t.__class__ is not torch.Tensor for t in tensors):
+        return None
+    spec = []
+    for kp, a in zip(params[len(tensors):], launch.args):
+        if kp.is_constexpr:
+            a = getattr(a, "value", a)
+            spec.append((a.__class__, a))  # (the type too: True, 1 and 1.0 hash alike)
+        elif kp.annotation_type or isinstance(a, torch.Tensor):
+            return None
+        else:
+            spec.append(_specialize(BaseBackend, a, kp.is_const, not kp.do_not_specialize,
+                                    not kp.do_not_specialize_on_alignment))
+    options = tuple(sorted(launch.options.items()))
+    return (kernel, torch._C._cuda_getDevice(), tuple(dtypes), tuple(spec), options)
 
 
 def _with_scratch(after: tuple, nbytes: int) -> tuple:

@@ -142,3 +142,25 @@ def test_repeated_serving_calls_skip_the_jit_path(jit_calls, name):
     assert len(jit_calls) == n_first, f"JIT path taken again: {jit_calls[n_first:]}"
     for a, b in zip(first, again):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_a_growing_cache_reuses_the_compiled_kernels(jit_calls, layout):
+    # A decode row over a cache one key longer each call (transformers' generate, its first
+    # layer each step; "bhsd": its (B, H, S, D) cache seen as (B, S, H, D)) makes a new plan
+    # each call. Its launches find the kernels an earlier plan of the same argument classes
+    # compiled (_common._SHARED: these lengths are not multiples of 16 and cut into the
+    # same tiles) and take no JIT path; the answer is the reference's.
+    q = _rand(1, 1, 32, 128)
+    if layout == "bshd":
+        buf = _rand(1, 4200, 8, 128)
+        cache = lambda n: buf[:, :n]  # noqa: E731
+    else:
+        cache = lambda n: _rand(1, 8, n, 128).transpose(1, 2)  # noqa: E731
+    with torch.no_grad():
+        _check_attention(q, cache(4097), cache(4097), causal=True)
+        n = len(jit_calls)
+        for length in (4098, 4099, 4101):
+            k, v = cache(length), cache(length)
+            _check_attention(q, k, v, causal=True)
+    assert len(jit_calls) == n, f"JIT path taken for a new length: {jit_calls[n:]}"
