@@ -84,6 +84,9 @@ def main() -> None:
     ap.add_argument("--attn-host", action="store_true",
                     help="host us of each attention call inside generate B=1, both "
                          "implementations (decode steps and the prefill apart)")
+    ap.add_argument("--attn-profile", action="store_true",
+                    help="with --attn-host: cProfile of flashlse's attention calls alone "
+                         "inside generate B=1 (own time, then cumulative)")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -120,7 +123,7 @@ def main() -> None:
         return loss.detach()
 
     if args.attn_host:
-        _attn_host(models, gen1, device)
+        _attn_host(models, gen1, device, args.attn_profile)
         return
     rows = [(f"generate B=1, {prompt} + {new} tokens", gen1, new),
             (f"generate B=8 left-padded, + {b8_new} tokens", gen8, 8 * b8_new),
@@ -150,18 +153,28 @@ def main() -> None:
         print(f"| {label} | {ours:.1f} | {sdpa:.1f} | {ours / sdpa:.3f} | {tps} | {same} |")
 
 
-def _attn_host(models, gen1, device) -> None:
+def _attn_host(models, gen1, device, profile=False) -> None:
     """Host us a call of the attention function transformers calls a layer (the registered
     one, wrapped by a timer), during generate B = 1, per implementation: where a host-bound
-    decode step spends its attention time, against the model's whole step."""
+    decode step spends its attention time, against the model's whole step. ``profile``: a
+    cProfile of flashlse's calls alone (the profiler on inside each call only)."""
+    import cProfile
+    import pstats
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as table
 
     spent = {}
+    prof = cProfile.Profile() if profile else None
 
     def timed(impl, fn):
         def call(module, query, *a, **k):
             t = time.perf_counter()
-            out = fn(module, query, *a, **k)
+            if prof is not None and impl != "sdpa":
+                prof.enable()
+                out = fn(module, query, *a, **k)
+                prof.disable()
+            else:
+                out = fn(module, query, *a, **k)
             spent.setdefault((impl, query.shape[2] == 1), []).append(time.perf_counter() - t)
             return out
         return call
@@ -182,6 +195,10 @@ def _attn_host(models, gen1, device) -> None:
                       f"median {ts[len(ts) // 2] * 1e6:.1f} us, mean {sum(ts) / len(ts) * 1e6:.1f}"
                       f", p99 {ts[int(len(ts) * 0.99)] * 1e6:.1f}, sum {sum(ts) * 1e3:.1f} ms "
                       f"of the generate's {ms:.1f} ms")
+            if prof is not None and impl != "sdpa":
+                for order, top in (("tottime", 40), ("cumulative", 25)):
+                    print(f"--- cProfile of {impl}'s calls (warm-up and timed), by {order}")
+                    pstats.Stats(prof).sort_stats(order).print_stats(top)
 
 
 if __name__ == "__main__":

@@ -750,6 +750,24 @@ if [ "$1" = s50 ]; then
         --rounds 3 2>&1 | tail -2
     exit 0
 fi
+if [ "$1" = s50b ]; then
+    # Session 50's second call: the fused-merge tests with the split floor off where they
+    # need splits; where a growing cache's miss (~230 us over a kept call on an H100 host,
+    # GC ~12 and the JIT path ~7-14 of it) and a kept call go, by cProfile on the GPU; and
+    # flashlse's attention calls inside transformers' generate B = 1, profiled.
+    timeout 100 python3 -m pytest -q -p no:cacheprovider $K/test_decode_fused_merge.py \
+        > "$OUT/test_gpu_s50b.log" 2>&1
+    tail -1 "$OUT/test_gpu_s50b.log"; grep "^FAILED" "$OUT/test_gpu_s50b.log" | head -8
+    for row in "growing (B" "decode row 16k"; do
+        PYTHONPATH=$PWD timeout 60 python3 benchmarks/profile_host.py --rows "$row" --top 50 \
+            --sort tottime > "$OUT/prof_${row%% *}.txt" 2>&1
+        grep "^===" "$OUT/prof_${row%% *}.txt"
+    done
+    timeout 150 python3 benchmarks/bench_transformers.py --attn-host --attn-profile \
+        > "$OUT/tf_profile.txt" 2>&1
+    grep "calls, host" "$OUT/tf_profile.txt"
+    exit 0
+fi
 if [ "$1" = fused-why ]; then
     # Session 46: the fused decode merge costs +4.6-5.8 us at 32 splits (B = 1), nothing at 4,
     # whatever its step count; each kernel's device time in both forms, then ncu of both.

@@ -119,6 +119,8 @@ def test_fused_merge_split_limit(device, monkeypatch):
     # sparse_attention's token-table form when FUSED_MERGE_TOKEN_TABLE is off.
     monkeypatch.setattr(decode, "FUSED_MERGE_MAX_SPLITS", 8)
     monkeypatch.setattr(decode, "FUSED_MERGE_TOKEN_TABLE", False)
+    # (Without the split floor: 128 listed keys are one split of 8 tiles with it.)
+    monkeypatch.setattr(decode, "SPLIT_FLOOR", False)
     monkeypatch.setattr(decode, "_PLANS", {})
     q, k, v, lens, _, _, _ = _make(device, _dtypes()[0], smax=640, lens=(300, 640))
     kw = dict(cache_seqlens=lens, block_table=None, left=None, right=None, softcap=0.0,
@@ -176,6 +178,9 @@ def test_fused_merge_token_table(device, monkeypatch, paged, sink):
     else:
         args = (q, k, v, idx)
     monkeypatch.setattr(decode, "FUSED_MERGE_MAX_SPLITS", 8)
+    # (Without the split floor: 160 listed keys are one split of 8 tiles with it, and these
+    # tests are of the splits' merge.)
+    monkeypatch.setattr(decode, "SPLIT_FLOOR", False)
     got = {}
     for fused in (True, False):
         monkeypatch.setattr(decode, "FUSED_MERGE_TOKEN_TABLE", fused)
