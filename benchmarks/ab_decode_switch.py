@@ -26,6 +26,12 @@ layout, (B, H, S, D) tensors transposed):
 route widened (``dispatch.SHORT_Q_WIDE``):
 
     AB_SET=wide python benchmarks/ab_decode_switch.py --flag dispatch.SHORT_Q_WIDE
+
+``AB_SET=kvwide``: ``attention_with_kvcache`` at 20-32 query rows (contiguous and paged,
+causal), for those on the decode kernel (``ops.kvcache.DECODE_WIDE``) against the prefill
+path:
+
+    AB_SET=kvwide python benchmarks/ab_decode_switch.py --flag flashlse.ops.kvcache.DECODE_WIDE
 """
 
 from __future__ import annotations
@@ -131,6 +137,46 @@ WIDE_ROWS = [("attention B=1 Sq=32 Skv=8k", 1, 32, 8192, False),
              ("attention B=1 Sq=64 Skv=8k D=256", 1, 64, 8192, False, 256)]
 
 
+# attention_with_kvcache's calls of 17-32 query rows (AB_SET=kvwide, ops.kvcache.DECODE_WIDE:
+# the decode kernel against the prefill path), causal (speculative verification, chunks):
+# (label, B, Sq, Skv, page).
+KVWIDE_ROWS = [("kvcache B=1 Sq=32 Skv=8k", 1, 32, 8192, None),
+               ("kvcache B=8 Sq=32 Skv=2k", 8, 32, 2048, None),
+               ("kvcache B=8 Sq=20 Skv=4k", 8, 20, 4096, None),
+               ("kvcache B=64 Sq=32 Skv=2k", 64, 32, 2048, None),
+               ("kvcache B=8 Sq=32 Skv=4k paged 16", 8, 32, 4096, 16),
+               ("kvcache B=1 Sq=24 Skv=32k paged 64", 1, 24, 32768, 64)]
+
+
+def kvwide_row(flag, label, b, sq, skv, page):
+    dt = torch.bfloat16
+    q = torch.randn(b, sq, HQ, D, device="cuda", dtype=dt)
+    k = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
+    v = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
+    lens = torch.full((b,), skv, dtype=torch.int32, device="cuda")
+    table = None
+    if page:
+        per = skv // page
+        table = torch.randperm(b * per, device="cuda").view(b, per).to(torch.int32)
+        kp = torch.empty(b * per, page, HKV, D, device="cuda", dtype=dt)
+        vp = torch.empty_like(kp)
+        kp[table.flatten().long()] = k.reshape(b * per, page, HKV, D)
+        vp[table.flatten().long()] = v.reshape(b * per, page, HKV, D)
+        k, v = kp, vp
+
+    def call():
+        return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                         causal=True)
+
+    ms = flag_ab_ms(flag, call)
+    on, off, restore = flag_runs(flag, call)
+    a, c = on(), off()
+    same = f"max diff {float((a.float() - c.float()).abs().max()):.1e}"
+    restore()
+    gbs = 2 * b * skv * HKV * D * 2 / 1e6
+    return label, ms, gbs, same
+
+
 def short_row(flag, label, b, sq, skv, transposed, d=D):
     dt = torch.bfloat16
     if transposed:
@@ -165,7 +211,7 @@ def main() -> None:
     flag = flag_ab_args()
     only = os.environ.get("AB_ROWS")  # (e.g. AB_ROWS="B=1 Skv=128k;B=1 Skv=4k")
     make, table = {"sparse": (sparse_row, SPARSE_ROWS), "short": (short_row, SHORT_ROWS),
-                   "wide": (short_row, WIDE_ROWS)}.get(
+                   "wide": (short_row, WIDE_ROWS), "kvwide": (kvwide_row, KVWIDE_ROWS)}.get(
         os.environ.get("AB_SET"), (row, ROWS))
     rows = [make(flag, *r) for r in table if only is None or r[0] in only.split(";")]
     sparse = make is sparse_row

@@ -580,7 +580,7 @@ if [ "$1" = s44 ]; then
     if [ "$2" = d256 ]; then
         # Which half of the lean form cost D = 256 its 1-3.5% (session 43): each alone at
         # D = 256, in turns with this tree's plain D = 256 form (bench_fwd --full --dims 256).
-        for half in ROW_BOUNDS EARLY_P; do
+        for half in ${3:-ROW_BOUNDS EARLY_P}; do  # ("s44 d256 EARLY_P": that half alone)
             rm -rf ".exp_$half" && mkdir ".exp_$half" && cp -r flashlse benchmarks ".exp_$half/"
             sed -i "s/^${half}_MAX_D = gl.constexpr(128)/${half}_MAX_D = gl.constexpr(256)/" \
                 ".exp_$half/flashlse/kernels/fwd_sm90.py"
@@ -766,6 +766,21 @@ if [ "$1" = s50b ]; then
     timeout 150 python3 benchmarks/bench_transformers.py --attn-host --attn-profile \
         > "$OUT/tf_profile.txt" 2>&1
     grep "calls, host" "$OUT/tf_profile.txt"
+    exit 0
+fi
+if [ "$1" = s50c ]; then
+    # Session 50's third call: attention_with_kvcache's 17-32-row calls on the decode kernel
+    # (ops.kvcache.DECODE_WIDE, off in main until measured): its GPU tests, then its A/B
+    # against the prefill path (predicted >= 1.3x at 32 rows B = 1, as fl.attention's route;
+    # paged rows unknown: the Hopper paged kernel is the other side); transformers'
+    # attention host time after the wrapper's float32 test; one half of "s44 d256".
+    timeout 100 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
+        -k "up_to_32 or out_of_range or int32_max" > "$OUT/test_gpu_s50c.log" 2>&1
+    tail -1 "$OUT/test_gpu_s50c.log"; grep "^FAILED" "$OUT/test_gpu_s50c.log" | head -8
+    AB_SET=kvwide timeout 150 python3 benchmarks/ab_decode_switch.py \
+        --flag flashlse.ops.kvcache.DECODE_WIDE 2>&1 | tail -9
+    timeout 90 python3 benchmarks/bench_transformers.py --attn-host 2>&1 | grep "decode:"
+    timeout 280 bash "$0" s44 d256 ROW_BOUNDS 2>&1 | grep -v "^$" | tail -24
     exit 0
 fi
 if [ "$1" = fused-why ]; then

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 import flashlse as fl
-from flashlse.ops.kvcache import DECODE_MAX_SQ
+from flashlse.ops import kvcache as _kvcache
 
 ATTN_IMPLEMENTATION = "lse_exact"
 
@@ -111,7 +111,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                   _module_attr(module, "is_causal", True))
     kw = dict(causal=causal, window=_window(module, causal, sliding_window),
               softcap=float(softcap or 0.0), scale=scaling, sink=s_aux)
-    query, key, value = _half_dtype(module, query, key, value)
+    f32 = torch.float32
+    if query.dtype is f32 or key.dtype is f32 or value.dtype is f32:
+        query, key, value = _half_dtype(module, query, key, value)
     # (B, S, H, D) views
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if attention_mask is None:
@@ -131,7 +133,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
     kv_mask = attention_mask.to(torch.bool)
     # (Up to the decode kernel's query rows; longer ones are packed by _padded.)
-    if causal and q.shape[1] <= DECODE_MAX_SQ and not (torch.is_grad_enabled() and any(
+    if causal and q.shape[1] <= _kvcache.decode_rows() and not (torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (q, k, v, s_aux))):
         # A decode step of a left-padded batch (generate's padding): each row's keys read in
         # place from its first real token (cache_leftpad), no rows gathered.
@@ -203,9 +205,7 @@ def _read_positions(pos):
 
 
 def _half_dtype(module, *xs):
-    """``xs`` in the dtype the model computes in where one is float32 (module docstring)."""
-    if not any(x.dtype == torch.float32 for x in xs):
-        return xs
+    """``xs`` (one of them float32) in the dtype the model computes in (module docstring)."""
     device = xs[0].device.type
     if torch.is_autocast_enabled(device):
         target = torch.get_autocast_dtype(device)

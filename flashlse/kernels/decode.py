@@ -445,7 +445,8 @@ def _num_splits(programs: int, n_tiles: int, slots: int, min_tiles: int = 1) -> 
 
 
 # The query rows a sequence that decode_fwd takes (speculative decoding's few); the ops
-# layer's bound for attention_with_kvcache is the same (ops.kvcache.DECODE_MAX_SQ).
+# layer's bound for attention_with_kvcache is the same (ops.kvcache.DECODE_MAX_SQ; with
+# ops.kvcache.DECODE_WIDE, its DECODE_WIDE_MAX as the dispatcher's route).
 MAX_SQ = 16
 
 

@@ -19,6 +19,18 @@ from .merge import merge_math
 
 # The decode kernel takes up to this many query rows per sequence (speculative decoding).
 DECODE_MAX_SQ = 16
+# Calls of up to DECODE_WIDE_MAX rows on the decode kernel too, as fl.attention's short-query
+# route takes them (dispatch.SHORT_Q_WIDE; the kernel packs a kv head's Sq x group rows into
+# its row tiles); off, they run the prefill path (the varlen or Hopper paged forward). Its
+# A/B: AB_SET=kvwide benchmarks/ab_decode_switch.py --flag flashlse.ops.kvcache.DECODE_WIDE.
+DECODE_WIDE = False
+DECODE_WIDE_MAX = 32
+
+
+def decode_rows() -> int:
+    """The most query rows a sequence that ``attention_with_kvcache`` runs on the decode
+    kernel."""
+    return DECODE_WIDE_MAX if DECODE_WIDE else DECODE_MAX_SQ
 
 
 def _gather(cache, b, n, block_table):
@@ -322,7 +334,7 @@ def _validate_meta(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new
     if q.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"q and k_cache must share D, got {q.shape[-1]} and {k_cache.shape[-1]}")
     # Longer queries with head dims above the prefill kernel's run the PyTorch path.
-    V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda and q.shape[1] <= DECODE_MAX_SQ,
+    V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda and q.shape[1] <= decode_rows(),
                      V.MAX_HEAD_DIM_DECODE)
     _check_num_splits(num_splits)
     bsz = q.shape[0]
@@ -477,14 +489,15 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
                  kept=None, leftpad=None):
     """Appends ``k_new``/``v_new`` (when given) and attends, on the path the call belongs to
     (``leftpad``: the call's ``cache_leftpad``)."""
-    if use_triton(q) and (q.shape[1] <= DECODE_MAX_SQ or max(
+    rows = decode_rows()
+    if use_triton(q) and (q.shape[1] <= rows or max(
             q.shape[-1], v_cache.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
         decode = kernel_module("decode")
         append = None
         if k_new is not None:
             append = decode.find_append_plan(k_cache, v_cache, k_new, v_new, block_table)
             decode.run_append(append, k_cache, v_cache, k_new, v_new, lens, block_table)
-        if q.shape[1] <= DECODE_MAX_SQ:
+        if q.shape[1] <= rows:
             dkw = dict(cache_seqlens=lens, seqlen_add=s_new, block_table=block_table,
                        num_splits=num_splits, cache_leftpad=leftpad, **kw)
             if kept is not None:

@@ -66,6 +66,27 @@ def test_kvcache_long_queries_on_kernels(device, b, sq, hq, hkv, d, dv, smax, le
     run_both(_to(t, device), **call_kw)
 
 
+@pytest.mark.parametrize("wide", [True, False], ids=["wide", "prefill"])
+@pytest.mark.parametrize("page", [None, 16], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("b,sq,hq,hkv,d,dv,smax,lens,snew,kw",
+                         [c for c in CASES if c.values[1] <= 32])
+def test_kvcache_up_to_32_rows_on_the_decode_kernel(device, monkeypatch, b, sq, hq, hkv, d, dv,
+                                                    smax, lens, snew, kw, page, wide):
+    # ops.kvcache.DECODE_WIDE: the 17-32-row cases above on the decode kernel (the query
+    # heads of a kv head packed into its row tiles), against the reference; off, on the
+    # prefill path. Which kernel ran: the decode plans made.
+    from flashlse.kernels import decode
+    from flashlse.ops import kvcache
+
+    monkeypatch.setattr(kvcache, "DECODE_WIDE", wide)
+    make_kw, call_kw = _split(kw)
+    t = make(b, sq, hq, hkv, d, dv, smax, lens, snew, DTYPES[0], **make_kw)
+    if page is not None:
+        t = to_paged(t, page)
+    run_both(_to(t, device), **call_kw)
+    assert bool(decode._PLANS) == wide
+
+
 @pytest.mark.parametrize("table_rows, gathered", [(160, True), (2100, False)],
                          ids=["tight_table_gathered", "wide_table_in_place"])
 def test_kvcache_long_chunk_wide_table_reads_pages_in_place(device, monkeypatch, table_rows,
@@ -104,11 +125,27 @@ def _close_to_cache_ref(out, lse, t):
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
 
 
+# 20 query rows on the decode kernel (ops.kvcache.DECODE_WIDE) beside the prefill path's 20.
+WIDE = "20 wide"
+
+
+def _sq_id(sq):
+    return f"sq{sq}".replace(" ", "_")
+
+
+def _wide(monkeypatch, sq):
+    from flashlse.ops import kvcache
+
+    monkeypatch.setattr(kvcache, "DECODE_WIDE", sq == WIDE)
+    return 20 if sq == WIDE else sq
+
+
 @pytest.mark.parametrize("page", [None, 3], ids=lambda p: f"page{p}")
-@pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
-def test_kvcache_lengths_out_of_range_are_clamped(device, sq, page):
+@pytest.mark.parametrize("sq", [1, 20, WIDE], ids=_sq_id)
+def test_kvcache_lengths_out_of_range_are_clamped(device, monkeypatch, sq, page):
     """With the value checks off a length past the cache reads the whole cache, a negative
     one no key, and k_new past the end is dropped: nothing outside the caches is touched."""
+    sq = _wide(monkeypatch, sq)
     t = _full_cache(device, sq, page)
     bad = dict(t, cache_seqlens=torch.tensor([30, 23, -5], dtype=torch.int32, device=device))
     k_before = t["k_cache"].clone()
@@ -127,11 +164,12 @@ def test_kvcache_lengths_out_of_range_are_clamped(device, sq, page):
 
 
 @pytest.mark.parametrize("page", [None, 3], ids=lambda p: f"page{p}")
-@pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
-def test_kvcache_lengths_near_int32_max(device, sq, page):
+@pytest.mark.parametrize("sq", [1, 20, WIDE], ids=_sq_id)
+def test_kvcache_lengths_near_int32_max(device, monkeypatch, sq, page):
     """With the value checks off, ``cache_seqlens + Snew`` past 2^31 - 1 wraps (int32) and
     counts as below 0: no key (README's table); one just under it is clamped to the cache.
     Nothing is written: every new token's position wraps or lies past the end."""
+    sq = _wide(monkeypatch, sq)
     t = _full_cache(device, sq, page)
     lens = [2**31 - 1, 2**31 - 3, -2**31]  # + 2 new tokens: wraps, 2^31 - 1, -2^31 + 2
     bad = dict(t, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device))
@@ -146,10 +184,11 @@ def test_kvcache_lengths_near_int32_max(device, sq, page):
     _close_to_cache_ref(out, lse, cap)
 
 
-@pytest.mark.parametrize("sq", [1, 20], ids=lambda s: f"sq{s}")
-def test_kvcache_pages_out_of_range_are_not_read(device, sq):
+@pytest.mark.parametrize("sq", [1, 20, WIDE], ids=_sq_id)
+def test_kvcache_pages_out_of_range_are_not_read(device, monkeypatch, sq):
     """A block-table entry outside [0, num_pages) holds no key (decode) or ends the sequence
     (longer queries); a valid call on the same data before it is unaffected."""
+    sq = _wide(monkeypatch, sq)
     t = to_paged(make(2, sq, 2, 1, 32, 32, 12, [12, 12], 0, torch.float16), 4, extra_pages=0)
     t = _to(t, device)
     good = fl.attention_with_kvcache(**t)
