@@ -63,9 +63,11 @@ SPARSE_ROWS = [("sparse B=1 top-2048 of 32k", 1, 32768, 2048),
                ("sparse B=8 top-512 of 8k", 8, 8192, 512)]
 
 
-def row(flag, label, b, skv, page):
+def _cache(b, sq, skv, page):
+    """``(q, k, v, lens, table)``: ``sq`` query rows over full caches of ``skv`` keys,
+    contiguous, or in pages of ``page`` rows in a shuffled block table."""
     dt = torch.bfloat16
-    q = torch.randn(b, 1, HQ, D, device="cuda", dtype=dt)
+    q = torch.randn(b, sq, HQ, D, device="cuda", dtype=dt)
     k = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
     v = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
     lens = torch.full((b,), skv, dtype=torch.int32, device="cuda")
@@ -78,6 +80,11 @@ def row(flag, label, b, skv, page):
         kp[table.flatten().long()] = k.reshape(b * per, page, HKV, D)
         vp[table.flatten().long()] = v.reshape(b * per, page, HKV, D)
         k, v = kp, vp
+    return q, k, v, lens, table
+
+
+def row(flag, label, b, skv, page):
+    q, k, v, lens, table = _cache(b, 1, skv, page)
 
     def call():
         return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table)
@@ -149,20 +156,7 @@ KVWIDE_ROWS = [("kvcache B=1 Sq=32 Skv=8k", 1, 32, 8192, None),
 
 
 def kvwide_row(flag, label, b, sq, skv, page):
-    dt = torch.bfloat16
-    q = torch.randn(b, sq, HQ, D, device="cuda", dtype=dt)
-    k = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
-    v = torch.randn(b, skv, HKV, D, device="cuda", dtype=dt)
-    lens = torch.full((b,), skv, dtype=torch.int32, device="cuda")
-    table = None
-    if page:
-        per = skv // page
-        table = torch.randperm(b * per, device="cuda").view(b, per).to(torch.int32)
-        kp = torch.empty(b * per, page, HKV, D, device="cuda", dtype=dt)
-        vp = torch.empty_like(kp)
-        kp[table.flatten().long()] = k.reshape(b * per, page, HKV, D)
-        vp[table.flatten().long()] = v.reshape(b * per, page, HKV, D)
-        k, v = kp, vp
+    q, k, v, lens, table = _cache(b, sq, skv, page)
 
     def call():
         return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
