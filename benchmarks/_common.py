@@ -195,7 +195,8 @@ def flag_runs(flag: str, fn):
                 # decode's, and the launches the public calls keep (sparse's plans hold
                 # their decode plans).
                 for plans in (bwd._BWD_PLANS, fwd_sm90._PLANS, decode._PLANS,
-                              attention_ops._KEPT, attention_ops._PAGED_KEPT, kvcache_ops._KEPT,
+                              attention_ops._KEPT, attention_ops._PAGED_KEPT,
+                              attention_ops._HEADS_FIRST, kvcache_ops._KEPT,
                               kvcache_ops._CHUNK_KEPT, sparse_ops._PLANS):
                     plans.clear()
             return then()

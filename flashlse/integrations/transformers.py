@@ -46,6 +46,7 @@ import torch
 
 import flashlse as fl
 from flashlse.ops import kvcache as _kvcache
+from flashlse.ops.attention import attention_heads_first
 
 ATTN_IMPLEMENTATION = "lse_exact"
 
@@ -114,13 +115,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     f32 = torch.float32
     if query.dtype is f32 or key.dtype is f32 or value.dtype is f32:
         query, key, value = _half_dtype(module, query, key, value)
+    if attention_mask is None:
+        packed = _packed_sequences(query, key, kwargs)
+        if packed is None:
+            # (On the tensors as they are: a kept decode launch reads them in place.)
+            return attention_heads_first(query, key, value, **kw), None
+        return fl.attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                   value[0].transpose(0, 1), *packed, **kw)[None], None
     # (B, S, H, D) views
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if attention_mask is None:
-        packed = _packed_sequences(q, k, kwargs)
-        if packed is None:
-            return fl.attention(q, k, v, **kw), None
-        return fl.attention_varlen(q[0], k[0], v[0], *packed, **kw)[None], None
     if attention_mask.dim() != 2:
         raise ValueError(f"{ATTN_IMPLEMENTATION} expects the 2-D padding mask its mask function "
                          f"makes, got shape {tuple(attention_mask.shape)}; load the model with "
@@ -143,7 +146,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return _padded(q, k, v, kv_mask, kw), None
 
 
-def _packed_sequences(q, k, kwargs):
+def _packed_sequences(query, key, kwargs):
     """``(cu_q, cu_k, max_q, max_k)`` of a padding-free batch (one row holding several
     sequences back to back, transformers' ``DataCollatorWithFlattening``), or None: the
     collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k``
@@ -152,14 +155,14 @@ def _packed_sequences(q, k, kwargs):
     the sequences packed before its own."""
     cu_q = kwargs.get("cu_seq_lens_q")
     if cu_q is not None:
-        if q.shape[0] != 1:
+        if query.shape[0] != 1:
             raise ValueError(f"{ATTN_IMPLEMENTATION}: cu_seq_lens_q describes one packed row "
-                             f"(batch 1), got a batch of {q.shape[0]}")
+                             f"(batch 1), got a batch of {query.shape[0]}")
         return (cu_q.to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
                 int(kwargs["max_length_q"]), int(kwargs["max_length_k"]))
     pos = kwargs.get("position_ids")
-    if pos is None or q.shape[0] != 1 or q.shape[1] < 2 or k.shape[1] != q.shape[1] or \
-            pos.numel() != q.shape[1]:
+    sq = query.shape[2]  # ((B, H, S, D) tensors)
+    if pos is None or query.shape[0] != 1 or sq < 2 or key.shape[2] != sq or pos.numel() != sq:
         return None
     return _lengths_from_positions(pos)
 

@@ -122,14 +122,15 @@ SHORT_Q_WIDE_MAX = 32
 UNREAD_LSE = True
 
 
-def new_outputs(q, v, cu_seqlens_q, want_lse):
+def new_outputs(q, v, cu_seqlens_q, want_lse, shapes=None):
     """``fwd.new_outputs``, except that the lse of a call whose caller drops it (``want_lse``
     False: no ``return_lse``, and no autograd saving it) is ``decode.unread_lse``'s: a view
     of the stream's kept buffer, one allocation less a call (a transformers decode step's
-    attention reads out only)."""
+    attention reads out only). ``shapes``: ``(out_shape, lse_shape)`` where ``q`` and
+    ``v`` are not in the forward's layout (``ops.attention.attention_heads_first``)."""
     if want_lse or not UNREAD_LSE:
         return fwd.new_outputs(q, v, cu_seqlens_q)
-    out_shape, lse_shape = fwd.output_shapes(q, v, cu_seqlens_q)
+    out_shape, lse_shape = shapes or fwd.output_shapes(q, v, cu_seqlens_q)
     empty = options.allocator()
     return (empty(out_shape, dtype=q.dtype, device=q.device),
             decode.unread_lse(q.device, lse_shape, empty,
@@ -149,11 +150,17 @@ class _DecodeFwd:
         self.scalars = dict(left=left, right=right, softcap=softcap, scale=scale)
         self.plans = {}
 
-    def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k) -> bool:
+    def __call__(self, q, k, v, out, lse, sink, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                 plan=True) -> bool | None:
+        """Fills ``out`` and ``lse``: True, or False where the Hopper MLA kernel failed to
+        compile; ``plan=False``: None instead of planning a new case (the tensors may be
+        views of what a plan would read: only an existing plan runs on them)."""
         opts = options.current()
         which = (v.data_ptr() == k.data_ptr(), opts.pdl)
         kp = self.plans.get(which)
         if kp is None:
+            if not plan:
+                return None
             kp = self.plans[which] = decode.find_plan(
                 q, k, v, cache_seqlens=None, block_table=None, sink=sink, num_splits=0,
                 **self.scalars)[:2]

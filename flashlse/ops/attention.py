@@ -794,6 +794,49 @@ def attention(q, k, v, *, causal=False, window=(None, None), softcap=0.0, scale=
     return (out, lse) if return_lse else out
 
 
+# transformers hands its attention function (B, H, S, D) tensors. A short-query call's kept
+# decode launch reads only their addresses (its plan holds the strides of their (B, S, H, D)
+# views), so attention_heads_first launches it on the tensors as they are: three view ops
+# less a call (with their frees ~5 us on a CPU host, a sixth of a kept call). Its own dict:
+# a (B, H, S, D) tensor's metadata may read as another (B, S, H, D) call's in _KEPT.
+_HEADS_FIRST: dict = {}
+
+
+@on_tensor_device
+def attention_heads_first(q, k, v, *, causal=False, window=(None, None), softcap=0.0,
+                          scale=None, sink=None):
+    """:func:`attention` of ``q (B, Hq, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk,
+    Dv)`` (transformers' layout): ``out (B, Sq, Hq, Dv)``, the same bits as ``attention`` of
+    their ``transpose(1, 2)`` views, which it calls, except where that call's kept launch is
+    the decode kernel's (no autograd): that launch then runs on these tensors themselves."""
+    kept = None
+    if not V.needs_grad(q, k, v, sink):
+        kept = _kept_key(q, k, v, sink, causal, window, softcap, scale, False, False)
+        launch = _HEADS_FIRST.get(kept) if kept is not None else None
+        if launch is not None:
+            b, hq, sq, _ = q.shape
+            out, lse = kernel_module("dispatch").new_outputs(
+                q, v, None, False, ((b, sq, hq, v.shape[-1]), (b, hq, sq)))
+            ran = launch(q, k, v, out, lse, sink, None, None, None, plan=False)
+            if ran:
+                return out
+            if ran is False:  # (the Hopper MLA kernel failed to compile: plan again)
+                _HEADS_FIRST.pop(kept, None)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = attention(qt, kt, vt, causal=causal, window=window, softcap=softcap, scale=scale,
+                    sink=sink)
+    if kept is not None:
+        # The decode launch the call kept for these views (not another route's: a dense
+        # kernel's launch may read more than addresses), when it holds a plan for them.
+        hit = _KEPT.get(_kept_key(qt, kt, vt, sink, causal, window, softcap, scale, False,
+                                  False))
+        if hit is not None and isinstance(hit[0], kernel_module("dispatch")._DecodeFwd):
+            if len(_HEADS_FIRST) >= _MAX_KEPT:
+                _HEADS_FIRST.clear()
+            _HEADS_FIRST[kept] = hit[0]
+    return out
+
+
 @on_tensor_device
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      seqused_k=None, block_table=None, causal=False, window=(None, None),

@@ -49,7 +49,7 @@ _PLAN_CACHES = (
     ("flashlse.kernels.bwd", ("_BWD_PLANS", )),
     ("flashlse.kernels.decode", ("_PLANS", "_APPEND_PLANS")),
     ("flashlse.kernels.combine", ("_PLANS", )),
-    ("flashlse.ops.attention", ("_KEPT", "_PAGED_KEPT")),
+    ("flashlse.ops.attention", ("_KEPT", "_PAGED_KEPT", "_HEADS_FIRST")),
     ("flashlse.ops.kvcache", ("_KEPT", "_CHUNK_KEPT")),
     ("flashlse.ops.merge", ("_KEPT", )),
     ("flashlse.ops.sparse", ("_PLANS", )),

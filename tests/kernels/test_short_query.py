@@ -181,6 +181,46 @@ def test_unread_lse_on_kept_scratch(device, monkeypatch, kernel_opts, sq):
     assert not torch.isnan(grads[0]).any() and torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("sq", [1, 4, 40], ids=["row", "rows4", "dense"])
+def test_attention_heads_first(device, decode_calls, sq):
+    # transformers' (B, H, S, D) tensors: the same bits as fl.attention on their (B, S, H, D)
+    # views, call after call; on the route the kept decode launch runs on the tensors
+    # themselves (no new plan, no views: ops.attention._HEADS_FIRST), with v = k (read from
+    # K's tiles) and its own v in turns (each its own answer), and a NaN key reaching only
+    # the rows that see it; past the route (a dense kernel's launch) nothing is kept there
+    # and every call goes through the views; with autograd, gradients as through the views.
+    import importlib
+
+    attention_ops = importlib.import_module("flashlse.ops.attention")
+    g = torch.Generator().manual_seed(31)
+    dt = DTYPES[0]
+    q, k, v = (torch.randn(2, h, s, 32, generator=g).to(device, dt)
+               for h, s in ((4, sq), (2, 50), (2, 50)))
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    kw = dict(causal=True, scale=0.2)
+    bad = k.clone()
+    bad[1, 0, 45, 3] = float("nan")  # batch 1, kv head 0: its query heads 0-1
+    for kk, vv in ((k, k), (k, v), (k, k), (k, v), (bad, v)):
+        got = attention_ops.attention_heads_first(q, kk, vv, **kw)
+        want = fl.attention(t(q), t(kk), t(vv), **kw)
+        assert got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        ref = reference.attention(t(q).double(), t(kk).double(), t(vv).double(), **kw)
+        torch.testing.assert_close(got.double().nan_to_num(), ref.nan_to_num(), atol=2e-3,
+                                   rtol=2e-3)
+        assert torch.equal(got.isnan(), ref.isnan())
+    assert got.isnan().any()  # (the last call's NaN key reached its rows)
+    assert bool(attention_ops._HEADS_FIRST) == (sq <= dispatch.SHORT_Q_WIDE_MAX)
+    assert bool(decode_calls) == (sq <= dispatch.SHORT_Q_WIDE_MAX)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    attention_ops.attention_heads_first(qg, kg, vg, **kw).sum().backward()
+    qw, kw2, vw = (x.clone().requires_grad_() for x in (q, k, v))
+    fl.attention(t(qw), t(kw2), t(vw), **kw).sum().backward()
+    for a, b in ((qg, qw), (kg, kw2), (vg, vw)):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_short_query_gradients(device, decode_calls):
     # The forward on the decode kernel, the backward on the kernels' backward from its lse.
     g = torch.Generator().manual_seed(5)
