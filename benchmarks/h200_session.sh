@@ -778,14 +778,14 @@ if [ "$1" = s50c ]; then
     # a call; predicted -4 to -8 us on the GPU host) and the wrapper's float32 test.
     timeout 50 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
         -k "up_to_32 or out_of_range or int32_max" > "$OUT/test_gpu_s50c_kv.log" 2>&1 &
-    timeout 110 python3 -m pytest -q -p no:cacheprovider $K/test_short_query.py \
+    timeout 95 python3 -m pytest -q -p no:cacheprovider $K/test_short_query.py \
         $K/test_integrations_gpu.py $K/test_launch_fast_path.py > "$OUT/test_gpu_s50c.log" 2>&1
     wait
     for f in "$OUT"/test_gpu_s50c*.log; do echo "$f: $(tail -1 "$f")"; done
     grep -h "^FAILED" "$OUT"/test_gpu_s50c*.log | head -8
-    AB_SET=kvwide timeout 110 python3 benchmarks/ab_decode_switch.py \
+    AB_SET=kvwide timeout 100 python3 benchmarks/ab_decode_switch.py \
         --flag flashlse.ops.kvcache.DECODE_WIDE 2>&1 | tail -9
-    timeout 75 python3 benchmarks/bench_transformers.py --attn-host 2>&1 | grep "decode:"
+    timeout 60 python3 benchmarks/bench_transformers.py --attn-host 2>&1 | grep "decode:"
     [ -n "$GROWING" ] || exit 0  # (the warmed growing A/B when time allows)
     # The growing rows' miss without compiles (their cycle warmed first, then the plans
     # forgotten), compiled kernels shared or not.
