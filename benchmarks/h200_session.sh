@@ -794,6 +794,16 @@ if [ "$1" = s50c ]; then
         | grep "^=== ab"
     exit 0
 fi
+if [ "$1" = s50d ]; then
+    # Session 50's last call (~110 s of device time left): the integration's calls on its
+    # (B, H, S, D) tensors (attention_heads_first) on the GPU, then their host time.
+    timeout 60 python3 -m pytest -q -p no:cacheprovider $K/test_short_query.py \
+        $K/test_integrations_gpu.py -k "heads_first or integration or transformers" \
+        > "$OUT/test_gpu_s50d.log" 2>&1
+    tail -1 "$OUT/test_gpu_s50d.log"; grep "^FAILED" "$OUT/test_gpu_s50d.log" | head -8
+    timeout 45 python3 benchmarks/bench_transformers.py --attn-host 2>&1 | grep "decode:"
+    exit 0
+fi
 if [ "$1" = fused-why ]; then
     # Session 46: the fused decode merge costs +4.6-5.8 us at 32 splits (B = 1), nothing at 4,
     # whatever its step count; each kernel's device time in both forms, then ncu of both.
