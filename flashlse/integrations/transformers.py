@@ -136,8 +136,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
     kv_mask = attention_mask.to(torch.bool)
     # (Up to the decode kernel's query rows; longer ones are packed by _padded.)
-    if causal and q.shape[1] <= _kvcache.decode_rows() and not (torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, s_aux))):
+    if causal and q.shape[1] <= _kvcache.decode_rows(False) and not (
+            torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                            for x in (q, k, v, s_aux))):
         # A decode step of a left-padded batch (generate's padding): each row's keys read in
         # place from its first real token (cache_leftpad), no rows gathered.
         starts = _leftpad(kv_mask, q.shape[1])

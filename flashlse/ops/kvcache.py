@@ -19,18 +19,22 @@ from .merge import merge_math
 
 # The decode kernel takes up to this many query rows per sequence (speculative decoding).
 DECODE_MAX_SQ = 16
-# Calls of up to DECODE_WIDE_MAX rows on the decode kernel too, as fl.attention's short-query
-# route takes them (dispatch.SHORT_Q_WIDE; the kernel packs a kv head's Sq x group rows into
-# its row tiles); off, they run the prefill path (the varlen or Hopper paged forward). Its
-# A/B: AB_SET=kvwide benchmarks/ab_decode_switch.py --flag flashlse.ops.kvcache.DECODE_WIDE.
-DECODE_WIDE = False
+# Calls of up to DECODE_WIDE_MAX rows on a contiguous cache take the decode kernel too, as
+# fl.attention's short-query route does (dispatch.SHORT_Q_WIDE; the kernel packs a kv head's
+# Sq x group rows into its row tiles); off, they run the prefill path (the varlen forward).
+# Measured on an H100 (NOTES.md, session 50; AB_SET=kvwide benchmarks/ab_decode_switch.py
+# --flag flashlse.ops.kvcache.DECODE_WIDE), 32 / 8 heads, D = 128, causal: contiguous B = 1
+# Sq = 32 8k 2.0x, B = 8 Sq = 32 2k 1.46x, B = 8 Sq = 20 4k 1.59x, B = 64 Sq = 32 2k 1.62x;
+# paged caches 0.78x (B = 8 Sq = 32 4k, pages of 16) and 0.87x (B = 1 Sq = 24 32k, pages of
+# 64) against the Hopper paged kernel: paged calls keep the prefill path past 16 rows.
+DECODE_WIDE = True
 DECODE_WIDE_MAX = 32
 
 
-def decode_rows() -> int:
+def decode_rows(paged: bool) -> int:
     """The most query rows a sequence that ``attention_with_kvcache`` runs on the decode
-    kernel."""
-    return DECODE_WIDE_MAX if DECODE_WIDE else DECODE_MAX_SQ
+    kernel (``paged``: the call has a block table)."""
+    return DECODE_WIDE_MAX if DECODE_WIDE and not paged else DECODE_MAX_SQ
 
 
 def _gather(cache, b, n, block_table):
@@ -334,8 +338,8 @@ def _validate_meta(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new
     if q.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"q and k_cache must share D, got {q.shape[-1]} and {k_cache.shape[-1]}")
     # Longer queries with head dims above the prefill kernel's run the PyTorch path.
-    V.check_head_dim(q.shape[-1], v_cache.shape[-1], q.is_cuda and q.shape[1] <= decode_rows(),
-                     V.MAX_HEAD_DIM_DECODE)
+    V.check_head_dim(q.shape[-1], v_cache.shape[-1],
+                     q.is_cuda and q.shape[1] <= decode_rows(paged), V.MAX_HEAD_DIM_DECODE)
     _check_num_splits(num_splits)
     bsz = q.shape[0]
     if paged:
@@ -489,7 +493,7 @@ def _kvcache_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, nu
                  kept=None, leftpad=None):
     """Appends ``k_new``/``v_new`` (when given) and attends, on the path the call belongs to
     (``leftpad``: the call's ``cache_leftpad``)."""
-    rows = decode_rows()
+    rows = decode_rows(block_table is not None)
     if use_triton(q) and (q.shape[1] <= rows or max(
             q.shape[-1], v_cache.shape[-1]) <= V.MAX_HEAD_DIM_PREFILL):
         decode = kernel_module("decode")

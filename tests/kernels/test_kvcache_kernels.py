@@ -73,7 +73,8 @@ def test_kvcache_long_queries_on_kernels(device, b, sq, hq, hkv, d, dv, smax, le
 def test_kvcache_up_to_32_rows_on_the_decode_kernel(device, monkeypatch, b, sq, hq, hkv, d, dv,
                                                     smax, lens, snew, kw, page, wide):
     # ops.kvcache.DECODE_WIDE: the 17-32-row cases above on the decode kernel (the query
-    # heads of a kv head packed into its row tiles), against the reference; off, on the
+    # heads of a kv head packed into its row tiles) on a contiguous cache, against the
+    # reference; off, and on a paged cache (the Hopper paged kernel is faster there), on the
     # prefill path. Which kernel ran: the decode plans made.
     from flashlse.kernels import decode
     from flashlse.ops import kvcache
@@ -84,7 +85,7 @@ def test_kvcache_up_to_32_rows_on_the_decode_kernel(device, monkeypatch, b, sq, 
     if page is not None:
         t = to_paged(t, page)
     run_both(_to(t, device), **call_kw)
-    assert bool(decode._PLANS) == wide
+    assert bool(decode._PLANS) == (wide and page is None)
 
 
 @pytest.mark.parametrize("table_rows, gathered", [(160, True), (2100, False)],
@@ -429,6 +430,8 @@ def test_kvcache_repeated_chunks_launch_the_kept_launch(device, monkeypatch, pag
     forward options, and value checks, take the full path (and its errors)."""
     from flashlse.ops import kvcache as kv_mod
 
+    # (20-row chunks: on a contiguous cache DECODE_WIDE would send them to the decode kernel)
+    monkeypatch.setattr(kv_mod, "DECODE_WIDE", False)
     kv_mod._CHUNK_KEPT.clear()
     hits = []
     real = kv_mod._run_kept_chunk
