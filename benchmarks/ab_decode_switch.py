@@ -162,13 +162,19 @@ def kvwide_row(flag, label, b, sq, skv, page):
         return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
                                          causal=True)
 
-    ms = flag_ab_ms(flag, call)
+    ms, same = _ab_two_kernels(flag, call)
+    return label, ms, 2 * b * skv * HKV * D * 2 / 1e6, same
+
+
+def _ab_two_kernels(flag, call, peers=()):
+    """``(ms, same)``: ``call``'s ms with ``flag`` on, off, then ``peers``', in turn, and the
+    largest difference of the two sides' outputs (two kernels: equal to rounding, not bit
+    for bit)."""
+    ms = flag_ab_ms(flag, call, peers=peers)
     on, off, restore = flag_runs(flag, call)
     a, c = on(), off()
-    same = f"max diff {float((a.float() - c.float()).abs().max()):.1e}"
     restore()
-    gbs = 2 * b * skv * HKV * D * 2 / 1e6
-    return label, ms, gbs, same
+    return ms, f"max diff {float((a.float() - c.float()).abs().max()):.1e}"
 
 
 def short_row(flag, label, b, sq, skv, transposed, d=D):
@@ -191,14 +197,8 @@ def short_row(flag, label, b, sq, skv, transposed, d=D):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 
-    ms = flag_ab_ms(flag, call, peers=(cudnn,) if sq == 1 else ())
-    on, off, restore = flag_runs(flag, call)
-    a, c = on(), off()
-    # (Two kernels: equal to rounding, not bit for bit.)
-    same = f"max diff {float((a.float() - c.float()).abs().max()):.1e}"
-    restore()
-    gbs = 2 * b * skv * HKV * d * 2 / 1e6
-    return label, ms, gbs, same
+    ms, same = _ab_two_kernels(flag, call, peers=(cudnn,) if sq == 1 else ())
+    return label, ms, 2 * b * skv * HKV * d * 2 / 1e6, same
 
 
 def main() -> None:

@@ -128,13 +128,13 @@ def new_outputs(q, v, cu_seqlens_q, want_lse, shapes=None):
     of the stream's kept buffer, one allocation less a call (a transformers decode step's
     attention reads out only). ``shapes``: ``(out_shape, lse_shape)`` where ``q`` and
     ``v`` are not in the forward's layout (``ops.attention.attention_heads_first``)."""
-    if want_lse or not UNREAD_LSE:
-        return fwd.new_outputs(q, v, cu_seqlens_q)
     out_shape, lse_shape = shapes or fwd.output_shapes(q, v, cu_seqlens_q)
     empty = options.allocator()
-    return (empty(out_shape, dtype=q.dtype, device=q.device),
-            decode.unread_lse(q.device, lse_shape, empty,
-                              q.is_cuda and torch.cuda.is_current_stream_capturing()))
+    out = empty(out_shape, dtype=q.dtype, device=q.device)
+    if want_lse or not UNREAD_LSE:
+        return out, empty(lse_shape, dtype=torch.float32, device=q.device)
+    return out, decode.unread_lse(q.device, lse_shape, empty,
+                                  q.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 class _DecodeFwd:

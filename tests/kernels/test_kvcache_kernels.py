@@ -88,6 +88,32 @@ def test_kvcache_up_to_32_rows_on_the_decode_kernel(device, monkeypatch, b, sq, 
     assert bool(decode._PLANS) == (wide and page is None)
 
 
+def test_kvcache_wide_rows_nan_key_reaches_only_its_rows(device):
+    # 20 query rows on the decode kernel (contiguous, DECODE_WIDE): a NaN key reaches exactly
+    # the rows that see it (its sequence, its kv head's query heads, the causal rows whose
+    # range holds it), never an empty-looking row; an empty cache gives out 0, lse -inf.
+    from flashlse.kernels import decode
+
+    t = _to(make(3, 20, 4, 2, 32, 32, 40, [30, 12, 0], 0, DTYPES[0]), device)
+    t["k_cache"][0, 15, 1, 3] = float("nan")  # sequence 0, kv head 1 (query heads 2-3)
+    with fl.value_checks(False):
+        out, lse = fl.attention_with_kvcache(**t, causal=True, return_lse=True)
+    assert decode._PLANS  # (the decode kernel ran)
+    # Sequence 0's row i sees keys up to 10 + i: rows 5.. see key 15.
+    nan_rows = torch.zeros(3, 20, 4, dtype=torch.bool)
+    nan_rows[0, 5:, 2:] = True
+    assert torch.equal(out.isnan().any(-1).cpu(), nan_rows)
+    assert torch.equal(lse.isnan().cpu(), nan_rows.permute(0, 2, 1))
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+    ok = ~nan_rows.permute(0, 2, 1)
+    ref_t = {n: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+             for n, x in t.items() if n not in ("k_new", "v_new")}
+    ref_out, ref_lse = R.attention_with_kvcache(**ref_t, causal=True, return_lse=True)
+    assert torch.equal(ref_lse.isnan().cpu(), nan_rows.permute(0, 2, 1))
+    torch.testing.assert_close(lse.double()[ok.to(lse.device)], ref_lse[ok.to(lse.device)],
+                               atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("table_rows, gathered", [(160, True), (2100, False)],
                          ids=["tight_table_gathered", "wide_table_in_place"])
 def test_kvcache_long_chunk_wide_table_reads_pages_in_place(device, monkeypatch, table_rows,

@@ -221,6 +221,39 @@ def test_attention_heads_first(device, decode_calls, sq):
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("unread", [True, False], ids=["unread_lse", "fresh_lse"])
+def test_attention_heads_first_empty_rows(device, monkeypatch, decode_calls, unread):
+    # The LSE contract on the (B, H, S, D) entry, its kept launch included (three calls):
+    # causal Sq = 5 > Sk = 3, so rows 0-1 see no key: out 0 there, no NaN; a -inf sink is no
+    # sink, a finite one is the reference's; gradients through the empty rows are zero for
+    # their q, never NaN. With the kept lse off (dispatch.UNREAD_LSE) too: the outputs' shapes
+    # are the entry's, not its tensors' layout.
+    import importlib
+
+    attention_ops = importlib.import_module("flashlse.ops.attention")
+    monkeypatch.setattr(dispatch, "UNREAD_LSE", unread)
+    g = torch.Generator().manual_seed(41)
+    dt = DTYPES[0]
+    q, k, v = (torch.randn(2, h, s, 32, generator=g).to(device, dt)
+               for h, s in ((4, 5), (2, 3), (2, 3)))  # (Sq != Hq: a layout mix-up shows)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    sink = torch.randn(4, generator=g).to(device)
+    for s_ in (None, torch.full((4,), float("-inf"), device=device), sink):
+        want = reference.attention(t(q).double(), t(k).double(), t(v).double(), causal=True,
+                                   sink=None if s_ is None else s_.double())
+        for _ in range(3):
+            got = attention_ops.attention_heads_first(q, k, v, causal=True, sink=s_)
+            assert got.shape == (2, 5, 4, 32) and not got.isnan().any()
+            torch.testing.assert_close(got.double(), want, atol=2e-3, rtol=2e-3)
+            assert (got[:, :2] == 0).all()
+    assert attention_ops._HEADS_FIRST and decode_calls
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    attention_ops.attention_heads_first(qg, kg, vg, causal=True).sum().backward()
+    for x in (qg, kg, vg):
+        assert not x.grad.isnan().any()
+    assert (qg.grad[:, :, :2] == 0).all()
+
+
 def test_short_query_gradients(device, decode_calls):
     # The forward on the decode kernel, the backward on the kernels' backward from its lse.
     g = torch.Generator().manual_seed(5)
