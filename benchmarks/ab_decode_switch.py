@@ -32,6 +32,12 @@ causal), for those on the decode kernel (``ops.kvcache.DECODE_WIDE``) against th
 path:
 
     AB_SET=kvwide python benchmarks/ab_decode_switch.py --flag flashlse.ops.kvcache.DECODE_WIDE
+
+``AB_SET=kvpaged``: ``attention_with_kvcache`` at 2-16 query rows on paged caches (causal),
+the decode kernel against the prefill path (on Hopper the paged forward kernel):
+
+    AB_SET=kvpaged python benchmarks/ab_decode_switch.py \
+        --flag flashlse.ops.kvcache.DECODE_PAGED_MULTI
 """
 
 from __future__ import annotations
@@ -153,6 +159,14 @@ KVWIDE_ROWS = [("kvcache B=1 Sq=32 Skv=8k", 1, 32, 8192, None),
                ("kvcache B=64 Sq=32 Skv=2k", 64, 32, 2048, None),
                ("kvcache B=8 Sq=32 Skv=4k paged 16", 8, 32, 4096, 16),
                ("kvcache B=1 Sq=24 Skv=32k paged 64", 1, 24, 32768, 64)]
+# The same question at 2-16 rows on paged caches (AB_SET=kvpaged,
+# ops.kvcache.DECODE_PAGED_MULTI: the decode kernel against the Hopper paged kernel).
+KVPAGED_ROWS = [("kvcache B=8 Sq=16 Skv=4k paged 16", 8, 16, 4096, 16),
+                ("kvcache B=8 Sq=8 Skv=4k paged 16", 8, 8, 4096, 16),
+                ("kvcache B=8 Sq=4 Skv=4k paged 16", 8, 4, 4096, 16),
+                ("kvcache B=64 Sq=8 Skv=2k paged 16", 64, 8, 2048, 16),
+                ("kvcache B=1 Sq=16 Skv=32k paged 64", 1, 16, 32768, 64),
+                ("kvcache B=1 Sq=4 Skv=32k paged 64", 1, 4, 32768, 64)]
 
 
 def kvwide_row(flag, label, b, sq, skv, page):
@@ -205,7 +219,8 @@ def main() -> None:
     flag = flag_ab_args()
     only = os.environ.get("AB_ROWS")  # (e.g. AB_ROWS="B=1 Skv=128k;B=1 Skv=4k")
     make, table = {"sparse": (sparse_row, SPARSE_ROWS), "short": (short_row, SHORT_ROWS),
-                   "wide": (short_row, WIDE_ROWS), "kvwide": (kvwide_row, KVWIDE_ROWS)}.get(
+                   "wide": (short_row, WIDE_ROWS), "kvwide": (kvwide_row, KVWIDE_ROWS),
+                   "kvpaged": (kvwide_row, KVPAGED_ROWS)}.get(
         os.environ.get("AB_SET"), (row, ROWS))
     rows = [make(flag, *r) for r in table if only is None or r[0] in only.split(";")]
     sparse = make is sparse_row

@@ -29,12 +29,18 @@ DECODE_MAX_SQ = 16
 # 64) against the Hopper paged kernel: paged calls keep the prefill path past 16 rows.
 DECODE_WIDE = True
 DECODE_WIDE_MAX = 32
+# Paged calls of 2 to DECODE_MAX_SQ rows on the decode kernel; off, only one-row paged calls
+# are, the others take the prefill path (on Hopper the paged forward kernel, which beats the
+# decode kernel past 16 rows). An A/B flag (AB_SET=kvpaged benchmarks/ab_decode_switch.py).
+DECODE_PAGED_MULTI = True
 
 
 def decode_rows(paged: bool) -> int:
     """The most query rows a sequence that ``attention_with_kvcache`` runs on the decode
     kernel (``paged``: the call has a block table)."""
-    return DECODE_WIDE_MAX if DECODE_WIDE and not paged else DECODE_MAX_SQ
+    if paged:
+        return DECODE_MAX_SQ if DECODE_PAGED_MULTI else 1
+    return DECODE_WIDE_MAX if DECODE_WIDE else DECODE_MAX_SQ
 
 
 def _gather(cache, b, n, block_table):
