@@ -33,11 +33,11 @@ path:
 
     AB_SET=kvwide python benchmarks/ab_decode_switch.py --flag flashlse.ops.kvcache.DECODE_WIDE
 
-``AB_SET=kvpaged``: ``attention_with_kvcache`` at 2-16 query rows on paged caches (causal),
-the decode kernel against the prefill path (on Hopper the paged forward kernel):
+``AB_SET=varlenpaged``: paged ``attention_varlen`` calls whose sequences all have the same
+1-16 query rows (vLLM's decode steps and speculative verification), on the decode kernel
+(``dispatch.PAGED_DECODE``) against the paged kernels:
 
-    AB_SET=kvpaged python benchmarks/ab_decode_switch.py \
-        --flag flashlse.ops.kvcache.DECODE_PAGED_MULTI
+    AB_SET=varlenpaged python benchmarks/ab_decode_switch.py --flag dispatch.PAGED_DECODE
 """
 
 from __future__ import annotations
@@ -159,14 +159,16 @@ KVWIDE_ROWS = [("kvcache B=1 Sq=32 Skv=8k", 1, 32, 8192, None),
                ("kvcache B=64 Sq=32 Skv=2k", 64, 32, 2048, None),
                ("kvcache B=8 Sq=32 Skv=4k paged 16", 8, 32, 4096, 16),
                ("kvcache B=1 Sq=24 Skv=32k paged 64", 1, 24, 32768, 64)]
-# The same question at 2-16 rows on paged caches (AB_SET=kvpaged,
-# ops.kvcache.DECODE_PAGED_MULTI: the decode kernel against the Hopper paged kernel).
-KVPAGED_ROWS = [("kvcache B=8 Sq=16 Skv=4k paged 16", 8, 16, 4096, 16),
-                ("kvcache B=8 Sq=8 Skv=4k paged 16", 8, 8, 4096, 16),
-                ("kvcache B=8 Sq=4 Skv=4k paged 16", 8, 4, 4096, 16),
-                ("kvcache B=64 Sq=8 Skv=2k paged 16", 64, 8, 2048, 16),
-                ("kvcache B=1 Sq=16 Skv=32k paged 64", 1, 16, 32768, 64),
-                ("kvcache B=1 Sq=4 Skv=32k paged 64", 1, 4, 32768, 64)]
+# Paged attention_varlen calls of B sequences of Sq rows each (AB_SET=varlenpaged,
+# dispatch.PAGED_DECODE: the decode kernel against the paged kernels), causal: (label, B, Sq,
+# Skv, page).
+VARLEN_PAGED_ROWS = [("varlen paged B=1 Sq=1 Skv=32k p64", 1, 1, 32768, 64),
+                     ("varlen paged B=8 Sq=1 Skv=8k p16", 8, 1, 8192, 16),
+                     ("varlen paged B=64 Sq=1 Skv=4k p16", 64, 1, 4096, 16),
+                     ("varlen paged B=128 Sq=1 Skv=2k p16", 128, 1, 2048, 16),
+                     ("varlen paged B=8 Sq=4 Skv=4k p16", 8, 4, 4096, 16),
+                     ("varlen paged B=1 Sq=4 Skv=32k p64", 1, 4, 32768, 64),
+                     ("varlen paged B=64 Sq=8 Skv=2k p16", 64, 8, 2048, 16)]
 
 
 def kvwide_row(flag, label, b, sq, skv, page):
@@ -175,6 +177,19 @@ def kvwide_row(flag, label, b, sq, skv, page):
     def call():
         return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
                                          causal=True)
+
+    ms, same = _ab_two_kernels(flag, call)
+    return label, ms, 2 * b * skv * HKV * D * 2 / 1e6, same
+
+
+def varlen_paged_row(flag, label, b, sq, skv, page):
+    q, k, v, lens, table = _cache(b, sq, skv, page)
+    rows = q.flatten(0, 1)
+    cu = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device="cuda")
+
+    def call():
+        return fl.attention_varlen(rows, k, v, cu, None, sq, skv, seqused_k=lens,
+                                   block_table=table, causal=True)
 
     ms, same = _ab_two_kernels(flag, call)
     return label, ms, 2 * b * skv * HKV * D * 2 / 1e6, same
@@ -220,7 +235,7 @@ def main() -> None:
     only = os.environ.get("AB_ROWS")  # (e.g. AB_ROWS="B=1 Skv=128k;B=1 Skv=4k")
     make, table = {"sparse": (sparse_row, SPARSE_ROWS), "short": (short_row, SHORT_ROWS),
                    "wide": (short_row, WIDE_ROWS), "kvwide": (kvwide_row, KVWIDE_ROWS),
-                   "kvpaged": (kvwide_row, KVPAGED_ROWS)}.get(
+                   "varlenpaged": (varlen_paged_row, VARLEN_PAGED_ROWS)}.get(
         os.environ.get("AB_SET"), (row, ROWS))
     rows = [make(flag, *r) for r in table if only is None or r[0] in only.split(";")]
     sparse = make is sparse_row

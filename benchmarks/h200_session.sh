@@ -71,9 +71,9 @@
 #   bash benchmarks/h200_session.sh s49 [tf]   # session 48's leftovers: fixed tests, split floor
 #   bash benchmarks/h200_session.sh s50        # session 49's: unread lse A/B, transformers host
 #                                                and sparse A/Bs; "tf": bench_transformers
-#   bash benchmarks/h200_session.sh s51        # session 50's review fixes, paged 2-16 rows
-#                                                (kvcache.DECODE_PAGED_MULTI) tests + A/B, a
-#                                                growing miss's cProfile, transformers table
+#   bash benchmarks/h200_session.sh s51 [d256] # paged varlen calls of uniform short rows on
+#                                                the decode kernel (dispatch.PAGED_DECODE):
+#                                                GPU tests, A/B, host us; then s44 d256
 #   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
 #                                                32 splits goes (prof_fused_merge.py: each
 #                                                kernel's time in both forms, then ncu)
@@ -808,24 +808,24 @@ if [ "$1" = s50d ]; then
     exit 0
 fi
 if [ "$1" = s51 ]; then
-    # Session 51's first call (< 8 min): session 50's review fixes on the GPU (the LSE
-    # contract on the heads-first entry and on 20-row kvcache calls), paged calls of 2-16
-    # rows on either kernel (ops.kvcache.DECODE_PAGED_MULTI) against the reference, then
-    # their A/B (the decode kernel against the Hopper paged kernel; at 20-32 rows the paged
-    # kernel won 1.15-1.28x), where a growing cache's miss goes (cProfile, its cycle warmed
-    # first, the collector off), and transformers' generate / train table.
-    timeout 150 python3 -m pytest -q -p no:cacheprovider $K/test_short_query.py \
-        $K/test_kvcache_kernels.py -k "heads_first or wide_rows_nan or up_to_32 or few_rows" \
-        > "$OUT/test_gpu_s51.log" 2>&1
+    # Session 51 (< 9 min). Call 1 (b5fbc69) ran session 50's review fixes, the paged
+    # 2-16-row kvcache A/B (the decode kernel won: kept), a growing miss's cProfile and the
+    # transformers table. Now: paged attention_varlen calls of uniform <= 16-row sequences
+    # on the decode kernel (dispatch.PAGED_DECODE; lse in the varlen layout by the plan's
+    # strides): its tests, the decode / paged / NaN / sync-free / graph / compile files, the
+    # A/B through the public call (predicted >= 3x at B = 1 32k, level or better at B = 64),
+    # host us on / off of the paged decode step; with "d256", then session 43's D = 256 halves.
+    timeout 240 python3 -m pytest -q -p no:cacheprovider $K/test_varlen_paged_decode.py \
+        $K/test_nan_kernels.py $K/test_decode.py $K/test_decode_fused_merge.py \
+        $K/test_sync_free.py $K/test_cuda_graphs.py $K/test_decode_mla_sm90.py \
+        $K/test_kvcache_kernels.py -k "not long_queries" > "$OUT/test_gpu_s51.log" 2>&1
     tail -1 "$OUT/test_gpu_s51.log"; grep "^FAILED" "$OUT/test_gpu_s51.log" | head -8
-    AB_SET=kvpaged timeout 150 python3 benchmarks/ab_decode_switch.py \
-        --flag flashlse.ops.kvcache.DECODE_PAGED_MULTI 2>&1 | tail -8
-    PYTHONPATH=$PWD timeout 100 python3 benchmarks/profile_host.py --rows "growing (B" \
-        --top 45 --sort tottime > "$OUT/prof_growing.txt" 2>&1
-    grep "^===" "$OUT/prof_growing.txt"
-    grep -A32 "Ordered by" "$OUT/prof_growing.txt" | cut -c1-150
-    timeout 200 python3 benchmarks/bench_transformers.py 2>&1 | tail -12
-    exit 0
+    AB_SET=varlenpaged timeout 150 python3 benchmarks/ab_decode_switch.py \
+        --flag dispatch.PAGED_DECODE 2>&1 | tail -9
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/profile_host.py --ab dispatch.PAGED_DECODE \
+        --rows "paged decode step" --rounds 6 2>&1 | grep "^=== ab"
+    [ "$2" = d256 ] || exit 0
+    exec bash "$0" s44 d256
 fi
 if [ "$1" = fused-why ]; then
     # Session 46: the fused decode merge costs +4.6-5.8 us at 32 splits (B = 1), nothing at 4,

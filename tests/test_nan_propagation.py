@@ -68,15 +68,24 @@ def _call(path, q, k, v, sink, num_splits):
             (kp, table), (vp, _) = _paged(k, 3), _paged(v, 3)
             return fl.sparse_attention(q, kp, vp, idx, block_table=table, sink=sink,
                                        return_lse=True)
-    if path == "varlen_paged":
+    if path in ("varlen_paged", "varlen_paged_kernels"):
+        # One sequence of SQ <= 16 rows: on the kernels the decode kernel
+        # (dispatch.PAGED_DECODE); "varlen_paged_kernels": the paged kernels (the route off).
         (kp, table), (vp, _) = _paged(k, 3), _paged(v, 3)
         sq, sk = q.shape[1], k.shape[1]
         cu_q = torch.tensor([0, sq], dtype=torch.int32, device=q.device)
         used = torch.tensor([sk], dtype=torch.int32, device=q.device)
-        with torch.no_grad(), fl.value_checks(False):
-            out, lse = fl.attention_varlen(q[0], kp, vp, cu_q, None, sq, sk, seqused_k=used,
-                                           block_table=table, causal=True, sink=sink,
-                                           return_lse=True)
+        from flashlse.kernels import dispatch
+
+        route = dispatch.PAGED_DECODE
+        dispatch.PAGED_DECODE = path == "varlen_paged"
+        try:
+            with torch.no_grad(), fl.value_checks(False):
+                out, lse = fl.attention_varlen(q[0], kp, vp, cu_q, None, sq, sk,
+                                               seqused_k=used, block_table=table, causal=True,
+                                               sink=sink, return_lse=True)
+        finally:
+            dispatch.PAGED_DECODE = route
         return out[None], lse[None]
     lens = torch.full((1,), SK, dtype=torch.int32, device=q.device)
     if path in LONG_ROWS:
@@ -207,11 +216,12 @@ def test_sink_reaches_rows_of_whole_empty_blocks(sink_value, varlen):
 # Every path, (path, num_splits) with its test id.
 PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3),
          ("kvcache_paged", 1), ("kvcache_paged", 3), ("sparse", 1),
-         ("sparse_paged", 1), ("varlen_paged", 1), ("kvcache_paged_chunk", 1),
-         ("kvcache_paged_long", 1), ("kvcache_paged_wide", 1)]
+         ("sparse_paged", 1), ("varlen_paged", 1), ("varlen_paged_kernels", 1),
+         ("kvcache_paged_chunk", 1), ("kvcache_paged_long", 1), ("kvcache_paged_wide", 1)]
 IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3", "kv_paged_splits1",
        "kv_paged_splits3", "sparse", "sparse_paged",
-       "varlen_paged", "kv_paged_chunk", "kv_paged_long", "kv_paged_wide"]
+       "varlen_paged", "varlen_paged_kernels", "kv_paged_chunk", "kv_paged_long",
+       "kv_paged_wide"]
 
 
 @pytest.mark.parametrize("what", ["k", "q", "sink", "sink_inf"])

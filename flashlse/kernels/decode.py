@@ -452,7 +452,7 @@ MAX_SQ = 16
 
 def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
                sink, num_splits, seqlen_add=0, config=None, out_dtype=None, token_table=None,
-               token_pages=None, cache_leftpad=None):
+               token_pages=None, cache_leftpad=None, lse_heads_first=False):
     """``out = softmax(scale * q k^T [masked]) v`` over each sequence's cache, split over keys.
 
     Inputs are assumed valid (ops/ validates, and appends k_new/v_new before this runs).
@@ -490,10 +490,13 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
             no key.
         cache_leftpad: ``(B,)`` int32 or None: a contiguous cache's sequence ``b`` starts at
             key ``cache_leftpad[b]`` (the keys before it are no keys; any value is safe).
+        lse_heads_first: lse as ``(Hq, B * Sq)`` (the packed varlen layout: the paged
+            ``attention_varlen`` of uniform short sequences runs here, ``dispatch``).
 
     Returns:
-        ``out (B, Sq, Hq, Dv)`` in ``out_dtype`` and ``lse (B, Hq, Sq)`` float32 natural log;
-        empty rows give ``out = 0``, ``lse = -inf`` (or the sink).
+        ``out (B, Sq, Hq, Dv)`` in ``out_dtype`` and ``lse (B, Hq, Sq)`` float32 natural log
+        (``(Hq, B * Sq)`` with ``lse_heads_first``); empty rows give ``out = 0``,
+        ``lse = -inf`` (or the sink).
     """
     # Host time matters here: at B = 1 the kernel reads 0.5 GB in ~130 us, about what two
     # launches plus Python took before (on the host alone). Everything but the tensors'
@@ -507,7 +510,8 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
                                  softcap=softcap, scale=scale, sink=sink,
                                  num_splits=num_splits, seqlen_add=seqlen_add, config=config,
                                  out_dtype=out_dtype, token_table=token_table,
-                                 token_pages=token_pages, cache_leftpad=cache_leftpad)
+                                 token_pages=token_pages, cache_leftpad=cache_leftpad,
+                                 lse_heads_first=lse_heads_first)
     got = run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink,
                    token_pages, empty, cache_leftpad=cache_leftpad)
     if got is None:
@@ -518,13 +522,13 @@ def decode_fwd(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, 
                           scale=scale, sink=sink, num_splits=num_splits,
                           seqlen_add=seqlen_add, config=config, out_dtype=out_dtype,
                           token_table=token_table, token_pages=token_pages,
-                          cache_leftpad=cache_leftpad)
+                          cache_leftpad=cache_leftpad, lse_heads_first=lse_heads_first)
     return got
 
 
 def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, softcap, scale,
               sink, num_splits, seqlen_add=0, config=None, out_dtype=None, token_table=None,
-              token_pages=None, cache_leftpad=None):
+              token_pages=None, cache_leftpad=None, lse_heads_first=False):
     """:func:`decode_fwd`'s launch plan for these arguments (q's last dim of stride 1):
     ``(key, plan, empty)``, the plan from ``_PLANS`` by ``key`` (the call's metadata) or made
     and kept there (``key`` None with a tile override ``config``), ``empty`` the options'
@@ -541,13 +545,15 @@ def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, s
                cache_seqlens is None, sink is None, left, right, softcap, scale, num_splits,
                seqlen_add, out_dtype, opts.pdl, opts.sm90_mla_decode, token_table,
                None if token_pages is None else (token_pages.shape, token_pages.stride()),
-               (q.data_ptr() | k_cache.data_ptr()) % 16 == 0, cache_leftpad is None)
+               (q.data_ptr() | k_cache.data_ptr()) % 16 == 0, cache_leftpad is None,
+               lse_heads_first)
         plan = _PLANS.get(key)
     if plan is None:
         plan = _decode_plan(q, k_cache, v_cache, block_table, cache_seqlens is not None, sink,
                             left, right, softcap, scale, num_splits, seqlen_add, config,
                             out_dtype, opts.pdl, token_table, token_pages,
-                            mla=opts.sm90_mla_decode, leftpad=cache_leftpad is not None)
+                            mla=opts.sm90_mla_decode, leftpad=cache_leftpad is not None,
+                            lse_heads_first=lse_heads_first)
         if not config:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
@@ -763,14 +769,16 @@ class _DecodePlan:
 
 def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, right, softcap,
                  scale, num_splits, seqlen_add, config, out_dtype, pdl_opt, token_table=None,
-                 token_pages=None, mla=False, leftpad=False):
+                 token_pages=None, mla=False, leftpad=False, lse_heads_first=False):
     """Everything decode_fwd passes the kernels but the tensors, from the call's metadata;
     ``mla``: the Hopper MLA kernel (``decode_mla_sm90``) inside its domain; ``leftpad``: the
-    call has a ``cache_leftpad`` (decode.py's kernel only)."""
+    call has a ``cache_leftpad`` (decode.py's kernel only); ``lse_heads_first``: lse
+    ``(Hq, B * Sq)``."""
     batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
-    out_shape, lse_shape = (batch, sq, hq, dv), (batch, hq, sq)
+    out_shape = (batch, sq, hq, dv)
+    lse_shape = (hq, batch * sq) if lse_heads_first else (batch, hq, sq)
     out_dtype = out_dtype or q.dtype
     if batch * sq * hq * dv == 0 and batch * hq * sq == 0:
         return _DecodePlan(out_shape, out_dtype, lse_shape)
@@ -813,8 +821,10 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     else:
         splits = min(4, max(1, n_tiles))
 
-    # out and lse are fresh contiguous tensors: their strides follow from their shapes.
-    st_out, st_lse = contiguous_strides(out_shape), contiguous_strides(lse_shape)
+    # out and lse are fresh contiguous tensors: their strides follow from their shapes. st_lse
+    # is lse's (B, Hq, Sq) strides in either layout.
+    st_out = contiguous_strides(out_shape)
+    st_lse = (sq, batch * sq, 1) if lse_heads_first else contiguous_strides(lse_shape)
     o_buf_shape = None
     if splits == 1:
         st_o = (0, st_out[0], st_out[1], st_out[2])
@@ -884,7 +894,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         merge = merge_plan(splits, dv, q.device, sink is not None, r=batch * sq * hq, r1=sq,
                            r2=hq, st_os=st_o[0], st_o=st_o[1:], st_od=1, st_ls=st_l[0],
                            st_l=st_l[1:], st_k=(0, 0, 1), st_y=st_o[1:], st_yd=1,
-                           st_z=(hq * sq, 1, sq), pdl=pdl)
+                           st_z=(st_lse[0], st_lse[2], st_lse[1]), pdl=pdl)
     grid = (programs, splits)
     fused_run = None
     if fused:

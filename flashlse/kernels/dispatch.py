@@ -10,7 +10,10 @@ them in order and calls the first that takes the call:
                                                                forward tile override
                                  fwd_sm90   Hopper Gluon       KernelOptions.sm90_fwd
                                  fwd        portable Triton    always
-    paged forward (attn_fwd_paged)  sequences of more than fwd.SMALL_ROWS packed rows:
+    paged forward (attn_fwd_paged)  decode   split-KV decode    every sequence max_seqlen_q
+                                                               <= decode.MAX_SQ rows (total
+                                                               = B x max_seqlen_q), PAGED_DECODE
+                                 sequences of more than fwd.SMALL_ROWS packed rows:
                                  fwd_sm90   Hopper Gluon paged KernelOptions.sm90_fwd_paged
                                  fwd        portable Triton    always (and the decodes)
     backward (attn_bwd)          bwd.prepare: buffers, D and lse_log2 (shared by all)
@@ -116,6 +119,14 @@ SHORT_Q_DECODE = True
 SHORT_Q_WIDE = True
 SHORT_Q_WIDE_MAX = 32
 
+# Paged varlen calls whose sequences all have max_seqlen_q <= decode.MAX_SQ query rows (the
+# packed rows are B x max_seqlen_q: vLLM's decode steps and speculative verification through
+# flash_attn_varlen_func with a block table) run the split-KV decode kernel: the portable
+# paged kernel has no key split (one program a kv head and 16-row tile: 8 programs for a
+# B = 1 decode at 32 / 8 heads), the decode kernel splits the keys over the SMs. Off: the
+# paged kernels (the A/B: AB_SET=varlenpaged benchmarks/ab_decode_switch.py).
+PAGED_DECODE = True
+
 
 # new_outputs' kept lse (off: a fresh one every call; the A/B: profile_host.py --ab
 # flashlse.kernels.dispatch.UNREAD_LSE --rows "decode row").
@@ -194,7 +205,10 @@ class _Sm90Fwd:
 def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
                    max_seqlen_k, left, right, softcap, scale, sink, min_seqlen_q=0, plans=None):
     """``(out, lse)`` of a varlen forward over paged caches (arguments and results as
-    ``fwd.attn_fwd_paged``'s). The sequences of more than ``fwd.SMALL_ROWS`` packed rows
+    ``fwd.attn_fwd_paged``'s). A call of B sequences of ``max_seqlen_q <= decode.MAX_SQ``
+    rows each (``q`` has B x max_seqlen_q rows) runs the split-KV decode kernel
+    (``PAGED_DECODE``; the lengths from ``seqused_k``, clamped to the table's capacity).
+    Otherwise the sequences of more than ``fwd.SMALL_ROWS`` packed rows
     (prefills, chunked prefills) run the Hopper paged kernel where it is supported, the rest
     (decodes: the query heads of a kv head packed into 16-row tiles) the portable one; each
     launch sees every sequence and skips the other's, so nothing reads the lengths on the host.
@@ -203,9 +217,19 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     ``fwd.SMALL_ROWS`` packed rows, no launch of 16-row tiles is made. ``plans``: a dict the
     caller keeps for calls of one metadata but the lengths (a public call's kept key), where
     both kernels' plans are found by what that key leaves out."""
+    batch, sq = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)
+    if PAGED_DECODE and 0 < sq <= decode.MAX_SQ and q.shape[0] == batch * sq and \
+            not options.current().fwd_config:
+        # Every sequence has sq query rows (cu_seqlens_q is then 0, sq, 2 sq, ...: a decode
+        # step, speculative verification): the split-KV decode kernel over the pages, which
+        # reads the lengths from seqused_k alone (memory-safe whatever cu_seqlens_q holds).
+        out, lse = decode.decode_fwd(
+            q.unflatten(0, (batch, sq)), k_cache, v_cache, cache_seqlens=seqused_k,
+            block_table=block_table, left=left, right=right, softcap=softcap, scale=scale,
+            sink=sink, num_splits=0, lse_heads_first=True)
+        return out.flatten(0, 1), lse
     # (The portable paged kernel, which every step's decodes take, puts both on grid dims.)
-    check_grid_dims("the paged forward kernels", cu_seqlens_q.shape[0] - 1, k_cache.shape[-2],
-                    "kv heads")
+    check_grid_dims("the paged forward kernels", batch, k_cache.shape[-2], "kv heads")
     out, lse = fwd.new_outputs(q, v_cache, cu_seqlens_q)
     # Maxima above the packed rows / the table's keys clamped to them (``seq_args``).
     max_seqlen_q = min(int(max_seqlen_q), q.shape[0])

@@ -29,22 +29,17 @@ DECODE_MAX_SQ = 16
 # 64) against the Hopper paged kernel: paged calls keep the prefill path past 16 rows.
 DECODE_WIDE = True
 DECODE_WIDE_MAX = 32
-# Paged calls of 2 to DECODE_MAX_SQ rows on the decode kernel; off, only one-row paged calls
-# are, the others take the prefill path (on Hopper the paged forward kernel, which beats the
-# decode kernel past 16 rows). An A/B flag: on an H100 (session 51, AB_SET=kvpaged
-# benchmarks/ab_decode_switch.py; 32 / 8 heads, D = 128, causal) the decode kernel ran
-# 1.15x (B = 8 Sq = 4 4k, pages of 16), 1.24x (Sq = 16), 1.73x (Sq = 8), 2.2x (B = 64 Sq = 8
-# 2k) and 2.5x / 6.6x (B = 1 Sq = 16 / 4 32k, pages of 64: 8 programs a split there, at
-# most 16 splits of 4k keys) the Hopper paged kernel: kept on.
-DECODE_PAGED_MULTI = True
+# Paged calls of 2-16 rows stay on the decode kernel: on an H100 (session 51, that kernel
+# against the Hopper paged kernel in turn; 32 / 8 heads, D = 128, causal) it ran 1.15x (B = 8
+# Sq = 4 4k, pages of 16), 1.24x (Sq = 16), 1.73x (Sq = 8), 2.2x (B = 64 Sq = 8 2k) and
+# 2.5x / 6.6x (B = 1 Sq = 16 / 4 32k, pages of 64) the paged kernels; paged attention_varlen
+# calls of such uniform rows take it too (dispatch.PAGED_DECODE).
 
 
 def decode_rows(paged: bool) -> int:
     """The most query rows a sequence that ``attention_with_kvcache`` runs on the decode
     kernel (``paged``: the call has a block table)."""
-    if paged:
-        return DECODE_MAX_SQ if DECODE_PAGED_MULTI else 1
-    return DECODE_WIDE_MAX if DECODE_WIDE else DECODE_MAX_SQ
+    return DECODE_WIDE_MAX if DECODE_WIDE and not paged else DECODE_MAX_SQ
 
 
 def _gather(cache, b, n, block_table):

@@ -88,26 +88,6 @@ def test_kvcache_up_to_32_rows_on_the_decode_kernel(device, monkeypatch, b, sq, 
     assert bool(decode._PLANS) == (wide and page is None)
 
 
-@pytest.mark.parametrize("multi", [True, False], ids=["decode", "prefill"])
-@pytest.mark.parametrize("b,sq,hq,hkv,d,lens,snew,kw", [
-    pytest.param(2, 5, 4, 2, 32, [37, 0], 0, dict(causal=True), id="causal_empty_row"),
-    pytest.param(2, 16, 4, 1, 32, [20, 9], 3, dict(causal=True, sink=True), id="sq16_sink"),
-    pytest.param(1, 2, 2, 2, 64, [33], 0, dict(window=(5, 0)), id="window"),
-])
-def test_kvcache_paged_few_rows_on_either_kernel(device, monkeypatch, b, sq, hq, hkv, d, lens,
-                                                 snew, kw, multi):
-    # ops.kvcache.DECODE_PAGED_MULTI: paged calls of 2-16 rows on the decode kernel (on) or
-    # the prefill path (off, an A/B side), each against the reference. Which kernel ran: the
-    # decode plans made.
-    from flashlse.kernels import decode
-    from flashlse.ops import kvcache
-
-    monkeypatch.setattr(kvcache, "DECODE_PAGED_MULTI", multi)
-    make_kw, call_kw = _split(kw)
-    t = to_paged(make(b, sq, hq, hkv, d, d, 48, lens, snew, DTYPES[0], **make_kw), 16)
-    run_both(_to(t, device), **call_kw)
-    assert bool(decode._PLANS) == multi
-
 
 def test_kvcache_wide_rows_nan_key_reaches_only_its_rows(device):
     # 20 query rows on the decode kernel (contiguous, DECODE_WIDE): a NaN key reaches exactly
@@ -660,9 +640,17 @@ def test_more_than_65535_sequences_is_a_clear_error(device, monkeypatch):
     assert not kc.any()
     pages = torch.zeros(1, 4, 1, 16, device=device, dtype=torch.float16)
     table = torch.zeros(n, 1, dtype=torch.int32, device=device)
-    cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+    # (The first sequence of two rows: not B x max_seqlen_q rows, the paged kernels' call.)
+    one = torch.arange(n + 1, dtype=torch.int32, device=device)
+    cu = torch.cat([one[:1], one[1:] + 1])
+    q2 = torch.zeros(n + 1, 1, 16, device=device, dtype=torch.float16)
     with pytest.raises(ValueError, match="at most 65535 sequences"):
-        fl.attention_varlen(q[:, 0], pages, pages, cu, None, 1, 4, seqused_k=lens + 1,
+        fl.attention_varlen(q2, pages, pages, cu, None, 2, 4, seqused_k=lens + 1,
+                            block_table=table)
+    # One row each: the decode kernel (dispatch.PAGED_DECODE), which puts the sequences on
+    # grid dim 0 (2^31 - 1): it launches.
+    with pytest.raises(AssertionError, match="a kernel ran"):
+        fl.attention_varlen(q[:, 0], pages, pages, one, None, 1, 4, seqused_k=lens + 1,
                             block_table=table)
 
 
