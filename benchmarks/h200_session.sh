@@ -815,13 +815,13 @@ if [ "$1" = s51 ]; then
     # strides): its tests, the decode / paged / NaN / sync-free / graph / compile files, the
     # A/B through the public call (predicted >= 3x at B = 1 32k, level or better at B = 64),
     # host us on / off of the paged decode step; with "d256", then session 43's D = 256 halves.
-    timeout 150 python3 -m pytest -q -p no:cacheprovider $K/test_varlen_paged_decode.py \
+    timeout 100 python3 -m pytest -q -p no:cacheprovider $K/test_varlen_paged_decode.py \
         $K/test_nan_kernels.py $K/test_sync_free.py $K/test_cuda_graphs.py \
-        $K/test_decode_mla_sm90.py $K/test_decode.py > "$OUT/test_gpu_s51.log" 2>&1
+        $K/test_decode_mla_sm90.py > "$OUT/test_gpu_s51.log" 2>&1
     tail -1 "$OUT/test_gpu_s51.log"; grep "^FAILED" "$OUT/test_gpu_s51.log" | head -8
-    AB_SET=varlenpaged timeout 120 python3 benchmarks/ab_decode_switch.py \
+    AB_SET=varlenpaged timeout 100 python3 benchmarks/ab_decode_switch.py \
         --flag dispatch.PAGED_DECODE 2>&1 | tail -9
-    PYTHONPATH=$PWD timeout 60 python3 benchmarks/profile_host.py --ab dispatch.PAGED_DECODE \
+    PYTHONPATH=$PWD timeout 45 python3 benchmarks/profile_host.py --ab dispatch.PAGED_DECODE \
         --rows "paged decode step" --rounds 6 2>&1 | grep "^=== ab"
     [ "$2" = d256 ] || exit 0
     exec bash "$0" s44 d256
