@@ -44,6 +44,19 @@ def test_varlen_paged_uniform_rows_on_either_kernel(device, monkeypatch, qlens, 
     assert bool(decode._PLANS) == route
 
 
+@pytest.mark.parametrize("qlens,klens,kw", [
+    UNIFORM[0], UNIFORM[4],
+    pytest.param([3, 3], [40, 2], dict(causal=True, sink=True), id="sq3_sink_short")])
+def test_varlen_paged_route_merge_kernel_writes_the_varlen_lse(device, monkeypatch, qlens,
+                                                               klens, kw):
+    # The split states merged by the merge kernel (the fused merge off, as calls of more
+    # than decode.FUSED_MERGE_MAX_SPLITS splits run) into lse of the varlen layout.
+    monkeypatch.setattr(decode, "FUSED_MERGE", False)
+    run_paged(device, DTYPES[0], qlens, klens, 1, **kw)
+    plans = list(decode._PLANS.values())
+    assert plans and all(p.merge is not None and p.fused_run is None for p in plans)
+
+
 def test_varlen_paged_rows_not_uniform_stay_on_the_paged_kernels(device):
     # Total rows below B x max_seqlen_q: the sequences differ, the decode kernel (one Sq a
     # call) cannot take them.
