@@ -124,8 +124,12 @@ SHORT_Q_WIDE_MAX = 32
 # flash_attn_varlen_func with a block table) run the split-KV decode kernel: the portable
 # paged kernel has no key split (one program a kv head and 16-row tile: 8 programs for a
 # B = 1 decode at 32 / 8 heads), the decode kernel splits the keys over the SMs. Off: the
-# paged kernels (the A/B: AB_SET=varlenpaged benchmarks/ab_decode_switch.py).
-PAGED_DECODE = True
+# paged kernels (the A/B: AB_SET=varlenpaged benchmarks/ab_decode_switch.py). Off until that
+# A/B runs on a GPU (session 51 had no device after its first call; the same kernels at the
+# same rows through attention_with_kvcache: 6.6x at B = 1, 4 rows on 32k keys). On, with the
+# value checks off, the route reads cu_seqlens_q as B x max_seqlen_q rows (never reading it)
+# and each seqused_k[b] up to the table's capacity; a page out of range holds no key.
+PAGED_DECODE = False
 
 
 # new_outputs' kept lse (off: a fresh one every call; the A/B: profile_host.py --ab

@@ -33,7 +33,7 @@ DECODE_WIDE_MAX = 32
 # against the Hopper paged kernel in turn; 32 / 8 heads, D = 128, causal) it ran 1.15x (B = 8
 # Sq = 4 4k, pages of 16), 1.24x (Sq = 16), 1.73x (Sq = 8), 2.2x (B = 64 Sq = 8 2k) and
 # 2.5x / 6.6x (B = 1 Sq = 16 / 4 32k, pages of 64) the paged kernels; paged attention_varlen
-# calls of such uniform rows take it too (dispatch.PAGED_DECODE).
+# calls of such uniform rows may take it too (dispatch.PAGED_DECODE, off until measured).
 
 
 def decode_rows(paged: bool) -> int:

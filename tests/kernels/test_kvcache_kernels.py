@@ -647,8 +647,11 @@ def test_more_than_65535_sequences_is_a_clear_error(device, monkeypatch):
     with pytest.raises(ValueError, match="at most 65535 sequences"):
         fl.attention_varlen(q2, pages, pages, cu, None, 2, 4, seqused_k=lens + 1,
                             block_table=table)
-    # One row each: the decode kernel (dispatch.PAGED_DECODE), which puts the sequences on
+    # One row each on the decode kernel (dispatch.PAGED_DECODE), which puts the sequences on
     # grid dim 0 (2^31 - 1): it launches.
+    from flashlse.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "PAGED_DECODE", True)
     with pytest.raises(AssertionError, match="a kernel ran"):
         fl.attention_varlen(q[:, 0], pages, pages, one, None, 1, 4, seqused_k=lens + 1,
                             block_table=table)

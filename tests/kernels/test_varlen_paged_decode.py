@@ -52,22 +52,25 @@ def test_varlen_paged_route_merge_kernel_writes_the_varlen_lse(device, monkeypat
     # The split states merged by the merge kernel (the fused merge off, as calls of more
     # than decode.FUSED_MERGE_MAX_SPLITS splits run) into lse of the varlen layout.
     monkeypatch.setattr(decode, "FUSED_MERGE", False)
+    monkeypatch.setattr(dispatch, "PAGED_DECODE", True)
     run_paged(device, DTYPES[0], qlens, klens, 1, **kw)
     plans = list(decode._PLANS.values())
     assert plans and all(p.merge is not None and p.fused_run is None for p in plans)
 
 
-def test_varlen_paged_rows_not_uniform_stay_on_the_paged_kernels(device):
+def test_varlen_paged_rows_not_uniform_stay_on_the_paged_kernels(device, monkeypatch):
     # Total rows below B x max_seqlen_q: the sequences differ, the decode kernel (one Sq a
     # call) cannot take them.
+    monkeypatch.setattr(dispatch, "PAGED_DECODE", True)
     run_paged(device, DTYPES[0], [4, 1, 4], [9, 6, 12], 16, causal=True)
     assert not decode._PLANS
 
 
-def test_varlen_paged_route_reads_only_seqused_k(device):
+def test_varlen_paged_route_reads_only_seqused_k(device, monkeypatch):
     # The route ignores cu_seqlens_q (the rows are B x Sq by the shapes): a cu_seqlens_q that
     # a valid call cannot have (checks off) still reads inside the cache, and every row is
     # attention over its own sequence's keys.
+    monkeypatch.setattr(dispatch, "PAGED_DECODE", True)
     g = torch.Generator().manual_seed(3)
     b, sq, hq, hkv, d, page = 3, 2, 4, 2, 16, 4
     kc = torch.randn(8, page, hkv, d, generator=g).to(device)
@@ -92,11 +95,12 @@ def test_varlen_paged_route_reads_only_seqused_k(device):
 @pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the Hopper MLA decode kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("sq", [1, 2])
-def test_varlen_paged_mla_rows_on_the_hopper_mla_kernel(sq):
+def test_varlen_paged_mla_rows_on_the_hopper_mla_kernel(sq, monkeypatch):
     # DeepSeek's MLA decode through one paged varlen call (v the first 512 columns of the
     # 576-column latent cache): the route plans the Hopper MLA kernel with the lse in the
     # varlen layout; bit for bit attention_with_kvcache on the same pages (tested against
     # the reference in test_decode_mla_sm90.py), lse the same values in the other layout.
+    monkeypatch.setattr(dispatch, "PAGED_DECODE", True)
     torch.manual_seed(0)
     b, hq, page, n = 3, 128, 64, 1024
     kc = torch.randn(b * n // page + 1, page, 1, 576, device="cuda", dtype=torch.bfloat16)
