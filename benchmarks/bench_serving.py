@@ -7,6 +7,7 @@ causal call's (``4 B H Sq Sk D`` minus the masked half of the last 512 x 512 blo
 
     python benchmarks/bench_serving.py [--smoke] [--flag MODULE.NAME] [--shape B,SQ,SKV]
                                        [--heads HQ,HKV] [--dim D]
+                                       [--mixed N_PRE,NEW,CACHED,N_DEC,CTX]
 
 ``--flag`` (a module flag of flashlse.kernels, e.g. ``fwd_sm90.PAGED_PERSISTENT``): every row
 with the flag on and off, timed in turn with the dense call (an A/B in one process).
@@ -15,7 +16,10 @@ long context's chunk, 1,512,65536. ``--heads HQ,HKV`` (default 32,8): fewer head
 of a tensor-parallel model holds (8,2 at TP = 4): fewer row blocks x heads than SMs.
 ``--dim D`` (default 128): the head dim of the prefill rows (the mixed step stays at 128 and
 runs only there). ``--flag`` also takes a configs entry's field, e.g.
-``configs.FWD_SM90[256].persistent_varlen``.
+``configs.FWD_SM90[256].persistent_varlen``. ``--mixed`` (default 4,2048,2048,128,4096): the
+mixed step's prefills (count, new rows, cached keys) and decodes (count, context), e.g. a long
+context's step with few decodes, 1,512,65024,2,65536 (the decodes' rows take the portable
+paged kernel, which has no key split); with ``--mixed`` only the mixed step runs.
 
 The dense call is ``fl.attention`` as users get it: since session 32 a dense call with few
 row blocks x heads on 16k keys or more runs key splits (``fwd_sm90.DENSE_SPLIT_KV``), so at
@@ -43,6 +47,8 @@ SHAPE = (tuple(int(x) for x in sys.argv[sys.argv.index("--shape") + 1].split(","
 HEADS = (tuple(int(x) for x in sys.argv[sys.argv.index("--heads") + 1].split(","))
          if "--heads" in sys.argv else (32, 8))
 DIM = int(sys.argv[sys.argv.index("--dim") + 1]) if "--dim" in sys.argv else 128
+MIXED = (tuple(int(x) for x in sys.argv[sys.argv.index("--mixed") + 1].split(","))
+         if "--mixed" in sys.argv else (4, 2048, 2048, 128, 4096))
 
 
 def paged(cache, page, perm=None):
@@ -58,6 +64,9 @@ def paged(cache, page, perm=None):
 
 def main():
     dev, dt = ("cpu", torch.float16) if SMOKE else ("cuda", torch.bfloat16)
+    if "--mixed" in sys.argv:  # (the mixed step alone)
+        mixed_step(dev, dt)
+        return
     b, sq, sk, hq, hkv, d = (2, 20, 64, 4, 2, 32) if SMOKE else (*SHAPE, *HEADS, DIM)
     q = torch.randn(b, sq, hq, d, device=dev, dtype=dt)
     k = torch.randn(b, sk, hkv, d, device=dev, dtype=dt)
@@ -128,7 +137,7 @@ def mixed_step(dev, dt):
     context, page 16, as one attention_varlen call with a block table, against the best
     separate calls (the dense kernel on the prefills, the decode kernel on the decodes)."""
     n_pre, new, cached, n_dec, ctx, page, hq, hkv, d = (
-        (2, 8, 8, 3, 16, 4, 4, 2, 32) if SMOKE else (4, 2048, 2048, 128, 4096, 16, 32, 8, 128))
+        (2, 8, 8, 3, 16, 4, 4, 2, 32) if SMOKE else (*MIXED, 16, 32, 8, 128))
     g = torch.Generator(device=dev).manual_seed(3)
     mk = lambda *shape: torch.randn(*shape, generator=g, device=dev, dtype=dt)
     kv_pre = [mk(n_pre, new + cached, hkv, d) for _ in range(2)]
