@@ -2,9 +2,8 @@
 most 16: vLLM's decode steps and speculative verification through one varlen call with a block
 table) on the split-KV decode kernel (``dispatch.PAGED_DECODE``: off by default until its GPU
 A/B, on in these tests), and on the paged kernels with the route off, each against the float64
-reference (``run_paged``: shuffled pages, unused slots
-NaN, so a read past a length fails). Under ``TRITON_INTERPRET=1`` (CI) the tensors are on the
-CPU; on a GPU on CUDA.
+reference (``run_paged``: shuffled pages, unused slots NaN, so a read past a length fails).
+Under ``TRITON_INTERPRET=1`` (CI) the tensors are on the CPU; on a GPU on CUDA.
 """
 
 from __future__ import annotations
