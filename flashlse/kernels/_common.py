@@ -136,7 +136,7 @@ def positional(kernel, n_tensors: int, kw: dict) -> tuple[tuple, dict]:
     the rest: the launch options (``num_warps``, ...). For launch plans built once and
     reused; a missing argument is a KeyError here, not a wrong launch."""
     rest = dict(kw)
-    return tuple(rest.pop(name) for name in kernel.arg_names[n_tensors:]), rest
+    return tuple(map(rest.pop, kernel.arg_names[n_tensors:])), rest
 
 
 class Launch:
