@@ -58,6 +58,37 @@ def test_varlen_paged_route_merge_kernel_writes_the_varlen_lse(device, monkeypat
     assert plans and all(p.merge is not None and p.fused_run is None for p in plans)
 
 
+@pytest.mark.parametrize("seed", range(24))
+def test_varlen_paged_route_fuzz(device, monkeypatch, seed):
+    # Random uniform calls on the route against the reference: batch, rows (1-16 packed
+    # within the kernel's bound), heads (MHA / GQA / MQA), head dims, pages, lengths (0,
+    # fewer than the rows, several pages), masks, softcap and sinks; the same call on the
+    # paged kernels agrees with the reference too (run_paged compares both).
+    import random
+
+    gen = random.Random(seed)
+    hkv = gen.choice([1, 2])
+    hq = hkv * gen.choice([1, 2, 4])
+    sq = gen.randint(1, 16 // (hq // hkv) if gen.random() < 0.5 else 4)
+    b = gen.randint(1, 4)
+    klens = [gen.choice([0, gen.randint(1, sq), gen.randint(1, 40)]) for _ in range(b)]
+    kw = dict(hq=hq, hkv=hkv, d=gen.choice([16, 32]), sink=gen.random() < 0.4)
+    kw["dv"] = gen.choice([kw["d"], 8])
+    mask = gen.choice(["causal", "window", "none"])
+    if mask == "causal":
+        kw["causal"] = True
+    elif mask == "window":
+        kw["window"] = (gen.randint(0, 6), gen.choice([0, gen.randint(0, 3)]))
+    if gen.random() < 0.3:
+        kw["softcap"] = 2.5
+    page = gen.choice([1, 3, 16])
+    for route in (True, False):
+        monkeypatch.setattr(dispatch, "PAGED_DECODE", route)
+        run_paged(device, DTYPES[0], [sq] * b, klens, page, seed=seed, **kw)
+        assert bool(decode._PLANS) == route, (route, sq, b)
+        decode._PLANS.clear()
+
+
 def test_varlen_paged_rows_not_uniform_stay_on_the_paged_kernels(device, monkeypatch):
     # Total rows below B x max_seqlen_q: the sequences differ, the decode kernel (one Sq a
     # call) cannot take them.
