@@ -165,11 +165,6 @@ def flag_runs(flag: str, fn):
     what ``fn`` returns."""
     import importlib
 
-    from flashlse.kernels import bwd, decode, fwd_sm90
-
-    attention_ops = importlib.import_module("flashlse.ops.attention")
-    kvcache_ops = importlib.import_module("flashlse.ops.kvcache")
-    sparse_ops = importlib.import_module("flashlse.ops.sparse")
     entry = re.fullmatch(r"configs\.(\w+)\[(\d+)\]\.(\w+)", flag)
     if entry:
         # A field of one entry of a configs table, e.g. configs.FWD_SM90[256].persistent_varlen
@@ -191,18 +186,31 @@ def flag_runs(flag: str, fn):
         def run():
             if get() != value:
                 put(value)
-                # Every plan a flag can shape: the backward's, the Hopper forward's, the
-                # decode's, and the launches the public calls keep (sparse's plans hold
-                # their decode plans).
-                for plans in (bwd._BWD_PLANS, fwd_sm90._PLANS, decode._PLANS,
-                              attention_ops._KEPT, attention_ops._PAGED_KEPT,
-                              attention_ops._HEADS_FIRST, kvcache_ops._KEPT,
-                              kvcache_ops._CHUNK_KEPT, sparse_ops._PLANS):
-                    plans.clear()
+                forget_plans()
             return then()
         return run
 
     return setting(True, fn), setting(False, fn), setting(original, lambda: None)
+
+
+def forget_plans(validation: bool = False) -> None:
+    """Drops every plan a flag can shape: the backward's, the Hopper forward's, the decode's,
+    and the launches the public calls keep (sparse's plans hold their decode plans); with
+    ``validation``, the metadata checks' memory too (every next call a full miss)."""
+    import importlib
+
+    from flashlse.kernels import bwd, decode, fwd_sm90
+    from flashlse.ops import _validate
+
+    attention_ops = importlib.import_module("flashlse.ops.attention")
+    kvcache_ops = importlib.import_module("flashlse.ops.kvcache")
+    sparse_ops = importlib.import_module("flashlse.ops.sparse")
+    for plans in (bwd._BWD_PLANS, fwd_sm90._PLANS, decode._PLANS, attention_ops._KEPT,
+                  attention_ops._PAGED_KEPT, attention_ops._HEADS_FIRST, kvcache_ops._KEPT,
+                  kvcache_ops._CHUNK_KEPT, sparse_ops._PLANS):
+        plans.clear()
+    if validation:
+        _validate._PASSED.clear()
 
 
 def flag_ab_ms(flag: str, fn, peers=(), smoke: bool = False) -> list[float]:

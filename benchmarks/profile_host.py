@@ -286,9 +286,10 @@ def calls(dev="cuda"):
 def _cycle_warmed(fn, dev):
     """``fn`` (a growing row) whose first call on a GPU first runs its whole cycle of lengths
     once (every kernel variant the cycle meets compiled: a later loop times misses, not
-    compiles), then forgets the plans that cycle made (the public calls' kept plans, the
-    decode plans, the validation memory), so that each later call is a full miss of them."""
-    import importlib
+    compiles), then forgets the plans that cycle made (``_common.forget_plans``: the kept
+    plans, the decode plans, the validation memory), so that each later call is a full miss
+    of them."""
+    from _common import forget_plans
 
     done = []
 
@@ -298,12 +299,7 @@ def _cycle_warmed(fn, dev):
             for _ in range(3000):
                 fn()
             torch.cuda.synchronize()
-            attention_ops = importlib.import_module("flashlse.ops.attention")
-            from flashlse.kernels import decode
-            from flashlse.ops import _validate
-            for kept in (attention_ops._KEPT, attention_ops._HEADS_FIRST, decode._PLANS,
-                         _validate._PASSED):
-                kept.clear()
+            forget_plans(validation=True)
         return fn()
 
     return call
