@@ -69,8 +69,6 @@
 #                                                decode kernel (GPU tests, A/B), kvcache host us
 #   bash benchmarks/h200_session.sh s48        # s47's tests and its short-query A/B, one call
 #   bash benchmarks/h200_session.sh s49 [tf]   # session 48's leftovers: fixed tests, split floor
-#   bash benchmarks/h200_session.sh s50        # session 49's: unread lse A/B, transformers host
-#                                                and sparse A/Bs; "tf": bench_transformers
 #   bash benchmarks/h200_session.sh s51 [d256] # paged varlen calls of uniform short rows on
 #                                                the decode kernel (dispatch.PAGED_DECODE):
 #                                                GPU tests, A/B, host us; then s44 d256
@@ -726,85 +724,6 @@ if [ "$1" = s49 ]; then
         --flag dispatch.SHORT_Q_WIDE 2>&1 | tee "$OUT/ab_wide.txt" | tail -7
     AB_SET=sparse timeout 90 python3 benchmarks/ab_decode_switch.py \
         --flag decode.FUSED_MERGE_TOKEN_TABLE 2>&1 | tee "$OUT/ab_sparse.txt" | tail -6
-    exit 0
-fi
-if [ "$1" = s50 ]; then
-    # Session 49's leftovers (< 5 min): the unread lse of fl.attention (dispatch.UNREAD_LSE)
-    # in one process on one host, host us on / off in turns (predicted -3 to -6 us a call);
-    # the attention call's host time inside transformers' generate B = 1 against sdpa's
-    # (62.1 / 45.4 us on an H100 in session 49); a growing cache's miss with the collector
-    # on / off. First the GPU tests session 49 left: the decode files with the split floor
-    # on (empty and NaN rows at its split counts), the unread lse after its review.
-    # Session 50: compiled kernels shared between plans (_common.SHARE_COMPILED), its tests
-    # (test_launch_fast_path.py) and its A/B on the growing rows (predicted: the miss
-    # ~120 -> ~60 us, two JIT-path launches a miss saved).
-    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_decode.py \
-        $K/test_decode_fused_merge.py $K/test_short_query.py $K/test_launch_fast_path.py \
-        > "$OUT/test_gpu_s50.log" 2>&1
-    tail -1 "$OUT/test_gpu_s50.log"; grep "^FAILED" "$OUT/test_gpu_s50.log" | head -8
-    PYTHONPATH=$PWD timeout 100 python3 benchmarks/profile_host.py \
-        --ab flashlse.kernels._common.SHARE_COMPILED --rows "growing" --rounds 6 2>&1 \
-        | grep "^=== ab"
-    PYTHONPATH=$PWD timeout 100 python3 benchmarks/profile_host.py \
-        --ab flashlse.kernels.dispatch.UNREAD_LSE --rows "decode row 16k" --rounds 6 2>&1 \
-        | grep "^=== ab"
-    timeout 100 python3 benchmarks/bench_transformers.py --attn-host 2>&1 | tail -4
-    PYTHONPATH=$PWD timeout 60 python3 benchmarks/profile_host.py --gc --rows "decode row" \
-        --rounds 3 2>&1 | tail -2
-    exit 0
-fi
-if [ "$1" = s50b ]; then
-    # Session 50's second call: the fused-merge tests with the split floor off where they
-    # need splits; where a growing cache's miss (~230 us over a kept call on an H100 host,
-    # GC ~12 and the JIT path ~7-14 of it) and a kept call go, by cProfile on the GPU; and
-    # flashlse's attention calls inside transformers' generate B = 1, profiled.
-    timeout 100 python3 -m pytest -q -p no:cacheprovider $K/test_decode_fused_merge.py \
-        > "$OUT/test_gpu_s50b.log" 2>&1
-    tail -1 "$OUT/test_gpu_s50b.log"; grep "^FAILED" "$OUT/test_gpu_s50b.log" | head -8
-    for row in "growing (B" "decode row 16k"; do
-        PYTHONPATH=$PWD timeout 60 python3 benchmarks/profile_host.py --rows "$row" --top 50 \
-            --sort tottime > "$OUT/prof_${row%% *}.txt" 2>&1
-        grep "^===" "$OUT/prof_${row%% *}.txt"
-    done
-    timeout 150 python3 benchmarks/bench_transformers.py --attn-host --attn-profile \
-        > "$OUT/tf_profile.txt" 2>&1
-    grep "calls, host" "$OUT/tf_profile.txt"
-    exit 0
-fi
-if [ "$1" = s50c ]; then
-    # Session 50's third call: attention_with_kvcache's 17-32-row calls on the decode kernel
-    # (ops.kvcache.DECODE_WIDE, off in main until measured): its GPU tests, then its A/B
-    # against the prefill path (predicted >= 1.3x at 32 rows B = 1, as fl.attention's route;
-    # paged rows unknown: the Hopper paged kernel is the other side); transformers'
-    # attention host time and generate after the integration's calls on its (B, H, S, D)
-    # tensors as they are (ops.attention.attention_heads_first; CPU-stubbed 30.6 -> 22.5 us
-    # a call; predicted -4 to -8 us on the GPU host) and the wrapper's float32 test.
-    timeout 50 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
-        -k "up_to_32 or out_of_range or int32_max" > "$OUT/test_gpu_s50c_kv.log" 2>&1 &
-    timeout 95 python3 -m pytest -q -p no:cacheprovider $K/test_short_query.py \
-        $K/test_integrations_gpu.py $K/test_launch_fast_path.py > "$OUT/test_gpu_s50c.log" 2>&1
-    wait
-    for f in "$OUT"/test_gpu_s50c*.log; do echo "$f: $(tail -1 "$f")"; done
-    grep -h "^FAILED" "$OUT"/test_gpu_s50c*.log | head -8
-    AB_SET=kvwide timeout 100 python3 benchmarks/ab_decode_switch.py \
-        --flag flashlse.ops.kvcache.DECODE_WIDE 2>&1 | tail -9
-    timeout 60 python3 benchmarks/bench_transformers.py --attn-host 2>&1 | grep "decode:"
-    [ -n "$GROWING" ] || exit 0  # (the warmed growing A/B when time allows)
-    # The growing rows' miss without compiles (their cycle warmed first, then the plans
-    # forgotten), compiled kernels shared or not.
-    PYTHONPATH=$PWD timeout 80 python3 benchmarks/profile_host.py \
-        --ab flashlse.kernels._common.SHARE_COMPILED --rows "growing" --rounds 6 2>&1 \
-        | grep "^=== ab"
-    exit 0
-fi
-if [ "$1" = s50d ]; then
-    # Session 50's last call (~110 s of device time left): the integration's calls on its
-    # (B, H, S, D) tensors (attention_heads_first) on the GPU, then their host time.
-    timeout 60 python3 -m pytest -q -p no:cacheprovider $K/test_short_query.py \
-        $K/test_integrations_gpu.py -k "heads_first or integration or transformers" \
-        > "$OUT/test_gpu_s50d.log" 2>&1
-    tail -1 "$OUT/test_gpu_s50d.log"; grep "^FAILED" "$OUT/test_gpu_s50d.log" | head -8
-    timeout 45 python3 benchmarks/bench_transformers.py --attn-host 2>&1 | grep "decode:"
     exit 0
 fi
 if [ "$1" = s51 ]; then
