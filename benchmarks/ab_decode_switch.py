@@ -159,9 +159,8 @@ KVWIDE_ROWS = [("kvcache B=1 Sq=32 Skv=8k", 1, 32, 8192, None),
                ("kvcache B=64 Sq=32 Skv=2k", 64, 32, 2048, None),
                ("kvcache B=8 Sq=32 Skv=4k paged 16", 8, 32, 4096, 16),
                ("kvcache B=1 Sq=24 Skv=32k paged 64", 1, 24, 32768, 64)]
-# Paged attention_varlen calls of B sequences of Sq rows each (AB_SET=varlenpaged,
-# dispatch.PAGED_DECODE: the decode kernel against the paged kernels), causal: (label, B, Sq,
-# Skv, page).
+# The same cache calls through a paged attention_varlen, B sequences of Sq rows each
+# (AB_SET=varlenpaged, dispatch.PAGED_DECODE: the decode kernel against the paged kernels).
 VARLEN_PAGED_ROWS = [("varlen paged B=1 Sq=1 Skv=32k p64", 1, 1, 32768, 64),
                      ("varlen paged B=8 Sq=1 Skv=8k p16", 8, 1, 8192, 16),
                      ("varlen paged B=64 Sq=1 Skv=4k p16", 64, 1, 4096, 16),
@@ -171,25 +170,19 @@ VARLEN_PAGED_ROWS = [("varlen paged B=1 Sq=1 Skv=32k p64", 1, 1, 32768, 64),
                      ("varlen paged B=64 Sq=8 Skv=2k p16", 64, 8, 2048, 16)]
 
 
-def kvwide_row(flag, label, b, sq, skv, page):
-    q, k, v, lens, table = _cache(b, sq, skv, page)
-
-    def call():
-        return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
-                                         causal=True)
-
-    ms, same = _ab_two_kernels(flag, call)
-    return label, ms, 2 * b * skv * HKV * D * 2 / 1e6, same
-
-
-def varlen_paged_row(flag, label, b, sq, skv, page):
+def cache_row(flag, label, b, sq, skv, page, varlen=False):
+    """A causal call of ``sq`` rows a sequence on a cache: ``attention_with_kvcache``, or
+    (``varlen``) the same rows packed through a paged ``attention_varlen``."""
     q, k, v, lens, table = _cache(b, sq, skv, page)
     rows = q.flatten(0, 1)
     cu = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device="cuda")
 
     def call():
-        return fl.attention_varlen(rows, k, v, cu, None, sq, skv, seqused_k=lens,
-                                   block_table=table, causal=True)
+        if varlen:
+            return fl.attention_varlen(rows, k, v, cu, None, sq, skv, seqused_k=lens,
+                                       block_table=table, causal=True)
+        return fl.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                         causal=True)
 
     ms, same = _ab_two_kernels(flag, call)
     return label, ms, 2 * b * skv * HKV * D * 2 / 1e6, same
@@ -234,8 +227,8 @@ def main() -> None:
     flag = flag_ab_args()
     only = os.environ.get("AB_ROWS")  # (e.g. AB_ROWS="B=1 Skv=128k;B=1 Skv=4k")
     make, table = {"sparse": (sparse_row, SPARSE_ROWS), "short": (short_row, SHORT_ROWS),
-                   "wide": (short_row, WIDE_ROWS), "kvwide": (kvwide_row, KVWIDE_ROWS),
-                   "varlenpaged": (varlen_paged_row, VARLEN_PAGED_ROWS)}.get(
+                   "wide": (short_row, WIDE_ROWS), "kvwide": (cache_row, KVWIDE_ROWS),
+                   "varlenpaged": (cache_row, [(*r, True) for r in VARLEN_PAGED_ROWS])}.get(
         os.environ.get("AB_SET"), (row, ROWS))
     rows = [make(flag, *r) for r in table if only is None or r[0] in only.split(";")]
     sparse = make is sparse_row
