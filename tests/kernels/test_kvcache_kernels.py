@@ -88,7 +88,6 @@ def test_kvcache_up_to_32_rows_on_the_decode_kernel(device, monkeypatch, b, sq, 
     assert bool(decode._PLANS) == (wide and page is None)
 
 
-
 def test_kvcache_wide_rows_nan_key_reaches_only_its_rows(device):
     # 20 query rows on the decode kernel (contiguous, DECODE_WIDE): a NaN key reaches exactly
     # the rows that see it (its sequence, its kv head's query heads, the causal rows whose
