@@ -72,6 +72,8 @@
 #   bash benchmarks/h200_session.sh s51 [d256] # paged varlen calls of uniform short rows on
 #                                                the decode kernel (dispatch.PAGED_DECODE):
 #                                                GPU tests, A/B, host us; then s44 d256
+#   bash benchmarks/h200_session.sh s52        # s51's route, and a mixed step's decodes on
+#                                                the decode kernel (dispatch.SMALL_DECODE)
 #   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
 #                                                32 splits goes (prof_fused_merge.py: each
 #                                                kernel's time in both forms, then ncu)
@@ -747,6 +749,26 @@ if [ "$1" = s51 ]; then
     timeout 90 python3 benchmarks/bench_serving.py --mixed 1,512,65024,2,65536 2>&1 | tail -2
     [ "$2" = d256 ] || exit 0
     exec bash "$0" s44 d256
+fi
+if [ "$1" = s52 ]; then
+    # Session 52 (< 9 min): s51's route (dispatch.PAGED_DECODE: tests, A/B, host us) and a
+    # mixed step's short sequences on the decode kernel's packed form (dispatch.SMALL_DECODE:
+    # its tests; the mixed step on / off against the separate calls, predicted ~1.3x at one
+    # chunk and two decodes on 64k keys, level at 128 decodes on 4k).
+    timeout 150 python3 -m pytest -q -p no:cacheprovider $K/test_varlen_paged_decode.py \
+        $K/test_varlen_paged_mixed.py $K/test_nan_kernels.py $K/test_sync_free.py \
+        $K/test_cuda_graphs.py $K/test_decode_mla_sm90.py $K/test_decode_fused_merge.py \
+        > "$OUT/test_gpu_s52.log" 2>&1
+    tail -1 "$OUT/test_gpu_s52.log"; grep "^FAILED" "$OUT/test_gpu_s52.log" | head -8
+    for m in 1,512,65024,2,65536 1,2048,30720,4,32768 4,2048,2048,128,4096; do
+        timeout 60 python3 benchmarks/bench_serving.py --mixed $m --flag dispatch.SMALL_DECODE \
+            2>&1 | tail -2
+    done
+    AB_SET=varlenpaged timeout 100 python3 benchmarks/ab_decode_switch.py \
+        --flag dispatch.PAGED_DECODE 2>&1 | tail -9
+    PYTHONPATH=$PWD timeout 45 python3 benchmarks/profile_host.py --ab dispatch.PAGED_DECODE \
+        --rows "paged decode step" --rounds 6 2>&1 | grep "^=== ab"
+    exit 0
 fi
 if [ "$1" = fused-why ]; then
     # Session 46: the fused decode merge costs +4.6-5.8 us at 32 splits (B = 1), nothing at 4,

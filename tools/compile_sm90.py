@@ -416,7 +416,7 @@ def cases():
         dict(HAS_SEQUSED=True, BLOCK_R=64, BLOCK_B=32, BLOCK_C=64), 4, 3
     dec_types = dict(q=BF16, k=BF16, v=BF16, cache_seqlens=I32, block_table=I32, sink=F32,
                      o=F32, lse=F32, token_pages=I32, out_f=BF16, lse_f=F32, counter=I32,
-                     cache_leftpad=I32, scale_log2="fp32", softcap_a2="fp32",
+                     cache_leftpad=I32, cu_seqlens_q=I32, scale_log2="fp32", softcap_a2="fp32",
                      softcap_c2="fp32")
     merge_flags = dict(FUSED_MERGE=False, MERGE_SINK=False, MERGE_BLOCK_S=8)
     for paged in (False, True):
@@ -425,7 +425,7 @@ def cases():
                       PAGED=paged, TOKEN_TABLE=False, TOKEN_PAGE=0, SHARED_KV=False,
                       HAS_LEFT=False,
                       HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_SINK=True, HAS_SEQLENS=True,
-                      HAS_LEFTPAD=False, PDL=True, **merge_flags)
+                      HAS_LEFTPAD=False, PACKED_Q=False, PDL=True, **merge_flags)
         yield "decode", f"decode GQA paged={paged}", decode._decode_fwd_kernel, dec_types, \
             consts, 4, 3
         # The split kernel that merges its splits itself (decode.FUSED_MERGE).
@@ -443,6 +443,11 @@ def cases():
     # A left-padded contiguous cache (attention_with_kvcache's cache_leftpad).
     yield "decode", "decode GQA cache_leftpad fused merge", decode._decode_fwd_kernel, \
         dec_types, dict(short, SQ=1, HAS_SEQLENS=True, HAS_LEFTPAD=True), 4, 3
+    # A paged varlen call's short sequences (dispatch.SMALL_DECODE): packed queries, their
+    # rows from cu_seqlens_q, the fused merge writing the packed rows.
+    yield "decode", "decode packed queries paged 16 fused merge", decode._decode_fwd_kernel, \
+        dec_types, dict(consts, SQ=4, PAGED=True, PAGE_SIZE=16, HAS_SINK=False, PDL=False,
+                        FUSED_MERGE=True, MERGE_SINK=True, PACKED_Q=True), 4, 3
     # sparse_attention's forward: the top-k lists read as the table (one-row pages).
     consts = dict(consts, GROUP=8, BLOCK_M=16, PAGE_SIZE=1, PAGED=True, TOKEN_TABLE=True,
                   HAS_RIGHT=False, HAS_SINK=False, HAS_SEQLENS=False)

@@ -73,6 +73,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from . import configs, options
 from ._common import (
     Launch,
+    SizedLaunch,
     alloc_scratch,
     capability,
     cdiv,
@@ -84,6 +85,7 @@ from ._common import (
     mask_args,
     next_pow2,
     positional,
+    seq_span,
     stride_args,
     token_rows,
 )
@@ -212,7 +214,7 @@ def _decode_fwd_tile(
     return b_acc, b_m_new, b_l
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_zh", "total_q"])
 def _decode_fwd_kernel(
     q,
     k,
@@ -227,6 +229,7 @@ def _decode_fwd_kernel(
     lse_f,
     counter,
     cache_leftpad,
+    cu_seqlens_q,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -239,6 +242,7 @@ def _decode_fwd_kernel(
     HKV,
     num_splits,
     capacity,
+    total_q,
     num_pages,
     table_sk,
     table_per_batch,
@@ -272,6 +276,7 @@ def _decode_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINK: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
+    PACKED_Q: tl.constexpr,
     PDL: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
     MERGE_SINK: tl.constexpr,
@@ -289,6 +294,16 @@ def _decode_fwd_kernel(
 
     sk, n_start, n_end = decode_split(cache_seqlens, i_b, i_s, seqlen_add, capacity, num_splits,
                                       left, SQ, BLOCK_N, 1, HAS_SEQLENS, HAS_LEFT)
+    # Packed queries (PACKED_Q: a paged varlen call's short sequences): sequence i_b's rows
+    # start at row q_start of q, out and the final lse, and number sq (clamped inside the
+    # total_q rows: seq_span); a sequence of no row or of more than SQ is another launch's and
+    # reads no key here. (Row 0's window start from SQ is at or below this sequence's:
+    # decode_split's range covers its rows.)
+    q_start = 0
+    sq = SQ
+    if PACKED_Q:
+        q_start, sq = seq_span(cu_seqlens_q, i_b, total_q, SQ + 1)
+        n_end = tl.where((sq > 0) & (sq <= SQ), n_end, n_start)
     # A left-padded sequence (cache_leftpad): keys below its start are no keys; the tiles
     # wholly below it are not read (a split of those only writes an empty state).
     n_floor = 0
@@ -297,14 +312,18 @@ def _decode_fwd_kernel(
         n_start = tl.maximum(n_start, (tl.maximum(n_floor, 0) // BLOCK_N) * BLOCK_N)
 
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_m = o_m < SQ * GROUP
     # Row r is query position r // GROUP of head i_hkv * GROUP + r % GROUP.
     o_i = o_m // GROUP
     o_h = i_hkv * GROUP + o_m % GROUP
+    m_m = o_m < SQ * GROUP
+    if PACKED_Q:
+        m_m = m_m & (o_i < sq) & (sq <= SQ)
     # Key position of each row's diagonal (bottom-right aligned).
-    o_diag = o_i + sk - SQ
+    o_diag = o_i + sk - sq
+    # The row of q and of the final out / lse (the partial states' rows are o_i).
+    o_iq = q_start + o_i
 
-    o_q = i_b.to(tl.int64) * stride_qb + o_i.to(tl.int64) * stride_qs + o_h.to(tl.int64) * stride_qh
+    o_q = i_b.to(tl.int64) * stride_qb + o_iq.to(tl.int64) * stride_qs + o_h.to(tl.int64) * stride_qh
     o_d1 = tl.arange(0, BLOCK_D1)
     # [BLOCK_M, BLOCK_D1]
     b_q1 = tl.load(q + o_q[:, None] + o_d1[None, :], mask=m_m[:, None] & (o_d1 < D1)[None, :], other=0.0)
@@ -360,7 +379,7 @@ def _decode_fwd_kernel(
     o_l = i_s.to(tl.int64) * stride_ls + i_b.to(tl.int64) * stride_lb + o_i.to(tl.int64) * stride_lq + o_h.to(tl.int64) * stride_lh
     tl.store(lse + o_l, b_lse, mask=m_m)
     if FUSED_MERGE:
-        _merge_if_last(o, lse, sink, out_f, lse_f, counter, i_bhm, i_b, o_i, o_h, m_m,
+        _merge_if_last(o, lse, sink, out_f, lse_f, counter, i_bhm, i_b, o_i, o_iq, o_h, m_m,
                        num_splits, stride_os, stride_ob, stride_oq, stride_oh,
                        stride_ls, stride_lb, stride_lq, stride_lh,
                        stride_yb, stride_yq, stride_yh, stride_zb, stride_zq, stride_zh,
@@ -368,14 +387,16 @@ def _decode_fwd_kernel(
 
 
 @triton.jit
-def _merge_if_last(o, lse, sink, out_f, lse_f, counter, i_bhm, i_b, o_i, o_h, m_m, num_splits,
+def _merge_if_last(o, lse, sink, out_f, lse_f, counter, i_bhm, i_b, o_i, o_iq, o_h, m_m,
+                   num_splits,
                    stride_os, stride_ob, stride_oq, stride_oh,
                    stride_ls, stride_lb, stride_lq, stride_lh,
                    stride_yb, stride_yq, stride_yh, stride_zb, stride_zq, stride_zh,
                    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
                    HAS_SINK: tl.constexpr, BLOCK_S: tl.constexpr):
     """The split-KV merge done by the last split of a row tile to finish (``FUSED_MERGE``),
-    in place of the merge kernel: one launch less a decode call.
+    in place of the merge kernel: one launch less a decode call. ``o_i``: the rows of the
+    partial states, ``o_iq``: those of ``out_f`` and ``lse_f`` (packed queries' rows).
 
     Each split program counts itself done in ``counter[i_bhm]`` after its partial state is
     written; the program that counts last has every split's state and merges them with the
@@ -412,10 +433,10 @@ def _merge_if_last(o, lse, sink, out_f, lse_f, counter, i_bhm, i_b, o_i, o_h, m_
         if not HAS_SINK:
             b_sink = b_pivot
         b_acc, b_sum = _merge_finish(b_acc, b_sum, b_sink, b_pivot, HAS_SINK)
-        o_y = i_b.to(tl.int64) * stride_yb + o_i.to(tl.int64) * stride_yq + o_h.to(tl.int64) * stride_yh
+        o_y = i_b.to(tl.int64) * stride_yb + o_iq.to(tl.int64) * stride_yq + o_h.to(tl.int64) * stride_yh
         p_y = out_f + o_y[:, None] + o_d[None, :]
         tl.store(p_y, b_acc.to(p_y.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
-        o_z = i_b.to(tl.int64) * stride_zb + o_i.to(tl.int64) * stride_zq + o_h.to(tl.int64) * stride_zh
+        o_z = i_b.to(tl.int64) * stride_zb + o_iq.to(tl.int64) * stride_zq + o_h.to(tl.int64) * stride_zh
         tl.store(lse_f + o_z, tl.log(b_sum) + b_m, mask=m_m)
 
 
@@ -561,6 +582,46 @@ def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, s
     return key, plan, empty
 
 
+def packed_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k, out, lse, *,
+               max_rows, left, right, softcap, scale, sink) -> None:
+    """Fills the rows of a paged varlen forward's sequences of at most ``max_rows`` query rows
+    (a mixed serving step's decodes; ``fwd.attn_fwd_paged``'s arguments) on the split-KV
+    kernel, into ``out (total_q, Hq, Dv)`` and ``lse (Hq, total_q)``; the other sequences'
+    rows are not written. Each program reads its sequence's rows from ``cu_seqlens_q`` (a
+    sequence of no row or of more than ``max_rows`` reads no key), its keys from
+    ``seqused_k`` (clamped to the table's capacity); a page out of range holds no key. The
+    fused merge writes the packed rows, so at most ``FUSED_MERGE_MAX_SPLITS`` splits, and a
+    CUDA graph captures fresh zero counters. The plan is a function of the metadata, the
+    batch and ``max_rows``, not of ``total_q``."""
+    batch = cu_seqlens_q.shape[0] - 1
+    opts = options.current()
+    key = ("packed", batch, max_rows, q.shape[1:], q.stride(), q.dtype, q.device,
+           k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
+           v_cache.data_ptr() == k_cache.data_ptr(), block_table.shape, block_table.stride(),
+           out.stride(), lse.stride(1), sink is None, left, right, softcap, scale)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _decode_plan(q, k_cache, v_cache, block_table, True, sink, left, right, softcap,
+                            scale, 0, 0, None, out.dtype, opts.pdl,
+                            packed=(batch, max_rows, out))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    if plan.grid is None:
+        return
+    empty = options.allocator(opts)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # (Kept scratch is not for a CUDA graph; the graph replays the counters' zeroing.)
+        counters = torch.zeros(plan.programs, dtype=torch.int32, device=q.device)
+        o_buf = empty(plan.o_buf_shape, dtype=torch.float32, device=q.device)
+        lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=q.device)
+    else:
+        counters, o_buf, lse_buf = _scratch(q.device, plan.programs, plan.o_buf_shape, empty)
+    plan.fused_run(plan.grid, (lse.stride(0), q.shape[0]), q, k_cache, v_cache, seqused_k, block_table,
+                   lse_buf if sink is None else sink, o_buf, lse_buf, None, out, lse, counters,
+                   None, cu_seqlens_q)
+
+
 def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, token_pages,
              empty, out_shape=None, lse_shape=None, want_lse=True, out=None, lse=None,
              cache_leftpad=None):
@@ -602,13 +663,13 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
             # The split kernel merges its own splits.
             plan.fused_run(q, k_cache, v_cache, cache_seqlens, block_table,
                            lse_buf if sink is None else sink, o_buf, lse_buf, token_pages, out,
-                           lse, counters, cache_leftpad)
+                           lse, counters, cache_leftpad, None)
             return out, lse
     tensors = (q, k_cache, v_cache, cache_seqlens, block_table, lse_buf if sink is None else sink,
                o_buf, lse_buf, token_pages)
     if plan.gluon is None:
         # (out, lse and counters are the fused merge's; unread here.)
-        plan.run(*tensors, out, lse, lse, cache_leftpad)
+        plan.run(*tensors, out, lse, lse, cache_leftpad, None)
     else:
         try:
             triton.set_allocator(alloc_scratch)  # the kernel's in-kernel TMA descriptors
@@ -655,8 +716,8 @@ FUSED_MERGE_TOKEN_TABLE = True
 # kernel takes up to 32 on its small tiles, which hold fewer values a thread).
 FUSED_MERGE_STATES = 8
 # _decode_fwd_kernel's tensors: the nine the Hopper MLA kernel shares, then out, lse and the
-# fused merge's counters, and cache_leftpad.
-N_TENSORS = 13
+# fused merge's counters, cache_leftpad and cu_seqlens_q (packed queries).
+N_TENSORS = 14
 # A split call's scratch by (device, stream, thread): the partial states, which live from the split
 # kernel to the merge (the merge kernel's, or the fused merge's inside one launch), and the
 # fused merge's counters (zeros, each put back to 0 by the program that merges). Launches of
@@ -769,12 +830,17 @@ class _DecodePlan:
 
 def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, right, softcap,
                  scale, num_splits, seqlen_add, config, out_dtype, pdl_opt, token_table=None,
-                 token_pages=None, mla=False, leftpad=False, lse_heads_first=False):
+                 token_pages=None, mla=False, leftpad=False, lse_heads_first=False,
+                 packed=None):
     """Everything decode_fwd passes the kernels but the tensors, from the call's metadata;
     ``mla``: the Hopper MLA kernel (``decode_mla_sm90``) inside its domain; ``leftpad``: the
     call has a ``cache_leftpad`` (decode.py's kernel only); ``lse_heads_first``: lse
-    ``(Hq, B * Sq)``."""
-    batch, sq, hq, d = q.shape
+    ``(Hq, B * Sq)``; ``packed``: ``(B, Sq, out)`` for :func:`packed_fwd`'s packed ``q``
+    (``(total_q, Hq, D)``, sequences of at most Sq rows) and its ``out``."""
+    if packed:
+        (batch, sq, out_p), (hq, d) = packed, q.shape[1:]
+    else:
+        batch, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
     out_shape = (batch, sq, hq, dv)
@@ -783,6 +849,8 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     if batch * sq * hq * dv == 0 and batch * hq * sq == 0:
         return _DecodePlan(out_shape, out_dtype, lse_shape)
     st_q, st_k, st_v = q.stride(), k_cache.stride(), v_cache.stride()
+    if packed:
+        st_q = (0, *st_q[:2])  # (a sequence's rows from cu_seqlens_q)
     paged = block_table is not None
     shared_kv = dv <= d and st_v == st_k and v_cache.data_ptr() == k_cache.data_ptr()
     # K's columns as two power-of-two-padded pieces: V's columns and the rest when V is a view
@@ -820,13 +888,21 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
                              SPLIT_MIN_TILES if SPLIT_FLOOR else 1)
     else:
         splits = min(4, max(1, n_tiles))
+    if packed:
+        # The fused merge writes the packed rows (the merge kernel addresses rows by strides
+        # alone), even of one split.
+        splits = min(splits, FUSED_MERGE_MAX_SPLITS)
 
     # out and lse are fresh contiguous tensors: their strides follow from their shapes. st_lse
     # is lse's (B, Hq, Sq) strides in either layout.
     st_out = contiguous_strides(out_shape)
     st_lse = (sq, batch * sq, 1) if lse_heads_first else contiguous_strides(lse_shape)
+    if packed:
+        # out (total_q, Hq, Dv) and lse (Hq, total_q), whose head stride is total_q: passed
+        # each call (SizedLaunch).
+        st_out, st_lse = (0, *out_p.stride()[:2]), (0, 0, 1)
     o_buf_shape = None
-    if splits == 1:
+    if splits == 1 and not packed:
         st_o = (0, st_out[0], st_out[1], st_out[2])
         st_l = (0, st_lse[0], st_lse[2], st_lse[1])
     else:
@@ -841,7 +917,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     # The split kernel's last program of each row tile merges (``_merge_if_last``): one
     # launch less a call. Not for the Hopper MLA kernel, whose splits the merge kernel joins.
     fused = 1 < splits <= FUSED_MERGE_MAX_SPLITS and FUSED_MERGE and gluon is None and \
-        (token_table is None or FUSED_MERGE_TOKEN_TABLE)
+        (token_table is None or FUSED_MERGE_TOKEN_TABLE) or bool(packed)
     kw = dict(
         stride_qb=st_q[0], stride_qs=st_q[1], stride_qh=st_q[2],
         stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],
@@ -856,6 +932,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         HKV=hkv,
         num_splits=splits,
         capacity=capacity,
+        total_q=0,
         num_pages=k_cache.shape[0],
         table_sk=token_table[0] if token_table else 0,
         table_per_batch=token_table[1] if token_table else 1,
@@ -880,8 +957,9 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         TOKEN_PAGE=token_table[4] if token_pages is not None else 0,
         SHARED_KV=shared_kv,
         HAS_SEQLENS=has_seqlens,
-        HAS_SINK=sink is not None and splits == 1,
+        HAS_SINK=sink is not None and splits == 1 and not packed,
         HAS_LEFTPAD=leftpad,
+        PACKED_Q=False,
         PDL=pdl,
         FUSED_MERGE=False,
         MERGE_SINK=sink is not None,
@@ -889,6 +967,11 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages_paged if paged and cfg.num_stages_paged else cfg.num_stages,
     )
+    if packed:
+        fused_run = SizedLaunch(_decode_fwd_kernel, N_TENSORS, {
+            **kw, "FUSED_MERGE": True, "PDL": False, "PACKED_Q": True}, ("stride_zh", "total_q"))
+        return _DecodePlan(None, out_dtype, None, (programs, splits), o_buf_shape, None,
+                           fused_run=fused_run, programs=programs)
     merge = None
     if splits > 1:
         merge = merge_plan(splits, dv, q.device, sink is not None, r=batch * sq * hq, r1=sq,

@@ -132,6 +132,16 @@ SHORT_Q_WIDE_MAX = 32
 PAGED_DECODE = False
 
 
+# The sequences of a paged varlen call of at most fwd.SMALL_ROWS packed rows (query heads of
+# a kv head times query rows: a mixed serving step's decodes beside its prefill chunks) run
+# the split-KV decode kernel in its packed form (decode.packed_fwd: each program reads its
+# sequence's rows from cu_seqlens_q); off: the portable paged kernel's launch of 16-row
+# tiles, one program a kv head and sequence, no key split (at one 512-row chunk and two
+# decodes on 64k keys: 16 programs over 64k keys each). The A/B: AB_SET=mixed
+# benchmarks/ab_decode_switch.py --flag dispatch.SMALL_DECODE.
+SMALL_DECODE = False
+
+
 # new_outputs' kept lse (off: a fresh one every call; the A/B: profile_host.py --ab
 # flashlse.kernels.dispatch.UNREAD_LSE --rows "decode row").
 UNREAD_LSE = True
@@ -255,9 +265,21 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
                 only_small = True
             except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
                 FAILURES.add(plan.signature, e, "the Hopper paged forward kernel", stacklevel=2)
-    if only_small and int(min_seqlen_q) * (q.shape[-2] // max(k_cache.shape[-2], 1)) > \
-            fwd.SMALL_ROWS:
-        return out, lse  # every sequence ran on the Hopper kernel
+    group = q.shape[-2] // max(k_cache.shape[-2], 1)
+    if int(min_seqlen_q) * group > fwd.SMALL_ROWS:
+        if only_small:
+            return out, lse  # every sequence ran on the Hopper kernel
+    elif SMALL_DECODE and 0 < group <= fwd.SMALL_ROWS and not options.current().fwd_config:
+        # The sequences of at most SMALL_ROWS packed rows (a mixed step's decodes) on the
+        # split-KV decode kernel, the longer ones on the paged kernels (unless the Hopper
+        # kernel ran them): each launch skips the other's sequences on the device.
+        if not only_small:
+            fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
+                               plans=plans, skip_small=True)
+        decode.packed_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k, out, lse,
+                          max_rows=min(fwd.SMALL_ROWS // group, max_seqlen_q), left=left,
+                          right=right, softcap=softcap, scale=scale, sink=sink)
+        return out, lse
     return fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
                               only_small=only_small, min_seqlen_q=min_seqlen_q, plans=plans)
 

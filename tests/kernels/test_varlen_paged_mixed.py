@@ -1,0 +1,175 @@
+"""Paged ``attention_varlen`` calls of mixed sequences (a serving step: prefill chunks beside
+decodes) whose sequences of at most ``fwd.SMALL_ROWS`` packed rows run the split-KV decode
+kernel in its packed form (``dispatch.SMALL_DECODE``, ``decode.packed_fwd``: each program
+reads its sequence's rows from ``cu_seqlens_q``), the longer ones the paged kernels; and the
+same calls with the route off, each against the float64 reference (``run_paged``: shuffled
+pages, unused slots NaN, so a read past a length fails). Under ``TRITON_INTERPRET=1`` (CI) the
+tensors are on the CPU; on a GPU on CUDA.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_attention_varlen import PAGED, run_paged
+
+import flashlse as fl
+from flashlse.kernels import decode, dispatch, fwd
+
+HAS_CUDA = torch.cuda.is_available()
+DTYPE = torch.float16 if HAS_CUDA else torch.float32
+
+
+def _packed_plans() -> list:
+    return [k for k in decode._PLANS if k[0] == "packed"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans(monkeypatch):
+    monkeypatch.setattr(decode, "_PLANS", {})
+
+
+@pytest.mark.parametrize("route", [True, False], ids=["decode", "paged"])
+@pytest.mark.parametrize("page", [1, 16], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("qlens,klens,kw", PAGED)
+def test_varlen_paged_mixed_on_either_kernel(device, monkeypatch, qlens, klens, kw, page, route):
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", route)
+    monkeypatch.setattr(dispatch, "PAGED_DECODE", False)
+    run_paged(device, DTYPE, qlens, klens, page, **kw)
+    group = kw.get("hq", 4) // kw.get("hkv", 2)
+    # Which kernel took the short sequences: a packed decode plan, with the route only.
+    assert bool(_packed_plans()) == (route and min(qlens) * group <= fwd.SMALL_ROWS)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_varlen_paged_mixed_split_counts(device, monkeypatch, splits):
+    # The fused merge writes the packed rows at every split count the route plans (one
+    # included: the merge of one state, the sink added there once).
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
+    real = decode._decode_plan
+
+    def forced(*args, **kw):
+        if kw.get("packed"):
+            args = list(args)
+            args[10] = splits  # num_splits
+        return real(*args, **kw)
+
+    monkeypatch.setattr(decode, "_decode_plan", forced)
+    # (300 keys: at least 8 tiles, so that the forced count is not cut to the tiles.)
+    run_paged(device, DTYPE, [6, 1, 2, 1, 0], [40, 300, 9, 0, 5], 4, hq=4, hkv=2, causal=True,
+              sink=True)
+    plans = [decode._PLANS[k] for k in _packed_plans()]
+    assert plans and all(p.grid[1] == splits for p in plans)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_varlen_paged_mixed_fuzz(device, monkeypatch, seed):
+    # Random mixed calls (long and short sequences, zero-row sequences, empty caches, masks,
+    # softcap, sinks, GQA / MQA / MHA, pages) on both routes against the reference.
+    gen = random.Random(seed)
+    hkv = gen.choice([1, 2])
+    group = gen.choice([1, 2, 4])
+    b = gen.randint(1, 5)
+    qlens = [gen.choice([0, 1, 1, 2, gen.randint(1, 24)]) for _ in range(b)]
+    klens = [gen.choice([0, gen.randint(1, 8), gen.randint(8, 50)]) for _ in range(b)]
+    kw = dict(hq=hkv * group, hkv=hkv, d=gen.choice([16, 32]), sink=gen.random() < 0.4)
+    kw["dv"] = gen.choice([kw["d"], 8])
+    mask = gen.choice(["causal", "window", "none"])
+    if mask == "causal":
+        kw["causal"] = True
+    elif mask == "window":
+        kw["window"] = (gen.randint(0, 6), gen.choice([0, gen.randint(0, 3)]))
+    if gen.random() < 0.3:
+        kw["softcap"] = 2.5
+    page = gen.choice([1, 3, 16])
+    if max(qlens) == 0:
+        qlens[0] = 1
+    for route in (True, False):
+        monkeypatch.setattr(dispatch, "SMALL_DECODE", route)
+        run_paged(device, DTYPE, qlens, klens, page, seed=seed, **kw)
+
+
+def test_varlen_paged_mixed_bad_cu_seqlens_stay_inside(device, monkeypatch):
+    # With the value checks off, cu_seqlens_q out of order or out of range: each launch clamps
+    # a sequence's rows inside the packed rows (seq_span); nothing is read or written outside
+    # q / out (poisoned tails of a larger buffer stay NaN), nothing crashes.
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, page = 4, 2, 16, 4
+    kc = torch.randn(8, page, hkv, d, generator=g).to(device)
+    table = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32, device=device)
+    used = torch.tensor([8, 3, 0, 5], dtype=torch.int32, device=device)
+    q = torch.randn(7, hq, d, generator=g).to(device)
+    for bad in ([0, 5, -3, 1000, 7], [0, 7, 6, 6, 1 << 30], [-9, 1, 2, 3, 4]):
+        cu = torch.tensor(bad, dtype=torch.int32, device=device)
+        with torch.no_grad(), fl.value_checks(False):
+            out, lse = fl.attention_varlen(q, kc, kc, cu, None, 4, 8, seqused_k=used,
+                                           block_table=table, causal=True, return_lse=True)
+        assert out.shape == (7, hq, d) and lse.shape == (hq, 7)
+    assert _packed_plans()
+
+
+def test_varlen_paged_mixed_plan_is_free_of_total_q(device, monkeypatch):
+    # A serving engine's steps change the packed rows every call: one plan serves them (the
+    # head stride of lse and the row count are passed to each launch).
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
+    for qlens in ([9, 1, 1], [5, 1, 1], [12, 2, 1]):
+        run_paged(device, DTYPE, qlens, [20, 30, 7], 4, causal=True)
+    assert len(_packed_plans()) == 2  # max_rows 1 (the first two), 2 (the last)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_varlen_paged_mixed_real_size(monkeypatch, dtype):
+    # A serving step at real sizes (32 / 8 heads, D = 128, pages of 64): a 200-row chunk
+    # beside decodes and a 3-row verification on thousands of keys (several splits a decode),
+    # on the Hopper paged kernel where it runs, against the reference.
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
+    run_paged("cuda", dtype, [200, 1, 1, 3, 1], [3000, 5000, 700, 4100, 0], 64, hq=32, hkv=8,
+              d=128, dv=128, causal=True, sink=True)
+    assert _packed_plans()
+
+
+@pytest.mark.gpu
+def test_varlen_paged_mixed_graph_replay_and_sync_free(monkeypatch):
+    # Captured into a CUDA graph (fresh zero counters and partial states of its own) and
+    # replayed on new queries and lengths: the eager call's bits; and no host sync eagerly.
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
+    torch.manual_seed(6)
+    hq, hkv, d, page = 16, 4, 128, 16
+    kc = torch.randn(64, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(64, device="cuda", dtype=torch.int32).view(4, 16)
+    used = torch.tensor([200, 31, 250, 7], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 40, 41, 43, 44], dtype=torch.int32, device="cuda")
+    q = torch.randn(44, hq, d, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return fl.attention_varlen(q, kc, vc, cu, None, 40, 256, seqused_k=used,
+                                   block_table=table, causal=True, return_lse=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    with torch.no_grad():
+        q.copy_(torch.randn_like(q))
+        used.sub_(3)
+    graph.replay()
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        want_out, want_lse = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert _packed_plans()
