@@ -58,6 +58,21 @@ def test_varlen_paged_route_merge_kernel_writes_the_varlen_lse(device, monkeypat
     assert plans and all(p.merge is not None and p.fused_run is None for p in plans)
 
 
+def random_call(gen, hq: int, hkv: int) -> tuple[dict, int]:
+    """``(run_paged's keywords, page size)`` of a fuzzed call of these heads: head dims, sink,
+    mask (causal, a window, none), softcap, page size, drawn from ``gen``."""
+    kw = dict(hq=hq, hkv=hkv, d=gen.choice([16, 32]), sink=gen.random() < 0.4)
+    kw["dv"] = gen.choice([kw["d"], 8])
+    mask = gen.choice(["causal", "window", "none"])
+    if mask == "causal":
+        kw["causal"] = True
+    elif mask == "window":
+        kw["window"] = (gen.randint(0, 6), gen.choice([0, gen.randint(0, 3)]))
+    if gen.random() < 0.3:
+        kw["softcap"] = 2.5
+    return kw, gen.choice([1, 3, 16])
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_varlen_paged_route_fuzz(device, monkeypatch, seed):
     # Random uniform calls on the route against the reference: batch, rows (1-16 packed
@@ -72,16 +87,7 @@ def test_varlen_paged_route_fuzz(device, monkeypatch, seed):
     sq = gen.randint(1, 16 // (hq // hkv) if gen.random() < 0.5 else 4)
     b = gen.randint(1, 4)
     klens = [gen.choice([0, gen.randint(1, sq), gen.randint(1, 40)]) for _ in range(b)]
-    kw = dict(hq=hq, hkv=hkv, d=gen.choice([16, 32]), sink=gen.random() < 0.4)
-    kw["dv"] = gen.choice([kw["d"], 8])
-    mask = gen.choice(["causal", "window", "none"])
-    if mask == "causal":
-        kw["causal"] = True
-    elif mask == "window":
-        kw["window"] = (gen.randint(0, 6), gen.choice([0, gen.randint(0, 3)]))
-    if gen.random() < 0.3:
-        kw["softcap"] = 2.5
-    page = gen.choice([1, 3, 16])
+    kw, page = random_call(gen, hq, hkv)
     for route in (True, False):
         monkeypatch.setattr(dispatch, "PAGED_DECODE", route)
         run_paged(device, DTYPES[0], [sq] * b, klens, page, seed=seed, **kw)

@@ -14,6 +14,8 @@ import random
 import pytest
 import torch
 from test_attention_varlen import PAGED, run_paged
+from test_cuda_graphs import _capture
+from test_varlen_paged_decode import random_call
 
 import flashlse as fl
 from flashlse.kernels import decode, dispatch, fwd
@@ -74,16 +76,7 @@ def test_varlen_paged_mixed_fuzz(device, monkeypatch, seed):
     b = gen.randint(1, 5)
     qlens = [gen.choice([0, 1, 1, 2, gen.randint(1, 24)]) for _ in range(b)]
     klens = [gen.choice([0, gen.randint(1, 8), gen.randint(8, 50)]) for _ in range(b)]
-    kw = dict(hq=hkv * group, hkv=hkv, d=gen.choice([16, 32]), sink=gen.random() < 0.4)
-    kw["dv"] = gen.choice([kw["d"], 8])
-    mask = gen.choice(["causal", "window", "none"])
-    if mask == "causal":
-        kw["causal"] = True
-    elif mask == "window":
-        kw["window"] = (gen.randint(0, 6), gen.choice([0, gen.randint(0, 3)]))
-    if gen.random() < 0.3:
-        kw["softcap"] = 2.5
-    page = gen.choice([1, 3, 16])
+    kw, page = random_call(gen, hkv * group, hkv)
     if max(qlens) == 0:
         qlens[0] = 1
     for route in (True, False):
@@ -150,14 +143,7 @@ def test_varlen_paged_mixed_graph_replay_and_sync_free(monkeypatch):
         return fl.attention_varlen(q, kc, vc, cu, None, 40, 256, seqused_k=used,
                                    block_table=table, causal=True, return_lse=True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = _capture(step)
     with torch.no_grad():
         q.copy_(torch.randn_like(q))
         used.sub_(3)
