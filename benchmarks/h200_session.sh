@@ -768,6 +768,8 @@ if [ "$1" = s52 ]; then
         --flag dispatch.PAGED_DECODE 2>&1 | tail -9
     PYTHONPATH=$PWD timeout 45 python3 benchmarks/profile_host.py --ab dispatch.PAGED_DECODE \
         --rows "paged decode step" --rounds 6 2>&1 | grep "^=== ab"
+    PYTHONPATH=$PWD timeout 45 python3 benchmarks/profile_host.py --ab dispatch.SMALL_DECODE \
+        --rows "mixed" --rounds 6 2>&1 | grep "^=== ab"
     exit 0
 fi
 if [ "$1" = fused-why ]; then

@@ -583,7 +583,7 @@ def find_plan(q, k_cache, v_cache, *, cache_seqlens, block_table, left, right, s
 
 
 def packed_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k, out, lse, *,
-               max_rows, left, right, softcap, scale, sink) -> None:
+               max_rows, left, right, softcap, scale, sink, plans=None) -> None:
     """Fills the rows of a paged varlen forward's sequences of at most ``max_rows`` query rows
     (a mixed serving step's decodes; ``fwd.attn_fwd_paged``'s arguments) on the split-KV
     kernel, into ``out (total_q, Hq, Dv)`` and ``lse (Hq, total_q)``; the other sequences'
@@ -592,21 +592,27 @@ def packed_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k, out, l
     ``seqused_k`` (clamped to the table's capacity); a page out of range holds no key. The
     fused merge writes the packed rows, so at most ``FUSED_MERGE_MAX_SPLITS`` splits, and a
     CUDA graph captures fresh zero counters. The plan is a function of the metadata, the
-    batch and ``max_rows``, not of ``total_q``."""
+    batch and ``max_rows``, not of ``total_q``; ``plans``: the caller's cache for calls of
+    one metadata but the lengths and the batch (``fwd.attn_fwd_paged``'s), where it is found
+    by those two."""
     batch = cu_seqlens_q.shape[0] - 1
     opts = options.current()
-    key = ("packed", batch, max_rows, q.shape[1:], q.stride(), q.dtype, q.device,
-           k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
-           v_cache.data_ptr() == k_cache.data_ptr(), block_table.shape, block_table.stride(),
-           out.stride(), lse.stride(1), sink is None, left, right, softcap, scale)
-    plan = _PLANS.get(key)
+    if plans is None:
+        key, cache = ("packed", batch, max_rows, q.shape[1:], q.stride(), q.dtype, q.device,
+                      k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
+                      v_cache.data_ptr() == k_cache.data_ptr(), block_table.shape,
+                      block_table.stride(), out.stride(), lse.stride(1), sink is None, left,
+                      right, softcap, scale), _PLANS
+    else:
+        key, cache = ("decode packed", batch, max_rows), plans
+    plan = cache.get(key)
     if plan is None:
         plan = _decode_plan(q, k_cache, v_cache, block_table, True, sink, left, right, softcap,
                             scale, 0, 0, None, out.dtype, opts.pdl,
                             packed=(batch, max_rows, out))
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        if len(cache) >= _MAX_PLANS:
+            cache.clear()
+        cache[key] = plan
     if plan.grid is None:
         return
     empty = options.allocator(opts)

@@ -278,7 +278,7 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
                                plans=plans, skip_small=True)
         decode.packed_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k, out, lse,
                           max_rows=min(fwd.SMALL_ROWS // group, max_seqlen_q), left=left,
-                          right=right, softcap=softcap, scale=scale, sink=sink)
+                          right=right, softcap=softcap, scale=scale, sink=sink, plans=plans)
         return out, lse
     return fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
                               only_small=only_small, min_seqlen_q=min_seqlen_q, plans=plans)

@@ -24,13 +24,24 @@ HAS_CUDA = torch.cuda.is_available()
 DTYPE = torch.float16 if HAS_CUDA else torch.float32
 
 
+# (batch, max_rows) of each decode.packed_fwd call: which kernel took the short sequences.
+CALLS: list = []
+
+
 def _packed_plans() -> list:
-    return [k for k in decode._PLANS if k[0] == "packed"]
+    return list(CALLS)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_plans(monkeypatch):
-    monkeypatch.setattr(decode, "_PLANS", {})
+def _spy(monkeypatch):
+    real = decode.packed_fwd
+
+    def spy(q, k_cache, v_cache, block_table, cu_seqlens_q, *args, **kw):
+        CALLS.append((cu_seqlens_q.shape[0] - 1, kw["max_rows"]))
+        return real(q, k_cache, v_cache, block_table, cu_seqlens_q, *args, **kw)
+
+    CALLS.clear()
+    monkeypatch.setattr(decode, "packed_fwd", spy)
 
 
 @pytest.mark.parametrize("route", [True, False], ids=["decode", "paged"])
@@ -52,18 +63,20 @@ def test_varlen_paged_mixed_split_counts(device, monkeypatch, splits):
     monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
     real = decode._decode_plan
 
+    made = []
+
     def forced(*args, **kw):
         if kw.get("packed"):
             args = list(args)
             args[10] = splits  # num_splits
-        return real(*args, **kw)
+        made.append(real(*args, **kw))
+        return made[-1]
 
     monkeypatch.setattr(decode, "_decode_plan", forced)
     # (300 keys: at least 8 tiles, so that the forced count is not cut to the tiles.)
     run_paged(device, DTYPE, [6, 1, 2, 1, 0], [40, 300, 9, 0, 5], 4, hq=4, hkv=2, causal=True,
               sink=True)
-    plans = [decode._PLANS[k] for k in _packed_plans()]
-    assert plans and all(p.grid[1] == splits for p in plans)
+    assert CALLS and made and all(p.grid[1] == splits for p in made)
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -106,11 +119,27 @@ def test_varlen_paged_mixed_bad_cu_seqlens_stay_inside(device, monkeypatch):
 
 def test_varlen_paged_mixed_plan_is_free_of_total_q(device, monkeypatch):
     # A serving engine's steps change the packed rows every call: one plan serves them (the
-    # head stride of lse and the row count are passed to each launch).
+    # head stride of lse and the row count are passed to each launch), kept in the public
+    # call's plans, and without those in decode._PLANS.
     monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
-    for qlens in ([9, 1, 1], [5, 1, 1], [12, 2, 1]):
+    monkeypatch.setattr(decode, "_PLANS", {})
+    made = []
+    real = decode._decode_plan
+    monkeypatch.setattr(decode, "_decode_plan", lambda *a, **k: made.append(k) or real(*a, **k))
+    for qlens in ([9, 1, 1], [12, 1, 1], [10, 2, 1]):
         run_paged(device, DTYPE, qlens, [20, 30, 7], 4, causal=True)
-    assert len(_packed_plans()) == 2  # max_rows 1 (the first two), 2 (the last)
+    assert CALLS == [(3, 8)] * 3 and len(made) == 1  # max_rows: min(16 // 2, max_seqlen_q)
+    q = torch.randn(14, 4, 16, device=device)
+    kc = torch.randn(4, 4, 2, 16, device=device)
+    table = torch.tensor([[0], [1], [2]], dtype=torch.int32, device=device)
+    used = torch.tensor([4, 3, 2], dtype=torch.int32, device=device)
+    before = len(decode._PLANS)  # (a public call's first, full path keeps its plan there)
+    for rows in ([0, 12, 13, 14], [0, 10, 11, 12]):
+        cu = torch.tensor(rows, dtype=torch.int32, device=device)
+        out, lse = fwd.new_outputs(q[:rows[-1]], kc, cu)
+        decode.packed_fwd(q[:rows[-1]], kc, kc, table, cu, used, out, lse, max_rows=1,
+                          left=None, right=0, softcap=0.0, scale=0.25, sink=None)
+    assert len(made) == 2 and len(decode._PLANS) == before + 1
 
 
 @pytest.mark.gpu
