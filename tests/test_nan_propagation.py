@@ -68,25 +68,33 @@ def _call(path, q, k, v, sink, num_splits):
             (kp, table), (vp, _) = _paged(k, 3), _paged(v, 3)
             return fl.sparse_attention(q, kp, vp, idx, block_table=table, sink=sink,
                                        return_lse=True)
-    if path in ("varlen_paged", "varlen_paged_kernels"):
+    if path in ("varlen_paged", "varlen_paged_kernels", "varlen_paged_mixed"):
         # One sequence of SQ <= 16 rows: on the kernels the decode kernel
-        # (dispatch.PAGED_DECODE); "varlen_paged_kernels": the paged kernels (the route off).
+        # (dispatch.PAGED_DECODE); "varlen_paged_kernels": the paged kernels (the routes off);
+        # "varlen_paged_mixed": behind a sequence of 9 ones-rows (more than 16 packed rows) on
+        # the same pages, a mixed step whose short sequence takes the decode kernel's packed
+        # form (dispatch.SMALL_DECODE).
         (kp, table), (vp, _) = _paged(k, 3), _paged(v, 3)
         sq, sk = q.shape[1], k.shape[1]
-        cu_q = torch.tensor([0, sq], dtype=torch.int32, device=q.device)
-        used = torch.tensor([sk], dtype=torch.int32, device=q.device)
+        front = 9 if path == "varlen_paged_mixed" else 0
+        rows = torch.cat([q.new_ones(front, *q.shape[2:]), q[0]])
+        cu_q = torch.tensor([0, front, front + sq] if front else [0, sq], dtype=torch.int32,
+                            device=q.device)
+        used = torch.full((cu_q.shape[0] - 1, ), sk, dtype=torch.int32, device=q.device)
         from flashlse.kernels import dispatch
 
-        route = dispatch.PAGED_DECODE
+        routes = dispatch.PAGED_DECODE, dispatch.SMALL_DECODE
         dispatch.PAGED_DECODE = path == "varlen_paged"
+        dispatch.SMALL_DECODE = path == "varlen_paged_mixed"
         try:
             with torch.no_grad(), fl.value_checks(False):
-                out, lse = fl.attention_varlen(q[0], kp, vp, cu_q, None, sq, sk,
-                                               seqused_k=used, block_table=table, causal=True,
-                                               sink=sink, return_lse=True)
+                out, lse = fl.attention_varlen(rows, kp, vp, cu_q, None, max(sq, front), sk,
+                                               seqused_k=used,
+                                               block_table=table.repeat(len(used), 1),
+                                               causal=True, sink=sink, return_lse=True)
         finally:
-            dispatch.PAGED_DECODE = route
-        return out[None], lse[None]
+            dispatch.PAGED_DECODE, dispatch.SMALL_DECODE = routes
+        return out[None, front:], lse[None, :, front:]
     lens = torch.full((1,), SK, dtype=torch.int32, device=q.device)
     if path in LONG_ROWS:
         # A paged chunk of LONG_ROWS[path] queries: the paged kernel below 128 rows, pages
@@ -217,10 +225,11 @@ def test_sink_reaches_rows_of_whole_empty_blocks(sink_value, varlen):
 PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3),
          ("kvcache_paged", 1), ("kvcache_paged", 3), ("sparse", 1),
          ("sparse_paged", 1), ("varlen_paged", 1), ("varlen_paged_kernels", 1),
+         ("varlen_paged_mixed", 1),
          ("kvcache_paged_chunk", 1), ("kvcache_paged_long", 1), ("kvcache_paged_wide", 1)]
 IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3", "kv_paged_splits1",
        "kv_paged_splits3", "sparse", "sparse_paged",
-       "varlen_paged", "varlen_paged_kernels", "kv_paged_chunk", "kv_paged_long",
+       "varlen_paged", "varlen_paged_kernels", "varlen_paged_mixed", "kv_paged_chunk", "kv_paged_long",
        "kv_paged_wide"]
 
 
