@@ -229,8 +229,8 @@ PATHS = [("attention", 1), ("kvcache", 1), ("kvcache", 2), ("kvcache", 3),
          ("kvcache_paged_chunk", 1), ("kvcache_paged_long", 1), ("kvcache_paged_wide", 1)]
 IDS = ["attention", "kv_splits1", "kv_splits2", "kv_splits3", "kv_paged_splits1",
        "kv_paged_splits3", "sparse", "sparse_paged",
-       "varlen_paged", "varlen_paged_kernels", "varlen_paged_mixed", "kv_paged_chunk", "kv_paged_long",
-       "kv_paged_wide"]
+       "varlen_paged", "varlen_paged_kernels", "varlen_paged_mixed", "kv_paged_chunk",
+       "kv_paged_long", "kv_paged_wide"]
 
 
 @pytest.mark.parametrize("what", ["k", "q", "sink", "sink_inf"])
