@@ -53,6 +53,9 @@ def test_varlen_paged_route_merge_kernel_writes_the_varlen_lse(device, monkeypat
     # than decode.FUSED_MERGE_MAX_SPLITS splits run) into lse of the varlen layout.
     monkeypatch.setattr(decode, "FUSED_MERGE", False)
     monkeypatch.setattr(dispatch, "PAGED_DECODE", True)
+    # (Three splits, also where a GPU's count would take one split for these few keys: some
+    # then have no tile, an empty state the merge skips.)
+    monkeypatch.setattr(decode, "_num_splits", lambda *a: 3)
     run_paged(device, DTYPES[0], qlens, klens, 1, **kw)
     plans = list(decode._PLANS.values())
     assert plans and all(p.merge is not None and p.fused_run is None for p in plans)
@@ -110,10 +113,10 @@ def test_varlen_paged_route_reads_only_seqused_k(device, monkeypatch):
     monkeypatch.setattr(dispatch, "PAGED_DECODE", True)
     g = torch.Generator().manual_seed(3)
     b, sq, hq, hkv, d, page = 3, 2, 4, 2, 16, 4
-    kc = torch.randn(8, page, hkv, d, generator=g).to(device)
+    kc = torch.randn(8, page, hkv, d, generator=g).to(device, DTYPES[0])
     table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32, device=device)
     used = torch.tensor([8, 3, 0], dtype=torch.int32, device=device)
-    q = torch.randn(b * sq, hq, d, generator=g).to(device)
+    q = torch.randn(b * sq, hq, d, generator=g).to(device, DTYPES[0])
     good = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
     bad = torch.tensor([0, 5, -3, 1000], dtype=torch.int32, device=device)
     with torch.no_grad(), fl.value_checks(False):
@@ -126,34 +129,3 @@ def test_varlen_paged_route_reads_only_seqused_k(device, monkeypatch):
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     # The empty cache's rows: out 0, lse -inf.
     assert bool((want[0][4:] == 0).all()) and bool((want[1][:, 4:] == float("-inf")).all())
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)),
-                    reason="the Hopper MLA decode kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("sq", [1, 2])
-def test_varlen_paged_mla_rows_on_the_hopper_mla_kernel(sq, monkeypatch):
-    # DeepSeek's MLA decode through one paged varlen call (v the first 512 columns of the
-    # 576-column latent cache): the route plans the Hopper MLA kernel with the lse in the
-    # varlen layout; bit for bit attention_with_kvcache on the same pages (tested against
-    # the reference in test_decode_mla_sm90.py), lse the same values in the other layout.
-    monkeypatch.setattr(dispatch, "PAGED_DECODE", True)
-    torch.manual_seed(0)
-    b, hq, page, n = 3, 128, 64, 1024
-    kc = torch.randn(b * n // page + 1, page, 1, 576, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(b * n // page, device="cuda").view(b, -1).to(torch.int32)
-    lens = torch.tensor([1024, 333, 0], dtype=torch.int32, device="cuda")
-    q = torch.randn(b, sq, hq, 576, device="cuda", dtype=torch.bfloat16)
-    cu = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device="cuda")
-    with torch.no_grad():
-        want, want_lse = fl.attention_with_kvcache(q, kc, kc[..., :512], cache_seqlens=lens,
-                                                   block_table=table, causal=True,
-                                                   return_lse=True)
-        got, lse = fl.attention_varlen(q.flatten(0, 1), kc, kc[..., :512], cu, None, sq, n,
-                                       seqused_k=lens, block_table=table, causal=True,
-                                       return_lse=True)
-    assert any(p.gluon is not None for p in decode._PLANS.values())
-    torch.testing.assert_close(got, want.flatten(0, 1), rtol=0, atol=0)
-    torch.testing.assert_close(lse, want_lse.permute(1, 0, 2).reshape(hq, b * sq), rtol=0,
-                               atol=0)
-    assert bool((got[-sq:] == 0).all()) and bool((lse[:, -sq:] == float("-inf")).all())

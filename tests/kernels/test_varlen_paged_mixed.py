@@ -73,8 +73,8 @@ def test_varlen_paged_mixed_split_counts(device, monkeypatch, splits):
         return made[-1]
 
     monkeypatch.setattr(decode, "_decode_plan", forced)
-    # (300 keys: at least 8 tiles, so that the forced count is not cut to the tiles.)
-    run_paged(device, DTYPE, [6, 1, 2, 1, 0], [40, 300, 9, 0, 5], 4, hq=4, hkv=2, causal=True,
+    # (600 keys: at least 8 tiles, so that the forced count is not cut to the tiles.)
+    run_paged(device, DTYPE, [6, 1, 2, 1, 0], [40, 600, 9, 0, 5], 4, hq=4, hkv=2, causal=True,
               sink=True)
     assert CALLS and made and all(p.grid[1] == splits for p in made)
 
@@ -104,10 +104,10 @@ def test_varlen_paged_mixed_bad_cu_seqlens_stay_inside(device, monkeypatch):
     monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
     g = torch.Generator().manual_seed(5)
     hq, hkv, d, page = 4, 2, 16, 4
-    kc = torch.randn(8, page, hkv, d, generator=g).to(device)
+    kc = torch.randn(8, page, hkv, d, generator=g).to(device, DTYPE)
     table = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32, device=device)
     used = torch.tensor([8, 3, 0, 5], dtype=torch.int32, device=device)
-    q = torch.randn(7, hq, d, generator=g).to(device)
+    q = torch.randn(7, hq, d, generator=g).to(device, DTYPE)
     for bad in ([0, 5, -3, 1000, 7], [0, 7, 6, 6, 1 << 30], [-9, 1, 2, 3, 4]):
         cu = torch.tensor(bad, dtype=torch.int32, device=device)
         with torch.no_grad(), fl.value_checks(False):
