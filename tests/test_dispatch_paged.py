@@ -18,7 +18,7 @@ import triton
 from test_dispatch import _Kernel
 
 from flashlse import kernel_options
-from flashlse.kernels import configs, dispatch, fwd
+from flashlse.kernels import configs, decode, dispatch, fwd
 from flashlse.kernels.failures import FAILURES
 
 fwd_sm90 = pytest.importorskip("flashlse.kernels.fwd_sm90")
@@ -37,6 +37,12 @@ def log(monkeypatch):
     monkeypatch.setattr(fwd_sm90, "_fwd_sm90_varlen_kernel",
                         _Kernel("persistent", launches, fwd_sm90._fwd_sm90_varlen_kernel,
                                 lambda kw: "persistent" in FAILING))
+    monkeypatch.setattr(decode, "_decode_fwd_kernel",
+                        _Kernel("decode", launches, decode._decode_fwd_kernel))
+    monkeypatch.setattr(decode, "_PLANS", {})
+    # The paged kernels' decisions here; the decode kernel's routes in the tests that say so.
+    monkeypatch.setattr(dispatch, "PAGED_DECODE", False)
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", False)
     monkeypatch.setattr(fwd_sm90, "supported", lambda *a, **k: True)
     monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: 132)
     # The paged grid kernel here; the persistent varlen form in the tests that say so.
@@ -299,3 +305,40 @@ def test_persistent_paged_key_splits_then_merge(log, monkeypatch):
         1, 2, 2, 4, 16]
     monkeypatch.setattr(fwd_sm90, "SPLIT_MIN_TILES", 4)
     assert [fwd_sm90._split_count(8, tiles, 132) for tiles in (7, 8, 64)] == [1, 2, 16]
+
+
+def test_mixed_step_decodes_on_the_packed_decode_kernel(log, monkeypatch):
+    """``SMALL_DECODE``: a mixed step's sequences of at most 16 packed rows run one launch of
+    the decode kernel's packed form (its rows from cu_seqlens_q, the fused merge, lse's head
+    stride and the packed rows passed each call) in place of the portable kernel's 16-row
+    tiles; the long ones stay on the Hopper kernel. Without the Hopper kernel the portable
+    kernel takes only the long ones (its large tiles)."""
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
+    _call([300, 1, 1, 3])
+    assert [x.kernel for x in log] == ["gluon", "decode"]
+    dec = log[1].named
+    assert dec["PACKED_Q"] and dec["FUSED_MERGE"] and dec["SQ"] == 4  # 16 // 4 heads a kv head
+    assert dec["total_q"] == 305 and dec["stride_zh"] == 305 and dec["stride_qb"] == 0
+    assert log[1].grid[1] <= decode.FUSED_MERGE_MAX_SPLITS
+    log.clear()
+    with kernel_options(sm90_fwd_paged=False):
+        _call([300, 1, 1, 3])
+    assert [x.kernel for x in log] == ["portable", "decode"]
+    assert log[0].named["rows_lo"] == fwd.SMALL_ROWS
+    log.clear()
+    # A group of more than 16 heads: no sequence of at most 16 packed rows for the decode
+    # kernel's bound (the portable launch of small tiles stays, as before the route).
+    _call([300, 1], hq=32, hkv=1)
+    assert [x.kernel for x in log] == ["gluon", "portable"]
+
+
+def test_uniform_short_rows_on_the_decode_kernel(log, monkeypatch):
+    """``PAGED_DECODE``: B sequences of max_seqlen_q <= 16 rows each (q holds B x
+    max_seqlen_q rows) run the split-KV decode kernel alone; rows that are not uniform do
+    not."""
+    monkeypatch.setattr(dispatch, "PAGED_DECODE", True)
+    _call([2, 2, 2])
+    assert [x.kernel for x in log] == ["decode"] and not log[0].named["PACKED_Q"]
+    log.clear()
+    _call([2, 1, 2])
+    assert "decode" not in [x.kernel for x in log]

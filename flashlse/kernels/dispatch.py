@@ -15,7 +15,11 @@ them in order and calls the first that takes the call:
                                                                = B x max_seqlen_q), PAGED_DECODE
                                  sequences of more than fwd.SMALL_ROWS packed rows:
                                  fwd_sm90   Hopper Gluon paged KernelOptions.sm90_fwd_paged
-                                 fwd        portable Triton    always (and the decodes)
+                                 fwd        portable Triton    always
+                                 the others (a mixed step's decodes):
+                                 decode     packed split-KV    G <= fwd.SMALL_ROWS,
+                                                               SMALL_DECODE
+                                 fwd        portable Triton    always
     backward (attn_bwd)          bwd.prepare: buffers, D and lse_log2 (shared by all)
       dK/dV                      bwd_sm90   Hopper Gluon       KernelOptions.sm90_dkdv
                                  bwd        portable Triton    always
@@ -124,12 +128,13 @@ SHORT_Q_WIDE_MAX = 32
 # flash_attn_varlen_func with a block table) run the split-KV decode kernel: the portable
 # paged kernel has no key split (one program a kv head and 16-row tile: 8 programs for a
 # B = 1 decode at 32 / 8 heads), the decode kernel splits the keys over the SMs. Off: the
-# paged kernels (the A/B: AB_SET=varlenpaged benchmarks/ab_decode_switch.py). Off until that
-# A/B runs on a GPU (session 51 had no device after its first call; the same kernels at the
-# same rows through attention_with_kvcache: 6.6x at B = 1, 4 rows on 32k keys). On, with the
-# value checks off, the route reads cu_seqlens_q as B x max_seqlen_q rows (never reading it)
+# paged kernels (the A/B: AB_SET=varlenpaged benchmarks/ab_decode_switch.py). Measured on an
+# H100 (NOTES.md, session 52; 32 / 8 heads, D = 128, bf16, causal): B = 1 on 32k keys 0.461
+# -> 0.070 ms (6.6x; Sq = 1 and 4), B = 8 on 8k 1.33x, B = 64 Sq = 8 on 2k 2.4x, B = 64 on
+# 4k and B = 128 on 2k level (0.99 / 0.97 on / off); host us level (45.5 / 45.3). With the
+# value checks off the route reads cu_seqlens_q as B x max_seqlen_q rows (never reading it)
 # and each seqused_k[b] up to the table's capacity; a page out of range holds no key.
-PAGED_DECODE = False
+PAGED_DECODE = True
 
 
 # The sequences of a paged varlen call of at most fwd.SMALL_ROWS packed rows (query heads of
@@ -137,9 +142,14 @@ PAGED_DECODE = False
 # the split-KV decode kernel in its packed form (decode.packed_fwd: each program reads its
 # sequence's rows from cu_seqlens_q); off: the portable paged kernel's launch of 16-row
 # tiles, one program a kv head and sequence, no key split (at one 512-row chunk and two
-# decodes on 64k keys: 16 programs over 64k keys each). The A/B: AB_SET=mixed
-# benchmarks/ab_decode_switch.py --flag dispatch.SMALL_DECODE.
-SMALL_DECODE = False
+# decodes on 64k keys: 16 programs over 64k keys each). Measured on an H100 (NOTES.md,
+# session 52; benchmarks/bench_serving.py --mixed ... --flag dispatch.SMALL_DECODE, 32 / 8
+# heads, pages of 16): one 512-row chunk on 64k keys + 2 decodes 1.976 -> 1.091 ms (1.81x;
+# the separate calls 1.033), one 2k chunk on 32k + 4 decodes 2.163 -> 1.817 ms (1.19x),
+# 4 chunks of 2k + 128 decodes on 4k 1.367 -> 1.351 ms; host us level (83.2 / 83.6). With the
+# value checks off a page out of range holds no key for these sequences (the paged kernels
+# end a sequence's keys there), and each seqused_k[b] is clamped to the table's capacity.
+SMALL_DECODE = True
 
 
 # new_outputs' kept lse (off: a fresh one every call; the A/B: profile_host.py --ab
@@ -223,8 +233,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     rows each (``q`` has B x max_seqlen_q rows) runs the split-KV decode kernel
     (``PAGED_DECODE``; the lengths from ``seqused_k``, clamped to the table's capacity).
     Otherwise the sequences of more than ``fwd.SMALL_ROWS`` packed rows
-    (prefills, chunked prefills) run the Hopper paged kernel where it is supported, the rest
-    (decodes: the query heads of a kv head packed into 16-row tiles) the portable one; each
+    (prefills, chunked prefills) run the Hopper paged kernel where it is supported, else the
+    portable one, and the rest (decodes) the split-KV decode kernel's packed form
+    (``SMALL_DECODE``, ``decode.packed_fwd``), else the portable kernel's 16-row tiles; each
     launch sees every sequence and skips the other's, so nothing reads the lengths on the host.
     ``min_seqlen_q``: a bound below every sequence's query rows that the caller knows on the
     host (``attention_with_kvcache``: each has Sq); when it leaves no sequence of at most

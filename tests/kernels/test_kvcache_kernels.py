@@ -313,9 +313,11 @@ def test_attention_varlen_paged_on_kernels(device, qlens, klens, kw, page, dtype
 
 @pytest.mark.parametrize("bad", [-5, "past_end"], ids=str)
 def test_attention_varlen_paged_page_out_of_range(device, bad):
-    """With the value checks off a block-table entry outside [0, num_pages) in use ends its
-    sequence before that page, nothing outside the cache is read, and the other sequences
-    are exact (the paged kernel, PackGQA with a decode in the batch)."""
+    """With the value checks off a block-table entry outside [0, num_pages) in use ends a
+    long sequence (more than 16 packed rows: the paged kernels) before that page, is no key
+    for a short one (the decode kernel's packed form, dispatch.SMALL_DECODE, as in every
+    decode), nothing outside the cache is read, and the other sequences are exact (PackGQA
+    with a decode in the batch)."""
     dtype = DTYPES[0]
     g = torch.Generator().manual_seed(11)
     mk = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
@@ -323,20 +325,30 @@ def test_attention_varlen_paged_page_out_of_range(device, bad):
     table = torch.tensor([[5, 2, 7, 0], [1, 3, 4, 6]], dtype=torch.int32, device=device)
     bad_table = table.clone()
     bad_table[0, 2] = -5 if bad == -5 else 8 + 3
-    q = mk(5, 4, 16)
-    cu_q = torch.tensor([0, 4, 5], dtype=torch.int32, device=device)
-    call = dict(cu_seqlens_k=None, max_seqlen_q=4, max_seqlen_k=12, causal=True,
+    bad_table[1, 1] = -5 if bad == -5 else 8 + 3
+    q = mk(6, 4, 16)
+    cu_q = torch.tensor([0, 5, 6], dtype=torch.int32, device=device)
+    call = dict(cu_seqlens_k=None, max_seqlen_q=5, max_seqlen_k=12, causal=True,
                 return_lse=True)
     with fl.value_checks(False):
         out, lse = fl.attention_varlen(q, k_cache, v_cache, cu_q, block_table=bad_table,
                                        seqused_k=torch.tensor([10, 11], dtype=torch.int32,
                                                               device=device), **call)
-    # Sequence 0's keys end at its third page: 6 keys, bottom-right causal against 6.
+    # Sequence 0 (5 rows x 4 heads): its keys end at its third page: 6 keys, bottom-right
+    # causal against 6.
     ref_out, ref_lse = R.attention_varlen(
         q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(), cu_q.cpu(),
         block_table=table.cpu(), seqused_k=torch.tensor([6, 11], dtype=torch.int32), **call)
-    torch.testing.assert_close(out.cpu().double(), ref_out, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out[:5].cpu().double(), ref_out[:5], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse[:, :5].cpu().double(), ref_lse[:, :5], atol=2e-3, rtol=2e-3)
+    # Sequence 1 (a decode): 11 keys but those of its second page (keys 3-5), no keys.
+    keep = torch.tensor([0, 1, 2, 6, 7, 8, 9, 10])
+    rows = torch.stack([table[1, j // 3].cpu() * 3 + j % 3 for j in keep.tolist()])
+    k1 = k_cache.cpu().double().flatten(0, 1)[rows][None]
+    v1 = v_cache.cpu().double().flatten(0, 1)[rows][None]
+    want_out, want_lse = R.attention(q[5:].cpu().double()[None], k1, v1, return_lse=True)
+    torch.testing.assert_close(out[5:].cpu().double(), want_out[0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse[:, 5:].cpu().double(), want_lse[0], atol=2e-3, rtol=2e-3)
     with pytest.raises(ValueError, match="block_table"), fl.value_checks():
         fl.attention_varlen(q, k_cache, v_cache, cu_q, block_table=bad_table,
                             seqused_k=torch.tensor([10, 11], dtype=torch.int32, device=device),
