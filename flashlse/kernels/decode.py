@@ -623,9 +623,9 @@ def packed_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k, out, l
         lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=q.device)
     else:
         counters, o_buf, lse_buf = _scratch(q.device, plan.programs, plan.o_buf_shape, empty)
-    plan.fused_run(plan.grid, (lse.stride(0), q.shape[0]), q, k_cache, v_cache, seqused_k, block_table,
-                   lse_buf if sink is None else sink, o_buf, lse_buf, None, out, lse, counters,
-                   None, cu_seqlens_q)
+    plan.fused_run(plan.grid, (lse.stride(0), q.shape[0]), q, k_cache, v_cache, seqused_k,
+                   block_table, lse_buf if sink is None else sink, o_buf, lse_buf, None, out,
+                   lse, counters, None, cu_seqlens_q)
 
 
 def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, token_pages,
@@ -923,7 +923,7 @@ def _decode_plan(q, k_cache, v_cache, block_table, has_seqlens, sink, left, righ
     # The split kernel's last program of each row tile merges (``_merge_if_last``): one
     # launch less a call. Not for the Hopper MLA kernel, whose splits the merge kernel joins.
     fused = 1 < splits <= FUSED_MERGE_MAX_SPLITS and FUSED_MERGE and gluon is None and \
-        (token_table is None or FUSED_MERGE_TOKEN_TABLE) or bool(packed)
+        (token_table is None or FUSED_MERGE_TOKEN_TABLE)
     kw = dict(
         stride_qb=st_q[0], stride_qs=st_q[1], stride_qh=st_q[2],
         stride_kb=st_k[0], stride_kn=st_k[1], stride_kh=st_k[2],
