@@ -17,6 +17,7 @@ from test_attention_with_kvcache import make, run_both, to_paged
 import flashlse as fl
 from flashlse import kernel_options
 from flashlse import reference as R
+from flashlse.kernels import dispatch
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
@@ -545,6 +546,10 @@ def test_attention_varlen_paged_steps_share_one_plan(device, monkeypatch):
 
     attn_mod = importlib.import_module("flashlse.ops.attention")
     attn_mod._PAGED_KEPT.clear()
+    # The portable kernel's plans: the decode kernel's routes off (their plans' sharing:
+    # test_varlen_paged_mixed.py).
+    monkeypatch.setattr(dispatch, "PAGED_DECODE", False)
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", False)
     checked = []
     real_check = _validate.check_tensor
     monkeypatch.setattr(_validate, "check_tensor", lambda *a: checked.append(a[0]) or

@@ -16,6 +16,13 @@ import flashlse as fl
 from flashlse.kernels import decode, dispatch
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _paged_kernels_beside(monkeypatch):
+    # The other side of each A/B here is the paged kernels: the mixed calls' decode route
+    # (dispatch.SMALL_DECODE, test_varlen_paged_mixed.py) off.
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", False)
 DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
 
 # (query rows of each sequence, keys of each sequence, keywords): uniform query rows.
