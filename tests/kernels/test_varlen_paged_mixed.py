@@ -28,7 +28,7 @@ DTYPE = torch.float16 if HAS_CUDA else torch.float32
 CALLS: list = []
 
 
-def _packed_plans() -> list:
+def _packed_calls() -> list:
     return list(CALLS)
 
 
@@ -53,7 +53,7 @@ def test_varlen_paged_mixed_on_either_kernel(device, monkeypatch, qlens, klens, 
     run_paged(device, DTYPE, qlens, klens, page, **kw)
     group = kw.get("hq", 4) // kw.get("hkv", 2)
     # Which kernel took the short sequences: a packed decode plan, with the route only.
-    assert bool(_packed_plans()) == (route and min(qlens) * group <= fwd.SMALL_ROWS)
+    assert bool(_packed_calls()) == (route and min(qlens) * group <= fwd.SMALL_ROWS)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -114,7 +114,7 @@ def test_varlen_paged_mixed_bad_cu_seqlens_stay_inside(device, monkeypatch):
             out, lse = fl.attention_varlen(q, kc, kc, cu, None, 4, 8, seqused_k=used,
                                            block_table=table, causal=True, return_lse=True)
         assert out.shape == (7, hq, d) and lse.shape == (hq, 7)
-    assert _packed_plans()
+    assert _packed_calls()
 
 
 def test_varlen_paged_mixed_plan_is_free_of_total_q(device, monkeypatch):
@@ -151,7 +151,7 @@ def test_varlen_paged_mixed_real_size(monkeypatch, dtype):
     monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
     run_paged("cuda", dtype, [200, 1, 1, 3, 1], [3000, 5000, 700, 4100, 0], 64, hq=32, hkv=8,
               d=128, dv=128, causal=True, sink=True)
-    assert _packed_plans()
+    assert _packed_calls()
 
 
 @pytest.mark.gpu
@@ -187,4 +187,4 @@ def test_varlen_paged_mixed_graph_replay_and_sync_free(monkeypatch):
     torch.testing.assert_close(out, want_out, atol=0, rtol=0)
     torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    assert _packed_plans()
+    assert _packed_calls()
