@@ -619,8 +619,7 @@ def packed_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k, out, l
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         # (Kept scratch is not for a CUDA graph; the graph replays the counters' zeroing.)
         counters = torch.zeros(plan.programs, dtype=torch.int32, device=q.device)
-        o_buf = empty(plan.o_buf_shape, dtype=torch.float32, device=q.device)
-        lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=q.device)
+        o_buf, lse_buf = _fresh_states(q.device, plan.o_buf_shape, empty)
     else:
         counters, o_buf, lse_buf = _scratch(q.device, plan.programs, plan.o_buf_shape, empty)
     plan.fused_run(plan.grid, (lse.stride(0), q.shape[0]), q, k_cache, v_cache, seqused_k,
@@ -658,8 +657,7 @@ def run_plan(plan, key, q, k_cache, v_cache, cache_seqlens, block_table, sink, t
         # A CUDA graph gets partial states of its own (from its pool) and the merge kernel:
         # kept scratch would be shared with eager calls, and the counters' zeros would not
         # be the graph's to rely on.
-        o_buf = empty(plan.o_buf_shape, dtype=torch.float32, device=dev)
-        lse_buf = empty(plan.o_buf_shape[:-1], dtype=torch.float32, device=dev)
+        o_buf, lse_buf = _fresh_states(dev, plan.o_buf_shape, empty)
     else:
         # Partial states in float32, laid out so that (B, Sq, Hq) is the merge's row set, on
         # the stream's kept scratch: they live from the split kernel to the merge (kernel or
@@ -785,6 +783,13 @@ def unread_lse(device: torch.device, shape: tuple, empty, capturing: bool) -> to
     return view
 
 
+def _fresh_states(device: torch.device, o_shape: tuple, empty) -> tuple:
+    """``(o_buf, lse_buf)``: partial states of ``o_shape`` and ``o_shape[:-1]`` float32, fresh
+    from ``empty`` (not the stream's kept scratch)."""
+    return (empty(o_shape, dtype=torch.float32, device=device),
+            empty(o_shape[:-1], dtype=torch.float32, device=device))
+
+
 def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
     """``(counters, o_buf, lse_buf)`` for a split launch on the current stream of ``device``:
     at least ``programs`` zero counters, and the partial states ``o_buf (o_shape)`` and
@@ -801,8 +806,7 @@ def _scratch(device: torch.device, programs: int, o_shape: tuple, empty):
         n_o16 = -(-n_o // 4) * 4
         need = n_o16 + n_o // max(o_shape[-1], 1)
         if empty is not torch.empty or need > SCRATCH_MAX_VALUES:
-            return (sc.counters, empty(o_shape, dtype=torch.float32, device=device),
-                    empty(o_shape[:-1], dtype=torch.float32, device=device))
+            return (sc.counters, *_fresh_states(device, o_shape, empty))
         if len(sc.views) >= 256:  # (a server's batch sizes: one pair of views each)
             sc.views.clear()
         if sc.buf is None or sc.buf.numel() < need:

@@ -243,8 +243,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     caller keeps for calls of one metadata but the lengths (a public call's kept key), where
     both kernels' plans are found by what that key leaves out."""
     batch, sq = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)
+    opts = options.current()
     if PAGED_DECODE and 0 < sq <= decode.MAX_SQ and q.shape[0] == batch * sq and \
-            not options.current().fwd_config:
+            not opts.fwd_config:
         # Every sequence has sq query rows (cu_seqlens_q is then 0, sq, 2 sq, ...: a decode
         # step, speculative verification): the split-KV decode kernel over the pages, which
         # reads the lengths from seqused_k alone (memory-safe whatever cu_seqlens_q holds).
@@ -253,7 +254,7 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
             block_table=block_table, left=left, right=right, softcap=softcap, scale=scale,
             sink=sink, num_splits=0, lse_heads_first=True)
         return out.flatten(0, 1), lse
-    # (The portable paged kernel, which every step's decodes take, puts both on grid dims.)
+    # (The portable paged kernel puts both on grid dims.)
     check_grid_dims("the paged forward kernels", batch, k_cache.shape[-2], "kv heads")
     out, lse = fwd.new_outputs(q, v_cache, cu_seqlens_q)
     # Maxima above the packed rows / the table's keys clamped to them (``seq_args``).
@@ -262,9 +263,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     kw = dict(cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seqused_k,
               max_seqlen_k=max_seqlen_k, left=left, right=right, softcap=softcap, scale=scale,
               sink=sink)
+    group = q.shape[-2] // max(k_cache.shape[-2], 1)
     only_small = False
-    if options.current().sm90_fwd_paged and fwd_sm90 is not None and \
-            int(max_seqlen_q) * (q.shape[-2] // max(k_cache.shape[-2], 1)) > fwd.SMALL_ROWS:
+    if opts.sm90_fwd_paged and fwd_sm90 is not None and max_seqlen_q * group > fwd.SMALL_ROWS:
         plan = fwd_sm90.paged_plan(q, k_cache, v_cache, block_table, out, lse,
                                    rows_lo=fwd.SMALL_ROWS, plans=plans, **kw)
         if plan is not None and plan.signature not in FAILURES:
@@ -276,11 +277,10 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
                 only_small = True
             except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
                 FAILURES.add(plan.signature, e, "the Hopper paged forward kernel", stacklevel=2)
-    group = q.shape[-2] // max(k_cache.shape[-2], 1)
     if int(min_seqlen_q) * group > fwd.SMALL_ROWS:
         if only_small:
             return out, lse  # every sequence ran on the Hopper kernel
-    elif SMALL_DECODE and 0 < group <= fwd.SMALL_ROWS and not options.current().fwd_config:
+    elif SMALL_DECODE and 0 < group <= fwd.SMALL_ROWS and not opts.fwd_config:
         # The sequences of at most SMALL_ROWS packed rows (a mixed step's decodes) on the
         # split-KV decode kernel, the longer ones on the paged kernels (unless the Hopper
         # kernel ran them): each launch skips the other's sequences on the device.

@@ -742,7 +742,8 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     # The sequences of (rows_lo, rows_hi] packed rows a launch; the others exit at once. A
     # mixed step: the sequences of up to SMALL_ROWS packed rows (decodes, G <= 16) take a
     # launch of 16-row tiles of their own instead of a 128-row tile each; both launches see
-    # every sequence and skip the other's (no host sync on the lengths).
+    # every sequence and skip the other's (no host sync on the lengths). With ``skip_small``
+    # the dispatcher runs those on the decode kernel (dispatch.SMALL_DECODE): no such launch.
     spans = ([(0, rows)] if rows <= SMALL_ROWS or int(min_seqlen_q) * group > SMALL_ROWS
              else [(SMALL_ROWS, rows), (0, SMALL_ROWS)][:2 - skip_small])
     cfgs = tuple(_pick_paged_config(block_d, block_dv, hi) for _, hi in spans)
