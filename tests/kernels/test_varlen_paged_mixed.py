@@ -18,6 +18,7 @@ from test_cuda_graphs import _capture
 from test_varlen_paged_decode import random_call
 
 import flashlse as fl
+from flashlse import reference as R
 from flashlse.kernels import decode, dispatch, fwd
 
 HAS_CUDA = torch.cuda.is_available()
@@ -188,3 +189,45 @@ def test_varlen_paged_mixed_graph_replay_and_sync_free(monkeypatch):
     torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert _packed_calls()
+
+
+def test_varlen_paged_mixed_empty_rows_and_neg_inf_sink(device, monkeypatch):
+    # The LSE contract on the packed route: a decode on an empty cache and rows before their
+    # diagonal (3 rows on 1 key) see no key: out 0 and lse -inf, or lse == the sink; a -inf
+    # sink is no sink (bit for bit the call without one), no NaN anywhere.
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
+    g = torch.Generator().manual_seed(9)
+    hq, hkv, d, page = 4, 2, 16, 4
+    kc = torch.randn(12, page, hkv, d, generator=g).to(device, DTYPE)
+    vc = torch.randn(12, page, hkv, d, generator=g).to(device, DTYPE)
+    table = torch.arange(12, dtype=torch.int32, device=device).view(3, 4)
+    used = torch.tensor([13, 0, 1], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 9, 10, 13], dtype=torch.int32, device=device)
+    q = torch.randn(13, hq, d, generator=g).to(device, DTYPE)
+    sink = torch.tensor([float("-inf"), 0.5, float("-inf"), -1.0], device=device)
+
+    def call(s):
+        with torch.no_grad(), fl.value_checks(False):
+            return fl.attention_varlen(q, kc, vc, cu, None, 9, 16, seqused_k=used,
+                                       block_table=table, causal=True, sink=s, return_lse=True)
+
+    out0, lse0 = call(None)
+    out, lse = call(sink)
+    assert CALLS and not torch.isnan(out).any() and not torch.isnan(lse).any()
+    # Empty rows: the decode on no key (row 9), the 3-row sequence's first two (rows 10, 11).
+    for r in (9, 10, 11):
+        assert bool((out0[r] == 0).all()) and bool(torch.isneginf(lse0[:, r]).all())
+        assert bool((out[r] == 0).all())
+        torch.testing.assert_close(lse[:, r], torch.where(torch.isneginf(sink), lse0[:, r],
+                                                           sink), rtol=0, atol=0)
+    # Heads with a -inf sink: the no-sink call's bits; the row with keys agrees with the
+    # float64 reference.
+    for h in (0, 2):
+        torch.testing.assert_close(out[:, h], out0[:, h], rtol=0, atol=0)
+        torch.testing.assert_close(lse[h], lse0[h], rtol=0, atol=0)
+    ref_out, ref_lse = R.attention_varlen(
+        q.cpu().double(), kc.cpu().double(), vc.cpu().double(), cu.cpu(), None, 9, 16,
+        seqused_k=used.cpu(), block_table=table.cpu(), causal=True, sink=sink.cpu().double(),
+        return_lse=True)
+    torch.testing.assert_close(out[9:].cpu().double(), ref_out[9:], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse[:, 9:].cpu().double(), ref_lse[:, 9:], atol=2e-3, rtol=2e-3)
