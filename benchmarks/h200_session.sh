@@ -74,6 +74,8 @@
 #                                                GPU tests, A/B, host us; then s44 d256
 #   bash benchmarks/h200_session.sh s52        # s51's route, and a mixed step's decodes on
 #                                                the decode kernel (dispatch.SMALL_DECODE)
+#   bash benchmarks/h200_session.sh s53        # the files unrun on a GPU since the packed
+#                                                decode form; the mixed step at more shapes
 #   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
 #                                                32 splits goes (prof_fused_merge.py: each
 #                                                kernel's time in both forms, then ncu)
@@ -770,6 +772,28 @@ if [ "$1" = s52 ]; then
         --rows "paged decode step" --rounds 6 2>&1 | grep "^=== ab"
     PYTHONPATH=$PWD timeout 45 python3 benchmarks/profile_host.py --ab dispatch.SMALL_DECODE \
         --rows "mixed" --rounds 6 2>&1 | grep "^=== ab"
+    exit 0
+fi
+if [ "$1" = s53 ]; then
+    # Session 53 (< 9 min): the files not run on a GPU since the decode kernel's packed form
+    # (test_short_query.py, the mixed file's LSE-contract test), then the mixed step at more
+    # shapes on / off (dispatch.SMALL_DECODE): 8 and 32 decodes on 64k; 8 / 1 and 32 / 4
+    # heads (G = 8); 32 / 1 (G = 32: more than 16 rows a decode, the flag cannot take them,
+    # the gap to the separate calls says whether the packed form should).
+    timeout 260 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_short_query.py \
+        > "$OUT/test_gpu_short.log" 2>&1 &
+    timeout 260 python3 -m pytest -q -p no:cacheprovider --tb=line \
+        $K/test_varlen_paged_mixed.py $K/test_varlen_paged_decode.py \
+        > "$OUT/test_gpu_mixed.log" 2>&1 &
+    wait
+    for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
+    grep -h -E "^FAILED|^E |Error" "$OUT"/test_gpu_*.log | head -10
+    for hm in "32,8 1,512,65024,8,65536" "32,8 1,512,65024,32,65536" "8,1 1,512,65024,2,65536" \
+              "32,4 1,512,65024,4,65536" "32,1 1,512,65024,4,65536"; do
+        set -- $hm
+        timeout 60 python3 benchmarks/bench_serving.py --heads $1 --mixed $2 \
+            --flag dispatch.SMALL_DECODE 2>&1 | tail -2
+    done
     exit 0
 fi
 if [ "$1" = fused-why ]; then
