@@ -18,7 +18,9 @@ them in order and calls the first that takes the call:
                                  fwd        portable Triton    always
                                  the others (a mixed step's decodes):
                                  decode     packed split-KV    G <= fwd.SMALL_ROWS,
-                                                               SMALL_DECODE
+                                                               SMALL_DECODE (one row of
+                                                               a larger G:
+                                                               SMALL_DECODE_WIDE)
                                  fwd        portable Triton    always
     backward (attn_bwd)          bwd.prepare: buffers, D and lse_log2 (shared by all)
       dK/dV                      bwd_sm90   Hopper Gluon       KernelOptions.sm90_dkdv
@@ -151,6 +153,12 @@ PAGED_DECODE = True
 # end a sequence's keys there), and each seqused_k[b] is clamped to the table's capacity.
 SMALL_DECODE = True
 
+# With SMALL_DECODE, groups of more than fwd.SMALL_ROWS query heads a kv head (MQA, e.g.
+# 32 / 1) up to WIDE_MAX_GROUP: a sequence of one query row (G packed rows) runs the packed
+# decode form too, not a 128-row tile of the Hopper paged kernel of its own (off: those).
+SMALL_DECODE_WIDE = False
+WIDE_MAX_GROUP = 64
+
 
 # new_outputs' kept lse (off: a fresh one every call; the A/B: profile_host.py --ab
 # flashlse.kernels.dispatch.UNREAD_LSE --rows "decode row").
@@ -264,10 +272,15 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
               max_seqlen_k=max_seqlen_k, left=left, right=right, softcap=softcap, scale=scale,
               sink=sink)
     group = q.shape[-2] // max(k_cache.shape[-2], 1)
+    # Packed rows (T_q * G) up to which a sequence is a decode (SMALL_DECODE's packed form or
+    # the portable kernel's 16-row tiles), above which the long kernels take it.
+    small = fwd.SMALL_ROWS
+    if SMALL_DECODE and SMALL_DECODE_WIDE and small < group <= WIDE_MAX_GROUP:
+        small = group
     only_small = False
-    if opts.sm90_fwd_paged and fwd_sm90 is not None and max_seqlen_q * group > fwd.SMALL_ROWS:
+    if opts.sm90_fwd_paged and fwd_sm90 is not None and max_seqlen_q * group > small:
         plan = fwd_sm90.paged_plan(q, k_cache, v_cache, block_table, out, lse,
-                                   rows_lo=fwd.SMALL_ROWS, plans=plans, **kw)
+                                   rows_lo=small, plans=plans, **kw)
         if plan is not None and plan.signature not in FAILURES:
             try:
                 if plan.run is not None:
@@ -277,18 +290,18 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
                 only_small = True
             except Exception as e:  # noqa: BLE001 - a compiler failure: the portable kernel runs
                 FAILURES.add(plan.signature, e, "the Hopper paged forward kernel", stacklevel=2)
-    if int(min_seqlen_q) * group > fwd.SMALL_ROWS:
+    if int(min_seqlen_q) * group > small:
         if only_small:
             return out, lse  # every sequence ran on the Hopper kernel
-    elif SMALL_DECODE and 0 < group <= fwd.SMALL_ROWS and not opts.fwd_config:
-        # The sequences of at most SMALL_ROWS packed rows (a mixed step's decodes) on the
+    elif SMALL_DECODE and 0 < group <= small and not opts.fwd_config:
+        # The sequences of at most `small` packed rows (a mixed step's decodes) on the
         # split-KV decode kernel, the longer ones on the paged kernels (unless the Hopper
         # kernel ran them): each launch skips the other's sequences on the device.
         if not only_small:
             fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
-                               plans=plans, skip_small=True)
+                               plans=plans, skip_small=True, small_rows=small)
         decode.packed_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k, out, lse,
-                          max_rows=min(fwd.SMALL_ROWS // group, max_seqlen_q), left=left,
+                          max_rows=min(small // group, max_seqlen_q), left=left,
                           right=right, softcap=softcap, scale=scale, sink=sink, plans=plans)
         return out, lse
     return fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
