@@ -14,13 +14,13 @@ with the flag on and off, timed in turn with the dense call (an A/B in one proce
 ``--shape B,SQ,SKV`` (default 4,512,8192): the chunked-prefill rows at another shape, e.g. a
 long context's chunk, 1,512,65536. ``--heads HQ,HKV`` (default 32,8): fewer heads, as one GPU
 of a tensor-parallel model holds (8,2 at TP = 4): fewer row blocks x heads than SMs.
-``--dim D`` (default 128): the head dim of the prefill rows (the mixed step stays at 128 and
-runs only there; it takes ``--heads``). ``--flag`` also takes a configs entry's field, e.g.
-``configs.FWD_SM90[256].persistent_varlen``. ``--mixed`` (default 4,2048,2048,128,4096): the
-mixed step's prefills (count, new rows, cached keys) and decodes (count, context), e.g. a long
-context's step with few decodes, 1,512,65024,2,65536 (the decodes' rows take the decode
-kernel's packed form, ``dispatch.SMALL_DECODE``, when a sequence's rows are at most 16);
-with ``--mixed`` only the mixed step runs.
+``--dim D`` (default 128): the head dim of the prefill rows (the mixed step runs after them
+at 128 only; with ``--mixed`` it runs alone at ``--dim`` and ``--heads``). ``--flag`` also
+takes a configs entry's field, e.g. ``configs.FWD_SM90[256].persistent_varlen``. ``--mixed``
+(default 4,2048,2048,128,4096): the mixed step's prefills (count, new rows, cached keys) and
+decodes (count, context), e.g. a long context's step with few decodes, 1,512,65024,2,65536
+(the decodes' rows take the decode kernel's packed form, ``dispatch.SMALL_DECODE``, when a
+sequence's rows are at most 16); with ``--mixed`` only the mixed step runs.
 
 The dense call is ``fl.attention`` as users get it: since session 32 a dense call with few
 row blocks x heads on 16k keys or more runs key splits (``fwd_sm90.DENSE_SPLIT_KV``), so at
@@ -138,7 +138,7 @@ def mixed_step(dev, dt):
     context, page 16, as one attention_varlen call with a block table, against the best
     separate calls (the dense kernel on the prefills, the decode kernel on the decodes)."""
     n_pre, new, cached, n_dec, ctx, page, hq, hkv, d = (
-        (2, 8, 8, 3, 16, 4, 4, 2, 32) if SMOKE else (*MIXED, 16, *HEADS, 128))
+        (2, 8, 8, 3, 16, 4, 4, 2, 32) if SMOKE else (*MIXED, 16, *HEADS, DIM))
     g = torch.Generator(device=dev).manual_seed(3)
     mk = lambda *shape: torch.randn(*shape, generator=g, device=dev, dtype=dt)
     kv_pre = [mk(n_pre, new + cached, hkv, d) for _ in range(2)]
@@ -179,10 +179,10 @@ def mixed_step(dev, dt):
         with fl.kernel_options(sm90_fwd_paged=False):
             t_old = median_ms(one, SMOKE)
     print(f"mixed step ({n_pre} prefills {new} on {cached} + {n_dec} decodes at {ctx}, page "
-          f"{page}, heads {hq}/{hkv}): one attention_varlen {t_one:.3f} ms (max diff {err:.1e}; "
-          f"sm90_fwd_paged=False {t_old:.3f}); separate: dense prefill {t_pre:.3f} "
-          f"+ decode {t_dec:.3f} = {t_pre + t_dec:.3f} ms; ratio {t_one / (t_pre + t_dec):.2f} "
-          f"(issue 16: <= 1.15)")
+          f"{page}, heads {hq}/{hkv}, D {d}): one attention_varlen {t_one:.3f} ms "
+          f"(max diff {err:.1e}; sm90_fwd_paged=False {t_old:.3f}); separate: dense prefill "
+          f"{t_pre:.3f} + decode {t_dec:.3f} = {t_pre + t_dec:.3f} ms; "
+          f"ratio {t_one / (t_pre + t_dec):.2f} (issue 16: <= 1.15)")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@
 #   bash benchmarks/h200_session.sh s52        # s51's route, and a mixed step's decodes on
 #                                                the decode kernel (dispatch.SMALL_DECODE)
 #   bash benchmarks/h200_session.sh s53        # the files unrun on a GPU since the packed
-#                                                decode form; the mixed step at more shapes
+#                                                decode form, D = 256 pages; A/Bs of
+#                                                PAGED_D256, SMALL_DECODE(_WIDE)
 #   bash benchmarks/h200_session.sh fused-why  # session 46: where the fused merge's cost at
 #                                                32 splits goes (prof_fused_merge.py: each
 #                                                kernel's time in both forms, then ncu)
@@ -775,27 +776,35 @@ if [ "$1" = s52 ]; then
     exit 0
 fi
 if [ "$1" = s53 ]; then
-    # Session 53 (< 9 min): the files not run on a GPU since the decode kernel's packed form
-    # (test_short_query.py, the mixed file's LSE-contract test), then the mixed step at more
-    # shapes on / off (dispatch.SMALL_DECODE): 8 and 32 decodes on 64k; 8 / 1 and 32 / 4
-    # heads (G = 8); G = 32 (more than 16 rows a decode) with dispatch.SMALL_DECODE_WIDE on /
-    # off (predicted: level or better where the Hopper kernel splits the keys, >1.3x where
-    # a decode's 128-row tile reads 64k keys alone).
-    timeout 220 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_short_query.py \
+    # Session 53 (< 9.5 min). Tests, three processes: the files not run on a GPU since the
+    # decode kernel's packed form (test_short_query.py; the mixed file's LSE-contract test
+    # and SMALL_DECODE_WIDE's), and D = 256 over pages on the Gluon kernels
+    # (fwd_sm90.PAGED_D256, off: its cases turn it on). Then A/Bs through the public calls:
+    # PAGED_D256 (the mixed step at D = 256, 32 / 8 and 8 / 2 heads; predicted 1.2-1.5x and
+    # 2-4x, as D = 64's flag gave), SMALL_DECODE_WIDE at G = 32 (predicted level or better
+    # where the Hopper kernel splits the keys), SMALL_DECODE at 8 and 32 decodes on 64k.
+    timeout 230 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_short_query.py \
         > "$OUT/test_gpu_short.log" 2>&1 &
-    timeout 220 python3 -m pytest -q -p no:cacheprovider --tb=line \
+    timeout 230 python3 -m pytest -q -p no:cacheprovider --tb=line \
         $K/test_varlen_paged_mixed.py $K/test_varlen_paged_decode.py \
         > "$OUT/test_gpu_mixed.log" 2>&1 &
+    timeout 230 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_fwd_paged_sm90.py \
+        -k d256 > "$OUT/test_gpu_paged256.log" 2>&1 &
     wait
     for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
     grep -h -E "^FAILED|^E |Error" "$OUT"/test_gpu_*.log | head -10
-    for hm in "32,8 1,512,65024,8,65536" "32,8 1,512,65024,32,65536" "8,1 1,512,65024,2,65536" \
-              "32,4 1,512,65024,4,65536" "32,1 1,512,65024,4,65536 _WIDE" \
-              "64,2 1,512,65024,4,65536 _WIDE" "32,1 4,2048,2048,64,4096 _WIDE"; do
+    for hm in "32,8 4,2048,2048,16,4096 fwd_sm90.PAGED_D256 256" \
+              "8,2 1,2048,30720,4,32768 fwd_sm90.PAGED_D256 256" \
+              "32,1 1,512,65024,4,65536 dispatch.SMALL_DECODE_WIDE" \
+              "32,1 4,2048,2048,64,4096 dispatch.SMALL_DECODE_WIDE" \
+              "32,8 1,512,65024,8,65536 dispatch.SMALL_DECODE" \
+              "32,8 1,512,65024,32,65536 dispatch.SMALL_DECODE" \
+              "64,2 1,512,65024,4,65536 dispatch.SMALL_DECODE_WIDE" \
+              "8,1 1,512,65024,2,65536 dispatch.SMALL_DECODE"; do
         set -- $hm
-        [ $SECONDS -lt 520 ] || { echo "s53: no time for $hm"; continue; }
-        timeout 60 python3 benchmarks/bench_serving.py --heads $1 --mixed $2 \
-            --flag dispatch.SMALL_DECODE${3:-} 2>&1 | tail -2
+        [ $SECONDS -lt 530 ] || { echo "s53: no time for $hm"; continue; }
+        timeout 60 python3 benchmarks/bench_serving.py --heads $1 --mixed $2 --flag $3 \
+            --dim ${4:-128} 2>&1 | tail -2
     done
     exit 0
 fi

@@ -2322,6 +2322,11 @@ MAX_PAGED_BATCH = 4096
 # D = 64 pages on the Gluon kernels (the head dims whose paged forms the GPU tests run: 64 and
 # 128); off, D = 64 paged calls run fwd.py's paged kernel (the A/B of bench_serving --dim 64).
 PAGED_D64 = True
+# D = 256 pages on the Gluon kernels (the persistent varlen kernel's paged form, O staged in
+# Q's buffer, 64-key tiles; the grid kernel for other layouts): compiled for sm_90 (stack
+# 72-96 bytes, as the shipped D = 256 varlen kernel's 80); off, D = 256 paged calls run
+# fwd.py's paged kernel.
+PAGED_D256 = False
 
 
 def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
@@ -2332,7 +2337,7 @@ def paged_supported(q, k_cache, v_cache, *, softcap, scale, batch=0) -> bool:
     sizes (1, 3, 8, 48, ...) run fwd.py's paged kernel (``attention_with_kvcache`` gathers
     the pages of long chunks for the dense kernel)."""
     d = q.shape[-1]
-    if not (d == 128 or (d == 64 and PAGED_D64)):
+    if not (d == 128 or (d == 64 and PAGED_D64) or (d == 256 and PAGED_D256)):
         return False
     num_pages, page = k_cache.shape[:2]
     block_n = configs.FWD_SM90[d].block_n

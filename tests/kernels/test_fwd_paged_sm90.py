@@ -276,6 +276,28 @@ def test_fwd_paged_sm90_d64_consumers(gluon_paged, kernel_opts, wg, qlens, klens
     _check_case(got, t, qlens, klens, kw)
 
 
+@pytest.mark.parametrize("qlens, klens, hq, hkv, page, kw", [
+    pytest.param([300, 130, 1, 64], [1003, 451, 300, 64], 8, 2, 64, dict(causal=True),
+                 id="chunked_causal_page64"),
+    pytest.param([200, 1, 0, 40, 193], [700, 300, 50, 0, 250], 8, 2, 16,
+                 dict(window=(100, 0), sink=True), id="mixed_window_sink_page16"),
+    pytest.param([130, 17], [400, 129], 16, 4, 128, {}, id="gqa4_full_page128"),
+])
+def test_fwd_paged_sm90_d256(gluon_paged, monkeypatch, qlens, klens, hq, hkv, page, kw):
+    """D = 256 over pages (``fwd_sm90.PAGED_D256``: O staged in Q's buffer, 64-key tiles, a
+    page of 16 four boxes a tile): lengths off the tile grid, a decode row, a sequence with
+    no key, a window with a sink, a page of two tiles."""
+    from flashlse.kernels import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "PAGED_D256", True)
+    kw = dict(kw)
+    t = _paged_batch(torch.bfloat16, qlens, klens, page, hq, hkv, sink=kw.pop("sink", False),
+                     seed=6, d=256)
+    got = _run(t, **kw)
+    _assert_gluon_ran(gluon_paged, page)
+    _check_case(got, t, qlens, klens, kw)
+
+
 # (B, Sq, Hq, Hkv, Smax, cache_seqlens, Snew, page size, keywords); Sq > 16: the prefill path.
 KVCACHE_CASES = [
     pytest.param(2, 40, 8, 2, 700, [600, 3], 40, 64, dict(causal=True), id="chunk40_page64"),
@@ -307,12 +329,15 @@ def test_fwd_paged_sm90_kvcache_prefill(gluon_paged, dtype, b, sq, hq, hkv, smax
     pytest.param(128, 3, "negative", id="page128_negative"),
     pytest.param(64, 0, "past_end", id="page64_first_page_no_keys"),
 ])
-@pytest.mark.parametrize("d", [128, 64], ids=["d128", "d64"])
-def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, page, col, bad, d):
+@pytest.mark.parametrize("d", [128, 64, 256], ids=["d128", "d64", "d256"])
+def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, monkeypatch, page, col, bad, d):
     """With the value checks off, a block-table entry outside [0, num_pages) among the pages
     in use ends that sequence's keys before that page (masks bottom-right aligned to the
-    shorter length); the other sequences, a decode among them, are exact. Both head dims of
-    the paged kernel's domain."""
+    shorter length); the other sequences, a decode among them, are exact. Every head dim of
+    the paged kernel's domain (D = 256 with PAGED_D256)."""
+    from flashlse.kernels import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "PAGED_D256", True)
     qlens, klens = [150, 1, 60], [900, 333, 500]
     t = _paged_batch(torch.bfloat16, qlens, klens, page, 8, 2, seed=2, d=d)
     num_pages = t["k_cache"].shape[0]
@@ -326,12 +351,16 @@ def test_fwd_paged_sm90_bad_page_ends_sequence(gluon_paged, page, col, bad, d):
 
 
 @pytest.mark.parametrize("key", [480, 599], ids=lambda k: f"key{k}")
-@pytest.mark.parametrize("d", [128, 64], ids=["d128", "d64"])
-def test_fwd_paged_sm90_nan_key_reaches_exactly_the_rows_that_see_it(gluon_paged, key, d):
+@pytest.mark.parametrize("d", [128, 64, 256], ids=["d128", "d64", "d256"])
+def test_fwd_paged_sm90_nan_key_reaches_exactly_the_rows_that_see_it(gluon_paged, monkeypatch,
+                                                                      key, d):
     """A NaN in key ``key`` of sequence 0 (kv head 1): NaN out and lse on the rows of query
     heads 2, 3 that see it (causal, 200 rows on 600 keys: rows ``key - 400`` on), the clean
-    result elsewhere. Key 599 is the last one, in a partial last page. Both head dims of the
-    paged kernel's domain."""
+    result elsewhere. Key 599 is the last one, in a partial last page. Every head dim of the
+    paged kernel's domain (D = 256 with PAGED_D256)."""
+    from flashlse.kernels import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "PAGED_D256", True)
     qlens, klens, page, hq, hkv = [200, 150], [600, 150], 64, 4, 2
     t = _paged_batch(torch.float16, qlens, klens, page, hq, hkv, seed=3, d=d)
     clean = _run(t, causal=True)
