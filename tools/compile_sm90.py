@@ -265,10 +265,12 @@ def cases():
             f" {splits} splits" if splits > 1 else "") + (" WG=3" if wg == 3 else ""), \
             fwd_sm90._fwd_sm90_varlen_kernel, types, consts, 4, 1
     # The same kernel over paged caches (a paged call's long sequences).
+    # (D = 256: fwd_sm90.PAGED_D256, O staged in Q's buffer.)
     for d, page, splits, wg in ((128, 16, 1, 2), (128, 64, 1, 2), (128, 256, 1, 2),
-                                (128, 16, 4, 2), (64, 16, 1, 3), (64, 256, 4, 3)):
+                                (128, 16, 4, 2), (64, 16, 1, 3), (64, 256, 4, 3),
+                                (256, 16, 1, 2), (256, 64, 4, 2)):
         consts = dict(GROUP=4, HQ=32, D=d, BLOCK_N=configs.FWD_SM90[d].block_n, STAGES=2,
-                      HAS_LEFT=False, HAS_RIGHT=True, HAS_SINK=False, O_IN_Q=False,
+                      HAS_LEFT=False, HAS_RIGHT=True, HAS_SINK=False, O_IN_Q=d == 256,
                       CONSUMER_REGS=240 if wg == 2 else 160, PAGE_SIZE=page, SPLITS=splits,
                       WG=wg)
         # Key splits: partial states in float32 workspaces.
@@ -301,6 +303,10 @@ def cases():
                       CONSUMER_REGS=240)
         yield "fwd", f"fwd sm90 paged (Gluon) D=128 {label}", fwd_sm90._fwd_sm90_paged_kernel, \
             paged_sm90, consts, 4, 1
+    # D = 256 (fwd_sm90.PAGED_D256): 64-key tiles, a page of 16 four boxes a tile.
+    yield "fwd", "fwd sm90 paged (Gluon) D=256 page 16 causal", fwd_sm90._fwd_sm90_paged_kernel, \
+        paged_sm90, dict(consts, D=256, PAGE_SIZE=16, BLOCK_N=configs.FWD_SM90[256].block_n,
+                         HAS_LEFT=False), 4, 1
     bwd_types = dict(q=BF16, k=BF16, v=BF16, dout=BF16, dq=BF16, dk=BF16, dv=BF16,
                      lse_log2=F32, delta=F32, cu_seqlens_q=I32, cu_seqlens_k=I32,
                      seqused_k=I32)
