@@ -804,7 +804,7 @@ if [ "$1" = s53 ]; then
         set -- $hm
         [ $SECONDS -lt 530 ] || { echo "s53: no time for $hm"; continue; }
         timeout 60 python3 benchmarks/bench_serving.py --heads $1 --mixed $2 --flag $3 \
-            --dim ${4:-128} 2>&1 | tail -2
+            --dim ${4:-128} 2>&1 | tail -2 | tee -a "$OUT/s53_ab.txt"
     done
     exit 0
 fi
