@@ -783,12 +783,12 @@ if [ "$1" = s53 ]; then
     # PAGED_D256 (the mixed step at D = 256, 32 / 8 and 8 / 2 heads; predicted 1.2-1.5x and
     # 2-4x, as D = 64's flag gave), SMALL_DECODE_WIDE at G = 32 (predicted level or better
     # where the Hopper kernel splits the keys), SMALL_DECODE at 8 and 32 decodes on 64k.
-    timeout 230 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_short_query.py \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_short_query.py \
         > "$OUT/test_gpu_short.log" 2>&1 &
-    timeout 230 python3 -m pytest -q -p no:cacheprovider --tb=line \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line \
         $K/test_varlen_paged_mixed.py $K/test_varlen_paged_decode.py \
         > "$OUT/test_gpu_mixed.log" 2>&1 &
-    timeout 230 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_fwd_paged_sm90.py \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_fwd_paged_sm90.py \
         -k d256 > "$OUT/test_gpu_paged256.log" 2>&1 &
     wait
     for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
@@ -802,7 +802,7 @@ if [ "$1" = s53 ]; then
               "64,2 1,512,65024,4,65536 dispatch.SMALL_DECODE_WIDE" \
               "8,1 1,512,65024,2,65536 dispatch.SMALL_DECODE"; do
         set -- $hm
-        [ $SECONDS -lt 530 ] || { echo "s53: no time for $hm"; continue; }
+        [ $SECONDS -lt 430 ] || { echo "s53: no time for $hm"; continue; }
         timeout 60 python3 benchmarks/bench_serving.py --heads $1 --mixed $2 --flag $3 \
             --dim ${4:-128} 2>&1 | tail -2 | tee -a "$OUT/s53_ab.txt"
     done
