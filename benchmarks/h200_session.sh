@@ -237,7 +237,7 @@ if [ "$1" = kept ]; then
     # the kernel tests of that path, the sync-free and fast-path tests, then host us of
     # bench_overhead's kvcache and merge rows, .before's package and this one in turn.
     K=tests/kernels
-    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
+    timeout ${S53_TESTS:-200} python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
         $K/test_sync_free.py $K/test_launch_fast_path.py $K/test_cuda_graphs.py \
         $K/test_combine.py $K/test_fwd.py -k "kept or kvcache or serving or decode or merge" \
         > "$OUT/test_kept.log" 2>&1
@@ -251,11 +251,11 @@ if [ "$1" = raw ]; then
     # Gluon kernels' GPU tests in two shards, then host us of the public calls with
     # _common.RAW_LAUNCH on / off in turns (session 24's A/B had it for scratch-free kernels).
     K=tests/kernels
-    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_fwd.py $K/test_launch_fast_path.py \
+    timeout ${S53_TESTS:-200} python3 -m pytest -q -p no:cacheprovider $K/test_fwd.py $K/test_launch_fast_path.py \
         $K/test_cuda_graphs.py $K/test_sync_free.py -k "(sm90 and bf16) or fast or graph or sync or kept" \
         > "$OUT/test_raw_a.log" 2>&1 &
     P1=$!
-    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_decode_mla_sm90.py $K/test_bwd.py \
+    timeout ${S53_TESTS:-200} python3 -m pytest -q -p no:cacheprovider $K/test_decode_mla_sm90.py $K/test_bwd.py \
         $K/test_fwd_paged_sm90.py -k "mla or (sm90 and bf16 and not tl) or (paged and bf16)" \
         > "$OUT/test_raw_b.log" 2>&1 &
     P2=$!
@@ -277,10 +277,10 @@ if [ "$1" = sized ]; then
     # The new serving-step tests first (a long list may be cut by its limit).
     timeout 100 python3 -m pytest -q -p no:cacheprovider $K/test_fwd_paged_sm90.py \
         $K/test_kvcache_kernels.py -k "serving or share_one_plan" > "$OUT/test_sized_0.log" 2>&1
-    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_fwd_paged_sm90.py \
+    timeout ${S53_TESTS:-200} python3 -m pytest -q -p no:cacheprovider $K/test_fwd_paged_sm90.py \
         -k "bf16 or failure or bad_page or nan or sink" > "$OUT/test_sized_a.log" 2>&1 &
     P1=$!
-    timeout 200 python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
+    timeout ${S53_TESTS:-200} python3 -m pytest -q -p no:cacheprovider $K/test_kvcache_kernels.py \
         $K/test_sync_free.py $K/test_launch_fast_path.py $K/test_cuda_graphs.py \
         -k "paged or prefill or varlen or graph or fast" > "$OUT/test_sized_b.log" 2>&1 &
     P2=$!
@@ -783,12 +783,12 @@ if [ "$1" = s53 ]; then
     # PAGED_D256 (the mixed step at D = 256, 32 / 8 and 8 / 2 heads; predicted 1.2-1.5x and
     # 2-4x, as D = 64's flag gave), SMALL_DECODE_WIDE at G = 32 (predicted level or better
     # where the Hopper kernel splits the keys), SMALL_DECODE at 8 and 32 decodes on 64k.
-    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_short_query.py \
+    timeout ${S53_TESTS:-200} python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_short_query.py \
         > "$OUT/test_gpu_short.log" 2>&1 &
-    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line \
+    timeout ${S53_TESTS:-200} python3 -m pytest -q -p no:cacheprovider --tb=line \
         $K/test_varlen_paged_mixed.py $K/test_varlen_paged_decode.py \
         > "$OUT/test_gpu_mixed.log" 2>&1 &
-    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_fwd_paged_sm90.py \
+    timeout ${S53_TESTS:-200} python3 -m pytest -q -p no:cacheprovider --tb=line $K/test_fwd_paged_sm90.py \
         -k d256 > "$OUT/test_gpu_paged256.log" 2>&1 &
     wait
     for f in "$OUT"/test_gpu_*.log; do echo "$f: $(grep -E 'passed|failed|error' "$f" | tail -1)"; done
@@ -802,7 +802,7 @@ if [ "$1" = s53 ]; then
               "64,2 1,512,65024,4,65536 dispatch.SMALL_DECODE_WIDE" \
               "8,1 1,512,65024,2,65536 dispatch.SMALL_DECODE"; do
         set -- $hm
-        [ $SECONDS -lt 430 ] || { echo "s53: no time for $hm"; continue; }
+        [ $SECONDS -lt ${S53_END:-430} ] || { echo "s53: no time for $hm"; continue; }
         timeout 60 python3 benchmarks/bench_serving.py --heads $1 --mixed $2 --flag $3 \
             --dim ${4:-128} 2>&1 | tail -2 | tee -a "$OUT/s53_ab.txt"
     done
