@@ -274,8 +274,11 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     group = q.shape[-2] // max(k_cache.shape[-2], 1)
     # Packed rows (T_q * G) up to which a sequence is a decode (SMALL_DECODE's packed form or
     # the portable kernel's 16-row tiles), above which the long kernels take it.
+    # (A forward tile override keeps every sequence off the decode kernel: the threshold
+    # stays the portable kernel's.)
     small = fwd.SMALL_ROWS
-    if SMALL_DECODE and SMALL_DECODE_WIDE and small < group <= WIDE_MAX_GROUP:
+    if SMALL_DECODE and SMALL_DECODE_WIDE and small < group <= WIDE_MAX_GROUP and \
+            not opts.fwd_config:
         small = group
     only_small = False
     if opts.sm90_fwd_paged and fwd_sm90 is not None and max_seqlen_q * group > small:

@@ -57,19 +57,25 @@ def test_varlen_paged_mixed_on_either_kernel(device, monkeypatch, qlens, klens, 
     assert bool(_packed_calls()) == (route and min(qlens) * group <= fwd.SMALL_ROWS)
 
 
+@pytest.mark.parametrize("override", [False, True], ids=["", "fwd_config"])
 @pytest.mark.parametrize("wide", [True, False], ids=["wide", "narrow"])
 @pytest.mark.parametrize("hq,hkv", [(24, 1), (64, 2)], ids=["g24", "g32"])
-def test_varlen_paged_mixed_wide_groups(device, monkeypatch, hq, hkv, wide):
+def test_varlen_paged_mixed_wide_groups(device, monkeypatch, kernel_opts, hq, hkv, wide,
+                                        override):
     # Groups of more than SMALL_ROWS heads (MQA): with SMALL_DECODE_WIDE a sequence of one
     # query row (G packed rows) runs the packed decode form, sequences of 2+ rows the long
     # kernels (rows_lo = G on both sides), empty and zero-row sequences among them; without
-    # it every sequence takes the long kernels. Against the reference, causal with a sink.
+    # it, or under a forward tile override (no decode kernel then: the threshold stays the
+    # portable kernel's, on the Hopper kernel too), every sequence takes the long kernels.
+    # Against the reference, causal with a sink.
     monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
     monkeypatch.setattr(dispatch, "SMALL_DECODE_WIDE", wide)
     monkeypatch.setattr(dispatch, "PAGED_DECODE", False)
+    if override:
+        kernel_opts(fwd_config={"BLOCK_N": 32})
     run_paged(device, DTYPE, [3, 1, 0, 1, 2, 1], [40, 33, 7, 0, 2, 18], 8, hq=hq, hkv=hkv,
               causal=True, sink=True)
-    assert _packed_calls() == ([(6, 1)] if wide else [])
+    assert _packed_calls() == ([(6, 1)] if wide and not override else [])
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
