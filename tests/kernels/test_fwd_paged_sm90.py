@@ -10,8 +10,8 @@ Every case compares out and lse with the float64 reference by the project's rule
 rows exactly (out 0, lse -inf or the sink) and asserts that the Gluon plan was made and
 launched (pages of 32 rows and more; pages of 8 and 16, outside its domain, are checked on
 the paths that take them, and that it did not run). Sequences of at most 16 packed rows
-(``T_q * Hq / Hkv``, decodes) always run the portable paged kernel: in mixed batches their
-rows are also checked on their own.
+(``T_q * Hq / Hkv``, decodes) never run it (the decode kernel's packed form takes them,
+``dispatch.SMALL_DECODE``): in mixed batches their rows are also checked on their own.
 
 Gluon does not run under TRITON_INTERPRET: these run on an sm_90 GPU only.
 """
@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.gpu,
 DEVICE = "cuda"
 NAN = float("nan")
 D = 128
-# Packed rows (T_q * Hq / Hkv) up to which a sequence runs the portable paged kernel.
+# Packed rows (T_q * Hq / Hkv) up to which a sequence runs the decode kernel's packed form.
 DECODE_ROWS = 16
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 
@@ -196,7 +196,7 @@ def _check(got, ref, base, t, empty, rows=None):
 
 
 def _decode_rows(qlens, group):
-    """``(total_q,)`` bool: the rows of sequences the portable kernel takes (<= 16 packed)."""
+    """``(total_q,)`` bool: the rows of sequences the Hopper kernel leaves (<= 16 packed)."""
     return torch.cat([torch.full((n,), 0 < n * group <= DECODE_ROWS) for n in qlens]).to(DEVICE)
 
 
@@ -206,7 +206,7 @@ def _check_case(got, t, qlens, klens, mask):
     _check(got, ref, base, t, empty)
     small = _decode_rows(qlens, t["q"].shape[1] // t["k_cache"].shape[2])
     if small.any():
-        # The portable kernel's sequences of the same call, on their own error scale.
+        # The decode kernel's sequences of the same call, on their own error scale.
         _check(got, ref, base, t, empty, rows=small)
     return ref
 
