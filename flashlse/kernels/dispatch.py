@@ -302,7 +302,7 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
         # kernel ran them): each launch skips the other's sequences on the device.
         if not only_small:
             fwd.attn_fwd_paged(q, k_cache, v_cache, block_table, **kw, out=out, lse=lse,
-                               plans=plans, skip_small=True, small_rows=small)
+                               plans=plans, skip_rows=small)
         decode.packed_fwd(q, k_cache, v_cache, block_table, cu_seqlens_q, seqused_k, out, lse,
                           max_rows=min(small // group, max_seqlen_q), left=left,
                           right=right, softcap=softcap, scale=scale, sink=sink, plans=plans)

@@ -692,8 +692,7 @@ SMALL_ROWS = 16
 
 def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen_q, seqused_k,
                    max_seqlen_k, left, right, softcap, scale, sink, out=None, lse=None,
-                   only_small=False, min_seqlen_q=0, plans=None, skip_small=False,
-                   small_rows=SMALL_ROWS):
+                   only_small=False, min_seqlen_q=0, plans=None, skip_rows=0):
     """:func:`attn_fwd` over paged K/V caches, read in place (no gather), the query heads of
     each kv head packed into the rows of a tile.
 
@@ -718,11 +717,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
             large tiles covers them all.
         plans: a cache the caller keeps for calls of one metadata but the lengths (a public
             call's kept key): the launches are found there by their tiles alone.
-        skip_small: only the sequences of more than ``small_rows`` packed rows, where
-            ``max_seqlen_q`` has some (the dispatcher runs the others on the split-KV decode
-            kernel).
-        small_rows: with ``skip_small``, the packed rows up to which the dispatcher took a
-            sequence (``SMALL_ROWS``, or a group larger than that: one query row).
+        skip_rows: when > 0, only the sequences of more than ``skip_rows`` packed rows,
+            where ``max_seqlen_q`` has some: the dispatcher runs the others on the split-KV
+            decode kernel (``SMALL_ROWS``, or a group larger than that: one query row).
 
     Returns:
         ``out (total_q, Hq, Dv)`` in ``q.dtype`` and ``lse (Hq, total_q)`` float32.
@@ -736,9 +733,9 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     rows = int(max_seqlen_q) * group
     if only_small:
         rows = min(rows, SMALL_ROWS)
-    if not skip_small:
-        small_rows = SMALL_ROWS
-    if total_q == 0 or batch == 0 or rows == 0 or (skip_small and rows <= small_rows):
+    # Packed rows up to which a sequence is a decode (this launch's or the decode kernel's).
+    small = skip_rows or SMALL_ROWS
+    if total_q == 0 or batch == 0 or rows == 0 or rows <= skip_rows:
         return out, lse
     block_d = max(next_pow2(d), 16)
     block_dv = max(next_pow2(dv), 16)
@@ -747,10 +744,10 @@ def attn_fwd_paged(q, k_cache, v_cache, block_table, *, cu_seqlens_q, max_seqlen
     # The sequences of (rows_lo, rows_hi] packed rows a launch; the others exit at once. A
     # mixed step: the sequences of up to SMALL_ROWS packed rows (decodes, G <= 16) take a
     # launch of 16-row tiles of their own instead of a 128-row tile each; both launches see
-    # every sequence and skip the other's (no host sync on the lengths). With ``skip_small``
+    # every sequence and skip the other's (no host sync on the lengths). With ``skip_rows``
     # the dispatcher runs those on the decode kernel (dispatch.SMALL_DECODE): no such launch.
-    spans = ([(0, rows)] if rows <= small_rows or int(min_seqlen_q) * group > small_rows
-             else [(small_rows, rows), (0, small_rows)][:2 - skip_small])
+    spans = ([(0, rows)] if rows <= small or int(min_seqlen_q) * group > small
+             else [(small, rows), (0, small)][:1 if skip_rows else 2])
     cfgs = tuple(_pick_paged_config(block_d, block_dv, hi) for _, hi in spans)
     # The plan is a function of the call's metadata but the lengths (total_q, max_seqlen_q,
     # max_seqlen_k: a serving engine's every step changes them), which each launch passes

@@ -254,28 +254,8 @@ def test_fwd_paged_sm90_matches_reference(gluon_paged, dtype, qlens, klens, hq, 
     _check_case(got, t, qlens, klens, kw)
 
 
-@pytest.mark.parametrize("wg", [2, 3], ids=["wg2", "wg3"])
-@pytest.mark.parametrize("qlens, klens, hq, hkv, page, kw", [
-    pytest.param([300, 130, 1, 64], [1003, 451, 300, 64], 8, 2, 64, dict(causal=True),
-                 id="chunked_causal_page64"),
-    pytest.param([200, 1, 0, 40, 193], [700, 300, 50, 0, 250], 8, 2, 16,
-                 dict(window=(100, 0), sink=True), id="mixed_window_sink_page16"),
-])
-def test_fwd_paged_sm90_d64_consumers(gluon_paged, kernel_opts, wg, qlens, klens, hq, hkv,
-                                      page, kw):
-    """D = 64 over pages on two and three consumer warpgroups (VARLEN_CONSUMERS: 192-row
-    blocks ending at each sequence's end, a part before row 0 loads and stores nothing, each
-    part its own key tiles): lengths off the 64-row grid, a decode row, a sequence with no
-    key, a window whose parts see different key tiles."""
-    kernel_opts(fwd_sm90_config={"VARLEN_CONSUMERS": wg})
-    kw = dict(kw)
-    t = _paged_batch(torch.bfloat16, qlens, klens, page, hq, hkv, sink=kw.pop("sink", False),
-                     seed=4, d=64)
-    got = _run(t, **kw)
-    _assert_gluon_ran(gluon_paged, page)
-    _check_case(got, t, qlens, klens, kw)
-
-
+@pytest.mark.parametrize("d, wg", [(64, 2), (64, 3), (256, 2)],
+                         ids=["d64-wg2", "d64-wg3", "d256-wg2"])
 @pytest.mark.parametrize("qlens, klens, hq, hkv, page, kw", [
     pytest.param([300, 130, 1, 64], [1003, 451, 300, 64], 8, 2, 64, dict(causal=True),
                  id="chunked_causal_page64"),
@@ -283,16 +263,21 @@ def test_fwd_paged_sm90_d64_consumers(gluon_paged, kernel_opts, wg, qlens, klens
                  dict(window=(100, 0), sink=True), id="mixed_window_sink_page16"),
     pytest.param([130, 17], [400, 129], 16, 4, 128, {}, id="gqa4_full_page128"),
 ])
-def test_fwd_paged_sm90_d256(gluon_paged, monkeypatch, qlens, klens, hq, hkv, page, kw):
-    """D = 256 over pages (``fwd_sm90.PAGED_D256``: O staged in Q's buffer, 64-key tiles, a
-    page of 16 four boxes a tile): lengths off the tile grid, a decode row, a sequence with
-    no key, a window with a sink, a page of two tiles."""
+def test_fwd_paged_sm90_head_dims(gluon_paged, kernel_opts, monkeypatch, d, wg, qlens, klens,
+                                   hq, hkv, page, kw):
+    """D = 64 over pages on two and three consumer warpgroups (VARLEN_CONSUMERS: 192-row
+    blocks ending at each sequence's end, a part before row 0 loads and stores nothing, each
+    part its own key tiles), and D = 256 (``fwd_sm90.PAGED_D256``: O staged in Q's buffer,
+    64-key tiles, a page of 16 four boxes a tile): lengths off the tile grid, a decode row, a
+    sequence with no key, a window whose parts see different key tiles, with a sink, a page
+    of more than one tile."""
     from flashlse.kernels import fwd_sm90
 
     monkeypatch.setattr(fwd_sm90, "PAGED_D256", True)
+    kernel_opts(fwd_sm90_config={"VARLEN_CONSUMERS": wg})
     kw = dict(kw)
     t = _paged_batch(torch.bfloat16, qlens, klens, page, hq, hkv, sink=kw.pop("sink", False),
-                     seed=6, d=256)
+                     seed=4, d=d)
     got = _run(t, **kw)
     _assert_gluon_ran(gluon_paged, page)
     _check_case(got, t, qlens, klens, kw)

@@ -252,3 +252,60 @@ def test_varlen_paged_mixed_empty_rows_and_neg_inf_sink(device, monkeypatch):
         return_lse=True)
     torch.testing.assert_close(out[9:].cpu().double(), ref_out[9:], atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse[:, 9:].cpu().double(), ref_lse[:, 9:], atol=2e-3, rtol=2e-3)
+
+
+def test_varlen_paged_mixed_wide_lse_contract_and_nan(device, monkeypatch):
+    # SMALL_DECODE_WIDE's route (G = 24: one-row decodes on the packed form, a 3-row sequence
+    # on the long kernels): a decode on an empty cache gives out 0 and lse -inf, or the sink,
+    # a -inf sink bit for bit no sink; the rows with keys agree with the float64 reference;
+    # a NaN key reaches exactly its decode's rows (every head: one kv head), a NaN query
+    # exactly its head's row, and nothing else moves.
+    monkeypatch.setattr(dispatch, "SMALL_DECODE", True)
+    monkeypatch.setattr(dispatch, "SMALL_DECODE_WIDE", True)
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d, page = 24, 1, 16, 4
+    kc = torch.randn(6, page, hkv, d, generator=g).to(device, DTYPE)
+    vc = torch.randn(6, page, hkv, d, generator=g).to(device, DTYPE)
+    table = torch.tensor([[0, 1], [2, 5], [3, 4]], dtype=torch.int32, device=device)
+    used = torch.tensor([8, 0, 6], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 3, 4, 5], dtype=torch.int32, device=device)
+    q = torch.randn(5, hq, d, generator=g).to(device, DTYPE)
+    sink = torch.randn(hq, generator=g).to(device)
+    sink[::3] = float("-inf")
+
+    def call(q, kc, s):
+        with torch.no_grad(), fl.value_checks(False):
+            return fl.attention_varlen(q, kc, vc, cu, None, 3, 8, seqused_k=used,
+                                       block_table=table, causal=True, sink=s, return_lse=True)
+
+    out0, lse0 = call(q, kc, None)
+    out, lse = call(q, kc, sink)
+    assert _packed_calls() and not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert bool((out0[3] == 0).all()) and bool(torch.isneginf(lse0[:, 3]).all())
+    assert bool((out[3] == 0).all())
+    torch.testing.assert_close(lse[:, 3], torch.where(torch.isneginf(sink), lse0[:, 3], sink),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(out[:, ::3], out0[:, ::3], rtol=0, atol=0)
+    torch.testing.assert_close(lse[::3], lse0[::3], rtol=0, atol=0)
+    ref_out, ref_lse = R.attention_varlen(
+        q.cpu().double(), kc.cpu().double(), vc.cpu().double(), cu.cpu(), None, 3, 8,
+        seqused_k=used.cpu(), block_table=table.cpu(), causal=True, sink=sink.cpu().double(),
+        return_lse=True)
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=2e-3, rtol=2e-3)
+    # A NaN in key 5 of the last decode (page 4, row 1): its row, every head; the rest as
+    # before, bit for bit.
+    bad_k = kc.clone()
+    bad_k[4, 1, 0, 3] = float("nan")
+    out_k, lse_k = call(q, bad_k, sink)
+    assert bool(torch.isnan(out_k[4]).all()) and bool(torch.isnan(lse_k[:, 4]).all())
+    torch.testing.assert_close(out_k[:4], out[:4], rtol=0, atol=0)
+    torch.testing.assert_close(lse_k[:, :4], lse[:, :4], rtol=0, atol=0)
+    # A NaN in head 5 of that decode's query: that head's row alone.
+    bad_q = q.clone()
+    bad_q[4, 5, 0] = float("nan")
+    out_q, lse_q = call(bad_q, kc, sink)
+    nan_rows = torch.isnan(lse_q)
+    assert nan_rows.sum() == 1 and bool(nan_rows[5, 4]) and bool(torch.isnan(out_q[4, 5]).all())
+    assert not torch.isnan(out_q[4, torch.arange(hq) != 5]).any()
+    torch.testing.assert_close(out_q[:4], out[:4], rtol=0, atol=0)
