@@ -795,6 +795,7 @@ if [ "$1" = s53 ]; then
     grep -h -E "^FAILED|^E |Error" "$OUT"/test_gpu_*.log | head -10
     for hm in "32,8 4,2048,2048,16,4096 fwd_sm90.PAGED_D256 256" \
               "8,2 1,2048,30720,4,32768 fwd_sm90.PAGED_D256 256" \
+              "32,8 kv fwd_sm90.PAGED_D256 256" \
               "32,1 1,512,65024,4,65536 dispatch.SMALL_DECODE_WIDE" \
               "32,1 4,2048,2048,64,4096 dispatch.SMALL_DECODE_WIDE" \
               "32,8 1,512,65024,8,65536 dispatch.SMALL_DECODE" \
@@ -803,6 +804,11 @@ if [ "$1" = s53 ]; then
               "8,1 1,512,65024,2,65536 dispatch.SMALL_DECODE"; do
         set -- $hm
         [ $SECONDS -lt ${S53_END:-430} ] || { echo "s53: no time for $hm"; continue; }
+        if [ "$2" = kv ]; then  # attention_with_kvcache's chunks: pages in place or gathered
+            timeout 90 python3 benchmarks/bench_serving.py --heads $1 --flag $3 --dim $4 2>&1 \
+                | tail -18 | tee -a "$OUT/s53_ab.txt"
+            continue
+        fi
         timeout 60 python3 benchmarks/bench_serving.py --heads $1 --mixed $2 --flag $3 \
             --dim ${4:-128} 2>&1 | tail -2 | tee -a "$OUT/s53_ab.txt"
     done
