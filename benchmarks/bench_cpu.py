@@ -10,6 +10,7 @@ for these), against the loops; then decode steps on a 4k cache (GQA 32 / 8, D = 
 packed varlen batches of equal sequences (batched runs against one call a sequence).
 
     python benchmarks/bench_cpu.py [--threads 2] [--smoke] [--dtype fp32|bf16|fp16]
+                                   [--native on|off]
 """
 
 from __future__ import annotations
@@ -99,13 +100,19 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    ap.add_argument("--native", default="on", choices=("on", "off"),
+                    help="off: bf16 / fp16 forwards in float32 even where this CPU multiplies "
+                         "the dtype natively (ops.attention.NATIVE_CPU_DTYPES), for an A/B")
     args = ap.parse_args()
+    if args.native == "off":
+        attn_mod.NATIVE_CPU_DTYPES = frozenset()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     torch.set_num_threads(args.threads)
     b, h, d = 1, 8, 64
     lengths = (256,) if args.smoke else (2048, 4096)
     print(f"CPU path vs SDPA (cpu), {args.dtype}, B={b} H={h} D={d}, {args.threads} threads, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; forwards in the dtype: "
+          f"{sorted(str(t) for t in attn_mod.NATIVE_CPU_DTYPES) or 'none'}")
     ours = {}
     for s in lengths:
         q, k, v = (torch.randn(b, s, h, d, dtype=dtype) for _ in range(3))

@@ -96,6 +96,54 @@ def test_sdpa_cpu_taken_matches_reference(routed, monkeypatch, b, sq, sk, hq, hk
     assert routed == {"fwd": 2 * n, "bwd": n}  # (the check runs the forward twice)
 
 
+NATIVE_CASES = ("decode_causal_sees_all", "causal_sq_lt_sk", "window_127_three_blocks",
+                "chunk_window_sink", "d48_dv32_causal", "causal_sink")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "float32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, kw, n",
+                         [c for c in TAKEN if c.id in NATIVE_CASES])
+def test_sdpa_cpu_forward_dtype(monkeypatch, b, sq, sk, hq, hkv, d, kw, n, dtype, native):
+    # bf16 / fp16 forwards run torch's kernel in the dtype where the CPU multiplies it
+    # natively (NATIVE_CPU_DTYPES; forced both ways here: emulated products are slow, not
+    # wrong), else in float32; both forms, merges of several parts and a sink included, match
+    # the reference (and the backward stays float32).
+    seen = []
+
+    def spy(op):
+        def run(q, *args, **kwargs):
+            seen.append(q.dtype)
+            return op(q, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(attn_mod, "NATIVE_CPU_DTYPES", frozenset({dtype} if native else ()))
+    monkeypatch.setattr(attn_mod, "_SDPA_CPU_FWD", spy(attn_mod._SDPA_CPU_FWD))
+    monkeypatch.setattr(attn_mod, "_SDPA_CPU_BWD", spy(attn_mod._SDPA_CPU_BWD))
+    kw = dict(kw)
+    dv = kw.pop("dv", d)
+    q, k, v = (rand(b, s, h, dim, dtype=dtype)
+               for s, h, dim in ((sq, hq, d), (sk, hkv, d), (sk, hkv, dv)))
+    sink = rand(hq) if kw.pop("sink", False) else None
+    _check(q, k, v, kw, sink)
+    fwd_dtype = dtype if native else torch.float32
+    assert seen == [fwd_dtype] * (2 * n) + [torch.float32] * n
+
+
+def test_sdpa_cpu_finite_check():
+    # The route's test of its inputs: any NaN or inf sends a call to the loops, in every
+    # dtype; a finite fp16 tensor whose sum overflows float16 does not (min and max there).
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        x = torch.full((4096, 8), 60000.0, dtype=dtype)
+        assert attn_mod._finite(x), dtype
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y[1234, 5] = bad
+            assert not attn_mod._finite(y), (dtype, bad)
+            assert not attn_mod._finite(y[1000:2000]), (dtype, bad)
+    assert attn_mod._finite(torch.empty(0, 8, dtype=torch.float16))
+
+
 def test_sdpa_cpu_window_masks_bounded(routed, monkeypatch):
     # A window's blocks carry masks of block x (block + width) elements: past TILE_ELEMS the
     # loops run the call.
@@ -256,13 +304,15 @@ def test_sdpa_cpu_lse_gradient_takes_the_loops(routed):
         assert_close_to_ref(a, r, name=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("where", ["q", "k", "k_first", "v", "q_inf", "k_inf"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sdpa_cpu_bad_data_propagates(routed, where, causal):
+def test_sdpa_cpu_bad_data_propagates(routed, where, causal, dtype):
     # torch's kernel gives a row whose every score is NaN (a NaN in q; in causal row 0, a NaN
-    # in key 0) out 0 and lse 0: such inputs must take the loops, whose NaN reaches exactly
-    # the reference's rows.
-    x = {n: rand(1, 10, 4 if n == "q" else 2, 16) for n in "qkv"}
+    # in key 0) out 0 and lse 0, and its bf16 products may carry a NaN row of P into the next
+    # (oneDNN on AMX): such inputs must take the loops, whose NaN reaches exactly the
+    # reference's rows.
+    x = {n: rand(1, 10, 4 if n == "q" else 2, 16, dtype=dtype) for n in "qkv"}
     name = where[0]
     row = 0 if where == "k_first" else 5
     x[name][0, row, 1, 3] = float("inf") if where.endswith("inf") else float("nan")

@@ -15,7 +15,8 @@ device and any float dtype (accumulating in float32; float64 stays float64):
 On CPU tensors, a dense call with no empty row (no softcap; finite inputs; no lse gradient
 in the backward) runs torch's own CPU flash attention instead
 (:func:`_sdpa_parts`): the same out and natural-log lse, faster than these loops
-(benchmarks/bench_cpu.py).
+(benchmarks/bench_cpu.py); its forwards run in bf16 / fp16 as given where the CPU multiplies
+them natively (``NATIVE_CPU_DTYPES``), as the GPU kernels compute.
 """
 
 from __future__ import annotations
@@ -154,10 +155,20 @@ def _sdpa_parts(q, k, v, left, right, softcap, sink, tensors) -> tuple | None:
         parts = tuple(_Part(q0, min(sq, q0 + block), max(0, q0 + shift + lo),
                             min(sk, min(sq, q0 + block) + shift + hi), masked=True)
                       for q0 in range(0, sq, block))
-    if not all(math.isfinite(t.detach().sum(dtype=compute_dtype(t.dtype)))
-               for t in tensors if t is not None):
+    if not all(_finite(t) for t in tensors if t is not None):
         return None
     return parts
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no NaN or inf (or overflows its sum: the loops then run the call), by
+    one reduction in its own dtype: a sum (float32 accumulation for bf16, the same range;
+    a sum in float32 of a bf16 cache converted every element, 5x the time), its min and max
+    in float16 (whose sum overflows at 65504)."""
+    t = t.detach()
+    if t.dtype == torch.float16:
+        return t.numel() == 0 or all(math.isfinite(x) for x in torch.aminmax(t))
+    return math.isfinite(t.sum())
 
 
 def _bhsd(*xs) -> list:
@@ -182,11 +193,34 @@ def _sdpa_call(op, part, sq, sk, left, right, dt, *args, **kw):
     return op(*args, 0.0, part.causal, attn_mask=mask, **kw)
 
 
+def _native_cpu_dtypes() -> frozenset:
+    """The reduced dtypes in which torch's CPU flash attention runs its matrix products on
+    oneDNN's native kernels on this CPU (AVX-512 for bf16; AVX-512-FP16 or AMX-FP16 for fp16):
+    torch's own test of the ISA, which its kernel's GEMMs follow."""
+    try:
+        native = torch.ops.mkldnn
+        return frozenset(dt for dt, ok in ((torch.bfloat16, native._is_mkldnn_bf16_supported),
+                                           (torch.float16, native._is_mkldnn_fp16_supported))
+                         if ok())
+    except (AttributeError, RuntimeError):  # (a torch built without oneDNN)
+        return frozenset()
+
+
+# Forwards run in bf16 / fp16 as given where this CPU multiplies them natively: P is rounded
+# to the dtype before P @ V (as the GPU kernels do), the softmax's statistics and the output
+# accumulate in float32, lse is float32. A decode step on a 4k bf16 cache (32 / 8 heads,
+# D = 128) took 16 ms through the float32 copies against 2.6 for SDPA; prefill 2.5-2.9x
+# faster too (AMX). Without native products (an AVX2 CPU: emulated GEMMs) they run in
+# float32 as before. Backwards stay float32: in the dtype, their gradients' errors were 2-5x
+# the float32 path's (benchmarks/NOTES.md, 2026-12-05).
+NATIVE_CPU_DTYPES = _native_cpu_dtypes()
+
+
 def _sdpa_fwd(q, k, v, parts, left, right, scale, sink):
     """:func:`attn_fwd_torch` by torch's CPU flash attention on ``parts`` (``_sdpa_parts``),
-    in float32 as the loops compute (float64 stays float64): its fp16 kernel ran 3-4x slower
-    than the loops here, its bf16 one slower than its float32 one."""
-    dt = compute_dtype(q.dtype)
+    in q's dtype where it is in ``NATIVE_CPU_DTYPES``, else in the loops' compute dtype
+    (float32; float64 stays float64). A block of several parts is merged in float32."""
+    dt = q.dtype if q.dtype in NATIVE_CPU_DTYPES else compute_dtype(q.dtype)
     width = max(q.shape[-1], v.shape[-1])
     qt, kt, vt = _bhsd(*(_padded(x, width, dt) for x in (q, k, v)))
     sq, sk = q.shape[1], k.shape[1]

@@ -72,14 +72,17 @@ def _split_fwd(qb, kb, vb, num_splits, left, right, softcap, scale, sink):
     # a forced count at one split a key tile.)
     num_splits = min(num_splits, max(sk, 1))
     bounds = torch.linspace(0, sk, num_splits + 1).round().long().tolist()
+    # Partials of several ranges stay in the accumulation dtype until the merge (as the
+    # kernels' do); one range is the call itself (computed as attn_fwd_torch computes q's
+    # dtype: a bf16 cache is not copied to float32 where the CPU multiplies bf16).
+    qc = qb if num_splits == 1 else qb.to(compute_dtype(qb.dtype))
     outs, lses = [], []
     for k0, k1 in zip(bounds, bounds[1:]):
         # A key range [k0, k1) of a sequence of sk keys: bottom-right alignment moves by
         # sk - k1, so the window shifts by that much (left may go negative: still exact).
         shift = sk - k1
-        # Partials stay in the accumulation dtype until the merge (as the kernel's do).
         o, l = attn_fwd_torch(
-            qb.to(compute_dtype(qb.dtype)), kb[:, k0:k1], vb[:, k0:k1],
+            qc, kb[:, k0:k1], vb[:, k0:k1],
             left=None if left is None else left - shift,
             right=None if right is None else right + shift,
             softcap=softcap, scale=scale, sink=None)
