@@ -4,6 +4,7 @@
 
     python benchmarks/bench_transformers.py            # GPU, bf16, ~1.2B parameters
     python benchmarks/bench_transformers.py --tiny     # CPU smoke run (checks the script)
+    python benchmarks/bench_transformers.py --cpu      # CPU, bf16, a ~0.1B-parameter model
 
 Rows:
   * generate B = 1: a 512-token prompt, 128 new tokens, greedy, the dynamic cache (each step
@@ -33,13 +34,18 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flashlse.integrations.transformers as flt  # noqa: E402
 
 
-def _models(tiny: bool, device: str, dtype: torch.dtype):
+def _models(size: str, device: str, dtype: torch.dtype):
     import transformers
 
-    if tiny:
+    if size == "tiny":
         cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
                                        num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, max_position_embeddings=4096)
+    elif size == "cpu":
+        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024,
+                                       intermediate_size=2816, num_hidden_layers=4,
+                                       num_attention_heads=16, num_key_value_heads=4,
+                                       max_position_embeddings=8192)
     else:
         cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048,
                                        intermediate_size=5632, num_hidden_layers=16,
@@ -80,6 +86,9 @@ def _timed(fn, model, device) -> tuple:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--cpu", action="store_true",
+                    help="the CPU path in bf16: 4 layers, 16 / 4 heads, D = 64; a 1k-token "
+                         "prompt + 32 new tokens, B = 8 + 16, a training step B = 1 S = 1k")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--attn-host", action="store_true",
                     help="host us of each attention call inside generate B=1, both "
@@ -88,12 +97,13 @@ def main() -> None:
                     help="with --attn-host: cProfile of flashlse's attention calls alone "
                          "inside generate B=1 (own time, then cumulative)")
     args = ap.parse_args()
-    device = "cpu" if args.tiny else "cuda"
+    device = "cpu" if args.tiny or args.cpu else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     import transformers
 
-    cfg, models = _models(args.tiny, device, dtype)
-    prompt, new, b8_new = (16, 8, 4) if args.tiny else (512, 128, 64)
+    size = "tiny" if args.tiny else "cpu" if args.cpu else "gpu"
+    cfg, models = _models(size, device, dtype)
+    prompt, new, b8_new = {"tiny": (16, 8, 4), "cpu": (1024, 32, 16), "gpu": (512, 128, 64)}[size]
     g = torch.Generator().manual_seed(1)
     ids1 = torch.randint(3, cfg.vocab_size, (1, prompt), generator=g).to(device)
     lens = torch.randint(prompt // 4, prompt + 1, (8,), generator=g)
@@ -101,8 +111,7 @@ def main() -> None:
     mask8 = torch.arange(prompt)[None] >= (prompt - lens)[:, None]  # left padding
     ids8 = torch.where(mask8, ids8, 0).to(device)
     mask8 = mask8.long().to(device)
-    seq = 64 if args.tiny else 2048
-    tb = 2 if args.tiny else 4
+    seq, tb = {"tiny": (64, 2), "cpu": (1024, 1), "gpu": (2048, 4)}[size]
     train_ids = torch.randint(3, cfg.vocab_size, (tb, seq), generator=g).to(device)
 
     def gen1(m):

@@ -5,8 +5,11 @@ The kernels' own tests: tests/kernels/test_kvcache_leftpad_kernels.py (same case
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
+from _flashlse_testing import assert_close_to_ref
 
 import flashlse as fl
 from flashlse import compat
@@ -73,16 +76,52 @@ def test_leftpad_on_the_pytorch_path(b, sq, hq, hkv, d, smax, lens, leftpad, s_n
     assert (out.transpose(1, 2)[torch.isneginf(want_lse)] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("b,sq,hq,hkv,d,smax,lens,leftpad,s_new,kw", CASES)
+def test_leftpad_batch_one_masked_call(monkeypatch, b, sq, hq, hkv, d, smax, lens, leftpad,
+                                       s_new, kw, dtype):
+    # On the CPU a batch with no empty row and no softcap is one call of torch's kernel, the
+    # sequences' ranges as its mask (attention.sdpa_fwd_ranges); else one call a sequence.
+    # Both against the float64 reference (bf16: the house rule, the reference in bf16 as the
+    # baseline).
+    kv_mod = importlib.import_module("flashlse.ops.kvcache")
+    ranges, taken = kv_mod.sdpa_fwd_ranges, []
+
+    def spy(*args, **kwargs):
+        taken.append(ranges(*args, **kwargs))
+        return taken[-1]
+
+    monkeypatch.setattr(kv_mod, "sdpa_fwd_ranges", spy)
+    t, call = make(b, sq, hq, hkv, d, smax, lens, leftpad, s_new, kw, dtype=dtype)
+    out, lse = run(fl.attention_with_kvcache, t, call)
+    want, want_lse = run(R.attention_with_kvcache, *f64(t, call))
+    base = (None, None) if dtype == torch.float32 else run(R.attention_with_kvcache, t, call)
+    assert_close_to_ref(out, want, baseline=base[0], name="out")
+    assert_close_to_ref(lse, want_lse, baseline=base[1], dtype=dtype, name="lse")
+    # Keys a sequence sees; a row is empty when none (or, masked on the right, fewer than
+    # the query rows: bottom-right alignment).
+    seen = [(smax if lens is None else lens[i] + s_new) - leftpad[i] for i in range(b)]
+    right = 0 if kw.get("causal") or "window" in kw else None
+    empty = any(n == 0 or (right is not None and n < sq - right) for n in seen)
+    assert [x is not None for x in taken] == [not empty and not kw.get("softcap")]
+
+
 def test_leftpad_masks_exactly_the_rows_before_it():
-    # Against the same call on the cache with those rows made NaN and unlisted: the padded
-    # rows are never read (a NaN there reaches nothing), and leftpad 0 is no leftpad.
+    # The padded rows are never read: the same call with them NaN or inf gives the same bits
+    # (a sequence a call: a NaN or inf in any slot keeps the CPU path off its one masked call
+    # of torch's kernel, which would read the pads as masked keys), and the finite cache's
+    # result (the masked call) up to rounding; leftpad 0 is no leftpad.
     t, call = make(2, 1, 2, 1, 16, 30, [30, 20], [6, 0], 0, {"causal": True})
     base = run(fl.attention_with_kvcache, t, call)
-    poisoned = dict(t)
-    poisoned["k_cache"] = t["k_cache"].clone()
-    poisoned["k_cache"][0, :6] = float("nan")
-    got = run(fl.attention_with_kvcache, poisoned, call)
-    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
+    got = []
+    for bad in (float("nan"), float("inf")):
+        poisoned = dict(t)
+        poisoned["k_cache"] = t["k_cache"].clone()
+        poisoned["k_cache"][0, :6] = bad
+        got.append(run(fl.attention_with_kvcache, poisoned, call))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    torch.testing.assert_close(got[0][0], base[0])
+    torch.testing.assert_close(got[0][1], base[1])
     zero = dict(t, cache_leftpad=torch.zeros(2, dtype=torch.int32))
     plain = {n: x for n, x in t.items() if n != "cache_leftpad"}
     assert torch.equal(run(fl.attention_with_kvcache, zero, call)[0],

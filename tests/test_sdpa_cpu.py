@@ -104,11 +104,11 @@ NATIVE_CASES = ("decode_causal_sees_all", "causal_sq_lt_sk", "window_127_three_b
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("b, sq, sk, hq, hkv, d, kw, n",
                          [c for c in TAKEN if c.id in NATIVE_CASES])
-def test_sdpa_cpu_forward_dtype(monkeypatch, b, sq, sk, hq, hkv, d, kw, n, dtype, native):
-    # bf16 / fp16 forwards run torch's kernel in the dtype where the CPU multiplies it
-    # natively (NATIVE_CPU_DTYPES; forced both ways here: emulated products are slow, not
-    # wrong), else in float32; both forms, merges of several parts and a sink included, match
-    # the reference (and the backward stays float32).
+def test_sdpa_cpu_compute_dtype(monkeypatch, b, sq, sk, hq, hkv, d, kw, n, dtype, native):
+    # bf16 / fp16 forwards (and bf16 backwards) run torch's kernel in the dtype where the CPU
+    # multiplies it natively (NATIVE_CPU_DTYPES, NATIVE_CPU_BWD; forced both ways here, fp16
+    # backwards too: emulated products are slow, not wrong), else in float32; both forms,
+    # merges and sums of several parts and a sink included, match the reference.
     seen = []
 
     def spy(op):
@@ -118,6 +118,7 @@ def test_sdpa_cpu_forward_dtype(monkeypatch, b, sq, sk, hq, hkv, d, kw, n, dtype
         return run
 
     monkeypatch.setattr(attn_mod, "NATIVE_CPU_DTYPES", frozenset({dtype} if native else ()))
+    monkeypatch.setattr(attn_mod, "NATIVE_CPU_BWD", frozenset({dtype} if native else ()))
     monkeypatch.setattr(attn_mod, "_SDPA_CPU_FWD", spy(attn_mod._SDPA_CPU_FWD))
     monkeypatch.setattr(attn_mod, "_SDPA_CPU_BWD", spy(attn_mod._SDPA_CPU_BWD))
     kw = dict(kw)
@@ -126,8 +127,8 @@ def test_sdpa_cpu_forward_dtype(monkeypatch, b, sq, sk, hq, hkv, d, kw, n, dtype
                for s, h, dim in ((sq, hq, d), (sk, hkv, d), (sk, hkv, dv)))
     sink = rand(hq) if kw.pop("sink", False) else None
     _check(q, k, v, kw, sink)
-    fwd_dtype = dtype if native else torch.float32
-    assert seen == [fwd_dtype] * (2 * n) + [torch.float32] * n
+    run_dtype = dtype if native else torch.float32
+    assert seen == [run_dtype] * (3 * n)
 
 
 def test_sdpa_cpu_finite_check():

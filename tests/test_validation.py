@@ -31,7 +31,7 @@ def no_compute(monkeypatch):
         raise AssertionError("computation started before validation finished")
 
     for mod, names in ((attn_mod, ("attn_fwd_torch", "attn_bwd_torch")),
-                       (kv_mod, ("attn_fwd_torch", "_append", "_split_fwd")),
+                       (kv_mod, ("attn_fwd_torch", "sdpa_fwd_ranges", "_append", "_split_fwd")),
                        (sparse_mod, ("sparse_fwd_torch",)),
                        (merge_mod, ("merge_math",))):
         for name in names:

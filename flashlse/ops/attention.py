@@ -183,10 +183,12 @@ def _padded(x, width: int, dt):
     return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
-def _sdpa_call(op, part, sq, sk, left, right, dt, *args, **kw):
-    """``op`` on one part: its causal flag, or its window as an additive mask."""
-    mask = None
-    if part.masked:
+def _sdpa_call(op, part, sq, sk, left, right, dt, *args, mask=None, **kw):
+    """``op`` on one part: its causal flag, or its window as an additive mask (or ``mask``,
+    boolean, broadcastable to ``(B, H, rows, keys)``: True where a key is visible)."""
+    if mask is not None:
+        mask = torch.zeros(mask.shape, dtype=dt).masked_fill_(~mask, float("-inf"))
+    elif part.masked:
         ok = masks.visible(torch.arange(part.q0, part.q1), torch.arange(part.k0, part.k1),
                            sq, sk, left, right)
         mask = torch.zeros(ok.shape, dtype=dt).masked_fill_(~ok, float("-inf"))
@@ -211,15 +213,22 @@ def _native_cpu_dtypes() -> frozenset:
 # accumulate in float32, lse is float32. A decode step on a 4k bf16 cache (32 / 8 heads,
 # D = 128) took 16 ms through the float32 copies against 2.6 for SDPA; prefill 2.5-2.9x
 # faster too (AMX). Without native products (an AVX2 CPU: emulated GEMMs) they run in
-# float32 as before. Backwards stay float32: in the dtype, their gradients' errors were 2-5x
-# the float32 path's (benchmarks/NOTES.md, 2026-12-05).
+# float32 as before.
 NATIVE_CPU_DTYPES = _native_cpu_dtypes()
+# Backwards in bf16 there too (P and dS rounded to bf16 before their products, as the GPU
+# kernels' backward rounds them): 1.3-1.4x faster than in float32 (0.93-0.99x SDPA's bf16
+# backward, where float32 ran at 0.67-0.73x); dK / dV errors 2.5-7x the float32 form's, within
+# the contract's tolerance (docs/design.md section 5; 40,000 fuzzed configurations). fp16
+# backwards stay float32: in fp16 they were 5-12% slower here (benchmarks/RESULTS.md,
+# 2026-12-08).
+NATIVE_CPU_BWD = NATIVE_CPU_DTYPES & {torch.bfloat16}
 
 
-def _sdpa_fwd(q, k, v, parts, left, right, scale, sink):
+def _sdpa_fwd(q, k, v, parts, left, right, scale, sink, mask=None):
     """:func:`attn_fwd_torch` by torch's CPU flash attention on ``parts`` (``_sdpa_parts``),
     in q's dtype where it is in ``NATIVE_CPU_DTYPES``, else in the loops' compute dtype
-    (float32; float64 stays float64). A block of several parts is merged in float32."""
+    (float32; float64 stays float64). A block of several parts is merged in float32.
+    ``mask``: one part's visibility as a boolean tensor (:func:`sdpa_fwd_ranges`)."""
     dt = q.dtype if q.dtype in NATIVE_CPU_DTYPES else compute_dtype(q.dtype)
     width = max(q.shape[-1], v.shape[-1])
     qt, kt, vt = _bhsd(*(_padded(x, width, dt) for x in (q, k, v)))
@@ -227,7 +236,7 @@ def _sdpa_fwd(q, k, v, parts, left, right, scale, sink):
     outs, lses = [], []
     for (q0, q1), block in itertools.groupby(parts, lambda p: (p.q0, p.q1)):
         states = [_sdpa_call(_SDPA_CPU_FWD, p, sq, sk, left, right, dt, qt[:, :, q0:q1],
-                             kt[:, :, p.k0:p.k1], vt[:, :, p.k0:p.k1], scale=scale)
+                             kt[:, :, p.k0:p.k1], vt[:, :, p.k0:p.k1], mask=mask, scale=scale)
                   for p in block]
         if len(states) == 1 and sink is None:
             out, lse = states[0]
@@ -244,12 +253,42 @@ def _sdpa_fwd(q, k, v, parts, left, right, scale, sink):
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
+def sdpa_fwd_ranges(q, k, v, lo, hi, *, left, right, softcap, scale, sink):
+    """``(out, lse)`` of a batch whose sequence b has the keys ``[lo[b], hi[b])`` of its row of
+    ``k`` and ``v`` (Python ints; its rows bottom-right aligned on them, the window on top:
+    as one dense call a sequence), by one call of torch's CPU flash attention with the
+    ranges as a mask, on the keys up to the longest range's end; or None, for the caller's
+    call a sequence: not a call torch's kernel takes (as :func:`_sdpa_parts`), an empty row,
+    or a NaN or inf in q, the sink or those keys (a slot no row sees included)."""
+    b, sq = q.shape[:2]
+    n = max(hi, default=0)
+    if not (SDPA_CPU and q.device.type == "cpu" and not softcap and q.numel() > 0 and n > 0
+            and k.shape[-1] > 0 and v.shape[-1] > 0):
+        return None
+    k, v = k[:, :n], v[:, :n]
+    lo_t, hi_t = (torch.tensor(x).view(b, 1, 1) for x in (lo, hi))
+    key = torch.arange(n).view(1, 1, n)
+    diag = torch.arange(sq).view(1, sq, 1) + hi_t - sq  # (each row's diagonal key)
+    ok = (key >= lo_t) & (key < hi_t)
+    if left is not None:
+        ok = ok & (key >= diag - left)
+    if right is not None:
+        ok = ok & (key <= diag + right)
+    ok = ok.expand(b, sq, n)
+    if not bool(ok.any(-1).all()) or not all(_finite(t) for t in (q, k, v, sink)
+                                             if t is not None):
+        return None
+    return _sdpa_fwd(q, k, v, (_Part(0, sq, 0, n), ), left, right, scale, sink, ok[:, None])
+
+
 def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
     """:func:`attn_bwd_torch` without an lse gradient by torch's CPU flash backward on
     ``parts``: each part's P is ``exp(S - lse)`` with the call's final lse, and its delta
     ``rowsum(dout * out)`` with the final out, so the parts' gradients add up to the call's;
-    dsink as the loops compute it."""
-    dt = compute_dtype(q.dtype)
+    dsink as the loops compute it. In q's dtype where it is in ``NATIVE_CPU_BWD``, else in
+    the loops' compute dtype; several parts' gradients add up in the compute dtype."""
+    acc_dt = compute_dtype(q.dtype)
+    dt = q.dtype if q.dtype in NATIVE_CPU_BWD else acc_dt
     width = max(q.shape[-1], v.shape[-1])
     doc, qc, kc, vc, oc = (_padded(x, width, dt) for x in (dout, q, k, v, out))
     sq, sk = q.shape[1], k.shape[1]
@@ -257,7 +296,7 @@ def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
         dq, dk, dv = _bhsd(*_sdpa_call(_SDPA_CPU_BWD, parts[0], sq, sk, left, right, dt,
                                        *_bhsd(doc, qc, kc, vc, oc), lse, scale=scale))
     else:
-        dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dt) for x in (qc, kc, vc))
         for p in parts:
             rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
             grads = _sdpa_call(_SDPA_CPU_BWD, p, sq, sk, left, right, dt,
@@ -265,7 +304,8 @@ def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
                                       oc[:, rows]), lse[:, :, rows], scale=scale)
             for acc, idx, g in zip((dq, dk, dv), (rows, keys, keys), _bhsd(*grads)):
                 acc[:, idx] += g
-    dsink = None if sink is None else _dsink(sink, lse, (doc * oc).sum(-1).transpose(1, 2))
+    dsink = None if sink is None else _dsink(
+        sink, lse, (dout.to(acc_dt) * out.to(acc_dt)).sum(-1).transpose(1, 2))
     d, dv_dim = q.shape[-1], v.shape[-1]
     return (dq[..., :d].to(q.dtype).contiguous(), dk[..., :d].to(k.dtype).contiguous(),
             dv[..., :dv_dim].to(v.dtype).contiguous(), dsink)

@@ -14,7 +14,7 @@ from .. import masks
 from . import _validate as V
 from ._dispatch import compute_dtype, kernel_module, on_tensor_device, use_triton
 from ._paged import gather_pages
-from .attention import attn_fwd_torch
+from .attention import attn_fwd_torch, sdpa_fwd_ranges
 from .merge import merge_math
 
 # The decode kernel takes up to this many query rows per sequence (speculative decoding).
@@ -244,6 +244,13 @@ def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_
     bsz, capacity = q.shape[0], k_cache.shape[1]
     total = [capacity] * bsz if lens is None else (lens + s_new).tolist()
     starts = [0] * bsz if leftpad is None else leftpad.clamp(0, capacity).tolist()
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if block_table is None and num_splits <= 1 and bsz > 1:
+        # Sequences of other lengths (or left padding) in one call of torch's CPU kernel, the
+        # ranges as a mask (a decode step of 8 padded rows: 2.3 -> 0.7 ms on 2 CPU threads).
+        got = sdpa_fwd_ranges(q, k_cache, v_cache, starts, total, **kw)
+        if got is not None:
+            return got[0], got[1].to(lse_dtype)
     outs, lses = [], []
     for b in range(bsz):
         n, lo = total[b], starts[b]
@@ -253,7 +260,6 @@ def _torch_fwd(q, k_cache, v_cache, lens, s_new, block_table, k_new, v_new, num_
                           **kw)
         outs.append(o)
         lses.append(l)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if not outs:
         return (q.new_zeros(q.shape[:3] + v_cache.shape[-1:]),
                 q.new_zeros((0, q.shape[2], q.shape[1]), dtype=lse_dtype))
