@@ -6,8 +6,9 @@ on the threads torch is given (CI's machine: 2). Beside each: the same call on t
 own loops (``ops.attention.SDPA_CPU`` off), which these calls ran before torch's CPU flash
 attention took them; then a causal call with a sink (S = 2k), a bottom-right causal chunk
 of 512 rows on 4k keys and sliding windows of 128 and 1024 keys at S = 4k (SDPA has no form
-for these), against the loops; then decode steps on a 4k cache (GQA 32 / 8, D = 128), and
-packed varlen batches of equal sequences (batched runs against one call a sequence).
+for these), against the loops; then decode steps on a 4k cache (GQA 32 / 8, D = 128), a
+left-padded batch's decode step, and packed varlen batches of equal sequences (batched
+runs against one call a sequence).
 
     python benchmarks/bench_cpu.py [--threads 2] [--smoke] [--dtype fp32|bf16|fp16]
                                    [--native on|off]
@@ -67,6 +68,32 @@ def measure_decode(batch, sk, dtype):
         finally:
             attn_mod.SDPA_CPU = True
     return (*times, best_s(lambda: F.scaled_dot_product_attention(*plain, enable_gqa=True), 5))
+
+
+def measure_padded_decode(batch, sk, dtype):
+    """Seconds of a left-padded batch's decode step (generate's padding: sequence b's keys
+    start at a random slot of the first half): ``attention_with_kvcache(cache_leftpad=)`` in
+    one masked call, the same with one call a sequence (``sdpa_fwd_ranges`` declined), SDPA
+    with the padding as its mask."""
+    kv_mod = importlib.import_module("flashlse.ops.kvcache")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, 1, 32, 128, dtype=dtype)
+    k, v = (torch.randn(batch, sk, 8, 128, dtype=dtype) for _ in range(2))
+    starts = torch.randint(0, sk // 2, (batch,), generator=g, dtype=torch.int32)
+    seen = torch.arange(sk)[None] >= starts[:, None].long()
+    mask = torch.zeros(batch, 1, 1, sk, dtype=dtype).masked_fill_(~seen[:, None, None],
+                                                                   float("-inf"))
+    plain = [x.transpose(1, 2) for x in (q, k, v)]
+    call = lambda: fl.attention_with_kvcache(q, k, v, cache_leftpad=starts, causal=True)
+    one = best_s(call, 5)
+    ranges = kv_mod.sdpa_fwd_ranges
+    kv_mod.sdpa_fwd_ranges = lambda *a, **kw: None
+    try:
+        each = best_s(call, 5)
+    finally:
+        kv_mod.sdpa_fwd_ranges = ranges
+    return one, each, best_s(lambda: F.scaled_dot_product_attention(
+        *plain, attn_mask=mask, enable_gqa=True), 5)
 
 
 def measure_varlen(n, length, dtype):
@@ -157,6 +184,9 @@ def main():
         ours, loops, ref = measure_decode(batch, s, dtype)
         print(f"decode B={batch} Sk={s}: {ours * 1e3:.2f} ms (loops {loops * 1e3:.2f}, "
               f"{loops / ours:.1f}x; SDPA {ref * 1e3:.2f}, {ref / ours:.2f}x)")
+    one, each, ref = measure_padded_decode(8, s, dtype)
+    print(f"left-padded decode B=8 Sk={s}: {one * 1e3:.2f} ms (a call a sequence "
+          f"{each * 1e3:.2f}, {each / one:.1f}x; SDPA masked {ref * 1e3:.2f}, {ref / one:.2f}x)")
     # Packed varlen batches of equal sequences (attention_varlen): runs batched against one
     # call a sequence, SDPA's batched forward beside.
     for n, length in ((4, 16), (2, 64)) if args.smoke else ((256, 32), (64, 128), (16, 512)):

@@ -106,6 +106,32 @@ def test_leftpad_batch_one_masked_call(monkeypatch, b, sq, hq, hkv, d, smax, len
     assert [x is not None for x in taken] == [not empty and not kw.get("softcap")]
 
 
+def test_leftpad_batch_masked_call_bounds(monkeypatch):
+    # The masked call computes every row on every key: more query rows a sequence than
+    # SHORT_ROWS, a mask over TILE_ELEMS, or more than MASKED_WASTE_BYTES a sequence of keys
+    # outside the ranges (here 22 rows x 2 heads x 128 bytes = 5632 for 2 sequences) take a
+    # call a sequence (same results).
+    attn_mod = importlib.import_module("flashlse.ops.attention")
+    t, call = make(2, 20, 4, 2, 16, 48, [40, 25], [7, 0], 0, {"causal": True})
+    got = {}
+    for name, value in (("none", None), ("SHORT_ROWS", 19), ("SHORT_ROWS", 20),
+                        ("TILE_ELEMS", 2 * 20 * 40 - 1), ("TILE_ELEMS", 2 * 20 * 40),
+                        ("MASKED_WASTE_BYTES", 2815), ("MASKED_WASTE_BYTES", 2816)):
+        with monkeypatch.context() as m:
+            if value is not None:
+                m.setattr(attn_mod, name, value)
+            ranges = attn_mod.sdpa_fwd_ranges(t["q"], t["k_cache"], t["v_cache"], [7, 0],
+                                              [40, 25], left=None, right=0, softcap=0.0,
+                                              scale=0.25, sink=None)
+            declined = value in (19, 2 * 20 * 40 - 1, 2815)
+            assert (ranges is None) == declined, (name, value)
+            if declined:
+                got[name] = run(fl.attention_with_kvcache, t, call)
+    got["none"] = run(fl.attention_with_kvcache, t, call)
+    for name in ("SHORT_ROWS", "TILE_ELEMS"):
+        torch.testing.assert_close(got[name], got["none"])
+
+
 def test_leftpad_masks_exactly_the_rows_before_it():
     # The padded rows are never read: the same call with them NaN or inf gives the same bits
     # (a sequence a call: a NaN or inf in any slot keeps the CPU path off its one masked call

@@ -96,19 +96,24 @@ def test_sdpa_cpu_taken_matches_reference(routed, monkeypatch, b, sq, sk, hq, hk
     assert routed == {"fwd": 2 * n, "bwd": n}  # (the check runs the forward twice)
 
 
-NATIVE_CASES = ("decode_causal_sees_all", "causal_sq_lt_sk", "window_127_three_blocks",
-                "chunk_window_sink", "d48_dv32_causal", "causal_sink")
+# (case: whether its parts carry a window's mask, whose backwards run float32)
+NATIVE_CASES = {"decode_causal_sees_all": False, "causal_sq_lt_sk": False,
+                "window_127_three_blocks": True, "chunk_window_sink": True,
+                "d48_dv32_causal": False, "causal_sink": False}
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, kw, n",
-                         [c for c in TAKEN if c.id in NATIVE_CASES])
-def test_sdpa_cpu_compute_dtype(monkeypatch, b, sq, sk, hq, hkv, d, kw, n, dtype, native):
-    # bf16 / fp16 forwards (and bf16 backwards) run torch's kernel in the dtype where the CPU
-    # multiplies it natively (NATIVE_CPU_DTYPES, NATIVE_CPU_BWD; forced both ways here, fp16
-    # backwards too: emulated products are slow, not wrong), else in float32; both forms,
-    # merges and sums of several parts and a sink included, match the reference.
+@pytest.mark.parametrize("b, sq, sk, hq, hkv, d, kw, n, masked",
+                         [pytest.param(*c.values, NATIVE_CASES[c.id], id=c.id)
+                          for c in TAKEN if c.id in NATIVE_CASES])
+def test_sdpa_cpu_compute_dtype(monkeypatch, b, sq, sk, hq, hkv, d, kw, n, masked, dtype,
+                                native):
+    # bf16 / fp16 forwards (and bf16 backwards of unmasked parts) run torch's kernel in the
+    # dtype where the CPU multiplies it natively (NATIVE_CPU_DTYPES, NATIVE_CPU_BWD; forced
+    # both ways here, fp16 backwards too: emulated products are slow, not wrong), else in
+    # float32; both forms, merges and sums of several parts and a sink included, match the
+    # reference.
     seen = []
 
     def spy(op):
@@ -119,6 +124,7 @@ def test_sdpa_cpu_compute_dtype(monkeypatch, b, sq, sk, hq, hkv, d, kw, n, dtype
 
     monkeypatch.setattr(attn_mod, "NATIVE_CPU_DTYPES", frozenset({dtype} if native else ()))
     monkeypatch.setattr(attn_mod, "NATIVE_CPU_BWD", frozenset({dtype} if native else ()))
+    monkeypatch.setattr(attn_mod, "NATIVE_BWD_MIN", 0)  # (these shapes are below it)
     monkeypatch.setattr(attn_mod, "_SDPA_CPU_FWD", spy(attn_mod._SDPA_CPU_FWD))
     monkeypatch.setattr(attn_mod, "_SDPA_CPU_BWD", spy(attn_mod._SDPA_CPU_BWD))
     kw = dict(kw)
@@ -128,7 +134,27 @@ def test_sdpa_cpu_compute_dtype(monkeypatch, b, sq, sk, hq, hkv, d, kw, n, dtype
     sink = rand(hq) if kw.pop("sink", False) else None
     _check(q, k, v, kw, sink)
     run_dtype = dtype if native else torch.float32
-    assert seen == [run_dtype] * (3 * n)
+    bwd_dtype = torch.float32 if masked else run_dtype
+    assert seen == [run_dtype] * (2 * n) + [bwd_dtype] * n
+
+
+@pytest.mark.parametrize("s, d, native", [(128, 64, False), (256, 64, True), (64, 128, False),
+                                          (128, 128, True)])
+def test_sdpa_cpu_native_backward_lengths(monkeypatch, s, d, native):
+    # bf16 backwards in bf16 from NATIVE_BWD_MIN rows and keys x head width (D = 64: 256 rows;
+    # shorter ones ran 1.5-2.4x slower in bf16 than in float32).
+    seen = []
+    op = attn_mod._SDPA_CPU_BWD
+
+    def spy(*args, **kwargs):
+        seen.append(args[1].dtype)
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(attn_mod, "NATIVE_CPU_BWD", frozenset({torch.bfloat16}))
+    monkeypatch.setattr(attn_mod, "_SDPA_CPU_BWD", spy)
+    q, k, v = (rand(1, s, 2, d, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    fl.attention(q, k, v, causal=True).sum().backward()
+    assert seen == [torch.bfloat16 if native else torch.float32]
 
 
 def test_sdpa_cpu_finite_check():

@@ -216,12 +216,15 @@ def _native_cpu_dtypes() -> frozenset:
 # float32 as before.
 NATIVE_CPU_DTYPES = _native_cpu_dtypes()
 # Backwards in bf16 there too (P and dS rounded to bf16 before their products, as the GPU
-# kernels' backward rounds them): 1.3-1.4x faster than in float32 (0.93-0.99x SDPA's bf16
-# backward, where float32 ran at 0.67-0.73x); dK / dV errors 2.5-7x the float32 form's, within
-# the contract's tolerance (docs/design.md section 5; 40,000 fuzzed configurations). fp16
-# backwards stay float32: in fp16 they were 5-12% slower here (benchmarks/RESULTS.md,
-# 2026-12-08).
+# kernels' backward rounds them) on sequences of at least NATIVE_BWD_MIN / head width rows
+# and keys, without a window's mask: 1.1-1.8x faster than in float32 (at S = 2k-4k, D = 64:
+# 0.96-1.03x SDPA's bf16 backward, where float32 ran at 0.58-0.62x); dK / dV errors 2.5-7x
+# the float32 form's, within the contract's tolerance (docs/design.md section 5; 40,000
+# fuzzed configurations). Shorter sequences and masked parts ran 1.2-2.4x slower in bf16
+# (D = 64: S = 32 and 128, window 127), and fp16 backwards 5-12% slower in fp16 at every
+# length: float32 there (benchmarks/RESULTS.md, 2026-12-08).
 NATIVE_CPU_BWD = NATIVE_CPU_DTYPES & {torch.bfloat16}
+NATIVE_BWD_MIN = 1 << 14
 
 
 def _sdpa_fwd(q, k, v, parts, left, right, scale, sink, mask=None):
@@ -253,17 +256,36 @@ def _sdpa_fwd(q, k, v, parts, left, right, scale, sink, mask=None):
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
+# Query rows a sequence up to which sdpa_fwd_ranges runs a batch as one masked call: decode
+# steps and short chunks, where a call a sequence costs more host time than compute and the
+# masked keys of a causal block are few.
+SHORT_ROWS = 64
+# Bytes of keys and values outside the sequences' ranges (padding, the slots past a shorter
+# sequence) that the masked call may read for each call a sequence it saves. Measured on 2
+# CPU threads, bf16 decode steps of 8 sequences (benchmarks/RESULTS.md, 2026-12-08): the
+# masked call 1.1-4x faster up to 0.85 MB a sequence, 0.82-0.96x from 1.07 MB.
+MASKED_WASTE_BYTES = 1 << 20
+
+
 def sdpa_fwd_ranges(q, k, v, lo, hi, *, left, right, softcap, scale, sink):
     """``(out, lse)`` of a batch whose sequence b has the keys ``[lo[b], hi[b])`` of its row of
     ``k`` and ``v`` (Python ints; its rows bottom-right aligned on them, the window on top:
     as one dense call a sequence), by one call of torch's CPU flash attention with the
     ranges as a mask, on the keys up to the longest range's end; or None, for the caller's
-    call a sequence: not a call torch's kernel takes (as :func:`_sdpa_parts`), an empty row,
-    or a NaN or inf in q, the sink or those keys (a slot no row sees included)."""
+    call a sequence: not a call torch's kernel takes (as :func:`_sdpa_parts`), more than
+    SHORT_ROWS query rows a sequence or a mask over TILE_ELEMS elements (the masked call
+    computes every row on every key: a long causal chunk's masked half too), more than
+    MASKED_WASTE_BYTES a sequence of keys outside the ranges, an empty row, or a NaN or inf
+    in q, the sink or those keys (a slot no row sees included)."""
     b, sq = q.shape[:2]
     n = max(hi, default=0)
     if not (SDPA_CPU and q.device.type == "cpu" and not softcap and q.numel() > 0 and n > 0
-            and k.shape[-1] > 0 and v.shape[-1] > 0):
+            and k.shape[-1] > 0 and v.shape[-1] > 0 and sq <= SHORT_ROWS
+            and b * sq * n <= TILE_ELEMS):
+        return None
+    waste = (b * n - sum(max(0, h - lo_b) for lo_b, h in zip(lo, hi))) * k.shape[-2] * (
+        k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())
+    if waste > b * MASKED_WASTE_BYTES:
         return None
     k, v = k[:, :n], v[:, :n]
     lo_t, hi_t = (torch.tensor(x).view(b, 1, 1) for x in (lo, hi))
@@ -285,11 +307,14 @@ def _sdpa_bwd(dout, q, k, v, out, lse, parts, left, right, scale, sink):
     """:func:`attn_bwd_torch` without an lse gradient by torch's CPU flash backward on
     ``parts``: each part's P is ``exp(S - lse)`` with the call's final lse, and its delta
     ``rowsum(dout * out)`` with the final out, so the parts' gradients add up to the call's;
-    dsink as the loops compute it. In q's dtype where it is in ``NATIVE_CPU_BWD``, else in
-    the loops' compute dtype; several parts' gradients add up in the compute dtype."""
+    dsink as the loops compute it. In q's dtype where it is in ``NATIVE_CPU_BWD`` (no masked
+    part, rows and keys x head width at least NATIVE_BWD_MIN), else in the loops' compute
+    dtype; several parts' gradients add up in the compute dtype."""
     acc_dt = compute_dtype(q.dtype)
-    dt = q.dtype if q.dtype in NATIVE_CPU_BWD else acc_dt
     width = max(q.shape[-1], v.shape[-1])
+    native = (q.dtype in NATIVE_CPU_BWD and not any(p.masked for p in parts)
+              and min(q.shape[1], k.shape[1]) * width >= NATIVE_BWD_MIN)
+    dt = q.dtype if native else acc_dt
     doc, qc, kc, vc, oc = (_padded(x, width, dt) for x in (dout, q, k, v, out))
     sq, sk = q.shape[1], k.shape[1]
     if parts == (_Part(0, sq, 0, sk, parts[0].causal, parts[0].masked), ):  # (all of it)
