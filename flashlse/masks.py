@@ -51,7 +51,9 @@ def visible(
     left: int | None,
     right: int | None,
 ) -> torch.Tensor | None:
-    """Boolean mask ``[len(q_idx), len(k_idx)]``: True where the key is visible.
+    """Boolean mask ``[len(q_idx), len(k_idx)]``: True where the key is visible. ``sk`` may
+    be a tensor of key counts shaped ``(B, 1)`` (a batch of sequences, each aligned on its own
+    end): the mask is then ``[B, len(q_idx), len(k_idx)]``.
 
     Returns ``None`` when nothing is masked (no window), so callers skip the work.
     """
@@ -59,7 +61,8 @@ def visible(
         return None
     diag = (q_idx + (sk - sq)).unsqueeze(-1)
     k = k_idx.unsqueeze(0)
-    ok = torch.ones(diag.shape[0], k.shape[1], dtype=torch.bool, device=q_idx.device)
+    ok = torch.ones(torch.broadcast_shapes(diag.shape, k.shape), dtype=torch.bool,
+                    device=q_idx.device)
     if left is not None:
         ok &= k >= diag - left
     if right is not None:

@@ -132,6 +132,65 @@ def test_leftpad_batch_masked_call_bounds(monkeypatch):
         torch.testing.assert_close(got[name], got["none"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_leftpad_batch_lse_contract_and_nan(monkeypatch, dtype):
+    # The masked batch call's LSE contract on the CPU, against the float64 reference: a
+    # sequence with no key (its start at its end) gives out 0 and lse -inf, or the sink; a
+    # -inf sink is no sink; a NaN key reaches exactly the rows that see it and a NaN query
+    # exactly its row, never an empty-looking row. The batch without them takes the masked
+    # call, each of them a call a sequence (spied).
+    kv_mod = importlib.import_module("flashlse.ops.kvcache")
+    ranges, taken = kv_mod.sdpa_fwd_ranges, []
+
+    def spy(*args, **kwargs):
+        got = ranges(*args, **kwargs)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(kv_mod, "sdpa_fwd_ranges", spy)
+
+    def check(t, call, empty=()):
+        out, lse = run(fl.attention_with_kvcache, t, call)
+        want, want_lse = run(R.attention_with_kvcache, *f64(t, call))
+        for name, a, r in (("out", out, want), ("lse", lse, want_lse)):
+            for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf),
+                               ("-inf", torch.isneginf)):
+                assert torch.equal(test(a), test(r)), f"{name}: {what} pattern differs"
+        ok = ~torch.isnan(want_lse)
+        torch.testing.assert_close(lse[ok].double(), want_lse[ok], atol=2e-2, rtol=2e-2)
+        for b in empty:
+            assert (out[b] == 0).all()
+            sink = call.get("sink")
+            assert torch.equal(lse[b], torch.full_like(lse[b], float("-inf")) if sink is None
+                               else sink.float()[:, None].expand_as(lse[b]))
+        return out, lse
+
+    t, call = make(3, 2, 4, 2, 16, 40, [30, 12, 25], [5, 0, 3], 0, {"causal": True},
+                   dtype=dtype)
+    out, lse = check(t, call)
+    assert taken == [True]
+    # A sequence of no key, with and without a sink; a -inf sink is no sink.
+    t_empty = dict(t, cache_leftpad=torch.tensor([5, 12, 3], dtype=torch.int32))
+    check(t_empty, call, empty=(1, ))
+    sink = (torch.randn(4) * 2)
+    check(t_empty, dict(call, sink=sink), empty=(1, ))
+    ninf = sink.clone()
+    ninf[:] = float("-inf")
+    _, lse_ninf = check(t_empty, dict(call, sink=ninf), empty=(1, ))
+    _, lse_none = run(fl.attention_with_kvcache, t_empty, call)
+    assert torch.equal(lse_ninf, lse_none)
+    # A NaN key of sequence 1 (kv head 0: query heads 0 and 1, both rows see it) and a NaN
+    # query of sequence 2's row 0, head 3: exactly the reference's rows.
+    bad = {n: x.clone() for n, x in t.items()}
+    bad["k_cache"][1, 4, 0, 7] = float("nan")
+    bad["q"][2, 0, 3, 1] = float("nan")
+    out, lse = check(bad, call)
+    assert torch.isnan(lse[1, :2]).all() and not torch.isnan(lse[1, 2:]).any()
+    assert torch.isnan(lse[2, 3, 0]) and torch.isnan(lse[2]).sum() == 1
+    assert not torch.isnan(lse[0]).any()
+    assert taken == [True, False, False, False, False, False]
+
+
 def test_leftpad_masks_exactly_the_rows_before_it():
     # The padded rows are never read: the same call with them NaN or inf gives the same bits
     # (a sequence a call: a NaN or inf in any slot keeps the CPU path off its one masked call

@@ -370,11 +370,13 @@ def test_sdpa_cpu_nan_dout_takes_the_loops(routed):
         assert torch.isnan(a).any(-1).sum() < a.shape[1] * a.shape[2], f"{name}: all NaN"
 
 
-def test_sdpa_cpu_lse_contract_empty_rows_and_sinks(routed):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sdpa_cpu_lse_contract_empty_rows_and_sinks(routed, dtype):
     # Empty rows (causal, Sq > Sk) with a sink: out 0 and lse == the sink, against the
     # reference, on the loops; a -inf sink is no sink (and, not finite, takes the loops); a
-    # finite sink on rows that all see keys takes the route. No NaN in outputs or gradients.
-    q, k, v = rand(1, 13, 4, 16), rand(1, 9, 2, 16), rand(1, 9, 2, 16)
+    # finite sink on rows that all see keys takes the route (bf16: in bf16 where the CPU
+    # multiplies it natively). No NaN in outputs or gradients.
+    q, k, v = (rand(1, s, h, 16, dtype=dtype) for s, h in ((13, 4), (9, 2), (9, 2)))
     sink = rand(4)
     out, lse, _ = check_against_reference(fl.attention, R.attention,
                                           dict(q=q, k=k, v=v, sink=sink),
@@ -383,7 +385,7 @@ def test_sdpa_cpu_lse_contract_empty_rows_and_sinks(routed):
     assert routed == {"fwd": 0, "bwd": 0}
     sink_ninf = sink.clone()
     sink_ninf[1] = float("-inf")
-    q = rand(1, 9, 4, 16)
+    q = rand(1, 9, 4, 16, dtype=dtype)
     out, lse, _ = check_against_reference(fl.attention, R.attention,
                                           dict(q=q, k=k, v=v, sink=sink_ninf),
                                           dict(causal=True, return_lse=True), lse_grad=False)

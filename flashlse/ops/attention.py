@@ -288,15 +288,14 @@ def sdpa_fwd_ranges(q, k, v, lo, hi, *, left, right, softcap, scale, sink):
     if waste > b * MASKED_WASTE_BYTES:
         return None
     k, v = k[:, :n], v[:, :n]
-    lo_t, hi_t = (torch.tensor(x).view(b, 1, 1) for x in (lo, hi))
-    key = torch.arange(n).view(1, 1, n)
-    diag = torch.arange(sq).view(1, sq, 1) + hi_t - sq  # (each row's diagonal key)
-    ok = (key >= lo_t) & (key < hi_t)
-    if left is not None:
-        ok = ok & (key >= diag - left)
-    if right is not None:
-        ok = ok & (key <= diag + right)
-    ok = ok.expand(b, sq, n)
+    lo_t, hi_t = (torch.tensor(x).view(b, 1) for x in (lo, hi))
+    key = torch.arange(n)
+    # Sequence b's keys, and its window: aligned on its end, hi[b] keys (the keys before
+    # lo[b] are outside its range: the same diagonal as on its hi - lo keys).
+    ok = ((key >= lo_t) & (key < hi_t))[:, None].expand(b, sq, n)
+    window = masks.visible(torch.arange(sq), key, sq, hi_t, left, right)
+    if window is not None:
+        ok = ok & window
     if not bool(ok.any(-1).all()) or not all(_finite(t) for t in (q, k, v, sink)
                                              if t is not None):
         return None
